@@ -1,0 +1,238 @@
+"""The ``kvstream`` command.
+
+  kvstream bench   [tier dirs | --testbed PROFILE] ...   read-back throughput and gap to the bound, per policy
+  kvstream check   [--fix] [--tiers DIR ...]              verify every stored page (headers, checksums, orphans)
+  kvstream info    [--tiers DIR ...]                      effective configuration and the state of each tier
+  kvstream testbed up --profile P | down | status         throttled loop-device tiers for benchmarks (root)
+
+Tier directories come from ``--tiers`` or ``KVSTREAM_TIERS`` (the engine's configuration rules apply).
+Exit status: 0 success, 1 problems found (check) or a benchmark target failed to run, 2 usage/config error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _usage_errors() as exc:
+        print(f"kvstream {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    from .bench.testbed import TestbedError
+
+    errors: list[type[BaseException]] = [TestbedError]
+    try:
+        from .errors import KVStreamError
+
+        errors.append(KVStreamError)
+    except ImportError:  # pragma: no cover - errors.py is part of the package
+        pass
+    return tuple(errors)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvstream", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="{bench,check,info,testbed}")
+
+    from .bench import runner
+
+    b = sub.add_parser("bench", help="benchmark reads against the aggregate-bandwidth bound",
+                       description=runner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    runner.add_arguments(b)
+    b.set_defaults(func=runner.run_cli)
+
+    c = sub.add_parser("check", help="verify stored pages; --fix removes damaged copies and orphans")
+    c.add_argument("--tiers", nargs="+", metavar="DIR", help="tier directories (default: $KVSTREAM_TIERS)")
+    c.add_argument("--fix", action="store_true", help="repair: quarantine/remove damaged copies, clean leftovers")
+    c.add_argument("--json", action="store_true", help="print the problems as JSON")
+    c.set_defaults(func=_check)
+
+    i = sub.add_parser("info", help="effective configuration and tier status")
+    i.add_argument("--tiers", nargs="+", metavar="DIR", help="tier directories (default: $KVSTREAM_TIERS)")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_info)
+
+    t = sub.add_parser("testbed", help="throttled loop-device tiers for benchmarks (needs root)")
+    tsub = t.add_subparsers(dest="action", metavar="{up,down,status}", required=True)
+    tu = tsub.add_parser("up", help="build the testbed (or re-apply another profile) and record fio's figures")
+    tu.add_argument("--profile", default="testbed2-1:20",
+                    help="testbed2-1:20 | testbed1-1:20 | 'R0/W0,R1/W1' in MB/s (default: %(default)s)")
+    tu.add_argument("--size", default="16G", help="image size per tier, or comma list per tier (default %(default)s)")
+    tu.add_argument("--image-dir", default=None, help="where the sparse images live (default /var/lib/kvstream-testbed)")
+    tu.add_argument("--name", default=None, help="testbed name (default kvstream: mounts under /mnt/kvstream)")
+    tu.add_argument("--fio-bs", default="8M", help="fio request size: the page size (default %(default)s)")
+    tu.add_argument("--fio-runtime", type=float, default=5.0, help="seconds per fio measurement")
+    tu.add_argument("--no-fio", action="store_true", help="skip the fio measurements")
+    td = tsub.add_parser("down", help="unmount, detach, delete images and the cgroup (idempotent)")
+    td.add_argument("--name", default=None)
+    td.add_argument("--image-dir", default=None)
+    ts = tsub.add_parser("status", help="the testbed's tiers, live throttles and fio figures")
+    ts.add_argument("--name", default=None)
+    ts.add_argument("--json", action="store_true")
+    t.set_defaults(func=_testbed)
+    return p
+
+
+# ----------------------------------------------------------------------------------------- testbed
+def _testbed(args) -> int:
+    from .bench import testbed as tb
+
+    name = args.name or tb.DEFAULT_NAME
+    if args.action == "up":
+        profile = tb.parse_profile(args.profile)
+        sizes = [tb.parse_size(s) for s in args.size.split(",")]
+        if len(sizes) == 1:
+            sizes *= len(profile.tiers)
+        tb.up(profile, name=name, sizes=sizes, image_dir=args.image_dir or tb.IMAGE_DIR,
+              fio_bs=None if args.no_fio else tb.parse_size(args.fio_bs), fio_runtime_s=args.fio_runtime)
+        print("tier dirs: " + os.pathsep.join(tb.Testbed.load(name).dirs)
+              + "   (export KVSTREAM_TIERS=... or: kvstream bench --testbed " + args.profile + ")")
+        return 0
+    if args.action == "down":
+        tb.down(name, image_dir=args.image_dir or tb.IMAGE_DIR)
+        return 0
+    st = tb.status(name)
+    if args.json:
+        print(json.dumps(st, indent=1))
+        return 0 if st["up"] else 1
+    if not st["up"]:
+        print(f"testbed {name!r} is not up (kvstream testbed up --profile testbed2-1:20)")
+        return 1
+    print(f"testbed {name!r}: profile {st['profile']['name']}, blkio group {st['cgroup']}")
+    live = st.get("live_limits", {})
+    for i, t in enumerate(st["tiers"]):
+        r = live.get("read", {}).get(t["devnum"], 0) / 1e6
+        w = live.get("write", {}).get(t["devnum"], 0) / 1e6
+        print(f"  tier{i}: {t['mount']} on {t['device']} ({t['devnum']}), {t['size'] >> 30} GiB image {t['image']};"
+              f" throttle read {r:.0f} MB/s, write {w:.0f} MB/s")
+    f = st.get("fio") or {}
+    if f:
+        print(f"  fio (io_uring, O_DIRECT, bs {f['bs'] >> 10} KiB, iodepth {f['iodepth']}), MB/s:")
+        for kind in ("read", "write"):
+            print(f"    {kind:5s} " + ", ".join(f"{k} {v:.1f}" for k, v in f[kind].items()))
+    for p in st["problems"]:
+        print(f"  PROBLEM: {p}   (fix: kvstream testbed down && kvstream testbed up ...)")
+    return 1 if st["problems"] else 0
+
+
+# ------------------------------------------------------------------------------------ check / info
+def _config(tiers: Sequence[str] | None):
+    from .config import Config
+
+    return Config.from_sources({"tiers": list(tiers)} if tiers else None)
+
+
+def _check(args) -> int:
+    try:
+        from .integrity import check_tiers
+    except ImportError as exc:
+        print(f"kvstream check: the consistency check is not available in this build ({exc})", file=sys.stderr)
+        return 2
+    problems = check_tiers(_config(args.tiers), fix=args.fix)
+    if args.json:
+        print(json.dumps([_problem_dict(p) for p in problems], indent=1))
+    else:
+        for p in problems:
+            print(_problem_line(p))
+        verb = "found and repaired" if args.fix else "found"
+        print(f"{len(problems)} problem(s) {verb}" if problems else "no problems found")
+    return 1 if problems and not args.fix else 0
+
+
+def _problem_dict(p) -> dict:
+    if hasattr(p, "_asdict"):
+        return p._asdict()
+    if hasattr(p, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(p)
+    return {"problem": str(p)}
+
+
+def _problem_line(p) -> str:
+    d = _problem_dict(p)
+    if set(d) == {"problem"}:
+        return d["problem"]
+    return "  ".join(f"{k}={v}" for k, v in d.items())
+
+
+def _info(args) -> int:
+    cfg = _config(args.tiers)
+    doc = {"config": _plain(cfg), "tiers": [_tier_status(d) for d in _tier_dirs(cfg)]}
+    from .bench import testbed as tb
+
+    st = tb.status()
+    if st["up"]:
+        doc["testbed"] = {"profile": st["profile"]["name"], "dirs": [t["mount"] for t in st["tiers"]],
+                          "fio": st.get("fio"), "problems": st["problems"]}
+    if args.json:
+        print(json.dumps(doc, indent=1, default=str))
+        return 0
+    print("effective configuration (explicit > KVSTREAM_* environment > defaults):")
+    for k, v in doc["config"].items():
+        print(f"  {k:14s} {v}")
+    print("tiers:")
+    for i, t in enumerate(doc["tiers"]):
+        state = "ok" if t["ok"] else "PROBLEM: " + t["problem"]
+        print(f"  tier{i} {t['dir']}: {t.get('fstype', '?')} on {t.get('device', '?')}, "
+              f"{t.get('free_gib', 0):.1f} GiB free of {t.get('size_gib', 0):.1f}, {t.get('pages', 0)} page files; {state}")
+    if "testbed" in doc:
+        print(f"testbed: {doc['testbed']['profile']} at {', '.join(doc['testbed']['dirs'])}")
+    return 0
+
+
+def _plain(cfg) -> dict:
+    if hasattr(cfg, "__dataclass_fields__"):
+        from dataclasses import fields
+
+        return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    return dict(vars(cfg))
+
+
+def _tier_dirs(cfg) -> list[str]:
+    tiers = getattr(cfg, "tiers", ())
+    return [getattr(t, "path", t) for t in tiers]
+
+
+def _tier_status(path: str) -> dict:
+    out: dict = {"dir": path, "ok": False}
+    if not os.path.isdir(path):
+        out["problem"] = "missing (create it or fix KVSTREAM_TIERS)"
+        return out
+    if not os.access(path, os.W_OK | os.X_OK):
+        out["problem"] = "not writable by this user"
+        return out
+    usage = shutil.disk_usage(path)
+    out.update(size_gib=usage.total / (1 << 30), free_gib=usage.free / (1 << 30), fstype="?", device="?")
+    best = ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            real = os.path.realpath(path)
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, out["fstype"], out["device"] = mnt, fstype, dev
+    out["pages"] = sum(len(files) for _, _, files in os.walk(path))
+    out["ok"] = True
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""Settings: one frozen dataclass, precedence decided once in :meth:`Config.from_sources`.
+
+Every setting has an extra-config key (SGLang's ``--hicache-storage-backend-extra-config``, an
+LMCache config) and an environment variable ``KVSTREAM_<KEY upper case>``; the explicit key wins
+over the variable, which wins over the default. The table :data:`SETTINGS` is the single source of
+names, defaults and documentation (docs/design.md lists the same).
+
+Parsing is pure. :meth:`Config.probe_tiers` does the I/O checks (directory exists, writable,
+O_DIRECT works, two tiers on one file system) and runs once when an engine starts.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .errors import ConfigError, TierError
+from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR
+
+log = logging.getLogger("kvstream")
+
+ENV_PREFIX = "KVSTREAM_"
+FSYNC_MODES = ("never", "data", "full")
+IO_ENGINES = ("auto", "uring", "threads")
+FILE_MODES = ("private", "shared")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_CHUNK = 64 << 20  # largest routing block, bytes
+# Keys SGLang's `dynamic` backend loader puts in the extra config next to ours.
+LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
+
+# File and directory permissions by KVSTREAM_FILE_MODE: private to the user, or group-shared
+# (setgid directories keep the group of the tier on shared file systems).
+MODES = {"private": (0o600, 0o700), "shared": (0o660, 0o2770)}
+
+
+class Setting(NamedTuple):
+    default: Any
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {
+    "tiers": Setting(None, "tier directories, fastest first (env: separated by os.pathsep, like PATH)"),
+    "capacity": Setting("", "per-tier capacity, os.pathsep-separated in tier order (one value = every "
+                            "tier): '200G', '1.5TiB', '500MB', '50%' of the file system; empty = unlimited"),
+    "policy": Setting("kvstream", "read routing: 'kvstream[:m=N]', 'static-G' (share G to tier 0), 'tierK'"),
+    "claim": Setting(None, "m, blocks claimed at a time by a tier under the kvstream policy (router default)"),
+    "chunk": Setting(DEFAULT_BLOCK, "routing and checksum block, bytes (multiple of 4096, e.g. '1M')"),
+    "fsync": Setting("never", "'never' (data reaches the device via O_DIRECT, no flush), 'data' (fsync each "
+                              "page before its rename), 'full' (and fsync the directory after the rename)"),
+    "io_engine": Setting("auto", "'auto' (io_uring, else threads with one log line), 'uring', 'threads'"),
+    "file_mode": Setting("private", "'private' (files 0600, dirs 0700) or 'shared' (0660 / 2770, group)"),
+    "log_level": Setting(None, "level of the 'kvstream' logger (DEBUG, INFO, WARNING, ...); unset = inherit"),
+    "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
+                                  " (0 = wait forever)"),
+    "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
+}
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+# ----------------------------------------------------------------------------- value parsing
+_SIZE_RE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)
+_POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_bytes(text: str | int, what: str) -> int:
+    """'4096', '1M', '1MiB' (binary), '1MB' (decimal, as dd), '1.5T' -> bytes."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{what}: expected a size like '1M', got {text!r}")
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.fullmatch(str(text))
+        if not m:
+            raise ConfigError(f"{what}: cannot parse size {text!r}; use a number with an optional unit "
+                              "K, M, G, T, P (binary, also KiB...) or KB, MB, GB... (decimal), e.g. '200G'")
+        number, unit, binary, b = m.groups()
+        base = 1000 if (b and not binary and unit) else 1024
+        value = int(float(number) * base ** _POW[unit.lower()])
+    if value < 0:
+        raise ConfigError(f"{what}: size must be >= 0, got {text!r}")
+    return value
+
+
+class Capacity(NamedTuple):
+    """A tier's limit: ``nbytes`` or ``share`` of its file system, or neither (unlimited)."""
+
+    nbytes: int | None = None
+    share: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | int | float | None, what: str) -> "Capacity":
+        if text is None or (isinstance(text, str) and text.strip() in ("", "none", "unlimited")):
+            return cls()
+        if isinstance(text, str) and text.strip().endswith("%"):
+            try:
+                pct = float(text.strip()[:-1])
+            except ValueError:
+                raise ConfigError(f"{what}: cannot parse share {text!r}; use e.g. '50%'") from None
+            if not 0 < pct <= 100:
+                raise ConfigError(f"{what}: share must be in (0, 100]%, got {text!r}")
+            return cls(share=pct / 100)
+        if isinstance(text, float):
+            text = int(text)
+        return cls(nbytes=parse_bytes(text, what))
+
+    def resolve(self, path: str) -> int | None:
+        """Bytes allowed on the tier at ``path`` (a share is taken of the file system's size)."""
+        if self.share is None:
+            return self.nbytes
+        st = os.statvfs(path)
+        return int(st.f_blocks * st.f_frsize * self.share)
+
+    def __str__(self) -> str:
+        if self.share is not None:
+            return f"{self.share * 100:g}%"
+        return "unlimited" if self.nbytes is None else f"{self.nbytes / 2**30:.3g} GiB"
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    path: str
+    capacity: Capacity = Capacity()
+
+
+def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False) -> str:
+    text = str(value).strip()
+    text = text.upper() if upper else text.lower()
+    if text not in choices:
+        raise ConfigError(f"{what}: {value!r} is not one of {', '.join(choices)}")
+    return text
+
+
+def _number(value: Any, what: str, kind: Callable = float, minimum: float = 0) -> Any:
+    try:
+        out = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: expected a number, got {value!r}") from None
+    if out < minimum:
+        raise ConfigError(f"{what}: must be >= {minimum}, got {value!r}")
+    return out
+
+
+def _split(value: Any, what: str) -> list[str]:
+    if isinstance(value, str):
+        return value.split(os.pathsep)
+    if isinstance(value, (list, tuple)):
+        return [str(v) if v is not None else "" for v in value]
+    raise ConfigError(f"{what}: expected a list or an {os.pathsep!r}-separated string, got {value!r}")
+
+
+# -------------------------------------------------------------------------------------- Config
+@dataclass(frozen=True)
+class Config:
+    """Effective settings. Build with :meth:`from_sources` (or directly in tests)."""
+
+    tiers: tuple[TierConfig, ...]
+    policy: str = "kvstream"
+    claim: int | None = None
+    chunk: int = DEFAULT_BLOCK
+    fsync: str = "never"
+    io_engine: str = "auto"
+    file_mode: str = "private"
+    log_level: str | None = None
+    read_timeout: float = 30.0
+    tier_retry: float = 5.0
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_sources(cls, explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+                     *, ignore: frozenset[str] | set[str] = LOADER_KEYS) -> "Config":
+        """Decide every setting once: explicit key > ``KVSTREAM_*`` variable > default.
+
+        :param explicit: extra-config dict (keys as in :data:`SETTINGS`); None values count as unset.
+        :param environ: environment mapping (default ``os.environ``).
+        :param ignore: keys of the host's own loader to skip silently.
+        :raises ConfigError: unknown key, malformed value, no tiers; the message names the setting.
+        """
+        environ = os.environ if environ is None else environ
+        explicit = {k: v for k, v in (explicit or {}).items() if k not in ignore}
+        unknown = sorted(set(explicit) - set(SETTINGS))
+        if unknown:
+            raise ConfigError(f"unknown kvstream setting(s) {', '.join(map(repr, unknown))} in the extra config; "
+                              f"valid keys: {', '.join(SETTINGS)}")
+        raw: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for key, setting in SETTINGS.items():
+            if explicit.get(key) is not None:
+                raw[key], sources[key] = explicit[key], f"extra config '{key}'"
+            elif environ.get(env_name(key), "").strip():
+                raw[key], sources[key] = environ[env_name(key)], env_name(key)
+            else:
+                raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
+        return cls._parse(raw, sources)
+
+    @classmethod
+    def _parse(cls, raw: dict[str, Any], sources: dict[str, str]) -> "Config":
+        def what(key: str) -> str:
+            return f"{sources[key]} ({env_name(key)} / extra config '{key}')" if "default" in sources[key] \
+                else sources[key]
+
+        warnings: list[str] = []
+        paths: list[str] = []
+        if raw["tiers"] is not None:
+            seen: dict[str, str] = {}
+            for entry in _split(raw["tiers"], what("tiers")):
+                if not entry.strip():
+                    continue
+                path = os.path.abspath(os.path.expanduser(entry.strip()))
+                real = os.path.realpath(path)
+                if real in seen:
+                    warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
+                                    "the duplicate is ignored, it would add no bandwidth and no redundancy")
+                    continue
+                seen[real] = path
+                paths.append(path)
+        if not paths:
+            raise ConfigError(f"no tier directories: set {env_name('tiers')}=/fast/dir{os.pathsep}/slow/dir "
+                              "(fastest first) or the extra config key 'tiers' (a list)")
+        caps = _split(raw["capacity"], what("capacity")) if raw["capacity"] not in (None, "") else [""]
+        if len(caps) == 1:
+            caps = caps * len(paths)
+        if len(caps) != len(paths):
+            raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers; give one "
+                              f"value per tier in tier order (empty = unlimited) or a single value for all")
+        tiers = tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"))
+                      for p, c in zip(paths, caps))
+
+        chunk = parse_bytes(raw["chunk"], what("chunk"))
+        if chunk < ALIGN or chunk % ALIGN or chunk > MAX_CHUNK:
+            raise ConfigError(f"{what('chunk')}: {raw['chunk']!r} must be a multiple of {ALIGN} bytes between "
+                              f"4K and {MAX_CHUNK >> 20}M (O_DIRECT alignment), e.g. '1M'")
+        claim = None if raw["claim"] is None else _number(raw["claim"], what("claim"), int, 1)
+        policy = str(raw["policy"]).strip()
+        _check_policy(policy, claim, what("policy"))
+        log_level = None if raw["log_level"] is None else _choice(raw["log_level"], LOG_LEVELS,
+                                                                   what("log_level"), upper=True)
+        return cls(
+            tiers=tiers,
+            policy=policy,
+            claim=claim,
+            chunk=chunk,
+            fsync=_choice(raw["fsync"], FSYNC_MODES, what("fsync")),
+            io_engine=_choice(raw["io_engine"], IO_ENGINES, what("io_engine")),
+            file_mode=_choice(raw["file_mode"], FILE_MODES, what("file_mode")),
+            log_level=log_level,
+            read_timeout=_number(raw["read_timeout"], what("read_timeout")),
+            tier_retry=_number(raw["tier_retry"], what("tier_retry")),
+            warnings=tuple(warnings),
+            sources=dict(sources),
+        )
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def policy_spec(self) -> str:
+        """The router policy spec, with ``claim`` folded into a bare 'kvstream'."""
+        if self.claim is not None and self.policy == "kvstream":
+            return f"kvstream:m={self.claim}"
+        return self.policy
+
+    @property
+    def modes(self) -> tuple[int, int]:
+        """(file mode, directory mode) for KVSTREAM_FILE_MODE."""
+        return MODES[self.file_mode]
+
+    def summary(self) -> str:
+        tiers = ", ".join(f"{t.path} [{t.capacity}]" for t in self.tiers)
+        return (f"tiers: {tiers}; policy {self.policy_spec}; chunk {self.chunk >> 10} KiB; fsync {self.fsync}; "
+                f"io {self.io_engine}; files {self.file_mode}")
+
+    # -- I/O checks ---------------------------------------------------------------------------
+    def probe_tiers(self) -> list[str]:
+        """Check every tier: exists, is a directory, is writable, supports O_DIRECT. Creates
+        ``<tier>/kvstream/tmp``. Returns warnings (two tiers on one file system).
+
+        :raises TierError: naming the tier, the setting and the fix.
+        """
+        warnings = list(self.warnings)
+        devices: dict[int, str] = {}
+        for tier in self.tiers:
+            probe_tier(tier.path, self.modes[1], self.sources.get("tiers", env_name("tiers")))
+            dev = os.stat(tier.path).st_dev
+            if dev in devices:
+                warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "
+                                "replicas there add no bandwidth and fail together")
+            devices.setdefault(dev, tier.path)
+        for w in warnings:
+            log.warning("kvstream: %s", w)
+        return warnings
+
+
+def _check_policy(policy: str, claim: int | None, what: str) -> None:
+    try:
+        from .router import parse_policy
+    except ImportError:  # router not built yet: the engine re-parses and reports then
+        return
+    spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
+    try:
+        parse_policy(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{what}: {exc}; valid: 'kvstream', 'kvstream:m=4', 'static-0.75', 'tier0'") from None
+
+
+def probe_tier(path: str, dir_mode: int, source: str) -> None:
+    """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support."""
+    if not os.path.exists(path):
+        raise TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
+                        "or correct the tier list")
+    if not os.path.isdir(path):
+        raise TierError(f"tier {path} (from {source}) is not a directory: point the tier list at a directory")
+    tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
+    try:
+        for d in (os.path.join(path, ROOT_DIR), tmp):
+            if not os.path.isdir(d):
+                os.mkdir(d, dir_mode)
+                os.chmod(d, dir_mode)  # umask may have cleared group bits
+        probe_file = os.path.join(tmp, f"probe.{os.getpid()}.{id(probe_tier)}")
+        fd = os.open(probe_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise _no_direct(path, source) from None
+        raise TierError(f"tier {path} (from {source}) is not writable ({os.strerror(exc.errno)}): "
+                        "fix its permissions or mount, or choose another directory") from None
+    try:
+        with mmap.mmap(-1, ALIGN) as block:  # page-aligned anonymous memory: valid for O_DIRECT
+            os.pwrite(fd, block, 0)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise _no_direct(path, source) from None
+        raise TierError(f"tier {path} (from {source}): test write failed ({os.strerror(exc.errno)}): "
+                        "check free space, permissions and the mount") from None
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(probe_file)
+        except FileNotFoundError:
+            pass
+
+
+def _no_direct(path: str, source: str) -> TierError:
+    return TierError(f"tier {path} (from {source}): its file system does not support O_DIRECT (tmpfs on older "
+                     "kernels, some FUSE/overlay mounts): put the tier on a disk file system such as ext4 or xfs")

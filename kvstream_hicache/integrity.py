@@ -1,0 +1,335 @@
+"""Page header, checksums, start-up scan and the consistency check.
+
+Header (one 4096-byte block at file offset 0, little endian)::
+
+    off  size  field
+      0     8  magic            b"KVSTPAGE"
+      8     2  format version   1
+     10     2  flags            0 (reserved)
+     12     4  block            bytes per block (multiple of 4096)
+     16     8  length           payload bytes (before padding)
+     24     8  created_ns       write time (orders LRU at start-up)
+     32    16  namespace digest (the 32 hex characters as 16 bytes)
+     48     2  key length
+     64   200  key              ASCII, zero padded
+    256  4*n   block CRCs       crc32c of each block's payload bytes, n = ceil(length / block)
+   4092     4  header CRC       crc32c of bytes [0, 4092)
+
+A page is served only when its header CRC, magic, version, namespace digest and key match what
+the reader expects, and each block's crc32c matches the CRC the index holds for it.
+crc32c (Castagnoli) rather than xxh3: the ring module computes it with SSE4.2 and the GIL
+released, so verifying costs a fraction of the memcpy that follows (figures in docs/design.md).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from .layout import (
+    ALIGN, HEADER_SIZE, HOST, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TMP_DIR, TierLayout, block_span,
+    file_size, is_digest, is_valid_key, key_of_page_file, n_blocks, parse_tmp_name,
+)
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .layout import Namespace
+
+MAGIC = b"KVSTPAGE"
+VERSION = 1
+_FIXED = struct.Struct("<8sHHIQQ16sH")  # magic .. key length (50 bytes)
+_KEY_OFF = 64
+_CRC_OFF = 256
+_HCRC_OFF = HEADER_SIZE - 4
+TMP_STALE_S = 3600.0  # a temp file of another host older than this is a leftover, s
+
+assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
+
+try:  # SSE4.2, GIL released; the fallback only keeps pure-logic tests importable without the extension
+    from ._uring import crc32c
+except ImportError:  # pragma: no cover - the package does not install without the extension
+    def _table() -> list[int]:
+        table = []
+        for n in range(256):
+            c = n
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            table.append(c)
+        return table
+
+    _T = _table()
+
+    def crc32c(buf, crc: int = 0) -> int:  # type: ignore[misc]
+        """Pure-Python crc32c (slow): only used when the extension is not built."""
+        if isinstance(buf, tuple):
+            import ctypes
+
+            buf = (ctypes.c_char * buf[1]).from_address(buf[0])
+        c = crc ^ 0xFFFFFFFF
+        for b in memoryview(buf).cast("B"):
+            c = _T[(c ^ b) & 0xFF] ^ (c >> 8)
+        return c ^ 0xFFFFFFFF
+
+
+class HeaderError(ValueError):
+    """A page header that must not be trusted; ``str()`` says why."""
+
+
+class PageHeader(NamedTuple):
+    key: str
+    digest: str
+    length: int
+    block: int
+    crcs: tuple[int, ...]
+    created_ns: int = 0
+
+
+def pack_header(header: PageHeader, into) -> None:
+    """Write ``header`` into the first HEADER_SIZE bytes of the writable buffer ``into``."""
+    view = memoryview(into).cast("B")
+    try:
+        view[:HEADER_SIZE] = bytes(HEADER_SIZE)
+        key = header.key.encode("ascii")
+        _FIXED.pack_into(view, 0, MAGIC, VERSION, 0, header.block, header.length, header.created_ns,
+                         bytes.fromhex(header.digest), len(key))
+        view[_KEY_OFF:_KEY_OFF + len(key)] = key
+        struct.pack_into(f"<{len(header.crcs)}I", view, _CRC_OFF, *header.crcs)
+        struct.pack_into("<I", view, _HCRC_OFF, crc32c(view[:_HCRC_OFF]))
+    finally:
+        view.release()
+
+
+def unpack_header(data) -> PageHeader:
+    """Parse and validate a header; raise :class:`HeaderError` for anything inconsistent."""
+    view = memoryview(data).cast("B")
+    try:
+        if len(view) < HEADER_SIZE:
+            raise HeaderError(f"header truncated ({len(view)} of {HEADER_SIZE} bytes)")
+        (stored_crc,) = struct.unpack_from("<I", view, _HCRC_OFF)
+        if crc32c(view[:_HCRC_OFF]) != stored_crc:
+            raise HeaderError("header checksum mismatch")
+        magic, version, _flags, block, length, created, digest, key_len = _FIXED.unpack_from(view, 0)
+        if magic != MAGIC:
+            raise HeaderError("bad magic")
+        if version != VERSION:
+            raise HeaderError(f"unsupported format version {version}")
+        if block <= 0 or block % ALIGN or key_len > KEY_MAX:
+            raise HeaderError(f"bad geometry (block={block}, key length={key_len})")
+        count = n_blocks(length, block)
+        if count > MAX_BLOCKS:
+            raise HeaderError(f"too many blocks ({count})")
+        key = bytes(view[_KEY_OFF:_KEY_OFF + key_len]).decode("ascii", "replace")
+        if not is_valid_key(key):
+            raise HeaderError(f"invalid key {key!r}")
+        crcs = struct.unpack_from(f"<{count}I", view, _CRC_OFF)
+        return PageHeader(key, digest.hex(), length, block, crcs, created)
+    finally:
+        view.release()
+
+
+def block_crcs(segments: Sequence[tuple[int, int]], length: int, block: int) -> tuple[int, ...]:
+    """crc32c of each block of the payload formed by concatenating raw ``(address, nbytes)``
+    segments; a block may straddle segments (the CRC is chained across them)."""
+    crcs = []
+    seg = iter(segments)
+    address, left = 0, 0
+    for j in range(n_blocks(length, block)):
+        need = block_span(length, block, j).nbytes
+        crc = 0
+        while need:
+            if not left:
+                address, left = next(seg)
+                continue
+            n = min(need, left)
+            crc = crc32c((address, n), crc)
+            address, left, need = address + n, left - n, need - n
+        crcs.append(crc)
+    return tuple(crcs)
+
+
+# ------------------------------------------------------------------------------------ scanning
+class Problem(NamedTuple):
+    """One finding of :func:`check_tiers` / ``Engine.check``.
+
+    kind: 'damaged' (header unusable), 'corrupt' (a payload block fails its CRC), 'truncated',
+    'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
+    'stray' (a file no engine writes), 'index_missing' (valid on disk, not indexed),
+    'index_stale' (indexed, not on disk).
+    """
+
+    kind: str
+    tier: str
+    path: str
+    detail: str
+    fixed: bool = False
+
+
+class ScannedPage(NamedTuple):
+    path: str
+    header: PageHeader | None  # None: see problem
+    problem: Problem | None
+    file_bytes: int
+
+
+def read_header(path: str) -> tuple[PageHeader, int]:
+    """Read and validate the header of one page file; returns (header, file size).
+    :raises HeaderError: unusable header. :raises OSError: the file cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.pread(fd, HEADER_SIZE, 0)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return unpack_header(data), size
+
+
+def verify_payload(path: str, header: PageHeader) -> str | None:
+    """Read the whole payload (buffered) and check every block CRC; None when intact."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for j, want in enumerate(header.crcs):
+            span = block_span(header.length, header.block, j)
+            data = os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
+            if len(data) != span.nbytes:
+                return f"block {j} truncated"
+            if crc32c(data) != want:
+                return f"block {j} checksum mismatch"
+    finally:
+        os.close(fd)
+    return None
+
+
+def scan_pages(layout: TierLayout, digest: str, *, payload: bool = False) -> Iterator[ScannedPage]:
+    """Every page file of one namespace on one tier, validated against its place (and, with
+    ``payload=True``, its block CRCs). Files that vanish while scanning are skipped."""
+    try:
+        shards = sorted(os.listdir(layout.pages))
+    except FileNotFoundError:
+        return
+    for shard in shards:
+        shard_dir = os.path.join(layout.pages, shard)
+        try:
+            entries = list(os.scandir(shard_dir))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            yield _scan_one(layout, digest, shard, entry.name, entry.path, payload)
+
+
+def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool) -> ScannedPage:
+    def bad(kind: str, detail: str, size: int = 0) -> ScannedPage:
+        return ScannedPage(path, None, Problem(kind, layout.root, path, detail), size)
+
+    key = key_of_page_file(name)
+    if key is None or key[:2] != shard:
+        return bad("stray", "not a page file name")
+    try:
+        header, size = read_header(path)
+    except FileNotFoundError:
+        return bad("stray", "vanished during the scan")
+    except HeaderError as exc:
+        return bad("damaged", str(exc))
+    except OSError as exc:
+        return bad("damaged", f"unreadable: {os.strerror(exc.errno or errno.EIO)}")
+    if header.digest != digest or header.key != key:
+        return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size)
+    if size < file_size(header.length):
+        return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size)
+    if payload:
+        try:
+            why = verify_payload(path, header)
+        except OSError as exc:
+            why = f"unreadable: {os.strerror(exc.errno or errno.EIO)}"
+        if why:
+            return bad("corrupt", why, size)
+    return ScannedPage(path, header, None, size)
+
+
+# ------------------------------------------------------------------------------- temp leftovers
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def stale_tmp(tmp_dir: str, live_tokens: frozenset[str] | set[str] = frozenset(),
+              now: float | None = None) -> list[str]:
+    """Temporary files no live writer owns: this host's whose process is gone (or is this process
+    but not one of its live engines, ``live_tokens``), other hosts' older than TMP_STALE_S, and
+    names no engine writes. Never a file another live engine may still be writing."""
+    now = time.time() if now is None else now
+    me = os.getpid()
+    out = []
+    try:
+        entries = list(os.scandir(tmp_dir))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        owner = parse_tmp_name(entry.name)
+        if owner is None:
+            stale = True
+        elif owner.host == HOST:
+            stale = (owner.token not in live_tokens) if owner.pid == me else not _pid_alive(owner.pid)
+        else:
+            try:
+                stale = now - entry.stat().st_mtime > TMP_STALE_S
+            except FileNotFoundError:
+                continue
+        if stale:
+            out.append(entry.path)
+    return out
+
+
+# ------------------------------------------------------------------------------------ check
+def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *, fix: bool = False,
+                payload: bool = True, live_tokens: frozenset[str] | set[str] = frozenset()) -> list[Problem]:
+    """Walk the tiers of ``config`` without an engine: verify every page header (and, with
+    ``payload``, every block CRC), report orphan temp files and stray files.
+
+    :param namespace: check only this namespace (a Namespace or its digest); None = all.
+    :param fix: remove damaged/corrupt/truncated/misplaced/stray page files and temp leftovers
+        (``Problem.fixed`` tells which were removed).
+    :returns: the problems found, empty when the store is consistent.
+    """
+    digest = getattr(namespace, "digest", namespace)
+    problems: list[Problem] = []
+    for tier in config.tiers:
+        base = TierLayout(tier.path, "").base
+        for path in stale_tmp(os.path.join(base, TMP_DIR), live_tokens):
+            problems.append(_maybe_fix(Problem("orphan_tmp", tier.path, path, "temporary leftover"), fix))
+        digests = [digest] if digest else _digests(base)
+        for d in digests:
+            for page in scan_pages(TierLayout(tier.path, d), d, payload=payload):
+                if page.problem is not None and page.problem.detail != "vanished during the scan":
+                    problems.append(_maybe_fix(page.problem, fix))
+    return problems
+
+
+def _digests(base: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(base) if is_digest(n))
+    except FileNotFoundError:
+        return []
+
+
+def _maybe_fix(problem: Problem, fix: bool) -> Problem:
+    if not fix:
+        return problem
+    try:
+        os.unlink(problem.path)
+    except FileNotFoundError:  # removed concurrently: fixed all the same
+        pass
+    except OSError:
+        return problem
+    return problem._replace(fixed=True)
+
+
+def is_page_file(name: str) -> bool:
+    return name.endswith(PAGE_SUFFIX)

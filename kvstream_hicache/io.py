@@ -1,0 +1,487 @@
+"""I/O engines: the io_uring ``Ring``, its thread-pool fallback, and a fault-injecting wrapper.
+
+Every engine has the same batch interface (see ``kvstream_hicache._uring.Ring``)::
+
+    ring.submit([(OP_READ, fd, buf, offset, tag), ...]) -> int     # ops accepted
+    ring.reap(min_complete=1, timeout=None) -> [(tag, res), ...]   # res: bytes done, or -errno
+    ring.in_flight                                                 # submitted, not yet reaped
+    ring.close()                                                   # idempotent; drains first
+
+``buf`` is a buffer-protocol object (kept referenced until reaped) or an ``(address, length)``
+tuple of raw memory (the caller keeps it alive until reaped). Short transfers are completed
+internally; ``res`` is short only at end of file, or when an error followed partial progress
+(``read(2)`` semantics: the partial count is reported, the error would surface on the next op).
+
+``open_ring()`` picks the engine: io_uring when the kernel allows it, else the thread pool, with
+one log line saying why. ``KVSTREAM_IO_ENGINE=uring|threads|auto`` forces the choice.
+"""
+from __future__ import annotations
+
+import errno as _errno
+import logging
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable
+
+try:
+    from ._uring import ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Ring, copy, crc32c
+except ImportError:  # TEMPORARY stand-ins until the Cython extension lands (issue 2); removed then.
+    import ctypes as _ct
+    import mmap as _mmap
+
+    ALIGN = 4096  # O_DIRECT block, bytes
+    OP_READ, OP_WRITE = 0, 1
+
+    class AlignedBuffer:  # mmap'd memory is page-aligned, hence ALIGN-aligned
+        def __init__(self, nbytes: int, align: int = ALIGN):
+            if nbytes <= 0 or align > _mmap.PAGESIZE:
+                raise ValueError("stand-in AlignedBuffer: nbytes > 0 and align <= page size")
+            self._map = _mmap.mmap(-1, nbytes)
+            self.nbytes = nbytes
+            self.address = _ct.addressof(_ct.c_char.from_buffer(self._map))
+
+        def __buffer__(self, flags):  # 3.12+; on 3.11 use memoryview(buf.raw)
+            return memoryview(self._map)
+
+        @property
+        def raw(self):
+            return self._map
+
+        def close(self):
+            self._map.close()
+
+    def Ring(entries: int = 256):  # noqa: N802
+        raise OSError(_errno.ENOSYS, "kvstream _uring extension not built yet")
+
+    def copy(dst_address: int, src_address: int, n: int) -> None:
+        _ct.memmove(dst_address, src_address, n)
+
+    _CRC_TABLE = []
+    for _i in range(256):
+        _c = _i
+        for _ in range(8):
+            _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
+        _CRC_TABLE.append(_c)
+
+    def crc32c(buf, crc: int = 0) -> int:
+        data = _view_of(buf, OP_WRITE)
+        crc ^= 0xFFFFFFFF
+        for b in data:
+            crc = (crc >> 8) ^ _CRC_TABLE[(crc ^ b) & 0xFF]
+        return crc ^ 0xFFFFFFFF
+
+__all__ = [
+    "ALIGN", "OP_READ", "OP_WRITE", "AlignedBuffer", "Ring", "ThreadRing", "FaultyRing", "Fault",
+    "FaultPlan", "open_ring", "crc32c", "copy", "ENGINES",
+]
+
+log = logging.getLogger("kvstream")
+
+ENGINES = ("uring", "threads", "auto")
+ENV_ENGINE = "KVSTREAM_IO_ENGINE"
+DEFAULT_ENTRIES = 256  # submission-queue slots per ring; batches larger than this still work
+MAX_THREADS = 64  # ThreadRing workers cap: beyond this the GIL hand-offs cost more than the depth buys
+
+
+def open_ring(entries: int = DEFAULT_ENTRIES, engine: str | None = None):
+    """Open an I/O engine.
+
+    :param entries: submission-queue size (io_uring) or worker count bound (threads).
+    :param engine: 'uring', 'threads' or 'auto'; None reads $KVSTREAM_IO_ENGINE (default 'auto').
+    :returns: a ``Ring`` or a ``ThreadRing``.
+    :raises ValueError: unknown engine name.
+    :raises OSError: engine='uring' and the kernel refuses io_uring_setup.
+    """
+    choice = (engine if engine is not None else os.environ.get(ENV_ENGINE, "auto")).strip().lower() or "auto"
+    if choice not in ENGINES:
+        raise ValueError(f"unknown I/O engine {choice!r} (from {ENV_ENGINE} or engine=): choose one of {ENGINES}")
+    if choice == "threads":
+        return ThreadRing(entries)
+    if choice == "uring":
+        return Ring(entries)
+    try:
+        return Ring(entries)
+    except OSError as exc:
+        # Containers whose seccomp profile blocks io_uring (EPERM/ENOSYS), kernels without it, or
+        # io_uring_disabled=2 all end up here; the thread pool gives the same results, slower.
+        log.warning("kvstream: io_uring unavailable (%s); using the thread-pool I/O engine "
+                    "(set %s=threads to silence this, or =uring to make it an error)", exc, ENV_ENGINE)
+        return ThreadRing(entries)
+
+
+def _view_of(buf, opcode: int) -> memoryview:
+    """A flat byte view of ``buf`` (buffer object or (address, length) raw memory)."""
+    if isinstance(buf, tuple):
+        address, length = buf
+        if length < 0 or (address == 0 and length):
+            raise ValueError(f"bad raw buffer (address={address:#x}, length={length})")
+        if length == 0:
+            return memoryview(bytearray(0))
+        import ctypes  # local: only raw-address callers pay for it
+
+        return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+    view = memoryview(buf)
+    if not view.contiguous:
+        view.release()
+        raise BufferError("I/O buffers must be contiguous")
+    if opcode == OP_READ and view.readonly:
+        view.release()
+        raise BufferError("read into a read-only buffer")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class ThreadRing:
+    """The ring interface over a thread pool doing ``os.preadv``/``os.pwritev``.
+
+    For hosts where io_uring_setup is refused. Same semantics as ``Ring``: per-op ``-errno``,
+    short transfers completed, buffers referenced until reaped, ``close()`` drains. Not
+    thread-safe for concurrent submit/reap from several threads without a caller lock, except
+    that one thread may submit while another waits in ``reap`` (as with ``Ring``).
+    """
+
+    def __init__(self, entries: int = DEFAULT_ENTRIES, threads: int | None = None):
+        if entries < 1:
+            raise ValueError(f"entries must be >= 1, got {entries}")
+        self.entries = entries
+        self._pool = ThreadPoolExecutor(max_workers=threads or min(entries, MAX_THREADS),
+                                        thread_name_prefix="kvstream-io")
+        self._cond = threading.Condition()
+        self._done: deque[tuple[int, int]] = deque()  # completed, not yet reaped
+        self._views: dict[int, memoryview] = {}  # tag -> view pinning the caller's buffer until reaped
+        self._closed = False
+
+    # -- interface --------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._views)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, ops: Iterable[tuple]) -> int:
+        """Queue a batch; the whole batch is validated before any op starts."""
+        self._check_open()
+        batch = []
+        tags = set()
+        try:
+            for opcode, fd, buf, offset, tag in ops:
+                if opcode not in (OP_READ, OP_WRITE):
+                    raise ValueError(f"bad opcode {opcode!r}")
+                if tag in self._views or tag in tags:
+                    raise ValueError(f"tag {tag} is already in flight")
+                tags.add(tag)
+                batch.append((opcode, int(fd), _view_of(buf, opcode), int(offset), int(tag)))
+        except BaseException:
+            for _, _, view, _, _ in batch:
+                view.release()
+            raise
+        with self._cond:
+            for opcode, fd, view, offset, tag in batch:
+                self._views[tag] = view
+        for op in batch:
+            self._pool.submit(self._run, *op)
+        return len(batch)
+
+    def reap(self, min_complete: int = 1, timeout: float | None = None) -> list[tuple[int, int]]:
+        """Wait for >= min_complete completions (fewer on timeout); return all available."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            want = min(min_complete, len(self._views))
+            while len(self._done) < want:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            out = list(self._done)
+            self._done.clear()
+            for tag, _ in out:
+                self._views.pop(tag).release()
+        return out
+
+    def close(self) -> None:
+        """Idempotent. Waits for in-flight ops (they touch caller memory), then stops the pool."""
+        if self._closed:
+            return
+        self._pool.shutdown(wait=True)  # every queued op runs to completion first
+        with self._cond:
+            for view in self._views.values():
+                view.release()
+            self._views.clear()
+            self._done.clear()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            self.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("I/O engine is closed")
+
+    def _run(self, opcode: int, fd: int, view: memoryview, offset: int, tag: int) -> None:
+        res = _transfer(opcode, fd, view, offset)
+        with self._cond:
+            self._done.append((tag, res))
+            self._cond.notify_all()
+
+
+def _transfer(opcode: int, fd: int, view: memoryview, offset: int) -> int:
+    """One op to completion: bytes done (short only at EOF or error after progress), or -errno."""
+    total = len(view)
+    done = 0
+    io = os.preadv if opcode == OP_READ else os.pwritev
+    while done < total:
+        try:
+            n = io(fd, [view[done:]], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            return done if done else -(exc.errno or _errno.EIO)
+        if n == 0:  # EOF (or a zero-byte write, which would otherwise loop forever)
+            break
+        done += n
+    return done
+
+
+# -- fault injection ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    """What to do to one op. Build with the class methods."""
+
+    kind: str  # 'error' | 'hold' | 'delay' | 'corrupt'
+    errno: int = 0  # kind='error': the op completes with -errno and does no I/O
+    seconds: float = 0.0  # kind='delay': completion reported no earlier than this after submit
+    bit: int | None = None  # kind='corrupt': bit index into the transferred bytes; None = middle byte, bit 0
+
+    @classmethod
+    def error(cls, errno: int) -> "Fault":
+        return cls("error", errno=errno)
+
+    @classmethod
+    def hold(cls) -> "Fault":
+        return cls("hold")
+
+    @classmethod
+    def delay(cls, seconds: float) -> "Fault":
+        return cls("delay", seconds=seconds)
+
+    @classmethod
+    def corrupt(cls, bit: int | None = None) -> "Fault":
+        return cls("corrupt", bit=bit)
+
+
+class FaultPlan:
+    """Decides which ops fail and how; also the release switch for held completions.
+
+    Rules match in order; ``None`` fields match anything; ``times`` bounds how many ops a rule hits.
+    Subclasses may override ``decide`` (keep ``release``). Thread-safe.
+    """
+
+    def __init__(self):
+        self._rules: list[list] = []
+        self._lock = threading.Lock()
+        self.released = threading.Condition(self._lock)
+        self.generation = 0  # bumped by release(); holds taken before the bump are let go
+        self.hits: list[tuple[Fault, int, int, int, int]] = []  # (fault, opcode, fd, offset, length)
+
+    def add(self, fault: Fault, *, opcode: int | None = None, fd: int | None = None,
+            offset: int | None = None, times: int | None = None) -> "FaultPlan":
+        with self._lock:
+            self._rules.append([fault, opcode, fd, offset, times])
+        return self
+
+    def decide(self, opcode: int, fd: int, offset: int, length: int) -> Fault | None:
+        with self._lock:
+            for rule in self._rules:
+                fault, r_op, r_fd, r_off, times = rule
+                if times is not None and times <= 0:
+                    continue
+                if (r_op is None or r_op == opcode) and (r_fd is None or r_fd == fd) and (
+                        r_off is None or r_off == offset):
+                    if times is not None:
+                        rule[4] = times - 1
+                    self.hits.append((fault, opcode, fd, offset, length))
+                    return fault
+        return None
+
+    def release(self) -> None:
+        """Let every completion held so far through."""
+        with self._lock:
+            self.generation += 1
+            self.released.notify_all()
+
+
+_POLL_S = 0.005  # FaultyRing wait slice when held/delayed completions and real I/O are both pending, s
+
+
+class FaultyRing:
+    """Wraps an engine and applies ``plan.decide(opcode, fd, offset, length)`` to each op.
+
+    error: no I/O, completes with -errno. hold: the I/O happens, its completion is withheld until
+    ``plan.release()``. delay: completion withheld until ``seconds`` after submit. corrupt: after a
+    successful read one bit of the data read is flipped; on a write the bit is flipped for the
+    duration of the write (so the medium holds corrupt data) and restored on completion.
+    """
+
+    def __init__(self, inner, plan: FaultPlan):
+        self.inner = inner
+        self.plan = plan
+        self._ready: deque[tuple[int, int]] = deque()
+        self._withheld: list[tuple[int, int, Fault, float, int]] = []  # (tag, res, fault, due, generation)
+        self._faults: dict[int, tuple] = {}  # tag -> (fault, buf, due, generation, opcode)
+        self._errored: set[int] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return self.inner.in_flight + len(self._errored) + len(self._withheld)
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def submit(self, ops: Iterable[tuple]) -> int:
+        passed = []
+        errors = []
+        for op in ops:
+            opcode, fd, buf, offset, tag = op
+            length = _length(buf)
+            fault = self.plan.decide(opcode, fd, offset, length)
+            if fault is None:
+                passed.append(op)
+            elif fault.kind == "error":
+                errors.append((tag, -fault.errno))
+            else:
+                if fault.kind == "corrupt" and opcode == OP_WRITE and length:
+                    _flip(buf, fault.bit, length)
+                self._faults[tag] = (fault, buf, time.monotonic() + fault.seconds, self.plan.generation, opcode)
+                passed.append(op)
+        try:
+            n = self.inner.submit(passed) if passed else 0
+        except BaseException:  # nothing was submitted: undo this batch's write flips and records
+            for op in passed:
+                if op[4] in self._faults and self._faults[op[4]][0].kind == "corrupt" and op[0] == OP_WRITE:
+                    self._finish_corrupt(op[4], 0)
+                self._faults.pop(op[4], None)
+            raise
+        for tag, res in errors:
+            self._errored.add(tag)
+            self._ready.append((tag, res))
+        return n + len(errors)
+
+    def reap(self, min_complete: int = 1, timeout: float | None = None) -> list[tuple[int, int]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        want = min(min_complete, self.in_flight)
+        out: list[tuple[int, int]] = []
+        while True:
+            self._collect(out)
+            if len(out) >= want:
+                return out
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return out
+            if self.inner.in_flight:
+                # Real I/O pending: wait on it, but in slices when withheld ones may come due meanwhile.
+                slice_s = left if not self._withheld else min(_POLL_S, left if left is not None else _POLL_S)
+                self._absorb(self.inner.reap(1, slice_s))
+            else:
+                # Only withheld completions remain: wait for plan.release() or the earliest delay.
+                dues = [due for _, _, f, due, _ in self._withheld if f.kind == "delay"]
+                wait = min(dues) - time.monotonic() if dues else None
+                if left is not None:
+                    wait = left if wait is None else min(wait, left)
+                with self.plan.released:
+                    if not self._due_now():
+                        self.plan.released.wait(None if wait is None else max(wait, 0))
+
+    def close(self) -> None:
+        self.inner.close()  # drains: every write-corrupt flip below is safe to undo now
+        for tag in [t for t, (f, _, _, _, op) in self._faults.items() if f.kind == "corrupt" and op == OP_WRITE]:
+            self._finish_corrupt(tag, 0)
+        self._withheld.clear()
+        self._ready.clear()
+        self._errored.clear()
+        self._faults.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _absorb(self, completions) -> None:
+        for tag, res in completions:
+            entry = self._faults.get(tag)
+            if entry is None:
+                self._ready.append((tag, res))
+            elif entry[0].kind == "corrupt":
+                self._finish_corrupt(tag, res)
+                self._ready.append((tag, res))
+            else:
+                fault, _, due, gen, _ = entry
+                self._withheld.append((tag, res, fault, due, gen))
+
+    def _is_due(self, fault: Fault, due: float, gen: int, now: float) -> bool:
+        return (fault.kind == "hold" and self.plan.generation > gen) or (fault.kind == "delay" and now >= due)
+
+    def _due_now(self) -> bool:
+        now = time.monotonic()
+        return any(self._is_due(f, due, gen, now) for _, _, f, due, gen in self._withheld)
+
+    def _collect(self, out: list) -> None:
+        if self.inner.in_flight:
+            self._absorb(self.inner.reap(0, 0))
+        now = time.monotonic()
+        keep = []
+        for item in self._withheld:
+            tag, res, fault, due, gen = item
+            if self._is_due(fault, due, gen, now):
+                self._faults.pop(tag, None)
+                self._ready.append((tag, res))
+            else:
+                keep.append(item)
+        self._withheld = keep
+        while self._ready:
+            tag, res = self._ready.popleft()
+            self._errored.discard(tag)
+            out.append((tag, res))
+
+    def _finish_corrupt(self, tag: int, res: int) -> None:
+        """A read's data gets its bit flipped (if any arrived); a write's buffer gets restored."""
+        fault, buf, _, _, opcode = self._faults.pop(tag)
+        if opcode == OP_WRITE:
+            _flip(buf, fault.bit, _length(buf))
+        elif res > 0:
+            _flip(buf, fault.bit, res)
+
+
+def _length(buf) -> int:
+    if isinstance(buf, tuple):
+        return buf[1]
+    with memoryview(buf) as view:
+        return view.nbytes
+
+
+def _flip(buf, bit: int | None, length: int) -> None:
+    view = _view_of(buf, OP_READ)
+    try:
+        index = (length // 2) * 8 if bit is None else bit % (length * 8)
+        view[index // 8] ^= 1 << (index % 8)
+    finally:
+        view.release()

@@ -1,0 +1,632 @@
+"""Completion-driven routing of one batch's reads over replicated tiers (the paper's M4).
+
+The router is pure: no I/O, no threads, no clock. The engine (or the simulator, or a test) feeds it
+completions and submits the claims it returns, so the same object gives the same claim sequence on
+every adapter path (SGLang today, LMCache/vLLM later).
+
+Items are the batch's routing units, ``0 .. n-1`` in batch order. ``holders[i]`` is a bitmask of the
+tiers that hold item ``i``. Lifecycle of one batch::
+
+    route = policy.start(n_tiers, holders)
+    submit(route.start())                         # initial claims of every tier
+    while not route.done:
+        tier, item, ok = wait_any()
+        submit(route.complete(tier, item, ok))    # the next claims, possibly none
+    route.found                                   # per item: read from some tier
+    route.in_flight                               # reads still outstanding (duplicates, stalls):
+                                                  # their buffers stay engine-owned until reaped
+
+Rules shared by every policy
+----------------------------
+* An item is only claimed by a tier that holds it and has not failed it.
+* ``complete(tier, item, ok=False)`` means that tier lacks or failed the item: the item goes back to
+  the pool for its other holders (claimed before any fresh item), or is reported missing when no
+  holder remains and no other read of it is in flight.
+* The first successful completion of an item wins; a later duplicate completion is ignored.
+* A tier keeps at most ``depth`` items in flight and claims ``m`` at a time whenever it has room for
+  ``m`` (a last claim may be shorter).
+
+Completion-driven meet-in-the-middle (``CompletionDriven``, name ``"kvstream"``)
+-------------------------------------------------------------------------------
+* Tier 0 claims unread items from the front of the batch, the last tier from the back; a tier that
+  completes a read immediately claims the next ``m`` unread items from its end, so a faster (or
+  momentarily less contended) tier advances further and the tiers finish together (Eq. 4).
+* **N > 2 tiers.** A middle tier seats its cursor at the midpoint of the largest run of unread items
+  it can read (ties: the earliest run) and claims forward from there; when its next item is no longer
+  unread (it ran into another tier's claims) it re-seats the same way. Tier 0 and the last tier scan
+  to the far end of the batch, so together they reach every item; middle tiers split the largest
+  remaining gap, so every tier has work until the pool is empty. With two tiers this reduces to
+  the paper's rule.
+* **The tail.** When a tier with room for ``m`` finds nothing unread it can read, it steals up to
+  ``m`` items that are in flight on another tier, oldest claim first, each item read by at most two
+  tiers at once. Near the meeting point this re-reads at most ``2m`` items (the paper's overlap);
+  when a tier stalls it lets the healthy tier finish the whole batch. Stealing is triggered only by
+  a completion (never in ``start()``), so a healthy batch does not start with duplicates.
+
+Static policies (``StaticSplit``, ``SingleTier``) assign every item to one tier up front and never
+steal; an item the assigned tier does not hold, or fails, falls back to another holder.
+
+Rejected alternative: measuring tier bandwidths and splitting by prediction. It needs monitoring,
+lags every change of the bandwidth mix and pays Eq. 6's penalty whenever the prediction is off;
+completion order adapts with no state at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "Claim",
+    "BatchRoute",
+    "Policy",
+    "CompletionDriven",
+    "StaticSplit",
+    "SingleTier",
+    "parse_policy",
+    "all_tiers",
+    "SimResult",
+    "simulate",
+]
+
+# Item states.
+_UNREAD = 0   # claimable by its usable holders
+_READING = 1  # in flight on at least one tier
+_FOUND = 2    # resolved: delivered by a tier
+_MISSING = 3  # resolved: no holder could deliver it
+
+DEFAULT_CLAIM = 2  # items per claim (m); a claim of 2 pages keeps the meet-in-the-middle overlap small
+
+
+class Claim(NamedTuple):
+    """One claim: ``tier`` reads ``items`` (in this order); ``steal`` marks a tail re-read of items
+    already in flight on another tier."""
+
+    tier: int
+    items: tuple[int, ...]
+    steal: bool
+
+
+def all_tiers(n_items: int, n_tiers: int) -> list[int]:
+    """Holders mask list for a batch whose every item is on every tier (full replication, M3)."""
+    return [(1 << n_tiers) - 1] * n_items
+
+
+class BatchRoute:
+    """Routing state of one batch. Built by ``Policy.start``; see the module docstring."""
+
+    steals = False  # whether idle tiers re-read items in flight elsewhere
+
+    def __init__(self, n_tiers: int, holders: Sequence[int], m: int, depth: int):
+        if n_tiers < 1:
+            raise ValueError(f"n_tiers must be >= 1, got {n_tiers}")
+        if m < 1 or depth < m:
+            raise ValueError(f"need 1 <= m <= depth, got m={m}, depth={depth}")
+        self.n_tiers = n_tiers
+        self.n = n = len(holders)
+        self.m = m
+        self.depth = depth
+        full = (1 << n_tiers) - 1
+        self._holders = [int(h) & full for h in holders]
+        # _can[k][i] == 1 while tier k holds item i and has not failed it (bytearray: numpy views it).
+        self._can = [bytearray(1 if (h >> k) & 1 else 0 for h in self._holders) for k in range(n_tiers)]
+        self._state = bytearray(n)  # all _UNREAD
+        self._readers = [0] * n  # bitmask of tiers with a read of the item in flight
+        self._flight: list[dict[int, int]] = [{} for _ in range(n_tiers)]  # item -> claim seq, in claim order
+        self._returned: deque[int] = deque()  # items given back by a failed read, claimed first
+        self._seq = 0
+        self._started = False
+        self.claims_log: list[Claim] = []
+        self.found = [False] * n
+        self.reads = [0] * n_tiers  # first arrivals per tier
+        self.duplicates = 0  # successful completions of items already delivered
+        self.failures = 0  # ok=False completions
+        self.retries = 0  # items handed to another replica after a failure
+        self._unresolved = n
+        for i, h in enumerate(self._holders):
+            if h == 0:
+                self._resolve(i, False)
+
+    # -- public -----------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """Every item is resolved (found, or missing on every holder)."""
+        return self._unresolved == 0
+
+    @property
+    def in_flight(self) -> int:
+        """Reads issued and not yet completed, over all tiers (includes duplicates after ``done``)."""
+        return sum(len(f) for f in self._flight)
+
+    def tier_in_flight(self, tier: int) -> tuple[int, ...]:
+        """Items in flight on ``tier``, oldest claim first."""
+        return tuple(self._flight[tier])
+
+    def start(self) -> list[Claim]:
+        """Initial claims: tiers claim round-robin (tier 0, 1, ..., then again) until full or dry."""
+        if self._started:
+            raise RuntimeError("BatchRoute.start() called twice")
+        self._started = True
+        out: list[Claim] = []
+        progress = True
+        while progress:
+            progress = False
+            for tier in range(self.n_tiers):
+                if self._room(tier) >= self.m:
+                    claim = self._claim_fresh(tier)
+                    if claim is not None:
+                        out.append(claim)
+                        progress = True
+        return out
+
+    def complete(self, tier: int, item: int, ok: bool = True) -> list[Claim]:
+        """Record the completion of ``tier``'s read of ``item``; return the claims it triggers.
+
+        ``ok=False``: the tier lacks the item or the read failed (or was corrupt). The item goes back
+        to its other holders, or is reported missing when none remains.
+        Raises ValueError when that read is not in flight (a caller bug).
+        """
+        flight = self._flight[tier]
+        if item not in flight:
+            raise ValueError(f"item {item} is not in flight on tier {tier}")
+        del flight[item]
+        bit = 1 << tier
+        self._readers[item] &= ~bit
+        state = self._state[item]
+        if state >= _FOUND:
+            if ok:
+                self.duplicates += 1  # first arrival already won; this copy is identical
+        elif ok:
+            self.reads[tier] += 1
+            self._resolve(item, True)
+        else:
+            self.failures += 1
+            self._can[tier][item] = 0
+            if self._readers[item]:
+                pass  # another replica's read is still in flight: wait for it
+            elif any(self._can[k][item] for k in range(self.n_tiers)):
+                self._state[item] = _UNREAD
+                self._returned.append(item)
+                self.retries += 1
+            else:
+                self._resolve(item, False)
+        order = [tier] + [k for k in range(self.n_tiers) if k != tier]
+        return self._fill(order)
+
+    # -- policy hook ------------------------------------------------------------------------------
+    def _take(self, tier: int, k: int) -> list[int]:  # pragma: no cover - abstract
+        """Up to ``k`` fresh unread items for ``tier`` (policy-specific order)."""
+        raise NotImplementedError
+
+    # -- machinery --------------------------------------------------------------------------------
+    def _claimable(self, tier: int, item: int) -> bool:
+        return self._state[item] == _UNREAD and self._can[tier][item] == 1
+
+    def _room(self, tier: int) -> int:
+        return self.depth - len(self._flight[tier])
+
+    def _resolve(self, item: int, found: bool) -> None:
+        self._state[item] = _FOUND if found else _MISSING
+        self.found[item] = found
+        self._unresolved -= 1
+
+    def _take_returned(self, tier: int, k: int) -> list[int]:
+        out: list[int] = []
+        if not self._returned:
+            return out
+        keep: deque[int] = deque()
+        while self._returned:
+            item = self._returned.popleft()
+            if self._state[item] != _UNREAD:
+                continue  # stale entry: claimed since it was given back
+            if len(out) < k and self._can[tier][item]:
+                out.append(item)
+                self._state[item] = _READING  # taken: no second pick before _record
+            else:
+                keep.append(item)
+        self._returned = keep
+        return out
+
+    def _claim_fresh(self, tier: int) -> Claim | None:
+        items = self._take_returned(tier, self.m)
+        if len(items) < self.m:
+            items += self._take(tier, self.m - len(items))
+        return self._record(tier, items, False) if items else None
+
+    def _steal(self, tier: int, k: int) -> list[int]:
+        bit = 1 << tier
+        can = self._can[tier]
+        cands = []
+        for other in range(self.n_tiers):
+            if other == tier:
+                continue
+            for pos, (item, seq) in enumerate(self._flight[other].items()):
+                r = self._readers[item]
+                if (self._state[item] == _READING and can[item] and not (r & bit) and r & (r - 1) == 0):
+                    cands.append((seq, pos, item))
+        cands.sort()
+        return [item for _, _, item in cands[:k]]
+
+    def _record(self, tier: int, items: list[int], steal: bool) -> Claim:
+        seq = self._seq
+        self._seq += 1
+        flight = self._flight[tier]
+        bit = 1 << tier
+        for item in items:
+            flight[item] = seq
+            self._readers[item] |= bit
+            self._state[item] = _READING
+        claim = Claim(tier, tuple(items), steal)
+        self.claims_log.append(claim)
+        return claim
+
+    def _fill(self, order: Sequence[int]) -> list[Claim]:
+        out: list[Claim] = []
+        if self.done:
+            return out  # batch resolved: no new reads; stragglers just drain
+        for tier in order:
+            while self._room(tier) >= self.m:
+                claim = self._claim_fresh(tier)
+                if claim is None and self.steals:
+                    items = self._steal(tier, self.m)
+                    claim = self._record(tier, items, True) if items else None
+                if claim is None:
+                    break
+                out.append(claim)
+        return out
+
+
+class _MeetInTheMiddle(BatchRoute):
+    steals = True
+
+    def __init__(self, n_tiers: int, holders: Sequence[int], m: int, depth: int):
+        super().__init__(n_tiers, holders, m, depth)
+        last = n_tiers - 1
+        # Cursor per tier: tier 0 at the front, the last tier at the back, middle tiers unseated (-1).
+        self._pos = [0] + [-1] * max(0, n_tiers - 2) + ([self.n - 1] if n_tiers > 1 else [])
+        self._step = [1] + [1] * max(0, n_tiers - 2) + ([-1] if n_tiers > 1 else [])
+        self._edge = [k == 0 or k == last for k in range(n_tiers)]
+
+    def _take(self, tier: int, k: int) -> list[int]:
+        out: list[int] = []
+        pos, step, n = self._pos[tier], self._step[tier], self.n
+        if self._edge[tier]:
+            while len(out) < k and 0 <= pos < n:
+                if self._claimable(tier, pos):
+                    out.append(pos)
+                    self._state[pos] = _READING  # taken: no second pick before _record
+                pos += step
+        else:
+            while len(out) < k:
+                if 0 <= pos < n and self._claimable(tier, pos):
+                    out.append(pos)
+                    self._state[pos] = _READING  # taken: the re-seat below must not pick it again
+                    pos += 1
+                    continue
+                pos = self._reseat(tier)
+                if pos < 0:
+                    break
+        self._pos[tier] = pos
+        return out
+
+    def _reseat(self, tier: int) -> int:
+        """Midpoint of the largest run of items ``tier`` can claim (earliest on ties), or -1."""
+        mask = (np.frombuffer(self._state, dtype=np.uint8) == _UNREAD) & (
+            np.frombuffer(self._can[tier], dtype=np.uint8) == 1
+        )
+        if not mask.any():
+            return -1
+        edges = np.diff(np.concatenate(([0], mask.astype(np.int8), [0])))
+        starts = np.flatnonzero(edges == 1)
+        ends = np.flatnonzero(edges == -1)
+        best = int(np.argmax(ends - starts))
+        return int(starts[best] + (ends[best] - starts[best]) // 2)
+
+
+class _Assigned(BatchRoute):
+    """Static assignment: each tier reads its own list, front to back; no stealing."""
+
+    def __init__(self, n_tiers: int, holders: Sequence[int], m: int, depth: int, shares: Sequence[float]):
+        super().__init__(n_tiers, holders, m, depth)
+        n = self.n
+        bounds = [0]
+        acc = 0.0
+        for s in shares:
+            acc += s
+            bounds.append(min(n, round(acc * n)))
+        bounds[-1] = n
+        self._queues: list[deque[int]] = [deque() for _ in range(n_tiers)]
+        for tier in range(n_tiers):
+            for i in range(bounds[tier], bounds[tier + 1]):
+                if self._state[i] != _UNREAD:
+                    continue  # no holder at all: already missing
+                # Not held by the assigned tier: the next holder in tier order takes it.
+                owner = next(t % n_tiers for t in range(tier, tier + n_tiers) if self._can[t % n_tiers][i])
+                self._queues[owner].append(i)
+        self.assigned = [len(q) for q in self._queues]
+
+    def _take(self, tier: int, k: int) -> list[int]:
+        q = self._queues[tier]
+        out: list[int] = []
+        while q and len(out) < k:
+            item = q.popleft()
+            if self._claimable(tier, item):
+                out.append(item)
+                self._state[item] = _READING  # taken: no second pick before _record
+        return out
+
+
+class Policy:
+    """A routing policy: data (name, parameters) plus ``start`` that builds one batch's route."""
+
+    name: str = "policy"
+
+    def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:  # pragma: no cover
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+@dataclass(frozen=True)
+class CompletionDriven(Policy):
+    """Completion-driven meet-in-the-middle (M4): ``m`` items per claim, ``depth`` in flight per tier
+    (default ``2*m``)."""
+
+    m: int = DEFAULT_CLAIM
+    depth: int | None = None
+
+    def __post_init__(self):
+        if self.m < 1 or (self.depth is not None and self.depth < self.m):
+            raise ValueError(f"kvstream policy needs 1 <= m <= depth, got m={self.m}, depth={self.depth}")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "kvstream"
+
+    def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:
+        return _MeetInTheMiddle(n_tiers, holders, self.m, self.depth or 2 * self.m)
+
+
+@dataclass(frozen=True)
+class StaticSplit(Policy):
+    """Fixed shares by position: the first ``round(g*n)`` items to tier 0, the rest to tier 1.
+
+    ``g`` may also be a sequence of per-tier shares (N > 2); a float with N > 2 tiers gives tier 0
+    the share ``g`` and splits the rest equally.
+    """
+
+    g: float | tuple[float, ...] = 0.5
+    m: int = DEFAULT_CLAIM
+    depth: int | None = None
+
+    def __post_init__(self):
+        shares = self.g if isinstance(self.g, tuple) else (self.g,)
+        if any(s < 0 for s in shares) or (not isinstance(self.g, tuple) and self.g > 1):
+            raise ValueError(f"static split share(s) must be in [0, 1], got {self.g}")
+        if isinstance(self.g, tuple) and sum(self.g) <= 0:
+            raise ValueError(f"static split shares must not all be zero, got {self.g}")
+        if self.m < 1 or (self.depth is not None and self.depth < self.m):
+            raise ValueError(f"static policy needs 1 <= m <= depth, got m={self.m}, depth={self.depth}")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        if isinstance(self.g, tuple):
+            return "static-" + "/".join(f"{s:g}" for s in self.g)
+        return f"static-{self.g:g}"
+
+    def shares(self, n_tiers: int) -> list[float]:
+        if isinstance(self.g, tuple):
+            if len(self.g) != n_tiers:
+                raise ValueError(f"{self.name}: {len(self.g)} shares for {n_tiers} tiers")
+            total = sum(self.g)
+            return [s / total for s in self.g]
+        if n_tiers == 1:
+            return [1.0]
+        rest = (1.0 - self.g) / (n_tiers - 1)
+        return [self.g] + [rest] * (n_tiers - 1)
+
+    def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:
+        return _Assigned(n_tiers, holders, self.m, self.depth or 2 * self.m, self.shares(n_tiers))
+
+
+@dataclass(frozen=True)
+class SingleTier(Policy):
+    """Every item from one tier; items it lacks or fails fall back to another holder."""
+
+    tier: int = 0
+    m: int = DEFAULT_CLAIM
+    depth: int | None = None
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"tier{self.tier}"
+
+    def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:
+        if not 0 <= self.tier < n_tiers:
+            raise ValueError(f"{self.name}: no tier {self.tier} among {n_tiers} tiers")
+        shares = [1.0 if k == self.tier else 0.0 for k in range(n_tiers)]
+        return _Assigned(n_tiers, holders, self.m, self.depth or 2 * self.m, shares)
+
+
+_SPEC = re.compile(r"^(?P<kind>kvstream|static-(?P<g>[0-9.]+(?:/[0-9.]+)*)|tier(?P<tier>\d+))(?::(?P<opts>.*))?$")
+
+
+def parse_policy(spec: str) -> Policy:
+    """Policy from its name: ``"kvstream"``, ``"kvstream:m=4,depth=8"``, ``"static-0.75"``,
+    ``"static-0.5/0.3/0.2"`` (N tiers), ``"tier0"``; every form accepts ``:m=..,depth=..``.
+
+    Raises ValueError naming the accepted forms.
+    """
+    match = _SPEC.match(spec.strip().lower())
+    if not match:
+        raise ValueError(
+            f"unknown routing policy {spec!r}: use 'kvstream[:m=M,depth=D]', 'static-G' (0 <= G <= 1) or 'tierK'"
+        )
+    opts: dict[str, int] = {}
+    if match["opts"]:
+        for part in match["opts"].split(","):
+            key, _, value = part.partition("=")
+            if key.strip() not in ("m", "depth") or not value.strip().isdigit():
+                raise ValueError(f"bad option {part!r} in policy {spec!r}: options are m=<int>, depth=<int>")
+            opts[key.strip()] = int(value)
+    if match["g"] is not None:
+        parts = [float(x) for x in match["g"].split("/")]
+        return StaticSplit(parts[0] if len(parts) == 1 else tuple(parts), **opts)
+    if match["tier"] is not None:
+        return SingleTier(int(match["tier"]), **opts)
+    return CompletionDriven(**opts)
+
+
+# -- discrete-event simulation ---------------------------------------------------------------------
+
+Speed = Union[float, Callable[[float], float]]
+
+
+@dataclass
+class SimResult:
+    """Outcome of ``simulate``. Times in seconds, volumes in bytes."""
+
+    finish: float  # time the last item was resolved (inf when the batch could not finish)
+    done: bool
+    found: list[bool]
+    reads: list[int]  # items delivered first by each tier (the achieved split)
+    issued: list[int]  # reads issued per tier, duplicates and failures included
+    bytes_read: list[float]  # bytes each tier transferred up to ``finish``
+    duplicates: int  # reads of items another tier delivered first (completed or still in flight)
+    retries: int  # items handed to another replica after a failed read
+    claims: list[Claim]
+    bound: float | None  # D / sum(b_k) for constant speeds (Eq. 3), else None
+
+    @property
+    def share(self) -> list[float]:
+        total = sum(self.reads)
+        return [r / total if total else 0.0 for r in self.reads]
+
+    @property
+    def gap(self) -> float | None:
+        """finish / bound - 1 (constant speeds only)."""
+        return None if self.bound in (None, 0) else self.finish / self.bound - 1.0
+
+
+def simulate(
+    policy: Policy,
+    n_items: int,
+    speeds: Sequence[Speed],
+    holders: Sequence[int] | None = None,
+    item_bytes: float | Sequence[float] = 1,
+    latency: float | Sequence[float] = 0,
+    *,
+    fail: Callable[[int, int], bool] | None = None,
+    max_dt: float | None = None,
+    until: float = math.inf,
+    max_events: int | None = None,
+) -> SimResult:
+    """Discrete-event simulation of one batch read through ``policy``.
+
+    Tier model: **processor sharing**. A tier's bandwidth ``speeds[k]`` (bytes/s, a constant or a
+    callable of time) is shared equally by the reads it has in flight, after a fixed per-request
+    ``latency`` (s, time to first byte, which uses no bandwidth). This matches an NVMe SSD or a
+    striped PFS at queue depth: internal parallelism serves the outstanding requests together and a
+    request's latency grows with the queue (Little's law); FIFO would give the same throughput but
+    lets a duplicate read never slow the tier's own reads, which flatters stealing.
+
+    ``fail(tier, item) -> True`` makes that read complete with ``ok=False``. Callable speeds are
+    re-sampled at every event and at least every ``max_dt`` (default: one item time at the fastest
+    initial speed), i.e. treated as piecewise constant. Stops when the batch is resolved, at
+    ``until``, or when no tier can progress (every read stalled): then ``done`` is False and
+    ``finish`` is inf.
+    """
+    n_tiers = len(speeds)
+    if holders is None:
+        holders = all_tiers(n_items, n_tiers)
+    if len(holders) != n_items:
+        raise ValueError(f"holders has {len(holders)} entries for {n_items} items")
+    sizes = [float(item_bytes)] * n_items if np.isscalar(item_bytes) else [float(s) for s in item_bytes]
+    lat = [float(latency)] * n_tiers if np.isscalar(latency) else [float(x) for x in latency]
+    varying = any(callable(s) for s in speeds)
+    rate_of = [s if callable(s) else (lambda t, v=float(s): v) for s in speeds]
+    if varying and max_dt is None:
+        fastest = max((f(0.0) for f in rate_of), default=0.0)
+        mean = sum(sizes) / n_items if n_items else 1.0
+        max_dt = mean / fastest if fastest > 0 else 1e-3
+    if max_events is None:
+        max_events = 1_000_000 + 100 * n_items * n_tiers
+    tol = 1e-9 * max(sizes, default=1.0)
+
+    route = policy.start(n_tiers, holders)
+    active: list[dict[int, float]] = [{} for _ in range(n_tiers)]  # item -> bytes left
+    pending: list[tuple[float, int, int, int]] = []  # (ready time, seq, tier, item) in latency
+    issued = [0] * n_tiers
+    bytes_read = [0.0] * n_tiers
+    counter = 0
+
+    def issue(claims: list[Claim], now: float) -> None:
+        nonlocal counter
+        for claim in claims:
+            for item in claim.items:
+                issued[claim.tier] += 1
+                if lat[claim.tier] > 0:
+                    heapq.heappush(pending, (now + lat[claim.tier], counter, claim.tier, item))
+                    counter += 1
+                else:
+                    active[claim.tier][item] = sizes[item]
+
+    t = 0.0
+    issue(route.start(), t)
+    events = 0
+    while not route.done and events < max_events:
+        events += 1
+        rates = [max(0.0, f(t)) for f in rate_of]
+        dt = math.inf
+        for k in range(n_tiers):
+            if active[k] and rates[k] > 0:
+                dt = min(dt, min(active[k].values()) * len(active[k]) / rates[k])
+        if pending:
+            dt = min(dt, pending[0][0] - t)
+        if varying:
+            dt = min(dt, max_dt)
+        if dt == math.inf or t + dt > until:
+            break
+        dt = max(dt, 0.0)
+        for k in range(n_tiers):
+            if active[k] and rates[k] > 0:
+                per = rates[k] * dt / len(active[k])
+                for item in active[k]:
+                    active[k][item] -= per
+                bytes_read[k] += rates[k] * dt
+        t += dt
+        while pending and pending[0][0] <= t:
+            _, _, k, item = heapq.heappop(pending)
+            active[k][item] = sizes[item]
+        finished = [(k, item) for k in range(n_tiers) for item, left in active[k].items() if left <= tol]
+        for k, item in finished:
+            del active[k][item]
+            ok = not (fail is not None and fail(k, item))
+            issue(route.complete(k, item, ok), t)
+
+    done = route.done
+    in_flight = [item for k in range(n_tiers) for item in active[k]] + [p[3] for p in pending]
+    stragglers = sum(1 for item in in_flight if route.found[item])  # duplicates not yet reaped
+    bound = None
+    if not varying and n_items:
+        total_rate = sum(float(s) for s in speeds)
+        bound = sum(sizes) / total_rate if total_rate > 0 else math.inf
+    return SimResult(
+        finish=t if done else math.inf,
+        done=done,
+        found=list(route.found),
+        reads=list(route.reads),
+        issued=issued,
+        bytes_read=bytes_read,
+        duplicates=route.duplicates + stragglers,
+        retries=route.retries,
+        claims=list(route.claims_log),
+        bound=bound,
+    )

@@ -1,0 +1,239 @@
+"""One tier at run time: its directory tree, its health, and the file operations around the ring.
+
+Health lifecycle::
+
+    healthy --(EIO, EROFS, EACCES, EPERM, ESTALE, ... or its directory vanished)--> failed
+    failed  --(after the back-off: a probe writes, reads and removes a 4 KiB file)--> healthy
+             (the back-off doubles after each failed probe, from Config.tier_retry up to 300 s)
+
+A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
+"gone" when ``<tier>/kvstream`` no longer exists on the device it was on at start: an unmounted
+file system leaves the empty mount point behind, and writing there would fill the parent file
+system, so the probe never re-creates ``<tier>/kvstream`` itself.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import mmap
+import os
+import secrets
+import threading
+from collections.abc import Callable
+
+from .layout import ALIGN, ROOT_DIR, TierLayout, tmp_name
+
+log = logging.getLogger("kvstream")
+
+# errnos that say the tier (not one page) is unusable
+TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENODEV, errno.ENXIO,
+                         errno.ESTALE, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF})
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
+MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
+
+READ_FLAGS = os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC
+TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC
+
+
+class Tier:
+    """Tier ``k`` of an engine: paths for one namespace, health state, file helpers.
+
+    :param k: position (0 = fastest).
+    :param root: the configured directory.
+    :param digest: namespace digest (names the page directory).
+    :param capacity: byte limit or None.
+    :param modes: (file mode, directory mode).
+    :param fsync: 'never' | 'data' | 'full'.
+    :param retry_s: first back-off after a failure, s.
+    :param clock: monotonic clock (injectable for tests).
+    """
+
+    def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
+                 fsync: str, retry_s: float, token: str, clock: Callable[[], float]):
+        self.k = k
+        self.layout = TierLayout(root, digest)
+        self.root = root
+        self.capacity = capacity
+        self.file_mode, self.dir_mode = modes
+        self.shared = self.file_mode != 0o600
+        self.fsync = fsync
+        self.retry_s = retry_s
+        self.token = token
+        self.clock = clock
+        self.healthy = True
+        self.last_error = ""
+        self.failures = 0  # state changes to failed
+        self._backoff = retry_s
+        self._next_probe = 0.0
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._dirs: set[str] = set()  # page directories known to exist
+        self.dev = os.stat(self.layout.base).st_dev
+        self._mkdir(self.layout.tmp)
+        self._mkdir(self.layout.pages)
+
+    # -- health ---------------------------------------------------------------------------------
+    def usable(self) -> bool:
+        """Healthy, or failed and due for a probe that now succeeds (then healthy again)."""
+        if self.healthy:
+            return True
+        with self._lock:
+            if self.healthy or self.clock() < self._next_probe:
+                return self.healthy
+            ok, why = self._probe()
+            if ok:
+                self.healthy = True
+                self._backoff = self.retry_s
+                log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
+                self.on_rejoin(self)
+            else:
+                self._backoff = min(self._backoff * 2, MAX_RETRY_S)
+                self._next_probe = self.clock() + self._backoff
+                self.last_error = why
+            return self.healthy
+
+    def on_rejoin(self, tier: "Tier") -> None:
+        """Hook set by the engine (reconcile the index with what survived on the tier)."""
+
+    def fail(self, err: int, what: str) -> bool:
+        """Account an OS error of this tier; mark it failed when ``err`` says the tier (not one
+        page) is unusable, or its directory vanished. Returns True when the tier is now failed."""
+        if err not in TIER_ERRNOS and not (err == errno.ENOENT and self.gone()):
+            return False
+        with self._lock:
+            self.last_error = f"{what}: {os.strerror(err)}"
+            if self.healthy:
+                self.healthy = False
+                self.failures += 1
+                self._backoff = self.retry_s
+                self._next_probe = self.clock() + self._backoff
+                self._dirs.clear()
+                log.warning("kvstream: tier %d (%s) failed (%s); skipping it, next probe in %.0f s",
+                            self.k, self.root, self.last_error, self._backoff)
+        return True
+
+    def gone(self) -> bool:
+        """``<tier>/kvstream`` is missing, or is now on another device (file system unmounted)."""
+        try:
+            return os.stat(self.layout.base).st_dev != self.dev
+        except OSError:
+            return True
+
+    def _probe(self) -> tuple[bool, str]:
+        if self.gone():
+            return False, f"{self.layout.base} is missing or on another file system"
+        path = os.path.join(self.layout.tmp, f"probe.{os.getpid()}.{self.token}")
+        try:
+            self._dirs.clear()
+            self._mkdir(self.layout.tmp)
+            self._mkdir(self.layout.pages)
+            with mmap.mmap(-1, ALIGN) as block:
+                block[:8] = b"kvsprobe"
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.pwrite(fd, block, 0)
+                    block[:8] = bytes(8)
+                    os.preadv(fd, [block], 0)
+                finally:
+                    os.close(fd)
+                    os.unlink(path)
+                if block[:8] != b"kvsprobe":
+                    return False, "probe read back different bytes"
+        except OSError as exc:
+            return False, f"probe: {os.strerror(exc.errno or errno.EIO)}"
+        return True, ""
+
+    # -- files ----------------------------------------------------------------------------------
+    def open_page(self, key: str) -> int:
+        """O_DIRECT read descriptor of ``key``'s page. :raises OSError: e.g. ENOENT."""
+        return os.open(self.layout.page_path(key), READ_FLAGS)
+
+    def create_tmp(self) -> tuple[int, str]:
+        """A new private temporary file for one page: (fd, path). :raises OSError:"""
+        path = os.path.join(self.layout.tmp, tmp_name(os.path.basename(self.layout.pages), os.getpid(),
+                                                      self.token, next(self._seq)))
+        try:
+            fd = os.open(path, TMP_FLAGS, self.file_mode)
+        except FileNotFoundError:
+            self._dirs.discard(self.layout.tmp)
+            self._mkdir(self.layout.tmp)  # removed under us (clear, operator): re-create once
+            fd = os.open(path, TMP_FLAGS, self.file_mode)
+        if self.shared:
+            os.fchmod(fd, self.file_mode)  # the umask may have cleared the group bits
+        return fd, path
+
+    def commit(self, fd: int, tmp_path: str, key: str) -> str:
+        """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
+        Closes ``fd``. Returns the page directory (fsynced by the caller under fsync=full).
+        :raises OSError: the temporary file is left for :meth:`discard`."""
+        try:
+            if self.fsync != "never":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        page_dir = self.layout.page_dir(key)
+        final = os.path.join(page_dir, key + ".kvp")
+        if page_dir not in self._dirs:
+            self._mkdir(page_dir)
+        try:
+            os.rename(tmp_path, final)
+        except FileNotFoundError:
+            self._dirs.discard(page_dir)  # the shard directory went away (clear): re-create once
+            self._mkdir(page_dir)
+            os.rename(tmp_path, final)
+        return page_dir
+
+    def discard(self, fd: int | None, tmp_path: str) -> None:
+        if fd is not None:
+            os.close(fd)
+        try:
+            os.unlink(tmp_path)
+        except OSError:  # the tier failed or the tmp directory is gone: start-up cleaning removes leftovers
+            pass
+
+    def unlink_page(self, key: str) -> None:
+        try:
+            os.unlink(self.layout.page_path(key))
+        except FileNotFoundError:  # removed concurrently (another rank, an operator): already gone
+            pass
+        except OSError as exc:
+            self.fail(exc.errno or errno.EIO, f"remove page {key}")
+
+    def sync_dirs(self, dirs: set[str]) -> None:
+        """fsync=full: make renames durable (the page directories and the tmp directory)."""
+        for d in (*dirs, self.layout.tmp):
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _mkdir(self, path: str) -> None:
+        """Create ``path`` (and missing parents below ``<tier>/kvstream``) with the tier's mode."""
+        if path in self._dirs:
+            return
+        if not path.startswith(self.layout.base) or self.gone():
+            raise FileNotFoundError(errno.ENOENT, f"{self.layout.base} is missing", self.layout.base)
+        parent = os.path.dirname(path)
+        if parent != self.layout.base and not os.path.isdir(parent):
+            self._mkdir(parent)
+        try:
+            os.mkdir(path, self.dir_mode)
+            if self.shared:
+                os.chmod(path, self.dir_mode)
+        except FileExistsError:
+            pass
+        self._dirs.add(path)
+
+    def __repr__(self) -> str:
+        return f"Tier({self.k}, {self.root!r}, {'healthy' if self.healthy else 'failed'})"
+
+
+def new_token() -> str:
+    """Per-engine token in temporary names (tells engines of one process apart)."""
+    return secrets.token_hex(4)
+
+
+def base_dir(root: str) -> str:
+    return os.path.join(root, ROOT_DIR)

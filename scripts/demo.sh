@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job on an embedded default: the real SGLang HiCache controller on the CPU, two tiers
+# (throttled loop-device tiers when run as root, plain temporary directories otherwise), an agentic
+# workload, kvstream against sglang's own file backend. Extra arguments go to the demo
+# (e.g. --tiers /mnt/nvme/kv:/mnt/pfs/kv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-env.sh
+exec .venv/bin/python -m kvstream_hicache.demo "$@"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Build the development/test environment from scratch on Debian/Ubuntu:
+#   system packages (as root): liburing-dev, pkg-config, a C compiler, fio
+#   .venv with CPU torch 2.13.0, the real sglang 0.5.23 (--no-deps) and the few
+#   packages its import chain needs, then this package in editable mode.
+# Idempotent: a second run only re-checks. Downloads are cached in ~/.cache/pip,
+# never in the repository.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVSTREAM_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  need=()
+  for p in liburing-dev pkg-config gcc g++ fio python3-venv python3-dev; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+  done
+  if [ ${#need[@]} -gt 0 ]; then
+    echo "[setup] apt-get install ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+elif ! pkg-config --exists liburing 2>/dev/null; then
+  echo "[setup] liburing headers missing: run as root or install liburing-dev (Debian/Ubuntu) / liburing-devel (Fedora/RHEL)" >&2
+  exit 1
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip"
+CONSTRAINTS=scripts/constraints.txt   # keeps a CUDA torch from ever being pulled in
+stamp="$VENV/.kvstream-deps-$(sha1sum scripts/setup-env.sh "$CONSTRAINTS" | sha1sum | cut -c1-12)"
+if [ ! -e "$stamp" ]; then
+  echo "[setup] installing Python packages into $VENV (torch CPU, sglang 0.5.23, test tools)"
+  "$PIP" install -q --upgrade pip setuptools wheel
+  "$PIP" install -q -c "$CONSTRAINTS" torch==2.13.0
+  "$PIP" install -q --no-deps sglang==0.5.23
+  "$PIP" install -q -c "$CONSTRAINTS" numpy orjson psutil pybase64 requests packaging pillow starlette \
+    msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 dill apache-tvm-ffi==0.1.11 \
+    sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf prometheus_client \
+    cython pytest pytest-benchmark pytest-timeout hypothesis matplotlib
+  touch "$stamp"
+fi
+echo "[setup] building kvstream_hicache (Cython io_uring extension)"
+"$PIP" install -q --no-build-isolation --no-deps -e . >/dev/null
+echo "[setup] ready: $VENV"

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Build the LMCache test environment: a SEPARATE venv (.venv-lmcache) with lmcache 0.5.6 on CPU torch,
+# kept apart from .venv because lmcache pins numpy<=2.2.6 and prometheus_client<=0.24.1, which sglang's
+# environment does not.
+#
+#   lmcache is installed --no-deps, then only what its storage layer, the MP storage manager, the L2
+#   adapters and `lmcache server` import on a CPU host (the wheel's full dependency list drags in
+#   cupy-cuda13x and cuda-python: ~1.9 GB for nothing on CPU). numba is required: without it lmcache
+#   runs in "CLI-only mode" and lmcache.device_ops is missing.
+#   scripts/constraints-lmcache.txt pins torch==2.13.0+cpu so nothing can pull a CUDA torch.
+#   kvstream_hicache is then installed editable (--no-build-isolation --no-deps) into the same venv.
+#
+# Idempotent: a second run only re-checks the stamp and rebuilds the extension. Needs liburing-dev and
+# pkg-config (installed with apt-get when run as root, as in CI). Usage: bash scripts/setup-lmcache-env.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${KVSTREAM_LMCACHE_VENV:-.venv-lmcache}
+PY=${PYTHON:-python3}
+CONSTRAINTS=scripts/constraints-lmcache.txt
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  need=()
+  for p in liburing-dev pkg-config gcc python3-venv python3-dev; do
+    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
+  done
+  if [ ${#need[@]} -gt 0 ]; then
+    echo "[setup-lmcache] apt-get install ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+elif ! pkg-config --exists liburing 2>/dev/null; then
+  echo "[setup-lmcache] liburing headers missing: run as root or install liburing-dev (Debian/Ubuntu)" >&2
+  exit 1
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+stamp="$VENV/.kvstream-lmcache-deps-$(sha1sum scripts/setup-lmcache-env.sh "$CONSTRAINTS" | sha1sum | cut -c1-12)"
+if [ ! -e "$stamp" ]; then
+  echo "[setup-lmcache] installing lmcache 0.5.6 + CPU torch into $VENV"
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" --upgrade pip "setuptools>=77" wheel
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" torch==2.13.0
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps lmcache==0.5.6
+  # What lmcache 0.5.6 imports on CPU for: the storage managers, L2 adapters, `lmcache server`.
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" numba numpy pyyaml requests cachetools sortedcontainers \
+    prometheus_client py-cpuinfo psutil aiohttp aiofile aiofiles msgspec pyzmq transformers cryptography \
+    opentelemetry-api opentelemetry-sdk fastapi uvicorn httptools safetensors blake3 \
+    cython pytest pytest-timeout
+  "$VENV/bin/python" - <<'PY'
+import torch
+assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got in; check {__file__}"
+PY
+  touch "$stamp"
+fi
+echo "[setup-lmcache] building kvstream_hicache (editable) into $VENV"
+"${PIP[@]}" install -q --no-build-isolation --no-deps -e . >/dev/null
+"$VENV/bin/python" -c "import lmcache.v1.distributed.l2_adapters.base, lmcache.lmcache_native, torch; \
+print('[setup-lmcache] ready:', '$VENV', 'lmcache', __import__('importlib.metadata').metadata.version('lmcache'), 'torch', torch.__version__)"

@@ -1,0 +1,47 @@
+"""Build kvstream_hicache and its Cython io_uring extension against the system liburing."""
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, setup
+
+INSTALL_HINT = (
+    "kvstream-hicache needs liburing's headers and pkg-config to build its io_uring layer.\n"
+    "  Debian/Ubuntu: sudo apt-get install liburing-dev pkg-config\n"
+    "  Fedora/RHEL:   sudo dnf install liburing-devel pkgconf-pkg-config"
+)
+
+
+def _pkg_config(*args):
+    if shutil.which("pkg-config") is None:
+        sys.exit("error: pkg-config not found.\n" + INSTALL_HINT)
+    try:
+        out = subprocess.run(["pkg-config", *args, "liburing"], check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError:
+        sys.exit("error: liburing not found by pkg-config.\n" + INSTALL_HINT)
+    return out.stdout.split()
+
+
+def _extensions():
+    from Cython.Build import cythonize
+
+    cflags = _pkg_config("--cflags")
+    libs = _pkg_config("--libs")
+    ext = Extension(
+        "kvstream_hicache._uring",
+        sources=["_uring/_uring.pyx"],
+        include_dirs=[f[2:] for f in cflags if f.startswith("-I")] + ["_uring"],
+        library_dirs=[f[2:] for f in libs if f.startswith("-L")],
+        libraries=[f[2:] for f in libs if f.startswith("-l")],
+        extra_compile_args=["-O3", "-msse4.2"] if _is_x86() else ["-O3"],
+    )
+    return cythonize([ext], language_level=3, compiler_directives={"boundscheck": False, "wraparound": False})
+
+
+def _is_x86():
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64", "i686")
+
+
+setup(ext_modules=_extensions(), package_data={"kvstream_hicache": ["*.pyi", "py.typed"]})
