@@ -240,7 +240,12 @@ ctypedef struct Req:
 @cython.no_gc_clear  # close() in __dealloc__ needs _tags/_done still set
 cdef class Ring:
     """An io_uring instance for batched file I/O. Not thread-safe: callers serialize calls, except
-    that ``submit`` may run while another thread is blocked in ``reap`` (the wait touches no state).
+    that ``submit`` may run while another thread is blocked in ``reap`` (the wait touches no state
+    on Linux 5.11+). Nothing is shared between Ring objects: a read ring and a write ring never
+    wait on each other.
+
+    No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN (fio sets them): they tie the ring to the thread
+    that first submits, and callers may share a ring between threads under a lock.
     """
     cdef io_uring _ring
     cdef bint _open
@@ -325,6 +330,10 @@ cdef class Ring:
         One io_uring_submit per call, more only when the batch outgrows the submission queue.
         """
         self._check_open()
+        if self._waiting and not self.features & IORING_FEAT_EXT_ARG:
+            # Without EXT_ARG liburing implements the wait timeout with an SQE of its own, so the
+            # waiting thread touches the SQ too (kernels before 5.11).
+            raise RuntimeError("submit during another thread's reap needs Linux 5.11+ (IORING_FEAT_EXT_ARG)")
         cdef Py_ssize_t accepted = 0
         try:
             for op in ops:
@@ -353,6 +362,7 @@ cdef class Ring:
         cdef double left
         cdef Py_ssize_t want = min(min_complete, self._in_flight)
         cdef unsigned need
+        cdef Py_ssize_t held
         cdef int ret
         cdef io_uring_cqe *cqe = NULL
         cdef __kernel_timespec ts
@@ -363,10 +373,12 @@ cdef class Ring:
         self._drain()
         while len(self._done) < want:
             self._flush()  # remainders of short transfers go out before we sleep on them
-            if self._in_kernel == 0:
-                # The kernel refused our SQEs (EAGAIN/EBUSY) and holds nothing that could complete.
+            # Only SQEs the kernel has consumed can complete; ones it refused (EAGAIN/EBUSY) still
+            # sit in the SQ, and waiting on them would never return.
+            held = self._in_kernel - <Py_ssize_t>io_uring_sq_ready(&self._ring)
+            if held <= 0:
                 raise _oserror(EAGAIN, "io_uring_submit made no progress")
-            need = <unsigned>min(want - len(self._done), self._in_kernel)
+            need = <unsigned>min(want - len(self._done), held)
             if tsp != NULL:
                 left = deadline - _time.monotonic()
                 if left <= 0:

@@ -225,7 +225,13 @@ class Config:
         if not paths:
             raise ConfigError(f"no tier directories: set {env_name('tiers')}=/fast/dir{os.pathsep}/slow/dir "
                               "(fastest first) or the extra config key 'tiers' (a list)")
-        caps = _split(raw["capacity"], what("capacity")) if raw["capacity"] not in (None, "") else [""]
+        cap_raw = raw["capacity"]
+        if cap_raw in (None, "") or isinstance(cap_raw, (int, float)):
+            caps = [cap_raw]
+        elif isinstance(cap_raw, (list, tuple)):
+            caps = list(cap_raw)
+        else:
+            caps = _split(cap_raw, what("capacity"))
         if len(caps) == 1:
             caps = caps * len(paths)
         if len(caps) != len(paths):

@@ -344,7 +344,11 @@ class ControllerDriver:
         self._closed = False
         # The controller reads page size and ranks from process-wide sglang state, as in a scheduler process.
         set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=pools.page_size))
-        self._parallel = get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1)
+        # A plain TP layout (attention and MoE TP = TP); tp_group=None below: no collectives, the hit and
+        # completion all-reduces see no peer group, as in a one-rank server.
+        self._parallel = get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank,
+                                                 attn_tp_size=tp_size, moe_tp_rank=tp_rank, moe_tp_size=tp_size,
+                                                 pp_rank=0, pp_size=1)
         self._parallel.__enter__()
         try:
             group = HostPoolGroup([PoolEntry(name=PoolName.KV, host_pool=pools.host, device_pool=pools.device,
@@ -366,6 +370,12 @@ class ControllerDriver:
     def backend(self):
         """The storage backend as the controller holds it (possibly sglang's failure-injector proxy)."""
         return self.controller.storage_backend
+
+    @property
+    def storage(self):
+        """The backend object itself, unwrapped from sglang's failure-injector proxy when that is active."""
+        backend = self.controller.storage_backend
+        return getattr(backend, "_backend", backend)
 
     @property
     def zero_copy(self) -> bool:

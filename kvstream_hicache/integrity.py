@@ -12,7 +12,7 @@ Header (one 4096-byte block at file offset 0, little endian)::
      32    16  namespace digest (the 32 hex characters as 16 bytes)
      48     2  key length
      64   200  key              ASCII, zero padded
-    256  4*n   block CRCs       crc32c of each block's payload bytes, n = ceil(length / block)
+    272  4*n   block CRCs       crc32c of each block's payload bytes, n = ceil(length / block)
    4092     4  header CRC       crc32c of bytes [0, 4092)
 
 A page is served only when its header CRC, magic, version, namespace digest and key match what
@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .layout import (
-    ALIGN, HEADER_SIZE, HOST, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TMP_DIR, TierLayout, block_span,
+    ALIGN, HEADER_SIZE, HOST, KEY_MAX, MAX_BLOCKS, TierLayout, block_span,
     file_size, is_digest, is_valid_key, key_of_page_file, n_blocks, parse_tmp_name,
 )
 
@@ -42,8 +42,9 @@ MAGIC = b"KVSTPAGE"
 VERSION = 1
 _FIXED = struct.Struct("<8sHHIQQ16sH")  # magic .. key length (50 bytes)
 _KEY_OFF = 64
-_CRC_OFF = 256
+_CRC_OFF = 272
 _HCRC_OFF = HEADER_SIZE - 4
+VANISHED = "vanished during the scan"
 TMP_STALE_S = 3600.0  # a temp file of another host older than this is a leftover, s
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
@@ -104,30 +105,27 @@ def pack_header(header: PageHeader, into) -> None:
 
 def unpack_header(data) -> PageHeader:
     """Parse and validate a header; raise :class:`HeaderError` for anything inconsistent."""
-    view = memoryview(data).cast("B")
-    try:
-        if len(view) < HEADER_SIZE:
-            raise HeaderError(f"header truncated ({len(view)} of {HEADER_SIZE} bytes)")
-        (stored_crc,) = struct.unpack_from("<I", view, _HCRC_OFF)
-        if crc32c(view[:_HCRC_OFF]) != stored_crc:
-            raise HeaderError("header checksum mismatch")
-        magic, version, _flags, block, length, created, digest, key_len = _FIXED.unpack_from(view, 0)
-        if magic != MAGIC:
-            raise HeaderError("bad magic")
-        if version != VERSION:
-            raise HeaderError(f"unsupported format version {version}")
-        if block <= 0 or block % ALIGN or key_len > KEY_MAX:
-            raise HeaderError(f"bad geometry (block={block}, key length={key_len})")
-        count = n_blocks(length, block)
-        if count > MAX_BLOCKS:
-            raise HeaderError(f"too many blocks ({count})")
-        key = bytes(view[_KEY_OFF:_KEY_OFF + key_len]).decode("ascii", "replace")
-        if not is_valid_key(key):
-            raise HeaderError(f"invalid key {key!r}")
-        crcs = struct.unpack_from(f"<{count}I", view, _CRC_OFF)
-        return PageHeader(key, digest.hex(), length, block, crcs, created)
-    finally:
-        view.release()
+    if not isinstance(data, bytes):
+        data = bytes(memoryview(data).cast("B")[:HEADER_SIZE])
+    if len(data) < HEADER_SIZE:
+        raise HeaderError(f"header truncated ({len(data)} of {HEADER_SIZE} bytes)")
+    (stored_crc,) = struct.unpack_from("<I", data, _HCRC_OFF)
+    if crc32c(data[:_HCRC_OFF]) != stored_crc:
+        raise HeaderError("header checksum mismatch")
+    magic, version, _flags, block, length, created, digest, key_len = _FIXED.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise HeaderError("bad magic")
+    if version != VERSION:
+        raise HeaderError(f"unsupported format version {version}")
+    if block <= 0 or block % ALIGN or key_len > KEY_MAX:
+        raise HeaderError(f"bad geometry (block={block}, key length={key_len})")
+    count = n_blocks(length, block)
+    if count > MAX_BLOCKS:
+        raise HeaderError(f"too many blocks ({count})")
+    key = data[_KEY_OFF:_KEY_OFF + key_len].decode("ascii", "replace")
+    if not is_valid_key(key):
+        raise HeaderError(f"invalid key {key!r}")
+    return PageHeader(key, digest.hex(), length, block, struct.unpack_from(f"<{count}I", data, _CRC_OFF), created)
 
 
 def block_crcs(segments: Sequence[tuple[int, int]], length: int, block: int) -> tuple[int, ...]:
@@ -229,7 +227,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     try:
         header, size = read_header(path)
     except FileNotFoundError:
-        return bad("stray", "vanished during the scan")
+        return bad("stray", VANISHED)
     except HeaderError as exc:
         return bad("damaged", str(exc))
     except OSError as exc:
@@ -288,10 +286,28 @@ def stale_tmp(tmp_dir: str, live_tokens: frozenset[str] | set[str] = frozenset()
 
 
 # ------------------------------------------------------------------------------------ check
+def check_tier(layout: TierLayout, digest: str, *, fix: bool = False, payload: bool = True,
+               live_tokens: frozenset[str] | set[str] = frozenset(), tmp: bool = True
+               ) -> tuple[list[Problem], dict[str, ScannedPage]]:
+    """Check one namespace on one tier: (problems, valid pages by key). With ``fix`` the files
+    behind the problems are removed; ``tmp`` also reports (and fixes) temporary leftovers."""
+    problems: list[Problem] = []
+    valid: dict[str, ScannedPage] = {}
+    if tmp:
+        for path in stale_tmp(layout.tmp, live_tokens):
+            problems.append(_maybe_fix(Problem("orphan_tmp", layout.root, path, "temporary leftover"), fix))
+    for page in scan_pages(layout, digest, payload=payload):
+        if page.problem is None:
+            valid[page.header.key] = page
+        elif page.problem.detail != VANISHED:
+            problems.append(_maybe_fix(page.problem, fix))
+    return problems, valid
+
+
 def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *, fix: bool = False,
                 payload: bool = True, live_tokens: frozenset[str] | set[str] = frozenset()) -> list[Problem]:
     """Walk the tiers of ``config`` without an engine: verify every page header (and, with
-    ``payload``, every block CRC), report orphan temp files and stray files.
+    ``payload``, every block CRC), report temporary leftovers and stray files.
 
     :param namespace: check only this namespace (a Namespace or its digest); None = all.
     :param fix: remove damaged/corrupt/truncated/misplaced/stray page files and temp leftovers
@@ -301,14 +317,11 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:
-        base = TierLayout(tier.path, "").base
-        for path in stale_tmp(os.path.join(base, TMP_DIR), live_tokens):
+        base = TierLayout(tier.path, "")
+        for path in stale_tmp(base.tmp, live_tokens):
             problems.append(_maybe_fix(Problem("orphan_tmp", tier.path, path, "temporary leftover"), fix))
-        digests = [digest] if digest else _digests(base)
-        for d in digests:
-            for page in scan_pages(TierLayout(tier.path, d), d, payload=payload):
-                if page.problem is not None and page.problem.detail != "vanished during the scan":
-                    problems.append(_maybe_fix(page.problem, fix))
+        for d in ([digest] if digest else _digests(base.base)):
+            problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False)[0]
     return problems
 
 
@@ -329,7 +342,3 @@ def _maybe_fix(problem: Problem, fix: bool) -> Problem:
     except OSError:
         return problem
     return problem._replace(fixed=True)
-
-
-def is_page_file(name: str) -> bool:
-    return name.endswith(PAGE_SUFFIX)

@@ -27,56 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
-try:
-    from ._uring import ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Ring, copy, crc32c
-except ImportError:  # TEMPORARY stand-ins until the Cython extension lands (issue 2); removed then.
-    import ctypes as _ct
-    import mmap as _mmap
-
-    ALIGN = 4096  # O_DIRECT block, bytes
-    OP_READ, OP_WRITE = 0, 1
-
-    class AlignedBuffer:  # mmap'd memory is page-aligned, hence ALIGN-aligned
-        def __init__(self, nbytes: int, align: int = ALIGN):
-            if nbytes <= 0 or align > _mmap.PAGESIZE:
-                raise ValueError("stand-in AlignedBuffer: nbytes > 0 and align <= page size")
-            self._map = _mmap.mmap(-1, nbytes)
-            self.nbytes = nbytes
-            self.address = _ct.addressof(_ct.c_char.from_buffer(self._map))
-
-        def __buffer__(self, flags):  # 3.12+; on 3.11 use memoryview(buf.raw)
-            return memoryview(self._map)
-
-        @property
-        def raw(self):
-            return self._map
-
-        def close(self):
-            self._map.close()
-
-    def Ring(entries: int = 256):  # noqa: N802
-        raise OSError(_errno.ENOSYS, "kvstream _uring extension not built yet")
-
-    def copy(dst_address: int, src_address: int, n: int) -> None:
-        _ct.memmove(dst_address, src_address, n)
-
-    _CRC_TABLE = []
-    for _i in range(256):
-        _c = _i
-        for _ in range(8):
-            _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-        _CRC_TABLE.append(_c)
-
-    def crc32c(buf, crc: int = 0) -> int:
-        data = _view_of(buf, OP_WRITE)
-        crc ^= 0xFFFFFFFF
-        for b in data:
-            crc = (crc >> 8) ^ _CRC_TABLE[(crc ^ b) & 0xFF]
-        return crc ^ 0xFFFFFFFF
+# The extension is required: a missing build is an install error, not something to paper over.
+from ._uring import ALIGN, CRC32C_IMPL, OP_READ, OP_WRITE, AlignedBuffer, Ring, copy, crc32c
 
 __all__ = [
     "ALIGN", "OP_READ", "OP_WRITE", "AlignedBuffer", "Ring", "ThreadRing", "FaultyRing", "Fault",
-    "FaultPlan", "open_ring", "crc32c", "copy", "ENGINES",
+    "FaultPlan", "open_ring", "crc32c", "copy", "CRC32C_IMPL", "ENGINES",
 ]
 
 log = logging.getLogger("kvstream")
@@ -84,7 +40,8 @@ log = logging.getLogger("kvstream")
 ENGINES = ("uring", "threads", "auto")
 ENV_ENGINE = "KVSTREAM_IO_ENGINE"
 DEFAULT_ENTRIES = 256  # submission-queue slots per ring; batches larger than this still work
-MAX_THREADS = 64  # ThreadRing workers cap: beyond this the GIL hand-offs cost more than the depth buys
+MAX_THREADS = 64  # ThreadRing worker cap: one blocked thread per op in flight; past this, deeper queues
+# buy little on one device and each thread costs a stack
 
 
 def open_ring(entries: int = DEFAULT_ENTRIES, engine: str | None = None):
@@ -134,6 +91,19 @@ def _view_of(buf, opcode: int) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
+def _unpack(op) -> tuple:
+    """Validate one op the way Ring does (same exception types and messages)."""
+    try:
+        opcode, fd, buf, offset, tag = op
+    except (TypeError, ValueError):
+        raise TypeError(f"an op is (opcode, fd, buf, offset, tag), got {op!r}") from None
+    if opcode not in (OP_READ, OP_WRITE):
+        raise ValueError(f"bad opcode {opcode!r}: use OP_READ or OP_WRITE")
+    if offset < 0:
+        raise ValueError(f"negative file offset {offset}")
+    return opcode, int(fd), buf, int(offset), int(tag)
+
+
 class ThreadRing:
     """The ring interface over a thread pool doing ``os.preadv``/``os.pwritev``.
 
@@ -169,13 +139,12 @@ class ThreadRing:
         batch = []
         tags = set()
         try:
-            for opcode, fd, buf, offset, tag in ops:
-                if opcode not in (OP_READ, OP_WRITE):
-                    raise ValueError(f"bad opcode {opcode!r}")
+            for op in ops:
+                opcode, fd, buf, offset, tag = _unpack(op)
                 if tag in self._views or tag in tags:
-                    raise ValueError(f"tag {tag} is already in flight")
+                    raise ValueError(f"tag {tag} is already in flight on this ThreadRing")
                 tags.add(tag)
-                batch.append((opcode, int(fd), _view_of(buf, opcode), int(offset), int(tag)))
+                batch.append((opcode, fd, _view_of(buf, opcode), offset, tag))
         except BaseException:
             for _, _, view, _, _ in batch:
                 view.release()
@@ -193,7 +162,7 @@ class ThreadRing:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             want = min(min_complete, len(self._views))
-            while len(self._done) < want:
+            while len(self._done) < want and not self._closed:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
@@ -214,7 +183,8 @@ class ThreadRing:
                 view.release()
             self._views.clear()
             self._done.clear()
-        self._closed = True
+            self._closed = True
+            self._cond.notify_all()  # a reap waiting in another thread returns (empty)
 
     def __enter__(self):
         return self
@@ -356,6 +326,8 @@ class FaultyRing:
         return self.inner.closed
 
     def submit(self, ops: Iterable[tuple]) -> int:
+        if self.inner.closed:
+            raise ValueError("I/O engine is closed")
         passed = []
         errors = []
         for op in ops:

@@ -125,6 +125,7 @@ class BatchRoute:
         self.claims_log: list[Claim] = []
         self.found = [False] * n
         self.reads = [0] * n_tiers  # first arrivals per tier
+        self.source = [-1] * n  # per item: the tier whose read delivered it first (-1: none)
         self.duplicates = 0  # successful completions of items already delivered
         self.failures = 0  # ok=False completions
         self.retries = 0  # items handed to another replica after a failure
@@ -184,6 +185,7 @@ class BatchRoute:
                 self.duplicates += 1  # first arrival already won; this copy is identical
         elif ok:
             self.reads[tier] += 1
+            self.source[item] = tier
             self._resolve(item, True)
         else:
             self.failures += 1
@@ -497,6 +499,7 @@ class SimResult:
     done: bool
     found: list[bool]
     reads: list[int]  # items delivered first by each tier (the achieved split)
+    source: list[int]  # per item: the tier that delivered it first (-1: missing)
     issued: list[int]  # reads issued per tier, duplicates and failures included
     bytes_read: list[float]  # bytes each tier transferred up to ``finish``
     duplicates: int  # reads of items another tier delivered first (completed or still in flight)
@@ -623,6 +626,7 @@ def simulate(
         done=done,
         found=list(route.found),
         reads=list(route.reads),
+        source=list(route.source),
         issued=issued,
         bytes_read=bytes_read,
         duplicates=route.duplicates + stragglers,

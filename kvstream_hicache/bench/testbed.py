@@ -212,6 +212,8 @@ class Testbed:
     def apply(self, profile: Profile) -> None:
         for path, line in throttle_writes(self.cgroup, [t.devnum for t in self.tiers], profile):
             _write(path, line)
+        if profile != self.profile:
+            self.fio = {}  # figures of the previous limits are no longer on record
         self.profile = profile
 
     def set_read_bps(self, tier: int, bps: int) -> None:

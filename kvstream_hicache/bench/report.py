@@ -1,0 +1,202 @@
+"""What a benchmark run shows: progress while it runs, a terminal table, a PNG, the kvsim series."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from . import gap
+
+
+class Progress:
+    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int, enabled: bool = True, stream=None):
+        self.total, self.done = max(total, 1), 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self._last_decile = -1
+
+    def update(self, label: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        if self.tty:
+            filled = int(frac * self.WIDTH)
+            bar = "#" * filled + "." * (self.WIDTH - filled)
+            eta = (time.perf_counter() - self.t0) / frac * (1 - frac)
+            self.stream.write(f"\r[{bar}] {self.done}/{self.total} batches  {label:<28s} eta {eta:4.0f} s")
+            self.stream.flush()
+        elif int(frac * 10) != self._last_decile:
+            self._last_decile = int(frac * 10)
+            self.stream.write(f"  {self.done}/{self.total} batches ({frac:.0%}) {label}\n")
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
+    """The per-policy table, then the bound, fio's figures and the write ratio."""
+    pol = doc["policies"]
+    n = len(doc["tiers"])
+    refs = [k for k in ("tier0", "hicache-file") if k in pol]
+    head = f"{'policy':<16s} {'GB/s':>6s} " + "".join(f"{'x ' + r:>15s}" for r in refs) + \
+        f" {'p50 s':>6s} {'p90 s':>6s} {'max s':>6s}  {'share ' + '/'.join(f't{k}' for k in range(n)):<14s} {'gap':>7s}" \
+        f"  {'tier MB/s':<12s}"
+    log("")
+    log(f"scenario {doc['scenario']}, {doc['rounds']} rounds x {doc['batch_pages']} pages of "
+        f"{doc['geometry']['label']}" + (f", testbed {doc['testbed']['profile']}" if doc.get("testbed") else ""))
+    log(head)
+    log("-" * len(head))
+    for name, p in pol.items():
+        if not p:
+            continue
+        share = "/".join(f"{s:.2f}" for s in p["share"])
+        row = f"{name:<16s} {p['throughput_gbps']:6.3f} " + "".join(f"{_x(p.get('speedup_vs_' + r)):>15s}" for r in refs)
+        rates = "/".join("-" if r is None else f"{r:.0f}" for r in p.get("tier_rates_mbps", []))
+        row += f" {p['p50_s']:6.3f} {p['p90_s']:6.3f} {p['max_s']:6.3f}  {share:<14s} {_pct(p['gap']):>7s}  {rates:<12s}"
+        if p.get("page_cache_bytes") is not None:
+            row += f"  page cache {p['page_cache_bytes'] / 2**20:.1f} MiB after a batch"
+        if p.get("missing_pages"):
+            row += f"  MISSING {p['missing_pages']} pages"
+        log(row)
+    bound = doc.get("bound_gbps")
+    log(f"bound (same run, per-batch tier rates): {bound:.3f} GB/s" if bound else "bound: not measured")
+    tb = doc.get("testbed")
+    if tb and tb.get("fio", {}).get("read"):
+        r = tb["fio"]["read"]
+        alone = ", ".join(f"tier{k} {r[f'tier{k}']:.0f}" for k in range(n) if f"tier{k}" in r)
+        log(f"fio read MB/s (bs {tb['fio']['bs'] >> 10} KiB, iodepth {tb['fio']['iodepth']}): alone {alone}; "
+            f"all at once {r.get('all', 0):.0f}")
+    w = doc.get("write", {})
+    if w.get("ratio_to_slowest_alone"):
+        log(f"replicated write: {w['replicated_s']:.2f} s = {w['ratio_to_slowest_alone']:.3f}x the slowest tier alone "
+            f"({', '.join(f'{k} {v:.2f} s' for k, v in w['single_tier'].items())})")
+    if doc.get("wrong_pages"):
+        log(f"WRONG DATA: {doc['wrong_pages']}")
+
+
+def kvsim_series(doc: dict) -> dict:
+    """Per-tier bandwidth over time, as measured by the run's batches (``t`` in s, ``bps`` in bytes/s)."""
+    n = len(doc["tiers"])
+    tiers = []
+    for k in range(n):
+        pts = sorted((b["t0"] + b["t_ret"] / 2, b["tier_bps"][k]) for b in doc["batches"]
+                     if len(b.get("tier_bps_source", ())) > k and b["tier_bps_source"][k] == "batch")
+        tiers.append({"t": [round(t, 4) for t, _ in pts], "bps": [round(v, 1) for _, v in pts]})
+    meta = {"scenario": doc["scenario"], "testbed": (doc.get("testbed") or {}).get("profile"),
+            "source": "kvstream bench: per-batch tier bytes / busy time"}
+    return {"tiers": tiers, "meta": meta}
+
+
+def plot(doc: dict, path: str) -> None:
+    """Three panels: per-tier bandwidth over time (with drift events), tier-0 share over time, gap per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(doc["tiers"])
+    batches = doc["batches"]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8.5), gridspec_kw={"height_ratios": [1.1, 1, 1]})
+    title = f"{doc.get('testbed', {}) and doc['testbed']['profile'] or 'tiers'} - scenario {doc['scenario']}"
+    fig.suptitle(f"kvstream bench: {title}", fontsize=11)
+
+    t_lo = min((b["t0"] for b in batches), default=0.0) - 0.5
+    t_hi = max((b["t0"] + b["t_ret"] for b in batches), default=1.0) + 0.5
+    ax = axes[0]
+    series = kvsim_series(doc)["tiers"]
+    for k, s in enumerate(series):
+        ax.plot(s["t"], [b / 1e6 for b in s["bps"]], ".-", ms=3, lw=0.8, color=f"C{k}",
+                label=f"tier{k} measured per batch")
+    _drift_marks(ax, doc, t_lo, t_hi)
+    ax.set_xlim(t_lo, t_hi)
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("MB/s")
+    ax.set_xlabel("time (s)")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
+    ax.set_title("per-tier bandwidth (dashed: throttle limit; shaded: competing job on)", fontsize=9)
+
+    ax = axes[1]
+    live = [(b["t0"] + b["t_ret"] / 2, b["tier_bps"][0] / sum(b["tier_bps"])) for b in batches
+            if b.get("tier_bps") and sum(b["tier_bps"]) > 0]
+    if n > 1 and live:
+        live.sort()
+        ax.plot([t for t, _ in live], [s for _, s in live], "--", color="0.5", lw=1, label="live b0/(b0+b1)")
+    for name in doc["policies"]:
+        pts = [(b["t0"] + b["t_ret"] / 2, _served_share(b)) for b in batches if b["policy"] == name]
+        pts = [(t, s) for t, s in pts if s is not None]
+        if pts and len({round(s, 3) for _, s in pts} | {1.0}) > 1:  # single-tier policies add nothing here
+            ax.plot([t for t, _ in pts], [s for _, s in pts], "o-", ms=3, lw=0.8, label=name)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlim(t_lo, t_hi)
+    ax.set_ylabel("tier-0 share")
+    ax.set_xlabel("time (s)")
+    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    ax.set_title("share of each batch read from tier 0", fontsize=9)
+
+    ax = axes[2]
+    names = [k for k, p in doc["policies"].items() if p and p.get("gap") is not None]
+    gaps = [doc["policies"][k]["gap"] * 100 for k in names]
+    bars = ax.bar(range(len(names)), gaps, color=["C2" if k.startswith("kvstream") else "C0" for k in names])
+    for rect, g in zip(bars, gaps):
+        ax.annotate(f"{g:.1f}%", (rect.get_x() + rect.get_width() / 2, rect.get_height()), ha="center",
+                    va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names, fontsize=8, rotation=15)
+    ax.axhline(5, color="C3", lw=0.8, ls=":")
+    ax.set_ylabel("gap to bound (%)")
+    ax.set_title("gap to the bound per policy (dotted: 5% target)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _drift_marks(ax, doc: dict, t_lo: float, t_hi: float) -> None:
+    """Throttle steps (periodic) as dashed lines, tenant on-periods (competing, writes) as shaded spans."""
+    events = doc.get("drift_events") or []
+    limits = (doc.get("testbed") or {}).get("limits_mbps")
+    steps: dict[int, list[tuple[float, float]]] = {}
+    on: dict[int, float] = {}
+    for e in events:
+        k = e.get("tier", 0)
+        if "read_bps" in e:
+            steps.setdefault(k, []).append((e["t"], e["read_bps"] / 1e6))
+        elif e.get("tenant") == "on":
+            on[k] = e["t"]
+        elif e.get("tenant") == "off" and k in on:
+            ax.axvspan(on.pop(k), e["t"], color=f"C{k}", alpha=0.12, lw=0)
+    for k, t in on.items():
+        ax.axvspan(t, t_hi, color=f"C{k}", alpha=0.12, lw=0)
+    if limits:
+        for k, (r, _w) in enumerate(limits):
+            pts = [(t_lo, r)] + sorted(steps.get(k, []))
+            xs = [t for t, _ in pts] + [t_hi]
+            ys = [v for _, v in pts]
+            ax.step(xs[:-1] + [xs[-1]], ys + [ys[-1]], where="post", ls="--", lw=0.8, color=f"C{k}", alpha=0.7)
+
+
+def _served_share(b: dict) -> float | None:
+    served = b.get("tier_served") or ()
+    total = sum(served)
+    if total:
+        return served[0] / total
+    tb = b.get("tier_bytes") or ()
+    return tb[0] / sum(tb) if sum(tb) else None
+
+
+__all__ = ["Progress", "print_table", "plot", "kvsim_series", "gap"]

@@ -1,0 +1,288 @@
+"""The KVStream engine: replicated tiers, one routed pool per read, a rebuilt index. No sglang/torch.
+
+Composition::
+
+    Engine
+      tiers    [Tier]         health, paths, commit (tiers.py)
+      index    Index          key -> tiers, LRU, capacity, pins (index.py, pure)
+      reads    ReadPath       read ring + staging pool + router (reads.py, router.py)
+      writes   WritePath      write ring + staging pool (writes.py)
+      stats    Stats          counters, per-batch bound (stats.py)
+
+Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
+(prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; the
+index has its own lock; existence queries only read the index.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from .config import Config
+from .errors import ConfigError, EngineClosedError
+from .index import Index
+from .integrity import Problem, ScannedPage, check_tier, stale_tmp
+from .io import FaultyRing, open_ring
+from .layout import Namespace, is_valid_key
+from .reads import ReadPath
+from .router import Policy, parse_policy
+from .staging import BufferPool
+from .stats import Stats
+from .tiers import Tier, new_token
+from .writes import WritePath
+
+log = logging.getLogger("kvstream")
+
+Segment = tuple[int, int]  # (address, nbytes); a page's payload is the concatenation of its segments
+RING_ENTRIES = 256  # submission-queue entries per ring (reads and writes each)
+CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
+
+_LIVE_TOKENS: set[str] = set()  # tokens of this process's open engines (their temp files are live)
+
+
+class Engine:
+    """A multi-tier, replicated page store for one namespace.
+
+    :param config: effective settings (``Config.from_sources``).
+    :param namespace: what the pages are (model, layout, dtype, geometry, rank); its digest names
+        the page directory on each tier.
+    :param policy: read routing; default from ``config.policy_spec``.
+    :param ring_factory: ``ring_factory(entries=..., engine=...)`` opens an I/O ring
+        (default :func:`kvstream_hicache.io.open_ring`).
+    :param fault_plan: wrap both rings in ``FaultyRing(ring, fault_plan)`` (tests, fault drills).
+    :param clock: monotonic clock for tier back-off (tests inject one).
+    :raises ConfigError: a tier directory is unusable or the policy does not parse.
+    """
+
+    def __init__(self, config: Config, namespace: Namespace, *, policy: Policy | None = None,
+                 ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic):
+        self._closed = True
+        if config.log_level:
+            log.setLevel(config.log_level)
+        self.config = config
+        self.namespace = namespace
+        self.warnings = config.probe_tiers()
+        try:
+            self.policy = policy if policy is not None else parse_policy(config.policy_spec)
+        except ValueError as exc:
+            raise ConfigError(f"KVSTREAM_POLICY / extra config 'policy': {exc}") from None
+        self._token = new_token()
+        _LIVE_TOKENS.add(self._token)
+        self.tiers = [Tier(k, t.path, namespace.digest, t.capacity.resolve(t.path), config.modes, config.fsync,
+                           config.tier_retry, self._token, clock) for k, t in enumerate(config.tiers)]
+        for tier in self.tiers:
+            tier.on_rejoin = self._reconcile
+        self.index = Index([t.capacity for t in self.tiers])
+        self._stats = Stats(len(self.tiers))
+        self.scan = self._rebuild_index()
+        rings = []
+        try:
+            for _ in range(2):
+                ring = ring_factory(entries=RING_ENTRIES, engine=config.io_engine)
+                rings.append(FaultyRing(ring, fault_plan) if fault_plan is not None else ring)
+        except OSError as exc:
+            for ring in rings:
+                ring.close()
+            _LIVE_TOKENS.discard(self._token)
+            raise ConfigError(f"KVSTREAM_IO_ENGINE={config.io_engine}: cannot open an I/O ring ({exc}); "
+                              "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
+        self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(), config.read_timeout)
+        self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(), config.chunk,
+                                 namespace.digest)
+        self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
+        self._closed = False
+        log.info("kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
+                 namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
+
+    # -- pages ---------------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
+        """Store pages on every usable tier in parallel.
+
+        :param keys: page keys (``[0-9A-Za-z_-]{1,200}``; invalid keys are refused: False).
+        :param pages: per key, the payload as ``(address, nbytes)`` segments of caller memory;
+            4096-aligned segments are written zero-copy, others through one staging copy.
+        :returns: per key, True when >= 1 tier holds a verified copy (already held: True, no I/O).
+            Returns only when every byte has been read out of the caller's memory.
+        :raises ValueError: ``keys`` and ``pages`` differ in length (a caller bug).
+        """
+        self._check_open()
+        return self._writes.put(keys, pages, self._usable_mask())
+
+    def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+            policy: Policy | None = None) -> list[bool]:
+        """Read pages into caller memory: one pool of blocks, routed over the tiers by ``policy``.
+
+        :param pages: per key, ``(address, nbytes)`` segments whose total equals the stored length.
+        :returns: per key, True when every byte arrived verified (False: missing, size mismatch,
+            damaged on every tier, or read_timeout passed). No read lands in caller memory after
+            return: reads still in flight (a stalled tier) stay engine-owned until reaped.
+        """
+        self._check_open()
+        return self._reads.get(keys, pages, policy or self.policy, self._usable_mask())
+
+    def contains(self, key: str) -> bool:
+        """True when a healthy tier holds ``key`` (index only, no disk access)."""
+        return is_valid_key(key) and self.index.contains(key, self._healthy_mask())
+
+    def prefix_len(self, keys: Sequence[str]) -> int:
+        """Number of leading ``keys`` held by a healthy tier (index only, no disk access)."""
+        return self.index.prefix_len(keys, self._healthy_mask())
+
+    def clear(self) -> None:
+        """Remove every page of this namespace from every tier."""
+        self._check_open()
+        with self._reads.lock, self._writes.lock:
+            self.index.clear()
+            for tier in self.tiers:
+                shutil.rmtree(tier.layout.pages, ignore_errors=True)
+                tier._dirs.clear()
+
+    def close(self) -> None:
+        """Wait briefly for orphan reads, close the rings and free buffers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reads.drain(CLOSE_DRAIN_S)
+        self._reads.close()
+        self._writes.close()
+        _LIVE_TOKENS.discard(self._token)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- observability -------------------------------------------------------------------------
+    @property
+    def last_batch(self) -> dict:
+        """Figures of the last read batch (see stats.py)."""
+        return self._stats.snapshot()["last_batch"]
+
+    def stats(self) -> dict:
+        """Counters as a plain dict: totals, ``tiers`` (per tier), ``last_batch``, ``history``."""
+        out = self._stats.snapshot()
+        for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
+            row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
+                       pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity)
+        out.update(pages=len(self.index), orphan_reads_in_flight=self._reads.orphans, policy=self.policy.name,
+                   io_engine=self.io_engine, namespace=self.namespace.digest, scan=dict(self.scan))
+        return out
+
+    def check(self, fix: bool = False) -> list[Problem]:
+        """Verify every page file of this namespace (headers and block CRCs), temp leftovers, and
+        that the index matches the disk. ``fix`` removes damaged files and leftovers and brings
+        the index in line with the disk.
+
+        :returns: the problems found (``Problem.fixed`` where repaired); empty when consistent.
+        """
+        self._check_open()
+        problems: list[Problem] = []
+        with self._reads.lock, self._writes.lock:
+            for k, tier in enumerate(self.tiers):
+                if not tier.healthy:
+                    continue
+                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True,
+                                          live_tokens=_LIVE_TOKENS)
+                problems += found
+                indexed = set(self.index.keys(k))
+                for key in sorted(indexed - valid.keys()):
+                    problems.append(Problem("index_stale", tier.root, tier.layout.page_path(key),
+                                            "indexed but not on disk", fixed=fix))
+                    if fix:
+                        self.index.remove(key, k)
+                for key in sorted(valid.keys() - indexed):
+                    page = valid[key]
+                    problems.append(Problem("index_missing", tier.root, page.path, "on disk but not indexed",
+                                            fixed=fix))
+                    if fix:
+                        self._index_page(k, page)
+        return problems
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("kvstream engine is closed")
+
+    def _healthy_mask(self) -> int:
+        return sum(1 << t.k for t in self.tiers if t.healthy)
+
+    def _usable_mask(self) -> int:
+        """Healthy tiers, after probing failed ones whose back-off expired."""
+        return sum(1 << t.k for t in self.tiers if t.usable())
+
+    def _index_page(self, k: int, page: ScannedPage) -> None:
+        h = page.header
+        for t in self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False):
+            self.tiers[t].unlink_page(h.key)
+
+    def _rebuild_index(self) -> dict:
+        """Scan every tier's page headers (tiers in parallel), clean temp leftovers and damaged
+        files, and load the index oldest first so LRU order survives a restart."""
+        t0 = time.perf_counter()
+
+        def scan(tier: Tier) -> tuple[list[ScannedPage], list[Problem], int]:
+            removed = 0
+            for path in stale_tmp(tier.layout.tmp, _LIVE_TOKENS):
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+            problems, valid = check_tier(tier.layout, self.namespace.digest, fix=True, payload=False,
+                                         live_tokens=_LIVE_TOKENS, tmp=False)
+            return list(valid.values()), problems, removed
+
+        with ThreadPoolExecutor(max_workers=len(self.tiers), thread_name_prefix="kvstream-scan") as pool:
+            results = list(pool.map(scan, self.tiers))
+        entries = sorted(((page.header.created_ns, k, page) for k, (pages, _, _) in enumerate(results)
+                          for page in pages), key=lambda e: (e[0], e[1]))
+        for _, k, page in entries:
+            self._index_page(k, page)
+        for k, tier in enumerate(self.tiers):  # a capacity lowered since the last run
+            cap = tier.capacity
+            if cap is not None and self.index.used[k] > cap:
+                for key in self.index.evict(k, self.index.used[k] - cap):
+                    tier.unlink_page(key)
+        damaged = sum(len(p) for _, p, _ in results)
+        tmp = sum(r for _, _, r in results)
+        seconds = time.perf_counter() - t0
+        scanned = len(entries) + damaged
+        if damaged or tmp:
+            log.warning("kvstream: start-up scan removed %d damaged page files and %d temporary leftovers",
+                        damaged, tmp)
+        return {"files": len(entries), "pages": len(self.index), "damaged_removed": damaged, "tmp_removed": tmp, "seconds": seconds,
+                "rate": scanned / seconds if seconds > 0 else 0.0}
+
+    def _reconcile(self, tier: Tier) -> None:
+        """A failed tier rejoined: forget indexed pages whose files did not survive."""
+        present: set[str] = set()
+        try:
+            for shard in os.scandir(tier.layout.pages):
+                if shard.is_dir():
+                    present.update(e.name[:-4] for e in os.scandir(shard.path) if e.name.endswith(".kvp"))
+        except OSError:
+            pass
+        lost = [key for key in self.index.keys(tier.k) if key not in present]
+        for key in lost:
+            self.index.remove(key, tier.k)
+        if lost:
+            log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten", tier.k, len(lost))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self.index)} pages"
+        return f"<Engine {self.namespace.digest} {len(self.tiers)} tiers, {state}>"
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            import warnings
+
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            self.close()
+
+
+__all__ = ["Engine", "Segment"]

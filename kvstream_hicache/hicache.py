@@ -1,0 +1,509 @@
+"""The sglang HiCache L3 storage backend: ``KVStreamHiCacheStorage`` (the only module importing sglang/torch).
+
+sglang's HiCache controller calls a backend from three threads of every scheduler process: the prefetch
+thread (``batch_exists``: the hit query, on the scheduler's path, thousands of keys), the prefetch IO
+thread (``batch_get_v1``: read pages into the host KV pool) and the backup thread (``batch_set_v1``:
+write pages out of the host pool). This class maps those calls onto one :class:`~kvstream_hicache.engine.Engine`:
+
+* a *page* is one sglang page of the host pool; its payload is the concatenation of the host pool's page
+  segments from ``get_page_buffer_meta`` (K then V for MHA page_first, one chunk for MLA page_first,
+  ``2L``/``L`` small per-layer chunks for layer_first), ordered so the payload equals sglang's flat page
+  (``get_data_page``): the zero-copy and the legacy paths store identical bytes and can read each other's;
+* segments go to the engine as ``(address, nbytes)``; the engine writes 4096-aligned ones with O_DIRECT
+  straight from the host pool and stages the rest through aligned buffers;
+* keys are sglang's 64-hex page hashes; the engine's namespace (model, layout, dtype, page geometry,
+  TP rank/size for MHA, PP and CP rank/size) keeps pages of different models, layouts and ranks apart;
+  MLA pages are shared by every TP rank, and only the storage-writer rank writes them.
+
+Failure rule: nothing raises into sglang's threads. Any exception in a data-path method becomes the
+method's "nothing happened" answer (False per page, 0 hits, None), one rate-limited warning and a counter.
+Configuration errors do raise, from the constructor or the attach (``register_mem_pool_host``), which is
+where sglang expects a backend to refuse to start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransferResult,
+)
+
+from .config import LOADER_KEYS, Config
+from .layout import ALIGN, Namespace, is_valid_key
+
+log = logging.getLogger("kvstream.sglang")
+
+NAME = "kvstream"
+# Keys sglang itself leaves in storage_config.extra_config (its `dynamic` loader's, --file-storage-path,
+# the shm allocator switch, and the controller's knobs if an older parser left them): not ours to validate.
+SGLANG_KEYS = LOADER_KEYS | frozenset({
+    "file_storage_path", "allocator", "prefetch_threshold", "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys", "tp_lcm_size",
+})
+WARN_INTERVAL_S = 30.0  # at most one warning per (method, error) in this many seconds
+METRICS_INTERVAL_S = 1.0  # engine stats -> Prometheus at most this often
+MAX_STORAGE_SAMPLES = 4096  # per-call samples kept for get_stats() between two polls
+
+Segment = tuple[int, int]
+
+
+class KVStreamHiCacheStorage(HiCacheStorage):
+    """sglang HiCache storage backend over kvstream's replicated tiers.
+
+    :param storage_config: sglang's ``HiCacheStorageConfig`` (ranks, MLA flag, model name, extra config).
+    :param mem_pool_host: the host KV pool (plugin path), or ``{}`` (sglang's ``dynamic`` loader passes an
+        empty kwargs dict); the pool always arrives through :meth:`register_mem_pool_host` as well.
+    :raises kvstream_hicache.errors.ConfigError: bad extra config or ``KVSTREAM_*`` variable.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, mem_pool_host: Any = None, **_: Any):
+        self.storage_config = storage_config
+        self.is_mla = bool(storage_config.is_mla_model)
+        self.is_writer = bool(storage_config.is_storage_writer)
+        self.enable_metrics = bool(storage_config.enable_storage_metrics)
+        extra = dict(storage_config.extra_config or {})
+        self.config = Config.from_sources(extra, os.environ, ignore=SGLANG_KEYS)
+        self.mem_pool_host = None
+        self.engine = None
+        self.namespace: Namespace | None = None
+        self.registered_pools: dict = {}
+        self._sidecars: list[str] = []
+        self._refused: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # attach/close and the adapter's own counters, never held during I/O
+        self._segments_per_page = 0
+        self._reorder_kv = False
+        self._page_bytes = 0
+        self._warned: dict[tuple[str, str], list] = {}
+        self.counters = {"errors": 0, "legacy_calls": 0, "refused_calls": 0, "invalid_keys": 0,
+                         "skipped_writes": 0, "bad_arguments": 0}
+        self._samples = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
+        self._exporter = None
+        self._last_sync = 0.0
+        if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
+            self.register_mem_pool_host(mem_pool_host)
+
+    # ------------------------------------------------------------------------------------------ attach
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Bind the host KV pool and open the engine on its namespace (sglang calls this once per attach;
+        the plugin factory path calls it from the constructor first, so a second call with the same pool
+        is a no-op)."""
+        with self._lock:
+            if self.mem_pool_host is mem_pool_host and self.engine is not None:
+                return
+            if self.engine is not None:
+                raise RuntimeError("kvstream: a different host pool was registered on an attached backend; "
+                                   "detach and attach the storage backend again")
+            self.mem_pool_host = mem_pool_host
+            self._describe_pages(mem_pool_host)
+            self.namespace = Namespace(self._namespace_fields(mem_pool_host))
+            self.engine = self._open_engine(self.namespace)
+            if self.enable_metrics:
+                self._exporter = self._make_exporter()
+        self._log_startup()
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """Record every host pool of the group; any pool but the KV anchor means a hybrid model (see
+        :meth:`on_host_pools_registered`)."""
+        self.registered_pools[host_pool_name] = host_pool
+        if _pool_name(host_pool_name) != PoolName.KV.value:
+            self._sidecars.append(_pool_name(host_pool_name))
+            if self.engine is not None and self._refused is None and self._attached_once:
+                # A sidecar added after the attach: too late to refuse, so serve misses for v2 calls.
+                log.error("kvstream: sidecar host pool %r registered after attach; kvstream stores only the KV "
+                          "pool (interface v1), so this model's L3 hits will be misses", _pool_name(host_pool_name))
+
+    def on_host_pools_registered(self) -> None:
+        """Refuse hybrid models (SWA, Mamba, DSA indexer, draft KV sidecars): they need the v2 interface.
+
+        Raising here fails sglang's attach with this message; the backend is closed first, so any call the
+        already-started storage threads still make is answered with a miss.
+        """
+        self._attached_once = True
+        if not self._sidecars:
+            return
+        names = ", ".join(sorted(set(self._sidecars)))
+        self._refused = (
+            f"kvstream: this model uses HiCache sidecar host pools ({names}) besides the KV pool; kvstream "
+            "implements the v1 storage interface (KV pages only) and cannot store them. Run this model with "
+            "--hicache-storage-backend file, or without an L3 storage backend.")
+        self.close()
+        raise RuntimeError(self._refused)
+
+    _attached_once = False
+
+    # ------------------------------------------------------------------------------------------ v1
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Number of leading ``keys`` stored: the engine's index only, no disk access."""
+        return self._guard("batch_exists", 0, self._batch_exists, keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Read ``keys`` into the host pool at ``host_indices`` (``page_size`` slots per key). One bool per key;
+        sglang uses the leading run of True."""
+        return self._guard("batch_get_v1", [False] * len(keys), self._batch_get_v1, keys, host_indices)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Write the host pool's pages at ``host_indices`` under ``keys``; returns once every byte is out of
+        host memory. One bool per key (True = at least one tier holds a verified copy)."""
+        return self._guard("batch_set_v1", [False] * len(keys), self._batch_set_v1, keys, host_indices)
+
+    # ------------------------------------------------------------------------------------------ legacy
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        """Legacy: read one page into the flat page tensor ``target_location``; the tensor, or None."""
+        return self._guard("get", None, lambda: self._legacy_get([key], [target_location])[0])
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
+        """Legacy (copying) read path: fill the flat page tensors; per key the tensor or None."""
+        return self._guard("batch_get", [None] * len(keys), self._legacy_get, keys, target_locations)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Legacy: write one flat page tensor."""
+        return self._guard("set", False, lambda: all(self._legacy_set([key], [value])))
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        """Legacy (copying) write path: flat page tensors; True when every page is stored."""
+        return self._guard("batch_set", False, lambda: all(self._legacy_set(keys, values)))
+
+    def exists(self, key: str) -> bool:
+        return self._guard("exists", False, lambda: self._batch_exists([key]) == 1)
+
+    # ------------------------------------------------------------------------------------------ v2
+    # Never reached for the models we accept (sglang calls v2 only with sidecar pools, refused at attach);
+    # implemented as misses so a sidecar registered after the attach cannot raise into a controller thread.
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+        def run():
+            if pool_transfers:
+                self._warn("batch_exists_v2", "sidecar pools", "kvstream: v2 query with sidecar pools answered "
+                           "as a miss (kvstream stores only the KV pool)")
+                return PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={})
+            return PoolTransferResult(kv_hit_pages=self._batch_exists(keys), extra_pool_hit_pages={})
+
+        return self._guard("batch_exists_v2", None, run) or PoolTransferResult(kv_hit_pages=0,
+                                                                                  extra_pool_hit_pages={})
+
+    def batch_get_v2(self, transfers, extra_info=None):
+        return {t.name: [False] * len(t.keys or []) for t in transfers or []}
+
+    def batch_set_v2(self, transfers, extra_info=None):
+        return {t.name: [False] * len(t.keys or []) for t in transfers or []}
+
+    # ------------------------------------------------------------------------------------------ admin
+    def clear(self) -> None:
+        """Drop every page of this namespace from every tier (sglang's /clear_hicache_storage_backend)."""
+        self._guard("clear", None, lambda: self.engine.clear() if self.engine is not None else None)
+
+    def close(self) -> None:
+        """Close the engine (idempotent). Later calls answer misses / False without touching the tiers."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception as exc:  # close() runs on sglang's detach path: report, never raise
+                log.warning("kvstream: closing the engine failed: %s", exc)
+
+    def get_stats(self):
+        """sglang's ``StorageMetrics`` (pages and GB/s per prefetch/backup call since the last poll), with the
+        full kvstream stats attached as ``.kvstream``. Also pushes the Prometheus metrics."""
+        return self._guard("get_stats", None, self._get_stats)
+
+    def flush_metrics(self) -> None:
+        """Push the engine's counters to Prometheus now (normally at most once per second, from the batch
+        calls and sglang's get_stats polls)."""
+        self._guard("flush_metrics", None, self._maybe_sync, True)
+
+    def stats(self) -> dict:
+        """Engine stats (per tier bytes, shares, errors, last batch vs bound) plus the adapter's counters."""
+        engine = self.engine
+        out = engine.stats() if engine is not None else {}
+        out = dict(out)
+        out["adapter"] = dict(self.counters)
+        return out
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _guard(self, method: str, default: Any, fn: Callable, *args: Any) -> Any:
+        """Run ``fn``; any exception -> ``default``, a rate-limited warning and a counter."""
+        if self.engine is None:
+            self._count("refused_calls")
+            if self._refused is None and not self._closed and method not in ("get_stats", "clear"):
+                self._warn(method, "not attached", f"kvstream: {method} called before the host pool was "
+                           "registered; answering a miss")
+            return default
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if self._closed:  # closed under a call (sglang's detach): a miss, not a fault
+                return default
+            self._count("errors")
+            if self._exporter is not None:
+                self._exporter.count_error(method)
+            self._warn(method, type(exc).__name__, f"kvstream: {method} failed ({type(exc).__name__}: {exc}); "
+                       "answered as a miss, the controller thread continues", exc_info=exc)
+            return default
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def _warn(self, method: str, what: str, message: str, exc_info: BaseException | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            slot = self._warned.setdefault((method, what), [0.0, 0])
+            if slot[0] and now - slot[0] < WARN_INTERVAL_S:
+                slot[1] += 1
+                return
+            suppressed, slot[0], slot[1] = slot[1], now, 0
+        if suppressed:
+            message += f" ({suppressed} more like this in the last {WARN_INTERVAL_S:.0f} s)"
+        log.warning(message, exc_info=exc_info if log.isEnabledFor(logging.DEBUG) else None)
+
+    def _batch_exists(self, keys: Sequence[str]) -> int:
+        return self.engine.prefix_len(keys)
+
+    def _batch_get_v1(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        pages = self._pool_pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        found = self._engine_call(self.engine.get, keys, pages)
+        self._record("prefetch", found, t0)
+        return found
+
+    def _batch_set_v1(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not self.is_writer:  # MLA: pages are shared by all TP ranks; one writer (sglang never calls us here)
+            self._count("skipped_writes", len(keys))
+            return [True] * len(keys)
+        pages = self._pool_pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        stored = self._engine_call(self.engine.put, keys, pages)
+        self._record("backup", stored, t0)
+        return stored
+
+    def _legacy_get(self, keys: list[str], targets: Any) -> list:
+        self._note_legacy()
+        if targets is None:
+            targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        targets = [t if t is None or t.is_contiguous() else None for t in targets]
+        pages = [[(t.data_ptr(), t.numel() * t.element_size())] if t is not None else [] for t in targets]
+        t0 = time.perf_counter()
+        found = self._engine_call(self.engine.get, keys, pages)
+        self._record("prefetch", found, t0)
+        return [t if ok and t is not None else None for t, ok in zip(targets, found)]
+
+    def _legacy_set(self, keys: list[str], values: Any) -> list[bool]:
+        self._note_legacy()
+        if not self.is_writer:
+            self._count("skipped_writes", len(keys))
+            return [True] * len(keys)
+        values = [v.contiguous() for v in values]  # keeps the tensors alive for the call
+        pages = [[(v.data_ptr(), v.numel() * v.element_size())] for v in values]
+        t0 = time.perf_counter()
+        stored = self._engine_call(self.engine.put, keys, pages)
+        self._record("backup", stored, t0)
+        return stored
+
+    def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment]]) -> list[bool]:
+        """Run an engine batch on the pages whose keys are valid; invalid keys are False (and counted)."""
+        ok = [is_valid_key(k) for k in keys]
+        if all(ok):
+            return list(op(keys, pages))
+        self._count("invalid_keys", ok.count(False))
+        self._warn("keys", "invalid", "kvstream: refused page keys that are not [0-9A-Za-z_-]{1,200} "
+                   f"(first: {next(k for k, v in zip(keys, ok) if not v)!r})")
+        sel = [i for i, v in enumerate(ok) if v]
+        out = [False] * len(keys)
+        if sel:
+            for i, r in zip(sel, op([keys[i] for i in sel], [pages[i] for i in sel])):
+                out[i] = bool(r)
+        return out
+
+    def _pool_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment]] | None:
+        """The host pool's segments of each page, in flat-page order; None (and a warning) on a shape error."""
+        host = self.mem_pool_host
+        n = len(keys)
+        if n == 0:
+            return []
+        if host_indices is None or len(host_indices) != n * host.page_size:
+            self._count("bad_arguments")
+            self._warn("pages", "shape", f"kvstream: {n} keys but {0 if host_indices is None else len(host_indices)}"
+                       f" host slots (page size {host.page_size}); answered as a miss")
+            return None
+        ptrs, sizes = host.get_page_buffer_meta(host_indices)
+        per = self._segments_per_page
+        if len(ptrs) != n * per:
+            self._count("bad_arguments")
+            self._warn("pages", "segments", f"kvstream: host pool returned {len(ptrs)} segments for {n} pages, "
+                       f"expected {per} per page; answered as a miss")
+            return None
+        segs = list(zip(ptrs, sizes))
+        pages = [segs[i * per:(i + 1) * per] for i in range(n)]
+        if self._reorder_kv:  # MHA layer_first: k0 v0 k1 v1 ... -> k0 k1 ... v0 v1 ... (the flat page order)
+            pages = [p[0::2] + p[1::2] for p in pages]
+        return pages
+
+    def _note_legacy(self) -> None:
+        self._count("legacy_calls")
+        if self.counters["legacy_calls"] == 1:
+            log.info("kvstream: sglang is using the copying batch_get/batch_set path (the kvstream plugin's "
+                     "controller hook is not active, or 'interface_v1' is missing from the dynamic extra config)")
+
+    def _record(self, kind: str, results: Sequence[bool], t0: float) -> None:
+        if not self.enable_metrics:
+            return
+        elapsed = time.perf_counter() - t0
+        pages = sum(1 for r in results if r)
+        with self._lock:
+            samples = self._samples
+            if len(samples[f"{kind}_pgs"]) < MAX_STORAGE_SAMPLES:
+                samples[f"{kind}_pgs"].append(len(results))
+                samples[f"{kind}_bandwidth"].append(pages * self._page_bytes / elapsed / 1e9 if elapsed > 0 else 0.0)
+        exporter = self._exporter
+        if exporter is not None:
+            if kind == "prefetch":
+                exporter.observe_read(self.engine.last_batch if self.engine is not None else {}, elapsed)
+            self._maybe_sync()
+
+    def _maybe_sync(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._exporter is None or (not force and now - self._last_sync < METRICS_INTERVAL_S):
+            return
+        self._last_sync = now
+        engine = self.engine
+        if engine is not None:
+            self._exporter.sync(engine.stats(), self.counters)
+
+    def _get_stats(self):
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        out = StorageMetrics()
+        with self._lock:
+            samples, self._samples = self._samples, {name: [] for name in self._samples}
+        for name, values in samples.items():
+            getattr(out, name).extend(values)
+        self._maybe_sync()
+        out.kvstream = self.stats()
+        return out
+
+    # -- attach helpers --
+    def _describe_pages(self, host) -> None:
+        """Segments per page and the page size in bytes, from the pool itself (one probe page)."""
+        probe = torch.arange(host.page_size, dtype=torch.int64)
+        _, sizes = host.get_page_buffer_meta(probe)
+        self._segments_per_page = len(sizes)
+        self._page_bytes = sum(sizes)
+        self._reorder_kv = not self.is_mla and host.layout == "layer_first"
+
+    def _namespace_fields(self, host) -> dict:
+        cfg = self.storage_config
+        probe = torch.arange(host.page_size, dtype=torch.int64)
+        _, sizes = host.get_page_buffer_meta(probe)
+        fields = {
+            "format": "sglang-hicache/1",
+            "model": cfg.model_name or "",
+            "attention": "mla" if self.is_mla else "mha",
+            "layout": host.layout,
+            "dtype": str(host.dtype).replace("torch.", ""),
+            "page_size": host.page_size,
+            "layers": getattr(host, "layer_num", None),
+            "segments": list(sizes),
+            "pp": [cfg.pp_rank, cfg.pp_size],
+            "cp": [cfg.attn_cp_rank, cfg.attn_cp_size],
+        }
+        if self.is_mla:
+            fields["kv_dim"] = getattr(host, "kv_cache_dim", None)
+        else:
+            # MHA pages hold this rank's heads only: rank-specific.
+            fields["heads"] = [getattr(host, "head_num", None), getattr(host, "head_dim", None),
+                               getattr(host, "v_head_dim", None)]
+            fields["tp"] = [cfg.tp_rank, cfg.tp_size]
+        return fields
+
+    def _open_engine(self, namespace: Namespace):
+        from .engine import Engine
+
+        # The engine announces itself at INFO on every rank; sglang gets one line instead, from rank 0
+        # (startup_line), which carries the same facts plus the host-pool side.
+        banner = _DropBanner()
+        engine_log = logging.getLogger("kvstream")
+        engine_log.addFilter(banner)
+        try:
+            return Engine(self.config, namespace)
+        finally:
+            engine_log.removeFilter(banner)
+
+    def _make_exporter(self):
+        from .metrics import Exporter
+
+        cfg = self.storage_config
+        labels = {"tp_rank": str(cfg.tp_rank), "dp_rank": str(cfg.dp_rank), "pp_rank": str(cfg.pp_rank)}
+        return Exporter(labels, [t.path for t in self.config.tiers])
+
+    @property
+    def is_rank0(self) -> bool:
+        cfg = self.storage_config
+        return (cfg.tp_rank, cfg.pp_rank, cfg.attn_cp_rank, cfg.dp_rank) == (0, 0, 0, 0)
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when the host pool's pages are 4096-aligned in address and size: O_DIRECT from host memory."""
+        host = self.mem_pool_host
+        try:
+            return bool(host.is_stride_page_aligned(ALIGN))
+        except Exception:  # pools without the helper (sglang's contract does not require it)
+            return False
+
+    def startup_line(self) -> str:
+        """The one-line effective configuration logged at start-up (rank 0)."""
+        cfg = self.config
+        tiers = ", ".join(f"{t.path}" + (f" ({t.capacity})" if str(t.capacity) != "unlimited" else "")
+                          for t in cfg.tiers)
+        engine = self.engine
+        io = getattr(engine, "io_engine", None) or cfg.io_engine
+        scan = getattr(engine, "scan", None) or {}
+        host = self.mem_pool_host
+        mode = "zero-copy" if self.zero_copy else "staged"
+        why = "" if self.zero_copy else f" (host pages not {ALIGN}-aligned: bounce buffers)"
+        writer = "" if self.is_writer else "; reads only (MLA non-writer rank)"
+        return (f"kvstream: {len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''} [{tiers}]; "
+                f"policy {cfg.policy_spec}; io {io}; layout {host.layout} "
+                f"{'MLA' if self.is_mla else 'MHA'} {str(host.dtype).replace('torch.', '')} page {host.page_size} "
+                f"({self._page_bytes / 1024:.0f} KiB); {mode}{why}; fsync {cfg.fsync}; "
+                f"namespace {self.namespace.digest[:12]}; {scan.get('pages', 0)} pages indexed in "
+                f"{scan.get('seconds', 0.0):.2f} s{writer}")
+
+    def _log_startup(self) -> None:
+        line = self.startup_line()
+        if self.is_rank0:
+            log.info(line)
+        else:
+            log.debug(line)
+
+
+class _DropBanner(logging.Filter):
+    """Drops the engine's own start-up summary (INFO) while the adapter opens it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and str(record.msg).startswith("kvstream: %s; namespace"))
+
+
+def _pool_name(name: Any) -> str:
+    return getattr(name, "value", name)

@@ -1,0 +1,157 @@
+"""Prometheus export of kvstream's stats, for sglang servers started with ``--enable-metrics``.
+
+sglang runs prometheus_client in multiprocess mode: the launcher sets ``PROMETHEUS_MULTIPROC_DIR`` before it
+spawns the scheduler processes, every process writes its samples there, and ``/metrics`` aggregates them.
+So this module imports prometheus_client lazily (in the scheduler, after the variable is inherited), creates
+its metric families once per process (a second registration of a name raises in prometheus_client), and
+labels every series with the scheduler's ranks so processes never collide.
+
+Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` maps it to the directory):
+
+==========================================  =========  ==================================================
+``kvstream:tier_read_bytes_total``          counter    bytes read from the tier (duplicate reads included)
+``kvstream:tier_served_bytes_total``        counter    bytes the tier delivered first (its share of the data)
+``kvstream:tier_write_bytes_total``         counter    bytes written to the tier
+``kvstream:tier_read_share``                gauge      fraction of all served bytes served by the tier
+``kvstream:tier_fallbacks_total``           counter    reads of pages this tier failed, retried on a replica
+``kvstream:tier_corrupted_pages_total``     counter    copies on the tier that failed verification
+``kvstream:tier_errors_total``              counter    I/O errors on the tier
+``kvstream:tier_evictions_total``           counter    pages evicted from the tier (capacity)
+``kvstream:tier_healthy``                   gauge      1 while the tier is in service, 0 while failed
+``kvstream:pages_total{result}``            counter    pages requested by reads: found / missing
+``kvstream:under_replicated_pages_total``   counter    pages stored on fewer tiers than configured
+``kvstream:retrieval_seconds``              histogram  time of one read batch
+``kvstream:retrieval_bound_seconds_total``  counter    sum of the batches' aggregate-bandwidth bound D/sum(b_k)
+``kvstream:retrieval_gap``                  histogram  time / bound - 1 per batch (0 = at the bound)
+``kvstream:adapter_errors_total{op}``       counter    exceptions turned into misses by the sglang adapter
+==========================================  =========  ==================================================
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+PREFIX = "kvstream:"
+RETRIEVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
+GAP_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)  # time / bound - 1
+
+# engine per-tier counter -> exported counter family
+TIER_COUNTERS = {
+    "bytes_read": "tier_read_bytes",
+    "bytes_served": "tier_served_bytes",
+    "bytes_written": "tier_write_bytes",
+    "replica_retries": "tier_fallbacks",
+    "corrupted": "tier_corrupted_pages",
+    "errors": "tier_errors",
+    "evictions": "tier_evictions",
+}
+TIER_DOCS = {
+    "tier_read_bytes": "Bytes read from the tier (duplicate reads near the routing meeting point included).",
+    "tier_served_bytes": "Bytes the tier delivered first: its share of the data returned to sglang.",
+    "tier_write_bytes": "Bytes written to the tier.",
+    "tier_fallbacks": "Page reads this tier failed that were retried on another replica.",
+    "tier_corrupted_pages": "Copies on the tier that failed header or checksum verification.",
+    "tier_errors": "I/O errors on the tier.",
+    "tier_evictions": "Pages evicted from the tier to stay within its capacity.",
+}
+
+_families: dict | None = None
+_families_lock = threading.Lock()
+
+
+def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank")) -> dict:
+    """The process-wide metric families (created on first use)."""
+    global _families
+    with _families_lock:
+        if _families is not None:
+            return _families
+        # Imported here, not at module import: sglang sets PROMETHEUS_MULTIPROC_DIR before its processes start,
+        # and prometheus_client decides its value storage (files vs memory) when first imported.
+        from prometheus_client import Counter, Gauge, Histogram
+
+        ranks = list(rank_labels)
+        tier = ranks + ["tier"]
+        fam: dict = {}
+        for name in TIER_COUNTERS.values():
+            fam[name] = Counter(PREFIX + name, TIER_DOCS[name], tier)
+        fam["tier_read_share"] = Gauge(PREFIX + "tier_read_share",
+                                       "Fraction of all bytes served to sglang that this tier served (since start).",
+                                       tier, multiprocess_mode="mostrecent")
+        fam["tier_healthy"] = Gauge(PREFIX + "tier_healthy", "1 while the tier is in service, 0 while failed.",
+                                    tier, multiprocess_mode="mostrecent")
+        fam["tier_info"] = Gauge(PREFIX + "tier_info", "Tier position -> directory (value 1).", tier + ["path"],
+                                 multiprocess_mode="mostrecent")
+        fam["pages"] = Counter(PREFIX + "pages", "Pages requested by reads, by result (found / missing).",
+                               ranks + ["result"])
+        fam["under_replicated"] = Counter(PREFIX + "under_replicated_pages",
+                                          "Pages stored on fewer tiers than configured.", ranks)
+        fam["retrieval_seconds"] = Histogram(PREFIX + "retrieval_seconds", "Time of one read batch, seconds.",
+                                             ranks, buckets=RETRIEVAL_BUCKETS)
+        fam["retrieval_bound"] = Counter(PREFIX + "retrieval_bound_seconds",
+                                         "Sum over read batches of the aggregate-bandwidth bound D / sum(b_k).",
+                                         ranks)
+        fam["retrieval_gap"] = Histogram(PREFIX + "retrieval_gap",
+                                         "Per read batch: retrieval time / bound - 1 (0 = at the bound).",
+                                         ranks, buckets=GAP_BUCKETS)
+        fam["adapter_errors"] = Counter(PREFIX + "adapter_errors",
+                                        "Exceptions the sglang adapter turned into misses, by method.",
+                                        ranks + ["op"])
+        _families = fam
+        return fam
+
+
+class Exporter:
+    """One backend's view of the families: its rank labels, and the last engine stats it exported.
+
+    ``sync(stats)`` turns cumulative engine counters into counter increments (deltas since the previous sync),
+    so several backends in one process (detach / re-attach) add up instead of double counting.
+    """
+
+    def __init__(self, labels: Mapping[str, str], tier_paths: Sequence[str]):
+        self.labels = {k: str(v) for k, v in labels.items()}
+        self.fam = families(tuple(self.labels))
+        self.tier_paths = list(tier_paths)
+        self._last_tiers: list[dict] = [{} for _ in tier_paths]
+        self._last_totals: dict = {}
+        self._lock = threading.Lock()
+        for k, path in enumerate(self.tier_paths):
+            self.fam["tier_info"].labels(**self.labels, tier=str(k), path=path).set(1)
+            self.fam["tier_healthy"].labels(**self.labels, tier=str(k)).set(1)
+
+    def sync(self, stats: Mapping, adapter_counters: Mapping | None = None) -> None:
+        """Export the engine's cumulative ``stats()`` dict."""
+        with self._lock:
+            for k, tier in enumerate(stats.get("tiers", ())[: len(self.tier_paths)]):
+                last = self._last_tiers[k]
+                lbl = dict(self.labels, tier=str(k))
+                for src, dst in TIER_COUNTERS.items():
+                    delta = tier.get(src, 0) - last.get(src, 0)
+                    if delta > 0:
+                        self.fam[dst].labels(**lbl).inc(delta)
+                self.fam["tier_read_share"].labels(**lbl).set(float(tier.get("read_share", 0.0)))
+                if "healthy" in tier:
+                    self.fam["tier_healthy"].labels(**lbl).set(1 if tier["healthy"] else 0)
+                self._last_tiers[k] = dict(tier)
+            last = self._last_totals
+            for src, result in (("pages_found", "found"), ("pages_missing", "missing")):
+                delta = stats.get(src, 0) - last.get(src, 0)
+                if delta > 0:
+                    self.fam["pages"].labels(**self.labels, result=result).inc(delta)
+            delta = stats.get("under_replicated", 0) - last.get("under_replicated", 0)
+            if delta > 0:
+                self.fam["under_replicated"].labels(**self.labels).inc(delta)
+            self._last_totals = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+
+    def observe_read(self, batch: Mapping, elapsed: float) -> None:
+        """One read batch: its time, and its bound when the engine computed one."""
+        self.fam["retrieval_seconds"].labels(**self.labels).observe(batch.get("time_s", elapsed) if batch else elapsed)
+        bound = batch.get("bound_s") if batch else None
+        if bound:
+            self.fam["retrieval_bound"].labels(**self.labels).inc(bound)
+            gap = batch.get("gap")
+            if gap is not None:
+                self.fam["retrieval_gap"].labels(**self.labels).observe(max(0.0, gap))
+
+    def count_error(self, op: str) -> None:
+        self.fam["adapter_errors"].labels(**self.labels, op=op).inc()

@@ -1,0 +1,287 @@
+"""Unit tests of the benchmark's pure parts: the gap arithmetic, the testbed's commands, fio job files,
+page geometry, the data set check, the span instrument and the drift scenarios (with fakes)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvstream_hicache.bench import drift, fio, gap, geometry, testbed
+from kvstream_hicache.bench.dataset import Dataset, check, page_segments, page_views, poison
+from kvstream_hicache.bench.instrument import SpanRecorder, TimedRing
+from kvstream_hicache.io import OP_READ, OP_WRITE
+
+MB = 1_000_000
+
+
+def rec(policy, t0, t_ret, nbytes, tier_bytes, tier_busy, served=()):
+    return gap.BatchRecord(policy=policy, round=0, t0=t0, t_ret=t_ret, nbytes=nbytes, pages=1, found=1,
+                           tier_bytes=tier_bytes, tier_busy=tier_busy, tier_served=served)
+
+
+# ---------------------------------------------------------------------------------------------- gap
+def test_bound_uses_the_batch_own_tier_rates():
+    r = rec("kvstream", 0.0, 1.0, 800 * MB, (600 * MB, 200 * MB), (1.0, 1.0))
+    gap.assign_bounds([r], 2, min_bytes=1)
+    assert r.tier_bps == pytest.approx((600 * MB, 200 * MB))
+    assert r.tier_bps_source == ("batch", "batch")
+    assert r.bound_s == pytest.approx(1.0)
+    assert gap.gap([r]) == pytest.approx(0.0)
+
+
+def test_static_split_mismatch_pays_eq6():
+    # b0 = 600, b1 = 200 MB/s, D = 800 MB, g = 0.5: tier 1 needs 400/200 = 2 s, the bound is 1 s.
+    r = rec("static-0.5", 0.0, 2.0, 800 * MB, (400 * MB, 400 * MB), (400 / 600, 2.0))
+    gap.assign_bounds([r], 2, min_bytes=1)
+    assert r.bound_s == pytest.approx(1.0)
+    assert gap.gap([r]) == pytest.approx(1.0)
+
+
+def test_idle_tier_rate_is_interpolated_from_neighbours():
+    a = rec("kvstream", 0.0, 1.0, 1, (100, 100), (1.0, 1.0))  # t_mid 0.5: b1 = 100
+    b = rec("tier0", 1.0, 1.0, 1, (100, 0), (1.0, None))  # t_mid 1.5: tier 1 idle
+    c = rec("kvstream", 2.0, 1.0, 1, (100, 300), (1.0, 1.0))  # t_mid 2.5: b1 = 300
+    gap.assign_bounds([a, b, c], 2, min_bytes=1)
+    assert b.tier_bps_source == ("batch", "interpolated")
+    assert b.tier_bps[1] == pytest.approx(200.0)
+
+
+def test_small_tier_share_is_not_trusted_as_a_rate():
+    a = rec("kvstream", 0.0, 1.0, 1, (100, 50), (1.0, 1.0))
+    b = rec("kvstream", 1.0, 1.0, 1, (100, 2), (1.0, 0.001))  # 2 bytes in 1 ms: a tail steal, not a rate
+    gap.assign_bounds([a, b], 2, min_bytes=10)
+    assert b.tier_bps_source[1] == "interpolated"
+    assert b.tier_bps[1] == pytest.approx(50.0)
+
+
+def test_no_measurement_at_all_leaves_the_tier_out():
+    r = rec("tier0", 0.0, 1.0, 100, (100, 0), (1.0, None))
+    gap.assign_bounds([r], 2, min_bytes=1)
+    assert r.tier_bps_source == ("batch", "none")
+    assert r.bound_s == pytest.approx(1.0)
+
+
+def test_gap_sums_times_before_dividing():
+    r1 = rec("p", 0, 1.0, 100, (100,), (1.0,))
+    r2 = rec("p", 1, 3.0, 100, (100,), (1.0,))  # rate 100/s -> bound 1 s, took 3 s
+    for r in (r1, r2):
+        r.bound_s = 1.0
+    assert gap.gap([r1, r2]) == pytest.approx(4.0 / 2.0 - 1.0)
+
+
+def test_percentile_matches_numpy():
+    xs = [0.3, 1.2, 0.7, 5.0, 2.2, 0.9]
+    for q in (0, 50, 90, 100):
+        assert gap.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_summary_share_prefers_served_bytes():
+    r = rec("kvstream", 0, 1.0, 100, (80, 30), (1.0, 1.0), served=(75, 25))
+    gap.assign_bounds([r], 2, min_bytes=1)
+    s = gap.summarize([r], 2)
+    assert s["share"] == pytest.approx([0.75, 0.25])
+    assert s["read_amplification"] == pytest.approx(0.10)
+    assert s["throughput_gbps"] == pytest.approx(100 / 1e9)
+
+
+# ------------------------------------------------------------------------------------------ testbed
+def test_profiles_hold_the_issue_figures():
+    p2 = testbed.PROFILES["testbed2-1:20"]
+    assert [(t.read_bps, t.write_bps) for t in p2.tiers] == [(580 * MB, 255 * MB), (180 * MB, 140 * MB)]
+    p1 = testbed.PROFILES["testbed1-1:20"]
+    assert [(t.read_bps, t.write_bps) for t in p1.tiers] == [(685 * MB, 230 * MB), (310 * MB, 355 * MB)]
+    assert p2.slowest_write_tier == 1 and p1.slowest_write_tier == 0
+    assert p2.bound_read_bps / p2.tiers[0].read_bps == pytest.approx(1.31, abs=0.005)
+
+
+def test_explicit_profile_and_sizes():
+    p = testbed.parse_profile("400/200,150/100")
+    assert [(t.read_bps, t.write_bps) for t in p.tiers] == [(400 * MB, 200 * MB), (150 * MB, 100 * MB)]
+    with pytest.raises(testbed.TestbedError, match="testbed2-1:20"):
+        testbed.parse_profile("fast")
+    assert testbed.parse_size("16G") == 16 << 30
+    assert testbed.parse_size("512M") == 512 << 20
+    with pytest.raises(testbed.TestbedError):
+        testbed.parse_size("lots")
+
+
+def test_commands():
+    assert testbed.losetup_attach_cmd("/img") == ["losetup", "--direct-io=on", "--find", "--show", "/img"]
+    mkfs = testbed.mkfs_cmd("/dev/loop3", "t0")
+    assert mkfs[0] == "mkfs.ext4" and mkfs[-1] == "/dev/loop3"
+    assert "lazy_itable_init=0,lazy_journal_init=0" in mkfs
+    assert testbed.mount_cmd("/dev/loop3", "/mnt/x") == ["mount", "-o", "noatime", "/dev/loop3", "/mnt/x"]
+    assert testbed.umount_cmd("/mnt/x") == ["umount", "/mnt/x"]
+    assert testbed.losetup_detach_cmd("/dev/loop3") == ["losetup", "--detach", "/dev/loop3"]
+
+
+def test_throttle_rules_per_device():
+    rules = testbed.throttle_writes("/cg", ["7:0", "7:1"], testbed.PROFILES["testbed2-1:20"])
+    assert rules == [
+        ("/cg/blkio.throttle.read_bps_device", "7:0 580000000"),
+        ("/cg/blkio.throttle.write_bps_device", "7:0 255000000"),
+        ("/cg/blkio.throttle.read_bps_device", "7:1 180000000"),
+        ("/cg/blkio.throttle.write_bps_device", "7:1 140000000"),
+    ]
+    with pytest.raises(testbed.TestbedError, match="2 tiers"):
+        testbed.throttle_writes("/cg", ["7:0"], testbed.PROFILES["testbed2-1:20"])
+
+
+def test_names_of_the_default_and_a_named_testbed():
+    n = testbed.names("kvstream", 2, "/var/lib/x")
+    assert n["mounts"] == ["/mnt/kvstream/tier0", "/mnt/kvstream/tier1"]
+    assert n["cgroup"] == "/sys/fs/cgroup/blkio/kvstream"
+    assert n["images"][1] == "/var/lib/x/kvstream-tier1.img"
+    assert testbed.names("ci", 2)["mounts"][0] == "/mnt/kvstream-ci/tier0"
+
+
+def test_preflight_says_what_is_missing_and_how_to_fix_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(testbed, "BLKIO_ROOT", str(tmp_path / "no-blkio"))
+    problems = testbed.preflight(str(tmp_path), need_fio=False)
+    text = "\n".join(problems)
+    assert "not root" in text and "sudo" in text
+    assert "cgroup v1 blkio" in text and "Fix:" in text
+    with pytest.raises(testbed.TestbedError, match="cannot build the testbed here"):
+        testbed.up(testbed.PROFILES["testbed2-1:20"], image_dir=str(tmp_path), fio_bs=None, log=lambda m: None)
+
+
+def test_down_of_a_testbed_that_is_not_up_is_a_no_op(monkeypatch, tmp_path):
+    monkeypatch.setattr(testbed, "STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(testbed, "BLKIO_ROOT", str(tmp_path / "blkio"))
+    monkeypatch.setattr(testbed, "MOUNT_ROOT", str(tmp_path / "mnt"))
+    lines = []
+    assert testbed.down("never-built", image_dir=str(tmp_path / "img"), log=lines.append) is False
+    assert "nothing to do" in lines[0]
+    assert testbed.status("never-built") == {"up": False, "name": "never-built"}
+
+
+# ---------------------------------------------------------------------------------------------- fio
+def test_fio_jobfile_runs_jobs_concurrently_with_io_uring_direct():
+    text = fio.jobfile([fio.FioJob("tier0", "/a", "randread", 8 << 20, size=(1 << 30) + 5),
+                        fio.FioJob("tier1", "/b", "write", 8 << 20, runtime_s=None)])
+    assert "ioengine=io_uring" in text and "direct=1" in text
+    assert "[tier0]" in text and "[tier1]" in text and "stonewall" not in text
+    assert f"size={1 << 30}" in text  # rounded down to a multiple of bs
+    assert text.count("time_based=1") == 1
+
+
+def test_fio_json_with_a_warning_first():
+    out = 'fio: something odd\n{"jobs": [{"jobname": "tier0", "read": {"bw_bytes": 580000000}, ' \
+          '"write": {"bw_bytes": 0}}]}'
+    assert fio.parse_json(out) == {"tier0": {"read_bps": 580e6, "write_bps": 0.0}}
+    assert fio.summarize(fio.parse_json(out), "read_bps") == {"tier0": 580.0}
+
+
+# ------------------------------------------------------------------------------------ geometry/data
+def test_llama3_8b_page_of_64_tokens_is_4_plus_4_mib():
+    g = geometry.from_model("llama3-8b", 64)
+    assert g.segments == (4 << 20, 4 << 20) and g.page_bytes == 8 << 20
+    assert geometry.from_model("llama3-8b", 64, tp=2).segments == (2 << 20, 2 << 20)
+    assert len(geometry.from_model("deepseek-v3", 64).segments) == 1
+    with pytest.raises(ValueError, match="unknown model"):
+        geometry.from_model("gpt-9", 64)
+    assert geometry.from_bytes(65536).segments == (32768, 32768)
+
+
+def test_sglang_shape_reproduces_the_chunks():
+    from kvstream_hicache.bench.contenders import sglang_shape
+
+    for g in (geometry.from_model("llama3-8b", 64), geometry.from_bytes(1 << 16)):
+        p, layers, heads, dim = sglang_shape(g)
+        assert p * layers * heads * dim * 2 == g.segments[0]
+
+
+def test_dataset_pages_differ_and_the_check_catches_stale_data():
+    g = geometry.from_bytes(16384)
+    ds = Dataset(g, batch_pages=4, n_batches=2, seed=3)
+    assert len({k for b in ds.batches for k in b.keys}) == 8 and all(len(k) == 64 for k in ds.batches[0].keys)
+    buf = np.zeros(4 * g.page_bytes, dtype=np.uint8)
+    views = page_views(buf, g.page_bytes, 4)
+    batch = ds.batches[1]
+    for i, j in enumerate(batch.pages):
+        ds.fill(j, views[i])
+    assert views[0].tobytes() != views[1].tobytes()
+    positions = ds.sample(batch, 2)
+    assert positions == [0, 3]
+    assert check(ds, batch, views, positions, [True] * 4) == []
+    poison(views, positions)
+    assert check(ds, batch, views, positions, [True] * 4) == [0, 3]
+    assert check(ds, batch, views, positions, [False] * 4) == []  # a miss is not wrong data
+    segs = page_segments(1000, g, 2)
+    assert segs == [[(1000, 8192), (9192, 8192)], [(17384, 8192), (25576, 8192)]]
+
+
+# ------------------------------------------------------------------------------------- instrument
+class _FakeRing:
+    def __init__(self):
+        self.done = []
+        self.closed = False
+
+    def submit(self, ops):
+        self.done += [(op[4], 100) for op in ops]
+        return len(ops)
+
+    def reap(self, min_complete=1, timeout=None):
+        out, self.done = self.done, []
+        return out
+
+    def close(self):
+        self.closed = True
+
+
+def test_span_recorder_measures_first_submission_to_last_completion(tmp_path):
+    now = [0.0]
+    rec_ = SpanRecorder([str(tmp_path), str(tmp_path)], clock=lambda: now[0], tier_of_fd=lambda fd: fd)
+    ring = TimedRing(_FakeRing(), rec_)
+    rec_.reset()
+    now[0] = 1.0
+    ring.submit([(OP_READ, 0, None, 0, 1), (OP_READ, 1, None, 0, 2), (OP_WRITE, 1, None, 0, 3)])
+    now[0] = 1.5
+    ring.reap()
+    spans, nbytes = rec_.spans()
+    assert spans == (0.5, 0.5) and nbytes == (100, 100)  # the write is not counted
+    ring.submit([(OP_READ, 0, None, 0, 4)])  # in flight when the batch ends: an orphan
+    rec_.reset()
+    now[0] = 3.0
+    ring.reap()
+    assert rec_.spans() == ((None, None), (0, 0))
+    ring.close()
+    assert ring.inner.closed
+
+
+def test_span_recorder_refuses_tiers_on_one_file_system(tmp_path):
+    assert not SpanRecorder([str(tmp_path), str(tmp_path)]).usable
+
+
+# ------------------------------------------------------------------------------------------- drift
+class _FakeBed:
+    profile = testbed.PROFILES["testbed2-1:20"]
+
+    def __init__(self):
+        self.calls = []
+
+    def set_read_bps(self, tier, bps):
+        self.calls.append((tier, bps))
+
+
+def test_periodic_halves_and_restores_the_throttle():
+    bed = _FakeBed()
+    sc = drift.make("periodic", testbed=bed, dirs=["/a", "/b"], bs=4096)
+    sc._cycle(0)  # start: nothing to restore yet
+    sc._cycle(1)
+    sc._cycle(0)
+    sc.stop()
+    assert bed.calls == [(1, 90 * MB), (1, 180 * MB), (1, 180 * MB)]
+    assert [e["read_bps"] for e in sc.events] == [90 * MB, 180 * MB, 180 * MB]
+
+
+def test_scenarios_need_what_they_drive():
+    with pytest.raises(ValueError, match="--testbed"):
+        drift.make("periodic", testbed=None, dirs=["/a", "/b"], bs=4096)
+    with pytest.raises(ValueError, match="unknown scenario"):
+        drift.make("storm", testbed=None, dirs=["/a"], bs=4096)
+    assert drift.make("competing", testbed=None, dirs=["/a", "/b"], bs=4096).tier == 1
+    assert drift.make("write-interference", testbed=None, dirs=["/a", "/b"], bs=4096).tier == 0
+    assert drift.make("quiet", testbed=None, dirs=["/a"], bs=4096).name == "quiet"

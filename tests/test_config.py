@@ -1,0 +1,169 @@
+"""Config: precedence decided once, values parsed with errors that name the setting and the fix."""
+from __future__ import annotations
+
+import errno
+import os
+from unittest import mock
+
+import pytest
+
+from kvstream_hicache.config import SETTINGS, Capacity, Config, env_name, parse_bytes, probe_tier
+from kvstream_hicache.errors import ConfigError, TierError
+
+
+def cfg(explicit=None, env=None):
+    return Config.from_sources(explicit, environ=env or {})
+
+
+def test_precedence_explicit_over_env_over_default(tier_dirs):
+    a, b, c = tier_dirs
+    env = {"KVSTREAM_TIERS": os.pathsep.join([a, b]), "KVSTREAM_FSYNC": "data", "KVSTREAM_CHUNK": "2M"}
+    config = cfg({"tiers": [c], "fsync": "full"}, env)
+    assert [t.path for t in config.tiers] == [c]
+    assert config.fsync == "full"  # explicit beats env
+    assert config.chunk == 2 << 20  # env beats default
+    assert config.policy == "kvstream"  # default
+    assert config.sources["fsync"] == "extra config 'fsync'"
+    assert config.sources["chunk"] == "KVSTREAM_CHUNK"
+    env_only = cfg(None, env)
+    assert [t.path for t in env_only.tiers] == [a, b]
+    assert env_only.fsync == "data"
+
+
+def test_every_setting_has_an_env_variable_and_a_doc():
+    for key, setting in SETTINGS.items():
+        assert env_name(key) == "KVSTREAM_" + key.upper()
+        assert setting.doc
+
+
+def test_empty_and_none_values_count_as_unset(tier_dirs):
+    config = cfg({"tiers": tier_dirs[:1], "fsync": None}, {"KVSTREAM_FSYNC": "  "})
+    assert config.fsync == "never"
+
+
+def test_no_tiers_names_the_variable():
+    with pytest.raises(ConfigError, match="KVSTREAM_TIERS"):
+        cfg({}, {"KVSTREAM_TIERS": ""})
+    with pytest.raises(ConfigError, match="KVSTREAM_TIERS"):
+        cfg({"tiers": []})
+
+
+def test_unknown_key_lists_valid_keys(tier_dirs):
+    with pytest.raises(ConfigError) as err:
+        cfg({"tiers": tier_dirs, "tier": "/x", "fsnyc": "data"})
+    msg = str(err.value)
+    assert "'fsnyc'" in msg and "'tier'" in msg and "valid keys" in msg and "capacity" in msg
+
+
+def test_loader_keys_of_sglang_dynamic_backend_are_ignored(tier_dirs):
+    config = cfg({"tiers": tier_dirs, "backend_name": "kvstream", "module_path": "x", "class_name": "y",
+                  "interface_v1": 1})
+    assert len(config.tiers) == 3
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4096", 4096), ("1K", 1024), ("1KiB", 1024), ("1KB", 1000), ("1M", 1 << 20), ("200G", 200 << 30),
+    ("1.5TiB", int(1.5 * 2**40)), ("500MB", 500_000_000), (8192, 8192), ("2 g", 2 << 30),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text, "x") == expected
+
+
+@pytest.mark.parametrize("text", ["abc", "12Q", "-1G", "1..5G", "G"])
+def test_parse_bytes_errors(text):
+    with pytest.raises(ConfigError, match="x"):
+        parse_bytes(text, "x")
+
+
+def test_capacity_per_tier_single_value_and_share(tier_dirs):
+    config = cfg({"tiers": tier_dirs, "capacity": "200G"})
+    assert all(t.capacity == Capacity(nbytes=200 << 30) for t in config.tiers)
+    config = cfg({"tiers": tier_dirs}, {"KVSTREAM_CAPACITY": os.pathsep.join(["1G", "", "50%"])})
+    caps = [t.capacity for t in config.tiers]
+    assert caps == [Capacity(nbytes=1 << 30), Capacity(), Capacity(share=0.5)]
+    st = os.statvfs(tier_dirs[2])
+    assert caps[2].resolve(tier_dirs[2]) == int(st.f_blocks * st.f_frsize * 0.5)
+    assert caps[1].resolve(tier_dirs[1]) is None
+
+
+@pytest.mark.parametrize("value,match", [
+    ("lots", "cannot parse size"), ("150%", "share"), ("x%", "share"),
+])
+def test_capacity_errors_name_the_setting(tier_dirs, value, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        cfg({"tiers": tier_dirs[:1], "capacity": value})
+    assert "capacity" in str(err.value)
+
+
+def test_capacity_count_must_match_tiers(tier_dirs):
+    with pytest.raises(ConfigError, match="2 capacities for 3 tiers"):
+        cfg({"tiers": tier_dirs, "capacity": ["1G", "2G"]})
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("chunk", "1000", "multiple of 4096"), ("chunk", "128M", "multiple of 4096"),
+    ("fsync", "always", "never, data, full"), ("io_engine", "aio", "auto, uring, threads"),
+    ("file_mode", "public", "private, shared"), ("log_level", "loud", "DEBUG"),
+    ("read_timeout", "soon", "number"), ("claim", 0, ">= 1"), ("policy", "fastest", "policy"),
+])
+def test_bad_values_name_the_setting(tier_dirs, key, value, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        cfg({"tiers": tier_dirs[:1], key: value})
+    assert key in str(err.value)
+
+
+def test_env_errors_name_the_variable(tier_dirs):
+    with pytest.raises(ConfigError, match="KVSTREAM_FSYNC"):
+        cfg({"tiers": tier_dirs[:1]}, {"KVSTREAM_FSYNC": "sometimes"})
+
+
+def test_claim_folds_into_policy(tier_dirs):
+    assert cfg({"tiers": tier_dirs[:1], "claim": 4}).policy_spec == "kvstream:m=4"
+    assert cfg({"tiers": tier_dirs[:1], "claim": 4, "policy": "tier1"}).policy_spec == "tier1"
+
+
+def test_duplicate_directory_is_dropped_with_a_warning(tier_dirs):
+    a = tier_dirs[0]
+    config = cfg({"tiers": [a, a + "/", tier_dirs[1]]})
+    assert [t.path for t in config.tiers] == [a, tier_dirs[1]]
+    assert any("listed twice" in w for w in config.warnings)
+
+
+def test_probe_missing_directory(tier_root):
+    missing = os.path.join(tier_root, "nope")
+    with pytest.raises(TierError, match="does not exist.*mkdir -p"):
+        cfg({"tiers": [missing]}).probe_tiers()
+
+
+def test_probe_not_a_directory(tier_root):
+    path = os.path.join(tier_root, "file")
+    open(path, "w").close()
+    with pytest.raises(TierError, match="not a directory"):
+        cfg({"tiers": [path]}).probe_tiers()
+
+
+def test_probe_same_file_system_warns(tier_dirs):
+    warnings = cfg({"tiers": tier_dirs[:2]}).probe_tiers()
+    assert any("same file system" in w for w in warnings)
+    assert os.path.isdir(os.path.join(tier_dirs[0], "kvstream", "tmp"))
+    assert oct(os.stat(os.path.join(tier_dirs[0], "kvstream")).st_mode & 0o777) == "0o700"
+
+
+def test_probe_without_o_direct(tier_dirs):
+    real_open = os.open
+
+    def no_direct(path, flags, *args, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kw)
+
+    with mock.patch("kvstream_hicache.config.os.open", side_effect=no_direct):
+        with pytest.raises(TierError, match="does not support O_DIRECT.*ext4"):
+            probe_tier(tier_dirs[0], 0o700, "KVSTREAM_TIERS")
+
+
+def test_probe_unwritable(tier_dirs):
+    # As root chmod does not stop writes, so the refusal is injected as the kernel reports it.
+    with mock.patch("kvstream_hicache.config.os.mkdir", side_effect=OSError(errno.EACCES, "Permission denied")):
+        with pytest.raises(TierError, match="not writable.*permissions"):
+            probe_tier(tier_dirs[0], 0o700, "KVSTREAM_TIERS")

@@ -1,0 +1,59 @@
+"""The demo (the README's first command) runs end to end on plain directories with a small workload."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvstream_hicache import demo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_page_content_is_a_function_of_the_key():
+    a = demo.page_content("ab" * 32, 3 * demo.TILE + 10)
+    assert len(a) == 3 * demo.TILE + 10
+    assert (a == demo.page_content("ab" * 32, 3 * demo.TILE + 10)).all()
+    assert (a[: demo.TILE] != demo.page_content("cd" * 32, demo.TILE)).any()
+
+
+def test_temporary_tiers_say_what_they_are_and_clean_up():
+    args = demo.parse_args(["--no-testbed"])
+    tiers = demo.prepare_tiers(args)
+    try:
+        assert tiers.kind == "temporary" and len(tiers.roots) == 2
+        assert "NOT throttled" in tiers.note
+        dirs = tiers.run_dirs("kvstream")
+        assert len(dirs) == 2 and all(os.path.isdir(d) for d in dirs)
+        assert len(tiers.run_dirs("file")) == 1
+    finally:
+        tiers.close()
+    assert not any(os.path.exists(r) for r in tiers.roots)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the real sglang (see docs/sglang.md)")
+def test_demo_small_on_plain_directories(tier_root, tmp_path):
+    tiers = [os.path.join(tier_root, "fast"), os.path.join(tier_root, "slow")]
+    png, out = tmp_path / "demo.png", tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstream_hicache.demo", "--small", "--tiers", os.pathsep.join(tiers),
+         "--plot", str(png), "--json", str(out), "--quiet"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout
+    assert "real sglang HiCache controller" in text and "reads by tier" in text
+    report = json.loads(out.read_text())
+    kv, fb = report["runs"]["kvstream"], report["runs"]["file"]
+    assert kv["zero_copy"] is True and fb["zero_copy"] is False
+    assert kv["pages_checked"] > 0 and kv["pages_bad"] == 0 and fb["pages_bad"] == 0
+    assert kv["read_bytes"] == fb["read_bytes"] > 0  # both backends served the same prefixes
+    assert sum(kv["tier_read_share"]) == pytest.approx(1.0)
+    assert report["tiers"]["kind"] == "given"
+    assert png.stat().st_size > 1000
+    for t in tiers:  # the demo removed its own run directories, and only those
+        assert os.path.isdir(t) and os.listdir(t) == []

@@ -1,0 +1,396 @@
+"""Engine integration tests on real files with O_DIRECT, over io_uring and the thread engine.
+
+Pages are given as ``(address, nbytes)`` segments of numpy arrays: aligned (AlignedBuffer-backed,
+the zero-copy write path) and unaligned (odd addresses and lengths, the staging path; blocks
+straddle segments). Every test that leaves a store ends with ``check()`` finding no problem.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+
+import numpy as np
+import pytest
+
+from kvstream_hicache import Config, Engine, Namespace
+from kvstream_hicache.io import AlignedBuffer, Ring
+from kvstream_hicache.layout import TMP_SUFFIX, TierLayout, tmp_name
+
+NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
+CHUNK = 64 << 10  # small blocks: several items per page, blocks straddling segments
+ENGINES = ["uring", "threads"]
+
+
+def uring_available() -> bool:
+    try:
+        Ring(8).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(params=ENGINES)
+def io_engine(request):
+    if request.param == "uring" and not uring_available():
+        pytest.skip("io_uring_setup refused on this host")
+    return request.param
+
+
+def make_engine(dirs, io_engine="uring", fault_plan=None, clock=None, **settings) -> Engine:
+    explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": CHUNK, **settings}
+    kwargs = {"fault_plan": fault_plan}
+    if clock is not None:
+        kwargs["clock"] = clock
+    return Engine(Config.from_sources(explicit, environ={}), NS, **kwargs)
+
+
+def key(i: int, salt: str = "") -> str:
+    return hashlib.sha256(f"{salt}{i}".encode()).hexdigest()
+
+
+class Pages:
+    """Page payloads and destination buffers, as segment lists over numpy arrays."""
+
+    def __init__(self, n: int, aligned: bool = True, seed: int = 0, size: int = 192 << 10):
+        rng = np.random.default_rng(seed)
+        self.aligned = aligned
+        self._keep: list = []
+        if aligned:
+            half = size // 2  # K and V: two 4096-multiple segments per page
+            self.shapes = [[half, half]] * n
+        else:
+            a, b = size // 5 + 1, size // 3 + 3  # odd lengths: blocks straddle segments
+            self.shapes = [[a, 1, b, size - a - b - 1]] * n
+        self.src = [[self._array(s) for s in shape] for shape in self.shapes]
+        for page in self.src:
+            for a in page:
+                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+        self.dst = self.fresh()
+
+    def _array(self, nbytes: int) -> np.ndarray:
+        if self.aligned:
+            buf = AlignedBuffer(nbytes)
+            self._keep.append(buf)
+            return np.frombuffer(buf, dtype=np.uint8)
+        raw = np.zeros(nbytes + 1, dtype=np.uint8)
+        self._keep.append(raw)
+        return raw[1:]  # odd address
+
+    def fresh(self) -> list[list[np.ndarray]]:
+        return [[self._array(s) for s in shape] for shape in self.shapes]
+
+    @staticmethod
+    def segments(pages) -> list[list[tuple[int, int]]]:
+        return [[(a.ctypes.data, a.nbytes) for a in page] for page in pages]
+
+    @property
+    def src_segments(self):
+        return self.segments(self.src)
+
+    @property
+    def dst_segments(self):
+        return self.segments(self.dst)
+
+    def equal(self, i: int, dst=None) -> bool:
+        dst = self.dst if dst is None else dst
+        return all(np.array_equal(a, b) for a, b in zip(self.src[i], dst[i]))
+
+
+# -- round trips -------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_tiers", [1, 2, 3])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_round_trip(tier_dirs, io_engine, n_tiers, aligned):
+    pages = Pages(10, aligned=aligned)
+    keys = [key(i) for i in range(10)]
+    with make_engine(tier_dirs[:n_tiers], io_engine) as engine:
+        assert engine.put(keys, pages.src_segments) == [True] * 10
+        assert engine.prefix_len(keys) == 10 and all(engine.contains(k) for k in keys)
+        assert engine.get(keys, pages.dst_segments) == [True] * 10
+        assert all(pages.equal(i) for i in range(10))
+        stats = engine.stats()
+        assert stats["under_replicated"] == 0
+        assert [t["pages_written"] for t in stats["tiers"]] == [10] * n_tiers
+        assert sum(t["bytes_served"] for t in stats["tiers"]) == 10 * sum(pages.shapes[0])
+        batch = engine.last_batch
+        assert batch["found"] == 10 and batch["bytes"] == 10 * sum(pages.shapes[0]) and batch["bound_s"] > 0
+        assert engine.check() == []
+    for d in tier_dirs[:n_tiers]:  # every tier holds a full copy
+        assert len(_page_files(d)) == 10
+
+
+@pytest.mark.parametrize("policy", ["kvstream:m=1", "static-0.5", "tier1", "kvstream:m=4,depth=8"])
+def test_policies_round_trip(tier_dirs, policy):
+    from kvstream_hicache.router import parse_policy
+
+    pages = Pages(6, aligned=False)
+    keys = [key(i) for i in range(6)]
+    with make_engine(tier_dirs[:2]) as engine:
+        engine.put(keys, pages.src_segments)
+        assert engine.get(keys, pages.dst_segments, policy=parse_policy(policy)) == [True] * 6
+        assert all(pages.equal(i) for i in range(6))
+        if policy == "tier1":
+            assert engine.last_batch["tiers"][0]["bytes"] == 0
+
+
+def test_large_page_gets_larger_blocks(tier_dirs):
+    big = Pages(1, aligned=True, size=8 << 20)
+    with make_engine(tier_dirs[:2], chunk=4096) as engine:  # 2048 blocks of 4 KiB would not fit a header
+        assert engine.put([key(0)], big.src_segments) == [True]
+        assert engine.index.get(key(0)).block > 4096
+        assert engine.get([key(0)], big.dst_segments) == [True] and big.equal(0)
+
+
+# -- replicas and misses -----------------------------------------------------------------------
+def test_page_deleted_from_one_tier_is_read_from_another(tier_dirs, io_engine):
+    pages = Pages(6)
+    keys = [key(i) for i in range(6)]
+    with make_engine(tier_dirs[:2], io_engine) as engine:
+        engine.put(keys, pages.src_segments)
+        for k in keys[:3]:  # behind the engine's back (an operator, another rank's clear)
+            os.unlink(engine.tiers[0].layout.page_path(k))
+        assert engine.get(keys, pages.dst_segments) == [True] * 6
+        assert all(pages.equal(i) for i in range(6))
+        from kvstream_hicache.router import SingleTier
+
+        assert engine.get(keys, pages.dst_segments, policy=SingleTier(0)) == [True] * 6
+        assert all(engine.index.holders(k) == 0b10 for k in keys[:3])
+        assert engine.stats()["tiers"][0]["healthy"]
+        assert engine.check() == []
+
+
+def test_page_evicted_from_fast_tier_is_read_from_slow(tier_dirs, io_engine):
+    pages = Pages(8)
+    keys = [key(i) for i in range(8)]
+    page_file = 4096 + sum(pages.shapes[0])
+    with make_engine(tier_dirs[:2], io_engine, capacity=[3 * page_file, ""]) as engine:
+        assert engine.put(keys[:4], pages.src_segments[:4]) == [True] * 4
+        assert engine.put(keys[4:], pages.src_segments[4:]) == [True] * 4
+        stats = engine.stats()
+        # a batch larger than the tier writes only its newest pages there; older ones are evicted
+        assert stats["tiers"][0]["pages"] == 3 and stats["tiers"][0]["evictions"] == 3
+        assert stats["tiers"][0]["skipped_writes"] == 2 and stats["under_replicated"] == 0
+        assert stats["tiers"][0]["used_bytes"] <= 3 * page_file
+        assert [engine.index.holders(k) for k in keys] == [0b10] * 5 + [0b11] * 3  # LRU: the oldest went
+        assert engine.get(keys, pages.dst_segments) == [True] * 8
+        assert all(pages.equal(i) for i in range(8))
+        assert engine.check() == []
+
+
+def test_get_touches_lru(tier_dirs):
+    pages = Pages(4)
+    keys = [key(i) for i in range(4)]
+    page_file = 4096 + sum(pages.shapes[0])
+    with make_engine(tier_dirs[:1], capacity=3 * page_file) as engine:
+        engine.put(keys[:3], pages.src_segments[:3])
+        engine.get(keys[:1], pages.dst_segments[:1])  # key 0 becomes the most recent
+        engine.put(keys[3:], pages.src_segments[3:])
+        assert not engine.contains(keys[1]) and engine.contains(keys[0])
+
+
+def test_missing_invalid_and_mismatched_pages_are_misses(tier_dirs, io_engine):
+    pages = Pages(3)
+    keys = [key(i) for i in range(3)]
+    with make_engine(tier_dirs[:2], io_engine) as engine:
+        engine.put(keys[:2], pages.src_segments[:2])
+        short = np.zeros(1000, dtype=np.uint8)
+        asked = [keys[0], keys[2], "../../etc/passwd", keys[1], keys[1]]
+        dst = pages.dst_segments
+        segs = [dst[0], dst[2], dst[2], [(short.ctypes.data, short.nbytes)], dst[1]]
+        assert engine.get(asked, segs) == [True, False, False, False, True]
+        assert engine.prefix_len(asked) == 1 and not engine.contains("../x")
+        stats = engine.stats()
+        assert stats["invalid_keys"] == 1 and stats["size_mismatch"] == 1
+        assert stats["pages_missing"] == 3
+
+
+def test_invalid_keys_are_refused_on_put(tier_dirs):
+    pages = Pages(3)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert engine.put(["a/b", "..", key(0)], pages.src_segments) == [False, False, True]
+        assert engine.stats()["invalid_keys"] == 2
+        assert engine.check() == []
+
+
+def test_other_namespace_never_sees_the_pages(tier_dirs):
+    pages = Pages(2)
+    keys = [key(i) for i in range(2)]
+    with make_engine(tier_dirs[:2]) as engine:
+        engine.put(keys, pages.src_segments)
+    other = Namespace({**NS.fields, "dtype": "fp8"})
+    with Engine(Config.from_sources({"tiers": tier_dirs[:2]}, environ={}), other) as engine:
+        assert engine.prefix_len(keys) == 0
+        assert engine.get(keys, pages.dst_segments) == [False, False]
+
+
+# -- idempotence, restart ----------------------------------------------------------------------
+def test_same_key_twice_is_idempotent_and_cheap(tier_dirs, io_engine):
+    pages = Pages(4)
+    keys = [key(i) for i in range(4)]
+    with make_engine(tier_dirs[:2], io_engine) as engine:
+        assert engine.put(keys[:2], pages.src_segments[:2]) == [True, True]
+        written = [t["bytes_written"] for t in engine.stats()["tiers"]]
+        # again, plus a key repeated inside one batch
+        assert engine.put(keys + [keys[3]], pages.src_segments + pages.src_segments[3:]) == [True] * 5
+        stats = engine.stats()
+        assert stats["pages_existing"] == 2
+        assert [t["pages_written"] for t in stats["tiers"]] == [4, 4]
+        assert [t["bytes_written"] for t in stats["tiers"]] == [w * 2 for w in written]
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        assert engine.check() == []
+
+
+def test_restart_finds_every_committed_page(tier_dirs, io_engine):
+    pages = Pages(12, aligned=False)
+    keys = [key(i) for i in range(12)]
+    with make_engine(tier_dirs, io_engine) as engine:
+        assert engine.put(keys, pages.src_segments) == [True] * 12
+    with make_engine(tier_dirs, io_engine) as engine:
+        assert engine.scan["files"] == 36 and engine.scan["pages"] == 12
+        assert engine.prefix_len(keys) == 12
+        assert [engine.index.holders(k) for k in keys] == [0b111] * 12
+        assert engine.get(keys, pages.dst_segments) == [True] * 12
+        assert all(pages.equal(i) for i in range(12))
+        assert engine.check() == []
+
+
+def test_restart_keeps_lru_order(tier_dirs):
+    pages = Pages(4)
+    keys = [key(i) for i in range(4)]
+    page_file = 4096 + sum(pages.shapes[0])
+    with make_engine(tier_dirs[:1]) as engine:
+        for i in range(3):
+            engine.put(keys[i:i + 1], pages.src_segments[i:i + 1])
+    with make_engine(tier_dirs[:1], capacity=3 * page_file) as engine:
+        engine.put(keys[3:], pages.src_segments[3:])
+        assert [engine.contains(k) for k in keys] == [False, True, True, True]
+
+
+def test_startup_cleans_temporary_leftovers_and_damaged_files(tier_dirs):
+    pages = Pages(2)
+    keys = [key(i) for i in range(2)]
+    with make_engine(tier_dirs[:1]) as engine:
+        engine.put(keys, pages.src_segments)
+        layout = engine.tiers[0].layout
+    dead = os.path.join(layout.tmp, tmp_name(NS.digest, 2**22 + 7, "dead", 0))  # no such pid
+    open(dead, "w").close()
+    with open(layout.page_path(keys[1]), "r+b") as f:  # damage the header
+        f.seek(30)
+        f.write(b"\xff")
+    with make_engine(tier_dirs[:1]) as engine:
+        assert not os.path.exists(dead)
+        assert engine.scan["tmp_removed"] == 1 and engine.scan["damaged_removed"] == 1
+        assert engine.contains(keys[0]) and not engine.contains(keys[1])
+        assert not os.path.exists(layout.page_path(keys[1]))
+        assert engine.check() == []
+
+
+def test_live_engines_temp_files_survive_another_engines_start(tier_dirs):
+    with make_engine(tier_dirs[:1]) as first:
+        live = os.path.join(first.tiers[0].layout.tmp, tmp_name(NS.digest, os.getpid(), first._token, 99))
+        open(live, "w").close()
+        with make_engine(tier_dirs[:1]):
+            assert os.path.exists(live)
+        os.unlink(live)
+
+
+# -- concurrency -------------------------------------------------------------------------------
+def test_concurrent_batches_from_three_threads(tier_dirs, io_engine):
+    """SGLang's backup, prefetch-I/O and prefetch threads at once; the store stays consistent."""
+    rounds, per = 12, 4
+    pages = Pages(rounds * per, aligned=False, size=80 << 10)
+    keys = [key(i, "conc") for i in range(rounds * per)]
+    stored: list[int] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    with make_engine(tier_dirs[:2], io_engine) as engine:
+
+        def writer():
+            for r in range(rounds):
+                idx = list(range(r * per, (r + 1) * per))
+                segs = pages.src_segments
+                ok = engine.put([keys[i] for i in idx] + [keys[idx[0]]], [segs[i] for i in idx] + [segs[idx[0]]])
+                if not all(ok):
+                    errors.append(f"put {r}: {ok}")
+                with lock:
+                    stored.extend(idx)
+
+        def reader():
+            for r in range(rounds * 2):
+                with lock:
+                    idx = stored[-per:] + stored[:2]
+                if not idx:
+                    continue
+                dst = pages.fresh()
+                sel = [dst[i] for i in idx]
+                ok = engine.get([keys[i] for i in idx], Pages.segments(sel))
+                if not all(ok) or not all(
+                        all(np.array_equal(a, b) for a, b in zip(pages.src[i], sel[n])) for n, i in enumerate(idx)):
+                    errors.append(f"get {r}: {ok}")
+
+        def prober():
+            for _ in range(rounds * 10):
+                with lock:
+                    n = len(stored)
+                if engine.prefix_len(keys[:n]) < n - per:
+                    errors.append("prefix_len went backwards")
+
+        threads = [threading.Thread(target=f) for f in (writer, reader, prober)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert engine.prefix_len(keys) == rounds * per
+        assert engine.check() == []
+
+
+# -- settings ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fsync", ["data", "full"])
+def test_fsync_modes_round_trip(tier_dirs, fsync):
+    pages = Pages(3, aligned=False)
+    keys = [key(i) for i in range(3)]
+    with make_engine(tier_dirs[:2], fsync=fsync) as engine:
+        assert engine.put(keys, pages.src_segments) == [True] * 3
+        assert engine.get(keys, pages.dst_segments) == [True] * 3 and pages.equal(2)
+
+
+@pytest.mark.parametrize("mode,file_bits,dir_bits", [("private", 0o600, 0o700), ("shared", 0o660, 0o2770)])
+def test_file_modes(tier_dirs, mode, file_bits, dir_bits):
+    pages = Pages(1)
+    with make_engine(tier_dirs[:1], file_mode=mode) as engine:
+        engine.put([key(0)], pages.src_segments)
+        path = engine.tiers[0].layout.page_path(key(0))
+        assert stat.S_IMODE(os.stat(path).st_mode) == file_bits
+        for d in (os.path.dirname(path), engine.tiers[0].layout.pages, engine.tiers[0].layout.tmp):
+            assert stat.S_IMODE(os.stat(d).st_mode) == dir_bits
+
+
+def test_clear_and_close_are_safe(tier_dirs):
+    pages = Pages(3)
+    keys = [key(i) for i in range(3)]
+    engine = make_engine(tier_dirs[:2])
+    engine.put(keys, pages.src_segments)
+    engine.clear()
+    assert engine.prefix_len(keys) == 0 and _page_files(tier_dirs[0]) == []
+    assert engine.put(keys, pages.src_segments) == [True] * 3  # usable after clear
+    assert engine.check() == []
+    engine.close()
+    engine.close()
+    from kvstream_hicache.errors import EngineClosedError
+
+    with pytest.raises(EngineClosedError):
+        engine.get(keys, pages.dst_segments)
+
+
+def _page_files(tier_dir: str) -> list[str]:
+    out = []
+    for root, _dirs, files in os.walk(os.path.join(tier_dir, "kvstream")):
+        out += [os.path.join(root, f) for f in files if f.endswith(".kvp")]
+    return out
+
+
+def _tmp_files(tier_dir: str) -> list[str]:
+    tmp = TierLayout(tier_dir, NS.digest).tmp
+    return [f for f in os.listdir(tmp) if f.endswith(TMP_SUFFIX)]

@@ -1,0 +1,289 @@
+"""Engine under faults: a stalled tier, damaged pages, failing and vanishing tiers, a full disk.
+
+Faults are injected per tier through the ring's FaultyRing hook (a plan that maps each op's file
+descriptor to its tier by path) or made for real on the files. No timing assertions: a stalled
+tier is a held completion, and the test waits on completions.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+
+import numpy as np
+import pytest
+
+from kvstream_hicache.io import OP_READ, OP_WRITE, Fault, FaultPlan
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.router import SingleTier
+
+from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
+
+SENTINEL = 0xAB
+
+
+class TierPlan(FaultPlan):
+    """Faults by tier directory: ``on(dir, fault, opcode=, times=)``."""
+
+    def __init__(self):
+        super().__init__()
+        self._tier_rules: list[list] = []
+        self._mutex = threading.Lock()
+
+    def on(self, tier_dir: str, fault: Fault, opcode: int | None = None, times: int | None = None) -> "TierPlan":
+        with self._mutex:
+            self._tier_rules.append([os.path.realpath(tier_dir) + os.sep, fault, opcode, times])
+        return self
+
+    def clear(self) -> None:
+        with self._mutex:
+            self._tier_rules.clear()
+
+    def decide(self, opcode, fd, offset, length):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+        with self._mutex:
+            for rule in self._tier_rules:
+                prefix, fault, r_op, times = rule
+                if times is not None and times <= 0:
+                    continue
+                if path.startswith(prefix) and (r_op is None or r_op == opcode):
+                    if times is not None:
+                        rule[3] = times - 1
+                    self.hits.append((fault, opcode, fd, offset, length))
+                    return fault
+        return None
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(tier_dirs, n=8, io_engine="uring", plan=None, aligned=True, **settings):
+    pages = Pages(n, aligned=aligned)
+    keys = [key(i, "faults") for i in range(n)]
+    engine = make_engine(tier_dirs, io_engine, fault_plan=plan, **settings)
+    assert engine.put(keys, pages.src_segments) == [True] * n
+    return engine, pages, keys
+
+
+# -- the stalled tier and buffer ownership --------------------------------------------------------
+def test_stalled_tier_does_not_hold_the_batch_and_never_writes_after_return(tier_dirs, io_engine):
+    plan = TierPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 8, io_engine, plan)
+    with engine:
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_READ)  # tier 1 stops completing reads
+        assert engine.get(keys, pages.dst_segments) == [True] * 8  # tier 0 stole tier 1's items
+        assert all(pages.equal(i) for i in range(8))
+        held = engine.stats()["orphan_reads_in_flight"]
+        assert held > 0  # the stalled reads are still in flight, engine-owned
+        batch = engine.last_batch
+        assert batch["tiers"][1]["bytes"] == 0 and batch["found"] == 8
+
+        for page in pages.dst:  # the caller reuses its buffers at once
+            for a in page:
+                a[:] = SENTINEL
+        plan.clear()
+        plan.release()  # the stalled tier wakes up: its reads complete into staging buffers
+        other = Pages(1)
+        assert engine.get(keys[:1], other.dst_segments) == [True]  # this call reaps the orphans
+        assert engine._reads.drain(30) == 0
+        assert engine.stats()["orphan_reads"] >= held  # (+ tail duplicates of the last call)
+        assert all((a == SENTINEL).all() for page in pages.dst for a in page)  # never written after return
+        assert engine.check() == []
+
+
+def test_read_timeout_returns_misses_and_keeps_buffers_safe(tier_dirs):
+    plan = TierPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 4, plan=plan, read_timeout=0.2)
+    with engine:
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ).on(tier_dirs[1], Fault.hold(), opcode=OP_READ)
+        assert engine.get(keys, pages.dst_segments) == [False] * 4
+        assert engine.stats()["read_timeouts"] == 1
+        for page in pages.dst:
+            for a in page:
+                a[:] = SENTINEL
+        plan.clear()
+        plan.release()
+        assert engine._reads.drain(30) == 0
+        assert all((a == SENTINEL).all() for page in pages.dst for a in page)
+        assert engine.get(keys, pages.dst_segments) == [True] * 4 and pages.equal(3)
+
+
+# -- damaged pages -------------------------------------------------------------------------------
+def _flip_on_disk(engine, tier: int, k: str, offset: int) -> None:
+    path = engine.tiers[tier].layout.page_path(k)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_corrupted_block_is_served_from_the_other_tier_and_quarantined(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:2], 4, io_engine)
+    with engine:
+        _flip_on_disk(engine, 0, keys[2], HEADER_SIZE + 70_000)  # inside block 1 of page 2
+        assert engine.get(keys, pages.dst_segments, policy=SingleTier(0)) == [True] * 4
+        assert all(pages.equal(i) for i in range(4))
+        t0 = engine.stats()["tiers"][0]
+        assert t0["corrupted"] == 1 and t0["quarantined"] == 1 and t0["replica_retries"] >= 1
+        assert not os.path.exists(engine.tiers[0].layout.page_path(keys[2]))
+        assert engine.index.holders(keys[2]) == 0b10
+        assert engine.check() == []
+
+
+def test_damaged_on_every_tier_is_a_miss_never_wrong_bytes(tier_dirs):
+    engine, pages, keys = stored(tier_dirs[:2], 2)
+    with engine:
+        for tier in (0, 1):
+            _flip_on_disk(engine, tier, keys[0], HEADER_SIZE + 5)
+        for a in pages.dst[0]:
+            a[:] = 0
+        assert engine.get(keys, pages.dst_segments) == [False, True]
+        assert not engine.contains(keys[0])
+        assert engine.check() == []
+
+
+def test_transfer_corruption_is_retried_and_the_intact_file_kept(tier_dirs, io_engine):
+    plan = TierPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 2, io_engine, plan)
+    with engine:
+        plan.on(tier_dirs[0], Fault.corrupt(), opcode=OP_READ, times=1)
+        assert engine.get(keys, pages.dst_segments, policy=SingleTier(0)) == [True, True]
+        assert pages.equal(0) and pages.equal(1)
+        t0 = engine.stats()["tiers"][0]
+        assert t0["corrupted"] == 1 and t0["quarantined"] == 0
+        assert engine.index.holders(keys[0]) == 0b11
+
+
+def test_truncated_file_is_not_served(tier_dirs):
+    engine, pages, keys = stored(tier_dirs[:2], 2)
+    with engine:
+        os.truncate(engine.tiers[0].layout.page_path(keys[1]), HEADER_SIZE + 4096)
+        assert engine.get(keys, pages.dst_segments, policy=SingleTier(0)) == [True, True]
+        assert pages.equal(1)
+        assert engine.stats()["tiers"][0]["quarantined"] == 1
+        assert engine.check() == []
+
+
+# -- tier failure and recovery ----------------------------------------------------------------
+def test_read_errors_fail_the_tier_until_a_probe_succeeds(tier_dirs, io_engine, caplog):
+    plan = TierPlan()
+    clock = FakeClock()
+    engine, pages, keys = stored(tier_dirs[:2], 6, io_engine, plan, clock=clock)
+    with engine:
+        plan.on(tier_dirs[0], Fault.error(errno.EIO), opcode=OP_READ, times=1)
+        assert engine.get(keys, pages.dst_segments) == [True] * 6  # retried on tier 1
+        assert all(pages.equal(i) for i in range(6))
+        stats = engine.stats()
+        assert not stats["tiers"][0]["healthy"] and stats["tiers"][0]["errors"] == 1
+        assert stats["tiers"][0]["replica_retries"] >= 1
+        more = Pages(2, seed=5)
+        new_keys = [key(i, "more") for i in range(2)]
+        assert engine.put(new_keys, more.src_segments) == [True, True]  # tier 1 only
+        assert engine.stats()["under_replicated"] == 2
+        assert engine.index.holders(new_keys[0]) == 0b10
+        assert [r.message for r in caplog.records].count(
+            next(r.message for r in caplog.records if "failed" in r.message)) == 1  # logged once
+        clock.now += 10  # past the back-off: the next call probes tier 0, which works again
+        assert engine.get(keys, pages.dst_segments) == [True] * 6
+        assert engine.stats()["tiers"][0]["healthy"]
+        assert any("recovered" in r.message for r in caplog.records)
+        assert engine.check() == []
+
+
+def test_write_errors_count_the_missing_replica(tier_dirs, io_engine):
+    plan = TierPlan()
+    engine = make_engine(tier_dirs[:2], io_engine, fault_plan=plan)
+    with engine:
+        pages = Pages(3)
+        keys = [key(i, "w") for i in range(3)]
+        plan.on(tier_dirs[1], Fault.error(errno.EIO), opcode=OP_WRITE)
+        assert engine.put(keys, pages.src_segments) == [True] * 3
+        stats = engine.stats()
+        assert stats["under_replicated"] == 3 and not stats["tiers"][1]["healthy"]
+        assert stats["tiers"][1]["write_failures"] >= 1
+        assert engine.get(keys, pages.dst_segments) == [True] * 3 and pages.equal(2)
+        assert engine.check() == []
+        assert os.listdir(engine.tiers[1].layout.tmp) == []  # failed temp files removed
+
+
+def test_tier_directory_removed_then_recreated(tier_dirs, io_engine):
+    clock = FakeClock()
+    engine, pages, keys = stored(tier_dirs[:2], 4, io_engine, clock=clock)
+    with engine:
+        shutil.rmtree(os.path.join(tier_dirs[0], "kvstream"))
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        assert all(pages.equal(i) for i in range(4))
+        assert not engine.stats()["tiers"][0]["healthy"]
+        more = Pages(1, seed=9)
+        assert engine.put([key(0, "x")], more.src_segments) == [True]
+        assert not os.path.exists(os.path.join(tier_dirs[0], "kvstream"))  # never re-created by the engine
+        clock.now += 10
+        assert engine.get(keys[:1], pages.dst_segments[:1]) == [True]
+        assert not engine.stats()["tiers"][0]["healthy"]  # still gone: stays out
+        os.mkdir(os.path.join(tier_dirs[0], "kvstream"))  # the operator restores it (e.g. remount)
+        clock.now += 1000
+        assert engine.put([key(1, "x")], Pages(1, seed=10).src_segments) == [True]
+        assert engine.stats()["tiers"][0]["healthy"]
+        assert engine.index.holders(keys[0]) == 0b10  # lost pages forgotten on rejoin
+        assert engine.index.holders(key(1, "x")) == 0b11
+        assert engine.check() == []
+
+
+# -- full disk -----------------------------------------------------------------------------------
+def test_enospc_evicts_lru_and_retries(tier_dirs, io_engine):
+    plan = TierPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 4, io_engine, plan)
+    with engine:
+        plan.on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=OP_WRITE, times=1)
+        more = Pages(1, seed=3)
+        k = key(0, "new")
+        assert engine.put([k], more.src_segments) == [True]
+        stats = engine.stats()
+        assert engine.index.holders(k) == 0b11 and stats["under_replicated"] == 0
+        assert stats["tiers"][0]["evictions"] == 1 and stats["tiers"][0]["healthy"]
+        assert engine.index.holders(keys[0]) == 0b10  # the least recent page made room
+        assert engine.check() == []
+
+
+def test_enospc_with_nothing_to_free_fails_that_tier_only(tier_dirs, io_engine):
+    plan = TierPlan().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=OP_WRITE)
+    engine = make_engine(tier_dirs[:2], io_engine, fault_plan=plan)
+    with engine:
+        pages = Pages(2)
+        keys = [key(i, "full") for i in range(2)]
+        assert engine.put(keys, pages.src_segments) == [True, True]
+        stats = engine.stats()
+        assert stats["under_replicated"] == 2 and stats["tiers"][0]["write_failures"] == 2
+        assert stats["tiers"][0]["healthy"]  # a full tier is not a failed tier
+        assert engine.get(keys, pages.dst_segments) == [True, True] and pages.equal(1)
+        assert engine.check() == []
+
+
+def test_many_batches_with_random_read_faults_never_serve_wrong_bytes(tier_dirs):
+    """Reads fail or corrupt at random on both tiers; every page returned True is byte-exact."""
+    rng = np.random.default_rng(7)
+
+    class RandomPlan(FaultPlan):
+        def decide(self, opcode, fd, offset, length):
+            if opcode != OP_READ:
+                return None
+            r = rng.random()
+            return Fault.corrupt() if r < 0.1 else Fault.error(errno.EAGAIN) if r < 0.2 else None
+
+    engine, pages, keys = stored(tier_dirs[:2], 6, plan=RandomPlan())
+    with engine:
+        for _ in range(8):
+            dst = pages.fresh()
+            ok = engine.get(keys, Pages.segments(dst))
+            assert all(pages.equal(i, dst) for i in range(6) if ok[i])
+        assert engine.stats()["tiers"][0]["corrupted"] + engine.stats()["tiers"][1]["corrupted"] > 0

@@ -1,0 +1,173 @@
+"""Page header, checksums, temp-file ownership, and check_tiers on real files."""
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from kvstream_hicache.config import Config
+from kvstream_hicache.integrity import (
+    HeaderError, PageHeader, block_crcs, check_tiers, crc32c, pack_header, read_header, stale_tmp, unpack_header,
+)
+from kvstream_hicache.layout import (
+    HEADER_SIZE, HOST, MAX_BLOCKS, Namespace, TierLayout, block_size_for, block_span, file_size, is_valid_key,
+    parse_tmp_name, round_up, tmp_name, validate_key,
+)
+from kvstream_hicache.errors import InvalidKeyError
+
+DIGEST = Namespace({"model": "m"}).digest
+KEY = "ab" * 32
+
+
+def header(**kw):
+    fields = dict(key=KEY, digest=DIGEST, length=3 * 4096 + 5, block=8192, crcs=(1, 2), created_ns=7)
+    fields.update(kw)
+    return PageHeader(**fields)
+
+
+def packed(h=None) -> bytearray:
+    buf = bytearray(HEADER_SIZE)
+    pack_header(h or header(), buf)
+    return buf
+
+
+def test_crc32c_check_value_and_chaining():
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(b"6789", crc32c(b"12345")) == 0xE3069283
+
+
+def test_header_round_trip():
+    h = header()
+    assert unpack_header(packed(h)) == h
+
+
+@pytest.mark.parametrize("offset", [0, 9, 13, 17, 33, 64, 272, HEADER_SIZE - 1])
+def test_any_flipped_header_byte_is_refused(offset):
+    buf = packed()
+    buf[offset] ^= 0x40
+    with pytest.raises(HeaderError):
+        unpack_header(buf)
+
+
+def test_header_with_valid_crc_but_bad_fields_is_refused():
+    buf = packed()
+    buf[0:8] = b"NOTAPAGE"
+    struct.pack_into("<I", buf, HEADER_SIZE - 4, crc32c(bytes(buf[:HEADER_SIZE - 4])))
+    with pytest.raises(HeaderError, match="magic"):
+        unpack_header(buf)
+
+
+def test_truncated_header():
+    with pytest.raises(HeaderError, match="truncated"):
+        unpack_header(packed()[:100])
+
+
+def test_block_crcs_straddle_segments():
+    data = np.random.default_rng(1).integers(0, 256, 10_000, dtype=np.uint8)
+    address = data.ctypes.data
+    whole = block_crcs([(address, 10_000)], 10_000, 4096)
+    split = block_crcs([(address, 1), (address + 1, 5000), (address + 5001, 4999)], 10_000, 4096)
+    assert whole == split
+    assert whole == tuple(crc32c(data[i:i + 4096].tobytes()) for i in range(0, 10_000, 4096))
+
+
+def test_geometry():
+    assert file_size(1) == HEADER_SIZE + 4096 and round_up(8192) == 8192
+    assert block_span(10_000, 4096, 2) == (8192, 10_000 - 8192, 4096)
+    assert block_size_for(8 << 20, 1 << 20) == 1 << 20
+    big = block_size_for(MAX_BLOCKS * 4096 * 3, 4096)
+    assert big % 4096 == 0 and -(-(MAX_BLOCKS * 4096 * 3) // big) <= MAX_BLOCKS
+
+
+@pytest.mark.parametrize("key", ["a" * 64, "x", "Key_-09", "z" * 200])
+def test_valid_keys(key):
+    assert is_valid_key(key) and validate_key(key) == key
+
+
+@pytest.mark.parametrize("key", ["", "../etc", "a/b", ".", "..", "a.b", "z" * 201, "a\x00", "é", None, 5, "a b"])
+def test_invalid_keys(key):
+    assert not is_valid_key(key)
+    with pytest.raises(InvalidKeyError):
+        validate_key(key)
+
+
+def test_namespace_digest_is_canonical():
+    a = Namespace({"model": "m", "tp": [0, 2], "dtype": "bf16"})
+    b = Namespace({"dtype": "bf16", "tp": [0, 2], "model": "m"})
+    c = Namespace({"dtype": "fp16", "tp": [0, 2], "model": "m"})
+    assert a.digest == b.digest != c.digest and len(a.digest) == 32 and a == b
+
+
+def test_tmp_names_and_ownership(tier_root):
+    name = tmp_name(DIGEST, 123, "tok", 4)
+    owner = parse_tmp_name(name)
+    assert owner == (DIGEST, HOST, 123, "tok")
+    tmp = os.path.join(tier_root, "tmp")
+    os.makedirs(tmp)
+    live_mine = tmp_name(DIGEST, os.getpid(), "live", 0)
+    dead_mine = tmp_name(DIGEST, os.getpid(), "gone", 0)
+    dead_pid = tmp_name(DIGEST, 2**22 + 7, "x", 0)  # above pid_max on most systems: never alive
+    other_new = f"{DIGEST}.otherhost.1.x.0.tmp"
+    other_old = f"{DIGEST}.otherhost.2.x.0.tmp"
+    junk = "garbage.tmp"
+    for n in (live_mine, dead_mine, dead_pid, other_new, other_old, junk):
+        open(os.path.join(tmp, n), "w").close()
+    old = time.time() - 7200
+    os.utime(os.path.join(tmp, other_old), (old, old))
+    stale = {os.path.basename(p) for p in stale_tmp(tmp, {"live"})}
+    assert stale == {dead_mine, dead_pid, other_old, junk}
+
+
+def write_page(root, key=KEY, digest=DIGEST, payload=b"x" * 5000, block=4096):
+    layout = TierLayout(root, digest)
+    os.makedirs(layout.page_dir(key), exist_ok=True)
+    crcs = tuple(crc32c(payload[i:i + block]) for i in range(0, len(payload), block))
+    h = PageHeader(key, digest, len(payload), block, crcs, 1)
+    data = packed(h) + payload + bytes(round_up(len(payload)) - len(payload))
+    with open(layout.page_path(key), "wb") as f:
+        f.write(data)
+    return layout.page_path(key)
+
+
+def test_check_tiers_finds_and_fixes(tier_dirs):
+    root = tier_dirs[0]
+    good = write_page(root, key="aa" + "0" * 62)
+    corrupt = write_page(root, key="bb" + "0" * 62)
+    with open(corrupt, "r+b") as f:
+        f.seek(HEADER_SIZE + 4100)
+        f.write(b"!")
+    damaged = write_page(root, key="cc" + "0" * 62)
+    with open(damaged, "r+b") as f:
+        f.seek(20)
+        f.write(b"!")
+    truncated = write_page(root, key="dd" + "0" * 62)
+    os.truncate(truncated, HEADER_SIZE + 10)
+    misplaced = write_page(root, key="ee" + "0" * 62)
+    os.rename(misplaced, misplaced.replace("ee" + "0" * 62, "ee" + "1" * 62))
+    foreign = write_page(root, key="ff" + "0" * 62, digest=Namespace({"model": "other"}).digest)
+    other_ns_as_ours = TierLayout(root, DIGEST).page_path("ff" + "0" * 62)
+    os.makedirs(os.path.dirname(other_ns_as_ours))
+    os.rename(foreign, other_ns_as_ours)
+    stray = os.path.join(os.path.dirname(good), "notes.txt")
+    open(stray, "w").close()
+    tmp_dir = TierLayout(root, DIGEST).tmp
+    os.makedirs(tmp_dir, exist_ok=True)
+    orphan = os.path.join(tmp_dir, tmp_name(DIGEST, 2**22 + 7, "x", 0))
+    open(orphan, "w").close()
+
+    config = Config.from_sources({"tiers": [root]}, environ={})
+    problems = check_tiers(config)
+    kinds = sorted(p.kind for p in problems)
+    assert kinds == sorted(["corrupt", "damaged", "truncated", "misplaced", "misplaced", "stray", "orphan_tmp"])
+    assert check_tiers(config, Namespace({"model": "nothing"})) == [p for p in problems if p.kind == "orphan_tmp"]
+    assert len(check_tiers(config, payload=False)) == len(problems) - 1  # the payload flip needs payload=True
+
+    fixed = check_tiers(config, fix=True)
+    assert all(p.fixed for p in fixed)
+    assert check_tiers(config) == []
+    assert os.path.exists(good)
+    header_, size = read_header(good)
+    assert header_.key == "aa" + "0" * 62 and size == file_size(5000)

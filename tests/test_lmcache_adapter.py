@@ -1,0 +1,319 @@
+"""The LMCache L2 adapter driven by LMCache 0.5.6's real MP StorageManager (on CPU, in .venv-lmcache).
+
+Every test writes through L1 (reserve_write -> fill -> finish_write: LMCache's store controller hands
+the objects to the adapter, which replicates them through the engine), drops L1, prefetches back (lookup
+and lock, then a load task straight into fresh L1 buffers) and compares bytes. Faults are injected at
+the engine's ring (``FaultPlan``) or on disk; each test ends with the engine's own ``check()``.
+
+Run: ``.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache_adapter.py``
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from kvstream_hicache import lmcache_adapter as la
+from kvstream_hicache.io import OP_READ, Fault, FaultPlan
+from kvstream_hicache.layout import HEADER_SIZE, Namespace, TierLayout
+
+pytestmark = pytest.mark.lmcache
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no telemetry from tests
+
+WAIT_S = 30.0  # upper bound on any wait for a completion (never a sleep), s
+L1_GB = "0.03"
+
+
+@pytest.fixture(scope="module")
+def lmc():
+    """LMCache's MP API, imported lazily (the SGLang venv collects this file without it)."""
+    import torch
+    from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
+    from lmcache.v1.distributed.config import parse_args
+    from lmcache.v1.distributed.storage_manager import StorageManager
+
+    class NS:
+        pass
+
+    ns = NS()
+    ns.torch, ns.ObjectKey, ns.MemoryLayoutDesc = torch, ObjectKey, MemoryLayoutDesc
+    ns.GroupedObjectKeys, ns.PrefetchTaskSpec = GroupedObjectKeys, PrefetchTaskSpec
+    ns.parse_args, ns.StorageManager = parse_args, StorageManager
+    return ns
+
+
+class Server:
+    """One LMCache MP storage manager with our adapter as its only L2 adapter."""
+
+    def __init__(self, lmc, tiers: list[str], **params):
+        spec = {"type": "plugin", "module_path": "kvstream_hicache.lmcache_adapter",
+                "class_name": "KVStreamL2Adapter",
+                "adapter_params": {"tiers": tiers, "chunk": "4K", **params}}
+        self.lmc = lmc
+        self.sm = lmc.StorageManager(lmc.parse_args(["--l1-size-gb", L1_GB, "--eviction-policy", "LRU",
+                                                     "--l2-adapter", json.dumps(spec)]))
+        (_desc, self.adapter), = self.sm.l2_adapters()
+        self.stores = 0
+
+    @property
+    def engine(self):
+        return self.adapter.engine
+
+    def write_through(self, keys, layout, payloads) -> None:
+        """L1 write -> LMCache stores to L2 through the adapter; waits for the store to complete."""
+        objs = self.sm.reserve_write(keys, layout)
+        assert set(objs) == set(keys)
+        for key, data in zip(keys, payloads):
+            obj = objs[key]
+            assert obj.get_size() == len(data)
+            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+        self.sm.finish_write(keys)
+        self.stores += 1
+        assert self.adapter.core.wait_completed("store", self.stores, WAIT_S)
+        deleted, _ = self.sm.delete_l1_keys(keys, force=True)  # drop L1: the read must come from L2
+        assert deleted == len(keys)
+
+    def prefetch(self, keys, layout) -> tuple[int, list[bytes | None]]:
+        """Prefetch into L1; returns (L2 hits, per key the L1 bytes or None when not resident)."""
+        lmc = self.lmc
+        handle = self.sm.submit_prefetch_task(lmc.PrefetchTaskSpec([lmc.GroupedObjectKeys(keys, 0, layout)]))
+        assert self.sm.wait_prefetch_status(handle, WAIT_S)
+        result = self.sm.query_prefetch_status(handle)
+        hits = sum(row.popcount() for row in result.l2_hit_cells)
+        out: list[bytes | None] = []
+        for key in keys:
+            with self.sm.read_prefetched_results([key]) as objs:
+                out.append(None if objs is None else bytes(objs[0].byte_array))
+            if objs is not None:
+                self.sm.finish_read_prefetched([key])
+        # Release what the prefetch locked for its reader, so L1 can be dropped again.
+        return hits, out
+
+    def close(self) -> None:
+        self.sm.close()
+
+
+@pytest.fixture
+def server_factory(lmc):
+    servers: list[Server] = []
+
+    def make(tiers, **params) -> Server:
+        server = Server(lmc, tiers, **params)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def make_tiers(root: str, n: int) -> list[str]:
+    dirs = [os.path.join(root, f"tier{i}") for i in range(n)]
+    for d in dirs:
+        os.makedirs(d)
+    return dirs
+
+
+def chunk_keys(lmc, n: int, model: str = "org/model-7b", rank: int = 0, salt: str = "") -> list:
+    return [lmc.ObjectKey(chunk_hash=(1000 + i).to_bytes(8, "big"), model_name=model, kv_rank=rank,
+                          cache_salt=salt) for i in range(n)]
+
+
+def random_payloads(n: int, size: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def page_path(server: Server, tier: str, key, layout) -> str:
+    ekey = la.engine_key(key, la.layout_tag(layout.shapes, layout.dtypes))
+    return TierLayout(tier, server.engine.namespace.digest).page_path(ekey)
+
+
+def layout_of(lmc, tokens: int, heads_dim: int):
+    """KV_2LTD-like layout [2, tokens, heads*dim] in bfloat16: 4 * tokens * heads_dim bytes."""
+    return lmc.MemoryLayoutDesc(shapes=[lmc.torch.Size([2, tokens, heads_dim])], dtypes=[lmc.torch.bfloat16])
+
+
+# --------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("n_tiers", [2, 3])
+@pytest.mark.parametrize("heads_dim", [128, 104], ids=["8KiB", "6.5KiB-padded"])
+def test_round_trip_through_l1_and_l2(lmc, server_factory, tier_root, n_tiers, heads_dim):
+    tiers = make_tiers(tier_root, n_tiers)
+    server = server_factory(tiers)
+    layout = layout_of(lmc, 16, heads_dim)
+    keys = chunk_keys(lmc, 6)
+    size = 4 * 16 * heads_dim  # 8192, or 6656: not a multiple of 4096, L1 pads the object to 8192
+    payloads = random_payloads(len(keys), size, seed=n_tiers)
+    server.write_through(keys, layout, payloads)
+
+    engine = server.engine
+    for key in keys:  # replicated: every tier holds every page
+        for tier in tiers:
+            assert os.path.exists(page_path(server, tier, key, layout))
+    hits, got = server.prefetch(keys, layout)
+    assert hits == len(keys)
+    assert got == payloads
+    status = server.adapter.report_status()
+    assert status["errors"] == 0 and status["locked_keys"] == 0  # every lock was released
+    assert status["load_failed_pages"] == 0
+    assert engine.stats()["pages"] == len(keys)
+    assert engine.check() == []
+
+
+def test_lookup_answers_from_the_index_and_pins(lmc, server_factory, tier_root):
+    server = server_factory(make_tiers(tier_root, 2))
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 3)
+    server.write_through(keys, layout, random_payloads(3, 8192, seed=1))
+    adapter = server.adapter
+    other = chunk_keys(lmc, 1, model="other/model")  # same chunk hash, another model: a miss
+    other_rank = chunk_keys(lmc, 1, rank=1)
+    other_layout = {0: lmc.MemoryLayoutDesc(shapes=[lmc.torch.Size([2, 16, 64])], dtypes=[lmc.torch.bfloat16])}
+
+    probe = keys + other + other_rank
+    task = adapter.submit_lookup_and_lock_task(probe, {0: layout})
+    bits = adapter.query_lookup_and_lock_result(task)
+    assert [bits.test(i) for i in range(len(probe))] == [True, True, True, False, False]
+    assert adapter.query_lookup_and_lock_result(task) is None  # handed out once
+    task = adapter.submit_lookup_and_lock_task(keys[:1], other_layout)  # same key, other layout: a miss
+    assert not adapter.query_lookup_and_lock_result(task).test(0)
+
+    index = server.engine.index
+    ekeys = [la.engine_key(k, la.layout_tag(layout.shapes, layout.dtypes)) for k in keys]
+    assert [index.get(k).pins for k in ekeys] == [1, 1, 1]
+    adapter.submit_unlock(keys + other)  # unlock of keys never locked: ignored, never raises
+    adapter.submit_unlock(keys)  # more unlocks than locks: ignored too
+    assert [index.get(k).pins for k in ekeys] == [0, 0, 0]
+    assert adapter.report_status()["errors"] == 0
+
+
+def test_tier_lost_mid_batch(lmc, server_factory, tier_root, monkeypatch):
+    """Tier 1 of 3 serves a few reads, then fails with EIO for the rest of the batch: every page
+    still arrives (from the other replicas), and the tier is marked failed."""
+    tiers = make_tiers(tier_root, 3)
+    plan = TierDeath(tiers[1], after_reads=2)
+    monkeypatch.setattr(la, "_open_engine", engine_opener(fault_plan=plan))
+    server = server_factory(tiers)
+    layout = layout_of(lmc, 64, 128)  # 32 KiB pages: 8 routing blocks each
+    keys = chunk_keys(lmc, 8)
+    payloads = random_payloads(len(keys), 4 * 64 * 128, seed=7)
+    server.write_through(keys, layout, payloads)
+
+    hits, got = server.prefetch(keys, layout)
+    assert hits == len(keys) and got == payloads
+    assert plan.failed_reads > 0  # the tier really died mid-batch
+    stats = server.engine.stats()
+    assert not stats["tiers"][1]["healthy"]
+    assert server.adapter.report_status()["load_failed_pages"] == 0
+
+
+def test_tier_directory_removed_between_store_and_load(lmc, server_factory, tier_root):
+    tiers = make_tiers(tier_root, 3)
+    server = server_factory(tiers)
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 5)
+    payloads = random_payloads(len(keys), 8192, seed=3)
+    server.write_through(keys, layout, payloads)
+    shutil.rmtree(os.path.join(tiers[0], "kvstream"))  # the fastest tier is gone (unmounted, wiped)
+    hits, got = server.prefetch(keys, layout)
+    assert hits == len(keys) and got == payloads
+
+
+@pytest.mark.parametrize("damaged_on", ["one", "all"])
+def test_damaged_page_is_never_served(lmc, server_factory, tier_root, damaged_on):
+    tiers = make_tiers(tier_root, 2)
+    server = server_factory(tiers)
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 4)
+    payloads = random_payloads(len(keys), 8192, seed=11)
+    server.write_through(keys, layout, payloads)
+    victim = len(keys) - 1  # the last chunk, so the prefix before it still loads
+    # The last tier reads from the back of the batch (meet in the middle), so it reads the victim.
+    for tier in tiers if damaged_on == "all" else tiers[-1:]:
+        flip_payload_byte(page_path(server, tier, keys[victim], layout), 5000)
+
+    hits, got = server.prefetch(keys, layout)
+    assert got[:victim] == payloads[:victim]
+    if damaged_on == "one":
+        assert hits == len(keys) and got[victim] == payloads[victim]  # served from the intact replica
+    else:
+        assert got[victim] is None  # never served: not resident in L1 at all
+        assert server.adapter.report_status()["load_failed_pages"] >= 1
+    assert sum(t["quarantined"] for t in server.engine.stats()["tiers"]) >= 1
+    assert server.engine.check() == []  # the damaged copies were removed
+
+
+def test_submit_never_raises_into_lmcache(lmc, server_factory, tier_root, monkeypatch):
+    """An exception inside the engine is a per-task failure, a warning and a counter."""
+    server = server_factory(make_tiers(tier_root, 2))
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 2)
+    payloads = random_payloads(len(keys), 8192, seed=5)
+    server.write_through(keys, layout, payloads)
+
+    def boom(*_a, **_k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.engine, "get", boom)
+    hits, got = server.prefetch(keys, layout)
+    assert got == [None, None]
+    assert server.adapter.report_status()["errors"] >= 1
+    monkeypatch.undo()
+    hits, got = server.prefetch(keys, layout)  # the adapter keeps working afterwards
+    assert got == payloads
+
+
+# ------------------------------------------------------------------------------------ helpers
+def engine_opener(**kwargs):
+    from kvstream_hicache.engine import Engine
+
+    def open_engine(config, namespace):
+        return Engine(config, namespace, **kwargs)
+
+    return open_engine
+
+
+class TierDeath(FaultPlan):
+    """Reads from files under ``root`` succeed ``after_reads`` times, then fail with EIO."""
+
+    def __init__(self, root: str, after_reads: int):
+        super().__init__()
+        self.root = os.path.realpath(root) + os.sep
+        self.after_reads = after_reads
+        self.ok_reads = 0
+        self.failed_reads = 0
+
+    def decide(self, opcode, fd, offset, length):
+        if opcode != OP_READ or not fd_path(fd).startswith(self.root):
+            return None
+        with self._lock:
+            if self.ok_reads < self.after_reads:
+                self.ok_reads += 1
+                return None
+            self.failed_reads += 1
+        return Fault.error(errno.EIO)
+
+
+def fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def flip_payload_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE + offset)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_namespace_keeps_integration_apart():
+    assert Namespace(la.namespace_fields()).digest != Namespace(la.namespace_fields({"deployment": "b"})).digest
+    fields = la.namespace_fields({"integration": "sglang"})  # cannot be overridden
+    assert fields["integration"] == la.INTEGRATION

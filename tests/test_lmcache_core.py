@@ -1,0 +1,315 @@
+"""The LMCache adapter's machinery without LMCache's controllers: key mapping, lock/unlock, pooled loads,
+errors at the boundary, close, bench_read. Real engine on real tier directories.
+
+Run: ``.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache_core.py``
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvstream_hicache import lmcache_adapter as la
+from kvstream_hicache.config import Config
+from kvstream_hicache.layout import Namespace, is_valid_key
+
+pytestmark = pytest.mark.lmcache
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+
+WAIT_S = 30.0
+PAGE = 8192
+
+
+class Pages:
+    """Numpy-backed page buffers and their (address, nbytes) segments."""
+
+    def __init__(self, n: int, size: int = PAGE, seed: int | None = None):
+        rng = np.random.default_rng(seed)
+        self.arrays = [rng.integers(0, 256, size, dtype=np.uint8) if seed is not None else np.zeros(size, np.uint8)
+                       for _ in range(n)]
+        self.segments = [[(a.ctypes.data, a.nbytes)] for a in self.arrays]
+
+
+@pytest.fixture
+def engine(tier_dirs):
+    from kvstream_hicache.engine import Engine
+
+    eng = Engine(Config.from_sources({"tiers": tier_dirs[:2], "chunk": "4K"}, {}),
+                 Namespace(la.namespace_fields({"test": "core"})))
+    yield eng
+    eng.close()
+
+
+def stored(engine, n: int, seed: int = 1) -> tuple[list[str], Pages]:
+    keys = [f"{i:064x}" for i in range(1, n + 1)]
+    src = Pages(n, seed=seed)
+    assert all(engine.put(keys, src.segments))
+    return keys, src
+
+
+# ------------------------------------------------------------------------------------------- keys
+def test_engine_keys_are_valid_and_keep_everything_apart():
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    import torch
+
+    desc = MemoryLayoutDesc(shapes=[torch.Size([2, 16, 128])], dtypes=[torch.bfloat16])
+    tag = la.layout_tag(desc.shapes, desc.dtypes)
+    assert tag == "2x16x128:bfloat16"
+
+    def key(**kw):
+        base = dict(chunk_hash=b"\x01" * 32, model_name="org/m", kv_rank=0, object_group_id=0, cache_salt="")
+        base.update(kw)
+        return ObjectKey(**base)
+
+    variants = [la.engine_key(key(), tag), la.engine_key(key(model_name="org/n"), tag),
+                la.engine_key(key(kv_rank=1), tag), la.engine_key(key(object_group_id=1), tag),
+                la.engine_key(key(cache_salt="user1"), tag), la.engine_key(key(chunk_hash=b"\x02" * 32), tag),
+                la.engine_key(key(), "2x16x128:float16")]
+    assert len(set(variants)) == len(variants)
+    assert all(is_valid_key(k) and len(k) == 64 for k in variants)
+    assert la.engine_key(key(), tag) == la.engine_key(key(), tag)  # stable across calls and processes
+
+
+def test_split_params_separates_adapter_options_from_engine_settings():
+    opts, settings = la.split_params({"tiers": ["/a"], "pool_loads": False, "namespace": {"d": 1}, "policy": "tier0"})
+    assert opts == {"pool_loads": False, "namespace": {"d": 1}}
+    assert settings == {"tiers": ["/a"], "policy": "tier0"}
+
+
+# --------------------------------------------------------------------------------- lookup / lock
+def test_lookup_pins_and_unlock_releases(engine):
+    keys, _ = stored(engine, 3)
+    core = la.L2Core(engine)
+    try:
+        task = core.submit_lookup(keys + ["f" * 64, None])
+        assert core.pop_lookup(task) == [True, True, True, False, False]
+        assert core.pop_lookup(task) is None
+        assert [engine.index.get(k).pins for k in keys] == [1, 1, 1]
+        core.submit_lookup(keys[:1])  # locks nest
+        core.unlock(keys)
+        assert [engine.index.get(k).pins for k in keys] == [1, 0, 0]
+        core.unlock(keys + ["nope", None])  # more unlocks than locks, unknown keys: ignored
+        assert engine.index.get(keys[0]).pins == 0
+        core.submit_lookup(keys)
+    finally:
+        core.close()  # releases the locks still held
+    assert [engine.index.get(k).pins for k in keys] == [0, 0, 0]
+
+
+def test_pinned_pages_are_not_evicted(tier_dirs):
+    from kvstream_hicache.engine import Engine
+
+    cap = 3 * (4096 + PAGE)  # three pages per tier
+    eng = Engine(Config.from_sources({"tiers": tier_dirs[:2], "capacity": str(cap)}, {}),
+                 Namespace(la.namespace_fields({"test": "evict"})))
+    core = la.L2Core(eng)
+    try:
+        keys, _ = stored(eng, 3)
+        assert core.pop_lookup(core.submit_lookup(keys[:1])) == [True]  # pin the oldest
+        more = [f"{i:064x}" for i in range(100, 102)]
+        assert all(eng.put(more, Pages(2, seed=2).segments))
+        assert eng.contains(keys[0])  # pinned: survived although least recent
+        assert not eng.contains(keys[1])
+        core.unlock(keys[:1])
+    finally:
+        core.close()
+        eng.close()
+
+
+# ----------------------------------------------------------------------------------------- loads
+class GatedEngine:
+    """Delegates to an engine; the first get blocks until released, so tasks queue up meanwhile."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.index = engine.index
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.batches: list[int] = []
+
+    def get(self, keys, pages):
+        self.batches.append(len(keys))
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.release.wait(WAIT_S)
+        return self.engine.get(keys, pages)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["pooled", "one-batch-per-task"])
+def test_load_tasks_outstanding_together_are_pooled(engine, pool):
+    keys, src = stored(engine, 16, seed=4)
+    gated = GatedEngine(engine)
+    done = threading.Semaphore(0)
+    core = la.L2Core(gated, pool_loads=pool, on_load=lambda _t: done.release())
+    try:
+        dst = Pages(16)
+        first = core.submit_load(keys[:2], dst.segments[:2])
+        assert gated.entered.wait(WAIT_S)  # the worker is inside the first batch
+        rest = [core.submit_load(keys[i:i + 2], dst.segments[i:i + 2]) for i in range(2, 16, 2)]
+        gated.release.set()
+        for _ in range(8):
+            assert done.acquire(timeout=WAIT_S)
+        results = [core.pop_load(t) for t in [first] + rest]
+        assert results == [[True, True]] * 8
+        assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
+        assert gated.batches == ([2, 14] if pool else [2] * 8)
+        assert core.stats()["pooled_tasks_max"] == (7 if pool else 1)
+    finally:
+        core.close()
+
+
+def test_same_key_in_two_pooled_tasks_fills_both_buffers(engine):
+    keys, src = stored(engine, 2, seed=6)
+    gated = GatedEngine(engine)
+    core = la.L2Core(gated)
+    try:
+        a, b, c = Pages(1), Pages(2), Pages(1)
+        t0 = core.submit_load(keys[:1], a.segments)
+        assert gated.entered.wait(WAIT_S)
+        t1 = core.submit_load(keys, b.segments)
+        t2 = core.submit_load(keys[1:], c.segments)  # keys[1] again, in the same pooled batch
+        gated.release.set()
+        assert [core.wait_load(t, WAIT_S) for t in (t0, t1, t2)] == [[True], [True, True], [True]]
+        assert gated.batches == [1, 2]  # the repeated key was read once
+        assert np.array_equal(c.arrays[0], src.arrays[1]) and np.array_equal(b.arrays[1], src.arrays[1])
+    finally:
+        core.close()
+
+
+def test_missing_and_wrong_size_pages_fail_alone(engine):
+    keys, src = stored(engine, 2, seed=8)
+    core = la.L2Core(engine)
+    try:
+        small = Pages(1, size=4096)
+        good = Pages(1)
+        task = core.submit_load([keys[0], "e" * 64, keys[1], None], [good.segments[0], good.segments[0],
+                                                                    small.segments[0], None])
+        assert core.wait_load(task, WAIT_S) == [True, False, False, False]
+        assert np.array_equal(good.arrays[0], src.arrays[0])
+        assert core.stats()["errors"] == 0
+    finally:
+        core.close()
+
+
+# ----------------------------------------------------------------------------- errors and close
+class Exploding:
+    """An engine whose I/O calls raise (a bug or an unexpected OSError deep inside)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.index = engine.index
+
+    def get(self, *_):
+        raise RuntimeError("injected get failure")
+
+    def put(self, *_):
+        raise OSError(5, "injected put failure")
+
+    def contains(self, key):
+        return self.engine.contains(key)
+
+
+def test_engine_exceptions_become_task_failures(engine):
+    keys, _ = stored(engine, 2)
+    events = []
+    core = la.L2Core(Exploding(engine), on_store=events.append, on_load=events.append)
+    try:
+        dst = Pages(2)
+        load = core.submit_load(keys, dst.segments)
+        assert core.wait_load(load, WAIT_S) == [False, False]
+        store = core.submit_store(keys, dst.segments)
+        assert core.wait_completed("store", 1, WAIT_S)
+        assert core.pop_stores() == {store: (False, 0)}
+        assert sorted(events) == sorted([load, store])  # completions still signalled
+        assert core.stats()["errors"] == 2
+    finally:
+        core.close()
+
+
+def test_close_is_idempotent_and_later_tasks_fail_at_once(engine):
+    keys, _ = stored(engine, 1)
+    core = la.L2Core(engine)
+    core.close()
+    core.close()
+    dst = Pages(1)
+    assert core.wait_load(core.submit_load(keys, dst.segments), 0) == [False]
+    store = core.submit_store(keys, dst.segments)
+    assert core.pop_stores() == {store: (False, 0)}
+
+
+def test_store_task_reports_bytes_and_verdict(engine):
+    core = la.L2Core(engine)
+    try:
+        src = Pages(3, seed=9)
+        keys = [f"{i:064x}" for i in range(200, 203)]
+        ok_task = core.submit_store(keys, src.segments)
+        bad_task = core.submit_store([keys[0], None], [src.segments[0], None])  # an unmappable key
+        assert core.wait_completed("store", 2, WAIT_S)
+        assert core.pop_stores() == {ok_task: (True, 3 * PAGE), bad_task: (False, PAGE)}
+        assert all(engine.contains(k) for k in keys)
+    finally:
+        core.close()
+
+
+# ----------------------------------------------------------------------------------------- bench
+@pytest.mark.parametrize("pool", [True, False])
+def test_bench_read(engine, pool):
+    keys, src = stored(engine, 16, seed=10)
+    dst = Pages(16)
+    result = la.bench_read(engine, keys, dst.segments, tasks=8, pool=pool)
+    assert result.found == [True] * 16 and result.tasks == 8
+    assert result.batches == (1 if pool else 8)
+    assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
+
+
+def test_bench_read_opens_its_own_engine_from_settings(tier_dirs):
+    from kvstream_hicache.engine import Engine
+
+    settings = {"tiers": tier_dirs[:2]}
+    namespace = Namespace({"model": "bench-model"})
+    with Engine(Config.from_sources(settings, {}), namespace) as eng:
+        keys, src = stored(eng, 4, seed=12)
+    dst = Pages(4)
+    result = la.bench_read(settings, keys, dst.segments, tasks=2, namespace=namespace)
+    assert result.found == [True] * 4
+    assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
+
+
+# ------------------------------------------------------------------------------ LMCache class
+def test_adapter_class_loads_lazily_and_closes_twice(tier_dirs):
+    cls = la.KVStreamL2Adapter
+    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+
+    assert issubclass(cls, L2AdapterInterface) and cls.__qualname__ == "KVStreamL2Adapter"
+    adapter = cls({"tiers": tier_dirs[:2], "pool_loads": "false"})
+    fds = {adapter.get_store_event_fd(), adapter.get_lookup_and_lock_event_fd(), adapter.get_load_event_fd()}
+    assert len(fds) == 3
+    assert adapter.core.pool_loads is False
+    assert adapter.report_status()["is_healthy"]
+    adapter.close()
+    adapter.close()
+    assert not adapter.report_status()["is_healthy"]
+
+
+def test_bad_settings_raise_at_construction(tmp_path):
+    from kvstream_hicache.errors import KVStreamError
+
+    with pytest.raises(KVStreamError, match="tier"):
+        la.KVStreamL2Adapter({"tiers": [str(tmp_path / "missing")]})
+    with pytest.raises(KVStreamError, match="unknown kvstream setting"):
+        la.KVStreamL2Adapter({"tiers": [str(tmp_path)], "tierz": 1})
+
+
+def test_copy_segments_across_boundaries():
+    buf = (ctypes.c_char * 16)()
+    src = (ctypes.c_char * 16).from_buffer_copy(bytes(range(16)))
+    assert la._copy_segments([(ctypes.addressof(src), 16)],
+                             [(ctypes.addressof(buf), 5), (ctypes.addressof(buf) + 5, 11)])
+    assert bytes(buf) == bytes(range(16))
+    assert not la._copy_segments([(ctypes.addressof(src), 16)], [(ctypes.addressof(buf), 8)])

@@ -1,0 +1,543 @@
+"""Ring (io_uring) and ThreadRing (fallback): the same integration tests against both engines.
+
+Real files under a disk-backed temporary directory, opened with O_DIRECT. io_uring tests never
+skip when io_uring works; with KVSTREAM_REQUIRE_URING=1 (CI) a refused io_uring_setup fails them.
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import weakref
+
+import numpy as np
+import pytest
+
+from kvstream_hicache import io as kio
+from kvstream_hicache.io import ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Ring, ThreadRing, open_ring
+
+KIB = 1024
+MIB = 1024 * KIB
+ENGINES = ["uring", "threads"]
+REQUIRE_URING = os.environ.get("KVSTREAM_REQUIRE_URING") == "1" or os.environ.get("KVSTREAM_STRICT") == "1"
+
+
+def make_ring(engine: str, entries: int = 256):
+    if engine == "threads":
+        return ThreadRing(entries)
+    try:
+        return Ring(entries)
+    except OSError as exc:
+        if REQUIRE_URING:
+            pytest.fail(f"KVSTREAM_REQUIRE_URING=1 but io_uring_setup was refused: {exc}")
+        pytest.skip(f"io_uring unavailable here: {exc}")
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.param
+
+
+@pytest.fixture
+def ring(engine):
+    r = make_ring(engine)
+    yield r
+    r.close()
+
+
+def run(ring, ops) -> dict[int, int]:
+    """Submit a batch and reap all of it: {tag: res}."""
+    ops = list(ops)
+    assert ring.submit(ops) == len(ops)
+    out: dict[int, int] = {}
+    while ring.in_flight:
+        for tag, res in ring.reap(ring.in_flight):
+            assert tag not in out, f"tag {tag} completed twice"
+            out[tag] = res
+    assert set(out) == {op[4] for op in ops}
+    return out
+
+
+def random_buffer(nbytes: int, seed: int) -> AlignedBuffer:
+    buf = AlignedBuffer(nbytes)
+    np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return buf
+
+
+def open_direct(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+    return os.open(path, flags | os.O_DIRECT, 0o600)
+
+
+def make_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.fixture
+def direct_dir(tier_root):
+    """The scratch dir, after checking O_DIRECT works there (it does on ext4/xfs, not older tmpfs)."""
+    probe = os.path.join(tier_root, "probe")
+    try:
+        os.close(open_direct(probe))
+    except OSError as exc:
+        pytest.fail(f"O_DIRECT unsupported under {tier_root} ({exc}); set KVSTREAM_TEST_DIR to a disk-backed dir")
+    return tier_root
+
+
+def test_uring_available_when_required():
+    if not REQUIRE_URING:
+        pytest.skip("set KVSTREAM_REQUIRE_URING=1 to demand io_uring")
+    with Ring(8) as r:
+        assert r.entries >= 8
+
+
+# -- round trips ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [4 * KIB, 64 * KIB, 1 * MIB, 8 * MIB])
+@pytest.mark.parametrize("offset", [0, 4 * KIB, 1 * MIB + 12 * KIB])
+def test_round_trip_sizes_and_offsets(ring, direct_dir, size, offset):
+    fd = open_direct(os.path.join(direct_dir, "f"))
+    try:
+        src = random_buffer(size, seed=size + offset)
+        dst = AlignedBuffer(size)
+        assert run(ring, [(OP_WRITE, fd, src, offset, 1)]) == {1: size}
+        assert run(ring, [(OP_READ, fd, dst, offset, 2)]) == {2: size}
+        assert bytes(dst) == bytes(src)
+    finally:
+        os.close(fd)
+
+
+def test_queue_depth_beyond_submission_queue(engine, direct_dir):
+    """256 ops in one batch on a 64-entry ring: submit-and-continue, every op lands once."""
+    depth, chunk = 256, 16 * KIB
+    data = os.urandom(depth * chunk)
+    path = os.path.join(direct_dir, "deep")
+    make_file(path, data)
+    fd = open_direct(path, os.O_RDONLY)
+    with make_ring(engine, entries=64) as ring:
+        bufs = [AlignedBuffer(chunk) for _ in range(depth)]
+        # reverse file order so completions cannot come back sorted by accident
+        res = run(ring, [(OP_READ, fd, bufs[i], i * chunk, 1000 + i) for i in reversed(range(depth))])
+    os.close(fd)
+    assert res == {1000 + i: chunk for i in range(depth)}
+    assert b"".join(bytes(b) for b in bufs) == data
+
+
+def test_many_files_at_once(ring, direct_dir):
+    nfiles, chunk = 48, 8 * KIB
+    fds = [open_direct(os.path.join(direct_dir, f"f{i}")) for i in range(nfiles)]
+    try:
+        srcs = [random_buffer(2 * chunk, seed=i) for i in range(nfiles)]
+        writes = [(OP_WRITE, fd, srcs[i], 0, i) for i, fd in enumerate(fds)]
+        assert run(ring, writes) == {i: 2 * chunk for i in range(nfiles)}
+        dsts = [AlignedBuffer(chunk) for _ in range(2 * nfiles)]
+        reads = [(OP_READ, fds[i // 2], dsts[i], (i % 2) * chunk, i) for i in range(2 * nfiles)]
+        assert run(ring, reads) == {i: chunk for i in range(2 * nfiles)}
+        for i, dst in enumerate(dsts):
+            half = (i % 2) * chunk
+            assert bytes(dst) == bytes(srcs[i // 2])[half:half + chunk]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_raw_address_buffers(ring, direct_dir):
+    data = os.urandom(64 * KIB)
+    path = os.path.join(direct_dir, "raw")
+    make_file(path, data)
+    fd = open_direct(path, os.O_RDONLY)
+    dst = AlignedBuffer(64 * KIB)
+    try:
+        assert run(ring, [(OP_READ, fd, (dst.address, 32 * KIB), 32 * KIB, 7)]) == {7: 32 * KIB}
+        assert bytes(dst)[:32 * KIB] == data[32 * KIB:]
+        assert run(ring, [(OP_READ, fd, (dst.address, 0), 0, 8)]) == {8: 0}
+    finally:
+        os.close(fd)
+    dst.close()  # nothing pinned it: raw memory is the caller's business
+
+
+def test_numpy_buffers(ring, tier_root):
+    fd = os.open(os.path.join(tier_root, "np"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        src = np.arange(1000, dtype=np.float32)
+        dst = np.zeros(1000, dtype=np.float32)
+        assert run(ring, [(OP_WRITE, fd, src, 0, 1)]) == {1: 4000}
+        assert run(ring, [(OP_READ, fd, dst, 0, 2)]) == {2: 4000}
+        np.testing.assert_array_equal(src, dst)
+    finally:
+        os.close(fd)
+
+
+# -- errors, one op at a time ---------------------------------------------------------------------
+def test_bad_fd_is_ebadf_for_that_op_only(ring, direct_dir):
+    path = os.path.join(direct_dir, "ok")
+    make_file(path, b"x" * ALIGN)
+    fd = open_direct(path, os.O_RDONLY)
+    bad_fd = os.open(path, os.O_RDONLY)
+    os.close(bad_fd)  # a number that is certainly not open now
+    a, b = AlignedBuffer(ALIGN), AlignedBuffer(ALIGN)
+    try:
+        assert run(ring, [(OP_READ, bad_fd, a, 0, 1), (OP_READ, fd, b, 0, 2)]) == {1: -errno.EBADF, 2: ALIGN}
+        assert bytes(b) == b"x" * ALIGN
+    finally:
+        os.close(fd)
+
+
+def test_write_to_read_only_fd_is_ebadf(ring, direct_dir):
+    path = os.path.join(direct_dir, "ro")
+    make_file(path, b"\0" * ALIGN)
+    fd = open_direct(path, os.O_RDONLY)
+    try:
+        assert run(ring, [(OP_WRITE, fd, AlignedBuffer(ALIGN), 0, 1)]) == {1: -errno.EBADF}
+    finally:
+        os.close(fd)
+
+
+def test_read_past_end_of_file(ring, direct_dir):
+    path = os.path.join(direct_dir, "short")
+    data = os.urandom(3 * ALIGN)
+    make_file(path, data)
+    fd = open_direct(path, os.O_RDONLY)
+    bufs = [AlignedBuffer(4 * ALIGN) for _ in range(3)]
+    try:
+        res = run(ring, [(OP_READ, fd, bufs[0], 0, 1),            # straddles EOF: short total
+                         (OP_READ, fd, bufs[1], 3 * ALIGN, 2),    # starts at EOF: 0
+                         (OP_READ, fd, bufs[2], 64 * ALIGN, 3)])  # far beyond: 0
+    finally:
+        os.close(fd)
+    assert res == {1: 3 * ALIGN, 2: 0, 3: 0}
+    assert bytes(bufs[0])[:3 * ALIGN] == data
+
+
+def test_short_read_at_unaligned_end_of_file(ring, tier_root):
+    """A file whose size is not a block multiple: the short total is exact (resubmission finds EOF)."""
+    path = os.path.join(tier_root, "odd")
+    data = os.urandom(5000)
+    make_file(path, data)
+    for flags in (os.O_RDONLY, os.O_RDONLY | os.O_DIRECT):
+        fd = os.open(path, flags)
+        buf = AlignedBuffer(2 * ALIGN)
+        try:
+            assert run(ring, [(OP_READ, fd, buf, 0, 1)]) == {1: 5000}
+        finally:
+            os.close(fd)
+        assert bytes(buf)[:5000] == data
+
+
+@pytest.mark.parametrize("case", ["address", "offset", "length"])
+def test_unaligned_o_direct_is_einval(ring, direct_dir, case):
+    path = os.path.join(direct_dir, "al")
+    make_file(path, os.urandom(4 * ALIGN))
+    fd = open_direct(path, os.O_RDONLY)
+    buf = AlignedBuffer(4 * ALIGN)
+    view = memoryview(buf)
+    target, offset = {
+        "address": (view[1:ALIGN + 1], 0),
+        "offset": (view[:ALIGN], 1),
+        "length": (view[:ALIGN - 1], 0),
+    }[case]
+    try:
+        assert run(ring, [(OP_READ, fd, target, offset, 1)]) == {1: -errno.EINVAL}
+    finally:
+        os.close(fd)
+        target.release()
+        view.release()
+
+
+def test_invalid_batches_are_refused_whole(ring, tier_root):
+    path = os.path.join(tier_root, "v")
+    make_file(path, b"v" * ALIGN)
+    fd = os.open(path, os.O_RDONLY)
+    good = (OP_READ, fd, bytearray(ALIGN), 0, 1)
+    try:
+        with pytest.raises(ValueError, match="opcode"):
+            ring.submit([good, (99, fd, bytearray(8), 0, 2)])
+        with pytest.raises(ValueError, match="already in flight"):
+            ring.submit([good, (OP_READ, fd, bytearray(8), 0, 1)])
+        with pytest.raises(BufferError):
+            ring.submit([good, (OP_READ, fd, b"read-only bytes", 0, 2)])
+        with pytest.raises(TypeError):
+            ring.submit([good, (OP_READ, fd, bytearray(8), 0)])
+        with pytest.raises(ValueError, match="offset"):
+            ring.submit([good, (OP_READ, fd, bytearray(8), -4096, 2)])
+        assert ring.in_flight == 0
+        assert run(ring, [good]) == {1: ALIGN}  # the rejected batches left nothing behind (tag 1 is free)
+        assert run(ring, [(OP_WRITE, fd, b"bytes are fine for writes", 0, 2)]) == {2: -errno.EBADF}
+    finally:
+        os.close(fd)
+
+
+def test_short_transfers_are_completed(engine, ring, monkeypatch, tier_root):
+    """Short transfers are resubmitted for the remainder until the op is whole."""
+    payload = os.urandom(200)
+    if engine == "uring":
+        # A pipe read returns what is there: the read is armed before any data arrives, so the first
+        # completion covers the first write only and the ring must resubmit for the rest.
+        r, w = os.pipe()
+        try:
+            buf = bytearray(200)
+            ring.submit([(OP_READ, r, buf, 0, 1)])
+            os.write(w, payload[:100])
+            assert ring.reap(1, timeout=0) in ([], [(1, 200)])  # nothing can be complete with half the data
+            os.write(w, payload[100:])
+            assert ring.reap(1) == [(1, 200)]
+            assert bytes(buf) == payload
+        finally:
+            os.close(r)
+            os.close(w)
+    else:
+        path = os.path.join(tier_root, "chunks")
+        make_file(path, payload)
+        real = os.preadv
+        calls = []
+
+        def at_most_30_bytes(fd, bufs, offset):
+            calls.append(offset)
+            return real(fd, [memoryview(bufs[0])[:30]], offset)
+
+        monkeypatch.setattr(os, "preadv", at_most_30_bytes)
+        fd = os.open(path, os.O_RDONLY)
+        buf = bytearray(200)
+        try:
+            assert run(ring, [(OP_READ, fd, buf, 0, 1)]) == {1: 200}
+        finally:
+            os.close(fd)
+        assert bytes(buf) == payload
+        assert calls == list(range(0, 200, 30))
+
+
+# -- lifetime -------------------------------------------------------------------------------------
+class Tracked(bytearray):
+    """A bytearray that supports weak references, to see when the ring lets go of it."""
+
+
+def test_buffers_stay_alive_until_reaped(ring, tier_root):
+    data = os.urandom(64 * KIB)
+    path = os.path.join(tier_root, "alive")
+    make_file(path, data)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        buf = Tracked(64 * KIB)
+        ref = weakref.ref(buf)
+        ring.submit([(OP_READ, fd, buf, 0, 1)])
+        del buf  # the ring holds the only reference now
+        gc.collect()
+        garbage = [bytearray(64 * KIB) for _ in range(16)]  # reuse freed memory if it had been freed
+        assert ref() is not None
+        assert ring.reap(1) == [(1, 64 * KIB)]
+        assert ref() is None  # released on reap
+        del garbage
+
+        src = Tracked(data[::-1])
+        ring.submit([(OP_WRITE, fd, src, 0, 2)])
+        del src
+        gc.collect()
+        garbage = [bytearray(64 * KIB) for _ in range(16)]
+        assert ring.reap(1) == [(2, 64 * KIB)]
+        with open(path, "rb") as f:
+            assert f.read() == data[::-1]
+    finally:
+        os.close(fd)
+
+
+def test_aligned_buffer_pinned_while_in_flight(engine, tier_root):
+    path = os.path.join(tier_root, "pin")
+    make_file(path, b"p" * ALIGN)
+    fd = os.open(path, os.O_RDONLY)
+    buf = AlignedBuffer(ALIGN)
+    with make_ring(engine) as ring:
+        ring.submit([(OP_READ, fd, buf, 0, 1)])
+        with pytest.raises(BufferError):
+            buf.close()
+        ring.reap(1)
+    os.close(fd)
+    buf.close()
+    buf.close()
+
+
+def test_close_drains_idempotent_and_refuses_use(engine, tier_root):
+    path = os.path.join(tier_root, "drain")
+    make_file(path, os.urandom(256 * KIB))
+    fd = os.open(path, os.O_RDONLY)
+    ring = make_ring(engine)
+    bufs = [AlignedBuffer(ALIGN) for _ in range(64)]
+    ring.submit([(OP_READ, fd, b, i * ALIGN, i) for i, b in enumerate(bufs)])
+    ring.close()  # without reaping: waits for the kernel to finish with every buffer
+    ring.close()
+    assert ring.closed
+    for b in bufs:
+        b.close()  # nothing is pinned any more
+    with pytest.raises(ValueError, match="closed"):
+        ring.submit([(OP_READ, fd, bytearray(8), 0, 1)])
+    with pytest.raises(ValueError, match="closed"):
+        ring.reap()
+    os.close(fd)
+
+
+def test_reap_with_nothing_in_flight_returns_at_once(ring):
+    assert ring.reap() == []
+    assert ring.reap(100, timeout=None) == []
+
+
+def test_unclosed_ring_warns(engine):
+    ring = make_ring(engine)
+    with pytest.warns(ResourceWarning):
+        del ring
+        gc.collect()
+
+
+# -- io_uring specifics ---------------------------------------------------------------------------
+@pytest.fixture
+def uring():
+    r = make_ring("uring")
+    yield r
+    r.close()
+
+
+def test_reap_timeout_returns_fewer(uring, tier_root):
+    r, w = os.pipe()
+    path = os.path.join(tier_root, "t")
+    make_file(path, b"t" * ALIGN)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        uring.submit([(OP_READ, r, bytearray(10), 0, 1), (OP_READ, fd, bytearray(ALIGN), 0, 2)])
+        got = uring.reap(2, timeout=0.05)  # the pipe read cannot finish: we get the file read only
+        while not got:
+            got = uring.reap(1, timeout=0.05)
+        assert got == [(2, ALIGN)]
+        assert uring.reap(1, timeout=0) == []
+        assert uring.in_flight == 1
+        os.write(w, b"0123456789")
+        assert uring.reap(1) == [(1, 10)]
+    finally:
+        os.close(fd)
+        os.close(r)
+        os.close(w)
+
+
+def test_close_cancels_an_op_that_would_never_complete():
+    r, w = os.pipe()
+    ring = make_ring("uring")
+    buf = Tracked(10)
+    ref = weakref.ref(buf)
+    ring.submit([(OP_READ, r, buf, 0, 1)])
+    del buf
+    ring.close()  # cancels the pipe read, then drains: returns
+    gc.collect()
+    assert ref() is None
+    os.close(r)
+    os.close(w)
+
+
+def test_separate_rings_do_not_block_each_other(tier_root):
+    """A read ring stuck on a slow op never stalls a write ring: nothing is shared between rings."""
+    r, w = os.pipe()
+    path = os.path.join(tier_root, "sep")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    reads, writes = make_ring("uring"), make_ring("uring")
+    try:
+        reads.submit([(OP_READ, r, bytearray(4), 0, 1)])
+        for i in range(10):
+            assert run(writes, [(OP_WRITE, fd, b"w" * ALIGN, i * ALIGN, 1)]) == {1: ALIGN}
+        assert reads.reap(1, timeout=0) == []
+        os.write(w, b"done")
+        assert reads.reap(1) == [(1, 4)]
+    finally:
+        reads.close()
+        writes.close()
+        os.close(fd)
+        os.close(r)
+        os.close(w)
+
+
+def test_submit_while_another_thread_waits_in_reap(uring, tier_root):
+    import threading
+
+    r, w = os.pipe()
+    path = os.path.join(tier_root, "conc")
+    make_file(path, b"c" * ALIGN)
+    fd = os.open(path, os.O_RDONLY)
+    got = []
+    try:
+        uring.submit([(OP_READ, r, bytearray(4), 0, 1)])  # cannot complete until we write the pipe
+        reaper = threading.Thread(target=lambda: got.extend(uring.reap(1)))
+        reaper.start()
+        uring.submit([(OP_READ, fd, bytearray(ALIGN), 0, 2)])  # wakes the reaper
+        reaper.join()
+        assert got == [(2, ALIGN)]
+        os.write(w, b"done")
+        assert uring.reap(1) == [(1, 4)]
+    finally:
+        os.close(fd)
+        os.close(r)
+        os.close(w)
+
+
+def test_signal_interrupts_reap_and_loses_nothing(uring, tier_root):
+    import signal
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    r, w = os.pipe()
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        uring.submit([(OP_READ, r, bytearray(4), 0, 1)])
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Interrupted):
+            uring.reap(1)  # blocks (GIL released) until the signal: EINTR -> handler runs -> raises
+        assert uring.in_flight == 1
+        os.write(w, b"late")
+        assert uring.reap(1) == [(1, 4)]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        os.close(r)
+        os.close(w)
+
+
+# -- leaks ----------------------------------------------------------------------------------------
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_no_fd_or_memory_leaks_across_thousands_of_batches(engine, direct_dir):
+    batches, per_batch = 2000, 8
+    path = os.path.join(direct_dir, "leak")
+    make_file(path, os.urandom(per_batch * ALIGN))
+    fd = open_direct(path, os.O_RDWR)
+    bufs = [AlignedBuffer(ALIGN) for _ in range(per_batch)]
+    ops = [(OP_READ, fd, b, i * ALIGN, i) for i, b in enumerate(bufs)]
+    bad = [(OP_READ, -1, bytearray(8), 0, 100)]  # error completions must free their slots too
+
+    def cycle(n):
+        with make_ring(engine, entries=16) as ring:
+            for _ in range(n):
+                ring.submit(ops + bad)
+                got = 0
+                while got < per_batch + 1:
+                    got += len(ring.reap(per_batch + 1 - got))
+
+    cycle(100)  # warm-up: allocator pools, thread stacks, slot blocks
+    for _ in range(20):
+        with make_ring(engine, entries=8):
+            pass
+    gc.collect()
+    fds, rss = _open_fds(), _rss_bytes()
+    cycle(batches)
+    for _ in range(200):  # ring setup/teardown: ring fds and mmaps must go too
+        with make_ring(engine, entries=8):
+            pass
+    gc.collect()
+    os.close(fd)
+    assert _open_fds() == fds - 1
+    growth = _rss_bytes() - rss
+    assert growth < 8 * MIB, f"RSS grew {growth / MIB:.1f} MiB over {batches} batches"
+    assert all(b.exports == 0 for b in bufs)

@@ -1,0 +1,151 @@
+"""crc32c, copy and AlignedBuffer from the _uring extension."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstream_hicache.io import ALIGN, CRC32C_IMPL, AlignedBuffer, copy, crc32c
+
+POLY = 0x82F63B78  # CRC-32C, reflected
+
+
+def _table() -> list[int]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ POLY if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+TABLE = _table()
+
+
+def crc32c_ref(data: bytes, crc: int = 0) -> int:
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc = (crc >> 8) ^ TABLE[(crc ^ b) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
+# RFC 3720 (iSCSI) appendix B.4, and the usual check value.
+VECTORS = [
+    (b"", 0x00000000),
+    (b"123456789", 0xE3069283),
+    (bytes(32), 0x8A9136AA),
+    (b"\xff" * 32, 0x62A8AB43),
+    (bytes(range(32)), 0x46DD794E),
+    (bytes(range(31, -1, -1)), 0x113FDB5C),
+]
+
+
+@pytest.mark.parametrize("data,expected", VECTORS)
+def test_crc32c_known_vectors(data, expected):
+    assert crc32c(data) == expected
+    assert crc32c_ref(data) == expected
+
+
+def test_crc32c_backend_reported():
+    assert CRC32C_IMPL in ("sse4.2-3way", "table")
+
+
+# Lengths around the 3-way block sizes (3 x 256 and 3 x 8192 bytes) and the 8-byte word edges.
+EDGE_LENGTHS = [1, 7, 8, 9, 63, 767, 768, 769, 1536 + 5, 24575, 24576, 24577, 3 * 24576 + 777, 200_000]
+
+
+@pytest.mark.parametrize("length", EDGE_LENGTHS)
+def test_crc32c_matches_reference_at_block_edges(length):
+    data = np.random.default_rng(length).integers(0, 256, length + 8, dtype=np.uint8).tobytes()
+    for start in (0, 1, 5):  # unaligned starts exercise the byte-wise prologue
+        chunk = data[start:start + length]
+        assert crc32c(chunk) == crc32c_ref(chunk)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=4096), st.binary(max_size=4096), st.integers(0, 0xFFFFFFFF))
+def test_crc32c_random_and_chaining(a, b, seed):
+    assert crc32c(a, seed) == crc32c_ref(a, seed)
+    assert crc32c(b, crc32c(a)) == crc32c(a + b)
+
+
+def test_crc32c_accepts_buffers_and_raw_memory():
+    data = os.urandom(100_000)
+    buf = AlignedBuffer(len(data))
+    np.frombuffer(buf, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+    expected = crc32c_ref(data)
+    assert crc32c(buf) == expected
+    assert crc32c(memoryview(buf)[10:]) == crc32c_ref(data[10:])
+    assert crc32c((buf.address, len(data))) == expected
+    assert crc32c((buf.address, 0)) == 0
+    assert crc32c(np.frombuffer(data, dtype=np.uint32)) == expected
+    with pytest.raises(ValueError):
+        crc32c((0, 10))
+    with pytest.raises(OverflowError):
+        crc32c(b"x", 1 << 32)
+
+
+def test_copy_between_raw_addresses():
+    src = AlignedBuffer(1 << 20)
+    dst = AlignedBuffer(1 << 20)
+    np.frombuffer(src, dtype=np.uint8)[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+    copy(dst.address + 3, src.address, (1 << 20) - 3)  # large: GIL released
+    assert bytes(dst)[3:] == bytes(src)[:-3]
+    copy(dst.address, src.address + 100, 10)  # small
+    assert bytes(dst)[:10] == bytes(src)[100:110]
+    copy(dst.address, 0, 0)  # zero bytes: nothing touched
+    with pytest.raises(ValueError):
+        copy(dst.address, src.address, -1)
+    with pytest.raises(ValueError):
+        copy(0, src.address, 1)
+
+
+def test_aligned_buffer_basics():
+    buf = AlignedBuffer(3 * ALIGN + 5)
+    assert buf.address % ALIGN == 0
+    assert buf.nbytes == len(buf) == 3 * ALIGN + 5
+    assert bytes(buf) == bytes(3 * ALIGN + 5)  # zeroed
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    assert arr.flags.writeable and arr.ctypes.data == buf.address
+    arr[:4] = [1, 2, 3, 4]
+    assert ctypes.string_at(buf.address, 4) == b"\x01\x02\x03\x04"
+    view = memoryview(buf)
+    assert (view.format, view.ndim, view.shape, view.readonly) == ("B", 1, (3 * ALIGN + 5,), False)
+    assert buf.exports == 2
+    with pytest.raises(BufferError, match="live view"):
+        buf.close()
+    del arr
+    view.release()
+    buf.close()
+    buf.close()
+    assert buf.closed
+    with pytest.raises(ValueError, match="closed"):
+        memoryview(buf)
+    with pytest.raises(ValueError, match="closed"):
+        buf.address
+
+
+@pytest.mark.parametrize("align", [512, 4096, 2 << 20])
+def test_aligned_buffer_alignment(align):
+    with AlignedBuffer(align * 2, align) as buf:
+        assert buf.address % align == 0
+
+
+@pytest.mark.parametrize("nbytes,align", [(0, 4096), (-1, 4096), (4096, 3000), (4096, 2)])
+def test_aligned_buffer_rejects_bad_arguments(nbytes, align):
+    with pytest.raises(ValueError):
+        AlignedBuffer(nbytes, align)
+
+
+def test_aligned_buffer_as_torch_tensor():
+    torch = pytest.importorskip("torch")
+    buf = AlignedBuffer(4096)
+    t = torch.frombuffer(buf, dtype=torch.float32)
+    t[:] = 1.5
+    assert np.frombuffer(buf, dtype=np.float32)[0] == 1.5
+    assert t.data_ptr() == buf.address

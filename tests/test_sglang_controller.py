@@ -1,0 +1,173 @@
+"""kvstream behind sglang's real HybridCacheController on the CPU: real MHA/MLA host pools, page_first and
+layer_first, 2 and 3 tiers; the backup thread writes, the prefetch thread finds, the IO thread reads back, and
+the host pool ends up with the bytes that were written. Plus an A/B against sglang's own `file` backend."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvstream_hicache.layout import HEADER_SIZE, TierLayout
+from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, tiers_config  # noqa: F401
+
+KINDS = ["mha", "mla"]
+LAYOUTS = ["page_first", "layer_first"]
+
+
+def _assert_consistent(drv):
+    assert drv.threads_alive(), "a controller storage thread died"
+    problems = drv.storage.engine.check()
+    assert problems == [], problems
+
+
+@pytest.mark.parametrize("n_tiers", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_controller_round_trip(plugin_loaded, tier_dirs, drivers, kind, layout, n_tiers):
+    pools = cpu_sglang.make_pools(kind, layout, page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:n_tiers]))
+    assert drv.zero_copy
+    tokens, src, got = round_trip(drv, pools, n_pages=6, seed=11)
+    assert got.hit_tokens == len(tokens), "the prefetch thread's batch_exists did not find every page"
+    assert got.tokens == len(tokens), "the IO thread's batch_get_v1 did not read every page"
+    assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+    stats = drv.storage.stats()
+    assert [t["pages"] for t in stats["tiers"]] == [6] * n_tiers, "every tier holds a replica"
+    assert sum(t["bytes_served"] for t in stats["tiers"]) == 6 * pools.flat_page_nbytes()
+    assert stats["adapter"]["legacy_calls"] == 0 and stats["adapter"]["errors"] == 0
+    # a second request for the same prefix plus new pages: hit on the prefix only
+    more = tokens + cpu_sglang.random_tokens(2 * PAGE, seed=12)
+    assert drv.query(more) == len(tokens)
+    _assert_consistent(drv)
+
+
+def test_more_than_one_storage_batch(plugin_loaded, tier_dirs, drivers):
+    """> STORAGE_BATCH_SIZE (128) pages: the controller splits reads and writes into several calls."""
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE, device_tokens=4096, host_ratio=2.0)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    tokens, src, got = round_trip(drv, pools, n_pages=150, seed=3)
+    assert got.tokens == len(tokens)
+    assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+    _assert_consistent(drv)
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mha", "layer_first"), ("mla", "layer_first")])
+def test_ab_against_sglang_file_backend(plugin_loaded, tier_dirs, tier_root, drivers, monkeypatch, kind, layout):
+    """Same host pool, same keys: sglang's `file` backend and kvstream read back identical bytes, and the
+    payload kvstream stores is byte for byte the file sglang's backend writes."""
+    file_dir = os.path.join(tier_root, "file-backend")
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", file_dir)
+    pools = cpu_sglang.make_pools(kind, layout, page_size=PAGE)
+    tokens = cpu_sglang.random_tokens(5 * PAGE, seed=21)
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=21)
+    reads = {}
+    for backend, extra in (("file", {}), ("kvstream", tiers_config(tier_dirs[:2]))):
+        drv = drivers(pools, backend, extra_config=extra)
+        assert drv.backup(tokens, src, keys) == len(tokens)
+        got = drv.prefetch(tokens)
+        assert got.tokens == len(tokens), backend
+        reads[backend] = pools.page_bytes(got.host_indices)
+        if backend == "kvstream":
+            kv = drv.storage
+        drv.close()
+    assert reads["file"] == reads["kvstream"] == pools.page_bytes(src)
+    files = sorted(os.listdir(file_dir))
+    for key in keys:
+        with open(os.path.join(file_dir, next(f for f in files if f.startswith(key))), "rb") as f:
+            ref = f.read()
+        for tier in kv.config.tiers:
+            with open(TierLayout(tier.path, kv.namespace.digest).page_path(key), "rb") as f:
+                f.seek(HEADER_SIZE)
+                assert f.read(len(ref)) == ref
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_legacy_and_zero_copy_paths_share_pages(tier_dirs, drivers, plugin_loaded, layout):
+    """Pages written by the copying path (dynamic, interface_v1=0) are read by the zero-copy path, and the
+    other way round: both store sglang's flat page (MHA layer_first segments are reordered K..., V...)."""
+    pools = cpu_sglang.make_pools("mha", layout, page_size=PAGE)
+    legacy = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.hicache",
+                          class_name="KVStreamHiCacheStorage", interface_v1=0)
+    t1 = cpu_sglang.random_tokens(3 * PAGE, seed=31)
+    t2 = cpu_sglang.random_tokens(3 * PAGE, seed=32)
+    s1 = cpu_sglang.fill_random(pools, len(t1), seed=31)
+    s2 = cpu_sglang.fill_random(pools, len(t2), seed=32)
+
+    drv = drivers(pools, "dynamic", extra_config=legacy)
+    assert not drv.zero_copy
+    assert drv.backup(t1, s1) == len(t1)
+    drv.close()
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    assert drv.zero_copy
+    got = drv.prefetch(t1)
+    assert got.tokens == len(t1) and pools.page_bytes(got.host_indices) == pools.page_bytes(s1)
+    assert drv.backup(t2, s2) == len(t2)
+    drv.close()
+    drv = drivers(pools, "dynamic", extra_config=legacy)
+    got = drv.prefetch(t2)
+    assert got.tokens == len(t2) and pools.page_bytes(got.host_indices) == pools.page_bytes(s2)
+
+
+def test_mla_pages_are_shared_and_only_the_writer_writes(plugin_loaded, tier_dirs, drivers):
+    """MLA: TP rank 0 writes; rank 1 (not a storage writer) skips writes but reads rank 0's pages."""
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    tokens = cpu_sglang.random_tokens(4 * PAGE, seed=41)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=41)
+    rank0 = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), tp_rank=0, tp_size=2)
+    assert rank0.backup(tokens, src) == len(tokens)
+    rank0.close()
+    rank1 = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), tp_rank=1, tp_size=2)
+    backend = rank1.storage
+    assert not backend.is_writer
+    other = cpu_sglang.random_tokens(2 * PAGE, seed=42)
+    other_keys = cpu_sglang.page_keys(other, PAGE)
+    idx = cpu_sglang.fill_random(pools, len(other), seed=42)
+    assert backend.batch_set_v1(other_keys, idx) == [True, True]  # the NIXL convention: a no-op success
+    assert backend.batch_exists(other_keys) == 0  # ... that wrote nothing
+    got = rank1.prefetch(tokens)
+    assert got.tokens == len(tokens)
+    assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+
+
+def test_namespace_keeps_models_layouts_and_mha_ranks_apart(tier_dirs):
+    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+
+    extra = tiers_config(tier_dirs[:2])
+    base = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    tokens = cpu_sglang.random_tokens(2 * PAGE, seed=51)
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    idx = cpu_sglang.fill_random(base, len(tokens), seed=51)
+    writer = KVStreamHiCacheStorage(cpu_sglang.storage_config(base, extra_config=extra, tp_size=2), base.host)
+    assert writer.batch_set_v1(keys, idx) == [True, True]
+    assert writer.batch_exists(keys) == 2
+    others = [
+        (base, dict(model_name="org/other-model", tp_size=2)),
+        (base, dict(tp_rank=1, tp_size=2)),
+        (cpu_sglang.make_pools("mha", "layer_first", page_size=PAGE), dict(tp_size=2)),
+        (cpu_sglang.make_pools("mha", "page_first", page_size=PAGE, heads=4), dict(tp_size=2)),
+    ]
+    for pools, kw in others:
+        reader = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=extra, **kw), pools.host)
+        assert reader.namespace != writer.namespace
+        assert reader.batch_exists(keys) == 0, kw
+        reader.close()
+    writer.close()
+
+
+def test_clear_and_stats_through_the_controller(plugin_loaded, tier_dirs, drivers):
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    tokens, src, got = round_trip(drv, pools, n_pages=4, seed=61)
+    metrics = drv.backend.get_stats()
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    assert isinstance(metrics, StorageMetrics)
+    assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4]
+    assert all(bw > 0 for bw in metrics.prefetch_bandwidth + metrics.backup_bandwidth)
+    assert metrics.kvstream["pages_found"] == 4
+    assert drv.backend.get_stats().prefetch_pgs == []  # drained by the previous poll
+    assert drv.clear() is True
+    assert drv.query(tokens) == 0
+    _assert_consistent(drv)

@@ -1,0 +1,207 @@
+"""Faults seen from sglang's controller threads: they stay alive, requests degrade to misses, later requests
+hit again. sglang's own failure injector, a tier directory replaced mid-run, I/O errors and corruption on one
+tier (the ring's fault hook), exceptions inside the engine, a hybrid model refused at attach, metrics."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+
+from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, tiers_config  # noqa: F401  (first: CPU stubs)
+
+from kvstream_hicache.hicache import KVStreamHiCacheStorage  # noqa: E402
+from kvstream_hicache.io import OP_READ, Fault, FaultPlan  # noqa: E402
+
+ATTEMPTS = 40  # bounded retries under random injected failures (p=0.3 per call: a miss-all chance < 1e-9)
+
+
+def _until(fn, want, attempts=ATTEMPTS):
+    for _ in range(attempts):
+        got = fn()
+        if got == want:
+            return got
+    return got
+
+
+def test_sglang_failure_injector(plugin_loaded, tier_dirs, drivers, monkeypatch):
+    """SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE / _DELAY wrap the backend: random calls fail or stall."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.005")
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    assert type(drv.backend).__name__ == "HiCacheStorageFailureInjector"
+    assert drv.zero_copy
+    for seed in range(3):
+        tokens = cpu_sglang.random_tokens(4 * PAGE, seed=100 + seed)
+        src = cpu_sglang.fill_random(pools, len(tokens), seed=100 + seed)
+        assert _until(lambda: drv.backup(tokens, src), len(tokens)) == len(tokens)
+        results = []
+
+        def fetch():
+            got = drv.prefetch(tokens)
+            results.append(got)
+            return got.tokens
+
+        assert _until(fetch, len(tokens)) == len(tokens)
+        assert pools.page_bytes(results[-1].host_indices) == pools.page_bytes(src)
+        for got in results:
+            pools.free(got.host_indices)
+        assert drv.threads_alive()
+    assert drv.storage.counters["errors"] == 0
+
+
+def test_tier_directory_replaced_mid_run(plugin_loaded, tier_dirs, drivers):
+    """Tier 0's directory is replaced by a file while the server runs (root ignores chmod, so permissions
+    cannot simulate this): reads come from tier 1, writes go on, and every request still hits."""
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    tokens, src, got = round_trip(drv, pools, n_pages=5, seed=201)
+    assert got.tokens == len(tokens)
+
+    away = tier_dirs[0] + ".away"
+    os.rename(tier_dirs[0], away)
+    with open(tier_dirs[0], "w") as f:
+        f.write("not a directory\n")
+    try:
+        got = drv.prefetch(tokens)
+        assert got.tokens == len(tokens), "pages must be served from the surviving replica"
+        assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+        tokens2, src2, got2 = round_trip(drv, pools, n_pages=3, seed=202)
+        assert got2.tokens == len(tokens2)
+        assert pools.page_bytes(got2.host_indices) == pools.page_bytes(src2)
+        assert drv.threads_alive()
+        assert drv.storage.counters["errors"] == 0
+    finally:
+        os.unlink(tier_dirs[0])
+        os.rename(away, tier_dirs[0])
+
+
+class _TierPlan(FaultPlan):
+    """Apply ``fault`` to reads of files under one tier directory, once armed."""
+
+    def __init__(self, tier: str, fault: Fault):
+        super().__init__()
+        self.tier, self.fault, self.armed = os.path.realpath(tier), fault, False
+
+    def decide(self, opcode, fd, offset, length):
+        if not self.armed or opcode != OP_READ:
+            return None
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+        if not path.startswith(self.tier + os.sep):
+            return None
+        self.hits.append((self.fault, opcode, fd, offset, length))
+        return self.fault
+
+
+@pytest.mark.parametrize("fault,counter", [(Fault.error(errno.EIO), "errors"), (Fault.corrupt(), "corrupted")])
+def test_tier_io_errors_and_corruption_fall_back_to_the_replica(plugin_loaded, tier_dirs, drivers, monkeypatch,
+                                                               fault, counter):
+    from kvstream_hicache.engine import Engine
+
+    plan = _TierPlan(tier_dirs[0], fault)
+    monkeypatch.setattr(KVStreamHiCacheStorage, "_open_engine",
+                        lambda self, ns: Engine(self.config, ns, fault_plan=plan))
+    pools = cpu_sglang.make_pools("mha", "layer_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    tokens = cpu_sglang.random_tokens(6 * PAGE, seed=301)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=301)
+    assert drv.backup(tokens, src) == len(tokens)
+    plan.armed = True
+    got = drv.prefetch(tokens)
+    assert got.tokens == len(tokens)
+    assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+    stats = drv.storage.stats()
+    assert stats["tiers"][1]["bytes_served"] == 6 * pools.flat_page_nbytes(), "tier 1 served everything"
+    assert plan.hits, "tier 0 claims the front of the batch first, so it must have been read"
+    assert stats["tiers"][0][counter] > 0
+    from prometheus_client import REGISTRY
+
+    drv.storage.flush_metrics()
+    labels = dict(drv.storage._exporter.labels, tier="0")
+    name = {"errors": "kvstream:tier_errors_total", "corrupted": "kvstream:tier_corrupted_pages_total"}[counter]
+    assert (REGISTRY.get_sample_value(name, labels) or 0) > 0
+    assert drv.threads_alive()
+
+
+def test_engine_exceptions_never_reach_the_controller_threads(plugin_loaded, tier_dirs, drivers, caplog):
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    tokens, src, _ = round_trip(drv, pools, n_pages=3, seed=401)
+    engine = drv.storage.engine
+
+    def boom(*a, **k):
+        raise RuntimeError("injected engine failure")
+
+    saved = {name: getattr(engine, name) for name in ("get", "put", "prefix_len")}
+    for name in saved:
+        setattr(engine, name, boom)
+    with caplog.at_level(logging.WARNING, logger="kvstream"):
+        for _ in range(3):
+            assert drv.query(tokens) == 0
+            fresh = cpu_sglang.random_tokens(2 * PAGE, seed=402)
+            assert drv.backup(fresh, cpu_sglang.fill_random(pools, len(fresh), seed=402)) == 0
+            assert drv.storage.batch_get_v1(["a" * 64], src[:PAGE]) == [False]
+            assert drv.storage.batch_get(["a" * 64]) == [None]
+            assert drv.storage.batch_set(["a" * 64], [pools.host.get_data_page(int(src[0]))]) is False
+    assert drv.threads_alive()
+    assert drv.storage.counters["errors"] >= 15
+    warned = [r for r in caplog.records if "injected engine failure" in r.getMessage()]
+    methods = {r.getMessage().split()[1] for r in warned}
+    assert len(warned) == len(methods), "one warning per method per interval, not one per call"
+    for name, fn in saved.items():
+        setattr(engine, name, fn)
+    got = drv.prefetch(tokens)
+    assert got.tokens == len(tokens) and pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+
+
+def test_hybrid_model_refused_at_attach(tier_dirs):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2])),
+                                     pools.host)
+    backend.register_mem_host_pool_v2(pools.host, PoolName.KV)
+    backend.register_mem_host_pool_v2(object(), PoolName.SWA)
+    with pytest.raises(RuntimeError, match="sidecar host pools .*swa.*--hicache-storage-backend file"):
+        backend.on_host_pools_registered()
+    idx = pools.alloc(PAGE)
+    assert backend.batch_get_v1(["a" * 64], idx) == [False]  # threads already running get misses, no raise
+    assert backend.batch_exists_v2(["a" * 64]).kv_hit_pages == 0
+    backend.close()
+
+
+def test_plain_model_attach_passes_the_v2_registration(tier_dirs):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2])),
+                                     pools.host)
+    backend.register_mem_host_pool_v2(pools.host, PoolName.KV)
+    backend.on_host_pools_registered()
+    assert backend.engine is not None
+    backend.close()
+
+
+def test_prometheus_metrics(plugin_loaded, tier_dirs, drivers):
+    from prometheus_client import REGISTRY
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    tokens, src, got = round_trip(drv, pools, n_pages=4, seed=501)
+    drv.storage.flush_metrics()
+    labels = drv.storage._exporter.labels
+    page = pools.flat_page_nbytes()
+    served = sum(REGISTRY.get_sample_value("kvstream:tier_served_bytes_total", dict(labels, tier=str(k))) or 0
+                 for k in range(2))
+    assert served >= 4 * page
+    for k in range(2):
+        assert REGISTRY.get_sample_value("kvstream:tier_write_bytes_total", dict(labels, tier=str(k))) >= 4 * page
+        assert REGISTRY.get_sample_value("kvstream:tier_healthy", dict(labels, tier=str(k))) == 1
+    assert REGISTRY.get_sample_value("kvstream:retrieval_seconds_count", labels) >= 1
+    assert REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="found")) >= 4

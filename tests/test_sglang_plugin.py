@@ -1,0 +1,124 @@
+"""The sglang plugin: CLI acceptance through sglang's own argv parsing, registration, import-lightness,
+and the two construction paths (plugin factory, ``dynamic`` loader)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, run_python, tiers_config  # noqa: F401 (fixtures)
+
+ARGV = ["--model-path", "dummy", "--enable-hierarchical-cache", "--page-size", "64",
+        "--hicache-storage-backend", "kvstream"]
+
+CLI = textwrap.dedent("""
+    import json, sys
+    from kvstream_hicache import cpu_sglang
+    cpu_sglang.install_stubs()
+    from sglang.srt.server_args import prepare_server_args
+    argv = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {argv!r}
+    out = {{}}
+    try:
+        prepare_server_args(argv)
+        out["before_load"] = "accepted"
+    except SystemExit as exc:
+        out["before_load"] = f"exit {{exc.code}}"
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    out["cache_controller_imported"] = "sglang.srt.managers.cache_controller" in sys.modules
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    out["registered"] = "kvstream" in StorageBackendFactory._registry
+    try:
+        args = prepare_server_args(argv)
+        out["after_load"] = args.hicache_storage_backend
+    except SystemExit as exc:
+        out["after_load"] = f"exit {{exc.code}}"
+    print("RESULT " + json.dumps(out))
+""").format(argv=ARGV)
+
+
+def _result(proc) -> dict:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"no result (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_cli_accepts_kvstream_only_after_load_plugins():
+    """sglang's argparse rejects the name until load_plugins() runs kvstream's entry point; then accepts it,
+    without the plugin importing the (slow) cache controller module."""
+    out = _result(run_python(CLI))
+    assert out["before_load"] == "exit 2"
+    assert out["registered"] is True
+    assert out["after_load"] == "kvstream"
+    assert out["cache_controller_imported"] is False
+
+
+def test_cli_rejects_kvstream_when_plugin_disabled():
+    """SGLANG_PLUGINS whitelisting another plugin disables ours: the name stays invalid."""
+    out = _result(run_python(CLI, env={"SGLANG_PLUGINS": "some-other-plugin"}))
+    assert out["registered"] is False
+    assert out["before_load"] == "exit 2"
+    assert out["after_load"] == "exit 2"
+
+
+def test_plugin_module_is_import_light():
+    proc = run_python("import sys, kvstream_hicache.plugin as p; "
+                      "print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'numpy')))")
+    assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_factory_builds_kvstream_and_controller_goes_zero_copy(plugin_loaded, tier_dirs, drivers):
+    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    assert isinstance(drv.storage, KVStreamHiCacheStorage)
+    assert drv.zero_copy, "the plugin must switch the controller to batch_get_v1/batch_set_v1"
+    assert drv.storage.mem_pool_host is pools.host
+
+
+@pytest.mark.parametrize("interface_v1", [1, 0])
+def test_dynamic_spelling(tier_dirs, drivers, interface_v1):
+    """The no-plugin fallback: sglang's `dynamic` loader calls KVStreamHiCacheStorage(storage_config, {})."""
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    extra = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.hicache",
+                         class_name="KVStreamHiCacheStorage", interface_v1=interface_v1)
+    drv = drivers(pools, "dynamic", extra_config=extra)
+    assert drv.zero_copy == bool(interface_v1)
+    tokens = cpu_sglang.random_tokens(3 * PAGE, seed=5)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=5)
+    assert drv.backup(tokens, src) == len(tokens)
+    got = drv.prefetch(tokens)
+    assert got.tokens == len(tokens)
+    assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+    assert (drv.storage.counters["legacy_calls"] > 0) == (not interface_v1)
+
+
+def test_bad_extra_config_fails_the_attach_with_the_key_named(plugin_loaded, tier_dirs):
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    with pytest.raises(ValueError, match="tier_dirs"):
+        cpu_sglang.ControllerDriver(pools, "kvstream", extra_config={"tiers": tier_dirs[:1], "tier_dirs": "x"})
+
+
+def test_constructor_paths_and_idempotent_close(tier_dirs):
+    """Both factory shapes; close twice; calls after close answer misses without raising."""
+    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    cfg = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2]))
+    a = KVStreamHiCacheStorage(cfg, pools.host)  # plugin factory path: pool given up front
+    a.register_mem_pool_host(pools.host)  # sglang registers it again: a no-op
+    b = KVStreamHiCacheStorage(cfg, {})  # dynamic path: pool registered later
+    assert b.engine is None
+    b.register_mem_pool_host(pools.host)
+    assert b.engine is not None and b.namespace == a.namespace
+    for backend in (a, b):
+        backend.close()
+        backend.close()
+        idx = pools.alloc(PAGE)
+        assert backend.batch_get_v1(["a" * 64], idx) == [False]
+        assert backend.batch_exists(["a" * 64]) == 0
+        assert backend.exists("a" * 64) is False
+        pools.free(idx)
