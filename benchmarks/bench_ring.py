@@ -7,7 +7,8 @@ whether registration would pay off for this I/O size). Runs are interleaved (rep
 engine) so drift in a shared machine hits every engine alike. Page cache is dropped before each
 run (root only; O_DIRECT bypasses it anyway).
 
-Reports GB/s (median and range over repeats), the ratio to plain fio's median at the same depth,
+Reports GB/s (median and range over repeats), the ratio to plain fio at the same depth (median of
+the per-repeat ratios: each run against the fio run next to it),
 and per-op completion latency percentiles (p50/p99: submit to reap for the rings, fio's clat).
 
     python benchmarks/bench_ring.py                        # defaults: 2 GiB, depths 1,16,64, 3 repeats
@@ -139,6 +140,7 @@ def main(argv=None) -> int:
         "fio +fixedbufs+registerfiles": lambda d: run_fio(paths, d, registered=True),
     }
     results: dict[tuple[int, str], list[tuple[float, list[float]]]] = {}
+    load_before = f"{os.getloadavg()[0]:.2f}"
     try:
         for rep in range(args.repeat):
             for depth in depths:
@@ -153,15 +155,19 @@ def main(argv=None) -> int:
 
     total = sum(os.path.getsize(p) for p in paths) if args.keep else int(args.size_gib * GIB) // CHUNK * CHUNK
     print(f"O_DIRECT reads, {CHUNK // MIB} MiB chunks, {total / GIB:.1f} GiB over {args.files} files, "
-          f"{args.repeat} run(s) each; kernel {os.uname().release}")
+          f"{args.repeat} run(s) each; kernel {os.uname().release}; load average before/after "
+          f"{load_before} / {os.getloadavg()[0]:.2f}")
     print()
-    print("| depth | engine | GB/s median | GB/s min-max | vs fio | p50 ms | p99 ms |")
+    print("| depth | engine | GB/s median | GB/s min-max | vs fio (paired median) | p50 ms | p99 ms |")
     print("|---:|---|---:|---:|---:|---:|---:|")
     for depth in depths:
-        fio_median = statistics.median(g for g, _ in results[(depth, "fio io_uring")])
+        fio_rates = [g for g, _ in results[(depth, "fio io_uring")]]
         for name in engines:
             runs = results[(depth, name)]
             rates = [g for g, _ in runs]
+            # Each run is paired with the fio run of the same repeat (minutes apart at most), so a
+            # neighbour's burst of I/O moves both sides of the ratio; the median of the pairs is shown.
+            ratio = statistics.median(g / f for g, f in zip(rates, fio_rates))
             if name.startswith("fio"):  # fio gives percentiles per run: report the median run's
                 p50 = statistics.median(l[0] for _, l in runs)
                 p99 = statistics.median(l[1] for _, l in runs)
@@ -170,7 +176,7 @@ def main(argv=None) -> int:
                 p50, p99 = percentile(lat, 50), percentile(lat, 99)
             med = statistics.median(rates)
             print(f"| {depth} | {name} | {med:.2f} | {min(rates):.2f}-{max(rates):.2f} | "
-                  f"{med / fio_median:.2f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
+                  f"{ratio:.2f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
     print()
     print("fio reference command (per depth N):", fio_command(["<files>"], 0).replace("iodepth=0", "iodepth=N"))
     return 0

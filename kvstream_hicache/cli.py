@@ -35,9 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
+    from .bench.runner import UsageError
     from .bench.testbed import TestbedError
 
-    errors: list[type[BaseException]] = [TestbedError]
+    errors: list[type[BaseException]] = [TestbedError, UsageError]
     try:
         from .errors import KVStreamError
 
@@ -176,7 +177,8 @@ def _problem_line(p) -> str:
 
 def _info(args) -> int:
     cfg = _config(args.tiers)
-    doc = {"config": _plain(cfg), "tiers": [_tier_status(d) for d in _tier_dirs(cfg)]}
+    settings = _settings(cfg)
+    doc = {"config": settings, "tiers": [_tier_status(d) for d in _tier_dirs(cfg)], "warnings": list(cfg.warnings)}
     from .bench import testbed as tb
 
     st = tb.status()
@@ -187,49 +189,65 @@ def _info(args) -> int:
         print(json.dumps(doc, indent=1, default=str))
         return 0
     print("effective configuration (explicit > KVSTREAM_* environment > defaults):")
-    for k, v in doc["config"].items():
-        print(f"  {k:14s} {v}")
+    for key, (value, source) in settings.items():
+        print(f"  {key:13s} {value!s:<28s} ({source})")
+    for w in doc["warnings"]:
+        print(f"  warning: {w}")
     print("tiers:")
     for i, t in enumerate(doc["tiers"]):
-        state = "ok" if t["ok"] else "PROBLEM: " + t["problem"]
-        print(f"  tier{i} {t['dir']}: {t.get('fstype', '?')} on {t.get('device', '?')}, "
-              f"{t.get('free_gib', 0):.1f} GiB free of {t.get('size_gib', 0):.1f}, {t.get('pages', 0)} page files; {state}")
+        if not t["ok"]:
+            print(f"  tier{i} {t['dir']}: PROBLEM: {t['problem']}")
+            continue
+        print(f"  tier{i} {t['dir']}: {t['fstype']} on {t['device']}, {t['free_gib']:.1f} GiB free of "
+              f"{t['size_gib']:.1f}; {t['pages']} pages in {t['namespaces']} namespace(s)")
     if "testbed" in doc:
-        print(f"testbed: {doc['testbed']['profile']} at {', '.join(doc['testbed']['dirs'])}")
-    return 0
+        print(f"testbed: {doc['testbed']['profile']} at {', '.join(doc['testbed']['dirs'])} (kvstream testbed status)")
+    return 0 if all(t["ok"] for t in doc["tiers"]) else 1
 
 
-def _plain(cfg) -> dict:
-    if hasattr(cfg, "__dataclass_fields__"):
-        from dataclasses import fields
+def _settings(cfg) -> dict[str, tuple[str, str]]:
+    """``{setting: (value as text, where it came from)}``."""
+    from dataclasses import fields
 
-        return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
-    return dict(vars(cfg))
+    sources = getattr(cfg, "sources", {}) or {}
+    out = {}
+    for f in fields(cfg):
+        if f.name in ("warnings", "sources"):
+            continue
+        value = getattr(cfg, f.name)
+        if f.name == "tiers":
+            value = ", ".join(f"{t.path} [{t.capacity}]" for t in value)
+        out[f.name] = (str(value), sources.get(f.name, "default"))
+    return out
 
 
 def _tier_dirs(cfg) -> list[str]:
-    tiers = getattr(cfg, "tiers", ())
-    return [getattr(t, "path", t) for t in tiers]
+    return [t.path for t in cfg.tiers]
 
 
 def _tier_status(path: str) -> dict:
+    from .layout import PAGE_SUFFIX, ROOT_DIR, is_digest
+
     out: dict = {"dir": path, "ok": False}
     if not os.path.isdir(path):
-        out["problem"] = "missing (create it or fix KVSTREAM_TIERS)"
+        out["problem"] = "missing (create it, or fix KVSTREAM_TIERS / --tiers)"
         return out
     if not os.access(path, os.W_OK | os.X_OK):
         out["problem"] = "not writable by this user"
         return out
     usage = shutil.disk_usage(path)
     out.update(size_gib=usage.total / (1 << 30), free_gib=usage.free / (1 << 30), fstype="?", device="?")
-    best = ""
+    real, best = os.path.realpath(path), ""
     with open("/proc/self/mounts") as f:
         for line in f:
             dev, mnt, fstype = line.split()[:3]
-            real = os.path.realpath(path)
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, out["fstype"], out["device"] = mnt, fstype, dev
-    out["pages"] = sum(len(files) for _, _, files in os.walk(path))
+    base = os.path.join(path, ROOT_DIR)
+    digests = [d for d in (os.listdir(base) if os.path.isdir(base) else []) if is_digest(d)]
+    out["namespaces"] = len(digests)
+    out["pages"] = sum(n.endswith(PAGE_SUFFIX) for d in digests for _, _, names in os.walk(os.path.join(base, d))
+                       for n in names)
     out["ok"] = True
     return out
 

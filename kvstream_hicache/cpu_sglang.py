@@ -10,6 +10,7 @@ Typical use::
 
     from kvstream_hicache import cpu_sglang
     cpu_sglang.install_stubs()                      # before anything imports sglang
+    cpu_sglang.load_kvstream_plugin()               # sglang's load_plugins(): "kvstream" becomes a backend name
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=16, layers=2)
     with cpu_sglang.ControllerDriver(pools, "kvstream", extra_config={"tiers": [d0, d1]}) as drv:
         tokens = cpu_sglang.random_tokens(4 * pools.page_size, seed=1)
@@ -32,16 +33,17 @@ import sys
 import threading
 import time
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 __all__ = [
     "install_stubs",
+    "load_kvstream_plugin",
     "Pools",
     "make_pools",
     "storage_config",
     "fill_random",
+    "scramble",
     "random_tokens",
     "page_keys",
     "ControllerDriver",
@@ -147,6 +149,26 @@ def install_stubs(roots: Sequence[str] = STUBBED_ROOTS) -> None:
         _install_mock_roots(stubs, roots)
         _install_triton_stub(stubs)
         _stubs_installed = True
+
+
+def load_kvstream_plugin() -> None:
+    """Run sglang's ``load_plugins()`` (as every scheduler process does), so ``"kvstream"`` is a backend name.
+
+    If the entry point was not run (the package is not installed, or ``SGLANG_PLUGINS`` excludes it), the
+    plugin is registered directly, so the in-process controller still finds the backend.
+    """
+    install_stubs()
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    if "kvstream" not in StorageBackendFactory._registry:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        from . import plugin
+
+        plugin.register()
+        HookRegistry.apply_hooks()
 
 
 # --------------------------------------------------------------------------------------------- pools

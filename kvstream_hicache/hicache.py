@@ -196,10 +196,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                                                                                   extra_pool_hit_pages={})
 
     def batch_get_v2(self, transfers, extra_info=None):
-        return {t.name: [False] * len(t.keys or []) for t in transfers or []}
+        return _v2_misses(transfers)
 
     def batch_set_v2(self, transfers, extra_info=None):
-        return {t.name: [False] * len(t.keys or []) for t in transfers or []}
+        return _v2_misses(transfers)
 
     # ------------------------------------------------------------------------------------------ admin
     def clear(self) -> None:
@@ -300,25 +300,39 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def _legacy_get(self, keys: list[str], targets: Any) -> list:
         self._note_legacy()
-        if targets is None:
-            targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
-        targets = [t if t is None or t.is_contiguous() else None for t in targets]
-        pages = [[(t.data_ptr(), t.numel() * t.element_size())] if t is not None else [] for t in targets]
+        host = self.mem_pool_host
+        targets = list(targets) if targets is not None else [None] * len(keys)
+        targets = [t if t is not None else host.get_dummy_flat_data_page() for t in targets]
+        # The engine fills contiguous memory; a strided target gets a contiguous twin, copied back after.
+        landing = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+                   for t in targets]
+        pages = [[(t.data_ptr(), t.numel() * t.element_size())] for t in landing]
         t0 = time.perf_counter()
         found = self._engine_call(self.engine.get, keys, pages)
         self._record("prefetch", found, t0)
-        return [t if ok and t is not None else None for t, ok in zip(targets, found)]
+        out = []
+        for target, land, ok in zip(targets, landing, found):
+            if ok and land is not target:
+                target.copy_(land)
+            out.append(target if ok else None)
+        return out
 
     def _legacy_set(self, keys: list[str], values: Any) -> list[bool]:
         self._note_legacy()
         if not self.is_writer:
             self._count("skipped_writes", len(keys))
             return [True] * len(keys)
-        values = [v.contiguous() for v in values]  # keeps the tensors alive for the call
-        pages = [[(v.data_ptr(), v.numel() * v.element_size())] for v in values]
-        t0 = time.perf_counter()
-        stored = self._engine_call(self.engine.put, keys, pages)
-        self._record("backup", stored, t0)
+        values = list(values) if values is not None else [None] * len(keys)
+        present = [i for i, v in enumerate(values) if v is not None]
+        flat = {i: values[i].contiguous() for i in present}  # referenced until the engine returns
+        stored = [False] * len(keys)
+        if present:
+            t0 = time.perf_counter()
+            pages = [[(flat[i].data_ptr(), flat[i].numel() * flat[i].element_size())] for i in present]
+            result = self._engine_call(self.engine.put, [keys[i] for i in present], pages)
+            for i, ok in zip(present, result):
+                stored[i] = bool(ok)
+            self._record("backup", result, t0)
         return stored
 
     def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment]]) -> list[bool]:
@@ -478,6 +492,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                           for t in cfg.tiers)
         engine = self.engine
         io = getattr(engine, "io_engine", None) or cfg.io_engine
+        io = {"Ring": "io_uring", "ThreadRing": "threads"}.get(io, io)
         scan = getattr(engine, "scan", None) or {}
         host = self.mem_pool_host
         mode = "zero-copy" if self.zero_copy else "staged"
@@ -503,6 +518,14 @@ class _DropBanner(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno == logging.INFO and str(record.msg).startswith("kvstream: %s; namespace"))
+
+
+def _v2_misses(transfers) -> dict:
+    """Every page of every v2 transfer missed (never raises: it answers sglang's controller threads)."""
+    try:
+        return {t.name: [False] * len(t.keys or []) for t in transfers or []}
+    except Exception:  # a malformed transfer list: nothing to answer per pool
+        return {}
 
 
 def _pool_name(name: Any) -> str:

@@ -624,11 +624,12 @@ def _lmcache_classes() -> dict[str, type]:
 
         # -- housekeeping -----------------------------------------------------------------------
         def report_status(self) -> dict:
-            status: dict[str, Any] = {"is_healthy": not self._closed, "type": "KVStreamL2Adapter"}
+            status: dict[str, Any] = {"is_healthy": False, "type": "KVStreamL2Adapter"}
             status.update(self.core.stats())
             try:
-                status["engine"] = self.engine.stats()
-            except Exception:
+                engine = status["engine"] = self.engine.stats()
+                status["is_healthy"] = not self._closed and any(t["healthy"] for t in engine["tiers"])
+            except Exception:  # closed engine, or a stats bug: report, never raise into LMCache
                 status["engine"] = "unavailable"
             return status
 

@@ -245,11 +245,14 @@ class ReadPath:
             except OSError as exc:
                 f = _File(None)
                 err = exc.errno or errno.EIO
-                if err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
+                if self.tiers[tier].fail(err, f"open {page.key}"):
+                    # the whole tier went (unmounted, moved away): its copies may come back with it,
+                    # so the index keeps them; rejoining reconciles with what survived
+                    self.stats.add(tier, "errors")
+                elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
                     self.index.remove(page.key, tier)
                 else:
                     self.stats.add(tier, "errors")
-                self.tiers[tier].fail(err, f"open {page.key}")
             call.files[(tier, p)] = f
         if f.fd is None:
             return None

@@ -44,11 +44,12 @@ if [ ! -e "$stamp" ]; then
   # What lmcache 0.5.6 imports on CPU for: the storage managers, L2 adapters, `lmcache server`.
   "${PIP[@]}" install -q -c "$CONSTRAINTS" numba numpy pyyaml requests cachetools sortedcontainers \
     prometheus_client py-cpuinfo psutil aiohttp aiofile aiofiles msgspec pyzmq transformers cryptography \
-    opentelemetry-api opentelemetry-sdk fastapi uvicorn httptools safetensors blake3 \
-    cython pytest pytest-timeout
+    opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus fastapi uvicorn httptools httpx \
+    safetensors blake3 \
+    cython pytest pytest-timeout hypothesis
   "$VENV/bin/python" - <<'PY'
 import torch
-assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got in; check {__file__}"
+assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got in: check scripts/constraints-lmcache.txt"
 PY
   touch "$stamp"
 fi

@@ -30,16 +30,7 @@ PAGE = 16  # tokens per page: small pages keep the controller tests fast
 @pytest.fixture(scope="session")
 def plugin_loaded():
     """sglang's own ``load_plugins()``: runs kvstream's entry point (what every scheduler process does)."""
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    if "kvstream" not in StorageBackendFactory._registry:  # SGLANG_PLUGINS excluded us, or already loaded earlier
-        from kvstream_hicache import plugin
-        from sglang.srt.plugins.hook_registry import HookRegistry
-
-        plugin.register()
-        HookRegistry.apply_hooks()
+    cpu_sglang.load_kvstream_plugin()
     return True
 
 

@@ -88,13 +88,14 @@ class Server:
         for key in keys:
             with self.sm.read_prefetched_results([key]) as objs:
                 out.append(None if objs is None else bytes(objs[0].byte_array))
-            if objs is not None:
+            if objs is not None:  # release the prefetch's read lock (None: the context released it)
                 self.sm.finish_read_prefetched([key])
-        # Release what the prefetch locked for its reader, so L1 can be dropped again.
         return hits, out
 
     def close(self) -> None:
+        engine = self.engine
         self.sm.close()
+        assert engine._closed  # LMCache closed the adapter, the adapter closed its engine
 
 
 @pytest.fixture

@@ -122,3 +122,41 @@ def test_constructor_paths_and_idempotent_close(tier_dirs):
         assert backend.batch_exists(["a" * 64]) == 0
         assert backend.exists("a" * 64) is False
         pools.free(idx)
+
+
+def test_docs_list_every_setting_and_sglang_key():
+    """docs/sglang.md documents every extra-config key the engine accepts and every sglang key we pass over."""
+    from pathlib import Path
+
+    from kvstream_hicache.config import SETTINGS, env_name
+    from kvstream_hicache.hicache import SGLANG_KEYS
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "sglang.md").read_text()
+    for key in SETTINGS:
+        assert f"`{key}`" in doc and f"`{env_name(key)}`" in doc, key
+    for key in SGLANG_KEYS - {"tp_lcm_size"}:  # tp_lcm_size is popped by sglang before it reaches a backend
+        assert f"`{key}`" in doc, key
+
+
+@pytest.mark.parametrize("tp_rank,layout,mode", [(0, "page_first", "zero-copy"), (0, "layer_first", "staged"),
+                                                 (1, "page_first", None)])
+def test_startup_line_logged_once_on_rank0(tier_dirs, caplog, tp_rank, layout, mode):
+    import logging
+
+    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mha", layout, page_size=PAGE)
+    cfg = cpu_sglang.storage_config(pools, tp_rank=tp_rank, tp_size=2, extra_config=tiers_config(tier_dirs[:2]))
+    with caplog.at_level(logging.INFO, logger="kvstream"):
+        backend = KVStreamHiCacheStorage(cfg, pools.host)
+        backend.register_mem_pool_host(pools.host)  # sglang's second registration logs nothing more
+        backend.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    if mode is None:
+        assert lines == []
+        return
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("kvstream: 2 tiers [")
+    for part in ("policy kvstream", "io ", f"layout {layout} MHA bfloat16 page {PAGE}", mode, "namespace "):
+        assert part in line, (part, line)

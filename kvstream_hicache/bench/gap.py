@@ -154,8 +154,19 @@ def summarize(records: Sequence[BatchRecord], n_tiers: int) -> dict:
         "read_amplification": read_total / d_sum - 1.0 if d_sum else 0.0,
         "gap": gap(records),
         "tier_rates_mbps": [_mean_rate(records, k) for k in range(n_tiers)],
+        # diagnostics: the engine's own busy time per tier as a share of the batch time, CPU per batch
+        "engine_busy_frac": [_busy_frac(records, k) for k in range(n_tiers)],
+        "cpu_s_per_batch": percentile([r.extra["cpu_s"] for r in records if "cpu_s" in r.extra], 50)
+        if any("cpu_s" in r.extra for r in records) else None,
         "bound_gbps": (sum(r.nbytes for r in bounded) / sum(r.bound_s for r in bounded) / 1e9) if bounded else None,
     }
+
+
+def _busy_frac(records: Sequence[BatchRecord], k: int) -> float | None:
+    busy = [(r.extra["engine_busy_s"][k], r.t_ret) for r in records
+            if len(r.extra.get("engine_busy_s") or ()) > k and r.extra["engine_busy_s"][k] is not None]
+    t = sum(tr for _, tr in busy)
+    return sum(b for b, _ in busy) / t if t > 0 else None
 
 
 def _mean_rate(records: Sequence[BatchRecord], k: int) -> float | None:

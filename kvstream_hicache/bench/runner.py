@@ -41,6 +41,10 @@ BATCH_PAGES = 128  # sglang's STORAGE_BATCH_SIZE: pages per storage call
 DEFAULT_DATA_BATCHES = 4  # distinct batches written; rounds cycle over them
 
 
+class UsageError(ValueError):
+    """Bad arguments or an unusable setup; ``kvstream bench`` prints the message and exits with 2."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("tiers")
     t.add_argument("tiers", nargs="*", metavar="DIR", help="tier directories, fastest first (default $KVSTREAM_TIERS)")
@@ -90,12 +94,18 @@ def run_cli(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace, log=print) -> dict:
     from ..config import Config
     from ..layout import Namespace
+    from ..router import parse_policy
 
-    geom = (geometry.from_bytes(args.page_bytes) if args.page_bytes
-            else geometry.from_model(args.model, args.page_size, args.tp))
+    try:
+        geom = (geometry.from_bytes(args.page_bytes) if args.page_bytes is not None
+                else geometry.from_model(args.model, args.page_size, args.tp))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     if not specs:
-        raise ValueError("--policies is empty")
+        raise UsageError("--policies is empty")
+    if args.batch < 1 or args.batches < 1:
+        raise UsageError("--batch and --batches must be >= 1")
     n_data = args.dataset_batches or min(max(args.batches, 1), DEFAULT_DATA_BATCHES)
     ds = Dataset(geom, args.batch, n_data, args.seed)
     engine_extra = _key_values(args.engine_config)
@@ -109,6 +119,12 @@ def run(args: argparse.Namespace, log=print) -> dict:
         if not args.keep_data:
             stack.callback(lambda: [shutil.rmtree(d, ignore_errors=True) for d in dirs])
         _check_space(dirs, ds, specs, log)
+        try:
+            scenario = drift.make(args.scenario, testbed=bed, dirs=dirs, bs=geom.page_bytes, tier=args.drift_tier,
+                                  factor=args.drift_factor, period=args.drift_period)
+            policies = {spec: parse_policy(spec) for spec in specs if spec not in SGLANG_CONTENDERS}
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         n_tiers = len(dirs)
         log(f"kvstream bench: {geom.describe()}; {args.batch} pages per batch "
             f"({args.batch * geom.page_bytes / 2**30:.2f} GiB), {n_data} distinct batches, {args.batches} rounds; "
@@ -116,7 +132,6 @@ def run(args: argparse.Namespace, log=print) -> dict:
 
         from ..engine import Engine
         from ..io import AlignedBuffer
-        from ..router import parse_policy
 
         namespace = Namespace({"bench": "kvstream-bench", "geometry": geom.label, "segments": list(geom.segments),
                                "seed": args.seed})
@@ -132,6 +147,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
         stack.callback(src.close)
         writes = _write_phase(engine, ds, src, log)
         writes["single_tier"] = _write_baselines(args, bed, dirs, namespace, engine_extra, ds, src, log)
+        src.close()  # a batch of memory back before the reads
         slowest = max(writes["single_tier"].values(), default=None)
         writes["ratio_to_slowest_alone"] = writes["replicated_s"] / slowest if slowest else None
         if slowest:
@@ -153,12 +169,10 @@ def run(args: argparse.Namespace, log=print) -> dict:
                     c = _sglang_contender(spec, host, dirs, ds, geom, args, engine_extra, writes, log)
                 stack.callback(c.close)
             else:
-                c = EngineReads(spec, engine, parse_policy(spec), dest, dest_views, geom, args.batch)
+                c = EngineReads(spec, engine, policies[spec], dest, dest_views, geom, args.batch)
             contenders.append(c)
 
         # -- reads -------------------------------------------------------------------------------
-        scenario = drift.make(args.scenario, testbed=bed, dirs=dirs, bs=geom.page_bytes, tier=args.drift_tier,
-                              factor=args.drift_factor, period=args.drift_period)
         scenario.prepare()
         records, wrong = _read_phase(args, ds, contenders, scenario, recorder, log)
 
@@ -185,12 +199,12 @@ def _tiers(args, geom, stack: ExitStack, log):
     if not args.testbed:
         roots = list(args.tiers) or [d for d in os.environ.get("KVSTREAM_TIERS", "").split(os.pathsep) if d]
         if len(roots) < 1:
-            raise ValueError("no tiers: give tier directories, set KVSTREAM_TIERS, or use --testbed PROFILE")
+            raise UsageError("no tiers: give tier directories, set KVSTREAM_TIERS, or use --testbed PROFILE")
         return None, [os.path.abspath(r) for r in roots]
     from . import testbed as tb
 
     if args.tiers:
-        raise ValueError("give tier directories or --testbed, not both")
+        raise UsageError("give tier directories or --testbed, not both")
     name = args.testbed_name or tb.DEFAULT_NAME
     profile = tb.parse_profile(args.testbed)
     bed = tb.Testbed.load(name)
@@ -215,7 +229,7 @@ def _check_space(dirs, ds: Dataset, specs, log) -> None:
     for d, c in zip(dirs, copies):
         need, free = c * ds.total_bytes, shutil.disk_usage(d).free
         if need > free:
-            raise ValueError(f"{d}: the run needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free: "
+            raise UsageError(f"{d}: the run needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free: "
                              "lower --dataset-batches or use larger tiers (--testbed-size)")
 
 
@@ -307,9 +321,12 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
                 c.before_phase()
                 poison(c.views, positions)
                 recorder.reset()
+                cpu0 = os.times()
                 t0 = clock()
                 out = c.read(batch)
                 t_ret = clock() - t0
+                cpu1 = os.times()
+                out.extra["cpu_s"] = round((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system), 4)
                 _use_spans(out, recorder)
                 c.after_phase(out)
                 bad = check(ds, batch, c.views, positions, out.found)
@@ -398,6 +415,6 @@ def _key_values(items) -> dict:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--engine-config {item!r}: expected KEY=VALUE")
+            raise UsageError(f"--engine-config {item!r}: expected KEY=VALUE")
         out[key.strip()] = value.strip()
     return out

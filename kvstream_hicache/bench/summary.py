@@ -1,0 +1,197 @@
+"""Summarize repeated ``kvstream bench --json`` runs: medians per (testbed, scenario, policy), as
+Markdown tables and two figures per testbed (gap per policy and scenario; gap against the static
+share g, the V of the paper's Figure 21).
+
+    python -m kvstream_hicache.bench.summary out/*.json --md out/summary.md --img-dir docs/img
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+SCENARIO_ORDER = ("quiet", "periodic", "competing", "write-interference")
+
+
+def load(paths: Iterable[str]) -> list[dict]:
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            doc = json.load(f)
+        doc["_path"] = p
+        docs.append(doc)
+    return docs
+
+
+def _profile(doc: dict) -> str:
+    return (doc.get("testbed") or {}).get("profile") or "tiers"
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def group(docs: Sequence[dict]) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for d in docs:
+        out[(_profile(d), d["scenario"])].append(d)
+    return out
+
+
+def medians(runs: Sequence[dict]) -> dict[str, dict]:
+    """Per policy: the median over runs of each figure (ratios are taken per run, then the median)."""
+    names: list[str] = []
+    for r in runs:
+        names += [n for n in r["policies"] if n not in names]
+    out = {}
+    for n in names:
+        ps = [r["policies"][n] for r in runs if r["policies"].get(n)]
+        if not ps:
+            continue
+        n_tiers = len(ps[0]["share"])
+        out[n] = {
+            "runs": len(ps),
+            "throughput_gbps": _median([p["throughput_gbps"] for p in ps]),
+            "gap": _median([p["gap"] for p in ps]),
+            "gap_min": min((p["gap"] for p in ps if p["gap"] is not None), default=None),
+            "gap_max": max((p["gap"] for p in ps if p["gap"] is not None), default=None),
+            "p50_s": _median([p["p50_s"] for p in ps]),
+            "p90_s": _median([p["p90_s"] for p in ps]),
+            "max_s": _median([p["max_s"] for p in ps]),
+            "share": [_median([p["share"][k] for p in ps]) for k in range(n_tiers)],
+            "speedup_vs_tier0": _median([p.get("speedup_vs_tier0") for p in ps]),
+            "speedup_vs_hicache-file": _median([p.get("speedup_vs_hicache-file") for p in ps]),
+            "page_cache_bytes": _median([p.get("page_cache_bytes") for p in ps]),
+            "tier_rates_mbps": [_median([(p.get("tier_rates_mbps") or [None] * n_tiers)[k] for p in ps])
+                                for k in range(n_tiers)],
+        }
+    return out
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def markdown(docs: Sequence[dict]) -> str:
+    lines = []
+    for (profile, scenario), runs in sorted(group(docs).items(), key=lambda kv: (kv[0][0], _order(kv[0][1]))):
+        med = medians(runs)
+        bound = _median([r.get("bound_gbps") for r in runs])
+        lines.append(f"#### {profile}, {scenario} ({len(runs)} run{'s' if len(runs) > 1 else ''}, medians)")
+        lines.append("")
+        lines.append("| policy | GB/s | x tier0 | x hicache-file | p50 s | p90 s | max s | share t0/t1 | tier MB/s | "
+                     "gap (min..max) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+        for name, m in med.items():
+            share = "/".join(_f(s, ".2f") for s in m["share"])
+            rates = "/".join(_f(r, ".0f") for r in m["tier_rates_mbps"])
+            g = m["gap"]
+            gap = "-" if g is None else f"{g * 100:+.1f}% ({m['gap_min'] * 100:+.1f}..{m['gap_max'] * 100:+.1f})"
+            extra = ""
+            if m.get("page_cache_bytes"):
+                extra = f" (page cache {m['page_cache_bytes'] / 2**20:.0f} MiB)"
+            lines.append(f"| {name}{extra} | {_f(m['throughput_gbps'], '.3f')} | {_f(m['speedup_vs_tier0'], '.2f')} | "
+                         f"{_f(m['speedup_vs_hicache-file'], '.2f')} | {_f(m['p50_s'], '.2f')} | "
+                         f"{_f(m['p90_s'], '.2f')} | {_f(m['max_s'], '.2f')} | {share} | {rates} | {gap} |")
+        lines.append("")
+        lines.append(f"Bound (median over runs): {_f(bound, '.3f')} GB/s.")
+        w = [r["write"].get("ratio_to_slowest_alone") for r in runs]
+        if any(x is not None for x in w):
+            lines.append(f"Replicated write / slowest tier alone: median {_median(w):.3f}x "
+                         f"(runs: {', '.join(_f(x, '.3f') for x in w)}).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _order(scenario: str) -> int:
+    return SCENARIO_ORDER.index(scenario) if scenario in SCENARIO_ORDER else len(SCENARIO_ORDER)
+
+
+def _static_g(name: str) -> float | None:
+    m = re.fullmatch(r"static-([0-9.]+)", name)
+    return float(m[1]) if m else None
+
+
+def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str]:
+    """Per testbed: gap per policy and scenario (grouped bars) and gap against g (V shape)."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    by_profile: dict[str, dict[str, dict]] = defaultdict(dict)
+    for (profile, scenario), runs in group(docs).items():
+        by_profile[profile][scenario] = medians(runs)
+    for profile, scen in by_profile.items():
+        scenarios = sorted(scen, key=_order)
+        names: list[str] = []
+        for s in scenarios:
+            names += [n for n in scen[s] if n not in names]
+        fig, ax = plt.subplots(figsize=(8, 3.6))
+        width = 0.8 / max(len(scenarios), 1)
+        for j, s in enumerate(scenarios):
+            vals = [(scen[s].get(n) or {}).get("gap") for n in names]
+            xs = [i + (j - (len(scenarios) - 1) / 2) * width for i in range(len(names))]
+            ax.bar(xs, [0 if v is None else v * 100 for v in vals], width, label=s)
+        ax.axhline(5, color="C3", lw=0.8, ls=":")
+        ax.set_xticks(range(len(names)), names, fontsize=8, rotation=12)
+        ax.set_ylabel("gap to bound (%)")
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_title(f"{profile}: gap to the aggregate-bandwidth bound (median of runs; dotted: 5%)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-gap.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for j, s in enumerate(scenarios):
+            pts = sorted((_static_g(n), m["gap"]) for n, m in scen[s].items() if _static_g(n) is not None and m["gap"] is not None)
+            if len(pts) < 2:
+                continue
+            ax.plot([g for g, _ in pts], [v * 100 for _, v in pts], "o-", color=f"C{j}", label=f"static-g, {s}")
+            kv = (scen[s].get("kvstream") or {}).get("gap")
+            if kv is not None:
+                ax.axhline(kv * 100, color=f"C{j}", ls="--", lw=0.8)
+        ax.set_xlabel("static share g of tier 0")
+        ax.set_ylabel("gap to bound (%)")
+        ax.set_title(f"{profile}: static split vs kvstream (dashed)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-vshape.png")
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", nargs="+", help="kvstream bench --json outputs")
+    p.add_argument("--md", help="write the Markdown tables here (default: stdout)")
+    p.add_argument("--img-dir", help="write the summary figures here")
+    p.add_argument("--prefix", default="bench")
+    args = p.parse_args(argv)
+    docs = load(args.json)
+    text = markdown(docs)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+    else:
+        print(text)
+    if args.img_dir:
+        for path in plots(docs, args.img_dir, args.prefix):
+            print(f"figure: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,419 @@
+"""Helpers of the reliability tests (tests/test_reliability_*.py): pages with known content, an
+engine factory, a fault plan by tier, real loop-device file systems, and the child processes of
+the crash and multi-process tests.
+
+Page content is a pure function of the key (``content(key, size)``), so a child process, a
+restarted engine and the test itself agree on every byte without passing data around.
+
+Run as a script it is a child process (see ``main``): ``python reliability_helpers.py writer ...``.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from kvstream_hicache import Config, Engine, Namespace
+from kvstream_hicache.io import AlignedBuffer, FaultPlan
+from kvstream_hicache.layout import round_up
+
+NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "bf16", "page": 16,
+                "tp": [0, 1]})
+CHUNK = 16 << 10  # small routing blocks: several blocks per page, blocks straddling segments
+PAGE_BYTES = 48 << 10  # default payload, bytes (a multiple of 8192: two 4096-aligned halves)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+Segment = tuple[int, int]
+
+
+# ------------------------------------------------------------------------------------------- pages
+def key(i: int, salt: str = "") -> str:
+    """A 64-hex key, as sglang's page hashes."""
+    return hashlib.sha256(f"{salt}/{i}".encode()).hexdigest()
+
+
+def content(k: str, size: int = PAGE_BYTES) -> bytes:
+    """The payload stored under ``k``: deterministic, different for every key."""
+    rng = np.random.default_rng(int(k[:16], 16) if _is_hex(k[:16]) else abs(hash(k)))
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        int(text, 16)
+        return bool(text)
+    except ValueError:
+        return False
+
+
+class _Memory:
+    """Caller memory for one page: 4096-aligned (the zero-copy write path) or at an odd address
+    (the staging path), cut into segments as a host KV pool would be."""
+
+    def __init__(self, size: int, aligned: bool):
+        self.size = size
+        if aligned:
+            self._buf = AlignedBuffer(round_up(max(size, 1)))
+            self.array = np.frombuffer(self._buf, dtype=np.uint8)[:size]
+        else:
+            self._buf = np.zeros(size + 1, dtype=np.uint8)
+            self.array = self._buf[1:]  # odd address
+        base = self.array.ctypes.data
+        if aligned and size % 8192 == 0:
+            half = size // 2  # K and V
+            self.segments = [(base, half), (base + half, half)]
+        elif size > 3:
+            a, b = size // 3 + 1, size // 2 + 1  # odd cuts: blocks straddle segments
+            self.segments = [(base, a), (base + a, b - a), (base + b, size - b)]
+        else:
+            self.segments = [(base, size)]
+
+    def bytes(self) -> bytes:
+        return self.array.tobytes()
+
+
+class PageSet:
+    """Pages of one size whose content is ``content(key, size)``; puts and checked gets."""
+
+    def __init__(self, size: int = PAGE_BYTES, aligned: bool = True, salt: str = "p", data=None):
+        self.size, self.aligned, self.salt = size, aligned, salt
+        self._data = data  # key -> payload, overriding content(key, size)
+
+    def keys(self, n: int, start: int = 0) -> list[str]:
+        return [key(i, self.salt) for i in range(start, start + n)]
+
+    def data(self, k: str) -> bytes:
+        return self._data(k) if self._data is not None else content(k, self.size)
+
+    def put(self, engine: Engine, keys: Sequence[str]) -> list[bool]:
+        mem = [_Memory(self.size, self.aligned) for _ in keys]
+        for m, k in zip(mem, keys):
+            m.array[:] = np.frombuffer(self.data(k), dtype=np.uint8)
+        return engine.put(list(keys), [m.segments for m in mem])
+
+    def get(self, engine: Engine, keys: Sequence[str], policy=None) -> tuple[list[bool], list[bytes]]:
+        mem = [_Memory(self.size, self.aligned) for _ in keys]
+        found = engine.get(list(keys), [m.segments for m in mem], policy)
+        return found, [m.bytes() for m in mem]
+
+    def checked_get(self, engine: Engine, keys: Sequence[str], policy=None) -> list[bool]:
+        """get, asserting that every page reported found is byte-exact (never a wrong byte)."""
+        found, got = self.get(engine, keys, policy)
+        for k, ok, data in zip(keys, found, got):
+            if ok:
+                assert data == self.data(k), f"page {k[:12]} served with wrong bytes"
+        return found
+
+
+def make_engine(dirs: Sequence[str], *, clock=None, fault_plan=None, namespace: Namespace = NS,
+                io_engine: str = "auto", **settings) -> Engine:
+    explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": CHUNK, **settings}
+    kwargs = {"fault_plan": fault_plan}
+    if clock is not None:
+        kwargs["clock"] = clock
+    return Engine(Config.from_sources(explicit, environ={}), namespace, **kwargs)
+
+
+class FakeClock:
+    """Monotonic clock for tier back-off: tests move time instead of sleeping."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class TierFaults(FaultPlan):
+    """Faults by tier directory: ``on(dir, fault, opcode=, times=)``; an op's tier is found from
+    the path of its file descriptor."""
+
+    def __init__(self):
+        super().__init__()
+        self._tier_rules: list[list] = []
+        self._mutex = threading.Lock()
+
+    def on(self, tier_dir: str, fault, opcode: int | None = None, times: int | None = None) -> "TierFaults":
+        with self._mutex:
+            self._tier_rules.append([os.path.realpath(tier_dir) + os.sep, fault, opcode, times])
+        return self
+
+    def clear(self) -> None:
+        with self._mutex:
+            self._tier_rules.clear()
+
+    def decide(self, opcode, fd, offset, length):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+        with self._mutex:
+            for rule in self._tier_rules:
+                prefix, fault, r_op, times = rule
+                if times is not None and times <= 0:
+                    continue
+                if path.startswith(prefix) and (r_op is None or r_op == opcode):
+                    if times is not None:
+                        rule[3] = times - 1
+                    self.hits.append((fault, opcode, fd, offset, length))
+                    return fault
+        return None
+
+
+def messages(caplog, *needles: str, level: int | None = None) -> list[str]:
+    """Log messages of the 'kvstream' loggers containing every needle."""
+    return [r.getMessage() for r in caplog.records if r.name.startswith("kvstream")
+            and (level is None or r.levelno == level) and all(n in r.getMessage() for n in needles)]
+
+
+def tmp_files(tier_dir: str) -> list[str]:
+    tmp = os.path.join(tier_dir, "kvstream", "tmp")
+    try:
+        return sorted(os.listdir(tmp))
+    except FileNotFoundError:
+        return []
+
+
+def page_files(tier_dir: str) -> list[str]:
+    out = []
+    for root, _dirs, files in os.walk(os.path.join(tier_dir, "kvstream")):
+        out += [os.path.join(root, f) for f in files if f.endswith(".kvp")]
+    return sorted(out)
+
+
+# -------------------------------------------------------------------------------- loop devices
+class LoopFs:
+    """A small ext4 file system on a loop device, mounted at ``mnt``, for faults no permission bit
+    can make for root: unmount, read-only remount, a full disk. Built with the bench testbed's
+    command builders (kvstream_hicache.bench.testbed), so both build loop tiers the same way."""
+
+    def __init__(self, root: str, name: str, size: int):
+        self.image = os.path.join(root, f"{name}.img")
+        self.mnt = os.path.join(root, name)
+        self.size = size
+        self.device: str | None = None
+
+    def create(self) -> "LoopFs":
+        from kvstream_hicache.bench import testbed as tb
+
+        with open(self.image, "wb") as f:
+            f.truncate(self.size)
+        self.device = _run(tb.losetup_attach_cmd(self.image)).strip()
+        _run(tb.mkfs_cmd(self.device, "kvs-rel"))
+        os.makedirs(self.mnt, exist_ok=True)
+        self.mount()
+        return self
+
+    @property
+    def mounted(self) -> bool:
+        with open("/proc/self/mounts") as f:
+            return any(line.split()[1] == self.mnt for line in f)
+
+    def mount(self) -> None:
+        from kvstream_hicache.bench import testbed as tb
+
+        _run(tb.mount_cmd(self.device, self.mnt))
+
+    def umount(self) -> None:
+        from kvstream_hicache.bench import testbed as tb
+
+        _run(tb.umount_cmd(self.mnt))
+
+    def remount(self, mode: str) -> None:
+        """'ro' or 'rw'."""
+        _run(["mount", "-o", f"remount,{mode}", self.mnt])
+
+    def destroy(self) -> None:
+        """Unmount (lazily if busy), detach, delete the image. Idempotent, never raises."""
+        from kvstream_hicache.bench import testbed as tb
+
+        for _ in range(3):
+            if not self.mounted:
+                break
+            if subprocess.run(tb.umount_cmd(self.mnt), capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", self.mnt], capture_output=True)
+        if self.device:
+            subprocess.run(tb.losetup_detach_cmd(self.device), capture_output=True)
+            self.device = None
+        with_suppress_remove(self.image)
+
+
+def with_suppress_remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _run(cmd: list[str]) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def loop_devices_usable() -> str | None:
+    """None when loop file systems can be built here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (loop devices and mount)"
+    for tool in ("losetup", "mkfs.ext4", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not os.path.exists("/dev/loop-control"):
+        return "no /dev/loop-control"
+    return None
+
+
+@pytest.fixture
+def loop_fs(tier_root):
+    """Factory: ``loop_fs(size=64 MiB, name=...)`` -> a mounted LoopFs, destroyed at teardown
+    (even when the test fails)."""
+    why = loop_devices_usable()
+    if why:
+        pytest.skip(f"loop-device file systems unavailable: {why}")
+    made: list[LoopFs] = []
+
+    def make(size: int = 64 << 20, name: str | None = None) -> LoopFs:
+        fs = LoopFs(tier_root, name or f"loop{len(made)}", size)
+        made.append(fs)
+        return fs.create()
+
+    try:
+        yield make
+    finally:
+        for fs in reversed(made):
+            fs.destroy()
+
+
+# ------------------------------------------------------------------------------ child processes
+def spawn(role: str, *args: str, **kw) -> subprocess.Popen:
+    """Start ``python reliability_helpers.py ROLE ARGS...`` (a fresh interpreter of this venv)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "reliability_helpers.py"), role, *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _writer(tiers: str, ack_path: str, start: int, batch: int, rounds: int, size: int, hold_after: int) -> int:
+    """Crash-test child: a stream of batch puts (keys ``start``, ``start + 1``, ... of PageSet
+    salt 'crash'); after each put returns, the acknowledged keys are
+    appended to ``ack_path`` and fsynced. With ``hold_after`` >= 0, the writes of the batch after
+    that many batches are held in the ring (their temp files exist) and 'HOLDING' is logged."""
+    from kvstream_hicache.io import OP_WRITE, Fault
+
+    plan = None
+    if hold_after >= 0:
+        class HoldWrites(FaultPlan):
+            armed = False
+
+            def decide(self, opcode, fd, offset, length):
+                if self.armed and opcode == OP_WRITE:
+                    if not self.hits:
+                        _ack(ack_fd, "HOLDING")
+                    self.hits.append((Fault.hold(), opcode, fd, offset, length))
+                    return Fault.hold()
+                return None
+
+        plan = HoldWrites()
+    pages = PageSet(size, aligned=True, salt="crash")
+    ack_fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    engine = make_engine(tiers.split(os.pathsep), fault_plan=plan)
+    _ack(ack_fd, f"START {os.getpid()}")
+    for r in range(rounds):
+        if plan is not None and r == hold_after:
+            plan.armed = True
+        keys = pages.keys(batch, start + r * batch)
+        ok = pages.put(engine, keys)
+        _ack(ack_fd, "\n".join(k for k, good in zip(keys, ok) if good))
+    _ack(ack_fd, "DONE")
+    engine.close()
+    return 0
+
+
+def _ack(fd: int, text: str) -> None:
+    if text:
+        os.write(fd, (text + "\n").encode())
+        os.fsync(fd)
+
+
+def _rank(tiers: str, rank: int, n_ranks: int, rounds: int, out: str) -> int:
+    """Two-TP-ranks child: same keys as the other rank, this rank's namespace and content."""
+    ns = Namespace({**NS.fields, "tp": [rank, n_ranks]})
+    pages = PageSet(PAGE_BYTES, aligned=rank % 2 == 0, salt="tp", data=lambda k: rank_content(k, rank))
+    engine = make_engine(tiers.split(os.pathsep), namespace=ns)
+    bad = []
+    keys = pages.keys(rounds * 4)
+    for r in range(rounds):
+        batch = keys[r * 4:(r + 1) * 4]
+        if not all(pages.put(engine, batch)):
+            bad.append(f"put {r}")
+        found, got = pages.get(engine, keys[:(r + 1) * 4])
+        bad += [f"get {k[:8]}: {'wrong bytes' if ok else 'miss'}" for k, ok, data in
+                zip(keys, found, got) if not ok or data != pages.data(k)]
+    problems = engine.check()
+    engine.close()
+    with open(out, "w") as f:
+        json.dump({"bad": bad, "problems": [p._asdict() for p in problems]}, f)
+    return 0
+
+
+def rank_content(k: str, rank: int) -> bytes:
+    return content(hashlib.sha256(f"{k}/{rank}".encode()).hexdigest(), PAGE_BYTES)
+
+
+def _mla(tiers: str, role: str, rounds: int, out: str, go: str) -> int:
+    """Same-namespace child (MLA writer or reader). The writer stores a stream of batches; the
+    reader (another process, its own index) reads whatever it indexed and re-opens its engine
+    between rounds to pick up the writer's pages; nothing it reads may differ from the content."""
+    pages = PageSet(PAGE_BYTES, aligned=True, salt="mla")
+    keys = pages.keys(rounds * 4)
+    bad, seen = [], 0
+    while not os.path.exists(go):
+        time.sleep(0.01)  # start line: both processes open their engines at about the same time
+    engine = make_engine(tiers.split(os.pathsep))
+    for r in range(rounds):
+        if role == "writer":
+            if not all(pages.put(engine, keys[r * 4:(r + 1) * 4])):
+                bad.append(f"put {r}")
+        else:
+            found = pages.checked_get(engine, keys)  # asserts: never a wrong byte
+            seen = max(seen, sum(found))
+            engine.close()
+            engine = make_engine(tiers.split(os.pathsep))  # a restart picks up the writer's pages
+    problems = engine.check()
+    engine.close()
+    with open(out, "w") as f:
+        json.dump({"bad": bad, "seen": seen, "problems": [p._asdict() for p in problems]}, f)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    role, *args = argv
+    if role == "writer":
+        tiers, ack, start, batch, rounds, size, hold_after = args
+        return _writer(tiers, ack, int(start), int(batch), int(rounds), int(size), int(hold_after))
+    if role == "rank":
+        tiers, rank, n, rounds, out = args
+        return _rank(tiers, int(rank), int(n), int(rounds), out)
+    if role == "mla":
+        tiers, which, rounds, out, go = args
+        return _mla(tiers, which, int(rounds), out, go)
+    print(f"unknown role {role!r}", file=sys.stderr)
+    return errno.EINVAL
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

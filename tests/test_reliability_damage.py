@@ -1,0 +1,164 @@
+"""Damaged pages are never served wrong: a flipped payload bit, a damaged header, a truncated or
+empty file, and valid page files of another model, another layout or another key placed under the
+right name. Each is tried while the engine runs and across a restart, with a valid replica on the
+other tier (served from it) and without one (a miss); the damaged copy is removed and counted.
+
+What "never served" means precisely (docs/guarantees.md): no byte is returned unless it matches the
+crc32c recorded when the page was written. A header damaged while the engine runs, over an intact
+payload, still yields the right bytes (the read path verifies payload blocks against the checksums
+in the index, not the header); the damaged header is found by check() and at the next start.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+
+from kvstream_hicache import Namespace
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.router import SingleTier
+
+from reliability_helpers import NS, PageSet, content, make_engine, messages
+
+N = 4
+VICTIM = 1  # index of the damaged page
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _foreign(root: str, namespace: Namespace, k: str, pages: PageSet) -> str:
+    """A valid page file of ``k`` written under ``namespace`` with other content (sglang's keys
+    are token hashes: another model or layout stores other bytes under the same key)."""
+    d = os.path.join(root, f"foreign-{namespace.digest[:8]}")
+    os.makedirs(d, exist_ok=True)
+    foreign = PageSet(pages.size, data=lambda key: content(key[::-1], pages.size))
+    with make_engine([d], namespace=namespace) as engine:
+        assert foreign.put(engine, [k]) == [True]
+        return engine.tiers[0].layout.page_path(k)
+
+
+def _replace(path: str, src: str) -> None:
+    tmp = path + ".planted"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, path)
+
+
+# kind -> (damage(path, ctx), detected while running without reading the header)
+DAMAGE = {
+    "payload_bit": (lambda path, ctx: _flip(path, HEADER_SIZE + ctx["size"] // 2), True),
+    "header": (lambda path, ctx: _flip(path, 30), False),
+    "truncated": (lambda path, ctx: os.truncate(path, HEADER_SIZE + 4096), True),
+    "empty": (lambda path, ctx: os.truncate(path, 0), True),
+    "other_model": (lambda path, ctx: _replace(path, ctx["other_model"]), True),
+    "other_layout": (lambda path, ctx: _replace(path, ctx["other_layout"]), True),
+    "other_key": (lambda path, ctx: _replace(path, ctx["other_key"]), True),
+}
+
+
+@pytest.mark.parametrize("replica", [True, False], ids=["replica", "single"])
+@pytest.mark.parametrize("when", ["live", "restart"])
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_page_is_never_served(tier_dirs, tier_root, caplog, kind, when, replica):
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    pages = PageSet(size=40 << 10, aligned=kind != "header")
+    keys = pages.keys(N)
+    victim = keys[VICTIM]
+    dirs = tier_dirs[:2] if replica else tier_dirs[:1]
+    ctx = {"size": pages.size}
+    if kind.startswith("other_"):
+        ctx["other_model"] = _foreign(tier_root, Namespace({**NS.fields, "model": "another-model"}), victim, pages)
+        ctx["other_layout"] = _foreign(tier_root, Namespace({**NS.fields, "layout": "layer_first"}), victim, pages)
+    damage, live_detected = DAMAGE[kind]
+
+    engine = make_engine(dirs)
+    path = engine.tiers[0].layout.page_path(victim)
+    ctx["other_key"] = engine.tiers[0].layout.page_path(keys[0])
+    try:
+        assert pages.put(engine, keys) == [True] * N
+        if when == "restart":
+            engine.close()
+            damage(path, ctx)
+            engine = make_engine(dirs)
+            removed_at_start = engine.scan["damaged_removed"]
+            assert removed_at_start == (0 if kind == "payload_bit" else 1)  # headers are checked at start
+            if removed_at_start:
+                assert not os.path.exists(path)
+                assert any("removed 1 damaged" in m for m in messages(caplog))
+        else:
+            damage(path, ctx)
+        detected = when == "restart" or live_detected
+
+        # tier 0 first: the damaged copy is the one a read reaches
+        found = pages.checked_get(engine, keys, policy=SingleTier(0))  # asserts every True is byte-exact
+        want = [True] * N
+        want[VICTIM] = replica or not detected  # a live header-only damage still has a verified payload
+        assert found == want
+        stats = engine.stats()
+        if detected:
+            assert not os.path.exists(path), "the damaged copy is removed"
+            assert engine.index.holders(victim) == (0b10 if replica else 0)
+            if not (when == "restart" and kind != "payload_bit"):  # else removed at start, never read
+                assert stats["tiers"][0]["quarantined"] == 1 and stats["tiers"][0]["corrupted"] >= 1
+                assert len(messages(caplog, victim, "damaged")) == 1
+            assert not engine.contains(victim) or replica
+        else:
+            # found by the consistency check, which removes it with fix=True
+            problems = engine.check()
+            assert sorted((p.kind, p.path) for p in problems) == [("damaged", path), ("index_stale", path)]
+            assert all(p.fixed for p in engine.check(fix=True))
+            assert not os.path.exists(path)
+        # again: the answer is stable, a replica is still served, never the damaged bytes
+        found = pages.checked_get(engine, keys)
+        assert found == [True] * N if replica else found[VICTIM] is False
+        assert engine.check() == []
+    finally:
+        engine.close()
+
+
+def test_damaged_on_every_replica_is_a_miss_then_rewritten(tier_dirs):
+    """Both copies damaged: a miss (never wrong bytes), both removed; a new put stores it again."""
+    pages = PageSet()
+    keys = pages.keys(3)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        for tier in engine.tiers:
+            _flip(tier.layout.page_path(keys[0]), HEADER_SIZE + 100)
+        assert pages.checked_get(engine, keys) == [False, True, True]
+        stats = engine.stats()
+        assert sum(t["quarantined"] for t in stats["tiers"]) == 2 and stats["pages_missing"] == 1
+        assert not engine.contains(keys[0]) and engine.prefix_len(keys) == 0
+        assert pages.put(engine, keys[:1]) == [True]  # sglang writes it again on the next backup
+        assert pages.checked_get(engine, keys) == [True] * 3
+        assert engine.check() == []
+
+
+def test_page_symlinked_out_of_the_tier_is_not_served_and_the_target_survives(tier_dirs, tier_root):
+    """A symlink planted under a page's name pointing outside the tier: its bytes fail the
+    checksums, the link (not its target) is removed."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    outside = os.path.join(tier_root, "precious")
+    with open(outside, "wb") as f:
+        f.write(os.urandom(HEADER_SIZE + pages.size))
+    before = open(outside, "rb").read()
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        path = engine.tiers[0].layout.page_path(keys[1])
+        os.unlink(path)
+        os.symlink(outside, path)
+        assert pages.checked_get(engine, keys, policy=SingleTier(0)) == [True, True]
+        assert not os.path.lexists(path) and open(outside, "rb").read() == before
+        assert engine.check() == []
+    os.symlink(outside, path)  # and at start-up: its header is not a page header
+    with make_engine(tier_dirs[:2]) as engine:
+        assert engine.scan["damaged_removed"] == 1 and not os.path.lexists(path)
+        assert open(outside, "rb").read() == before
+        assert pages.checked_get(engine, keys) == [True, True]

@@ -1,0 +1,163 @@
+"""A tier fails while the store runs, for real: its directory is renamed away or removed, its loop
+file system is unmounted or remounted read-only (root ignores permission bits, so chmod proves
+nothing here). Reads go on from the other replica with no failed request, writes go on to the
+healthy tier and count the missing replica, the failed tier is probed after its back-off (doubling
+while it stays broken) and rejoins when it recovers; the stats and the log show each change of
+state once, never once per page. Time is an injected clock: no sleeps, no timing assertions.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+
+from kvstream_hicache import check_tiers
+from kvstream_hicache.router import SingleTier
+
+from reliability_helpers import FakeClock, PageSet, loop_fs, make_engine, messages  # noqa: F401  (fixture)
+
+RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
+
+
+class Rename:
+    """The tier directory is moved away (a path that vanished), then moved back."""
+
+    lossy = False
+
+    def __init__(self, tier_root, loop_fs):
+        self.dir = os.path.join(tier_root, "tier0")
+        os.makedirs(self.dir)
+
+    def fail(self):
+        os.rename(self.dir, self.dir + ".away")
+
+    def recover(self):
+        os.rename(self.dir + ".away", self.dir)
+
+
+class Remove(Rename):
+    """The tier's tree is deleted (an operator, a wiped scratch disk), then re-created empty."""
+
+    lossy = True
+
+    def fail(self):
+        shutil.rmtree(os.path.join(self.dir, "kvstream"))
+
+    def recover(self):
+        os.makedirs(os.path.join(self.dir, "kvstream"))
+
+
+class Unmount:
+    """The tier's file system is unmounted (its empty mount point stays behind), then mounted again."""
+
+    lossy = False
+
+    def __init__(self, tier_root, loop_fs):
+        self.fs = loop_fs(32 << 20, "tier0fs")
+        self.dir = self.fs.mnt
+
+    def fail(self):
+        self.fs.umount()
+
+    def recover(self):
+        self.fs.mount()
+
+
+class ReadOnly(Unmount):
+    """The tier's file system is remounted read-only (what ext4 does itself on errors=remount-ro)."""
+
+    def fail(self):
+        self.fs.remount("ro")
+
+    def recover(self):
+        self.fs.remount("rw")
+
+
+@pytest.mark.parametrize("fault", [Rename, Remove, Unmount, ReadOnly], ids=lambda f: f.__name__.lower())
+def test_tier_fails_mid_run_and_rejoins(tier_root, loop_fs, caplog, fault):
+    caplog.set_level(logging.INFO, logger="kvstream")
+    tier = fault(tier_root, loop_fs)
+    other = os.path.join(tier_root, "tier1")
+    os.makedirs(other)
+    clock = FakeClock()
+    pages = PageSet()
+    first, second, third, fourth = (pages.keys(6, 6 * i) for i in range(4))
+    with make_engine([tier.dir, other], clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, first) == [True] * 6
+        assert [engine.index.holders(k) for k in first] == [0b11] * 6
+        caplog.clear()
+
+        tier.fail()
+        # reads: no failed request, whatever tier 0 does
+        for _ in range(2):
+            assert pages.checked_get(engine, first) == [True] * 6
+        # writes: the healthy tier takes every page, the missing replica is counted
+        assert pages.put(engine, second) == [True] * 6
+        stats = engine.stats()
+        t0 = stats["tiers"][0]
+        assert not t0["healthy"] and t0["failures"] == 1 and t0["last_error"]
+        assert stats["under_replicated"] == 6
+        assert [engine.index.holders(k) for k in second] == [0b10] * 6
+        assert not engine.contains(first[0]) or engine.index.holders(first[0]) & 0b10  # served by tier 1
+        assert pages.checked_get(engine, first + second) == [True] * 12
+
+        # back-off: no probe before it expires; a probe of a still-broken tier doubles it
+        clock.advance(RETRY_S - 1)
+        assert pages.put(engine, third[:3]) == [True] * 3
+        clock.advance(2)  # past the first back-off: probed, still broken
+        assert pages.put(engine, third[3:]) == [True] * 3
+        assert not engine.stats()["tiers"][0]["healthy"]
+        assert engine.stats()["under_replicated"] == 12
+
+        tier.recover()
+        clock.advance(RETRY_S)  # inside the doubled back-off (10 s from the failed probe)
+        assert pages.checked_get(engine, third) == [True] * 6
+        assert not engine.stats()["tiers"][0]["healthy"]
+        clock.advance(RETRY_S + 1)  # past it: probed, works, rejoins
+        assert pages.put(engine, fourth) == [True] * 6
+        stats = engine.stats()
+        assert stats["tiers"][0]["healthy"] and stats["tiers"][0]["failures"] == 1
+        assert stats["under_replicated"] == 12  # the new pages have both replicas again
+        assert [engine.index.holders(k) for k in fourth] == [0b11] * 6
+        want_first = 0b10 if tier.lossy else 0b11  # what survived on tier 0 is still used
+        assert [engine.index.holders(k) for k in first] == [want_first] * 6
+        assert [engine.index.holders(k) for k in second + third] == [0b10] * 12
+        assert pages.checked_get(engine, first + second + third + fourth) == [True] * 24
+        if not tier.lossy:
+            assert pages.checked_get(engine, first, policy=SingleTier(0)) == [True] * 6
+
+        # the log: one line per change of state, none per page
+        assert len(messages(caplog, "tier 0", "failed", level=logging.WARNING)) == 1
+        assert len(messages(caplog, "tier 0", "recovered", level=logging.WARNING)) == 1
+        warnings = messages(caplog, level=logging.WARNING)
+        assert len(warnings) == 2 + tier.lossy, warnings  # + "rejoined without N pages" after a wipe
+
+        assert engine.check() == []
+    assert check_tiers(engine.config) == []
+
+
+def test_tier_subdirectory_of_an_unmounted_fs_refuses_to_start(tier_root, loop_fs):
+    """Tiers configured as a subdirectory of their mount: a file system not mounted at start-up is
+    a missing directory, so the engine refuses to start and names it (a bare mount point cannot be
+    told from an empty tier; see docs/guarantees.md)."""
+    fs = loop_fs(32 << 20, "t0")
+    tier = os.path.join(fs.mnt, "kv")
+    os.mkdir(tier)
+    other = os.path.join(tier_root, "t1")
+    os.makedirs(other)
+    pages = PageSet()
+    with make_engine([tier, other]) as engine:
+        assert pages.put(engine, pages.keys(3)) == [True] * 3
+    fs.umount()
+    from kvstream_hicache.errors import TierError
+
+    with pytest.raises(TierError) as info:
+        make_engine([tier, other])
+    assert tier in str(info.value) and "does not exist" in str(info.value)
+    assert os.listdir(fs.mnt) == [], "nothing written on the parent file system"
+    fs.mount()
+    with make_engine([tier, other]) as engine:  # mounted again: every page is back on both tiers
+        assert [engine.index.holders(k) for k in pages.keys(3)] == [0b11] * 3
+        assert pages.checked_get(engine, pages.keys(3), policy=SingleTier(0)) == [True] * 3
