@@ -30,6 +30,7 @@ def _extensions():
     ext = Extension(
         "kvstream_hicache._uring",
         sources=["_uring/_uring.pyx"],
+        depends=["_uring/crc32c.h", "_uring/liburing.pxd"],  # rebuild on change; shipped in the sdist
         include_dirs=[f[2:] for f in cflags if f.startswith("-I")] + ["_uring"],
         library_dirs=[f[2:] for f in libs if f.startswith("-L")],
         libraries=[f[2:] for f in libs if f.startswith("-l")],

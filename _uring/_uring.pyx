@@ -37,6 +37,7 @@ cdef extern from "<stdlib.h>" nogil:
 cdef extern from "crc32c.h" nogil:
     void kv_crc32c_init()
     uint32_t kv_crc32c(uint32_t crc, const void *buf, size_t n)
+    uint32_t kv_crc32c_sw(uint32_t crc, const void *buf, size_t n)
     int kv_crc32c_hardware()
 
 kv_crc32c_init()  # tables and the CPU check, once, under the import lock
@@ -205,6 +206,11 @@ def crc32c(buf, uint32_t crc=0):
     finally:
         PyBuffer_Release(&view)
     return crc
+
+
+def _crc32c_software(const unsigned char[::1] data, uint32_t crc=0):
+    """The byte-table path that non-x86 hosts use, exposed so x86 tests can check it too."""
+    return kv_crc32c_sw(crc, &data[0] if data.shape[0] else NULL, <size_t>data.shape[0])
 
 
 def copy(uintptr_t dst_address, uintptr_t src_address, Py_ssize_t n):
@@ -452,7 +458,11 @@ cdef class Ring:
             raise ValueError(f"bad opcode {opcode!r}: use OP_READ or OP_WRITE")
         if offset < 0:
             raise ValueError(f"negative file offset {offset}")
+        # Convert everything before taking a slot or pinning a buffer, so a bad value leaks nothing.
         cdef long long ctag = tag
+        cdef int cfd = fd
+        cdef unsigned long long coffset = offset
+        cdef int copcode = opcode
         if ctag in self._tags:
             raise ValueError(f"tag {tag} is already in flight on this Ring")
         cdef int slot = self._take_slot()
@@ -462,8 +472,9 @@ cdef class Ring:
                 _raw(buf, &req.base, &req.length)
                 req.has_view = 0
             else:
+                # SIMPLE implies C-contiguous; reads need a writable buffer
                 PyObject_GetBuffer(buf, &req.view,
-                                   PyBUF_WRITABLE if opcode == OP_READ else PyBUF_SIMPLE)
+                                   PyBUF_WRITABLE if copcode == OP_READ else PyBUF_SIMPLE)
                 req.has_view = 1
                 req.base = <char *>req.view.buf
                 req.length = <size_t>req.view.len
@@ -472,10 +483,10 @@ cdef class Ring:
             self._free = slot
             raise
         req.done = 0
-        req.offset = offset
+        req.offset = coffset
         req.tag = ctag
-        req.fd = fd
-        req.opcode = opcode
+        req.fd = cfd
+        req.opcode = copcode
         self._tags.add(ctag)
         return slot
 

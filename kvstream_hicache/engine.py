@@ -27,7 +27,7 @@ from .errors import ConfigError, EngineClosedError
 from .index import Index
 from .integrity import Problem, ScannedPage, check_tier, stale_tmp
 from .io import FaultyRing, open_ring
-from .layout import Namespace, is_valid_key
+from .layout import Namespace, is_valid_key, key_of_page_file
 from .reads import ReadPath
 from .router import Policy, parse_policy
 from .staging import BufferPool
@@ -264,7 +264,7 @@ class Engine:
         try:
             for shard in os.scandir(tier.layout.pages):
                 if shard.is_dir():
-                    present.update(e.name[:-4] for e in os.scandir(shard.path) if e.name.endswith(".kvp"))
+                    present.update(key_of_page_file(e.name) for e in os.scandir(shard.path))
         except OSError:
             pass
         lost = [key for key in self.index.keys(tier.k) if key not in present]

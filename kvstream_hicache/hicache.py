@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import suppress
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -87,10 +88,11 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._page_bytes = 0
         self._warned: dict[tuple[str, str], list] = {}
         self.counters = {"errors": 0, "legacy_calls": 0, "refused_calls": 0, "invalid_keys": 0,
-                         "skipped_writes": 0, "bad_arguments": 0}
+                         "skipped_writes": 0, "bad_arguments": 0, "metrics_errors": 0}
         self._samples = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._exporter = None
         self._last_sync = 0.0
+        self._last_stats: dict | None = None
         if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
             self.register_mem_pool_host(mem_pool_host)
 
@@ -152,13 +154,13 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read ``keys`` into the host pool at ``host_indices`` (``page_size`` slots per key). One bool per key;
         sglang uses the leading run of True."""
-        return self._guard("batch_get_v1", [False] * len(keys), self._batch_get_v1, keys, host_indices)
+        return self._guard("batch_get_v1", [False] * _count_of(keys), self._batch_get_v1, keys, host_indices)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Write the host pool's pages at ``host_indices`` under ``keys``; returns once every byte is out of
         host memory. One bool per key (True = at least one tier holds a verified copy)."""
-        return self._guard("batch_set_v1", [False] * len(keys), self._batch_set_v1, keys, host_indices)
+        return self._guard("batch_set_v1", [False] * _count_of(keys), self._batch_set_v1, keys, host_indices)
 
     # ------------------------------------------------------------------------------------------ legacy
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -167,7 +169,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
         """Legacy (copying) read path: fill the flat page tensors; per key the tensor or None."""
-        return self._guard("batch_get", [None] * len(keys), self._legacy_get, keys, target_locations)
+        return self._guard("batch_get", [None] * _count_of(keys), self._legacy_get, keys, target_locations)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         """Legacy: write one flat page tensor."""
@@ -179,6 +181,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         return self._guard("batch_set", False, lambda: all(self._legacy_set(keys, values)))
 
     def exists(self, key: str) -> bool:
+        """Legacy: is ``key`` stored (index only)."""
         return self._guard("exists", False, lambda: self._batch_exists([key]) == 1)
 
     # ------------------------------------------------------------------------------------------ v2
@@ -253,7 +256,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 return default
             self._count("errors")
             if self._exporter is not None:
-                self._exporter.count_error(method)
+                with suppress(Exception):  # a metrics failure must not turn a miss into a raise
+                    self._exporter.count_error(method)
             self._warn(method, type(exc).__name__, f"kvstream: {method} failed ({type(exc).__name__}: {exc}); "
                        "answered as a miss, the controller thread continues", exc_info=exc)
             return default
@@ -391,19 +395,30 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 samples[f"{kind}_pgs"].append(len(results))
                 samples[f"{kind}_bandwidth"].append(pages * self._page_bytes / elapsed / 1e9 if elapsed > 0 else 0.0)
         exporter = self._exporter
-        if exporter is not None:
+        if exporter is None:
+            return
+        try:  # the data already moved: a metrics failure must not turn this batch into a miss
             if kind == "prefetch":
-                exporter.observe_read(self.engine.last_batch if self.engine is not None else {}, elapsed)
+                engine = self.engine
+                exporter.observe_read(engine.last_batch if engine is not None else {}, elapsed)
             self._maybe_sync()
+        except Exception as exc:
+            self._count("metrics_errors")
+            self._warn("metrics", type(exc).__name__, f"kvstream: exporting metrics failed ({exc})")
 
     def _maybe_sync(self, force: bool = False) -> None:
+        """Refresh the stats snapshot (and the Prometheus metrics) at most once per METRICS_INTERVAL_S:
+        sglang polls get_stats on every scheduler iteration, and a full snapshot is not free."""
         now = time.monotonic()
-        if self._exporter is None or (not force and now - self._last_sync < METRICS_INTERVAL_S):
+        if not force and self._last_stats is not None and now - self._last_sync < METRICS_INTERVAL_S:
             return
         self._last_sync = now
-        engine = self.engine
-        if engine is not None:
-            self._exporter.sync(engine.stats(), self.counters)
+        if self.engine is None:
+            return
+        stats = self.stats()
+        self._last_stats = stats
+        if self._exporter is not None:
+            self._exporter.sync(stats, self.counters)
 
     def _get_stats(self):
         from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -414,7 +429,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         for name, values in samples.items():
             getattr(out, name).extend(values)
         self._maybe_sync()
-        out.kvstream = self.stats()
+        out.kvstream = self._last_stats  # kvstream's own figures, refreshed at most once per second
         return out
 
     # -- attach helpers --
@@ -518,6 +533,14 @@ class _DropBanner(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno == logging.INFO and str(record.msg).startswith("kvstream: %s; namespace"))
+
+
+def _count_of(keys) -> int:
+    """len(keys) for the default answer, computed without raising (the answer goes to sglang's threads)."""
+    try:
+        return len(keys)
+    except TypeError:
+        return 0
 
 
 def _v2_misses(transfers) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno as _errno
 import logging
+import operator
 import os
 import threading
 import time
@@ -101,7 +102,7 @@ def _unpack(op) -> tuple:
         raise ValueError(f"bad opcode {opcode!r}: use OP_READ or OP_WRITE")
     if offset < 0:
         raise ValueError(f"negative file offset {offset}")
-    return opcode, int(fd), buf, int(offset), int(tag)
+    return opcode, operator.index(fd), buf, operator.index(offset), operator.index(tag)
 
 
 class ThreadRing:

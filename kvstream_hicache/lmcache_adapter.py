@@ -204,7 +204,7 @@ class L2Core:
                 self.counters["lookup_keys"] += len(keys)
                 self.counters["lookup_hits"] += sum(hits)
         except Exception:  # adapter boundary: a miss for LMCache, a warning and a counter for us
-            self._count_error("lookup")
+            self.report_error("lookup")
             hits = [False] * len(keys)
         with self._lock:
             self._lookups_done[task_id] = hits
@@ -230,17 +230,17 @@ class L2Core:
             if handles:
                 self._unpin(handles)
         except Exception:
-            self._count_error("unlock")
-
-    @property
-    def locked_keys(self) -> int:
-        with self._lock:
-            return len(self._pins)
+            self.report_error("unlock")
 
     # -- load -----------------------------------------------------------------------------------
     def submit_load(self, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
         """Queue a load task into ``pages`` (kept valid by the caller until its result is out)."""
         return self._enqueue(self._loads, keys, pages)
+
+    def submit_loads(self, tasks: Sequence[tuple[list[str | None], list[Sequence[Segment] | None]]]) -> list[int]:
+        """Queue several load tasks at once (the worker sees them together, as when LMCache's
+        in-flight requests submit back to back)."""
+        return self._enqueue_many(self._loads, tasks)
 
     def pop_load(self, task_id: int) -> list[bool] | None:
         with self._lock:
@@ -276,7 +276,7 @@ class L2Core:
             try:
                 self._unpin(handles)
             except Exception:
-                self._count_error("unlock at close")
+                self.report_error("unlock at close")
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -288,15 +288,25 @@ class L2Core:
 
     # -- workers --------------------------------------------------------------------------------
     def _enqueue(self, queue: deque, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
-        task = _Task(next(self._ids), list(keys), list(pages))
+        return self._enqueue_many(queue, [(keys, pages)])[0]
+
+    def _enqueue_many(self, queue: deque, specs: Sequence[tuple[list, list]]) -> list[int]:
+        tasks = []
+        for keys, pages in specs:
+            keys, pages = list(keys), list(pages)
+            if len(pages) != len(keys):  # a caller bug: every page of the task fails, nothing raises
+                log.warning("kvstream lmcache: task with %d keys and %d buffers; failed", len(keys), len(pages))
+                keys = [None] * len(keys)
+                pages = [None] * len(keys)
+            tasks.append(_Task(next(self._ids), keys, pages))
         with self._lock:
             closing = self._closing
             if not closing:
-                queue.append(task)
+                queue.extend(tasks)
                 self._work.notify_all()
         if closing:  # after close(): fail at once rather than hang the caller
-            self._finish(queue is self._stores, [task])
-        return task.id
+            self._finish(queue is self._stores, tasks)
+        return [t.id for t in tasks]
 
     def _next(self, queue: deque, pooled: bool) -> list[_Task] | None:
         with self._lock:
@@ -312,22 +322,30 @@ class L2Core:
 
     def _store_loop(self) -> None:
         while (batch := self._next(self._stores, False)) is not None:
-            self._run_store(batch[0])
+            self._run(self._run_store, batch, "store")
             self._finish(True, batch)
 
     def _load_loop(self) -> None:
         while (batch := self._next(self._loads, self.pool_loads)) is not None:
-            self._run_loads(batch)
+            self._run(self._run_loads, batch, "load")
             self._finish(False, batch)
 
-    def _run_store(self, task: _Task) -> None:
-        idx = [i for i, k in enumerate(task.keys) if k is not None and task.pages[i] is not None]
+    def _run(self, work: Callable[[list[_Task]], None], batch: list[_Task], what: str) -> None:
+        """Run ``work`` on a batch; any exception fails the whole batch (the worker lives on)."""
         try:
-            ok = self.engine.put([task.keys[i] for i in idx], [task.pages[i] for i in idx]) if idx else []
+            work(batch)
+        except Exception:
+            self.report_error(what)
+            for task in batch:
+                task.result = [False] * len(task.keys)
+
+    def _run_store(self, batch: list[_Task]) -> None:
+        (task,) = batch
+        idx = [i for i, (k, p) in enumerate(zip(task.keys, task.pages)) if k is not None and p is not None]
+        if idx:
+            ok = self.engine.put([task.keys[i] for i in idx], [task.pages[i] for i in idx])
             for i, good in zip(idx, ok, strict=True):
                 task.result[i] = bool(good)
-        except Exception:
-            self._count_error("store")
 
     def _run_loads(self, batch: list[_Task]) -> None:
         # One engine batch of unique keys; a key asked for twice (two tasks for the same chunk) is
@@ -349,19 +367,14 @@ class L2Core:
                     owner.append((task, i))
                 else:
                     copies.append((j, task, i))
-        try:
-            ok = self.engine.get(keys, pages) if keys else []
-            for (task, i), good in zip(owner, ok, strict=True):
-                task.result[i] = bool(good)
-            for j, task, i in copies:
-                task.result[i] = bool(ok[j]) and _copy_segments(pages[j], task.pages[i])
-        except Exception:
-            self._count_error("load")
-            for task in batch:
-                task.result = [False] * len(task.keys)
         with self._lock:
             self.counters["load_batches"] += 1
             self.counters["pooled_tasks_max"] = max(self.counters["pooled_tasks_max"], len(batch))
+        ok = self.engine.get(keys, pages) if keys else []
+        for (task, i), good in zip(owner, ok, strict=True):
+            task.result[i] = bool(good)
+        for j, task, i in copies:
+            task.result[i] = bool(ok[j]) and _copy_segments(pages[j], task.pages[i])
 
     def _finish(self, store: bool, batch: list[_Task]) -> None:
         with self._lock:
@@ -389,9 +402,10 @@ class L2Core:
         try:
             callback(task_id)
         except Exception:
-            self._count_error("completion callback")
+            self.report_error("completion callback")
 
-    def _count_error(self, what: str) -> None:
+    def report_error(self, what: str) -> None:
+        """The adapter boundary's one rule: count, warn (with the traceback), carry on."""
         with self._lock:
             self.counters["errors"] += 1
         log.warning("kvstream lmcache: %s failed; reported per task to LMCache", what, exc_info=True)
@@ -469,15 +483,9 @@ def bench_read(engine: Any, keys: Sequence[str], buffers: Sequence[Sequence[Segm
         n = len(keys)
         tasks = max(1, min(tasks, n or 1))
         bounds = [round(t * n / tasks) for t in range(tasks + 1)]
-        # Queue every task under the core's lock, as when 8 requests' load tasks arrive together:
-        # the worker then sees them all at once (pooled) or one by one (not pooled).
-        with core._lock:
-            ids = []
-            for a, b in zip(bounds, bounds[1:]):
-                task = _Task(next(core._ids), list(keys[a:b]), list(buffers[a:b]))
-                core._loads.append(task)
-                ids.append(task.id)
-            core._work.notify_all()
+        # Queued together, as when 8 requests' load tasks arrive back to back: the worker then reads
+        # them as one batch (pooled) or one by one (not pooled).
+        ids = core.submit_loads([(list(keys[a:b]), list(buffers[a:b])) for a, b in zip(bounds, bounds[1:])])
         found: list[bool] = []
         for task_id in ids:
             found += core.wait_load(task_id) or []
@@ -591,7 +599,7 @@ def _lmcache_classes() -> dict[str, type]:
                         tags[group] = None if desc is None else layout_tag(desc.shapes, desc.dtypes)
                     ekeys.append(None if tags[group] is None else engine_key(key, tags[group]))
                 except Exception:
-                    self.core._count_error("lookup key mapping")
+                    self.core.report_error("lookup key mapping")
                     ekeys.append(None)
             # Locks are kept under the ObjectKey: unlock carries no layout to rebuild the engine key.
             return self.core.submit_lookup(ekeys, lock_keys=keys)
@@ -650,12 +658,13 @@ def _lmcache_classes() -> dict[str, type]:
             padding between get_size() and get_physical_size() is never touched)."""
             ekeys: list[str | None] = []
             pages: list = []
-            for key, obj in zip(keys, objects, strict=True):
+            for i, key in enumerate(keys):
                 try:
+                    obj = objects[i]
                     ekeys.append(engine_key(key, layout_tag(obj.get_shapes(), obj.get_dtypes())))
                     pages.append([(obj.data_ptr, obj.get_size())])
-                except Exception:
-                    self.core._count_error("key/buffer mapping")
+                except Exception:  # a key or buffer we cannot map: that page fails, the task goes on
+                    self.core.report_error("key/buffer mapping")
                     ekeys.append(None)
                     pages.append(None)
             return ekeys, pages
@@ -664,7 +673,7 @@ def _lmcache_classes() -> dict[str, type]:
             try:
                 notify(*args)
             except Exception:
-                self.core._count_error("LMCache listener")
+                self.core.report_error("LMCache listener")
 
     KVStreamL2Adapter.__qualname__ = "KVStreamL2Adapter"  # built in a function; name it as imported
     KVStreamL2Adapter.__module__ = __name__

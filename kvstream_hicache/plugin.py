@@ -40,15 +40,29 @@ _PATCH_MARK = "_kvstream_zero_copy"
 logger = logging.getLogger(__name__)
 
 
+_registered = False
+
+
 def register() -> None:
-    """Entry point: make ``kvstream`` a backend name sglang accepts, builds and drives zero-copy."""
+    """Entry point: make ``kvstream`` a backend name sglang accepts, builds and drives zero-copy.
+
+    Idempotent (sglang's ``load_plugins()`` runs once per process; tests may call this directly too).
+    """
+    global _registered
+    if _registered:
+        return
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if NAME not in StorageBackendFactory._registry:  # load_plugins() is once per process, but be idempotent
+    if NAME not in StorageBackendFactory._registry:
         StorageBackendFactory.register_backend(NAME, MODULE, CLASS)
     HookRegistry.register(_FACTORY_TARGET, _create_builtin_backend, HookType.AROUND)
-    allow_cli_choice()
+    _registered = True
+    try:
+        allow_cli_choice()
+    except Exception as exc:  # the backend still works through sglang.Engine(...) and the dynamic spelling
+        logger.warning("kvstream: could not add 'kvstream' to --hicache-storage-backend choices (%s); use the "
+                       "'dynamic' spelling documented in docs/sglang.md", exc)
 
 
 def allow_cli_choice() -> bool:

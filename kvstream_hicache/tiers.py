@@ -22,7 +22,7 @@ import secrets
 import threading
 from collections.abc import Callable
 
-from .layout import ALIGN, ROOT_DIR, TierLayout, tmp_name
+from .layout import ALIGN, TierLayout, tmp_name
 
 log = logging.getLogger("kvstream")
 
@@ -172,8 +172,14 @@ class Tier:
                 os.fdatasync(fd)
         finally:
             os.close(fd)
+        return self.place(tmp_path, key)
+
+    def place(self, tmp_path: str, key: str) -> str:
+        """Rename a sealed temporary file into place as the page of ``key`` (creating its shard
+        directory); returns the page directory. Safe to retry after ENOSPC (a new directory or
+        directory block needs room). :raises OSError: the temporary file is left in place."""
         page_dir = self.layout.page_dir(key)
-        final = os.path.join(page_dir, key + ".kvp")
+        final = self.layout.page_path(key)
         if page_dir not in self._dirs:
             self._mkdir(page_dir)
         try:
@@ -234,6 +240,3 @@ def new_token() -> str:
     """Per-engine token in temporary names (tells engines of one process apart)."""
     return secrets.token_hex(4)
 
-
-def base_dir(root: str) -> str:
-    return os.path.join(root, ROOT_DIR)

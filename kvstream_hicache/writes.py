@@ -38,7 +38,8 @@ log = logging.getLogger("kvstream")
 
 Segment = tuple[int, int]
 STAGING_LIMIT = 256 << 20  # staging memory for unaligned pages in flight per window, bytes
-SPACE_RETRIES = 2  # rewrites of one (page, tier) after ENOSPC, each after an LRU eviction
+SPACE_RETRIES = 4  # rewrites of one (page, tier) after ENOSPC, each after an LRU eviction (jobs of one
+# batch compete for the room each eviction makes; _room_possible_locked stops hopeless retries)
 
 
 class _Page:
@@ -265,7 +266,19 @@ class WritePath:
         tier = self.tiers[k]
         if not job.err:
             try:
-                page_dir = tier.commit(job.fd, job.tmp, page.key)
+                try:
+                    page_dir = tier.commit(job.fd, job.tmp, page.key)
+                except OSError as exc:
+                    # a full tier can refuse the rename itself (a new shard directory or directory
+                    # block); the data is written and sealed: make room once and place it again.
+                    # (No file name: fdatasync failed, the data is not sealed; never retried.)
+                    if exc.errno not in SPACE_ERRNOS or exc.filename is None:
+                        raise
+                    victims = self.index.evict(k, page.file_bytes)
+                    if not victims:
+                        raise
+                    self._evicted_locked(k, victims)
+                    page_dir = tier.place(job.tmp, page.key)
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.file_bytes)
@@ -278,7 +291,7 @@ class WritePath:
             self.stats.add(k, "bytes_written", page.length)
             self.stats.add(k, "pages_written")
             return
-        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES:
+        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_locked(job):
             victims = self.index.evict(k, page.file_bytes)
             if victims:
                 self._evicted_locked(k, victims)
@@ -289,6 +302,17 @@ class WritePath:
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.file_bytes)
         self._failed_locked(k, job.err, f"write {page.key}")
+
+    def _room_possible_locked(self, job: _Job) -> bool:
+        """Could evicting every page of this namespace on the tier make room for the job? If not
+        (a page larger than the file system, or one full of other data), evicting would only
+        throw pages away: the write fails for this tier and nothing is evicted."""
+        try:
+            st = os.statvfs(self.tiers[job.tier].root)
+            allocated = os.fstat(job.fd).st_blocks * 512  # what the job already holds is reused
+        except OSError:
+            return True  # cannot tell: try eviction as before
+        return st.f_bavail * st.f_frsize + self.index.used[job.tier] + allocated >= job.page.file_bytes
 
     def _evicted_locked(self, k: int, victims: list[str]) -> None:
         for key in victims:

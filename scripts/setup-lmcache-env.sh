@@ -53,7 +53,15 @@ assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got in: chec
 PY
   touch "$stamp"
 fi
-echo "[setup-lmcache] building kvstream_hicache (editable) into $VENV"
-"${PIP[@]}" install -q --no-build-isolation --no-deps -e . >/dev/null
+# Rebuild only when needed: an editable install recompiles the extension and rewrites the shared .so
+# in place, under any process of the other venv that has it loaded.
+so=$(ls kvstream_hicache/_uring*.so 2>/dev/null | head -n 1 || true)
+if "$VENV/bin/python" -m pip show kvstream-hicache >/dev/null 2>&1 && [ -n "$so" ] \
+    && [ -z "$(find _uring setup.py pyproject.toml -newer "$so" -type f 2>/dev/null)" ]; then
+  echo "[setup-lmcache] kvstream_hicache already installed in $VENV (editable), extension current"
+else
+  echo "[setup-lmcache] building kvstream_hicache (editable) into $VENV"
+  "${PIP[@]}" install -q --no-build-isolation --no-deps -e . >/dev/null
+fi
 "$VENV/bin/python" -c "import lmcache.v1.distributed.l2_adapters.base, lmcache.lmcache_native, torch; \
 print('[setup-lmcache] ready:', '$VENV', 'lmcache', __import__('importlib.metadata').metadata.version('lmcache'), 'torch', torch.__version__)"

@@ -16,7 +16,7 @@ import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.io import AlignedBuffer, Ring
-from kvstream_hicache.layout import TMP_SUFFIX, TierLayout, tmp_name
+from kvstream_hicache.layout import tmp_name
 
 NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
 CHUNK = 64 << 10  # small blocks: several items per page, blocks straddling segments
@@ -390,7 +390,3 @@ def _page_files(tier_dir: str) -> list[str]:
         out += [os.path.join(root, f) for f in files if f.endswith(".kvp")]
     return out
 
-
-def _tmp_files(tier_dir: str) -> list[str]:
-    tmp = TierLayout(tier_dir, NS.digest).tmp
-    return [f for f in os.listdir(tmp) if f.endswith(TMP_SUFFIX)]

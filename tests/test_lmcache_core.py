@@ -16,7 +16,8 @@ from kvstream_hicache import lmcache_adapter as la
 from kvstream_hicache.config import Config
 from kvstream_hicache.layout import Namespace, is_valid_key
 
-pytestmark = pytest.mark.lmcache
+# opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
+pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 
 WAIT_S = 30.0

@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+from test_lmcache_adapter import lmc, server_factory  # noqa: F401  (fixtures)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SGLANG_PYTHON = os.environ.get("KVSTREAM_SGLANG_PYTHON", os.path.join(REPO, ".venv", "bin", "python"))
@@ -171,10 +173,11 @@ def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
 
 # ------------------------------------------------------------------------------ LMCache half
 @pytest.mark.lmcache
+@pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")  # opentelemetry, via LMCache
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sglang_and_lmcache_paths_claim_alike(case, tier_root, monkeypatch):
+def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_root, monkeypatch):
     from kvstream_hicache import lmcache_adapter as la
-    from test_lmcache_adapter import Server, chunk_keys, random_payloads
+    from test_lmcache_adapter import chunk_keys, random_payloads
 
     if not os.path.exists(SGLANG_PYTHON):
         pytest.skip(f"the SGLang venv ({SGLANG_PYTHON}) is missing: run scripts/setup-env.sh")
@@ -190,32 +193,20 @@ def test_sglang_and_lmcache_paths_claim_alike(case, tier_root, monkeypatch):
     proc = subprocess.Popen([SGLANG_PYTHON, os.path.abspath(__file__), json.dumps([tiers_s, speeds])],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
-    # LMCache half, here: the real MP StorageManager, our adapter as its L2.
-    import lmcache.v1.distributed.api as api
-    import torch
-
+    # LMCache half, here: the real MP StorageManager with our adapter as its L2.
     recorder: list = []
     monkeypatch.setattr(la, "_open_engine", lambda config, namespace: scripted_engine(
         config, namespace, tiers_l, speeds, recorder))
-    lmc = type("L", (), {"ObjectKey": api.ObjectKey, "GroupedObjectKeys": api.GroupedObjectKeys,
-                         "PrefetchTaskSpec": api.PrefetchTaskSpec})
-    from lmcache.v1.distributed.config import parse_args
-    from lmcache.v1.distributed.storage_manager import StorageManager
-
-    lmc.parse_args, lmc.StorageManager = parse_args, StorageManager
-    server = Server(lmc, tiers_l, chunk=CHUNK)
-    try:
-        layout = api.MemoryLayoutDesc(shapes=[torch.Size([2, PAGE_TOKENS, 256])], dtypes=[torch.bfloat16])
-        keys = chunk_keys(lmc, PAGES)
-        payloads = random_payloads(PAGES, PAGE_BYTES, seed=3)
-        server.write_through(keys, layout, payloads)
-        routes_before = len(recorder[0].routes)
-        hits, got = server.prefetch(keys, layout)
-        assert hits == PAGES and got == payloads
-        (route,) = recorder[0].routes[routes_before:]
-        lmcache_route = route_summary(route)
-    finally:
-        server.close()
+    server = server_factory(tiers_l, chunk=CHUNK)
+    layout = lmc.MemoryLayoutDesc(shapes=[lmc.torch.Size([2, PAGE_TOKENS, 256])], dtypes=[lmc.torch.bfloat16])
+    keys = chunk_keys(lmc, PAGES)
+    payloads = random_payloads(PAGES, PAGE_BYTES, seed=3)
+    server.write_through(keys, layout, payloads)
+    routes_before = len(recorder[0].routes)
+    hits, got = server.prefetch(keys, layout)
+    assert hits == PAGES and got == payloads
+    (route,) = recorder[0].routes[routes_before:]
+    lmcache_route = route_summary(route)
 
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, f"SGLang half failed:\n{err[-4000:]}"

@@ -18,7 +18,8 @@ import urllib.request
 
 import pytest
 
-pytestmark = pytest.mark.lmcache
+# opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
+pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 
 START_S = 180.0  # the server imports torch, numba and LMCache: up to a minute on a busy 2-core machine
 STOP_S = 30.0

@@ -122,6 +122,22 @@ def test_queue_depth_beyond_submission_queue(engine, direct_dir):
     assert b"".join(bytes(b) for b in bufs) == data
 
 
+def test_more_ops_in_flight_than_the_completion_queue_holds(engine, tier_root):
+    """1000 ops on an 8-entry ring (32 CQ slots): the kernel keeps the overflow, nothing is lost."""
+    n, size = 1000, 512
+    data = os.urandom(n * size)
+    path = os.path.join(tier_root, "overflow")
+    make_file(path, data)
+    fd = os.open(path, os.O_RDONLY)
+    bufs = [bytearray(size) for _ in range(n)]
+    try:
+        with make_ring(engine, entries=8) as ring:
+            assert run(ring, [(OP_READ, fd, b, i * size, i) for i, b in enumerate(bufs)]) == {i: size for i in range(n)}
+    finally:
+        os.close(fd)
+    assert b"".join(bufs) == data
+
+
 def test_many_files_at_once(ring, direct_dir):
     nfiles, chunk = 48, 8 * KIB
     fds = [open_direct(os.path.join(direct_dir, f"f{i}")) for i in range(nfiles)]
@@ -259,6 +275,10 @@ def test_invalid_batches_are_refused_whole(ring, tier_root):
             ring.submit([good, (OP_READ, fd, bytearray(8), 0)])
         with pytest.raises(ValueError, match="offset"):
             ring.submit([good, (OP_READ, fd, bytearray(8), -4096, 2)])
+        with pytest.raises(TypeError):
+            ring.submit([good, (OP_READ, "not an fd", bytearray(8), 0, 2)])
+        with pytest.raises((BufferError, ValueError)):  # non-contiguous (numpy says ValueError)
+            ring.submit([good, (OP_READ, fd, np.zeros((4, 4), dtype=np.uint8)[:, 0], 0, 2)])
         assert ring.in_flight == 0
         assert run(ring, [good]) == {1: ALIGN}  # the rejected batches left nothing behind (tag 1 is free)
         assert run(ring, [(OP_WRITE, fd, b"bytes are fine for writes", 0, 2)]) == {2: -errno.EBADF}

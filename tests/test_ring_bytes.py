@@ -55,6 +55,15 @@ def test_crc32c_backend_reported():
     assert CRC32C_IMPL in ("sse4.2-3way", "table")
 
 
+@pytest.mark.parametrize("length", [0, 1, 9, 4096, 24577])
+def test_crc32c_software_path_agrees(length):
+    from kvstream_hicache._uring import _crc32c_software
+
+    data = os.urandom(length)
+    assert _crc32c_software(data) == crc32c(data) == crc32c_ref(data)
+    assert _crc32c_software(data, 0x12345678) == crc32c_ref(data, 0x12345678)
+
+
 # Lengths around the 3-way block sizes (3 x 256 and 3 x 8192 bytes) and the 8-byte word edges.
 EDGE_LENGTHS = [1, 7, 8, 9, 63, 767, 768, 769, 1536 + 5, 24575, 24576, 24577, 3 * 24576 + 777, 200_000]
 

@@ -160,6 +160,7 @@ def test_clear_and_stats_through_the_controller(plugin_loaded, tier_dirs, driver
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
     drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
     tokens, src, got = round_trip(drv, pools, n_pages=4, seed=61)
+    drv.storage.flush_metrics()  # the stats snapshot is otherwise refreshed at most once per second
     metrics = drv.backend.get_stats()
     from sglang.srt.observability.metrics_collector import StorageMetrics
 
@@ -171,3 +172,28 @@ def test_clear_and_stats_through_the_controller(plugin_loaded, tier_dirs, driver
     assert drv.clear() is True
     assert drv.query(tokens) == 0
     _assert_consistent(drv)
+
+
+def test_legacy_methods_directly(tier_dirs):
+    """The five legacy methods on flat page tensors, including a strided target and a missing value."""
+    import torch
+
+    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2])),
+                                     pools.host)
+    tokens = cpu_sglang.random_tokens(2 * PAGE, seed=71)
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    idx = cpu_sglang.fill_random(pools, len(tokens), seed=71)
+    flat = [pools.host.get_data_page(int(idx[i * PAGE])) for i in range(2)]
+    assert backend.batch_set(keys, flat) is True
+    assert backend.set(keys[0], flat[0]) is True  # idempotent
+    assert backend.set("b" * 64, None) is False
+    assert backend.exists(keys[1]) and not backend.exists("c" * 64)
+    got = backend.batch_get(keys + ["c" * 64])
+    assert [torch.equal(g, f) for g, f in zip(got[:2], flat)] == [True, True] and got[2] is None
+    strided = torch.zeros(2 * flat[0].numel(), dtype=flat[0].dtype)[::2]
+    assert backend.get(keys[1], strided) is strided and torch.equal(strided, flat[1])
+    assert backend.get("../../etc/passwd") is None and backend.counters["invalid_keys"] == 1
+    backend.close()

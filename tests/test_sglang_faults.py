@@ -69,6 +69,8 @@ def test_tier_directory_replaced_mid_run(plugin_loaded, tier_dirs, drivers):
         got = drv.prefetch(tokens)
         assert got.tokens == len(tokens), "pages must be served from the surviving replica"
         assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+        tier0 = drv.storage.stats()["tiers"][0]
+        assert tier0["errors"] > 0 or not tier0["healthy"], f"tier 0 was never tried: {tier0}"
         tokens2, src2, got2 = round_trip(drv, pools, n_pages=3, seed=202)
         assert got2.tokens == len(tokens2)
         assert pools.page_bytes(got2.host_indices) == pools.page_bytes(src2)
@@ -205,3 +207,27 @@ def test_prometheus_metrics(plugin_loaded, tier_dirs, drivers):
         assert REGISTRY.get_sample_value("kvstream:tier_healthy", dict(labels, tier=str(k))) == 1
     assert REGISTRY.get_sample_value("kvstream:retrieval_seconds_count", labels) >= 1
     assert REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="found")) >= 4
+
+
+def test_prometheus_multiprocess_mode(tmp_path):
+    """As in an sglang server: PROMETHEUS_MULTIPROC_DIR set before prometheus_client is imported, samples
+    written by the scheduler process are aggregated by the /metrics collector."""
+    from sglang_fixtures import run_python
+
+    code = (
+        "from kvstream_hicache.metrics import Exporter\n"
+        "e = Exporter({'tp_rank': '0', 'dp_rank': '0', 'pp_rank': '0'}, ['/t0', '/t1'])\n"
+        "e.sync({'tiers': [{'bytes_served': 300, 'read_share': 0.75, 'healthy': True},"
+        " {'bytes_served': 100, 'read_share': 0.25, 'healthy': False}], 'pages_found': 4})\n"
+        "e.observe_read({'time_s': 0.01, 'bound_s': 0.008, 'gap': 0.25}, 0.01)\n"
+        "from prometheus_client import CollectorRegistry, generate_latest, multiprocess\n"
+        "r = CollectorRegistry(); multiprocess.MultiProcessCollector(r)\n"
+        "print(generate_latest(r).decode())\n"
+    )
+    proc = run_python(code, env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}, timeout=60)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr
+    assert 'kvstream:tier_served_bytes_total{dp_rank="0",pp_rank="0",tier="0",tp_rank="0"} 300.0' in out, out
+    assert 'kvstream:tier_healthy{dp_rank="0",pp_rank="0",tier="1",tp_rank="0"} 0.0' in out, out
+    assert 'kvstream:retrieval_gap_count{dp_rank="0",pp_rank="0",tp_rank="0"} 1.0' in out, out
+    assert any(f.name.startswith("counter_") for f in tmp_path.iterdir())

@@ -83,6 +83,8 @@ def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
         alone = ", ".join(f"tier{k} {r[f'tier{k}']:.0f}" for k in range(n) if f"tier{k}" in r)
         log(f"fio read MB/s (bs {tb['fio']['bs'] >> 10} KiB, iodepth {tb['fio']['iodepth']}): alone {alone}; "
             f"all at once {r.get('all', 0):.0f}")
+        frac = ", ".join(f"{k} {p['fraction_of_fio']:.1%}" for k, p in pol.items() if p and p.get("fraction_of_fio"))
+        log(f"throughput as a share of fio's all-at-once figure: {frac}")
     w = doc.get("write", {})
     if w.get("ratio_to_slowest_alone"):
         log(f"replicated write: {w['replicated_s']:.2f} s = {w['ratio_to_slowest_alone']:.3f}x the slowest tier alone "

@@ -377,9 +377,12 @@ def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, cont
     for name in ("tier0", HICACHE_FILE):
         if name in policies and policies[name].get("throughput_gbps"):
             ref[name] = policies[name]["throughput_gbps"]
+    fio_all = ((bed.fio or {}).get("read") or {}).get("all") if bed else None  # MB/s, all tiers at once
     for p in policies.values():
         for name, thr in ref.items():
             p[f"speedup_vs_{name}"] = p["throughput_gbps"] / thr if p.get("throughput_gbps") else None
+        if fio_all and p.get("throughput_gbps"):
+            p["fraction_of_fio"] = p["throughput_gbps"] * 1e3 / fio_all
     doc = {
         "version": 1,
         "command": "kvstream bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),

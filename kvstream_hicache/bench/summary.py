@@ -66,6 +66,10 @@ def medians(runs: Sequence[dict]) -> dict[str, dict]:
             "speedup_vs_tier0": _median([p.get("speedup_vs_tier0") for p in ps]),
             "speedup_vs_hicache-file": _median([p.get("speedup_vs_hicache-file") for p in ps]),
             "page_cache_bytes": _median([p.get("page_cache_bytes") for p in ps]),
+            "fraction_of_fio": _median([p.get("fraction_of_fio") for p in ps]),
+            "cpu_s_per_batch": _median([p.get("cpu_s_per_batch") for p in ps]),
+            "engine_busy_frac": [_median([(p.get("engine_busy_frac") or [None] * n_tiers)[k] for p in ps])
+                                 for k in range(n_tiers)],
             "tier_rates_mbps": [_median([(p.get("tier_rates_mbps") or [None] * n_tiers)[k] for p in ps])
                                 for k in range(n_tiers)],
         }
@@ -83,9 +87,9 @@ def markdown(docs: Sequence[dict]) -> str:
         bound = _median([r.get("bound_gbps") for r in runs])
         lines.append(f"#### {profile}, {scenario} ({len(runs)} run{'s' if len(runs) > 1 else ''}, medians)")
         lines.append("")
-        lines.append("| policy | GB/s | x tier0 | x hicache-file | p50 s | p90 s | max s | share t0/t1 | tier MB/s | "
-                     "gap (min..max) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+        lines.append("| policy | GB/s | of fio | x tier0 | x hicache-file | p50 s | p90 s | max s | share t0/t1 | "
+                     "tier MB/s | gap (min..max) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
         for name, m in med.items():
             share = "/".join(_f(s, ".2f") for s in m["share"])
             rates = "/".join(_f(r, ".0f") for r in m["tier_rates_mbps"])
@@ -94,7 +98,8 @@ def markdown(docs: Sequence[dict]) -> str:
             extra = ""
             if m.get("page_cache_bytes"):
                 extra = f" (page cache {m['page_cache_bytes'] / 2**20:.0f} MiB)"
-            lines.append(f"| {name}{extra} | {_f(m['throughput_gbps'], '.3f')} | {_f(m['speedup_vs_tier0'], '.2f')} | "
+            fio = "-" if m["fraction_of_fio"] is None else f"{m['fraction_of_fio']:.1%}"
+            lines.append(f"| {name}{extra} | {_f(m['throughput_gbps'], '.3f')} | {fio} | {_f(m['speedup_vs_tier0'], '.2f')} | "
                          f"{_f(m['speedup_vs_hicache-file'], '.2f')} | {_f(m['p50_s'], '.2f')} | "
                          f"{_f(m['p90_s'], '.2f')} | {_f(m['max_s'], '.2f')} | {share} | {rates} | {gap} |")
         lines.append("")

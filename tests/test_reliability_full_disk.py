@@ -1,0 +1,152 @@
+"""A full disk, for real: tier 0 is a small ext4 file system on a loop device with no capacity
+configured, so the engine learns it is full only from ENOSPC. It evicts least-recently-used pages
+and keeps accepting writes; when eviction cannot make room (every page pinned by reads in flight,
+or one page larger than the file system) the write fails cleanly for that tier only: the page is
+stored on the other tier, counted under-replicated, no leftover, no page evicted for nothing, the
+tier stays healthy (full is not failed).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+from kvstream_hicache.io import OP_READ, Fault
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.router import SingleTier
+
+from reliability_helpers import PageSet, TierFaults, loop_fs, make_engine, page_files, tmp_files  # noqa: F401
+
+MIB = 1 << 20
+FS_BYTES = 64 * MIB
+WAIT_S = 60.0
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _fill(path: str, leave: int) -> None:
+    """Take all but ``leave`` bytes of the file system with a file kvstream does not own."""
+    fd = os.open(os.path.join(path, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(_free(path) - leave, 4096))
+    finally:
+        os.close(fd)
+
+
+def test_full_tier_evicts_lru_and_keeps_accepting_writes(tier_root, loop_fs):
+    fs = loop_fs(FS_BYTES, "full")
+    other = os.path.join(tier_root, "disk")
+    os.makedirs(other)
+    pages = PageSet(MIB)
+    batches = [pages.keys(10, 10 * b) for b in range(10)]  # ~100 MiB through a 64 MiB file system
+    with make_engine([fs.mnt, other]) as engine:
+        for keys in batches:
+            assert pages.put(engine, keys) == [True] * 10
+        stats = engine.stats()
+        t0 = stats["tiers"][0]
+        assert t0["healthy"] and t0["evictions"] > 0 and t0["write_failures"] == 0
+        assert stats["under_replicated"] == 0 and stats["pages_failed"] == 0
+        order = [k for keys in batches for k in keys]
+        on_fast = [bool(engine.index.holders(k) & 1) for k in order]
+        kept = sum(on_fast)
+        assert kept >= 40 and on_fast == [False] * (len(order) - kept) + [True] * kept  # LRU: newest kept
+        assert len(page_files(fs.mnt)) == kept and tmp_files(fs.mnt) == []
+        newest = batches[-1]
+        assert pages.checked_get(engine, newest, policy=SingleTier(0)) == [True] * 10
+        assert pages.checked_get(engine, order) == [True] * len(order)
+        assert engine.check() == []
+
+
+def test_page_larger_than_the_file_system_fails_for_that_tier_only(tier_root, loop_fs):
+    fs = loop_fs(32 * MIB, "small")
+    other = os.path.join(tier_root, "disk")
+    os.makedirs(other)
+    small, huge = PageSet(MIB, salt="s"), PageSet(40 * MIB, salt="h")
+    with make_engine([fs.mnt, other]) as engine:
+        assert small.put(engine, small.keys(8)) == [True] * 8
+        assert huge.put(engine, huge.keys(1)) == [True]  # stored on the other tier
+        stats = engine.stats()
+        t0 = stats["tiers"][0]
+        assert t0["healthy"] and t0["write_failures"] == 1 and stats["under_replicated"] == 1
+        assert engine.index.holders(huge.keys(1)[0]) == 0b10
+        assert t0["evictions"] == 0 and t0["pages"] == 8, "nothing evicted for a page that can never fit"
+        assert tmp_files(fs.mnt) == []
+        assert huge.checked_get(engine, huge.keys(1)) == [True]
+        assert small.checked_get(engine, small.keys(8), policy=SingleTier(0)) == [True] * 8
+        assert small.put(engine, small.keys(4, 8)) == [True] * 4  # the tier still takes what fits
+        assert all(engine.index.holders(k) == 0b11 for k in small.keys(4, 8))
+        assert engine.check() == []
+    with make_engine([fs.mnt]) as engine:  # alone, the page is not stored at all: False, not an error
+        assert huge.put(engine, huge.keys(1, 1)) == [False]
+        assert engine.stats()["tiers"][0]["healthy"] and engine.index.pages_on(0) == 12
+
+
+@pytest.mark.parametrize("limit", ["enospc", "capacity"])
+def test_every_page_pinned_by_reads_fails_the_write_for_that_tier_only(tier_root, loop_fs, limit):
+    """Reads in flight pin their pages (a page being read is never evicted). With every page of
+    the full tier pinned, a new page cannot get room there: it goes to the other tier only."""
+    fs = loop_fs(FS_BYTES, "pinned")
+    other = os.path.join(tier_root, "disk")
+    os.makedirs(other)
+    pages = PageSet(MIB)
+    page_file = HEADER_SIZE + MIB
+    if limit == "enospc":
+        _fill(fs.mnt, leave=6 * page_file + page_file // 2)  # room for 6 pages and a half
+        settings = {}
+    else:
+        settings = {"capacity": [6 * page_file, ""]}
+    plan = TierFaults()
+    stored = pages.keys(6)
+    with make_engine([fs.mnt, other], fault_plan=plan, read_timeout=0, **settings) as engine:
+        assert pages.put(engine, stored) == [True] * 6
+        assert all(engine.index.holders(k) == 0b11 for k in stored)
+
+        plan.on(fs.mnt, Fault.hold(), opcode=OP_READ)  # tier 0 reads stall: the get holds its pins
+        results: list = []
+        reader = threading.Thread(target=lambda: results.append(
+            pages.checked_get(engine, stored, policy=SingleTier(0))))
+        reader.start()
+        deadline = time.monotonic() + WAIT_S
+        while not plan.hits:  # the reader has pinned its pages and submitted its reads
+            assert time.monotonic() < deadline, "the reader never reached the ring"
+            time.sleep(0.005)
+        try:
+            new = pages.keys(1, 100)
+            assert pages.put(engine, new) == [True]
+            stats = engine.stats()
+            t0 = stats["tiers"][0]
+            assert engine.index.holders(new[0]) == 0b10 and stats["under_replicated"] == 1
+            assert t0["healthy"] and t0["evictions"] == 0
+            assert t0["write_failures" if limit == "enospc" else "skipped_writes"] == 1
+            assert all(engine.index.holders(k) == 0b11 for k in stored), "no pinned page was evicted"
+            assert tmp_files(fs.mnt) == []
+        finally:
+            plan.clear()
+            plan.release()
+            reader.join(WAIT_S)
+        assert results == [[True] * 6]
+        # unpinned now: the next page evicts the least recent one and is stored on both tiers
+        later = pages.keys(1, 200)
+        assert pages.put(engine, later) == [True]
+        assert engine.index.holders(later[0]) == 0b11 and engine.stats()["tiers"][0]["evictions"] >= 1
+        assert engine.check() == []
+
+
+def test_enospc_on_a_tier_never_marks_it_failed(tier_dirs):
+    """ENOSPC injected on every write of tier 0 (a quota, a thin pool): tier 0 is full, not failed;
+    the pages are stored on tier 1 and tier 0 is used again as soon as writes succeed."""
+    plan = TierFaults().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=None)
+    pages = PageSet()
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        assert pages.put(engine, pages.keys(4)) == [True] * 4
+        assert engine.stats()["tiers"][0]["healthy"] and engine.stats()["under_replicated"] == 4
+        plan.clear()
+        assert pages.put(engine, pages.keys(4, 4)) == [True] * 4
+        assert all(engine.index.holders(k) == 0b11 for k in pages.keys(4, 4))
+        assert engine.check() == []
