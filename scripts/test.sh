@@ -13,5 +13,5 @@ status=0
 echo "== kvstream-hicache: engine, io_uring, sglang, kvsim, bench, examples"
 .venv/bin/python -m pytest -q -m "not lmcache" "$@" || status=$?
 echo "== kvstream-hicache: LMCache adapter (separate venv, real lmcache)"
-.venv-lmcache/bin/python -m pytest -q -m lmcache "$@" || status=$?
+.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache*.py "$@" || status=$?
 exit $status

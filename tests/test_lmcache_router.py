@@ -175,7 +175,7 @@ def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
 @pytest.mark.lmcache
 @pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")  # opentelemetry, via LMCache
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_root, monkeypatch):
+def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_root, monkeypatch):  # noqa: F811
     from kvstream_hicache import lmcache_adapter as la
     from test_lmcache_adapter import chunk_keys, random_payloads
 

@@ -17,7 +17,6 @@ the call around it.
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import os
 import subprocess
@@ -30,8 +29,6 @@ import numpy as np
 
 from .dataset import Batch, Dataset, page_segments
 from .geometry import Geometry
-
-log = logging.getLogger("kvstream.bench")
 
 HICACHE_FILE = "hicache-file"
 SGLANG_ADAPTER = "sglang-adapter"

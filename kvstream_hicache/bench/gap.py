@@ -158,8 +158,23 @@ def summarize(records: Sequence[BatchRecord], n_tiers: int) -> dict:
         "engine_busy_frac": [_busy_frac(records, k) for k in range(n_tiers)],
         "cpu_s_per_batch": percentile([r.extra["cpu_s"] for r in records if "cpu_s" in r.extra], 50)
         if any("cpu_s" in r.extra for r in records) else None,
+        **_windows(records),
         "bound_gbps": (sum(r.nbytes for r in bounded) / sum(r.bound_s for r in bounded) / 1e9) if bounded else None,
     }
+
+
+def _windows(records: Sequence[BatchRecord]) -> dict:
+    """Median start-up (call -> first read submitted) and tail (first tier done -> batch done), seconds,
+    over the batches where the ring instrument saw at least two tiers."""
+    starts, tails = [], []
+    for r in records:
+        w = [e for e in (r.extra.get("tier_window_s") or ()) if e is not None]
+        if len(w) >= 2:
+            starts.append(min(e[0] for e in w))
+            tails.append(max(0.0, r.t_ret - min(e[1] for e in w)))
+    if not starts:
+        return {}
+    return {"startup_s": percentile(starts, 50), "tail_s": percentile(tails, 50)}
 
 
 def _busy_frac(records: Sequence[BatchRecord], k: int) -> float | None:

@@ -55,6 +55,11 @@ class SpanRecorder:
             spans = tuple(None if f is None or l is None else l - f for f, l in zip(self.first, self.last))
             return spans, tuple(self.bytes)
 
+    def edges(self, t0: float) -> list[tuple[float, float] | None]:
+        """Per tier, (first submission, last completion) in seconds after ``t0`` (same clock), or None."""
+        with self._lock:
+            return [None if f is None or l is None else (f - t0, l - t0) for f, l in zip(self.first, self.last)]
+
     def submitted(self, ring_id: int, ops: Sequence[tuple]) -> None:
         if not self.usable:
             return

@@ -5,8 +5,6 @@ import sys
 import time
 from typing import Callable
 
-from . import gap
-
 
 class Progress:
     """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
@@ -200,5 +198,3 @@ def _served_share(b: dict) -> float | None:
     tb = b.get("tier_bytes") or ()
     return tb[0] / sum(tb) if sum(tb) else None
 
-
-__all__ = ["Progress", "print_table", "plot", "kvsim_series", "gap"]

@@ -327,7 +327,7 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
                 t_ret = clock() - t0
                 cpu1 = os.times()
                 out.extra["cpu_s"] = round((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system), 4)
-                _use_spans(out, recorder)
+                _use_spans(out, recorder, clock0 + t0)
                 c.after_phase(out)
                 bad = check(ds, batch, c.views, positions, out.found)
                 if bad:
@@ -350,14 +350,16 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
     return records, wrong
 
 
-def _use_spans(out, recorder: SpanRecorder) -> None:
-    """Replace the engine's per-tier busy time by the instrument's span where it measured the tier."""
+def _use_spans(out, recorder: SpanRecorder, t0: float) -> None:
+    """Replace the engine's per-tier busy time by the instrument's span where it measured the tier;
+    keep the engine's figure and each tier's (first submission, last completion) for diagnostics."""
     if not recorder.usable:
         return
     spans, _ = recorder.spans()
     if all(sp is None for sp in spans):
         return  # not an engine read (hicache-file)
     out.extra["engine_busy_s"] = list(out.tier_busy)
+    out.extra["tier_window_s"] = [None if e is None else [round(e[0], 4), round(e[1], 4)] for e in recorder.edges(t0)]
     out.tier_busy = tuple(sp if sp is not None else busy for sp, busy in zip(spans, out.tier_busy))
 
 

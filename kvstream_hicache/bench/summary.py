@@ -67,6 +67,8 @@ def medians(runs: Sequence[dict]) -> dict[str, dict]:
             "speedup_vs_hicache-file": _median([p.get("speedup_vs_hicache-file") for p in ps]),
             "page_cache_bytes": _median([p.get("page_cache_bytes") for p in ps]),
             "fraction_of_fio": _median([p.get("fraction_of_fio") for p in ps]),
+            "startup_s": _median([p.get("startup_s") for p in ps]),
+            "tail_s": _median([p.get("tail_s") for p in ps]),
             "cpu_s_per_batch": _median([p.get("cpu_s_per_batch") for p in ps]),
             "engine_busy_frac": [_median([(p.get("engine_busy_frac") or [None] * n_tiers)[k] for p in ps])
                                  for k in range(n_tiers)],
@@ -103,6 +105,13 @@ def markdown(docs: Sequence[dict]) -> str:
                          f"{_f(m['speedup_vs_hicache-file'], '.2f')} | {_f(m['p50_s'], '.2f')} | "
                          f"{_f(m['p90_s'], '.2f')} | {_f(m['max_s'], '.2f')} | {share} | {rates} | {gap} |")
         lines.append("")
+        for name in ("kvstream", "sglang-adapter"):
+            m = med.get(name)
+            if m and m.get("cpu_s_per_batch") is not None:
+                busy = "/".join(_f(b, ".0%") for b in m["engine_busy_frac"])
+                lines.append(f"{name} diagnostics: engine busy time t0/t1 {busy} of the batch; call to first read "
+                             f"{_f(m['startup_s'], '.3f')} s; first tier done to batch done {_f(m['tail_s'], '.3f')} s; "
+                             f"CPU {_f(m['cpu_s_per_batch'], '.2f')} s per batch.")
         lines.append(f"Bound (median over runs): {_f(bound, '.3f')} GB/s.")
         w = [r["write"].get("ratio_to_slowest_alone") for r in runs]
         if any(x is not None for x in w):
