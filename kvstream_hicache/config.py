@@ -58,6 +58,8 @@ SETTINGS: dict[str, Setting] = {
     "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
                                   " (0 = wait forever)"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
+    "discover": Setting(True, "look up pages the index lacks on the tiers (written by another process sharing "
+                              "the namespace, e.g. MLA's writer rank); off = index only"),
 }
 
 
@@ -148,6 +150,17 @@ def _number(value: Any, what: str, kind: Callable = float, minimum: float = 0) -
     return out
 
 
+def _flag(value: Any, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what}: expected on/off (1/0, true/false), got {value!r}")
+
+
 def _split(value: Any, what: str) -> list[str]:
     if isinstance(value, str):
         return value.split(os.pathsep)
@@ -171,6 +184,7 @@ class Config:
     log_level: str | None = None
     read_timeout: float = 30.0
     tier_retry: float = 5.0
+    discover: bool = True
     warnings: tuple[str, ...] = field(default=(), compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -260,6 +274,7 @@ class Config:
             log_level=log_level,
             read_timeout=_number(raw["read_timeout"], what("read_timeout")),
             tier_retry=_number(raw["tier_retry"], what("tier_retry")),
+            discover=_flag(raw["discover"], what("discover")),
             warnings=tuple(warnings),
             sources=dict(sources),
         )
@@ -318,6 +333,12 @@ def _check_policy(policy: str, claim: int | None, what: str) -> None:
 def probe_tier(path: str, dir_mode: int, source: str) -> None:
     """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support."""
     if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):  # mkdir -p would fail too: say what is in the way
+            raise TierError(f"tier {path} (from {source}) cannot be created: {parent} is a file, not a "
+                            "directory; correct the tier list or move that file")
         raise TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
                         "or correct the tier list")
     if not os.path.isdir(path):
@@ -325,6 +346,9 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
     tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
     try:
         for d in (os.path.join(path, ROOT_DIR), tmp):
+            if os.path.lexists(d) and not os.path.isdir(d):
+                raise TierError(f"tier {path} (from {source}): {d} is in the way (a file, not the directory "
+                                "kvstream keeps its pages in): move or remove it, or choose another directory")
             if not os.path.isdir(d):
                 os.mkdir(d, dir_mode)
                 os.chmod(d, dir_mode)  # umask may have cleared group bits

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .layout import (
-    ALIGN, HEADER_SIZE, HOST, KEY_MAX, MAX_BLOCKS, TierLayout, block_span,
+    ALIGN, HEADER_SIZE, HOST, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span,
     file_size, is_digest, is_valid_key, key_of_page_file, n_blocks, parse_tmp_name,
 )
 
@@ -200,21 +200,33 @@ def verify_payload(path: str, header: PageHeader) -> str | None:
     return None
 
 
+def shards(layout: TierLayout) -> list[str]:
+    """The ``<key[:2]>`` directories of one namespace on one tier."""
+    try:
+        return sorted(os.listdir(layout.pages))
+    except FileNotFoundError:
+        return []
+
+
+def scan_shard(layout: TierLayout, digest: str, shard: str, *, payload: bool = False) -> list[ScannedPage]:
+    """Every file of one shard directory, validated (see :func:`scan_pages`)."""
+    try:
+        entries = list(os.scandir(os.path.join(layout.pages, shard)))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [_scan_one(layout, digest, shard, entry.name, entry.path, payload) for entry in entries]
+
+
+def scan_file(layout: TierLayout, digest: str, key: str) -> ScannedPage:
+    """The page file of ``key`` on one tier, validated (a missing file is a 'stray' VANISHED)."""
+    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), False)
+
+
 def scan_pages(layout: TierLayout, digest: str, *, payload: bool = False) -> Iterator[ScannedPage]:
     """Every page file of one namespace on one tier, validated against its place (and, with
     ``payload=True``, its block CRCs). Files that vanish while scanning are skipped."""
-    try:
-        shards = sorted(os.listdir(layout.pages))
-    except FileNotFoundError:
-        return
-    for shard in shards:
-        shard_dir = os.path.join(layout.pages, shard)
-        try:
-            entries = list(os.scandir(shard_dir))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            yield _scan_one(layout, digest, shard, entry.name, entry.path, payload)
+    for shard in shards(layout):
+        yield from scan_shard(layout, digest, shard, payload=payload)
 
 
 def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool) -> ScannedPage:
@@ -295,31 +307,35 @@ def check_tier(layout: TierLayout, digest: str, *, fix: bool = False, payload: b
     valid: dict[str, ScannedPage] = {}
     if tmp:
         for path in stale_tmp(layout.tmp, live_tokens):
-            problems.append(_maybe_fix(Problem("orphan_tmp", layout.root, path, "temporary leftover"), fix))
+            problems.append(fix_problem(Problem("orphan_tmp", layout.root, path, "temporary leftover"), fix))
     for page in scan_pages(layout, digest, payload=payload):
         if page.problem is None:
             valid[page.header.key] = page
         elif page.problem.detail != VANISHED:
-            problems.append(_maybe_fix(page.problem, fix))
+            problems.append(fix_problem(page.problem, fix))
     return problems, valid
 
 
 def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *, fix: bool = False,
-                payload: bool = True, live_tokens: frozenset[str] | set[str] = frozenset()) -> list[Problem]:
+                payload: bool = True, live_tokens: frozenset[str] | set[str] | None = None) -> list[Problem]:
     """Walk the tiers of ``config`` without an engine: verify every page header (and, with
     ``payload``, every block CRC), report temporary leftovers and stray files.
 
     :param namespace: check only this namespace (a Namespace or its digest); None = all.
     :param fix: remove damaged/corrupt/truncated/misplaced/stray page files and temp leftovers
         (``Problem.fixed`` tells which were removed).
+    :param live_tokens: engines of this process whose temporary files are live; None = every
+        engine open in this process (so a check beside a running engine never takes its writes).
     :returns: the problems found, empty when the store is consistent.
     """
+    if live_tokens is None:
+        from .engine import _LIVE_TOKENS as live_tokens
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:
         base = TierLayout(tier.path, "")
         for path in stale_tmp(base.tmp, live_tokens):
-            problems.append(_maybe_fix(Problem("orphan_tmp", tier.path, path, "temporary leftover"), fix))
+            problems.append(fix_problem(Problem("orphan_tmp", tier.path, path, "temporary leftover"), fix))
         for d in ([digest] if digest else _digests(base.base)):
             problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False)[0]
     return problems
@@ -332,7 +348,8 @@ def _digests(base: str) -> list[str]:
         return []
 
 
-def _maybe_fix(problem: Problem, fix: bool) -> Problem:
+def fix_problem(problem: Problem, fix: bool = True) -> Problem:
+    """Remove the file behind ``problem`` when ``fix``; the returned copy says whether it went."""
     if not fix:
         return problem
     try:

@@ -38,8 +38,8 @@ log = logging.getLogger("kvstream")
 
 Segment = tuple[int, int]
 STAGING_LIMIT = 256 << 20  # staging memory for unaligned pages in flight per window, bytes
-SPACE_RETRIES = 4  # rewrites of one (page, tier) after ENOSPC, each after an LRU eviction (jobs of one
-# batch compete for the room each eviction makes; _room_possible_locked stops hopeless retries)
+SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
+# jobs of a batch compete for the room each eviction makes; _room_possible_locked stops hopeless retries
 
 
 class _Page:
@@ -135,6 +135,7 @@ class WritePath:
         for page in new:
             results[page.pos] = bool(page.committed)
             if page.committed:
+                self.index.touch(page.key)  # LRU order = batch order, not completion order
                 self.stats.total("pages_stored")
                 if page.expected & ~self.index.holders(page.key):
                     self.stats.total("under_replicated")
@@ -181,7 +182,7 @@ class WritePath:
                     self.busy.finished(job.tier)
                     job.left -= 1
                     if res != want and not job.err:
-                        job.err = -res if res < 0 else errno.EIO  # short write: the device is full or failing
+                        job.err = -res if res < 0 else self._short_write_errno(job)
                     if not job.left:
                         self._finish_job_locked(job, dirs)
             for tier, tier_dirs in dirs.items():
@@ -269,16 +270,10 @@ class WritePath:
                 try:
                     page_dir = tier.commit(job.fd, job.tmp, page.key)
                 except OSError as exc:
-                    # a full tier can refuse the rename itself (a new shard directory or directory
-                    # block); the data is written and sealed: make room once and place it again.
-                    # (No file name: fdatasync failed, the data is not sealed; never retried.)
+                    # No file name: fdatasync failed, the data is not sealed; never retried.
                     if exc.errno not in SPACE_ERRNOS or exc.filename is None:
                         raise
-                    victims = self.index.evict(k, page.file_bytes)
-                    if not victims:
-                        raise
-                    self._evicted_locked(k, victims)
-                    page_dir = tier.place(job.tmp, page.key)
+                    page_dir = self._place_after_eviction_locked(job, exc)
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.file_bytes)
@@ -303,6 +298,23 @@ class WritePath:
         self.index.abort(k, page.file_bytes)
         self._failed_locked(k, job.err, f"write {page.key}")
 
+    def _place_after_eviction_locked(self, job: _Job, exc: OSError) -> str:
+        """A full tier refused the rename itself (a new shard directory or directory block needs
+        room): the data is written and sealed, so evict LRU pages and place it again.
+        :raises OSError: still no room (nothing left to evict, or SPACE_RETRIES used up)."""
+        for _ in range(SPACE_RETRIES):
+            victims = self.index.evict(job.tier, job.page.file_bytes)
+            if not victims:
+                break
+            self._evicted_locked(job.tier, victims)
+            try:
+                return self.tiers[job.tier].place(job.tmp, job.page.key)
+            except OSError as again:
+                if again.errno not in SPACE_ERRNOS:
+                    raise
+                exc = again
+        raise exc
+
     def _room_possible_locked(self, job: _Job) -> bool:
         """Could evicting every page of this namespace on the tier make room for the job? If not
         (a page larger than the file system, or one full of other data), evicting would only
@@ -313,6 +325,15 @@ class WritePath:
         except OSError:
             return True  # cannot tell: try eviction as before
         return st.f_bavail * st.f_frsize + self.index.used[job.tier] + allocated >= job.page.file_bytes
+
+    def _short_write_errno(self, job: _Job) -> int:
+        """A write that stopped early: the ring reports the bytes done, not the error that
+        followed. A nearly full file system means ENOSPC (evict and retry), else EIO."""
+        try:
+            st = os.statvfs(self.tiers[job.tier].root)
+        except OSError:
+            return errno.EIO
+        return errno.ENOSPC if st.f_bavail * st.f_frsize < 2 * job.page.file_bytes else errno.EIO
 
     def _evicted_locked(self, k: int, victims: list[str]) -> None:
         for key in victims:

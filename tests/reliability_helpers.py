@@ -44,16 +44,9 @@ def key(i: int, salt: str = "") -> str:
 
 def content(k: str, size: int = PAGE_BYTES) -> bytes:
     """The payload stored under ``k``: deterministic, different for every key."""
-    rng = np.random.default_rng(int(k[:16], 16) if _is_hex(k[:16]) else abs(hash(k)))
+    seed = hashlib.sha256(repr(k).encode()).digest()[:8]
+    rng = np.random.default_rng(int.from_bytes(seed, "little"))
     return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
-def _is_hex(text: str) -> bool:
-    try:
-        int(text, 16)
-        return bool(text)
-    except ValueError:
-        return False
 
 
 class _Memory:
@@ -299,6 +292,15 @@ def loop_fs(tier_root):
 
 
 # ------------------------------------------------------------------------------ child processes
+def kvstream_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the installed ``kvstream`` command of this venv (``python -m kvstream_hicache.cli`` if the
+    console script is missing)."""
+    script = os.path.join(os.path.dirname(sys.executable), "kvstream")
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "kvstream_hicache.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env or dict(os.environ),
+                          timeout=timeout)
+
+
 def spawn(role: str, *args: str, **kw) -> subprocess.Popen:
     """Start ``python reliability_helpers.py ROLE ARGS...`` (a fresh interpreter of this venv)."""
     env = dict(os.environ)
@@ -374,29 +376,44 @@ def rank_content(k: str, rank: int) -> bytes:
     return content(hashlib.sha256(f"{k}/{rank}".encode()).hexdigest(), PAGE_BYTES)
 
 
-def _mla(tiers: str, role: str, rounds: int, out: str, go: str) -> int:
-    """Same-namespace child (MLA writer or reader). The writer stores a stream of batches; the
-    reader (another process, its own index) reads whatever it indexed and re-opens its engine
-    between rounds to pick up the writer's pages; nothing it reads may differ from the content."""
+def _mla(tiers: str, role: str, rounds: int, out: str, go: str, capacity: str) -> int:
+    """Same-namespace child (an MLA writer rank or a reader rank). The writer stores ``rounds``
+    batches of 4 pages, evicting from tier 0 (``capacity``), then creates ``go + '.done'``. The
+    reader (another process, its own index) reads every key, restarting its engine each round to
+    index the writer's new pages, until the writer is done, then once more. Any wrong byte fails
+    the child (PageSet.checked_get asserts)."""
     pages = PageSet(PAGE_BYTES, aligned=True, salt="mla")
     keys = pages.keys(rounds * 4)
-    bad, seen = [], 0
+    dirs = tiers.split(os.pathsep)
+    settings = {"capacity": capacity}
+    bad, seen, restarts = [], 0, 0
+    deadline = time.monotonic() + 120
     while not os.path.exists(go):
-        time.sleep(0.01)  # start line: both processes open their engines at about the same time
-    engine = make_engine(tiers.split(os.pathsep))
-    for r in range(rounds):
-        if role == "writer":
+        assert time.monotonic() < deadline, "no start signal"
+        time.sleep(0.005)  # start line: both processes open their engines together
+    engine = make_engine(dirs, **settings)
+    if role == "writer":
+        for r in range(rounds):
             if not all(pages.put(engine, keys[r * 4:(r + 1) * 4])):
                 bad.append(f"put {r}")
-        else:
-            found = pages.checked_get(engine, keys)  # asserts: never a wrong byte
+        open(go + ".done", "w").close()
+    else:
+        while True:
+            last = os.path.exists(go + ".done")
+            found = pages.checked_get(engine, keys)  # never a wrong byte, whatever the writer does
             seen = max(seen, sum(found))
             engine.close()
-            engine = make_engine(tiers.split(os.pathsep))  # a restart picks up the writer's pages
+            engine = make_engine(dirs, **settings)  # a restart indexes the writer's new pages
+            restarts += 1
+            if last or time.monotonic() > deadline:
+                final = pages.checked_get(engine, keys)  # opened after the writer finished
+                seen = max(seen, sum(final))
+                break
     problems = engine.check()
     engine.close()
     with open(out, "w") as f:
-        json.dump({"bad": bad, "seen": seen, "problems": [p._asdict() for p in problems]}, f)
+        json.dump({"bad": bad, "seen": seen, "restarts": restarts,
+                   "problems": [p._asdict() for p in problems]}, f)
     return 0
 
 
@@ -409,8 +426,8 @@ def main(argv: Sequence[str]) -> int:
         tiers, rank, n, rounds, out = args
         return _rank(tiers, int(rank), int(n), int(rounds), out)
     if role == "mla":
-        tiers, which, rounds, out, go = args
-        return _mla(tiers, which, int(rounds), out, go)
+        tiers, which, rounds, out, go, capacity = args
+        return _mla(tiers, which, int(rounds), out, go, capacity)
     print(f"unknown role {role!r}", file=sys.stderr)
     return errno.EINVAL
 

@@ -167,3 +167,10 @@ def test_probe_unwritable(tier_dirs):
     with mock.patch("kvstream_hicache.config.os.mkdir", side_effect=OSError(errno.EACCES, "Permission denied")):
         with pytest.raises(TierError, match="not writable.*permissions"):
             probe_tier(tier_dirs[0], 0o700, "KVSTREAM_TIERS")
+
+
+def test_discover_flag(tier_dirs):
+    assert cfg({"tiers": tier_dirs[:1]}).discover is True
+    assert cfg({"tiers": tier_dirs[:1]}, {"KVSTREAM_DISCOVER": "off"}).discover is False
+    with pytest.raises(ConfigError, match="discover"):
+        cfg({"tiers": tier_dirs[:1], "discover": "maybe"})

@@ -12,6 +12,7 @@ import shutil
 import threading
 
 import numpy as np
+import pytest
 
 from kvstream_hicache.io import OP_READ, OP_WRITE, Fault, FaultPlan
 from kvstream_hicache.layout import HEADER_SIZE
@@ -336,3 +337,63 @@ def test_sigkill_during_writes_loses_no_acknowledged_page(tier_dirs):
             assert engine.get(keys, [[(d.ctypes.data, d.nbytes)] for d in dst]) == [True] * 8
             assert all((d == (batch * 8 + i) % 251).all() for i, d in enumerate(dst))
         assert engine.check() == []  # temporary leftovers were cleaned at start-up, nothing torn is indexed
+
+
+# -- a real full file system -----------------------------------------------------------------------
+@pytest.fixture
+def small_fs(tier_root):
+    """A 24 MiB ext4 file system on a loop device (root only), removed afterwards."""
+    import subprocess
+
+    if os.geteuid() != 0 or not shutil.which("losetup") or not shutil.which("mkfs.ext4"):
+        pytest.skip("needs root, losetup and mkfs.ext4 for a small loop-device file system")
+    image = os.path.join(tier_root, "small.img")
+    with open(image, "wb") as f:
+        f.truncate(24 << 20)
+    mnt = os.path.join(tier_root, "small")
+    os.mkdir(mnt)
+    dev = subprocess.run(["losetup", "--find", "--show", image], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", dev], check=True, capture_output=True)
+        subprocess.run(["mount", dev, mnt], check=True, capture_output=True)
+        try:
+            yield mnt
+        finally:
+            subprocess.run(["umount", mnt], check=False)
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+
+
+def test_real_enospc_evicts_lru_then_fails_that_tier_only(small_fs, tier_dirs, io_engine):
+    engine = make_engine([small_fs, tier_dirs[0]], io_engine)
+    with engine:
+        pages = Pages(4, size=1 << 20)
+        written = []
+        for batch in range(12):  # 48 MiB into a 24 MiB file system, no capacity configured
+            keys = [key(i, f"enospc{batch}") for i in range(4)]
+            assert engine.put(keys, pages.src_segments) == [True] * 4
+            written += keys
+        t0 = engine.stats()["tiers"][0]
+        assert t0["healthy"] and t0["evictions"] > 0
+        assert engine.index.holders(written[-1]) == 0b11  # the newest pages are on the full tier
+        assert engine.get(written[-4:], pages.dst_segments, policy=SingleTier(0)) == [True] * 4
+        assert engine.last_batch["tiers"][1]["bytes"] == 0 and pages.equal(3)
+        assert engine.check() == []
+
+        # Now fill the file system with a file that is not ours: eviction cannot free anything.
+        engine.clear()
+        with open(os.path.join(small_fs, "ballast"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        keys = [key(i, "after-ballast") for i in range(2)]
+        assert engine.put(keys, pages.src_segments[:2]) == [True, True]  # stored on tier 1
+        t0 = engine.stats()["tiers"][0]
+        assert t0["healthy"] and t0["write_failures"] >= 2
+        assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
+        assert os.listdir(engine.tiers[0].layout.tmp) == []
+        assert engine.check() == []

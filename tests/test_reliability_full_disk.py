@@ -53,10 +53,12 @@ def test_full_tier_evicts_lru_and_keeps_accepting_writes(tier_root, loop_fs):
         assert t0["healthy"] and t0["evictions"] > 0 and t0["write_failures"] == 0
         assert stats["under_replicated"] == 0 and stats["pages_failed"] == 0
         order = [k for keys in batches for k in keys]
-        on_fast = [bool(engine.index.holders(k) & 1) for k in order]
-        kept = sum(on_fast)
-        assert kept >= 40 and on_fast == [False] * (len(order) - kept) + [True] * kept  # LRU: newest kept
-        assert len(page_files(fs.mnt)) == kept and tmp_files(fs.mnt) == []
+        kept = [b for b, keys in enumerate(batches) for k in keys if engine.index.holders(k) & 1]
+        evicted = [b for b, keys in enumerate(batches) for k in keys if not engine.index.holders(k) & 1]
+        # LRU: every evicted page is from a batch no newer than any kept page (within a batch, the
+        # order of completion decides), and the tier is still full of recent pages
+        assert len(kept) >= 40 and max(evicted) <= min(kept)
+        assert len(page_files(fs.mnt)) == len(kept) and tmp_files(fs.mnt) == []
         newest = batches[-1]
         assert pages.checked_get(engine, newest, policy=SingleTier(0)) == [True] * 10
         assert pages.checked_get(engine, order) == [True] * len(order)

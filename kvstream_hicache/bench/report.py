@@ -130,7 +130,7 @@ def plot(doc: dict, path: str) -> None:
     ax.set_ylabel("MB/s")
     ax.set_xlabel("time (s)")
     ax.legend(fontsize=7, loc="upper right", ncol=2)
-    ax.set_title("per-tier bandwidth (dashed: throttle limit; shaded: competing job on)", fontsize=9)
+    ax.set_title("per-tier bandwidth (dashed: throttle limits; shaded: the scenario's fio job running)", fontsize=9)
 
     ax = axes[1]
     live = [(b["t0"] + b["t_ret"] / 2, b["tier_bps"][0] / sum(b["tier_bps"])) for b in batches

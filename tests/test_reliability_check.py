@@ -1,0 +1,149 @@
+"""The consistency check: ``kvstream check [--fix] [--json]`` (the CLI, run as a subprocess) and the
+library call ``check_tiers(config)`` walk every tier and namespace, verify headers and block
+checksums, and report temporary leftovers, stray files and damaged pages; ``--fix`` repairs (the
+files behind the problems are removed; every valid page stays). ``Engine.check(fix)`` also
+reconciles the index with the disk. A live writer's temporary file is never an orphan.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+from kvstream_hicache import Config, Namespace, check_tiers
+from kvstream_hicache.layout import HEADER_SIZE, tmp_name
+
+from reliability_helpers import NS, PageSet, kvstream_cli, make_engine
+
+DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x80]))
+
+
+def _damage_store(tier_dirs, tier_root):
+    """A two-tier store with one of every problem kind; returns (keys, {kind: path}, live tmp, sleeper)."""
+    pages = PageSet()
+    keys = pages.keys(8)
+    other_ns = Namespace({**NS.fields, "model": "second-model"})
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 8
+        lay0, lay1 = engine.tiers[0].layout, engine.tiers[1].layout
+    with make_engine(tier_dirs[:2], namespace=other_ns) as engine:  # a second namespace on the same tiers
+        assert pages.put(engine, keys[:2]) == [True] * 2
+        other_page = engine.tiers[1].layout.page_path(keys[1])
+    bad = {
+        "orphan_tmp": os.path.join(lay0.tmp, tmp_name(NS.digest, DEAD_PID, "dead", 3)),
+        "damaged": lay0.page_path(keys[0]),
+        "corrupt": lay1.page_path(keys[1]),
+        "truncated": lay0.page_path(keys[2]),
+        "misplaced": lay1.page_path(keys[3]),
+        "stray": os.path.join(os.path.dirname(lay0.page_path(keys[4])), "notes.txt"),
+    }
+    open(bad["orphan_tmp"], "wb").close()
+    _flip(bad["damaged"], 40)
+    _flip(bad["corrupt"], HEADER_SIZE + 1000)
+    os.truncate(bad["truncated"], HEADER_SIZE + 4096)
+    shutil.copyfile(lay1.page_path(keys[5]), bad["misplaced"])  # another key's page under this name
+    open(bad["stray"], "w").close()
+    _flip(other_page, HEADER_SIZE + 7)  # and one corrupt page in the other namespace
+    sleeper = subprocess.Popen(["sleep", "600"])
+    live = os.path.join(lay1.tmp, tmp_name(NS.digest, sleeper.pid, "live", 0))  # another live process's
+    open(live, "wb").close()
+    return keys, bad, other_page, live, sleeper
+
+
+def _kinds(problems) -> set[tuple[str, str]]:
+    return {(p.kind, p.path) for p in problems}
+
+
+def test_check_cli_and_library_report_and_fix(tier_dirs, tier_root):
+    keys, bad, other_page, live, sleeper = _damage_store(tier_dirs, tier_root)
+    try:
+        want = {(kind, path) for kind, path in bad.items()} | {("corrupt", other_page)}
+        config = Config.from_sources({"tiers": tier_dirs[:2]}, environ={})
+        assert _kinds(check_tiers(config)) == want
+        assert _kinds(check_tiers(config, NS)) == want - {("corrupt", other_page)}  # one namespace
+        assert _kinds(check_tiers(config, payload=False)) == want - {("corrupt", other_page), ("corrupt", bad["corrupt"])}
+
+        proc = kvstream_cli("check", "--tiers", *tier_dirs[:2])
+        assert proc.returncode == 1, proc.stderr
+        for kind, path in want:
+            assert any(kind in line and path in line for line in proc.stdout.splitlines()), (kind, proc.stdout)
+        assert f"{len(want)} problem(s) found" in proc.stdout
+
+        env = {**os.environ, "KVSTREAM_TIERS": os.pathsep.join(tier_dirs[:2])}
+        proc = kvstream_cli("check", "--json", env=env)
+        assert proc.returncode == 1
+        assert {(p["kind"], p["path"]) for p in json.loads(proc.stdout)} == want
+
+        proc = kvstream_cli("check", "--fix", "--tiers", *tier_dirs[:2])
+        assert proc.returncode == 0, proc.stderr
+        assert "repaired" in proc.stdout
+        assert not any(os.path.lexists(p) for p in [*bad.values(), other_page])
+        assert os.path.exists(live), "a live writer's temporary file is never removed"
+
+        proc = kvstream_cli("check", "--tiers", *tier_dirs[:2])
+        assert proc.returncode == 0 and "no problems found" in proc.stdout
+        assert check_tiers(config) == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    # every valid page survived the repair; a page damaged on one tier is served from the other
+    pages = PageSet()
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.checked_get(engine, keys) == [True] * 8
+        assert [engine.index.holders(k) for k in keys] == [0b10, 0b01, 0b10, 0b01] + [0b11] * 4
+        assert engine.scan["tmp_removed"] == 1  # the sleeper is gone now: its file is a leftover
+        assert engine.check() == []
+
+
+def test_engine_check_reconciles_index_and_disk(tier_dirs):
+    """Files removed or added behind a running engine's back: index_stale / index_missing, fixed."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        os.unlink(engine.tiers[0].layout.page_path(keys[0]))
+        engine.index.remove(keys[1], 1)  # the index forgot a copy that is on disk
+        problems = engine.check()
+        assert {(p.kind, p.tier) for p in problems} == {("index_stale", tier_dirs[0]), ("index_missing", tier_dirs[1])}
+        assert all(p.fixed for p in engine.check(fix=True))
+        assert engine.index.holders(keys[0]) == 0b10 and engine.index.holders(keys[1]) == 0b11
+        assert engine.check() == []
+        assert pages.checked_get(engine, keys) == [True] * 4
+
+
+def test_library_check_beside_a_running_engine_keeps_its_writes(tier_dirs):
+    """check_tiers(fix=True) in the process of a running engine never takes its temporary files."""
+    import threading
+    import time
+
+    from kvstream_hicache.io import OP_WRITE, Fault
+
+    from reliability_helpers import TierFaults
+
+    plan = TierFaults()
+    pages = PageSet()
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        result: list = []
+        writer = threading.Thread(target=lambda: result.append(pages.put(engine, pages.keys(2))))
+        writer.start()
+        deadline = time.monotonic() + 60
+        while not plan.hits:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert check_tiers(engine.config, fix=True) == []
+        plan.clear()
+        plan.release()
+        writer.join(60)
+        assert result == [[True, True]]
+        assert [engine.index.holders(k) for k in pages.keys(2)] == [0b11] * 2
+        assert engine.check() == []

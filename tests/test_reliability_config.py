@@ -1,0 +1,171 @@
+"""Bad configuration is refused at start-up with one clear message that names the setting (as the
+user wrote it: the extra-config key or the KVSTREAM_* variable), the offending value or path, and
+the fix. Directories that cannot be used are made for real: missing, a file in the way, under a
+read-only mount (root ignores permission bits), on a file system without O_DIRECT (ramfs; tmpfs
+supports O_DIRECT since Linux 6.6, so the tmpfs case asserts whichever this kernel does, and an
+injected EINVAL shows the check on any file system).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+
+import pytest
+
+from kvstream_hicache import Config, ConfigError, Engine, TierError
+
+from reliability_helpers import NS, kvstream_cli, loop_devices_usable, loop_fs  # noqa: F401  (fixture)
+
+
+def _start(explicit=None, environ=None) -> Exception:
+    """Start an engine that must refuse; returns the error."""
+    with pytest.raises(ConfigError) as info:
+        Engine(Config.from_sources(explicit, environ=environ or {}), NS).close()
+    return info.value
+
+
+def _has_all(message: str, *parts: str) -> None:
+    for part in parts:
+        assert part in message, f"{part!r} missing from: {message}"
+
+
+# -- tier directories --------------------------------------------------------------------------
+@pytest.mark.parametrize("via", ["extra", "env"])
+def test_missing_directory(tier_root, via):
+    path = os.path.join(tier_root, "missing")
+    err = _start({"tiers": [path]} if via == "extra" else None, {"KVSTREAM_TIERS": path} if via == "env" else None)
+    assert isinstance(err, TierError)
+    _has_all(str(err), path, "extra config 'tiers'" if via == "extra" else "KVSTREAM_TIERS", "does not exist",
+             f"mkdir -p {path}")
+    assert not os.path.exists(path), "a missing tier is never created silently"
+
+
+def test_file_in_the_way(tier_root):
+    afile = os.path.join(tier_root, "afile")
+    open(afile, "w").close()
+    _has_all(str(_start({"tiers": [afile]})), afile, "is not a directory", "point the tier list at a directory")
+    sub = os.path.join(afile, "sub")
+    _has_all(str(_start({"tiers": [sub]})), sub, f"{afile} is a file", "correct the tier list")
+    blocked = os.path.join(tier_root, "blocked")
+    os.makedirs(blocked)
+    open(os.path.join(blocked, "kvstream"), "w").close()  # where kvstream keeps its tree
+    _has_all(str(_start({"tiers": [blocked]})), os.path.join(blocked, "kvstream"), "is in the way", "move or remove it")
+
+
+def test_directory_under_a_read_only_mount(loop_fs):
+    fs = loop_fs(16 << 20, "ro")
+    tier = os.path.join(fs.mnt, "kv")
+    os.mkdir(tier)
+    fs.remount("ro")
+    err = _start({"tiers": [tier]})
+    _has_all(str(err), tier, "not writable", "Read-only file system", "fix its permissions or mount")
+    fs.remount("rw")
+    Engine(Config.from_sources({"tiers": [tier]}, environ={}), NS).close()  # writable again: starts
+
+
+def _o_direct_supported(path: str) -> bool:
+    probe = os.path.join(path, ".odirect-probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    finally:
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+@pytest.mark.parametrize("fstype", ["ramfs", "tmpfs"])
+def test_file_system_without_o_direct(tier_root, fstype):
+    why = loop_devices_usable()  # mount needs root as well
+    if why:
+        pytest.skip(why)
+    mnt = os.path.join(tier_root, fstype)
+    os.mkdir(mnt)
+    subprocess.run(["mount", "-t", fstype, "-o", "size=16m", fstype, mnt], check=True)
+    try:
+        if _o_direct_supported(mnt):  # tmpfs on Linux >= 6.6
+            assert fstype == "tmpfs", "ramfs has no O_DIRECT"
+            Engine(Config.from_sources({"tiers": [mnt]}, environ={}), NS).close()
+        else:
+            err = _start({"tiers": [mnt]})
+            _has_all(str(err), mnt, "extra config 'tiers'", "does not support O_DIRECT", "ext4 or xfs")
+    finally:
+        subprocess.run(["umount", "-l", mnt], check=True)
+
+
+def test_o_direct_refusal_injected(tier_root, monkeypatch):
+    """The probe's EINVAL on an O_DIRECT open, injected: the same message on any file system."""
+    real_open = os.open
+
+    def open_without_direct(path, flags, *args, **kw):
+        if flags & os.O_DIRECT and str(path).startswith(tier_root):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", open_without_direct)
+    err = _start(None, {"KVSTREAM_TIERS": tier_root})
+    _has_all(str(err), tier_root, "KVSTREAM_TIERS", "does not support O_DIRECT", "put the tier on a disk file system")
+
+
+# -- settings ----------------------------------------------------------------------------------
+BAD = [
+    # (explicit, environ, parts of the message)
+    (None, {"KVSTREAM_TIERS": ""}, ["no tier directories", "KVSTREAM_TIERS=", "extra config key 'tiers'"]),
+    (None, {"KVSTREAM_TIERS": os.pathsep}, ["no tier directories", "KVSTREAM_TIERS="]),
+    ({"tiers": []}, None, ["no tier directories"]),
+    ({"tiers": "{root}", "tier": "/x"}, None, ["unknown kvstream setting", "'tier'", "valid keys: tiers"]),
+    ({"tiers": "{root}", "capacity": "lots"}, None, ["extra config 'capacity'", "'lots'", "e.g. '200G'"]),
+    ({"tiers": "{root}", "capacity": "12X"}, None, ["extra config 'capacity'", "'12X'", "e.g. '200G'"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_CAPACITY": "-5G"}, ["KVSTREAM_CAPACITY", "'-5G'"]),
+    ({"tiers": "{root}", "capacity": "150%"}, None, ["extra config 'capacity'", "'150%'", "(0, 100]"]),
+    ({"tiers": ["{root}", "{root}/b"], "capacity": ["1G", "2G", "3G"]}, None,
+     ["3 capacities for 2 tiers", "one value per tier"]),
+    ({"tiers": "{root}", "fsync": "sometimes"}, None, ["extra config 'fsync'", "'sometimes'", "never, data, full"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_POLICY": "fastest"}, ["KVSTREAM_POLICY", "'fastest'", "static-0.75"]),
+    ({"tiers": "{root}", "chunk": "1000"}, None, ["extra config 'chunk'", "multiple of 4096", "e.g. '1M'"]),
+    ({"tiers": "{root}", "file_mode": "world"}, None, ["extra config 'file_mode'", "private, shared"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_IO_ENGINE": "spdk"}, ["KVSTREAM_IO_ENGINE", "auto, uring, threads"]),
+    ({"tiers": "{root}", "read_timeout": "soon"}, None, ["extra config 'read_timeout'", "expected a number"]),
+]
+
+
+@pytest.mark.parametrize("explicit,environ,parts", BAD, ids=lambda v: None)
+def test_bad_setting_is_one_clear_message(tier_root, caplog, explicit, environ, parts):
+    caplog.set_level(logging.DEBUG, logger="kvstream")
+
+    def fill(value):
+        if isinstance(value, str):
+            return value.replace("{root}", tier_root)
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        return value
+
+    err = _start(fill(explicit), fill(environ))
+    _has_all(str(err), *[fill(p) for p in parts])
+    assert "\n" not in str(err), "one message, one line"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "nothing else is reported"
+
+
+def test_listed_twice_and_one_file_system_are_warnings_not_errors(tier_dirs, caplog):
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    config = Config.from_sources({"tiers": [tier_dirs[0], tier_dirs[0] + "/", tier_dirs[1]]}, environ={})
+    assert [t.path for t in config.tiers] == tier_dirs[:2]
+    with Engine(config, NS) as engine:
+        assert any("listed twice" in w for w in engine.warnings)
+        assert any("same file system" in w for w in engine.warnings)
+    assert len([r for r in caplog.records if "listed twice" in r.getMessage()]) == 1
+
+
+def test_cli_reports_a_bad_setting_and_exits_2(tier_root):
+    env = {**os.environ, "KVSTREAM_TIERS": os.path.join(tier_root, "missing"), "KVSTREAM_CAPACITY": "lots"}
+    proc = kvstream_cli("check", env=env)
+    assert proc.returncode == 2, proc
+    _has_all(proc.stderr, "KVSTREAM_CAPACITY", "'lots'")
+    assert "Traceback" not in proc.stderr
