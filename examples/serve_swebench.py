@@ -51,6 +51,7 @@ try:  # run from a checkout without installing the package
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from kvstream_hicache import workload as wl
+from kvstream_hicache.console import HelpFormatter
 
 try:
     import orjson
@@ -645,18 +646,9 @@ def run_one(args, url: str, requests: Sequence[wl.Request], name: str) -> tuple[
     return summarize_run(results, args.slo, wall, metrics), results
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except the empty ones (None, False, '')."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, "") or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     srv = p.add_argument_group("server")
     srv.add_argument("--model", help="model path for sglang.launch_server (not needed with --url)")
     srv.add_argument("--url", help="attach to a running server instead of starting one")

@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import workload as wl
+from .console import HelpFormatter
 from .errors import KVStreamError
 
 # Llama-3-8B's KV geometry: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token. The demo keeps
@@ -423,18 +424,9 @@ def plot(kv: Run, fb: Run | None, tiers: Tiers, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- main
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except the empty ones (None, False, '')."""
-
-    def _get_help_string(self, action):
-        if action.default in (None, False, "") or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kvstream_hicache.demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--tiers", help="two (or more) directories, fastest first, separated by ':' "
                                    "(default: throttled loop devices as root, else temporary directories)")
     p.add_argument("--small", action="store_true", help="a tiny workload and 2 layers (CI)")

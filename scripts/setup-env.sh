@@ -10,20 +10,7 @@ cd "$(dirname "$0")/.."
 VENV=${KVSTREAM_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  need=()
-  for p in liburing-dev pkg-config gcc g++ fio python3-venv python3-dev; do
-    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
-  done
-  if [ ${#need[@]} -gt 0 ]; then
-    echo "[setup] apt-get install ${need[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-  fi
-elif ! pkg-config --exists liburing 2>/dev/null; then
-  echo "[setup] liburing headers missing: run as root or install liburing-dev (Debian/Ubuntu) / liburing-devel (Fedora/RHEL)" >&2
-  exit 1
-fi
+bash scripts/system-deps.sh
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"

@@ -18,20 +18,7 @@ VENV=${KVSTREAM_LMCACHE_VENV:-.venv-lmcache}
 PY=${PYTHON:-python3}
 CONSTRAINTS=scripts/constraints-lmcache.txt
 
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  need=()
-  for p in liburing-dev pkg-config gcc python3-venv python3-dev; do
-    dpkg -s "$p" >/dev/null 2>&1 || need+=("$p")
-  done
-  if [ ${#need[@]} -gt 0 ]; then
-    echo "[setup-lmcache] apt-get install ${need[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
-  fi
-elif ! pkg-config --exists liburing 2>/dev/null; then
-  echo "[setup-lmcache] liburing headers missing: run as root or install liburing-dev (Debian/Ubuntu)" >&2
-  exit 1
-fi
+bash scripts/system-deps.sh
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip)
