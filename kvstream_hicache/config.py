@@ -350,7 +350,10 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
                 raise TierError(f"tier {path} (from {source}): {d} is in the way (a file, not the directory "
                                 "kvstream keeps its pages in): move or remove it, or choose another directory")
             if not os.path.isdir(d):
-                os.mkdir(d, dir_mode)
+                try:
+                    os.mkdir(d, dir_mode)
+                except FileExistsError:  # another process (a TP rank) starting now made it first
+                    continue
                 os.chmod(d, dir_mode)  # umask may have cleared group bits
         probe_file = os.path.join(tmp, f"probe.{os.getpid()}.{id(probe_tier)}")
         fd = os.open(probe_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)

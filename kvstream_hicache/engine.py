@@ -29,7 +29,7 @@ from .index import Index
 from .integrity import (
     VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, stale_tmp,
 )
-from .io import FaultyRing, open_ring
+from .io import FaultyRing, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .reads import ReadPath
 from .router import Policy, parse_policy
@@ -88,9 +88,12 @@ class Engine:
         self.scan = self._rebuild_index()
         rings = []
         try:
+            choice = config.io_engine
             for _ in range(2):
-                ring = ring_factory(entries=RING_ENTRIES, engine=config.io_engine)
+                ring = ring_factory(entries=RING_ENTRIES, engine=choice)
                 rings.append(FaultyRing(ring, fault_plan) if fault_plan is not None else ring)
+                if choice == "auto" and isinstance(ring, ThreadRing):
+                    choice = "threads"  # io_uring refused: the write ring follows without a second log line
         except OSError as exc:
             for ring in rings:
                 ring.close()

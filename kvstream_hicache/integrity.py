@@ -283,7 +283,14 @@ def stale_tmp(tmp_dir: str, live_tokens: frozenset[str] | set[str] = frozenset()
         return out
     for entry in entries:
         owner = parse_tmp_name(entry.name)
-        if owner is None:
+        if owner is None and entry.name.startswith("probe."):
+            # a tier probe (config.probe_tier, Tier._probe) of another process or host lives for
+            # milliseconds and may be in use right now: only an old one is a leftover
+            try:
+                stale = now - entry.stat().st_mtime > TMP_STALE_S
+            except FileNotFoundError:
+                continue
+        elif owner is None:
             stale = True
         elif owner.host == HOST:
             stale = (owner.token not in live_tokens) if owner.pid == me else not _pid_alive(owner.pid)

@@ -10,11 +10,14 @@ import json
 import os
 import shutil
 import subprocess
+import threading
+import time
 
 from kvstream_hicache import Config, Namespace, check_tiers
+from kvstream_hicache.io import OP_WRITE, Fault
 from kvstream_hicache.layout import HEADER_SIZE, tmp_name
 
-from reliability_helpers import NS, PageSet, kvstream_cli, make_engine
+from reliability_helpers import NS, PageSet, TierFaults, kvstream_cli, make_engine
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
 
@@ -122,13 +125,6 @@ def test_engine_check_reconciles_index_and_disk(tier_dirs):
 
 def test_library_check_beside_a_running_engine_keeps_its_writes(tier_dirs):
     """check_tiers(fix=True) in the process of a running engine never takes its temporary files."""
-    import threading
-    import time
-
-    from kvstream_hicache.io import OP_WRITE, Fault
-
-    from reliability_helpers import TierFaults
-
     plan = TierFaults()
     pages = PageSet()
     with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
@@ -136,14 +132,31 @@ def test_library_check_beside_a_running_engine_keeps_its_writes(tier_dirs):
         result: list = []
         writer = threading.Thread(target=lambda: result.append(pages.put(engine, pages.keys(2))))
         writer.start()
-        deadline = time.monotonic() + 60
-        while not plan.hits:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
-        assert check_tiers(engine.config, fix=True) == []
-        plan.clear()
-        plan.release()
-        writer.join(60)
+        try:
+            deadline = time.monotonic() + 60
+            while not plan.hits:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            assert check_tiers(engine.config, fix=True) == []
+        finally:  # never leave the writer held: close() would wait for it
+            plan.clear()
+            plan.release()
+            writer.join(60)
         assert result == [[True, True]]
         assert [engine.index.holders(k) for k in pages.keys(2)] == [0b11] * 2
         assert engine.check() == []
+
+
+def test_start_up_cleaning_spares_probes_in_use_and_removes_old_ones(tier_dirs):
+    """A tier probe of another process (a few ms long, any host) is not a leftover while fresh; an
+    old one is."""
+    with make_engine(tier_dirs[:1]) as engine:
+        tmp = engine.tiers[0].layout.tmp
+    fresh, old = os.path.join(tmp, "probe.4242.cafe"), os.path.join(tmp, "probe.4343.beef")
+    for path in (fresh, old):
+        open(path, "wb").close()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    with make_engine(tier_dirs[:1]) as engine:
+        assert os.path.exists(fresh) and not os.path.exists(old)
+        assert engine.scan["tmp_removed"] == 1
+    os.unlink(fresh)

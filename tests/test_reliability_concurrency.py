@@ -5,9 +5,8 @@ consistent: every stress test ends with the store's own check() and check_tiers(
 * Two tensor-parallel ranks (MHA): two processes, one namespace each (the rank is in the digest),
   the same keys and the same tier directories; each reads back only its own rank's bytes.
 * Two processes of one namespace (MLA: one writer rank, one reader rank): the writer stores and
-  evicts while the reader reads; nothing read differs from what was written. Each process has its
-  own index: the reader sees the writer's new pages when its index is rebuilt (a restart); the
-  xfail test below pins that gap (docs/guarantees.md, "Several processes").
+  evicts while the reader reads; nothing read differs from what was written, and the reader finds
+  the writer's new pages (its index learns them from the disk on a miss).
 """
 from __future__ import annotations
 
@@ -15,8 +14,6 @@ import json
 import os
 import random
 import threading
-
-import pytest
 
 from kvstream_hicache import Namespace, check_tiers
 
@@ -64,8 +61,11 @@ def test_mla_writer_and_reader_processes_of_one_namespace(tier_dirs, tier_root):
         with open(out) as f:
             results[role] = json.load(f)
     assert results["writer"]["bad"] == [] and results["writer"]["problems"] == []
-    assert results["reader"]["problems"] == [] and results["reader"]["restarts"] >= 1
-    assert results["reader"]["seen"] == 32  # after the writer finished, every page (tier 1 has all)
+    # the reader's index is its own view: a replica the writer committed after the reader found
+    # the page, or a page the writer evicted since, shows as index_missing / index_stale there;
+    # harmless (check(fix=True) reconciles), and the disk itself is clean (check_tiers below)
+    assert {p["kind"] for p in results["reader"]["problems"]} <= {"index_missing", "index_stale"}
+    assert results["reader"]["seen"][-1] == 32  # after the writer finished: every page (tier 1 has all)
     pages = PageSet(salt="mla")
     with make_engine(tiers) as engine:
         assert pages.checked_get(engine, pages.keys(32)) == [True] * 32
@@ -73,14 +73,17 @@ def test_mla_writer_and_reader_processes_of_one_namespace(tier_dirs, tier_root):
     assert check_tiers(engine.config) == []
 
 
-@pytest.mark.xfail(strict=True, reason="each process has its own index: a running engine learns of pages "
-                                       "another process stored only when its index is rebuilt (restart)")
-def test_running_reader_sees_pages_another_process_stored(tier_dirs):
+def test_running_engine_finds_pages_another_process_stored(tier_dirs):
+    """Two engines of one namespace (two processes' view): pages one stores after the other's
+    start-up scan are found by the other's on-disk lookup (exists, get, and an idempotent put)."""
     pages = PageSet(salt="coherence")
     keys = pages.keys(4)
     with make_engine(tier_dirs[:2]) as reader, make_engine(tier_dirs[:2]) as writer:
         assert pages.put(writer, keys) == [True] * 4
-        assert reader.prefix_len(keys) == 4
+        assert reader.prefix_len(keys) == 4 and reader.contains(keys[0])
+        assert pages.checked_get(reader, keys) == [True] * 4
+        assert pages.put(reader, keys) == [True] * 4 and reader.stats()["pages_existing"] == 4  # no rewrite
+        assert reader.check() == [] and writer.check() == []
 
 
 def test_three_controller_threads_stay_consistent(tier_dirs):
@@ -139,3 +142,30 @@ def test_three_controller_threads_stay_consistent(tier_dirs):
         assert engine.prefix_len([k for _, k in keys]) == n
         assert engine.check() == []
     assert check_tiers(engine.config) == []
+
+
+def test_engines_starting_at_once_on_new_tiers(tier_root):
+    """All ranks of a server start together on empty tier directories: each start creates the tree
+    kvstream keeps its pages in, and no start may fail because another one created it first."""
+    rounds, n = 20, 4
+    errors: list[str] = []
+    for r in range(rounds):
+        dirs = [os.path.join(tier_root, f"r{r}", f"t{t}") for t in range(2)]
+        for d in dirs:
+            os.makedirs(d)
+        barrier = threading.Barrier(n)
+
+        def start(rank: int) -> None:
+            ns = Namespace({**NS.fields, "tp": [rank, n]})
+            barrier.wait()
+            try:
+                make_engine(dirs, namespace=ns).close()
+            except Exception as exc:  # noqa: BLE001 - collected and asserted below
+                errors.append(f"round {r} rank {rank}: {exc}")
+
+        threads = [threading.Thread(target=start, args=(rank,)) for rank in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+    assert errors == []

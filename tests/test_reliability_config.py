@@ -14,9 +14,12 @@ import subprocess
 
 import pytest
 
+import kvstream_hicache.io as kio
 from kvstream_hicache import Config, ConfigError, Engine, TierError
 
-from reliability_helpers import NS, kvstream_cli, loop_devices_usable, loop_fs  # noqa: F401  (fixture)
+from reliability_helpers import (  # noqa: F401  (loop_fs: fixture)
+    NS, PageSet, kvstream_cli, loop_devices_usable, loop_fs, make_engine,
+)
 
 
 def _start(explicit=None, environ=None) -> Exception:
@@ -169,3 +172,27 @@ def test_cli_reports_a_bad_setting_and_exits_2(tier_root):
     assert proc.returncode == 2, proc
     _has_all(proc.stderr, "KVSTREAM_CAPACITY", "'lots'")
     assert "Traceback" not in proc.stderr
+
+
+# -- io_uring refused (seccomp in containers, io_uring_disabled) -------------------------------------
+def test_io_uring_refused_falls_back_or_names_the_setting(tier_dirs, monkeypatch, caplog):
+    """What a container's seccomp profile does to io_uring_setup (EPERM), injected: 'auto' runs on the
+    thread-pool engine with a log line saying why and how to silence it; 'uring' refuses to start and
+    names KVSTREAM_IO_ENGINE and the fix."""
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    monkeypatch.setattr(kio, "Ring", Refused)
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    pages = PageSet()
+    with make_engine(tier_dirs[:2], io_engine="auto") as engine:
+        assert engine.io_engine == "ThreadRing"
+        assert pages.put(engine, pages.keys(3)) == [True] * 3
+        assert pages.checked_get(engine, pages.keys(3)) == [True] * 3
+    lines = [r.getMessage() for r in caplog.records if "io_uring unavailable" in r.getMessage()]
+    assert len(lines) == 1, lines  # one line per engine, not one per ring
+    _has_all(lines[0], "KVSTREAM_IO_ENGINE=threads", "not permitted")
+    err = _start({"tiers": tier_dirs[:1], "io_engine": "uring"})
+    _has_all(str(err), "KVSTREAM_IO_ENGINE=uring", "not permitted", "'auto' or 'threads'", "seccomp")

@@ -83,16 +83,18 @@ def test_file_and_directory_modes(tier_dirs, mode, file_bits, dir_bits, umask):
             plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
             writer = threading.Thread(target=pages.put, args=(engine, pages.keys(1, 3)))
             writer.start()
-            deadline = time.monotonic() + 60
-            while not plan.hits:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            tmp = engine.tiers[0].layout.tmp
-            in_flight = [os.path.join(tmp, f) for f in os.listdir(tmp)]
-            assert in_flight and all(stat.S_IMODE(os.stat(p).st_mode) == file_bits for p in in_flight)
-            plan.clear()
-            plan.release()
-            writer.join(60)
+            try:
+                deadline = time.monotonic() + 60
+                while not plan.hits:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+                tmp = engine.tiers[0].layout.tmp
+                in_flight = [os.path.join(tmp, f) for f in os.listdir(tmp)]
+                assert in_flight and all(stat.S_IMODE(os.stat(p).st_mode) == file_bits for p in in_flight)
+            finally:  # never leave the writer held: close() would wait for it
+                plan.clear()
+                plan.release()
+                writer.join(60)
         base = os.path.join(tier_dirs[0], "kvstream")
         dirs = [d for d, _, _ in os.walk(base)]
         files = [os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs]
