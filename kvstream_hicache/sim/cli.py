@@ -2,6 +2,7 @@
 
     kvsim --trace ../shared/traces/mooncake/conversation_trace.jsonl
     kvsim --workload swebench --order round-robin --model 70b --memory 40G --json out.json --plot out.png
+    kvsim --validate-bench RUN.json [RUN.json ...]      # the model against kvstream bench runs
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
     src.add_argument("--workload", choices=["swebench"], help="a generated workload (kvstream_hicache.workload)")
+    src.add_argument("--validate-bench", nargs="+", metavar="RUN_JSON",
+                     help="predict each policy's gap from the bandwidths measured in these `kvstream bench --json` "
+                          "runs and compare with the measured gap (uses --m, --depth, --json)")
     ap.add_argument("--limit", type=int, help="first N requests only")
     ap.add_argument("--order", default="recorded",
                     help="recorded | random (alias shuffled) | round-robin | cache-friendly (default recorded)")
@@ -251,6 +255,8 @@ def _auto_share(logs: dict, tiers, prep) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.validate_bench:
+        return _validate(args)
     try:
         results = run(args)
     except (ValueError, OSError) as e:
@@ -272,6 +278,25 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, fh, indent=1, default=_json_default)
     if args.plot:
         plot(results, args.plot)
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from . import validate
+
+    try:
+        runs = validate.validate_files(args.validate_bench, m=args.m, depth=args.depth)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"kvsim: {e}", file=sys.stderr)
+        return 2
+    print(validate.table(runs))
+    summ = validate.summary(runs)
+    for cls, by_src in summ.items():
+        print(f"{cls}: " + "; ".join(f"{src} bandwidths |diff| mean {100 * v['mean_abs']:.1f}, max {100 * v['max_abs']:.1f} "
+                                     f"gap points over {v['n']}" for src, v in by_src.items()))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"runs": runs, "summary": summ}, fh, indent=1, default=_json_default)
     return 0
 
 
