@@ -269,12 +269,51 @@ class _FakeBed:
 def test_periodic_halves_and_restores_the_throttle():
     bed = _FakeBed()
     sc = drift.make("periodic", testbed=bed, dirs=["/a", "/b"], bs=4096)
-    sc._cycle(0)  # start: nothing to restore yet
-    sc._cycle(1)
-    sc._cycle(0)
-    sc.stop()
-    assert bed.calls == [(1, 90 * MB), (1, 180 * MB), (1, 180 * MB)]
-    assert [e["read_bps"] for e in sc.events] == [90 * MB, 180 * MB, 180 * MB]
+    for on in (True, False, True):
+        sc._on = on
+        sc._switch(on)
+        sc._event(on=on)
+    sc.stop()  # it was on: stop restores the full limit
+    assert bed.calls == [(1, 90 * MB), (1, 180 * MB), (1, 90 * MB), (1, 180 * MB)]
+    assert [e["read_bps"] for e in sc.events] == [90 * MB, 180 * MB, 90 * MB, 180 * MB]
+    assert [e["on"] for e in sc.events] == [True, False, True, False]
+
+
+class _FakeProc:
+    def __init__(self):
+        self.terminated = False
+
+    def poll(self):
+        return 0 if self.terminated else None
+
+    def terminate(self):
+        self.terminated = True
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def test_emulated_write_interference_runs_a_writer_and_lowers_tier0_reads(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(fio, "spawn", lambda jobs: started.append(jobs) or _FakeProc())
+    bed = _FakeBed()
+    sc = drift.make("write-interference", testbed=bed, dirs=[str(tmp_path), str(tmp_path)], bs=4096)
+    sc._switch(True)
+    assert started[0][0].rw == "write" and started[0][0].filename.startswith(str(tmp_path))
+    proc = sc.proc
+    sc._switch(False)
+    assert proc.terminated and bed.calls == [(0, 290 * MB), (0, 580 * MB)]
+    physical = drift.make("write-interference", testbed=bed, dirs=[str(tmp_path)], bs=4096, interference="physical")
+    physical._switch(True)
+    physical._switch(False)
+    assert bed.calls == [(0, 290 * MB), (0, 580 * MB)]  # the writer only
+
+
+def test_exposure_is_the_share_of_time_with_the_drift_on():
+    events = [{"t": 1.0, "on": True}, {"t": 3.0, "on": False}, {"t": 5.0, "on": True}]
+    assert drift.exposure(events, 0.0, 4.0) == pytest.approx(0.5)
+    assert drift.exposure(events, 2.0, 6.0) == pytest.approx(0.5)
+    assert drift.exposure([], 0.0, 1.0) == 0.0
 
 
 def test_scenarios_need_what_they_drive():

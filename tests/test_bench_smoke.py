@@ -24,7 +24,9 @@ def _bench(tmp_path, dirs, policies, *extra):
 
 def test_bench_engine_policies_json_plot_series(tmp_path, tier_dirs):
     plot, series = tmp_path / "bench.png", tmp_path / "series.json"
-    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,static-0.5,tier0", "--plot", str(plot), "--series", str(series))
+    # 32 pages per batch: enough for each tier to read the >= gap.MIN_TIER_PAGES that measure it alone
+    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,static-0.5,tier0", "--plot", str(plot), "--series", str(series),
+                 "--batch", "32")
     assert doc["bound_gbps"] > 0
     assert set(doc["policies"]) == {"kvstream", "static-0.5", "tier0"}
     for name, p in doc["policies"].items():
@@ -37,6 +39,10 @@ def test_bench_engine_policies_json_plot_series(tmp_path, tier_dirs):
     assert plot.stat().st_size > 0
     tiers = json.loads(series.read_text())["tiers"]
     assert len(tiers) == 2 and len(tiers[0]["t"]) == len(tiers[0]["bps"])
+    from kvstream_hicache.sim.bandwidth import load_recorded
+
+    reads, _ = load_recorded(str(series))  # kvsim reads it as recorded tier bandwidth
+    assert len(reads) == 2
     assert not any(os.listdir(d) for d in tier_dirs[:2])  # the bench removed its pages
 
 
@@ -72,3 +78,12 @@ def test_bench_refuses_bad_input(tmp_path, tier_dirs, capsys):
 def test_testbed_status_when_none_is_up(capsys):
     assert cli.main(["testbed", "status", "--name", "kvstream-test-never-up"]) == 1
     assert "is not up" in capsys.readouterr().out
+
+
+def test_bench_drives_the_lmcache_adapter(tmp_path, tier_dirs):
+    """The LMCache (vLLM) path is one more policy, so its overhead over the bare engine is on record."""
+    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,lmcache-adapter")
+    lm = doc["policies"]["lmcache-adapter"]
+    assert lm["batches"] == 2 and lm["missing_pages"] == 0
+    assert lm["throughput_gbps"] > 0 and sum(lm["share"]) == pytest.approx(1.0)
+    assert doc["wrong_pages"] == {}

@@ -6,6 +6,9 @@
   into a real host pool, through the controller's own legacy read routine (``_generic_page_get``:
   ``batch_get`` into flat pages, then ``set_from_flat_data_page``). Buffered I/O: its page-cache
   pages are dropped before each of its read phases and their footprint is measured after.
+* :class:`LMCacheReads` - kvstream through the LMCache adapter's task machinery (``L2Core``): the
+  batch cut into 8 load tasks queued together, as LMCache's prefetch controller keeps up to 8
+  requests in flight, and pooled into routed engine batches; needs no LMCache install.
 * :class:`AdapterReads` - kvstream through the SGLang adapter (``KVStreamHiCacheStorage``) into the
   same host pool, through the controller's zero-copy routine (``_page_get_zero_copy``), so the
   adapter's overhead over the bare engine is visible.
@@ -33,6 +36,7 @@ from .geometry import Geometry
 HICACHE_FILE = "hicache-file"
 SGLANG_ADAPTER = "sglang-adapter"
 SGLANG_CONTENDERS = (HICACHE_FILE, SGLANG_ADAPTER)
+LMCACHE_ADAPTER = "lmcache-adapter"
 
 
 @dataclass
@@ -89,6 +93,27 @@ class EngineReads(Contender):
     def read(self, batch: Batch) -> Outcome:
         found = self.engine.get(list(batch.keys), self.segments[: len(batch.keys)], policy=self.policy)
         return engine_outcome(self.engine.last_batch, found, self.n_tiers)
+
+
+class LMCacheReads(EngineReads):
+    """The LMCache (vLLM) path: ``lmcache_adapter.bench_read`` on the same engine and destination, so
+    its row beside ``kvstream`` is the adapter's overhead over the bare engine."""
+
+    TASKS = 8  # LMCache's prefetch controller keeps up to 8 requests in flight
+
+    def read(self, batch: Batch) -> Outcome:
+        from ..lmcache_adapter import bench_read
+
+        run = bench_read(self.engine, list(batch.keys), self.segments[: len(batch.keys)], tasks=self.TASKS)
+        records = self.engine.stats()["history"][-run.batches:] if run.batches else []
+        per_tier = [[r["tiers"][k] for r in records] for k in range(self.n_tiers)]
+        return Outcome(
+            found=list(run.found),
+            tier_bytes=tuple(sum(int(t.get("bytes", 0)) for t in ts) for ts in per_tier),
+            tier_busy=tuple(sum(t.get("busy_s") or 0.0 for t in ts) for ts in per_tier),
+            tier_served=tuple(sum(int(t.get("bytes_served", 0)) for t in ts) for ts in per_tier),
+            extra={"engine_batches": run.batches, "tasks": run.tasks},
+        )
 
 
 # ------------------------------------------------------------------------------------------ sglang

@@ -159,6 +159,9 @@ def summarize(records: Sequence[BatchRecord], n_tiers: int) -> dict:
         "cpu_s_per_batch": percentile([r.extra["cpu_s"] for r in records if "cpu_s" in r.extra], 50)
         if any("cpu_s" in r.extra for r in records) else None,
         **_windows(records),
+        "drift_on_frac": (sum(r.extra["drift_on"] * r.t_ret for r in records if "drift_on" in r.extra)
+                          / sum(r.t_ret for r in records if "drift_on" in r.extra))
+        if any("drift_on" in r.extra for r in records) else None,
         "bound_gbps": (sum(r.nbytes for r in bounded) / sum(r.bound_s for r in bounded) / 1e9) if bounded else None,
     }
 

@@ -91,16 +91,25 @@ def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
         log(f"WRONG DATA: {doc['wrong_pages']}")
 
 
-def kvsim_series(doc: dict) -> dict:
-    """Per-tier bandwidth over time, as measured by the run's batches (``t`` in s, ``bps`` in bytes/s)."""
+def kvsim_series(doc: dict, *, relative: bool = True) -> dict:
+    """Per-tier read bandwidth over time as measured by the run's batches, in kvsim's recorded format
+    (``kvstream_hicache/sim/bandwidth.py``): ``{"tiers": [{"name", "t": [s], "bps": [bytes/s]}]}``.
+
+    One sample per batch that measured the tier itself, at the batch's midpoint; ``relative``: ``t``
+    starts at 0 (kvsim holds each value until the next sample and repeats the record).
+    """
     n = len(doc["tiers"])
-    tiers = []
+    series = []
     for k in range(n):
         pts = sorted((b["t0"] + b["t_ret"] / 2, b["tier_bps"][k]) for b in doc["batches"]
                      if len(b.get("tier_bps_source", ())) > k and b["tier_bps_source"][k] == "batch")
-        tiers.append({"t": [round(t, 4) for t, _ in pts], "bps": [round(v, 1) for _, v in pts]})
+        series.append(pts)
+    origin = min((pts[0][0] for pts in series if pts), default=0.0) if relative else 0.0
+    tiers = [{"name": f"tier{k}", "t": [round(t - origin, 4) for t, _ in pts], "bps": [round(v, 1) for _, v in pts]}
+             for k, pts in enumerate(series)]
     meta = {"scenario": doc["scenario"], "testbed": (doc.get("testbed") or {}).get("profile"),
-            "source": "kvstream bench: per-batch tier bytes / busy time"}
+            "source": "kvstream bench: per batch, tier bytes / tier span (bench/instrument.py)",
+            "t_origin_s": round(origin, 4)}
     return {"tiers": tiers, "meta": meta}
 
 
@@ -120,7 +129,7 @@ def plot(doc: dict, path: str) -> None:
     t_lo = min((b["t0"] for b in batches), default=0.0) - 0.5
     t_hi = max((b["t0"] + b["t_ret"] for b in batches), default=1.0) + 0.5
     ax = axes[0]
-    series = kvsim_series(doc)["tiers"]
+    series = kvsim_series(doc, relative=False)["tiers"]
     for k, s in enumerate(series):
         ax.plot(s["t"], [b / 1e6 for b in s["bps"]], ".-", ms=3, lw=0.8, color=f"C{k}",
                 label=f"tier{k} measured per batch")
@@ -164,6 +173,18 @@ def plot(doc: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+    shrink_png(path)
+
+
+def shrink_png(path: str, colors: int = 64) -> None:
+    """Re-save a PNG with an adaptive palette (a third of the size, no visible change); no-op without Pillow."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return
+    with Image.open(path) as im:
+        small = im.convert("RGB").quantize(colors=colors)
+    small.save(path, optimize=True)
 
 
 def _drift_marks(ax, doc: dict, t_lo: float, t_hi: float) -> None:
@@ -176,7 +197,7 @@ def _drift_marks(ax, doc: dict, t_lo: float, t_hi: float) -> None:
         k = e.get("tier", 0)
         if "read_bps" in e:
             steps.setdefault(k, []).append((e["t"], e["read_bps"] / 1e6))
-        elif e.get("tenant") == "on":
+        if e.get("tenant") == "on":
             on[k] = e["t"]
         elif e.get("tenant") == "off" and k in on:
             ax.axvspan(on.pop(k), e["t"], color=f"C{k}", alpha=0.12, lw=0)

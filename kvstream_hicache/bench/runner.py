@@ -30,8 +30,8 @@ from contextlib import ExitStack
 from dataclasses import asdict
 
 from . import drift, gap, geometry, report
-from .contenders import SGLANG_ADAPTER, HICACHE_FILE, SGLANG_CONTENDERS, AdapterReads, EngineReads, \
-    HiCacheFileReads, SglangHost
+from .contenders import SGLANG_ADAPTER, HICACHE_FILE, LMCACHE_ADAPTER, SGLANG_CONTENDERS, AdapterReads, \
+    EngineReads, HiCacheFileReads, LMCacheReads, SglangHost
 from .instrument import SpanRecorder, instrumented_engines, ring_factory
 from .dataset import Dataset, check, page_segments, page_views, poison
 
@@ -66,12 +66,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"distinct batches written (default min(batches, {DEFAULT_DATA_BATCHES}))")
     g.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("policies and scenario")
-    r.add_argument("--policies", default=DEFAULT_POLICIES, help="comma list (default %(default)s)")
+    r.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help="comma list (default %(default)s); also lmcache-adapter (the LMCache/vLLM path)")
     r.add_argument("--scenario", default="quiet", choices=drift.SCENARIOS)
     r.add_argument("--drift-period", type=float, default=drift.DRIFT_PERIOD_S, help="seconds per drift phase")
     r.add_argument("--drift-tier", type=int, default=None, help="tier the drift hits (default: periodic/competing 1, "
                                                                   "write-interference 0)")
-    r.add_argument("--drift-factor", type=float, default=drift.DRIFT_FACTOR, help="periodic: throttle multiplier")
+    r.add_argument("--drift-factor", type=float, default=drift.DRIFT_FACTOR,
+                   help="periodic / emulated interference: read-limit multiplier while on (default %(default)s)")
+    r.add_argument("--interference", default="emulated", choices=("emulated", "physical"),
+                   help="write-interference on the testbed: also lower tier 0's read limit while writing "
+                        "(emulated, default) or only run the writer (physical)")
     r.add_argument("--write-baseline", default="auto",
                    help="time single-tier writes: auto (testbed: slowest tier; dirs: every tier), all, none, or k")
     r.add_argument("--drop-caches", default="fadvise", choices=("fadvise", "global", "none"),
@@ -121,8 +126,11 @@ def run(args: argparse.Namespace, log=print) -> dict:
         _check_space(dirs, ds, specs, log)
         try:
             scenario = drift.make(args.scenario, testbed=bed, dirs=dirs, bs=geom.page_bytes, tier=args.drift_tier,
-                                  factor=args.drift_factor, period=args.drift_period)
-            policies = {spec: parse_policy(spec) for spec in specs if spec not in SGLANG_CONTENDERS}
+                                  factor=args.drift_factor, period=args.drift_period, seed=args.seed,
+                                  interference=args.interference)
+            # lmcache-adapter reads with the engine's configured (kvstream) policy, through the adapter
+            policies = {spec: parse_policy(spec) for spec in specs
+                        if spec not in SGLANG_CONTENDERS and spec != LMCACHE_ADAPTER}
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         n_tiers = len(dirs)
@@ -168,6 +176,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
                 with instrumented_engines(recorder):
                     c = _sglang_contender(spec, host, dirs, ds, geom, args, engine_extra, writes, log)
                 stack.callback(c.close)
+            elif spec == LMCACHE_ADAPTER:
+                c = LMCacheReads(spec, engine, None, dest, dest_views, geom, args.batch)
             else:
                 c = EngineReads(spec, engine, policies[spec], dest, dest_views, geom, args.batch)
             contenders.append(c)
@@ -345,6 +355,8 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
     finally:
         scenario.stop()
         progress.close()
+    for r in records:  # share of each batch spent with the drift on: the same for every policy, on average
+        r.extra["drift_on"] = round(drift.exposure(scenario.events, r.t0, r.t0 + r.t_ret), 3)
     if wrong:
         log("WRONG DATA read back: " + ", ".join(f"{k}: {v} page(s)" for k, v in wrong.items()))
     return records, wrong

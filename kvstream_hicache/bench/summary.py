@@ -13,6 +13,8 @@ import statistics
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+from .report import shrink_png
+
 SCENARIO_ORDER = ("quiet", "periodic", "competing", "write-interference")
 
 
@@ -68,6 +70,7 @@ def medians(runs: Sequence[dict]) -> dict[str, dict]:
             "page_cache_bytes": _median([p.get("page_cache_bytes") for p in ps]),
             "fraction_of_fio": _median([p.get("fraction_of_fio") for p in ps]),
             "startup_s": _median([p.get("startup_s") for p in ps]),
+            "drift_on_frac": _median([p.get("drift_on_frac") for p in ps]),
             "tail_s": _median([p.get("tail_s") for p in ps]),
             "cpu_s_per_batch": _median([p.get("cpu_s_per_batch") for p in ps]),
             "engine_busy_frac": [_median([(p.get("engine_busy_frac") or [None] * n_tiers)[k] for p in ps])
@@ -90,8 +93,8 @@ def markdown(docs: Sequence[dict]) -> str:
         lines.append(f"#### {profile}, {scenario} ({len(runs)} run{'s' if len(runs) > 1 else ''}, medians)")
         lines.append("")
         lines.append("| policy | GB/s | of fio | x tier0 | x hicache-file | p50 s | p90 s | max s | share t0/t1 | "
-                     "tier MB/s | gap (min..max) |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+                     "tier MB/s | drift on | gap (min..max) |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
         for name, m in med.items():
             share = "/".join(_f(s, ".2f") for s in m["share"])
             rates = "/".join(_f(r, ".0f") for r in m["tier_rates_mbps"])
@@ -103,7 +106,8 @@ def markdown(docs: Sequence[dict]) -> str:
             fio = "-" if m["fraction_of_fio"] is None else f"{m['fraction_of_fio']:.1%}"
             lines.append(f"| {name}{extra} | {_f(m['throughput_gbps'], '.3f')} | {fio} | {_f(m['speedup_vs_tier0'], '.2f')} | "
                          f"{_f(m['speedup_vs_hicache-file'], '.2f')} | {_f(m['p50_s'], '.2f')} | "
-                         f"{_f(m['p90_s'], '.2f')} | {_f(m['max_s'], '.2f')} | {share} | {rates} | {gap} |")
+                         f"{_f(m['p90_s'], '.2f')} | {_f(m['max_s'], '.2f')} | {share} | {rates} | "
+                         f"{'-' if scenario == 'quiet' else _f(m['drift_on_frac'], '.0%')} | {gap} |")
         lines.append("")
         for name in ("kvstream", "sglang-adapter"):
             m = med.get(name)
@@ -112,7 +116,10 @@ def markdown(docs: Sequence[dict]) -> str:
                 lines.append(f"{name} diagnostics: engine busy time t0/t1 {busy} of the batch; call to first read "
                              f"{_f(m['startup_s'], '.3f')} s; first tier done to batch done {_f(m['tail_s'], '.3f')} s; "
                              f"CPU {_f(m['cpu_s_per_batch'], '.2f')} s per batch.")
-        lines.append(f"Bound (median over runs): {_f(bound, '.3f')} GB/s.")
+        allows = _median([r["bound_gbps"] / r["policies"]["tier0"]["throughput_gbps"] for r in runs
+                          if r.get("bound_gbps") and (r["policies"].get("tier0") or {}).get("throughput_gbps")])
+        lines.append(f"Bound (median over runs): {_f(bound, '.3f')} GB/s"
+                     + (f", {allows:.2f}x tier0's throughput." if allows else "."))
         w = [r["write"].get("ratio_to_slowest_alone") for r in runs]
         if any(x is not None for x in w):
             lines.append(f"Replicated write / slowest tier alone: median {_median(w):.3f}x "
@@ -164,6 +171,7 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
         path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-gap.png")
         fig.savefig(path, dpi=80)
         plt.close(fig)
+        shrink_png(path)
         written.append(path)
 
         fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -183,6 +191,7 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
         path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-vshape.png")
         fig.savefig(path, dpi=80)
         plt.close(fig)
+        shrink_png(path)
         written.append(path)
     return written
 
