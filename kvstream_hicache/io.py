@@ -298,6 +298,43 @@ class FaultPlan:
             self.released.notify_all()
 
 
+
+class TierFaultPlan(FaultPlan):
+    """Faults by tier directory: ``on(dir, fault, opcode=, times=)``. An op's tier is found from the
+    path of its file descriptor, so one plan serves every ring of an engine (reads and writes)."""
+
+    def __init__(self):
+        super().__init__()
+        self._tier_rules: list[list] = []
+        self._mutex = threading.Lock()
+
+    def on(self, tier_dir: str, fault: Fault, opcode: int | None = None,
+           times: int | None = None) -> "TierFaultPlan":
+        with self._mutex:
+            self._tier_rules.append([os.path.realpath(tier_dir) + os.sep, fault, opcode, times])
+        return self
+
+    def clear(self) -> None:
+        with self._mutex:
+            self._tier_rules.clear()
+
+    def decide(self, opcode, fd, offset, length):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+        with self._mutex:
+            for rule in self._tier_rules:
+                prefix, fault, r_op, times = rule
+                if times is not None and times <= 0:
+                    continue
+                if path.startswith(prefix) and (r_op is None or r_op == opcode):
+                    if times is not None:
+                        rule[3] = times - 1
+                    self.hits.append((fault, opcode, fd, offset, length))
+                    return fault
+        return None
+
 _POLL_S = 0.005  # FaultyRing wait slice when held/delayed completions and real I/O are both pending, s
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
-from kvstream_hicache.io import AlignedBuffer, FaultPlan
+from kvstream_hicache.io import AlignedBuffer, FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
 from kvstream_hicache.layout import round_up
 
 NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "bf16", "page": 16,
@@ -139,42 +139,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-class TierFaults(FaultPlan):
-    """Faults by tier directory: ``on(dir, fault, opcode=, times=)``; an op's tier is found from
-    the path of its file descriptor."""
-
-    def __init__(self):
-        super().__init__()
-        self._tier_rules: list[list] = []
-        self._mutex = threading.Lock()
-
-    def on(self, tier_dir: str, fault, opcode: int | None = None, times: int | None = None) -> "TierFaults":
-        with self._mutex:
-            self._tier_rules.append([os.path.realpath(tier_dir) + os.sep, fault, opcode, times])
-        return self
-
-    def clear(self) -> None:
-        with self._mutex:
-            self._tier_rules.clear()
-
-    def decide(self, opcode, fd, offset, length):
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            return None
-        with self._mutex:
-            for rule in self._tier_rules:
-                prefix, fault, r_op, times = rule
-                if times is not None and times <= 0:
-                    continue
-                if path.startswith(prefix) and (r_op is None or r_op == opcode):
-                    if times is not None:
-                        rule[3] = times - 1
-                    self.hits.append((fault, opcode, fd, offset, length))
-                    return fault
-        return None
 
 
 def messages(caplog, *needles: str, level: int | None = None) -> list[str]:

@@ -14,56 +14,14 @@ import threading
 import numpy as np
 import pytest
 
-from kvstream_hicache.io import OP_READ, OP_WRITE, Fault, FaultPlan
+from kvstream_hicache.io import OP_READ, OP_WRITE, Fault, FaultPlan, TierFaultPlan
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
+from reliability_helpers import FakeClock
 
 SENTINEL = 0xAB
-
-
-class TierPlan(FaultPlan):
-    """Faults by tier directory: ``on(dir, fault, opcode=, times=)``."""
-
-    def __init__(self):
-        super().__init__()
-        self._tier_rules: list[list] = []
-        self._mutex = threading.Lock()
-
-    def on(self, tier_dir: str, fault: Fault, opcode: int | None = None, times: int | None = None) -> "TierPlan":
-        with self._mutex:
-            self._tier_rules.append([os.path.realpath(tier_dir) + os.sep, fault, opcode, times])
-        return self
-
-    def clear(self) -> None:
-        with self._mutex:
-            self._tier_rules.clear()
-
-    def decide(self, opcode, fd, offset, length):
-        try:
-            path = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            return None
-        with self._mutex:
-            for rule in self._tier_rules:
-                prefix, fault, r_op, times = rule
-                if times is not None and times <= 0:
-                    continue
-                if path.startswith(prefix) and (r_op is None or r_op == opcode):
-                    if times is not None:
-                        rule[3] = times - 1
-                    self.hits.append((fault, opcode, fd, offset, length))
-                    return fault
-        return None
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def stored(tier_dirs, n=8, io_engine="uring", plan=None, aligned=True, **settings):
@@ -76,7 +34,7 @@ def stored(tier_dirs, n=8, io_engine="uring", plan=None, aligned=True, **setting
 
 # -- the stalled tier and buffer ownership --------------------------------------------------------
 def test_stalled_tier_does_not_hold_the_batch_and_never_writes_after_return(tier_dirs, io_engine):
-    plan = TierPlan()
+    plan = TierFaultPlan()
     engine, pages, keys = stored(tier_dirs[:2], 8, io_engine, plan)
     with engine:
         plan.on(tier_dirs[1], Fault.hold(), opcode=OP_READ)  # tier 1 stops completing reads
@@ -101,7 +59,7 @@ def test_stalled_tier_does_not_hold_the_batch_and_never_writes_after_return(tier
 
 
 def test_read_timeout_returns_misses_and_keeps_buffers_safe(tier_dirs):
-    plan = TierPlan()
+    plan = TierFaultPlan()
     engine, pages, keys = stored(tier_dirs[:2], 4, plan=plan, read_timeout=0.2)
     with engine:
         plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ).on(tier_dirs[1], Fault.hold(), opcode=OP_READ)
@@ -153,7 +111,7 @@ def test_damaged_on_every_tier_is_a_miss_never_wrong_bytes(tier_dirs):
 
 
 def test_transfer_corruption_is_retried_and_the_intact_file_kept(tier_dirs, io_engine):
-    plan = TierPlan()
+    plan = TierFaultPlan()
     engine, pages, keys = stored(tier_dirs[:2], 2, io_engine, plan)
     with engine:
         plan.on(tier_dirs[0], Fault.corrupt(), opcode=OP_READ, times=1)
@@ -176,7 +134,7 @@ def test_truncated_file_is_not_served(tier_dirs):
 
 # -- tier failure and recovery ----------------------------------------------------------------
 def test_read_errors_fail_the_tier_until_a_probe_succeeds(tier_dirs, io_engine, caplog):
-    plan = TierPlan()
+    plan = TierFaultPlan()
     clock = FakeClock()
     engine, pages, keys = stored(tier_dirs[:2], 6, io_engine, plan, clock=clock)
     with engine:
@@ -201,7 +159,7 @@ def test_read_errors_fail_the_tier_until_a_probe_succeeds(tier_dirs, io_engine, 
 
 
 def test_write_errors_count_the_missing_replica(tier_dirs, io_engine):
-    plan = TierPlan()
+    plan = TierFaultPlan()
     engine = make_engine(tier_dirs[:2], io_engine, fault_plan=plan)
     with engine:
         pages = Pages(3)
@@ -241,7 +199,7 @@ def test_tier_directory_removed_then_recreated(tier_dirs, io_engine):
 
 # -- full disk -----------------------------------------------------------------------------------
 def test_enospc_evicts_lru_and_retries(tier_dirs, io_engine):
-    plan = TierPlan()
+    plan = TierFaultPlan()
     engine, pages, keys = stored(tier_dirs[:2], 4, io_engine, plan)
     with engine:
         plan.on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=OP_WRITE, times=1)
@@ -256,7 +214,7 @@ def test_enospc_evicts_lru_and_retries(tier_dirs, io_engine):
 
 
 def test_enospc_with_nothing_to_free_fails_that_tier_only(tier_dirs, io_engine):
-    plan = TierPlan().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=OP_WRITE)
+    plan = TierFaultPlan().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=OP_WRITE)
     engine = make_engine(tier_dirs[:2], io_engine, fault_plan=plan)
     with engine:
         pages = Pages(2)

@@ -22,7 +22,8 @@ from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.io import OP_READ, OP_WRITE, Fault
 
 from test_engine import uring_available
-from test_engine_faults import FakeClock, TierPlan
+from kvstream_hicache.io import TierFaultPlan as TierPlan
+from reliability_helpers import FakeClock
 
 NS = Namespace({"model": "hypothesis"})
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(10)]

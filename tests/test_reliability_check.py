@@ -17,7 +17,7 @@ from kvstream_hicache import Config, Namespace, check_tiers
 from kvstream_hicache.io import OP_WRITE, Fault
 from kvstream_hicache.layout import HEADER_SIZE, tmp_name
 
-from reliability_helpers import NS, PageSet, TierFaults, kvstream_cli, make_engine
+from reliability_helpers import NS, PageSet, TierFaultPlan, kvstream_cli, make_engine
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
 
@@ -125,7 +125,7 @@ def test_engine_check_reconciles_index_and_disk(tier_dirs):
 
 def test_library_check_beside_a_running_engine_keeps_its_writes(tier_dirs):
     """check_tiers(fix=True) in the process of a running engine never takes its temporary files."""
-    plan = TierFaults()
+    plan = TierFaultPlan()
     pages = PageSet()
     with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
         plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)

@@ -18,7 +18,7 @@ from kvstream_hicache.io import OP_READ, Fault
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import PageSet, TierFaults, loop_fs, make_engine, page_files, tmp_files  # noqa: F401
+from reliability_helpers import PageSet, TierFaultPlan, loop_fs, make_engine, page_files, tmp_files  # noqa: F401
 
 MIB = 1 << 20
 FS_BYTES = 64 * MIB
@@ -103,7 +103,7 @@ def test_every_page_pinned_by_reads_fails_the_write_for_that_tier_only(tier_root
         settings = {}
     else:
         settings = {"capacity": [6 * page_file, ""]}
-    plan = TierFaults()
+    plan = TierFaultPlan()
     stored = pages.keys(6)
     with make_engine([fs.mnt, other], fault_plan=plan, read_timeout=0, **settings) as engine:
         assert pages.put(engine, stored) == [True] * 6
@@ -143,7 +143,7 @@ def test_every_page_pinned_by_reads_fails_the_write_for_that_tier_only(tier_root
 def test_enospc_on_a_tier_never_marks_it_failed(tier_dirs):
     """ENOSPC injected on every write of tier 0 (a quota, a thin pool): tier 0 is full, not failed;
     the pages are stored on tier 1 and tier 0 is used again as soon as writes succeed."""
-    plan = TierFaults().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=None)
+    plan = TierFaultPlan().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=None)
     pages = PageSet()
     with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
         assert pages.put(engine, pages.keys(4)) == [True] * 4

@@ -26,7 +26,7 @@ from kvstream_hicache.integrity import HeaderError, read_header
 from kvstream_hicache.io import OP_READ, OP_WRITE, Fault
 from kvstream_hicache.layout import HEADER_SIZE
 
-from reliability_helpers import NS, FakeClock, TierFaults, content, get_items, key, make_engine, put_items
+from reliability_helpers import NS, FakeClock, TierFaultPlan, content, get_items, key, make_engine, put_items
 
 SCRATCH = os.environ.get("KVSTREAM_TEST_DIR", "/var/tmp")
 N_TIERS = 3
@@ -67,7 +67,7 @@ class StoreModel(RuleBasedStateMachine):
         for d in self.dirs:
             os.makedirs(d)
         self.clock = FakeClock()
-        self.plan = TierFaults()
+        self.plan = TierFaultPlan()
         self.model: dict[str, bytes] = {}  # acknowledged pages
         self.copies: dict[str, set[int]] = {k: set() for k in KEYS}  # tiers holding a valid copy
         self.away: set[int] = set()  # tiers whose directory is moved away

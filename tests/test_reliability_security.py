@@ -17,7 +17,7 @@ from kvstream_hicache.integrity import PageHeader, pack_header
 from kvstream_hicache.io import OP_WRITE, AlignedBuffer, Fault
 from kvstream_hicache.layout import HEADER_SIZE, KEY_MAX
 
-from reliability_helpers import NS, PageSet, TierFaults, content, key, make_engine
+from reliability_helpers import NS, PageSet, TierFaultPlan, content, key, make_engine
 
 HOSTILE = ["../x", "../../etc/passwd", "/abs", "/etc/passwd", "a/b", "a\x00b", "\x00", "x" * (KEY_MAX + 1),
            "", ".", "..", "a.b", "a b", "ké", "a\nb", "~", "$HOME", "*", None, 123, b"ab"]
@@ -27,11 +27,16 @@ def _tree(root: str) -> set[str]:
     return {os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files}
 
 
-def test_hostile_keys_are_refused_everywhere(tier_dirs, tier_root):
+def test_hostile_keys_are_refused_everywhere(tier_root):
     pages = PageSet()
     good = pages.keys(2) + ["A" * KEY_MAX, "sglang_page-0"]
-    before = _tree(os.path.dirname(tier_root))
-    with make_engine(tier_dirs[:2]) as engine:
+    # Tiers two levels below the walked root, so a key escaping up to two levels ("../../x") would
+    # still land where the walk sees it; walking only our own root keeps other processes out of it.
+    tiers = [os.path.join(tier_root, "n", f"tier{i}") for i in range(2)]
+    for d in tiers:
+        os.makedirs(d)
+    before = _tree(tier_root)
+    with make_engine(tiers) as engine:
         batch = good[:1] + HOSTILE + good[1:]
         assert pages.put(engine, [str(k) if isinstance(k, bytes) else k for k in batch]) == \
             [True] + [False] * len(HOSTILE) + [True] * 3
@@ -41,7 +46,7 @@ def test_hostile_keys_are_refused_everywhere(tier_dirs, tier_root):
         assert not any(engine.contains(k) for k in HOSTILE)
         assert engine.prefix_len(good[:1] + HOSTILE[:1] + good[1:]) == 1
         assert engine.check() == []
-    created = _tree(os.path.dirname(tier_root)) - before
+    created = _tree(tier_root) - before
     digest_dir = os.path.join("kvstream", NS.digest)
     for path in created:  # only page files of the valid keys, each inside its tier's page tree
         rel = path.split(os.sep, 2)
@@ -74,7 +79,7 @@ def test_a_header_naming_a_hostile_key_is_removed_at_start(tier_dirs):
 @pytest.mark.parametrize("umask", [0o000, 0o077])
 def test_file_and_directory_modes(tier_dirs, mode, file_bits, dir_bits, umask):
     old = os.umask(umask)
-    plan = TierFaults()
+    plan = TierFaultPlan()
     try:
         pages = PageSet()
         with make_engine(tier_dirs[:1], file_mode=mode, fault_plan=plan) as engine:
