@@ -324,3 +324,17 @@ def test_scenarios_need_what_they_drive():
     assert drift.make("competing", testbed=None, dirs=["/a", "/b"], bs=4096).tier == 1
     assert drift.make("write-interference", testbed=None, dirs=["/a", "/b"], bs=4096).tier == 0
     assert drift.make("quiet", testbed=None, dirs=["/a"], bs=4096).name == "quiet"
+
+
+def test_write_baseline_tiers():
+    from types import SimpleNamespace
+
+    from kvstream_hicache.bench.runner import UsageError, _baseline_tiers
+
+    bed1 = SimpleNamespace(profile=testbed.PROFILES["testbed1-1:20"])
+    assert _baseline_tiers("auto", bed1, 2) == [0]  # testbed1's tier 0 writes slowest (230 MB/s)
+    assert _baseline_tiers("auto", None, 3) == [0, 1, 2]
+    assert _baseline_tiers("none", bed1, 2) == [] and _baseline_tiers("1", None, 2) == [1]
+    for bad in ("2", "fast"):
+        with pytest.raises(UsageError):
+            _baseline_tiers(bad, None, 2)

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
             os.makedirs(d)
         if not args.keep_data:
             stack.callback(lambda: [shutil.rmtree(d, ignore_errors=True) for d in dirs])
-        _check_space(dirs, ds, specs, log)
+        _check_space(dirs, ds, specs, _baseline_tiers(args.write_baseline, bed, len(dirs)))
         try:
             scenario = drift.make(args.scenario, testbed=bed, dirs=dirs, bs=geom.page_bytes, tier=args.drift_tier,
                                   factor=args.drift_factor, period=args.drift_period, seed=args.seed,
@@ -229,15 +229,14 @@ def _tiers(args, geom, stack: ExitStack, log):
     return bed, bed.dirs
 
 
-def _check_space(dirs, ds: Dataset, specs, log) -> None:
-    copies = [1] * len(dirs)
-    copies[-1] += 1  # write baseline, temporarily
-    if HICACHE_FILE in specs:
-        copies[0] += 1
-    if SGLANG_ADAPTER in specs:
-        copies = [c + 1 for c in copies]
-    for d, c in zip(dirs, copies):
-        need, free = c * ds.total_bytes, shutil.disk_usage(d).free
+def _check_space(dirs, ds: Dataset, specs, baseline: list[int]) -> None:
+    """Refuse early when a tier cannot hold what the run writes there at its peak: the engine's copy
+    plus the larger of the single-tier write baseline (removed before the peers write) and the peers'
+    own copies (hicache-file on tier 0, the SGLang adapter on every tier)."""
+    for k, d in enumerate(dirs):
+        peers = (HICACHE_FILE in specs and k == 0) + (SGLANG_ADAPTER in specs)
+        copies = 1 + max(int(k in baseline), peers)
+        need, free = copies * ds.total_bytes, shutil.disk_usage(d).free
         if need > free:
             raise UsageError(f"{d}: the run needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free: "
                              "lower --dataset-batches or use larger tiers (--testbed-size)")
@@ -270,22 +269,30 @@ def _write_phase(engine, ds: Dataset, src, log) -> dict:
             "per_tier_gbps": d / total / 1e9 if total else None}
 
 
+def _baseline_tiers(spec: str, bed, n_tiers: int) -> list[int]:
+    """Tiers whose single-tier write time is measured (``--write-baseline``)."""
+    if spec == "none":
+        return []
+    if spec == "auto":
+        return [bed.profile.slowest_write_tier] if bed else list(range(n_tiers))
+    if spec == "all":
+        return list(range(n_tiers))
+    try:
+        k = int(spec)
+    except ValueError:
+        raise UsageError(f"--write-baseline {spec!r}: use auto, all, none or a tier number") from None
+    if not 0 <= k < n_tiers:
+        raise UsageError(f"--write-baseline {k}: there are {n_tiers} tiers")
+    return [k]
+
+
 def _write_baselines(args, bed, dirs, namespace, engine_extra, ds: Dataset, src, log) -> dict[str, float]:
     """Seconds to write the data set to each baseline tier alone (a one-tier engine, same pages)."""
     from ..config import Config
     from ..engine import Engine
 
-    spec = args.write_baseline
-    if spec == "none":
-        return {}
-    if spec == "auto":
-        tiers = [bed.profile.slowest_write_tier] if bed else list(range(len(dirs)))
-    elif spec == "all":
-        tiers = list(range(len(dirs)))
-    else:
-        tiers = [int(spec)]
     out = {}
-    for k in tiers:
+    for k in _baseline_tiers(args.write_baseline, bed, len(dirs)):
         d = os.path.join(dirs[k], "write-baseline")
         os.makedirs(d, exist_ok=True)
         eng = Engine(Config.from_sources({"tiers": [d], **engine_extra}), namespace)

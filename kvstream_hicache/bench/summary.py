@@ -180,12 +180,14 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
             if len(pts) < 2:
                 continue
             ax.plot([g for g, _ in pts], [v * 100 for _, v in pts], "o-", color=f"C{j}", label=f"static-g, {s}")
-            kv = (scen[s].get("kvstream") or {}).get("gap")
-            if kv is not None:
-                ax.axhline(kv * 100, color=f"C{j}", ls="--", lw=0.8)
+            kv = scen[s].get("kvstream") or {}
+            if kv.get("gap") is not None:
+                ax.axhline(kv["gap"] * 100, color=f"C{j}", ls="--", lw=0.8)
+            if kv.get("share"):  # where kvstream's completion order put the split: the live share
+                ax.axvline(kv["share"][0], color=f"C{j}", ls=":", lw=0.8)
         ax.set_xlabel("static share g of tier 0")
         ax.set_ylabel("gap to bound (%)")
-        ax.set_title(f"{profile}: static split vs kvstream (dashed)", fontsize=9)
+        ax.set_title(f"{profile}: static split g vs kvstream (dashed: its gap; dotted: its share)", fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-vshape.png")
