@@ -141,6 +141,14 @@ class FakeClock:
         self.now += seconds
 
 
+def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never reached the ring") -> None:
+    """Wait until ``plan`` has applied a fault (a held op is in flight): polls, since a hold has no
+    completion to wait on."""
+    deadline = time.monotonic() + timeout
+    while not plan.hits:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
 def messages(caplog, *needles: str, level: int | None = None) -> list[str]:
     """Log messages of the 'kvstream' loggers containing every needle."""
     return [r.getMessage() for r in caplog.records if r.name.startswith("kvstream")

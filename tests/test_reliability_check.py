@@ -17,7 +17,7 @@ from kvstream_hicache import Config, Namespace, check_tiers
 from kvstream_hicache.io import OP_WRITE, Fault
 from kvstream_hicache.layout import HEADER_SIZE, tmp_name
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, kvstream_cli, make_engine
+from reliability_helpers import NS, PageSet, TierFaultPlan, kvstream_cli, make_engine, wait_for_fault
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
 
@@ -133,10 +133,7 @@ def test_library_check_beside_a_running_engine_keeps_its_writes(tier_dirs):
         writer = threading.Thread(target=lambda: result.append(pages.put(engine, pages.keys(2))))
         writer.start()
         try:
-            deadline = time.monotonic() + 60
-            while not plan.hits:
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
+            wait_for_fault(plan)
             assert check_tiers(engine.config, fix=True) == []
         finally:  # never leave the writer held: close() would wait for it
             plan.clear()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import time
 
 import pytest
 
@@ -18,7 +17,8 @@ from kvstream_hicache.io import OP_READ, Fault
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import PageSet, TierFaultPlan, loop_fs, make_engine, page_files, tmp_files  # noqa: F401
+from reliability_helpers import PageSet, TierFaultPlan, loop_fs, make_engine, page_files, tmp_files, \
+    wait_for_fault  # noqa: F401
 
 MIB = 1 << 20
 FS_BYTES = 64 * MIB
@@ -114,10 +114,8 @@ def test_every_page_pinned_by_reads_fails_the_write_for_that_tier_only(tier_root
         reader = threading.Thread(target=lambda: results.append(
             pages.checked_get(engine, stored, policy=SingleTier(0))))
         reader.start()
-        deadline = time.monotonic() + WAIT_S
-        while not plan.hits:  # the reader has pinned its pages and submitted its reads
-            assert time.monotonic() < deadline, "the reader never reached the ring"
-            time.sleep(0.005)
+        # the reader has pinned its pages and submitted its reads
+        wait_for_fault(plan, WAIT_S, "the reader never reached the ring")
         try:
             new = pages.keys(1, 100)
             assert pages.put(engine, new) == [True]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-import time
 
 import pytest
 
@@ -17,7 +16,7 @@ from kvstream_hicache.integrity import PageHeader, pack_header
 from kvstream_hicache.io import OP_WRITE, AlignedBuffer, Fault
 from kvstream_hicache.layout import HEADER_SIZE, KEY_MAX
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, content, key, make_engine
+from reliability_helpers import NS, PageSet, TierFaultPlan, content, key, make_engine, wait_for_fault
 
 HOSTILE = ["../x", "../../etc/passwd", "/abs", "/etc/passwd", "a/b", "a\x00b", "\x00", "x" * (KEY_MAX + 1),
            "", ".", "..", "a.b", "a b", "ké", "a\nb", "~", "$HOME", "*", None, 123, b"ab"]
@@ -89,10 +88,7 @@ def test_file_and_directory_modes(tier_dirs, mode, file_bits, dir_bits, umask):
             writer = threading.Thread(target=pages.put, args=(engine, pages.keys(1, 3)))
             writer.start()
             try:
-                deadline = time.monotonic() + 60
-                while not plan.hits:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.005)
+                wait_for_fault(plan)
                 tmp = engine.tiers[0].layout.tmp
                 in_flight = [os.path.join(tmp, f) for f in os.listdir(tmp)]
                 assert in_flight and all(stat.S_IMODE(os.stat(p).st_mode) == file_bits for p in in_flight)

@@ -27,12 +27,12 @@ Pure functions over the parsed JSON; ``kvsim --validate-bench RUN.json ...`` pri
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import re
 from typing import Iterable, Sequence
 
+from ..bench.gap import interpolate
 from ..router import CompletionDriven, simulate
 from . import model
 
@@ -89,18 +89,8 @@ def _others(batches: list[dict], n_tiers: int) -> list[list[tuple[float, float, 
 
 
 def _interp(pts: list[tuple[float, float, int]], t: float, skip: int) -> float | None:
-    """Linear interpolation at ``t`` over ``pts`` without the batch ``skip`` (held flat past the ends)."""
-    pts = [p for p in pts if p[2] != skip]
-    if not pts:
-        return None
-    ts = [p[0] for p in pts]
-    j = bisect.bisect_left(ts, t)
-    if j == 0:
-        return pts[0][1]
-    if j == len(pts):
-        return pts[-1][1]
-    (t0, v0, _), (t1, v1, _) = pts[j - 1], pts[j]
-    return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    """Interpolation at ``t`` over ``pts`` without the batch ``skip`` (leave-one-out)."""
+    return interpolate([(pt, v) for pt, v, batch in pts if batch != skip], t)
 
 
 def validate_run(doc: dict, *, m: int = 2, depth: int | None = None, name: str = "") -> dict:
