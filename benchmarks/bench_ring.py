@@ -2,17 +2,21 @@
 """Ring vs fio: O_DIRECT sequential reads of 4 MiB chunks over a 2 GiB file set.
 
 For each queue depth, in the same run and over the same files: fio (io_uring engine), the
-kvstream Ring, the ThreadRing fallback, and fio again with registered buffers and files (to see
-whether registration would pay off for this I/O size). Runs are interleaved (repeat x depth x
+kvstream Ring, the Ring with buffers of scattered 4 KiB pages (AlignedBuffer(hugepages=False):
+what the Ring's buffers were before they were huge-page backed), the ThreadRing fallback, and
+fio again with registered buffers and files (to see whether registration would pay off). Runs are interleaved (repeat x depth x
 engine) so drift in a shared machine hits every engine alike. Page cache is dropped before each
 run (root only; O_DIRECT bypasses it anyway).
 
 Reports GB/s (median and range over repeats), the ratio to plain fio at the same depth (median of
-the per-repeat ratios: each run against the fio run next to it),
-and per-op completion latency percentiles (p50/p99: submit to reap for the rings, fio's clat).
+the per-repeat ratios: each run against the fio run next to it), per-op completion latency
+percentiles (p50/p99: submit to reap for the rings, fio's clat), and the average size of the
+read requests the block device completed (from /sys/dev/block/<dev>/stat): a 4 MiB read whose
+buffer is scattered 4 KiB pages is split at the device's segment limit into several requests.
 
     python benchmarks/bench_ring.py                        # defaults: 2 GiB, depths 1,16,64, 3 repeats
     python benchmarks/bench_ring.py --depths 16 --repeat 1 --size-gib 0.5
+    python benchmarks/bench_ring.py --chunk-mib 1 --depths 4,16   # the engine's 1 MiB blocks
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ import sys
 import time
 
 from kvstream_hicache.io import OP_READ, AlignedBuffer, Ring, ThreadRing
+from kvstream_hicache.staging import BufferPool
 
 GIB = 1 << 30
 MIB = 1 << 20
-CHUNK = 4 * MIB  # bytes per read, the KV page-group size this benchmark stands for
+CHUNK = 4 * MIB  # bytes per read, the KV page-group size this benchmark stands for (--chunk-mib)
 FILL = 64 * MIB  # bytes per write while laying out the files
 
 
@@ -63,12 +68,28 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def run_engine(make, paths: list[str], depth: int) -> tuple[float, list[float]]:
-    """Read every file once, round-robin over files like fio; returns (GB/s, per-op latencies s)."""
+def device_reads(path: str) -> tuple[int, int]:
+    """(read requests completed, bytes read) so far by the block device holding ``path``."""
+    st = os.stat(path)
+    try:
+        with open(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat") as f:
+            fields = f.read().split()
+    except OSError:  # not a block device (tmpfs, overlay): no request sizes
+        return 0, 0
+    return int(fields[0]), int(fields[2]) * 512
+
+
+def run_engine(make, paths: list[str], depth: int, hugepages: bool = True) -> tuple[float, list[float]]:
+    """Read every file once, round-robin over files like fio; returns (GB/s, per-op latencies s).
+
+    Buffers come from the engine's staging pool (huge-page backed: whole AlignedBuffers from
+    2 MiB up, pieces of a huge-page slab below), or with ``hugepages=False`` are AlignedBuffers of
+    scattered 4 KiB pages."""
     fds = [os.open(p, os.O_RDONLY | os.O_DIRECT) for p in paths]
     per_file = os.path.getsize(paths[0]) // CHUNK
     chunks = [(fds[k % len(fds)], (k // len(fds)) * CHUNK) for k in range(per_file * len(fds))]
-    bufs = [AlignedBuffer(CHUNK) for _ in range(depth)]
+    pool = BufferPool()
+    bufs = [pool.get(CHUNK) if hugepages else AlignedBuffer(CHUNK, hugepages=False) for _ in range(depth)]
     free = list(range(depth))
     started: dict[int, tuple[int, float]] = {}  # tag -> (buffer index, submit time)
     lat: list[float] = []
@@ -100,6 +121,7 @@ def run_engine(make, paths: list[str], depth: int) -> tuple[float, list[float]]:
             os.close(fd)
         for b in bufs:
             b.close()
+        pool.close()
     return len(chunks) * CHUNK / elapsed / 1e9, lat
 
 
@@ -116,7 +138,7 @@ def run_fio(paths: list[str], depth: int, registered: bool) -> tuple[float, list
 
 
 def fio_command(paths: list[str], depth: int) -> str:
-    return (f"fio --name=ring --ioengine=io_uring --direct=1 --bs=4m --iodepth={depth} --rw=read "
+    return (f"fio --name=ring --ioengine=io_uring --direct=1 --bs={CHUNK // MIB}m --iodepth={depth} --rw=read "
             f"--filename={':'.join(paths)}")
 
 
@@ -127,8 +149,11 @@ def main(argv=None) -> int:
     ap.add_argument("--files", type=int, default=8, help="files in the set")
     ap.add_argument("--depths", default="1,16,64", help="queue depths, comma-separated")
     ap.add_argument("--repeat", type=int, default=3, help="runs per (depth, engine)")
+    ap.add_argument("--chunk-mib", type=int, default=4, help="bytes per read, MiB (the engine's blocks are 1)")
     ap.add_argument("--keep", action="store_true", help="keep the file set afterwards")
     args = ap.parse_args(argv)
+    global CHUNK
+    CHUNK = args.chunk_mib * MIB
     if shutil.which("fio") is None:
         sys.exit("fio not found: apt-get install fio")
     depths = [int(d) for d in args.depths.split(",")]
@@ -136,19 +161,24 @@ def main(argv=None) -> int:
     engines = {
         "fio io_uring": lambda d: run_fio(paths, d, registered=False),
         "Ring": lambda d: run_engine(lambda n: Ring(max(n, 8)), paths, d),
+        "Ring, 4 KiB-page buffers": lambda d: run_engine(lambda n: Ring(max(n, 8)), paths, d, hugepages=False),
         "ThreadRing": lambda d: run_engine(lambda n: ThreadRing(n), paths, d),
         "fio +fixedbufs+registerfiles": lambda d: run_fio(paths, d, registered=True),
     }
-    results: dict[tuple[int, str], list[tuple[float, list[float]]]] = {}
+    results: dict[tuple[int, str], list[tuple[float, list[float], float]]] = {}
     load_before = f"{os.getloadavg()[0]:.2f}"
     try:
         for rep in range(args.repeat):
             for depth in depths:
                 for name, fn in engines.items():
                     drop_caches()
+                    reqs0, bytes0 = device_reads(paths[0])
                     gbps, lat = fn(depth)
-                    results.setdefault((depth, name), []).append((gbps, lat))
-                    print(f"# rep {rep} depth {depth:3d} {name:30s} {gbps:6.2f} GB/s", file=sys.stderr)
+                    reqs1, bytes1 = device_reads(paths[0])
+                    req_kib = (bytes1 - bytes0) / max(reqs1 - reqs0, 1) / 1024
+                    results.setdefault((depth, name), []).append((gbps, lat, req_kib))
+                    print(f"# rep {rep} depth {depth:3d} {name:30s} {gbps:6.2f} GB/s  "
+                          f"{req_kib:6.0f} KiB/request", file=sys.stderr)
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
@@ -158,25 +188,27 @@ def main(argv=None) -> int:
           f"{args.repeat} run(s) each; kernel {os.uname().release}; load average before/after "
           f"{load_before} / {os.getloadavg()[0]:.2f}")
     print()
-    print("| depth | engine | GB/s median | GB/s min-max | vs fio (paired median) | p50 ms | p99 ms |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| depth | engine | GB/s median | GB/s min-max | vs fio (paired median) | p50 ms | p99 ms "
+          "| KiB/request |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for depth in depths:
-        fio_rates = [g for g, _ in results[(depth, "fio io_uring")]]
+        fio_rates = [g for g, _, _ in results[(depth, "fio io_uring")]]
         for name in engines:
             runs = results[(depth, name)]
-            rates = [g for g, _ in runs]
+            rates = [g for g, _, _ in runs]
             # Each run is paired with the fio run of the same repeat (minutes apart at most), so a
             # neighbour's burst of I/O moves both sides of the ratio; the median of the pairs is shown.
             ratio = statistics.median(g / f for g, f in zip(rates, fio_rates))
             if name.startswith("fio"):  # fio gives percentiles per run: report the median run's
-                p50 = statistics.median(l[0] for _, l in runs)
-                p99 = statistics.median(l[1] for _, l in runs)
+                p50 = statistics.median(l[0] for _, l, _ in runs)
+                p99 = statistics.median(l[1] for _, l, _ in runs)
             else:
-                lat = [x for _, l in runs for x in l]
+                lat = [x for _, l, _ in runs for x in l]
                 p50, p99 = percentile(lat, 50), percentile(lat, 99)
             med = statistics.median(rates)
+            req_kib = statistics.median(k for _, _, k in runs)
             print(f"| {depth} | {name} | {med:.2f} | {min(rates):.2f}-{max(rates):.2f} | "
-                  f"{ratio:.2f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
+                  f"{ratio:.2f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {req_kib:.0f} |")
     print()
     print("fio reference command (per depth N):", fio_command(["<files>"], 0).replace("iodepth=0", "iodepth=N"))
     return 0

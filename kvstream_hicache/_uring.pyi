@@ -8,6 +8,7 @@ from typing import Tuple, Union
 from typing_extensions import Buffer
 
 ALIGN: int  # O_DIRECT block, bytes (4096)
+HUGE_PAGE_SIZE: int  # transparent huge page size, bytes (AlignedBuffers this large are huge-page backed); 0 without THP
 OP_READ: int
 OP_WRITE: int
 CRC32C_IMPL: str  # "sse4.2-3way" or "table"
@@ -18,7 +19,9 @@ Op = Tuple[int, int, IOBuffer, int, int]  # (opcode, fd, buf, offset, tag)
 
 class AlignedBuffer:
     align: int
-    def __init__(self, nbytes: int, align: int = 4096) -> None: ...
+    hugepages: bool
+    def __init__(self, nbytes: int, align: int = 4096, hugepages: bool = True) -> None: ...
+    def view(self, offset: int, nbytes: int) -> AlignedBuffer: ...
     @property
     def nbytes(self) -> int: ...
     @property

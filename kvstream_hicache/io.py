@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Iterable
 
 # The extension is required: a missing build is an install error, not something to paper over.
-from ._uring import ALIGN, CRC32C_IMPL, OP_READ, OP_WRITE, AlignedBuffer, Ring, copy, crc32c
+from ._uring import ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, OP_READ, OP_WRITE, AlignedBuffer, Ring, copy, crc32c
 
 __all__ = [
-    "ALIGN", "OP_READ", "OP_WRITE", "AlignedBuffer", "Ring", "ThreadRing", "FaultyRing", "Fault",
+    "ALIGN", "HUGE_PAGE_SIZE", "OP_READ", "OP_WRITE", "AlignedBuffer", "Ring", "ThreadRing", "FaultyRing", "Fault",
     "FaultPlan", "open_ring", "crc32c", "copy", "CRC32C_IMPL", "ENGINES",
 ]
 

@@ -73,6 +73,13 @@ def make_file(path: str, data: bytes) -> None:
         f.write(data)
 
 
+def direct_reader(directory: str, name: str, data: bytes) -> int:
+    """A new file holding ``data``, opened read-only with O_DIRECT."""
+    path = os.path.join(directory, name)
+    make_file(path, data)
+    return open_direct(path, os.O_RDONLY)
+
+
 @pytest.fixture
 def direct_dir(tier_root):
     """The scratch dir, after checking O_DIRECT works there (it does on ext4/xfs, not older tmpfs)."""
@@ -158,9 +165,7 @@ def test_many_files_at_once(ring, direct_dir):
 
 def test_raw_address_buffers(ring, direct_dir):
     data = os.urandom(64 * KIB)
-    path = os.path.join(direct_dir, "raw")
-    make_file(path, data)
-    fd = open_direct(path, os.O_RDONLY)
+    fd = direct_reader(direct_dir, "raw", data)
     dst = AlignedBuffer(64 * KIB)
     try:
         assert run(ring, [(OP_READ, fd, (dst.address, 32 * KIB), 32 * KIB, 7)]) == {7: 32 * KIB}
@@ -357,6 +362,28 @@ def test_buffers_stay_alive_until_reaped(ring, tier_root):
             assert f.read() == data[::-1]
     finally:
         os.close(fd)
+
+
+def test_round_trip_through_views_of_one_slab(ring, direct_dir):
+    """Staging carves 1 MiB blocks out of one huge-page slab: each view is its own O_DIRECT buffer."""
+    data = os.urandom(4 * MIB)
+    fd = direct_reader(direct_dir, "slab", data)
+    slab = AlignedBuffer(2 * MIB)
+    views = [slab.view(i * 512 * KIB, 512 * KIB) for i in range(4)]
+    try:
+        # scattered file offsets, so a view that aliased its neighbour would show
+        offsets = [3 * MIB, 0, 2 * MIB + 512 * KIB, 1 * MIB]
+        out = run(ring, [(OP_READ, fd, v, off, i) for i, (v, off) in enumerate(zip(views, offsets))])
+        assert out == {i: 512 * KIB for i in range(4)}
+        for v, off in zip(views, offsets):
+            assert bytes(v) == data[off:off + 512 * KIB]
+        with pytest.raises(BufferError):
+            slab.close()
+    finally:
+        os.close(fd)
+        for v in views:
+            v.close()
+        slab.close()
 
 
 def test_aligned_buffer_pinned_while_in_flight(engine, tier_root):
