@@ -51,7 +51,7 @@ try:  # run from a checkout without installing the package
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from kvstream_hicache import workload as wl
-from kvstream_hicache.console import HelpFormatter
+from kvstream_hicache.console import HelpFormatter, Progress
 
 try:
     import orjson
@@ -137,39 +137,9 @@ class Result:
     error: str | None = None
 
 
-class Progress:
-    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True, stream=sys.stderr):
-        self.total, self.label, self.enabled, self.stream = total, label, enabled, stream
-        self.tty = enabled and stream.isatty()
-        self._last = 0.0
-        self._decile = -1
-
-    def update(self, done: int, in_flight: int, errors: int, ttfts: Sequence[float], force: bool = False):
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        if self.tty and not force and now - self._last < 0.2:
-            return
-        self._last = now
-        frac = done / self.total if self.total else 1.0
-        mean = f"{np.mean(ttfts):.2f}s" if ttfts else "-"
-        text = (f"{self.label} {done}/{self.total} done, {in_flight} in flight, {errors} errors, "
-                f"mean TTFT {mean}")
-        if self.tty:
-            width = 30
-            bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-            self.stream.write(f"\r[{bar}] {text}\033[K")
-            self.stream.flush()
-        elif int(frac * 10) > self._decile or force:
-            self._decile = int(frac * 10)
-            self.stream.write(text + "\n")
-
-    def close(self):
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
+def _progress_text(state: dict, in_flight: int, total: int) -> str:
+    mean = f"{np.mean(state['ttfts']):.2f}s" if state["ttfts"] else "-"
+    return f"{state['done']}/{total} done, {in_flight} in flight, {state['errors']} errors, mean TTFT {mean}"
 
 
 def _parse_events(buf: bytearray) -> list[bytes]:
@@ -260,7 +230,7 @@ async def run_requests(url: str, requests: Sequence[wl.Request], *, vocab: int =
         else:
             state["ttfts"].append(res.ttft)
         if progress:
-            progress.update(state["done"], len(tasks), state["errors"], state["ttfts"])
+            progress.show(state["done"], _progress_text(state, len(tasks), len(requests)))
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)  # open loop: no client-side queue
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -279,7 +249,7 @@ async def run_requests(url: str, requests: Sequence[wl.Request], *, vocab: int =
         while tasks:
             await asyncio.wait(set(tasks))
     if progress:
-        progress.update(state["done"], 0, state["errors"], state["ttfts"], force=True)
+        progress.show(state["done"], _progress_text(state, 0, len(requests)), force=True)
         progress.close()
     return results
 

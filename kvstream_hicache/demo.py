@@ -40,7 +40,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import workload as wl
-from .console import HelpFormatter
+from .console import HelpFormatter, Progress
 from .errors import KVStreamError
 
 # Llama-3-8B's KV geometry: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token. The demo keeps
@@ -257,7 +257,7 @@ def _serve(run: Run, pools, requests: Sequence[wl.Request], expected: dict, extr
         engine = getattr(drv.backend, "engine", None)
         watch = _BatchWatch(engine)
         before = engine.stats()["tiers"] if engine is not None else []
-        show = _Progress(backend, len(requests), verbose)
+        progress = Progress(len(requests), f"  {backend:8s}", enabled=verbose, stream=sys.stdout, lines=1)
         for i, req in enumerate(requests):
             tokens = wl.to_token_ids(req)
             n_pages = len(tokens) // P
@@ -297,33 +297,13 @@ def _serve(run: Run, pools, requests: Sequence[wl.Request], expected: dict, extr
                         run.tier_busy_s.append(0.0)
                     run.tier_bytes[k] += t.get("bytes") or 0
                     run.tier_busy_s[k] += t.get("busy_s") or 0.0
-            show.update(i + 1, run.total_read_bytes)
-        show.close()
+            progress.show(i + 1, f"{i + 1}/{len(requests)} requests, {run.total_read_bytes / 1e9:.2f} GB read back")
+        progress.close()
         if engine is not None:
             after = engine.stats()["tiers"]
             run.tier_served = [a.get("bytes_served", 0) - (before[k].get("bytes_served", 0) if k < len(before) else 0)
                                for k, a in enumerate(after)]
     return run
-
-
-class _Progress:
-    def __init__(self, label: str, total: int, enabled: bool):
-        self.label, self.total, self.enabled = label, total, enabled
-        self.tty = enabled and sys.stdout.isatty()
-
-    def update(self, done: int, read: int) -> None:
-        if not self.enabled:
-            return
-        text = f"  {self.label:8s} {done}/{self.total} requests, {read / 1e9:.2f} GB read back"
-        if self.tty:
-            sys.stdout.write("\r" + text + "\033[K")
-            sys.stdout.flush()
-        elif done == self.total:
-            log(text)
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stdout.write("\n")
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -1,43 +1,7 @@
-"""What a benchmark run shows: progress while it runs, a terminal table, a PNG, the kvsim series."""
+"""What a benchmark run shows: a terminal table, a PNG, the kvsim series."""
 from __future__ import annotations
 
-import sys
-import time
 from typing import Callable
-
-
-class Progress:
-    """A one-line progress bar on stderr (a line per 10% when stderr is not a terminal)."""
-
-    WIDTH = 30
-
-    def __init__(self, total: int, enabled: bool = True, stream=None):
-        self.total, self.done = max(total, 1), 0
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.t0 = time.perf_counter()
-        self._last_decile = -1
-
-    def update(self, label: str = "") -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        if self.tty:
-            filled = int(frac * self.WIDTH)
-            bar = "#" * filled + "." * (self.WIDTH - filled)
-            eta = (time.perf_counter() - self.t0) / frac * (1 - frac)
-            self.stream.write(f"\r[{bar}] {self.done}/{self.total} batches  {label:<28s} eta {eta:4.0f} s")
-            self.stream.flush()
-        elif int(frac * 10) != self._last_decile:
-            self._last_decile = int(frac * 10)
-            self.stream.write(f"  {self.done}/{self.total} batches ({frac:.0%}) {label}\n")
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 def _pct(x: float | None) -> str:

@@ -29,6 +29,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict
 
+from ..console import Progress
 from . import drift, gap, geometry, report
 from .contenders import SGLANG_ADAPTER, HICACHE_FILE, LMCACHE_ADAPTER, SGLANG_CONTENDERS, AdapterReads, \
     EngineReads, HiCacheFileReads, LMCacheReads, SglangHost
@@ -324,7 +325,8 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
     wrong: dict[str, int] = {}
     n = len(contenders)
     rounds = args.warmup + args.batches
-    progress = report.Progress(args.batches * n, enabled=not args.no_progress)
+    progress = Progress(args.batches * n, enabled=not args.no_progress)
+    shown = 0
     clock0 = time.perf_counter()
     clock = lambda: time.perf_counter() - clock0  # noqa: E731
     scenario.start(clock)
@@ -356,7 +358,9 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
                     policy=c.name, round=r - args.warmup, t0=t0, t_ret=t_ret, nbytes=found * ds.page_bytes,
                     pages=len(batch.pages), found=found, tier_bytes=out.tier_bytes, tier_busy=out.tier_busy,
                     tier_served=out.tier_served, extra=out.extra))
-                progress.update(f"{c.name} {t_ret:.2f}s")
+                shown += 1
+                progress.show(shown, f"{shown}/{progress.total} batches  {c.name} {t_ret:.2f}s, "
+                                     f"eta {progress.eta(shown):.0f} s")
             if scenario.error is not None:
                 raise RuntimeError(f"scenario {scenario.name} failed: {scenario.error}") from scenario.error
     finally:

@@ -1,0 +1,52 @@
+"""console.Progress: one progress line, drawn in place on a terminal, a few lines elsewhere."""
+from __future__ import annotations
+
+import io
+
+from kvstream_hicache.console import Progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_not_a_terminal_prints_a_line_per_tenth_and_the_end():
+    out = io.StringIO()
+    p = Progress(100, "bench", stream=out)
+    for done in range(1, 101):
+        p.show(done, f"{done}/100")
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert lines == [f"bench {k}/100" for k in range(10, 101, 10)]
+
+
+def test_lines_one_prints_only_the_end_and_force_prints_anyway():
+    out = io.StringIO()
+    p = Progress(5, stream=out, lines=1)
+    for done in range(1, 6):
+        p.show(done, f"{done} of 5")
+    p.show(5, "final", force=True)
+    assert out.getvalue().splitlines() == ["5 of 5", "final"]
+
+
+def test_terminal_redraws_in_place_at_most_every_interval():
+    out = Terminal()
+    p = Progress(4, "run", stream=out, interval=3600.0)
+    p.show(1, "one")  # first draw
+    p.show(2, "two")  # within the interval: skipped
+    p.show(4, "four")  # the last step is always drawn
+    p.close()
+    text = out.getvalue()
+    assert text.startswith("\r[" + "#" * 7 + "." * 23 + "] run one\033[K")
+    assert "two" not in text
+    assert "\r[" + "#" * 30 + "] run four\033[K" in text and text.endswith("\n")
+
+
+def test_disabled_writes_nothing_and_eta_follows_the_pace():
+    out = Terminal()
+    p = Progress(10, stream=out, enabled=False)
+    p.show(3, "x", force=True)
+    p.close()
+    assert out.getvalue() == ""
+    assert p.eta(10) == 0.0 and p.eta(5) >= 0.0
