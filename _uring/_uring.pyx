@@ -96,7 +96,8 @@ cdef class AlignedBuffer:
     """Zeroed memory aligned to ``align`` bytes, exported as a writable 1-D unsigned-byte buffer.
 
     Buffers of a huge page or more (2 MiB on x86-64) are mmap'd huge-page aligned and advised
-    MADV_HUGEPAGE (``hugepages`` says whether the kernel took the advice; ``hugepages=False``
+    MADV_HUGEPAGE (``hugepages`` says the advice was accepted: the kernel then backs the memory
+    with huge pages when THP is not set to ``never`` and it can find free ones; ``hugepages=False``
     opts out), so O_DIRECT transfers into them are not split at every 4 KiB page.
 
     ``close()`` frees it; it refuses (BufferError) while any view is alive, including a ring's
@@ -153,7 +154,7 @@ cdef class AlignedBuffer:
         of the buffer. Scattered 4 KiB pages cap a request at max_segments pages (254 on
         virtio-blk: ~1 MiB), so a 4 MiB read went out as 2-5 requests; a 2 MiB huge page is one
         segment, and the 4 MiB read one request (measured: docs/benchmarks.md "Ring vs fio").
-        Where transparent huge pages are off, madvise fails and this is plain page-aligned memory.
+        Where the kernel has no THP (or it is set to ``never``) this is plain page-aligned memory.
         """
         cdef size_t length = (nbytes + ALIGN - 1) & ~(<size_t>ALIGN - 1)
         cdef size_t total = length + align
