@@ -73,11 +73,11 @@ def make_file(path: str, data: bytes) -> None:
         f.write(data)
 
 
-def direct_reader(directory: str, name: str, data: bytes) -> int:
-    """A new file holding ``data``, opened read-only with O_DIRECT."""
+def file_with(directory: str, name: str, data: bytes, flags: int = os.O_RDONLY | os.O_DIRECT) -> int:
+    """A new file holding ``data``, opened with ``flags`` (read-only with O_DIRECT by default)."""
     path = os.path.join(directory, name)
     make_file(path, data)
-    return open_direct(path, os.O_RDONLY)
+    return os.open(path, flags)
 
 
 @pytest.fixture
@@ -117,9 +117,7 @@ def test_queue_depth_beyond_submission_queue(engine, direct_dir):
     """256 ops in one batch on a 64-entry ring: submit-and-continue, every op lands once."""
     depth, chunk = 256, 16 * KIB
     data = os.urandom(depth * chunk)
-    path = os.path.join(direct_dir, "deep")
-    make_file(path, data)
-    fd = open_direct(path, os.O_RDONLY)
+    fd = file_with(direct_dir, "deep", data)
     with make_ring(engine, entries=64) as ring:
         bufs = [AlignedBuffer(chunk) for _ in range(depth)]
         # reverse file order so completions cannot come back sorted by accident
@@ -133,9 +131,7 @@ def test_more_ops_in_flight_than_the_completion_queue_holds(engine, tier_root):
     """1000 ops on an 8-entry ring (32 CQ slots): the kernel keeps the overflow, nothing is lost."""
     n, size = 1000, 512
     data = os.urandom(n * size)
-    path = os.path.join(tier_root, "overflow")
-    make_file(path, data)
-    fd = os.open(path, os.O_RDONLY)
+    fd = file_with(tier_root, "overflow", data, os.O_RDONLY)
     bufs = [bytearray(size) for _ in range(n)]
     try:
         with make_ring(engine, entries=8) as ring:
@@ -165,7 +161,7 @@ def test_many_files_at_once(ring, direct_dir):
 
 def test_raw_address_buffers(ring, direct_dir):
     data = os.urandom(64 * KIB)
-    fd = direct_reader(direct_dir, "raw", data)
+    fd = file_with(direct_dir, "raw", data)
     dst = AlignedBuffer(64 * KIB)
     try:
         assert run(ring, [(OP_READ, fd, (dst.address, 32 * KIB), 32 * KIB, 7)]) == {7: 32 * KIB}
@@ -204,9 +200,7 @@ def test_bad_fd_is_ebadf_for_that_op_only(ring, direct_dir):
 
 
 def test_write_to_read_only_fd_is_ebadf(ring, direct_dir):
-    path = os.path.join(direct_dir, "ro")
-    make_file(path, b"\0" * ALIGN)
-    fd = open_direct(path, os.O_RDONLY)
+    fd = file_with(direct_dir, "ro", b"\0" * ALIGN)
     try:
         assert run(ring, [(OP_WRITE, fd, AlignedBuffer(ALIGN), 0, 1)]) == {1: -errno.EBADF}
     finally:
@@ -214,10 +208,8 @@ def test_write_to_read_only_fd_is_ebadf(ring, direct_dir):
 
 
 def test_read_past_end_of_file(ring, direct_dir):
-    path = os.path.join(direct_dir, "short")
     data = os.urandom(3 * ALIGN)
-    make_file(path, data)
-    fd = open_direct(path, os.O_RDONLY)
+    fd = file_with(direct_dir, "short", data)
     bufs = [AlignedBuffer(4 * ALIGN) for _ in range(3)]
     try:
         res = run(ring, [(OP_READ, fd, bufs[0], 0, 1),            # straddles EOF: short total
@@ -246,9 +238,7 @@ def test_short_read_at_unaligned_end_of_file(ring, tier_root):
 
 @pytest.mark.parametrize("case", ["address", "offset", "length"])
 def test_unaligned_o_direct_is_einval(ring, direct_dir, case):
-    path = os.path.join(direct_dir, "al")
-    make_file(path, os.urandom(4 * ALIGN))
-    fd = open_direct(path, os.O_RDONLY)
+    fd = file_with(direct_dir, "al", os.urandom(4 * ALIGN))
     buf = AlignedBuffer(4 * ALIGN)
     view = memoryview(buf)
     target, offset = {
@@ -265,9 +255,7 @@ def test_unaligned_o_direct_is_einval(ring, direct_dir, case):
 
 
 def test_invalid_batches_are_refused_whole(ring, tier_root):
-    path = os.path.join(tier_root, "v")
-    make_file(path, b"v" * ALIGN)
-    fd = os.open(path, os.O_RDONLY)
+    fd = file_with(tier_root, "v", b"v" * ALIGN, os.O_RDONLY)
     good = (OP_READ, fd, bytearray(ALIGN), 0, 1)
     try:
         with pytest.raises(ValueError, match="opcode"):
@@ -367,7 +355,7 @@ def test_buffers_stay_alive_until_reaped(ring, tier_root):
 def test_round_trip_through_views_of_one_slab(ring, direct_dir):
     """Staging carves 1 MiB blocks out of one huge-page slab: each view is its own O_DIRECT buffer."""
     data = os.urandom(4 * MIB)
-    fd = direct_reader(direct_dir, "slab", data)
+    fd = file_with(direct_dir, "slab", data)
     slab = AlignedBuffer(2 * MIB)
     views = [slab.view(i * 512 * KIB, 512 * KIB) for i in range(4)]
     try:
@@ -387,9 +375,7 @@ def test_round_trip_through_views_of_one_slab(ring, direct_dir):
 
 
 def test_aligned_buffer_pinned_while_in_flight(engine, tier_root):
-    path = os.path.join(tier_root, "pin")
-    make_file(path, b"p" * ALIGN)
-    fd = os.open(path, os.O_RDONLY)
+    fd = file_with(tier_root, "pin", b"p" * ALIGN, os.O_RDONLY)
     buf = AlignedBuffer(ALIGN)
     with make_ring(engine) as ring:
         ring.submit([(OP_READ, fd, buf, 0, 1)])
@@ -402,9 +388,7 @@ def test_aligned_buffer_pinned_while_in_flight(engine, tier_root):
 
 
 def test_close_drains_idempotent_and_refuses_use(engine, tier_root):
-    path = os.path.join(tier_root, "drain")
-    make_file(path, os.urandom(256 * KIB))
-    fd = os.open(path, os.O_RDONLY)
+    fd = file_with(tier_root, "drain", os.urandom(256 * KIB), os.O_RDONLY)
     ring = make_ring(engine)
     bufs = [AlignedBuffer(ALIGN) for _ in range(64)]
     ring.submit([(OP_READ, fd, b, i * ALIGN, i) for i, b in enumerate(bufs)])
@@ -442,9 +426,7 @@ def uring():
 
 def test_reap_timeout_returns_fewer(uring, tier_root):
     r, w = os.pipe()
-    path = os.path.join(tier_root, "t")
-    make_file(path, b"t" * ALIGN)
-    fd = os.open(path, os.O_RDONLY)
+    fd = file_with(tier_root, "t", b"t" * ALIGN, os.O_RDONLY)
     try:
         uring.submit([(OP_READ, r, bytearray(10), 0, 1), (OP_READ, fd, bytearray(ALIGN), 0, 2)])
         got = uring.reap(2, timeout=0.05)  # the pipe read cannot finish: we get the file read only
@@ -500,9 +482,7 @@ def test_submit_while_another_thread_waits_in_reap(uring, tier_root):
     import threading
 
     r, w = os.pipe()
-    path = os.path.join(tier_root, "conc")
-    make_file(path, b"c" * ALIGN)
-    fd = os.open(path, os.O_RDONLY)
+    fd = file_with(tier_root, "conc", b"c" * ALIGN, os.O_RDONLY)
     got = []
     try:
         uring.submit([(OP_READ, r, bytearray(4), 0, 1)])  # cannot complete until we write the pipe
@@ -557,9 +537,7 @@ def _rss_bytes() -> int:
 
 def test_no_fd_or_memory_leaks_across_thousands_of_batches(engine, direct_dir):
     batches, per_batch = 2000, 8
-    path = os.path.join(direct_dir, "leak")
-    make_file(path, os.urandom(per_batch * ALIGN))
-    fd = open_direct(path, os.O_RDWR)
+    fd = file_with(direct_dir, "leak", os.urandom(per_batch * ALIGN), os.O_RDWR | os.O_DIRECT)
     bufs = [AlignedBuffer(ALIGN) for _ in range(per_batch)]
     ops = [(OP_READ, fd, b, i * ALIGN, i) for i, b in enumerate(bufs)]
     bad = [(OP_READ, -1, bytearray(8), 0, 100)]  # error completions must free their slots too

@@ -134,10 +134,18 @@ def plot(doc: dict, path: str) -> None:
     ax.axhline(5, color="C3", lw=0.8, ls=":")
     ax.set_ylabel("gap to bound (%)")
     ax.set_title("gap to the bound per policy (dotted: 5% target)", fontsize=9)
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> str:
+    """Lay out, write as a small PNG (80 dpi, palette) and close ``fig``; returns ``path``."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
     shrink_png(path)
+    return path
 
 
 def shrink_png(path: str, colors: int = 64) -> None:

@@ -13,7 +13,7 @@ import statistics
 from collections import defaultdict
 from typing import Iterable, Sequence
 
-from .report import shrink_png
+from .report import save_figure
 
 SCENARIO_ORDER = ("quiet", "periodic", "competing", "write-interference")
 
@@ -167,12 +167,7 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
         ax.set_yscale("symlog", linthresh=10)
         ax.set_title(f"{profile}: gap to the aggregate-bandwidth bound (median of runs; dotted: 5%)", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-gap.png")
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        shrink_png(path)
-        written.append(path)
+        written.append(save_figure(fig, os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-gap.png")))
 
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for j, s in enumerate(scenarios):
@@ -189,12 +184,7 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
         ax.set_ylabel("gap to bound (%)")
         ax.set_title(f"{profile}: static split g vs kvstream (dashed: its gap; dotted: its share)", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-vshape.png")
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        shrink_png(path)
-        written.append(path)
+        written.append(save_figure(fig, os.path.join(img_dir, f"{prefix}-{profile.replace(':', '_')}-vshape.png")))
     return written
 
 
