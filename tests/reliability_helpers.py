@@ -149,6 +149,16 @@ def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never r
         assert time.monotonic() < deadline, what
         time.sleep(0.005)
 
+
+def flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
+    """Damage a stored file in place: XOR the byte at ``offset`` with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def messages(caplog, *needles: str, level: int | None = None) -> list[str]:
     """Log messages of the 'kvstream' loggers containing every needle."""
     return [r.getMessage() for r in caplog.records if r.name.startswith("kvstream")

@@ -19,7 +19,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
-from reliability_helpers import FakeClock
+from reliability_helpers import FakeClock, flip_byte
 
 SENTINEL = 0xAB
 
@@ -77,12 +77,7 @@ def test_read_timeout_returns_misses_and_keeps_buffers_safe(tier_dirs):
 
 # -- damaged pages -------------------------------------------------------------------------------
 def _flip_on_disk(engine, tier: int, k: str, offset: int) -> None:
-    path = engine.tiers[tier].layout.page_path(k)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(engine.tiers[tier].layout.page_path(k), offset, 0x10)
 
 
 def test_corrupted_block_is_served_from_the_other_tier_and_quarantined(tier_dirs, io_engine):

@@ -22,6 +22,8 @@ from kvstream_hicache.errors import EngineClosedError
 from kvstream_hicache.io import OP_READ, Fault, FaultPlan
 from kvstream_hicache.layout import HEADER_SIZE, Namespace, TierLayout
 
+from reliability_helpers import flip_byte
+
 # opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no telemetry from tests
@@ -238,7 +240,7 @@ def test_damaged_page_is_never_served(lmc, server_factory, tier_root, damaged_on
     server.write_through(keys, layout, payloads)
     victim = len(keys) - 1  # the last chunk, so the prefix before it still loads
     for tier in tiers if damaged_on == "all" else tiers[1:]:
-        flip_payload_byte(page_path(server, tier, keys[victim], layout), 5000)
+        flip_byte(page_path(server, tier, keys[victim], layout), HEADER_SIZE + 5000, 0xFF)
 
     hits, got = server.prefetch(keys, layout)
     assert got[:victim] == payloads[:victim]
@@ -307,14 +309,6 @@ def fd_path(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return ""
-
-
-def flip_payload_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(HEADER_SIZE + offset)
-        byte = f.read(1)
-        f.seek(HEADER_SIZE + offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def test_namespace_keeps_integration_apart():

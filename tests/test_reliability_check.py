@@ -17,17 +17,9 @@ from kvstream_hicache import Config, Namespace, check_tiers
 from kvstream_hicache.io import OP_WRITE, Fault
 from kvstream_hicache.layout import HEADER_SIZE, tmp_name
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, kvstream_cli, make_engine, wait_for_fault
+from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x80]))
 
 
 def _damage_store(tier_dirs, tier_root):
@@ -50,12 +42,12 @@ def _damage_store(tier_dirs, tier_root):
         "stray": os.path.join(os.path.dirname(lay0.page_path(keys[4])), "notes.txt"),
     }
     open(bad["orphan_tmp"], "wb").close()
-    _flip(bad["damaged"], 40)
-    _flip(bad["corrupt"], HEADER_SIZE + 1000)
+    flip_byte(bad["damaged"], 40, 0x80)
+    flip_byte(bad["corrupt"], HEADER_SIZE + 1000, 0x80)
     os.truncate(bad["truncated"], HEADER_SIZE + 4096)
     shutil.copyfile(lay1.page_path(keys[5]), bad["misplaced"])  # another key's page under this name
     open(bad["stray"], "w").close()
-    _flip(other_page, HEADER_SIZE + 7)  # and one corrupt page in the other namespace
+    flip_byte(other_page, HEADER_SIZE + 7, 0x80)  # and one corrupt page in the other namespace
     sleeper = subprocess.Popen(["sleep", "600"])
     live = os.path.join(lay1.tmp, tmp_name(NS.digest, sleeper.pid, "live", 0))  # another live process's
     open(live, "wb").close()

@@ -20,18 +20,10 @@ from kvstream_hicache import Namespace
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import NS, PageSet, content, make_engine, messages
+from reliability_helpers import NS, PageSet, content, flip_byte, make_engine, messages
 
 N = 4
 VICTIM = 1  # index of the damaged page
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def _foreign(root: str, namespace: Namespace, k: str, pages: PageSet) -> str:
@@ -53,8 +45,8 @@ def _replace(path: str, src: str) -> None:
 
 # kind -> (damage(path, ctx), detected while running without reading the header)
 DAMAGE = {
-    "payload_bit": (lambda path, ctx: _flip(path, HEADER_SIZE + ctx["size"] // 2), True),
-    "header": (lambda path, ctx: _flip(path, 30), False),
+    "payload_bit": (lambda path, ctx: flip_byte(path, HEADER_SIZE + ctx["size"] // 2), True),
+    "header": (lambda path, ctx: flip_byte(path, 30), False),
     "truncated": (lambda path, ctx: os.truncate(path, HEADER_SIZE + 4096), True),
     "empty": (lambda path, ctx: os.truncate(path, 0), True),
     "other_model": (lambda path, ctx: _replace(path, ctx["other_model"]), True),
@@ -130,7 +122,7 @@ def test_damaged_on_every_replica_is_a_miss_then_rewritten(tier_dirs):
     with make_engine(tier_dirs[:2]) as engine:
         assert pages.put(engine, keys) == [True] * 3
         for tier in engine.tiers:
-            _flip(tier.layout.page_path(keys[0]), HEADER_SIZE + 100)
+            flip_byte(tier.layout.page_path(keys[0]), HEADER_SIZE + 100)
         assert pages.checked_get(engine, keys) == [False, True, True]
         stats = engine.stats()
         assert sum(t["quarantined"] for t in stats["tiers"]) == 2 and stats["pages_missing"] == 1

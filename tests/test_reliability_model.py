@@ -26,7 +26,8 @@ from kvstream_hicache.integrity import HeaderError, read_header
 from kvstream_hicache.io import OP_READ, OP_WRITE, Fault
 from kvstream_hicache.layout import HEADER_SIZE
 
-from reliability_helpers import NS, FakeClock, TierFaultPlan, content, get_items, key, make_engine, put_items
+from reliability_helpers import (NS, FakeClock, TierFaultPlan, content, flip_byte, get_items, key, make_engine,
+                                 put_items)
 
 SCRATCH = os.environ.get("KVSTREAM_TEST_DIR", "/var/tmp")
 N_TIERS = 3
@@ -151,12 +152,7 @@ class StoreModel(RuleBasedStateMachine):
         k = KEYS[i]
         if t not in self.copies[k] or t in self.away:
             return
-        path = self._path(t, k)
-        with open(path, "r+b") as f:
-            f.seek(HEADER_SIZE + len(DATA[k]) // 2)
-            b = f.read(1)
-            f.seek(HEADER_SIZE + len(DATA[k]) // 2)
-            f.write(bytes([b[0] ^ 0x04]))
+        flip_byte(self._path(t, k), HEADER_SIZE + len(DATA[k]) // 2, 0x04)
         self.copies[k].discard(t)
 
     # -- invariants ----------------------------------------------------------------------------
