@@ -125,22 +125,18 @@ cdef class AlignedBuffer:
         if _parent is not None:  # a view(): borrow the parent's memory through a buffer export
             PyObject_GetBuffer(_parent, &self._parent_view, PyBUF_WRITABLE)
             self._is_view = True
-            self._data = <char *>self._parent_view.buf + _offset
-            self._nbytes = nbytes
-            self._shape[0] = nbytes
-            self._strides[0] = 1
-            self.align = align
+            p = <char *>self._parent_view.buf + _offset
             self.hugepages = _parent.hugepages
-            return
-        if hugepages and HUGE_PAGE and <size_t>nbytes >= HUGE_PAGE:
+        elif hugepages and HUGE_PAGE and <size_t>nbytes >= HUGE_PAGE:
             align = max(align, <Py_ssize_t>HUGE_PAGE)
             p = self._map_huge(<size_t>nbytes, <size_t>align)
         else:
             rc = posix_memalign(&p, <size_t>align, <size_t>nbytes)
             if rc:
                 raise MemoryError(f"posix_memalign({align}, {nbytes}) failed: {strerror(rc).decode()}")
-        with nogil:  # zeroing faults every page in now rather than mid-I/O, and leaks no old heap data
-            memset(p, 0, <size_t>nbytes)
+        if not self._is_view:  # a view's bytes are its parent's: already zeroed, maybe in use
+            with nogil:  # zeroing faults every page in now rather than mid-I/O, and leaks no old heap data
+                memset(p, 0, <size_t>nbytes)
         self._data = <char *>p
         self._nbytes = nbytes
         self._shape[0] = nbytes
@@ -152,7 +148,7 @@ cdef class AlignedBuffer:
 
         Why: an O_DIRECT transfer becomes one block-layer segment per physically contiguous run
         of the buffer. Scattered 4 KiB pages cap a request at max_segments pages (254 on
-        virtio-blk: ~1 MiB), so a 4 MiB read went out as 2-5 requests; a 2 MiB huge page is one
+        virtio-blk: ~1 MiB), so a 4 MiB read went out as 2-7 requests; a 2 MiB huge page is one
         segment, and the 4 MiB read one request (measured: docs/benchmarks.md "Ring vs fio").
         Where the kernel has no THP (or it is set to ``never``) this is plain page-aligned memory.
         """

@@ -4,8 +4,8 @@
 For each queue depth, in the same run and over the same files: fio (io_uring engine), the
 kvstream Ring, the Ring with buffers of scattered 4 KiB pages (AlignedBuffer(hugepages=False):
 what the Ring's buffers were before they were huge-page backed), the ThreadRing fallback, and
-fio again with registered buffers and files (to see whether registration would pay off). Runs are interleaved (repeat x depth x
-engine) so drift in a shared machine hits every engine alike. Page cache is dropped before each
+fio again with registered buffers and files (to see whether registration would pay off). Runs
+are interleaved (repeat x depth x engine) so drift in a shared machine hits every engine alike. Page cache is dropped before each
 run (root only; O_DIRECT bypasses it anyway).
 
 Reports GB/s (median and range over repeats), the ratio to plain fio at the same depth (median of
@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 from kvstream_hicache.io import OP_READ, AlignedBuffer, Ring, ThreadRing
 from kvstream_hicache.staging import BufferPool
@@ -36,6 +37,12 @@ GIB = 1 << 30
 MIB = 1 << 20
 CHUNK = 4 * MIB  # bytes per read, the KV page-group size this benchmark stands for (--chunk-mib)
 FILL = 64 * MIB  # bytes per write while laying out the files
+
+
+class Run(NamedTuple):
+    gbps: float
+    lat: list[float]  # per-op latencies, s (fio: its p50 and p99)
+    req_kib: float  # average size of the device's read requests during the run
 
 
 def layout(directory: str, total: int, nfiles: int) -> list[str]:
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
         "ThreadRing": lambda d: run_engine(lambda n: ThreadRing(n), paths, d),
         "fio +fixedbufs+registerfiles": lambda d: run_fio(paths, d, registered=True),
     }
-    results: dict[tuple[int, str], list[tuple[float, list[float], float]]] = {}
+    results: dict[tuple[int, str], list[Run]] = {}
     load_before = f"{os.getloadavg()[0]:.2f}"
     try:
         for rep in range(args.repeat):
@@ -176,7 +183,7 @@ def main(argv=None) -> int:
                     gbps, lat = fn(depth)
                     reqs1, bytes1 = device_reads(paths[0])
                     req_kib = (bytes1 - bytes0) / max(reqs1 - reqs0, 1) / 1024
-                    results.setdefault((depth, name), []).append((gbps, lat, req_kib))
+                    results.setdefault((depth, name), []).append(Run(gbps, lat, req_kib))
                     print(f"# rep {rep} depth {depth:3d} {name:30s} {gbps:6.2f} GB/s  "
                           f"{req_kib:6.0f} KiB/request", file=sys.stderr)
     finally:
@@ -192,21 +199,21 @@ def main(argv=None) -> int:
           "| KiB/request |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for depth in depths:
-        fio_rates = [g for g, _, _ in results[(depth, "fio io_uring")]]
+        fio_rates = [r.gbps for r in results[(depth, "fio io_uring")]]
         for name in engines:
             runs = results[(depth, name)]
-            rates = [g for g, _, _ in runs]
+            rates = [r.gbps for r in runs]
             # Each run is paired with the fio run of the same repeat (minutes apart at most), so a
             # neighbour's burst of I/O moves both sides of the ratio; the median of the pairs is shown.
             ratio = statistics.median(g / f for g, f in zip(rates, fio_rates))
             if name.startswith("fio"):  # fio gives percentiles per run: report the median run's
-                p50 = statistics.median(l[0] for _, l, _ in runs)
-                p99 = statistics.median(l[1] for _, l, _ in runs)
+                p50 = statistics.median(r.lat[0] for r in runs)
+                p99 = statistics.median(r.lat[1] for r in runs)
             else:
-                lat = [x for _, l, _ in runs for x in l]
+                lat = [x for r in runs for x in r.lat]
                 p50, p99 = percentile(lat, 50), percentile(lat, 99)
             med = statistics.median(rates)
-            req_kib = statistics.median(k for _, _, k in runs)
+            req_kib = statistics.median(r.req_kib for r in runs)
             print(f"| {depth} | {name} | {med:.2f} | {min(rates):.2f}-{max(rates):.2f} | "
                   f"{ratio:.2f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | {req_kib:.0f} |")
     print()

@@ -32,7 +32,7 @@ class Progress:
         self.lines, self.interval = max(lines, 1), interval
         self.t0 = time.monotonic()
         self._drawn = float("-inf")  # when the bar was last drawn
-        self._step = 0  # lines printed so far (not on a terminal)
+        self._step = 0  # the last of the ``lines`` steps printed, when not on a terminal
 
     def eta(self, done: int) -> float:
         """Seconds left at the pace so far."""

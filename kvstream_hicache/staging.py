@@ -6,9 +6,9 @@ reaped, even when that happens in a later call: the ring may still DMA into it.
 
 Buffers from SLAB_MIN up to a huge page (the 1 MiB routing blocks) are carved out of huge-page
 slabs rather than allocated one by one: a block in one physically contiguous huge page goes to
-the device as one request, where a 1 MiB buffer of scattered 4 KiB pages was split at the
-device's segment limit (two reads per block on virtio-blk, and half the throughput: see
-docs/benchmarks.md "Ring vs fio"). Larger buffers are huge-page backed by AlignedBuffer itself.
+the device as one request, where a 1 MiB buffer of scattered 4 KiB pages is split at the
+device's segment limit (827-845 KiB per request on virtio-blk, and 1.6-1.7x slower reads in
+benchmarks/bench_ring.py --chunk-mib 1: docs/benchmarks.md "Ring vs fio"). Larger buffers are huge-page backed by AlignedBuffer itself.
 """
 from __future__ import annotations
 
