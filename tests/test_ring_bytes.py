@@ -161,21 +161,25 @@ def test_aligned_buffer_as_torch_tensor():
 
 
 # -- huge pages and views ---------------------------------------------------------------------------
-def _vma_flags(address: int) -> list[str]:
-    """VmFlags of the mapping that holds ``address`` (from /proc/self/smaps)."""
-    inside = False
+def _vma(address: int) -> tuple[int, int, list[str]]:
+    """(start, end, VmFlags) of the mapping that holds ``address`` (from /proc/self/smaps)."""
+    inside = None
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split(" ", 1)[0]
             if "-" in head and not line.startswith("VmFlags"):
                 lo, _, hi = head.partition("-")
                 try:
-                    inside = int(lo, 16) <= address < int(hi, 16)
+                    inside = (int(lo, 16), int(hi, 16)) if int(lo, 16) <= address < int(hi, 16) else None
                 except ValueError:
                     pass
             elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
+                return inside[0], inside[1], line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vma_flags(address: int) -> list[str]:
+    return _vma(address)[2]
 
 
 def _thp_configured() -> bool:
@@ -206,7 +210,12 @@ def test_large_buffers_are_huge_page_aligned_and_advised(nbytes):
 def test_small_or_opted_out_buffers_take_no_huge_page_advice():
     for buf in (AlignedBuffer(1 << 20), AlignedBuffer(4 << 20, hugepages=False)):
         assert not buf.hugepages and buf.align == ALIGN and buf.address % ALIGN == 0
-        assert "hg" not in _vma_flags(buf.address)
+        lo, hi, flags = _vma(buf.address)
+        # malloc places the buffer in a mapping of its own or inside a larger one (its heap, or
+        # neighbours the kernel merged it with) whose flags other code in the process may have
+        # advised: advice is only ours to answer for when the mapping is this buffer alone
+        alone = hi - lo <= buf.nbytes + 2 * ALIGN
+        assert "hg" not in flags or not alone
         buf.close()
 
 
