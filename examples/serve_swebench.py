@@ -47,11 +47,11 @@ from typing import Callable, Sequence
 import numpy as np
 
 try:  # run from a checkout without installing the package
-    from kvstream_hicache import workload as wl
+    from kvstream_hicache.tools import workload as wl
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    from kvstream_hicache import workload as wl
-from kvstream_hicache.console import HelpFormatter, Progress
+    from kvstream_hicache.tools import workload as wl
+from kvstream_hicache.tools.console import HelpFormatter, Progress
 
 try:
     import orjson

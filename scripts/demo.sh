@@ -6,4 +6,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
-exec .venv/bin/python -m kvstream_hicache.demo "$@"
+exec .venv/bin/python -m kvstream_hicache.tools.demo "$@"

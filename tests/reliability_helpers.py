@@ -184,7 +184,7 @@ def page_files(tier_dir: str) -> list[str]:
 class LoopFs:
     """A small ext4 file system on a loop device, mounted at ``mnt``, for faults no permission bit
     can make for root: unmount, read-only remount, a full disk. Built with the bench testbed's
-    command builders (kvstream_hicache.bench.testbed), so both build loop tiers the same way."""
+    command builders (kvstream_hicache.tools.bench.testbed), so both build loop tiers the same way."""
 
     def __init__(self, root: str, name: str, size: int):
         self.image = os.path.join(root, f"{name}.img")
@@ -193,7 +193,7 @@ class LoopFs:
         self.device: str | None = None
 
     def create(self) -> "LoopFs":
-        from kvstream_hicache.bench import testbed as tb
+        from kvstream_hicache.tools.bench import testbed as tb
 
         with open(self.image, "wb") as f:
             f.truncate(self.size)
@@ -209,12 +209,12 @@ class LoopFs:
             return any(line.split()[1] == self.mnt for line in f)
 
     def mount(self) -> None:
-        from kvstream_hicache.bench import testbed as tb
+        from kvstream_hicache.tools.bench import testbed as tb
 
         _run(tb.mount_cmd(self.device, self.mnt))
 
     def umount(self) -> None:
-        from kvstream_hicache.bench import testbed as tb
+        from kvstream_hicache.tools.bench import testbed as tb
 
         _run(tb.umount_cmd(self.mnt))
 
@@ -224,7 +224,7 @@ class LoopFs:
 
     def destroy(self) -> None:
         """Unmount (lazily if busy), detach, delete the image. Idempotent, never raises."""
-        from kvstream_hicache.bench import testbed as tb
+        from kvstream_hicache.tools.bench import testbed as tb
 
         for _ in range(3):
             if not self.mounted:
@@ -286,10 +286,10 @@ def loop_fs(tier_root):
 
 # ------------------------------------------------------------------------------ child processes
 def kvstream_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run the installed ``kvstream`` command of this venv (``python -m kvstream_hicache.cli`` if the
+    """Run the installed ``kvstream`` command of this venv (``python -m kvstream_hicache.tools.cli`` if the
     console script is missing)."""
     script = os.path.join(os.path.dirname(sys.executable), "kvstream")
-    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "kvstream_hicache.cli"]
+    cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "kvstream_hicache.tools.cli"]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, env=env or dict(os.environ),
                           timeout=timeout)
 

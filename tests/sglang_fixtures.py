@@ -1,6 +1,6 @@
 """Fixtures shared by the tests/test_sglang_*.py modules: the real sglang 0.5.23 on the CPU.
 
-Importing this module installs the torchvision/triton stubs (kvstream_hicache.cpu_sglang) before anything
+Importing this module installs the torchvision/triton stubs (kvstream_hicache.tools.cpu_sglang) before anything
 imports sglang, and loads sglang's plugins through the installed entry point, exactly as a scheduler process
 does. Without sglang installed the importing module is skipped (a failure under KVSTREAM_STRICT=1, i.e. CI).
 """
@@ -20,7 +20,7 @@ for _pkg in ("sglang", "torch"):
         pytest.skip(f"{_pkg} is not installed: scripts/setup-env.sh installs the real sglang 0.5.23 and CPU torch",
                     allow_module_level=True)
 
-from kvstream_hicache import cpu_sglang  # noqa: E402
+from kvstream_hicache.tools import cpu_sglang  # noqa: E402
 
 cpu_sglang.install_stubs()
 

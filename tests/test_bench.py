@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from kvstream_hicache.bench import drift, fio, gap, geometry, testbed
-from kvstream_hicache.bench.dataset import Dataset, check, page_segments, page_views, poison
-from kvstream_hicache.bench.instrument import SpanRecorder, TimedRing
+from kvstream_hicache.tools.bench import drift, fio, gap, geometry, testbed
+from kvstream_hicache.tools.bench.dataset import Dataset, check, page_segments, page_views, poison
+from kvstream_hicache.tools.bench.instrument import SpanRecorder, TimedRing
 from kvstream_hicache.io import OP_READ, OP_WRITE
 
 MB = 1_000_000
@@ -186,7 +186,7 @@ def test_llama3_8b_page_of_64_tokens_is_4_plus_4_mib():
 
 
 def test_sglang_shape_reproduces_the_chunks():
-    from kvstream_hicache.bench.contenders import sglang_shape
+    from kvstream_hicache.tools.bench.contenders import sglang_shape
 
     for g in (geometry.from_model("llama3-8b", 64), geometry.from_bytes(1 << 16)):
         p, layers, heads, dim = sglang_shape(g)
@@ -329,7 +329,7 @@ def test_scenarios_need_what_they_drive():
 def test_write_baseline_tiers():
     from types import SimpleNamespace
 
-    from kvstream_hicache.bench.runner import UsageError, _baseline_tiers
+    from kvstream_hicache.tools.bench.runner import UsageError, _baseline_tiers
 
     bed1 = SimpleNamespace(profile=testbed.PROFILES["testbed1-1:20"])
     assert _baseline_tiers("auto", bed1, 2) == [0]  # testbed1's tier 0 writes slowest (230 MB/s)

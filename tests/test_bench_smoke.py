@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from kvstream_hicache import cli
+from kvstream_hicache.tools import cli
 
 SMALL = ["--page-bytes", "65536", "--batch", "4", "--batches", "2", "--warmup", "0", "--no-progress",
          "--verify", "-1"]
@@ -39,7 +39,7 @@ def test_bench_engine_policies_json_plot_series(tmp_path, tier_dirs):
     assert plot.stat().st_size > 0
     tiers = json.loads(series.read_text())["tiers"]
     assert len(tiers) == 2 and len(tiers[0]["t"]) == len(tiers[0]["bps"])
-    from kvstream_hicache.sim.bandwidth import load_recorded
+    from kvstream_hicache.tools.sim.bandwidth import load_recorded
 
     reads, _ = load_recorded(str(series))  # kvsim reads it as recorded tier bandwidth
     assert len(reads) == 2

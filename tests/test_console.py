@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import io
 
-from kvstream_hicache.console import Progress
+from kvstream_hicache.tools.console import Progress
 
 
 class Terminal(io.StringIO):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvstream_hicache import demo
+from kvstream_hicache.tools import demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +40,7 @@ def test_demo_small_on_plain_directories(tier_root, tmp_path):
     tiers = [os.path.join(tier_root, "fast"), os.path.join(tier_root, "slow")]
     png, out = tmp_path / "demo.png", tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstream_hicache.demo", "--small", "--tiers", os.pathsep.join(tiers),
+        [sys.executable, "-m", "kvstream_hicache.tools.demo", "--small", "--tiers", os.pathsep.join(tiers),
          "--plot", str(png), "--json", str(out), "--quiet"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )

@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from kvstream_hicache import lmcache_adapter as la
+from kvstream_hicache.lmcache import core as l2core, keys as l2keys
 from kvstream_hicache.errors import EngineClosedError
 from kvstream_hicache.io import OP_READ, Fault, FaultPlan
 from kvstream_hicache.layout import HEADER_SIZE, Namespace, TierLayout
@@ -54,7 +54,7 @@ class Server:
     """One LMCache MP storage manager with our adapter as its only L2 adapter."""
 
     def __init__(self, lmc, tiers: list[str], **params):
-        spec = {"type": "plugin", "module_path": "kvstream_hicache.lmcache_adapter",
+        spec = {"type": "plugin", "module_path": "kvstream_hicache.lmcache.adapter",
                 "class_name": "KVStreamL2Adapter",
                 "adapter_params": {"tiers": tiers, "chunk": "4K", **params}}
         self.lmc = lmc
@@ -135,7 +135,7 @@ def random_payloads(n: int, size: int, seed: int) -> list[bytes]:
 
 
 def page_path(server: Server, tier: str, key, layout) -> str:
-    ekey = la.engine_key(key, la.layout_tag(layout.shapes, layout.dtypes))
+    ekey = l2keys.engine_key(key, l2keys.layout_tag(layout.shapes, layout.dtypes))
     return TierLayout(tier, server.engine.namespace.digest).page_path(ekey)
 
 
@@ -189,7 +189,7 @@ def test_lookup_answers_from_the_index_and_pins(lmc, server_factory, tier_root):
     assert not adapter.query_lookup_and_lock_result(task).test(0)
 
     index = server.engine.index
-    ekeys = [la.engine_key(k, la.layout_tag(layout.shapes, layout.dtypes)) for k in keys]
+    ekeys = [l2keys.engine_key(k, l2keys.layout_tag(layout.shapes, layout.dtypes)) for k in keys]
     assert [index.get(k).pins for k in ekeys] == [1, 1, 1]
     adapter.submit_unlock(keys + other)  # unlock of keys never locked: ignored, never raises
     adapter.submit_unlock(keys)  # more unlocks than locks: ignored too
@@ -202,7 +202,7 @@ def test_tier_lost_mid_batch(lmc, server_factory, tier_root, monkeypatch):
     still arrives (from the other replicas), and the tier is marked failed."""
     tiers = make_tiers(tier_root, 3)
     plan = TierDeath(tiers[1], after_reads=2)
-    monkeypatch.setattr(la, "_open_engine", engine_opener(fault_plan=plan))
+    monkeypatch.setattr(l2core, "_open_engine", engine_opener(fault_plan=plan))
     server = server_factory(tiers)
     layout = layout_of(lmc, 64, 128)  # 32 KiB pages: 8 routing blocks each
     keys = chunk_keys(lmc, 8)
@@ -312,6 +312,6 @@ def fd_path(fd: int) -> str:
 
 
 def test_namespace_keeps_integration_apart():
-    assert Namespace(la.namespace_fields()).digest != Namespace(la.namespace_fields({"deployment": "b"})).digest
-    fields = la.namespace_fields({"integration": "sglang"})  # cannot be overridden
-    assert fields["integration"] == la.INTEGRATION
+    assert Namespace(l2keys.namespace_fields()).digest != Namespace(l2keys.namespace_fields({"deployment": "b"})).digest
+    fields = l2keys.namespace_fields({"integration": "sglang"})  # cannot be overridden
+    assert fields["integration"] == l2keys.INTEGRATION

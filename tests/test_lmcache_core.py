@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstream_hicache import lmcache_adapter as la
+from kvstream_hicache.lmcache import adapter as l2adapter, core as l2core, keys as l2keys
 from kvstream_hicache.config import Config
 from kvstream_hicache.layout import Namespace, is_valid_key
 
@@ -39,7 +39,7 @@ def engine(tier_dirs):
     from kvstream_hicache.engine import Engine
 
     eng = Engine(Config.from_sources({"tiers": tier_dirs[:2], "chunk": "4K"}, {}),
-                 Namespace(la.namespace_fields({"test": "core"})))
+                 Namespace(l2keys.namespace_fields({"test": "core"})))
     yield eng
     eng.close()
 
@@ -57,7 +57,7 @@ def test_engine_keys_are_valid_and_keep_everything_apart():
     import torch
 
     desc = MemoryLayoutDesc(shapes=[torch.Size([2, 16, 128])], dtypes=[torch.bfloat16])
-    tag = la.layout_tag(desc.shapes, desc.dtypes)
+    tag = l2keys.layout_tag(desc.shapes, desc.dtypes)
     assert tag == "2x16x128:bfloat16"
 
     def key(**kw):
@@ -65,17 +65,17 @@ def test_engine_keys_are_valid_and_keep_everything_apart():
         base.update(kw)
         return ObjectKey(**base)
 
-    variants = [la.engine_key(key(), tag), la.engine_key(key(model_name="org/n"), tag),
-                la.engine_key(key(kv_rank=1), tag), la.engine_key(key(object_group_id=1), tag),
-                la.engine_key(key(cache_salt="user1"), tag), la.engine_key(key(chunk_hash=b"\x02" * 32), tag),
-                la.engine_key(key(), "2x16x128:float16")]
+    variants = [l2keys.engine_key(key(), tag), l2keys.engine_key(key(model_name="org/n"), tag),
+                l2keys.engine_key(key(kv_rank=1), tag), l2keys.engine_key(key(object_group_id=1), tag),
+                l2keys.engine_key(key(cache_salt="user1"), tag), l2keys.engine_key(key(chunk_hash=b"\x02" * 32), tag),
+                l2keys.engine_key(key(), "2x16x128:float16")]
     assert len(set(variants)) == len(variants)
     assert all(is_valid_key(k) and len(k) == 64 for k in variants)
-    assert la.engine_key(key(), tag) == la.engine_key(key(), tag)  # stable across calls and processes
+    assert l2keys.engine_key(key(), tag) == l2keys.engine_key(key(), tag)  # stable across calls and processes
 
 
 def test_split_params_separates_adapter_options_from_engine_settings():
-    opts, settings = la.split_params({"tiers": ["/a"], "pool_loads": False, "namespace": {"d": 1}, "policy": "tier0"})
+    opts, settings = l2keys.split_params({"tiers": ["/a"], "pool_loads": False, "namespace": {"d": 1}, "policy": "tier0"})
     assert opts == {"pool_loads": False, "namespace": {"d": 1}}
     assert settings == {"tiers": ["/a"], "policy": "tier0"}
 
@@ -83,7 +83,7 @@ def test_split_params_separates_adapter_options_from_engine_settings():
 # --------------------------------------------------------------------------------- lookup / lock
 def test_lookup_pins_and_unlock_releases(engine):
     keys, _ = stored(engine, 3)
-    core = la.L2Core(engine)
+    core = l2core.L2Core(engine)
     try:
         task = core.submit_lookup(keys + ["f" * 64, None])
         assert core.pop_lookup(task) == [True, True, True, False, False]
@@ -105,8 +105,8 @@ def test_pinned_pages_are_not_evicted(tier_dirs):
 
     cap = 3 * (4096 + PAGE)  # three pages per tier
     eng = Engine(Config.from_sources({"tiers": tier_dirs[:2], "capacity": str(cap)}, {}),
-                 Namespace(la.namespace_fields({"test": "evict"})))
-    core = la.L2Core(eng)
+                 Namespace(l2keys.namespace_fields({"test": "evict"})))
+    core = l2core.L2Core(eng)
     try:
         keys, _ = stored(eng, 3)
         assert core.pop_lookup(core.submit_lookup(keys[:1])) == [True]  # pin the oldest
@@ -147,7 +147,7 @@ def test_load_tasks_outstanding_together_are_pooled(engine, pool):
     keys, src = stored(engine, 16, seed=4)
     gated = GatedEngine(engine)
     done = threading.Semaphore(0)
-    core = la.L2Core(gated, pool_loads=pool, on_load=lambda _t: done.release())
+    core = l2core.L2Core(gated, pool_loads=pool, on_load=lambda _t: done.release())
     try:
         dst = Pages(16)
         first = core.submit_load(keys[:2], dst.segments[:2])
@@ -168,7 +168,7 @@ def test_load_tasks_outstanding_together_are_pooled(engine, pool):
 def test_same_key_in_two_pooled_tasks_fills_both_buffers(engine):
     keys, src = stored(engine, 2, seed=6)
     gated = GatedEngine(engine)
-    core = la.L2Core(gated)
+    core = l2core.L2Core(gated)
     try:
         a, b, c = Pages(1), Pages(2), Pages(1)
         t0 = core.submit_load(keys[:1], a.segments)
@@ -185,7 +185,7 @@ def test_same_key_in_two_pooled_tasks_fills_both_buffers(engine):
 
 def test_missing_and_wrong_size_pages_fail_alone(engine):
     keys, src = stored(engine, 2, seed=8)
-    core = la.L2Core(engine)
+    core = l2core.L2Core(engine)
     try:
         small = Pages(1, size=4096)
         good = Pages(1)
@@ -219,7 +219,7 @@ class Exploding:
 def test_engine_exceptions_become_task_failures(engine):
     keys, _ = stored(engine, 2)
     events = []
-    core = la.L2Core(Exploding(engine), on_store=events.append, on_load=events.append)
+    core = l2core.L2Core(Exploding(engine), on_store=events.append, on_load=events.append)
     try:
         dst = Pages(2)
         load = core.submit_load(keys, dst.segments)
@@ -235,7 +235,7 @@ def test_engine_exceptions_become_task_failures(engine):
 
 def test_close_is_idempotent_and_later_tasks_fail_at_once(engine):
     keys, _ = stored(engine, 1)
-    core = la.L2Core(engine)
+    core = l2core.L2Core(engine)
     core.close()
     core.close()
     dst = Pages(1)
@@ -245,7 +245,7 @@ def test_close_is_idempotent_and_later_tasks_fail_at_once(engine):
 
 
 def test_store_task_reports_bytes_and_verdict(engine):
-    core = la.L2Core(engine)
+    core = l2core.L2Core(engine)
     try:
         src = Pages(3, seed=9)
         keys = [f"{i:064x}" for i in range(200, 203)]
@@ -263,7 +263,7 @@ def test_store_task_reports_bytes_and_verdict(engine):
 def test_bench_read(engine, pool):
     keys, src = stored(engine, 16, seed=10)
     dst = Pages(16)
-    result = la.bench_read(engine, keys, dst.segments, tasks=8, pool=pool)
+    result = l2core.bench_read(engine, keys, dst.segments, tasks=8, pool=pool)
     assert result.found == [True] * 16 and result.tasks == 8
     assert result.batches == (1 if pool else 8)
     assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
@@ -277,14 +277,14 @@ def test_bench_read_opens_its_own_engine_from_settings(tier_dirs):
     with Engine(Config.from_sources(settings, {}), namespace) as eng:
         keys, src = stored(eng, 4, seed=12)
     dst = Pages(4)
-    result = la.bench_read(settings, keys, dst.segments, tasks=2, namespace=namespace)
+    result = l2core.bench_read(settings, keys, dst.segments, tasks=2, namespace=namespace)
     assert result.found == [True] * 4
     assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
 
 
 # ------------------------------------------------------------------------------ LMCache class
 def test_adapter_class_loads_lazily_and_closes_twice(tier_dirs):
-    cls = la.KVStreamL2Adapter
+    cls = l2adapter.KVStreamL2Adapter
     from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
     assert issubclass(cls, L2AdapterInterface) and cls.__qualname__ == "KVStreamL2Adapter"
@@ -302,15 +302,15 @@ def test_bad_settings_raise_at_construction(tmp_path):
     from kvstream_hicache.errors import KVStreamError
 
     with pytest.raises(KVStreamError, match="tier"):
-        la.KVStreamL2Adapter({"tiers": [str(tmp_path / "missing")]})
+        l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path / "missing")]})
     with pytest.raises(KVStreamError, match="unknown kvstream setting"):
-        la.KVStreamL2Adapter({"tiers": [str(tmp_path)], "tierz": 1})
+        l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "tierz": 1})
 
 
 def test_copy_segments_across_boundaries():
     buf = (ctypes.c_char * 16)()
     src = (ctypes.c_char * 16).from_buffer_copy(bytes(range(16)))
-    assert la._copy_segments([(ctypes.addressof(src), 16)],
+    assert l2core._copy_segments([(ctypes.addressof(src), 16)],
                              [(ctypes.addressof(buf), 5), (ctypes.addressof(buf) + 5, 11)])
     assert bytes(buf) == bytes(range(16))
-    assert not la._copy_segments([(ctypes.addressof(src), 16)], [(ctypes.addressof(buf), 8)])
+    assert not l2core._copy_segments([(ctypes.addressof(src), 16)], [(ctypes.addressof(buf), 8)])

@@ -137,11 +137,11 @@ def route_summary(route) -> dict:
 # ------------------------------------------------------------------------------- SGLang half
 def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
     """Store PAGES pages through the SGLang adapter, read them back; the read batch's route."""
-    from kvstream_hicache import cpu_sglang
+    from kvstream_hicache.tools import cpu_sglang
 
     cpu_sglang.install_stubs()
     import kvstream_hicache.engine as engine_mod
-    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE_TOKENS, layers=2, heads=2, head_dim=64,
                                   device_tokens=PAGES * PAGE_TOKENS * 2)
@@ -176,7 +176,7 @@ def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
 @pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")  # opentelemetry, via LMCache
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_root, monkeypatch):  # noqa: F811
-    from kvstream_hicache import lmcache_adapter as la
+    from kvstream_hicache.lmcache import core as l2core
     from test_lmcache_adapter import chunk_keys, random_payloads
 
     if not os.path.exists(SGLANG_PYTHON):
@@ -195,7 +195,7 @@ def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_ro
 
     # LMCache half, here: the real MP StorageManager with our adapter as its L2.
     recorder: list = []
-    monkeypatch.setattr(la, "_open_engine", lambda config, namespace: scripted_engine(
+    monkeypatch.setattr(l2core, "_open_engine", lambda config, namespace: scripted_engine(
         config, namespace, tiers_l, speeds, recorder))
     server = server_factory(tiers_l, chunk=CHUNK)
     layout = lmc.MemoryLayoutDesc(shapes=[lmc.torch.Size([2, PAGE_TOKENS, 256])], dtypes=[lmc.torch.bfloat16])

@@ -38,7 +38,7 @@ def free_ports(n: int) -> list[int]:
 
 def server_command(tiers: list[str], ports: list[int]) -> list[str]:
     zmq_port, http_port, prom_port = ports
-    spec = {"type": "plugin", "module_path": "kvstream_hicache.lmcache_adapter", "class_name": "KVStreamL2Adapter",
+    spec = {"type": "plugin", "module_path": "kvstream_hicache.lmcache.adapter", "class_name": "KVStreamL2Adapter",
             "adapter_params": {"tiers": tiers}}
     lmcache = os.path.join(os.path.dirname(sys.executable), "lmcache")
     return [lmcache, "server", "--host", "127.0.0.1", "--port", str(zmq_port), "--http-host", "127.0.0.1",

@@ -20,7 +20,7 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
-from kvstream_hicache import workload as wl  # noqa: E402
+from kvstream_hicache.tools import workload as wl  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REST_S = 0.8  # the rest of a stream comes this long after the first chunk

@@ -88,7 +88,7 @@ def test_legacy_and_zero_copy_paths_share_pages(tier_dirs, drivers, plugin_loade
     """Pages written by the copying path (dynamic, interface_v1=0) are read by the zero-copy path, and the
     other way round: both store sglang's flat page (MHA layer_first segments are reordered K..., V...)."""
     pools = cpu_sglang.make_pools("mha", layout, page_size=PAGE)
-    legacy = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.hicache",
+    legacy = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.sglang.storage",
                           class_name="KVStreamHiCacheStorage", interface_v1=0)
     t1 = cpu_sglang.random_tokens(3 * PAGE, seed=31)
     t2 = cpu_sglang.random_tokens(3 * PAGE, seed=32)
@@ -132,7 +132,7 @@ def test_mla_pages_are_shared_and_only_the_writer_writes(plugin_loaded, tier_dir
 
 
 def test_namespace_keeps_models_layouts_and_mha_ranks_apart(tier_dirs):
-    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     extra = tiers_config(tier_dirs[:2])
     base = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
@@ -178,7 +178,7 @@ def test_legacy_methods_directly(tier_dirs):
     """The five legacy methods on flat page tensors, including a strided target and a missing value."""
     import torch
 
-    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
     backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2])),

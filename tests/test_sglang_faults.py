@@ -12,7 +12,7 @@ import pytest
 
 from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, tiers_config  # noqa: F401  (first: CPU stubs)
 
-from kvstream_hicache.hicache import KVStreamHiCacheStorage  # noqa: E402
+from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage  # noqa: E402
 from kvstream_hicache.io import OP_READ, Fault, FaultPlan  # noqa: E402
 
 ATTEMPTS = 40  # bounded retries under random injected failures (p=0.3 per call: a miss-all chance < 1e-9)
@@ -215,7 +215,7 @@ def test_prometheus_multiprocess_mode(tmp_path):
     from sglang_fixtures import run_python
 
     code = (
-        "from kvstream_hicache.metrics import Exporter\n"
+        "from kvstream_hicache.sglang.metrics import Exporter\n"
         "e = Exporter({'tp_rank': '0', 'dp_rank': '0', 'pp_rank': '0'}, ['/t0', '/t1'])\n"
         "e.sync({'tiers': [{'bytes_served': 300, 'read_share': 0.75, 'healthy': True},"
         " {'bytes_served': 100, 'read_share': 0.25, 'healthy': False}], 'pages_found': 4})\n"

@@ -15,7 +15,7 @@ ARGV = ["--model-path", "dummy", "--enable-hierarchical-cache", "--page-size", "
 
 CLI = textwrap.dedent("""
     import json, sys
-    from kvstream_hicache import cpu_sglang
+    from kvstream_hicache.tools import cpu_sglang
     cpu_sglang.install_stubs()
     from sglang.srt.server_args import prepare_server_args
     argv = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {argv!r}
@@ -64,13 +64,13 @@ def test_cli_rejects_kvstream_when_plugin_disabled():
 
 
 def test_plugin_module_is_import_light():
-    proc = run_python("import sys, kvstream_hicache.plugin as p; "
+    proc = run_python("import sys, kvstream_hicache.sglang.plugin as p; "
                       "print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'numpy')))")
     assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_factory_builds_kvstream_and_controller_goes_zero_copy(plugin_loaded, tier_dirs, drivers):
-    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
     drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
@@ -83,7 +83,7 @@ def test_factory_builds_kvstream_and_controller_goes_zero_copy(plugin_loaded, ti
 def test_dynamic_spelling(tier_dirs, drivers, interface_v1):
     """The no-plugin fallback: sglang's `dynamic` loader calls KVStreamHiCacheStorage(storage_config, {})."""
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
-    extra = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.hicache",
+    extra = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.sglang.storage",
                          class_name="KVStreamHiCacheStorage", interface_v1=interface_v1)
     drv = drivers(pools, "dynamic", extra_config=extra)
     assert drv.zero_copy == bool(interface_v1)
@@ -104,7 +104,7 @@ def test_bad_extra_config_fails_the_attach_with_the_key_named(plugin_loaded, tie
 
 def test_constructor_paths_and_idempotent_close(tier_dirs):
     """Both factory shapes; close twice; calls after close answer misses without raising."""
-    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
     cfg = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2]))
@@ -129,7 +129,7 @@ def test_docs_list_every_setting_and_sglang_key():
     from pathlib import Path
 
     from kvstream_hicache.config import SETTINGS, env_name
-    from kvstream_hicache.hicache import SGLANG_KEYS
+    from kvstream_hicache.sglang.storage import SGLANG_KEYS
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "sglang.md").read_text()
     for key in SETTINGS:
@@ -143,7 +143,7 @@ def test_docs_list_every_setting_and_sglang_key():
 def test_startup_line_logged_once_on_rank0(tier_dirs, caplog, tp_rank, layout, mode):
     import logging
 
-    from kvstream_hicache.hicache import KVStreamHiCacheStorage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     pools = cpu_sglang.make_pools("mha", layout, page_size=PAGE)
     cfg = cpu_sglang.storage_config(pools, tp_rank=tp_rank, tp_size=2, extra_config=tiers_config(tier_dirs[:2]))

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from kvstream_hicache.router import StaticSplit, simulate
-from kvstream_hicache.sim import model
-from kvstream_hicache.sim.bandwidth import Bursty, Constant, Periodic, Recorded, load_recorded, parse_series
-from kvstream_hicache.sim.cli import main
-from kvstream_hicache.sim.simulator import (
+from kvstream_hicache.tools.sim import model
+from kvstream_hicache.tools.sim.bandwidth import Bursty, Constant, Periodic, Recorded, load_recorded, parse_series
+from kvstream_hicache.tools.sim.cli import main
+from kvstream_hicache.tools.sim.simulator import (
     SimConfig,
     capacity_sweep,
     mean_share,
@@ -22,8 +22,8 @@ from kvstream_hicache.sim.simulator import (
     run_policy,
     static_sweep,
 )
-from kvstream_hicache.sim.trace import brute_force_distances, build_stream, load_requests, lru_misses
-from kvstream_hicache.workload import Request
+from kvstream_hicache.tools.sim.trace import brute_force_distances, build_stream, load_requests, lru_misses
+from kvstream_hicache.tools.workload import Request
 
 GB = 1e9
 

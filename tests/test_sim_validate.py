@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvstream_hicache.sim import model
-from kvstream_hicache.sim.cli import main
-from kvstream_hicache.sim.validate import predict_batch, summary, table, validate_files, validate_run
+from kvstream_hicache.tools.sim import model
+from kvstream_hicache.tools.sim.cli import main
+from kvstream_hicache.tools.sim.validate import predict_batch, summary, table, validate_files, validate_run
 
 GB = 1e9
 PAGE = 8 * 2**20

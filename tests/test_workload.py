@@ -9,7 +9,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kvstream_hicache import workload as wl
+from kvstream_hicache.tools import workload as wl
 
 # The public Mooncake traces are read from a path, never copied into the repository: beside the checkout
 # (../shared/traces/mooncake, as on the project's machines) or wherever KVSTREAM_TRACES points.

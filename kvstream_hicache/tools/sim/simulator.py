@@ -45,7 +45,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..router import CompletionDriven, Policy, SingleTier, StaticSplit, simulate
+from ...router import CompletionDriven, Policy, SingleTier, StaticSplit, simulate
 from . import model
 from .bandwidth import Series
 from .trace import BlockStream

@@ -40,7 +40,7 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 
     errors: list[type[BaseException]] = [TestbedError, UsageError]
     try:
-        from .errors import KVStreamError
+        from ..errors import KVStreamError
 
         errors.append(KVStreamError)
     except ImportError:  # pragma: no cover - errors.py is part of the package
@@ -136,14 +136,14 @@ def _testbed(args) -> int:
 
 # ------------------------------------------------------------------------------------ check / info
 def _config(tiers: Sequence[str] | None):
-    from .config import Config
+    from ..config import Config
 
     return Config.from_sources({"tiers": list(tiers)} if tiers else None)
 
 
 def _check(args) -> int:
     try:
-        from .integrity import check_tiers
+        from ..integrity import check_tiers
     except ImportError as exc:
         print(f"kvstream check: the consistency check is not available in this build ({exc})", file=sys.stderr)
         return 2
@@ -226,7 +226,7 @@ def _tier_dirs(cfg) -> list[str]:
 
 
 def _tier_status(path: str) -> dict:
-    from .layout import PAGE_SUFFIX, ROOT_DIR, is_digest
+    from ..layout import PAGE_SUFFIX, ROOT_DIR, is_digest
 
     out: dict = {"dir": path, "ok": False}
     if not os.path.isdir(path):

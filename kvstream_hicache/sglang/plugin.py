@@ -30,7 +30,7 @@ import logging
 import sys
 
 NAME = "kvstream"
-MODULE = "kvstream_hicache.hicache"
+MODULE = "kvstream_hicache.sglang.storage"
 CLASS = "KVStreamHiCacheStorage"
 
 _FACTORY_TARGET = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_builtin_backend"

@@ -102,7 +102,7 @@ class LMCacheReads(EngineReads):
     TASKS = 8  # LMCache's prefetch controller keeps up to 8 requests in flight
 
     def read(self, batch: Batch) -> Outcome:
-        from ..lmcache_adapter import bench_read
+        from ...lmcache.core import bench_read
 
         run = bench_read(self.engine, list(batch.keys), self.segments[: len(batch.keys)], tasks=self.TASKS)
         records = self.engine.stats()["history"][-run.batches:] if run.batches else []
@@ -274,7 +274,7 @@ class AdapterReads(Contender):
     name = SGLANG_ADAPTER
 
     def __init__(self, host: SglangHost, tiers: Sequence[str], model_name: str, extra: dict | None = None):
-        from ..hicache import KVStreamHiCacheStorage
+        from ...sglang.storage import KVStreamHiCacheStorage
 
         self.host = host
         cfg = host.storage_config(model_name, {"tiers": list(tiers), **(extra or {})})

@@ -19,7 +19,7 @@ identical prefixes, down to the token.
 
 Typical use::
 
-    from kvstream_hicache import workload
+    from kvstream_hicache.tools import workload
     reqs = workload.generate_swebench(sessions=130, requests=4000, order="random", seed=0)
     print(workload.format_summary(workload.summarize(reqs)))
     workload.write_mooncake(reqs, "swebench.jsonl")

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
-from ..io import OP_READ, open_ring
+from ...io import OP_READ, open_ring
 
 
 class SpanRecorder:
@@ -132,7 +132,7 @@ def ring_factory(recorder: SpanRecorder) -> Callable:
 @contextmanager
 def instrumented_engines(recorder: SpanRecorder) -> Iterator[None]:
     """Engines constructed inside this block (e.g. by the SGLang adapter) get instrumented rings."""
-    from .. import engine as engine_mod
+    from ... import engine as engine_mod
 
     original = engine_mod.Engine
 

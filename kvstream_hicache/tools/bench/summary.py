@@ -2,7 +2,7 @@
 Markdown tables and two figures per testbed (gap per policy and scenario; gap against the static
 share g, the V of the paper's Figure 21).
 
-    python -m kvstream_hicache.bench.summary out/*.json --md out/summary.md --img-dir docs/img
+    python -m kvstream_hicache.tools.bench.summary out/*.json --md out/summary.md --img-dir docs/img
 """
 from __future__ import annotations
 

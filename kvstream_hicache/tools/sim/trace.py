@@ -1,7 +1,7 @@
 """Workloads for kvsim: Mooncake traces or generated ones, arrival order and rate, and the block stream
 with its reuse distances.
 
-Requests come from the project's shared workload module (``kvstream_hicache.workload``: the Mooncake
+Requests come from the project's shared workload module (``kvstream_hicache.tools.workload``: the Mooncake
 JSONL reader, session inference, session re-interleaving and the rate factor), so kvsim and the
 examples read traces the same way. This module adds what the model needs on top:
 

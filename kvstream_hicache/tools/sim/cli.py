@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvsim", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
-    src.add_argument("--workload", choices=["swebench"], help="a generated workload (kvstream_hicache.workload)")
+    src.add_argument("--workload", choices=["swebench"], help="a generated workload (kvstream_hicache.tools.workload)")
     src.add_argument("--validate-bench", nargs="+", metavar="RUN_JSON",
                      help="predict each policy's gap from the bandwidths measured in these `kvstream bench --json` "
                           "runs and compare with the measured gap (uses --m, --depth, --json)")

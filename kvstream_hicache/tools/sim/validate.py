@@ -33,7 +33,7 @@ import re
 from typing import Iterable, Sequence
 
 from ..bench.gap import interpolate
-from ..router import CompletionDriven, simulate
+from ...router import CompletionDriven, simulate
 from . import model
 
 __all__ = ["SOURCES", "predict_batch", "validate_run", "validate_files", "summary", "table"]

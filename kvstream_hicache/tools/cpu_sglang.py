@@ -8,7 +8,7 @@ exercise the same code paths as a GPU server, minus the device<->host copies (th
 
 Typical use::
 
-    from kvstream_hicache import cpu_sglang
+    from kvstream_hicache.tools import cpu_sglang
     cpu_sglang.install_stubs()                      # before anything imports sglang
     cpu_sglang.load_kvstream_plugin()               # sglang's load_plugins(): "kvstream" becomes a backend name
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=16, layers=2)
@@ -165,7 +165,7 @@ def load_kvstream_plugin() -> None:
     if "kvstream" not in StorageBackendFactory._registry:
         from sglang.srt.plugins.hook_registry import HookRegistry
 
-        from . import plugin
+        from ..sglang import plugin
 
         plugin.register()
         HookRegistry.apply_hooks()

@@ -1,16 +1,7 @@
-"""The vLLM path: kvstream_hicache as ONE LMCache L2 adapter (LMCache 0.5.6 multiprocess mode).
+"""The LMCache adapter's task machinery over one engine (:class:`L2Core`), without LMCache's types.
 
-LMCache's ``lmcache server`` keeps L1 (a shared-memory arena) and hands L2 adapters store, lookup-and-lock
-and load tasks; vLLM talks to that server through ``LMCacheMPConnector``. This module plugs the engine
-in as one ``{"type": "plugin", ...}`` adapter, so LMCache's inter-adapter policies never see the tiers:
-replication and completion-driven routing stay inside :class:`~kvstream_hicache.engine.Engine`, the same
-engine and router the SGLang adapter drives (docs/lmcache.md)::
-
-    lmcache server ... --l2-adapter '{"type": "plugin", "module_path": "kvstream_hicache.lmcache_adapter",
-                                     "class_name": "KVStreamL2Adapter",
-                                     "adapter_params": {"tiers": ["/nvme/kv", "/pfs/kv"]}}'
-
-Lifecycle of a task (each kind has its own eventfd; a task's result is handed out exactly once)::
+Lifecycle of a task (each kind has its own eventfd in the adapter; a task's result is handed out
+exactly once)::
 
     submit_store_task(keys, objs) -> id     store worker: engine.put (replicate to every tier)
         pop_completed_store_tasks()          {id: L2StoreResult}: one verdict per task, as LMCache wants
@@ -21,25 +12,16 @@ Lifecycle of a task (each kind has its own eventfd; a task's result is handed ou
     submit_unlock(keys)                      into ONE routed engine batch (LMCache keeps up to 8
                                              requests in flight); unlock never fails.
 
-Keys. An LMCache ``ObjectKey`` (model, kv rank, object group, chunk hash, cache salt) plus the object's
-layout (shapes and dtypes) is hashed to a 64-hex engine key (:func:`engine_key`), so models, ranks,
-groups, salts and layouts never share a page; the engine's :class:`~kvstream_hicache.layout.Namespace`
-(``integration: lmcache-mp`` plus the ``namespace`` adapter parameter) keeps the directory apart from
-SGLang's pages in shared tiers.
-
 Errors. Nothing raises into LMCache's controller threads: a failing page is a 0 in its bitmap, a failing
 store fails its task, every unexpected exception becomes that verdict plus a warning and a counter
 (``report_status()['errors']``). Only construction raises (bad configuration: ``KVStreamError``).
 
-The LMCache-facing class is built on first access (module ``__getattr__``), so this module imports
-without LMCache or torch: :class:`L2Core` (the task machinery, plain keys and ``(address, nbytes)``
-segments) and :func:`bench_read` also serve ``kvstream bench`` from the SGLang environment.
+Plain keys and ``(address, nbytes)`` segments, no LMCache or torch: :class:`L2Core` and
+:func:`bench_read` also serve ``kvstream bench`` from the SGLang environment.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import itertools
 import logging
 import threading
@@ -47,63 +29,18 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from .keys import namespace_fields
+
 log = logging.getLogger("kvstream")
 
 Segment = tuple[int, int]  # (address, nbytes)
 
-KEY_SCHEME = "sha256(model@rank@group@hash@salt#layout)/1"  # changes only with a new key format
-INTEGRATION = "lmcache-mp"
-# adapter_params that belong to the adapter; every other key is an engine setting (config.SETTINGS).
-ADAPTER_PARAMS = {
-    "namespace": "dict merged into the engine namespace (e.g. {'deployment': 'prod-a'}): pages written "
-                 "under another namespace are never found",
-    "pool_loads": "true (default): load tasks waiting together are read as one routed batch",
-    "max_pool_pages": "largest pooled load batch, pages (default 4096)",
-}
 DEFAULT_MAX_POOL_PAGES = 4096
-
-
-# ------------------------------------------------------------------------------------------- keys
-def layout_tag(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]) -> str:
-    """Canonical text of an object layout: ``2x16x104:bfloat16`` per tensor, ``;``-joined.
-    The same for a stored ``MemoryObj`` (``get_shapes/get_dtypes``) and a lookup's ``MemoryLayoutDesc``."""
-    return ";".join("x".join(str(int(d)) for d in shape) + ":" + str(dtype).removeprefix("torch.")
-                    for shape, dtype in zip(shapes, dtypes, strict=True))
-
-
-def engine_key(key: Any, layout: str) -> str:
-    """64-hex engine key of an LMCache ``ObjectKey`` under ``layout`` (see :func:`layout_tag`).
-
-    '@' cannot occur in ``model_name`` or ``cache_salt`` (LMCache rejects it), so the string form is
-    unambiguous; sha256 makes it a valid engine key of fixed length whatever the model name."""
-    text = (f"{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
-            f"@{key.cache_salt}#{layout}")
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def namespace_fields(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Engine namespace of the LMCache MP path (``extra`` may not override the two fixed fields)."""
-    fields = dict(extra or {})
-    fields.update(integration=INTEGRATION, keys=KEY_SCHEME)
-    return fields
-
-
-def split_params(params: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(adapter options, engine settings) from LMCache's ``adapter_params``."""
-    params = dict(params or {})
-    adapter = {k: params.pop(k) for k in list(params) if k in ADAPTER_PARAMS}
-    return adapter, params
-
-
-def _flag(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
 
 
 def _open_engine(config: Any, namespace: Any) -> Any:
     """Build the engine (one module-level seam: tests swap it to inject rings and faults)."""
-    from .engine import Engine
+    from ..engine import Engine
 
     return Engine(config, namespace)
 
@@ -113,8 +50,8 @@ def open_engine(engine_params: Mapping[str, Any], namespace_extra: Mapping[str, 
     """Config (explicit params > ``KVSTREAM_*`` > defaults) + namespace -> a started engine.
 
     :raises KVStreamError: bad setting or unusable tier, the message names it and the fix."""
-    from .config import Config
-    from .layout import Namespace
+    from ..config import Config
+    from ..layout import Namespace
 
     config = Config.from_sources(engine_params, environ)
     return _open_engine(config, Namespace(namespace_fields(namespace_extra)))
@@ -467,12 +404,12 @@ def bench_read(engine: Any, keys: Sequence[str], buffers: Sequence[Sequence[Segm
     """
     if len(keys) != len(buffers):
         raise ValueError(f"{len(keys)} keys for {len(buffers)} buffers")
-    from .config import Config
+    from ..config import Config
 
     own = isinstance(engine, (Config, Mapping))
     if own:
-        from .engine import Engine
-        from .layout import Namespace
+        from ..engine import Engine
+        from ..layout import Namespace
 
         config = engine if isinstance(engine, Config) else Config.from_sources(engine)
         if not isinstance(namespace, Namespace):
@@ -495,186 +432,3 @@ def bench_read(engine: Any, keys: Sequence[str], buffers: Sequence[Sequence[Segm
         if own:
             engine.close()
 
-
-# -------------------------------------------------------------------------------------- LMCache
-def __getattr__(name: str) -> Any:
-    """``KVStreamL2Adapter`` is built on first access: importing this module needs no LMCache."""
-    classes = _lmcache_classes() if name in _LMCACHE_CLASSES else None
-    if classes is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals().update(classes)
-    return classes[name]
-
-
-_LMCACHE_CLASSES = ("KVStreamL2Adapter",)
-
-
-@functools.cache
-def _lmcache_classes() -> dict[str, type]:
-    try:
-        from lmcache.lmcache_native import Bitmap
-        from lmcache.v1.distributed.internal_api import L2StoreResult
-        from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-        from lmcache.v1.platform import create_event_notifier
-    except ImportError as exc:
-        raise ImportError(f"kvstream_hicache.lmcache_adapter.KVStreamL2Adapter needs lmcache 0.5.6 ({exc}); "
-                          "install it with scripts/setup-lmcache-env.sh (a separate venv)") from exc
-
-    def bitmap(bits: list[bool]) -> Any:
-        out = Bitmap(len(bits))
-        out.batched_set([i for i, bit in enumerate(bits) if bit])
-        return out
-
-    class KVStreamL2Adapter(L2AdapterInterface):
-        """LMCache L2 adapter over a kvstream engine (see the module docstring).
-
-        :param params: LMCache's ``adapter_params``: engine settings (``tiers``, ``capacity``,
-            ``policy``, ... as ``KVSTREAM_*``; explicit wins over the variable) and the adapter's own
-            (:data:`ADAPTER_PARAMS`).
-        :param l1_memory_desc: LMCache's L1 arena (unused: the engine stages reads in its own aligned
-            buffers and copies into L1, so no registration is needed).
-        :param engine: an engine to use instead of opening one (tests, embedding); not closed here.
-        :raises KVStreamError: bad setting or unusable tier (LMCache then fails to start the server).
-        """
-
-        def __init__(self, params: Mapping[str, Any] | None = None, l1_memory_desc: Any = None, *,
-                     engine: Any = None, environ: Mapping[str, str] | None = None):
-            super().__init__(max_capacity_bytes=0)  # the engine evicts per tier; LMCache must not
-            opts, settings = split_params(params)
-            self._own_engine = engine is None
-            self.engine = open_engine(settings, opts.get("namespace"), environ) if engine is None else engine
-            self._efds = [create_event_notifier() for _ in range(3)]  # store, lookup, load: distinct fds
-            self._closed = False
-            self.core = L2Core(self.engine, on_store=lambda _t: self._efds[0].notify(),
-                               on_lookup=lambda _t: self._efds[1].notify(),
-                               on_load=lambda _t: self._efds[2].notify(),
-                               pool_loads=_flag(opts.get("pool_loads", True)),
-                               max_pool_pages=int(opts.get("max_pool_pages", DEFAULT_MAX_POOL_PAGES)))
-            self._store_keys: dict[int, tuple[list, list[int]]] = {}  # task -> (ObjectKeys, sizes)
-            self._load_keys: dict[int, list] = {}
-            self._meta_lock = threading.Lock()
-            config = getattr(self.engine, "config", None)
-            log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; namespace %s",
-                     config.summary() if config is not None else "engine given",
-                     "on" if self.core.pool_loads else "off",
-                     getattr(getattr(self.engine, "namespace", None), "digest", "?"))
-
-        # -- event fds --------------------------------------------------------------------------
-        def get_store_event_fd(self) -> int:
-            return self._efds[0].fileno()
-
-        def get_lookup_and_lock_event_fd(self) -> int:
-            return self._efds[1].fileno()
-
-        def get_load_event_fd(self) -> int:
-            return self._efds[2].fileno()
-
-        # -- store ------------------------------------------------------------------------------
-        def submit_store_task(self, keys: list, objects: list) -> int:
-            ekeys, pages = self._map_objects(keys, objects)
-            task_id = self.core.submit_store(ekeys, pages)
-            with self._meta_lock:
-                self._store_keys[task_id] = (list(keys), [_nbytes(p) for p in pages])
-            return task_id
-
-        def pop_completed_store_tasks(self) -> dict:
-            out = {}
-            for task_id, (ok, nbytes) in self.core.pop_stores().items():
-                with self._meta_lock:
-                    keys, sizes = self._store_keys.pop(task_id, ([], []))
-                if ok and keys:
-                    self._notify_safely(self._notify_keys_stored, keys, sizes)
-                out[task_id] = L2StoreResult(ok, nbytes)
-            return out
-
-        # -- lookup and lock --------------------------------------------------------------------
-        def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: dict) -> int:
-            ekeys: list[str | None] = []
-            tags: dict[int, str | None] = {}
-            for key in keys:
-                try:
-                    group = key.object_group_id
-                    if group not in tags:
-                        desc = (group_layout_descs or {}).get(group)
-                        tags[group] = None if desc is None else layout_tag(desc.shapes, desc.dtypes)
-                    ekeys.append(None if tags[group] is None else engine_key(key, tags[group]))
-                except Exception:
-                    self.core.report_error("lookup key mapping")
-                    ekeys.append(None)
-            # Locks are kept under the ObjectKey: unlock carries no layout to rebuild the engine key.
-            return self.core.submit_lookup(ekeys, lock_keys=keys)
-
-        def query_lookup_and_lock_result(self, task_id: int) -> Any:
-            hits = self.core.pop_lookup(task_id)
-            return None if hits is None else bitmap(hits)
-
-        def submit_unlock(self, keys: list) -> None:
-            self.core.unlock(keys)
-
-        # -- load -------------------------------------------------------------------------------
-        def submit_load_task(self, keys: list, objects: list) -> int:
-            ekeys, pages = self._map_objects(keys, objects)
-            task_id = self.core.submit_load(ekeys, pages)
-            with self._meta_lock:
-                self._load_keys[task_id] = list(keys)
-            return task_id
-
-        def query_load_result(self, task_id: int) -> Any:
-            found = self.core.pop_load(task_id)
-            if found is None:
-                return None
-            with self._meta_lock:
-                keys = self._load_keys.pop(task_id, [])
-            hit = [k for k, f in zip(keys, found) if f]
-            if hit:
-                self._notify_safely(self._notify_keys_accessed, hit)
-            return bitmap(found)
-
-        # -- housekeeping -----------------------------------------------------------------------
-        def report_status(self) -> dict:
-            status: dict[str, Any] = {"is_healthy": False, "type": "KVStreamL2Adapter"}
-            status.update(self.core.stats())
-            try:
-                engine = status["engine"] = self.engine.stats()
-                status["is_healthy"] = not self._closed and any(t["healthy"] for t in engine["tiers"])
-            except Exception:  # closed engine, or a stats bug: report, never raise into LMCache
-                status["engine"] = "unavailable"
-            return status
-
-        def close(self) -> None:
-            if self._closed:
-                return
-            self._closed = True
-            self.core.close()
-            if self._own_engine:
-                self.engine.close()
-            for efd in self._efds:
-                efd.close()
-
-        # -- helpers ----------------------------------------------------------------------------
-        def _map_objects(self, keys: list, objects: list) -> tuple[list[str | None], list]:
-            """ObjectKeys + MemoryObjs -> engine keys + one-segment pages of the object's logical
-            bytes (L1 objects are 4096-aligned; the engine stages O_DIRECT reads itself, so the
-            padding between get_size() and get_physical_size() is never touched)."""
-            ekeys: list[str | None] = []
-            pages: list = []
-            for i, key in enumerate(keys):
-                try:
-                    obj = objects[i]
-                    ekeys.append(engine_key(key, layout_tag(obj.get_shapes(), obj.get_dtypes())))
-                    pages.append([(obj.data_ptr, obj.get_size())])
-                except Exception:  # a key or buffer we cannot map: that page fails, the task goes on
-                    self.core.report_error("key/buffer mapping")
-                    ekeys.append(None)
-                    pages.append(None)
-            return ekeys, pages
-
-        def _notify_safely(self, notify: Callable, *args: Any) -> None:
-            try:
-                notify(*args)
-            except Exception:
-                self.core.report_error("LMCache listener")
-
-    KVStreamL2Adapter.__qualname__ = "KVStreamL2Adapter"  # built in a function; name it as imported
-    KVStreamL2Adapter.__module__ = __name__
-    return {"KVStreamL2Adapter": KVStreamL2Adapter}

@@ -57,7 +57,7 @@ def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
 
 def kvsim_series(doc: dict, *, relative: bool = True) -> dict:
     """Per-tier read bandwidth over time as measured by the run's batches, in kvsim's recorded format
-    (``kvstream_hicache/sim/bandwidth.py``): ``{"tiers": [{"name", "t": [s], "bps": [bytes/s]}]}``.
+    (``kvstream_hicache/tools/sim/bandwidth.py``): ``{"tiers": [{"name", "t": [s], "bps": [bytes/s]}]}``.
 
     One sample per batch that measured the tier itself, at the batch's midpoint; ``relative``: ``t``
     starts at 0 (kvsim holds each value until the next sample and repeats the record).

@@ -1,4 +1,4 @@
-"""kvstream in a few minutes, without a GPU: ``python -m kvstream_hicache.demo``.
+"""kvstream in a few minutes, without a GPU: ``python -m kvstream_hicache.tools.demo``.
 
 What runs is sglang's own HiCache storage path, on the CPU: a real host KV pool shaped like a model's
 (Llama-3-8B's KV geometry with fewer layers, so it fits in memory) and a real ``HybridCacheController``
@@ -39,9 +39,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import KVStreamError
 from . import workload as wl
 from .console import HelpFormatter, Progress
-from .errors import KVStreamError
 
 # Llama-3-8B's KV geometry: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token. The demo keeps
 # the per-layer shape and fewer layers, so a page has the real K/V chunk structure at a size that fits.
@@ -405,7 +405,7 @@ def plot(kv: Run, fb: Run | None, tiers: Tiers, path: str) -> None:
 
 # ------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m kvstream_hicache.demo", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m kvstream_hicache.tools.demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--tiers", help="two (or more) directories, fastest first, separated by ':' "
                                    "(default: throttled loop devices as root, else temporary directories)")
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
         f"{HEAD_DIM} dims, bf16, {PAGE_TOKENS}-token pages, page_first -> {token_bytes // 1024} KiB per token, "
         f"{token_bytes * PAGE_TOKENS / 2**20:.1f} MiB per page (the full model: "
         f"{2 * MODEL_LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES // 1024} KiB per token)")
-    log("  workload   generated SWE-bench-agentic sessions (kvstream_hicache.workload), in arrival order:")
+    log("  workload   generated SWE-bench-agentic sessions (kvstream_hicache.tools.workload), in arrival order:")
     log("\n".join("           " + line for line in wl.format_summary(wl.summarize(requests)).splitlines()))
     log("  importing sglang (stubbing torchvision/triton for a CPU host) ...")
     t0 = time.perf_counter()

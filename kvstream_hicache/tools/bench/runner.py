@@ -98,9 +98,9 @@ def run_cli(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------- the run
 def run(args: argparse.Namespace, log=print) -> dict:
-    from ..config import Config
-    from ..layout import Namespace
-    from ..router import parse_policy
+    from ...config import Config
+    from ...layout import Namespace
+    from ...router import parse_policy
 
     try:
         geom = (geometry.from_bytes(args.page_bytes) if args.page_bytes is not None
@@ -139,8 +139,8 @@ def run(args: argparse.Namespace, log=print) -> dict:
             f"({args.batch * geom.page_bytes / 2**30:.2f} GiB), {n_data} distinct batches, {args.batches} rounds; "
             f"tiers {', '.join(roots)}" + (f" (testbed {bed.profile.name})" if bed else ""))
 
-        from ..engine import Engine
-        from ..io import AlignedBuffer
+        from ...engine import Engine
+        from ...io import AlignedBuffer
 
         namespace = Namespace({"bench": "kvstream-bench", "geometry": geom.label, "segments": list(geom.segments),
                                "seed": args.seed})
@@ -289,8 +289,8 @@ def _baseline_tiers(spec: str, bed, n_tiers: int) -> list[int]:
 
 def _write_baselines(args, bed, dirs, namespace, engine_extra, ds: Dataset, src, log) -> dict[str, float]:
     """Seconds to write the data set to each baseline tier alone (a one-tier engine, same pages)."""
-    from ..config import Config
-    from ..engine import Engine
+    from ...config import Config
+    from ...engine import Engine
 
     out = {}
     for k in _baseline_tiers(args.write_baseline, bed, len(dirs)):

@@ -40,8 +40,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from .config import LOADER_KEYS, Config
-from .layout import ALIGN, Namespace, is_valid_key
+from ..config import LOADER_KEYS, Config
+from ..layout import ALIGN, Namespace, is_valid_key
 
 log = logging.getLogger("kvstream.sglang")
 
@@ -467,7 +467,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         return fields
 
     def _open_engine(self, namespace: Namespace):
-        from .engine import Engine
+        from ..engine import Engine
 
         # The engine announces itself at INFO on every rank; sglang gets one line instead, from rank 0
         # (startup_line), which carries the same facts plus the host-pool side.

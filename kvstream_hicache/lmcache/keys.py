@@ -1,0 +1,55 @@
+"""LMCache keys and settings mapped onto the engine's: keys, namespace, adapter_params. Pure.
+
+An LMCache ``ObjectKey`` (model, kv rank, object group, chunk hash, cache salt) plus the object's layout
+(shapes and dtypes) is hashed to a 64-hex engine key (:func:`engine_key`), so models, ranks, groups, salts
+and layouts never share a page; the engine's :class:`~kvstream_hicache.layout.Namespace`
+(``integration: lmcache-mp`` plus the ``namespace`` adapter parameter) keeps the directory apart from
+SGLang's pages in shared tiers.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+KEY_SCHEME = "sha256(model@rank@group@hash@salt#layout)/1"  # changes only with a new key format
+INTEGRATION = "lmcache-mp"
+# adapter_params that belong to the adapter; every other key is an engine setting (config.SETTINGS).
+ADAPTER_PARAMS = {
+    "namespace": "dict merged into the engine namespace (e.g. {'deployment': 'prod-a'}): pages written "
+                 "under another namespace are never found",
+    "pool_loads": "true (default): load tasks waiting together are read as one routed batch",
+    "max_pool_pages": "largest pooled load batch, pages (default 4096)",
+}
+
+
+def layout_tag(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]) -> str:
+    """Canonical text of an object layout: ``2x16x104:bfloat16`` per tensor, ``;``-joined.
+    The same for a stored ``MemoryObj`` (``get_shapes/get_dtypes``) and a lookup's ``MemoryLayoutDesc``."""
+    return ";".join("x".join(str(int(d)) for d in shape) + ":" + str(dtype).removeprefix("torch.")
+                    for shape, dtype in zip(shapes, dtypes, strict=True))
+
+
+def engine_key(key: Any, layout: str) -> str:
+    """64-hex engine key of an LMCache ``ObjectKey`` under ``layout`` (see :func:`layout_tag`).
+
+    '@' cannot occur in ``model_name`` or ``cache_salt`` (LMCache rejects it), so the string form is
+    unambiguous; sha256 makes it a valid engine key of fixed length whatever the model name."""
+    text = (f"{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
+            f"@{key.cache_salt}#{layout}")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def namespace_fields(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Engine namespace of the LMCache MP path (``extra`` may not override the two fixed fields)."""
+    fields = dict(extra or {})
+    fields.update(integration=INTEGRATION, keys=KEY_SCHEME)
+    return fields
+
+
+def split_params(params: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(adapter options, engine settings) from LMCache's ``adapter_params``."""
+    params = dict(params or {})
+    adapter = {k: params.pop(k) for k in list(params) if k in ADAPTER_PARAMS}
+    return adapter, params
+
