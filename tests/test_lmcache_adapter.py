@@ -53,8 +53,8 @@ def lmc():
 class Server:
     """One LMCache MP storage manager with our adapter as its only L2 adapter."""
 
-    def __init__(self, lmc, tiers: list[str], **params):
-        spec = {"type": "plugin", "module_path": "kvstream_hicache.lmcache.adapter",
+    def __init__(self, lmc, tiers: list[str], module_path: str = "kvstream_hicache.lmcache.adapter", **params):
+        spec = {"type": "plugin", "module_path": module_path,
                 "class_name": "KVStreamL2Adapter",
                 "adapter_params": {"tiers": tiers, "chunk": "4K", **params}}
         self.lmc = lmc
@@ -107,8 +107,8 @@ class Server:
 def server_factory(lmc):
     servers: list[Server] = []
 
-    def make(tiers, **params) -> Server:
-        server = Server(lmc, tiers, **params)
+    def make(tiers, module_path: str = "kvstream_hicache.lmcache.adapter", **params) -> Server:
+        server = Server(lmc, tiers, module_path, **params)
         servers.append(server)
         return server
 
@@ -168,6 +168,21 @@ def test_round_trip_through_l1_and_l2(lmc, server_factory, tier_root, n_tiers, h
     assert status["load_failed_pages"] == 0
     assert engine.stats()["pages"] == len(keys)
     assert engine.check() == []
+
+
+def test_old_module_path_loads_the_same_adapter(lmc, server_factory, tier_root):
+    """Configurations written before the layout changed name ``kvstream_hicache.lmcache_adapter``: LMCache
+    loads the very same class from it, and it serves."""
+    from kvstream_hicache import lmcache_adapter
+    from kvstream_hicache.lmcache import adapter
+
+    server = server_factory(make_tiers(tier_root, 2), module_path="kvstream_hicache.lmcache_adapter")
+    assert type(server.adapter) is adapter.KVStreamL2Adapter is lmcache_adapter.KVStreamL2Adapter
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 2)
+    payloads = random_payloads(len(keys), 4 * 16 * 128, seed=7)
+    server.write_through(keys, layout, payloads)
+    assert server.prefetch(keys, layout) == (len(keys), payloads)
 
 
 def test_lookup_answers_from_the_index_and_pins(lmc, server_factory, tier_root):

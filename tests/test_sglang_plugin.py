@@ -63,8 +63,9 @@ def test_cli_rejects_kvstream_when_plugin_disabled():
     assert out["after_load"] == "exit 2"
 
 
-def test_plugin_module_is_import_light():
-    proc = run_python("import sys, kvstream_hicache.sglang.plugin as p; "
+@pytest.mark.parametrize("module", ["kvstream_hicache.sglang.plugin", "kvstream_hicache.plugin"])
+def test_plugin_module_is_import_light(module):
+    proc = run_python(f"import sys, {module} as p; "
                       "print('HEAVY', sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang', 'numpy')))")
     assert "HEAVY []" in proc.stdout, proc.stdout + proc.stderr
 
@@ -79,11 +80,14 @@ def test_factory_builds_kvstream_and_controller_goes_zero_copy(plugin_loaded, ti
     assert drv.storage.mem_pool_host is pools.host
 
 
+@pytest.mark.parametrize("module_path", ["kvstream_hicache.sglang.storage", "kvstream_hicache.hicache"],
+                         ids=["module", "old-module-path"])
 @pytest.mark.parametrize("interface_v1", [1, 0])
-def test_dynamic_spelling(tier_dirs, drivers, interface_v1):
-    """The no-plugin fallback: sglang's `dynamic` loader calls KVStreamHiCacheStorage(storage_config, {})."""
+def test_dynamic_spelling(tier_dirs, drivers, interface_v1, module_path):
+    """The no-plugin fallback: sglang's `dynamic` loader calls KVStreamHiCacheStorage(storage_config, {}),
+    found under the module path the configuration names (the old one included)."""
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
-    extra = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path="kvstream_hicache.sglang.storage",
+    extra = tiers_config(tier_dirs[:2], backend_name="kvstream", module_path=module_path,
                          class_name="KVStreamHiCacheStorage", interface_v1=interface_v1)
     drv = drivers(pools, "dynamic", extra_config=extra)
     assert drv.zero_copy == bool(interface_v1)
