@@ -25,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .config import Config
 from .errors import ConfigError, EngineClosedError
+from .faults import FaultyRing
 from .index import Index
 from .integrity import (
     VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, stale_tmp,
 )
-from .io import FaultyRing, ThreadRing, open_ring
+from .io import ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .reads import ReadPath
 from .router import Policy, parse_policy

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
-from kvstream_hicache.io import AlignedBuffer, FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
+from kvstream_hicache.faults import FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
+from kvstream_hicache.io import AlignedBuffer
 from kvstream_hicache.layout import round_up
 
 NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "bf16", "page": 16,
@@ -307,7 +308,8 @@ def _writer(tiers: str, ack_path: str, start: int, batch: int, rounds: int, size
     salt 'crash'); after each put returns, the acknowledged keys are
     appended to ``ack_path`` and fsynced. With ``hold_after`` >= 0, the writes of the batch after
     that many batches are held in the ring (their temp files exist) and 'HOLDING' is logged."""
-    from kvstream_hicache.io import OP_WRITE, Fault
+    from kvstream_hicache.faults import Fault
+    from kvstream_hicache.io import OP_WRITE
 
     plan = None
     if hold_after >= 0:

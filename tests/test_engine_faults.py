@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from kvstream_hicache.io import OP_READ, OP_WRITE, Fault, FaultPlan, TierFaultPlan
+from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan
+from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 

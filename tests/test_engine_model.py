@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvstream_hicache import Config, Engine, Namespace
-from kvstream_hicache.io import OP_READ, OP_WRITE, Fault
+from kvstream_hicache.faults import Fault
+from kvstream_hicache.faults import TierFaultPlan as TierPlan
+from kvstream_hicache.io import OP_READ, OP_WRITE
 
-from test_engine import uring_available
-from kvstream_hicache.io import TierFaultPlan as TierPlan
 from reliability_helpers import FakeClock
+from test_engine import uring_available
 
 NS = Namespace({"model": "hypothesis"})
 KEYS = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(10)]

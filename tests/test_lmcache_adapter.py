@@ -19,7 +19,8 @@ import pytest
 
 from kvstream_hicache.lmcache import core as l2core, keys as l2keys
 from kvstream_hicache.errors import EngineClosedError
-from kvstream_hicache.io import OP_READ, Fault, FaultPlan
+from kvstream_hicache.faults import Fault, FaultPlan
+from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE, Namespace, TierLayout
 
 from reliability_helpers import flip_byte

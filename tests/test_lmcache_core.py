@@ -15,6 +15,7 @@ import pytest
 from kvstream_hicache.lmcache import adapter as l2adapter, core as l2core, keys as l2keys
 from kvstream_hicache.config import Config
 from kvstream_hicache.layout import Namespace, is_valid_key
+from kvstream_hicache.tools.bench.contenders import bench_read
 
 # opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
@@ -263,7 +264,7 @@ def test_store_task_reports_bytes_and_verdict(engine):
 def test_bench_read(engine, pool):
     keys, src = stored(engine, 16, seed=10)
     dst = Pages(16)
-    result = l2core.bench_read(engine, keys, dst.segments, tasks=8, pool=pool)
+    result = bench_read(engine, keys, dst.segments, tasks=8, pool=pool)
     assert result.found == [True] * 16 and result.tasks == 8
     assert result.batches == (1 if pool else 8)
     assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
@@ -277,7 +278,7 @@ def test_bench_read_opens_its_own_engine_from_settings(tier_dirs):
     with Engine(Config.from_sources(settings, {}), namespace) as eng:
         keys, src = stored(eng, 4, seed=12)
     dst = Pages(4)
-    result = l2core.bench_read(settings, keys, dst.segments, tasks=2, namespace=namespace)
+    result = bench_read(settings, keys, dst.segments, tasks=2, namespace=namespace)
     assert result.found == [True] * 4
     assert all(np.array_equal(a, b) for a, b in zip(src.arrays, dst.arrays))
 

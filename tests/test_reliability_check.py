@@ -14,7 +14,8 @@ import threading
 import time
 
 from kvstream_hicache import Config, Namespace, check_tiers
-from kvstream_hicache.io import OP_WRITE, Fault
+from kvstream_hicache.faults import Fault
+from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE, tmp_name
 
 from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault

@@ -13,7 +13,8 @@ import threading
 
 import pytest
 
-from kvstream_hicache.io import OP_READ, Fault
+from kvstream_hicache.faults import Fault
+from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 

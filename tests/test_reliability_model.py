@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvstream_hicache.integrity import HeaderError, read_header
-from kvstream_hicache.io import OP_READ, OP_WRITE, Fault
+from kvstream_hicache.faults import Fault
+from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 
 from reliability_helpers import (NS, FakeClock, TierFaultPlan, content, flip_byte, get_items, key, make_engine,

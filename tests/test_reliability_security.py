@@ -13,7 +13,8 @@ import pytest
 
 from kvstream_hicache import InvalidKeyError, Namespace, check_tiers, validate_key
 from kvstream_hicache.integrity import PageHeader, pack_header
-from kvstream_hicache.io import OP_WRITE, AlignedBuffer, Fault
+from kvstream_hicache.faults import Fault
+from kvstream_hicache.io import OP_WRITE, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE, KEY_MAX
 
 from reliability_helpers import NS, PageSet, TierFaultPlan, content, key, make_engine, wait_for_fault

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from kvstream_hicache import io as kio
-from kvstream_hicache.io import (ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Fault, FaultPlan, FaultyRing,
-                                 Ring, ThreadRing, open_ring)
+from kvstream_hicache.faults import Fault, FaultPlan, FaultyRing
+from kvstream_hicache.io import ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Ring, ThreadRing, open_ring
 
 from test_ring import ENGINES, make_file, make_ring, run  # tests/ is on sys.path (rootdir conftest)
 

@@ -16,8 +16,8 @@ from kvstream_hicache.router import (
     StaticSplit,
     all_tiers,
     parse_policy,
-    simulate,
 )
+from kvstream_hicache.tools.sim.batch import simulate
 
 
 def residual(m: int, speeds, item_bytes: float = 1.0) -> float:

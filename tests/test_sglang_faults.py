@@ -12,8 +12,9 @@ import pytest
 
 from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, tiers_config  # noqa: F401  (first: CPU stubs)
 
+from kvstream_hicache.faults import Fault, FaultPlan  # noqa: E402
+from kvstream_hicache.io import OP_READ  # noqa: E402
 from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage  # noqa: E402
-from kvstream_hicache.io import OP_READ, Fault, FaultPlan  # noqa: E402
 
 ATTEMPTS = 40  # bounded retries under random injected failures (p=0.3 per call: a miss-all chance < 1e-9)
 

@@ -9,9 +9,10 @@ import random
 import numpy as np
 import pytest
 
-from kvstream_hicache.router import StaticSplit, simulate
+from kvstream_hicache.router import StaticSplit
 from kvstream_hicache.tools.sim import model
 from kvstream_hicache.tools.sim.bandwidth import Bursty, Constant, Periodic, Recorded, load_recorded, parse_series
+from kvstream_hicache.tools.sim.batch import simulate
 from kvstream_hicache.tools.sim.cli import main
 from kvstream_hicache.tools.sim.simulator import (
     SimConfig,

@@ -16,8 +16,8 @@ Errors. Nothing raises into LMCache's controller threads: a failing page is a 0 
 store fails its task, every unexpected exception becomes that verdict plus a warning and a counter
 (``report_status()['errors']``). Only construction raises (bad configuration: ``KVStreamError``).
 
-Plain keys and ``(address, nbytes)`` segments, no LMCache or torch: :class:`L2Core` and
-:func:`bench_read` also serve ``kvstream bench`` from the SGLang environment.
+Plain keys and ``(address, nbytes)`` segments, no LMCache or torch: :class:`L2Core` also serves
+``kvstream bench`` (``tools/bench/contenders.py``) from the SGLang environment.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from .keys import namespace_fields
 
@@ -379,56 +379,3 @@ def _copy_segments(src: Sequence[Segment], dst: Sequence[Segment]) -> bool:
             if s_off == s_len:
                 si, s_off = si + 1, 0
     return True
-
-
-# ----------------------------------------------------------------------------------------- bench
-class BenchRead(NamedTuple):
-    found: list[bool]  # per key, as engine.get returns
-    tasks: int  # load tasks submitted together
-    batches: int  # engine batches they became (1 when pooled into one)
-
-
-def bench_read(engine: Any, keys: Sequence[str], buffers: Sequence[Sequence[Segment]], *, tasks: int = 8,
-               pool: bool = True, namespace: Any = None) -> BenchRead:
-    """Read ``keys`` into ``buffers`` the way the LMCache adapter does, for ``kvstream bench``.
-
-    The batch is cut into ``tasks`` contiguous load tasks submitted back to back (LMCache's prefetch
-    controller keeps up to 8 requests in flight) and read through :class:`L2Core`: pooled into one
-    routed engine batch (``pool=True``, the adapter's default) or one batch per task. Compare its time
-    with ``engine.get(keys, buffers)`` for the adapter's overhead. No LMCache needed.
-
-    :param engine: a started Engine (kept open), or a Config / settings dict (opened and closed here,
-        on ``namespace``: a Namespace or its fields; default the LMCache MP path's namespace).
-    :param keys: engine keys already stored (as the bench wrote them).
-    :param buffers: per key the ``(address, nbytes)`` segments to fill, as for ``engine.get``.
-    """
-    if len(keys) != len(buffers):
-        raise ValueError(f"{len(keys)} keys for {len(buffers)} buffers")
-    from ..config import Config
-
-    own = isinstance(engine, (Config, Mapping))
-    if own:
-        from ..engine import Engine
-        from ..layout import Namespace
-
-        config = engine if isinstance(engine, Config) else Config.from_sources(engine)
-        if not isinstance(namespace, Namespace):
-            namespace = Namespace(namespace_fields() if namespace is None else namespace)
-        engine = Engine(config, namespace)
-    core = L2Core(engine, pool_loads=pool)
-    try:
-        n = len(keys)
-        tasks = max(1, min(tasks, n or 1))
-        bounds = [round(t * n / tasks) for t in range(tasks + 1)]
-        # Queued together, as when 8 requests' load tasks arrive back to back: the worker then reads
-        # them as one batch (pooled) or one by one (not pooled).
-        ids = core.submit_loads([(list(keys[a:b]), list(buffers[a:b])) for a, b in zip(bounds, bounds[1:])])
-        found: list[bool] = []
-        for task_id in ids:
-            found += core.wait_load(task_id) or []
-        return BenchRead(found, len(ids), core.counters["load_batches"])
-    finally:
-        core.close()
-        if own:
-            engine.close()
-

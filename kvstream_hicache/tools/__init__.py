@@ -4,6 +4,7 @@
   console      terminal helpers (progress line, help formatter)
   demo         ``python -m kvstream_hicache.tools.demo``: sglang's controller and kvstream on a CPU
   workload     SWE-bench-agentic workloads and Mooncake traces (demo, kvsim, examples)
+  rates        tier rates over time: the interpolation bench and kvsim share
   cpu_sglang   the real sglang on a CPU-only host (stubs, pools, a controller driver)
   bench/       ``kvstream bench``: reads against the aggregate-bandwidth bound, the testbed
   sim/         ``kvsim``: the performance model and a trace-driven simulator

@@ -26,10 +26,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from ...lmcache.core import L2Core, Segment
+from ...lmcache.keys import namespace_fields
 from .dataset import Batch, Dataset, page_segments
 from .geometry import Geometry
 
@@ -95,15 +97,66 @@ class EngineReads(Contender):
         return engine_outcome(self.engine.last_batch, found, self.n_tiers)
 
 
+# ------------------------------------------------------------------------------------------ LMCache
+class BenchRead(NamedTuple):
+    found: list[bool]  # per key, as engine.get returns
+    tasks: int  # load tasks submitted together
+    batches: int  # engine batches they became (1 when pooled into one)
+
+
+def bench_read(engine: Any, keys: Sequence[str], buffers: Sequence[Sequence[Segment]], *, tasks: int = 8,
+               pool: bool = True, namespace: Any = None) -> BenchRead:
+    """Read ``keys`` into ``buffers`` the way the LMCache adapter does, for ``kvstream bench``.
+
+    The batch is cut into ``tasks`` contiguous load tasks submitted back to back (LMCache's prefetch
+    controller keeps up to 8 requests in flight) and read through the adapter's task machinery
+    (:class:`~kvstream_hicache.lmcache.core.L2Core`): pooled into one routed engine batch (``pool=True``,
+    the adapter's default) or one batch per task. Compare its time with ``engine.get(keys, buffers)``
+    for the adapter's overhead. No LMCache needed.
+
+    :param engine: a started Engine (kept open), or a Config / settings dict (opened and closed here,
+        on ``namespace``: a Namespace or its fields; default the LMCache MP path's namespace).
+    :param keys: engine keys already stored (as the bench wrote them).
+    :param buffers: per key the ``(address, nbytes)`` segments to fill, as for ``engine.get``.
+    """
+    if len(keys) != len(buffers):
+        raise ValueError(f"{len(keys)} keys for {len(buffers)} buffers")
+    from ...config import Config
+
+    own = isinstance(engine, (Config, Mapping))
+    if own:
+        from ...engine import Engine
+        from ...layout import Namespace
+
+        config = engine if isinstance(engine, Config) else Config.from_sources(engine)
+        if not isinstance(namespace, Namespace):
+            namespace = Namespace(namespace_fields() if namespace is None else namespace)
+        engine = Engine(config, namespace)
+    core = L2Core(engine, pool_loads=pool)
+    try:
+        n = len(keys)
+        tasks = max(1, min(tasks, n or 1))
+        bounds = [round(t * n / tasks) for t in range(tasks + 1)]
+        # Queued together, as when 8 requests' load tasks arrive back to back: the worker then reads
+        # them as one batch (pooled) or one by one (not pooled).
+        ids = core.submit_loads([(list(keys[a:b]), list(buffers[a:b])) for a, b in zip(bounds, bounds[1:])])
+        found: list[bool] = []
+        for task_id in ids:
+            found += core.wait_load(task_id) or []
+        return BenchRead(found, len(ids), core.counters["load_batches"])
+    finally:
+        core.close()
+        if own:
+            engine.close()
+
+
 class LMCacheReads(EngineReads):
-    """The LMCache (vLLM) path: ``lmcache_adapter.bench_read`` on the same engine and destination, so
+    """The LMCache (vLLM) path: :func:`bench_read` on the same engine and destination, so
     its row beside ``kvstream`` is the adapter's overhead over the bare engine."""
 
     TASKS = 8  # LMCache's prefetch controller keeps up to 8 requests in flight
 
     def read(self, batch: Batch) -> Outcome:
-        from ...lmcache.core import bench_read
-
         run = bench_read(self.engine, list(batch.keys), self.segments[: len(batch.keys)], tasks=self.TASKS)
         records = self.engine.stats()["history"][-run.batches:] if run.batches else []
         per_tier = [[r["tiers"][k] for r in records] for k in range(self.n_tiers)]

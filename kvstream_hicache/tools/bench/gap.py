@@ -19,9 +19,10 @@ needs even while the bandwidth drifts (``D = sum_k b_k T`` when both tiers strea
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from ..rates import interpolate
 
 MIN_TIER_PAGES = 4  # a tier's own rate is trusted when it read at least this many pages in the batch
 
@@ -71,22 +72,6 @@ def rate_samples(records: Iterable[BatchRecord], n_tiers: int, min_bytes: int) -
     for s in out:
         s.sort()
     return out
-
-
-def interpolate(samples: Sequence[tuple[float, float]], t: float) -> float | None:
-    """Linear interpolation of ``samples`` at ``t``; the nearest sample outside their span; None if empty."""
-    if not samples:
-        return None
-    times = [s[0] for s in samples]
-    j = bisect.bisect_left(times, t)
-    if j == 0:
-        return samples[0][1]
-    if j == len(samples):
-        return samples[-1][1]
-    (ta, ra), (tb, rb) = samples[j - 1], samples[j]
-    if tb == ta:
-        return (ra + rb) / 2
-    return ra + (rb - ra) * (t - ta) / (tb - ta)
 
 
 def assign_bounds(records: Sequence[BatchRecord], n_tiers: int, min_bytes: int) -> None:

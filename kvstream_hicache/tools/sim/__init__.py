@@ -2,6 +2,7 @@
 
 ``model``      the equations (Eq. 1-6, the write-path condition, queueing), one function each
 ``bandwidth``  per-tier bandwidth series: constant, periodic, bursty, recorded
+``batch``      one batch read through the engine's router, tiers simulated (processor sharing)
 ``trace``      workloads (Mooncake traces, generated), arrival order, block stream, reuse distances
 ``simulator``  the serving queue; every step's reads go through the real router, claim by claim
 ``cli``        the ``kvsim`` command

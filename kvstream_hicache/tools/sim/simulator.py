@@ -1,5 +1,5 @@
 """The trace-driven simulator: a serving queue whose every step reads its storage demand through the
-real router (``kvstream_hicache.router.simulate``), claim by claim.
+real router (:func:`.batch.simulate`), claim by claim.
 
 Serving model (one tensor-parallel rank stands for all: the ranks step in lockstep)
 -----------------------------------------------------------------------------------
@@ -45,9 +45,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ...router import CompletionDriven, Policy, SingleTier, StaticSplit, simulate
+from ...router import CompletionDriven, Policy, SingleTier, StaticSplit
 from . import model
 from .bandwidth import Series
+from .batch import simulate
 from .trace import BlockStream
 
 __all__ = ["SimConfig", "Prepared", "prepare", "SimPolicy", "parse_sim_policy", "run_policy", "static_sweep",

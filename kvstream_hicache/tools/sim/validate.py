@@ -10,7 +10,7 @@ The model predicts each batch's retrieval time from bandwidths alone:
     static-G            Eq. 5: ``max(G D / b_0, (1 - G) D / b_1)`` (penalty Eq. 6 at phi_i = b_0 / (b_0 + b_1))
     tierK, hicache-file ``D / b_K`` (hicache-file: SGLang's HiCacheFile reads tier 0 only)
     kvstream, sglang-adapter
-                        ``router.simulate`` of completion-driven routing, claim by claim over the
+                        ``batch.simulate`` of completion-driven routing, claim by claim over the
                         batch's pages (Eq. 4's bound plus the claim-granular tail)
 
 and the predicted gap is ``sum_i T_pred(i) / sum_i T^_i - 1``, with two choices of ``b_k(i)``:
@@ -32,9 +32,10 @@ import os
 import re
 from typing import Iterable, Sequence
 
-from ..bench.gap import interpolate
-from ...router import CompletionDriven, simulate
+from ...router import CompletionDriven
+from ..rates import interpolate
 from . import model
+from .batch import simulate
 
 __all__ = ["SOURCES", "predict_batch", "validate_run", "validate_files", "summary", "table"]
 
