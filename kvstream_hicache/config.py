@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -21,6 +20,7 @@ from typing import Any, NamedTuple
 
 from .errors import ConfigError, TierError
 from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR
+from .tmpfiles import ProbeFailed, probe_direct
 
 log = logging.getLogger("kvstream")
 
@@ -355,27 +355,23 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
                 except FileExistsError:  # another process (a TP rank) starting now made it first
                     continue
                 os.chmod(d, dir_mode)  # umask may have cleared group bits
-        probe_file = os.path.join(tmp, f"probe.{os.getpid()}.{id(probe_tier)}")
-        fd = os.open(probe_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        probe_direct(tmp, "config")
+    except ProbeFailed as exc:
+        if exc.errno == errno.EINVAL:
+            raise _no_direct(path, source) from None
+        if exc.step != "create":
+            raise TierError(f"tier {path} (from {source}): test {exc.step} failed ({exc.strerror}): "
+                            "check free space, permissions and the mount") from None
+        raise _not_writable(path, source, exc.errno) from None
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None
-        raise TierError(f"tier {path} (from {source}) is not writable ({os.strerror(exc.errno)}): "
-                        "fix its permissions or mount, or choose another directory") from None
-    try:
-        with mmap.mmap(-1, ALIGN) as block:  # page-aligned anonymous memory: valid for O_DIRECT
-            os.pwrite(fd, block, 0)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            raise _no_direct(path, source) from None
-        raise TierError(f"tier {path} (from {source}): test write failed ({os.strerror(exc.errno)}): "
-                        "check free space, permissions and the mount") from None
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(probe_file)
-        except FileNotFoundError:
-            pass
+        raise _not_writable(path, source, exc.errno) from None
+
+
+def _not_writable(path: str, source: str, err: int) -> TierError:
+    return TierError(f"tier {path} (from {source}) is not writable ({os.strerror(err)}): "
+                     "fix its permissions or mount, or choose another directory")
 
 
 def _no_direct(path: str, source: str) -> TierError:

@@ -23,12 +23,13 @@ from contextlib import suppress
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from . import tmpfiles
 from .config import Config
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import (
-    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, stale_tmp,
+    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards,
 )
 from .io import ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
@@ -36,7 +37,7 @@ from .reads import ReadPath
 from .router import Policy, parse_policy
 from .staging import BufferPool
 from .stats import Stats
-from .tiers import Tier, new_token
+from .tiers import Tier
 from .writes import WritePath
 
 log = logging.getLogger("kvstream")
@@ -47,8 +48,6 @@ RING_ENTRIES = 256  # submission-queue entries per ring (reads and writes each)
 # (100k pages: 6.8k/s with 1 thread, 9.9k/s with 8); with a warm cache they only contend for the GIL.
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
-
-_LIVE_TOKENS: set[str] = set()  # tokens of this process's open engines (their temp files are live)
 
 
 class Engine:
@@ -78,8 +77,7 @@ class Engine:
         except ValueError as exc:
             raise ConfigError(f"KVSTREAM_POLICY / extra config 'policy': {exc}") from None
         self.discover = config.discover
-        self._token = new_token()
-        _LIVE_TOKENS.add(self._token)
+        self._token = tmpfiles.register()
         self.tiers = [Tier(k, t.path, namespace.digest, t.capacity.resolve(t.path), config.modes, config.fsync,
                            config.tier_retry, self._token, clock) for k, t in enumerate(config.tiers)]
         for tier in self.tiers:
@@ -98,7 +96,7 @@ class Engine:
         except OSError as exc:
             for ring in rings:
                 ring.close()
-            _LIVE_TOKENS.discard(self._token)
+            tmpfiles.release(self._token)
             raise ConfigError(f"KVSTREAM_IO_ENGINE={config.io_engine}: cannot open an I/O ring ({exc}); "
                               "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(), config.read_timeout)
@@ -172,7 +170,7 @@ class Engine:
         self._reads.drain(CLOSE_DRAIN_S)
         self._reads.close()
         self._writes.close()
-        _LIVE_TOKENS.discard(self._token)
+        tmpfiles.release(self._token)
 
     def __enter__(self) -> "Engine":
         return self
@@ -209,8 +207,7 @@ class Engine:
             for k, tier in enumerate(self.tiers):
                 if not tier.healthy:
                     continue
-                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True,
-                                          live_tokens=_LIVE_TOKENS)
+                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True)
                 problems += found
                 indexed = set(self.index.keys(k))
                 for key in sorted(indexed - valid.keys()):
@@ -272,7 +269,7 @@ class Engine:
         digest = self.namespace.digest
         tmp_removed = 0
         for tier in self.tiers:
-            for path in stale_tmp(tier.layout.tmp, _LIVE_TOKENS):
+            for path in tmpfiles.stale_tmp(tier.layout.tmp):
                 with suppress(FileNotFoundError):  # another engine's start removed it first
                     os.unlink(path)
                     tmp_removed += 1

@@ -25,14 +25,14 @@ from __future__ import annotations
 import errno
 import os
 import struct
-import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .layout import (
-    ALIGN, HEADER_SIZE, HOST, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span,
-    file_size, is_digest, is_valid_key, key_of_page_file, n_blocks, parse_tmp_name,
+    ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
+    is_valid_key, key_of_page_file, n_blocks,
 )
+from .tmpfiles import stale_tmp
 
 if TYPE_CHECKING:
     from .config import Config
@@ -45,7 +45,6 @@ _KEY_OFF = 64
 _CRC_OFF = 272
 _HCRC_OFF = HEADER_SIZE - 4
 VANISHED = "vanished during the scan"
-TMP_STALE_S = 3600.0  # a temp file of another host older than this is a leftover, s
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
 
@@ -258,58 +257,13 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     return ScannedPage(path, header, None, size)
 
 
-# ------------------------------------------------------------------------------- temp leftovers
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def stale_tmp(tmp_dir: str, live_tokens: frozenset[str] | set[str] = frozenset(),
-              now: float | None = None) -> list[str]:
-    """Temporary files no live writer owns: this host's whose process is gone (or is this process
-    but not one of its live engines, ``live_tokens``), other hosts' older than TMP_STALE_S, and
-    names no engine writes. Never a file another live engine may still be writing."""
-    now = time.time() if now is None else now
-    me = os.getpid()
-    out = []
-    try:
-        entries = list(os.scandir(tmp_dir))
-    except FileNotFoundError:
-        return out
-    for entry in entries:
-        owner = parse_tmp_name(entry.name)
-        if owner is None and entry.name.startswith("probe."):
-            # a tier probe (config.probe_tier, Tier._probe) of another process or host lives for
-            # milliseconds and may be in use right now: only an old one is a leftover
-            try:
-                stale = now - entry.stat().st_mtime > TMP_STALE_S
-            except FileNotFoundError:
-                continue
-        elif owner is None:
-            stale = True
-        elif owner.host == HOST:
-            stale = (owner.token not in live_tokens) if owner.pid == me else not _pid_alive(owner.pid)
-        else:
-            try:
-                stale = now - entry.stat().st_mtime > TMP_STALE_S
-            except FileNotFoundError:
-                continue
-        if stale:
-            out.append(entry.path)
-    return out
-
-
 # ------------------------------------------------------------------------------------ check
 def check_tier(layout: TierLayout, digest: str, *, fix: bool = False, payload: bool = True,
-               live_tokens: frozenset[str] | set[str] = frozenset(), tmp: bool = True
+               live_tokens: frozenset[str] | set[str] | None = None, tmp: bool = True
                ) -> tuple[list[Problem], dict[str, ScannedPage]]:
     """Check one namespace on one tier: (problems, valid pages by key). With ``fix`` the files
-    behind the problems are removed; ``tmp`` also reports (and fixes) temporary leftovers."""
+    behind the problems are removed; ``tmp`` also reports (and fixes) temporary leftovers, those of
+    no engine in ``live_tokens`` (None: every engine open in this process)."""
     problems: list[Problem] = []
     valid: dict[str, ScannedPage] = {}
     if tmp:
@@ -335,8 +289,6 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
         engine open in this process (so a check beside a running engine never takes its writes).
     :returns: the problems found, empty when the store is consistent.
     """
-    if live_tokens is None:
-        from .engine import _LIVE_TOKENS as live_tokens
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:

@@ -3,7 +3,7 @@
 Tree of one tier (``root`` is a configured tier directory)::
 
     <root>/kvstream/                     created at engine start (mode 0700, or 0770 when shared)
-        tmp/<digest>.<host>.<pid>.<token>.<seq>.tmp    pages being written (never read)
+        tmp/<digest>.<host>.<pid>.<token>.<seq>.tmp    pages being written, never read (tmpfiles.py)
         <digest>/<key[:2]>/<key>.kvp                  committed pages of one namespace
 
 A page file is a 4096-byte header followed by the payload padded to a multiple of 4096, so every
@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -33,7 +32,6 @@ DIGEST_CHARS = 32  # hex characters of the namespace digest (128 bits)
 ROOT_DIR = "kvstream"
 TMP_DIR = "tmp"
 PAGE_SUFFIX = ".kvp"
-TMP_SUFFIX = ".tmp"
 
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,%d}" % KEY_MAX)
 _DIGEST_RE = re.compile(r"[0-9a-f]{%d}" % DIGEST_CHARS)
@@ -132,9 +130,6 @@ def file_size(length: int) -> int:
 
 
 # ------------------------------------------------------------------------------------- paths
-HOST = socket.gethostname().replace(".", "_") or "host"
-
-
 class TierLayout:
     """Paths of one tier for one namespace. Pure string work."""
 
@@ -151,28 +146,6 @@ class TierLayout:
 
     def page_path(self, key: str) -> str:
         return os.path.join(self.pages, key[:2], key + PAGE_SUFFIX)
-
-
-def tmp_name(digest: str, pid: int, token: str, seq: int) -> str:
-    """Unique temporary name: host and pid tell start-up cleaning whether the writer is alive,
-    the per-engine token tells engines of one process apart."""
-    return f"{digest}.{HOST}.{pid}.{token}.{seq}{TMP_SUFFIX}"
-
-
-class TmpOwner(NamedTuple):
-    digest: str
-    host: str
-    pid: int
-    token: str
-
-
-def parse_tmp_name(name: str) -> TmpOwner | None:
-    if not name.endswith(TMP_SUFFIX):
-        return None
-    parts = name[: -len(TMP_SUFFIX)].split(".")
-    if len(parts) != 5 or not parts[2].isdigit():
-        return None
-    return TmpOwner(parts[0], parts[1], int(parts[2]), parts[3])
 
 
 def key_of_page_file(name: str) -> str | None:

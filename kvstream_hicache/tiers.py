@@ -16,13 +16,12 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import mmap
 import os
-import secrets
 import threading
 from collections.abc import Callable
 
-from .layout import ALIGN, TierLayout, tmp_name
+from .layout import TierLayout
+from .tmpfiles import ProbeFailed, probe_direct, tmp_name
 
 log = logging.getLogger("kvstream")
 
@@ -123,23 +122,13 @@ class Tier:
     def _probe(self) -> tuple[bool, str]:
         if self.gone():
             return False, f"{self.layout.base} is missing or on another file system"
-        path = os.path.join(self.layout.tmp, f"probe.{os.getpid()}.{self.token}")
         try:
             self._dirs.clear()
             self._mkdir(self.layout.tmp)
             self._mkdir(self.layout.pages)
-            with mmap.mmap(-1, ALIGN) as block:
-                block[:8] = b"kvsprobe"
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-                try:
-                    os.pwrite(fd, block, 0)
-                    block[:8] = bytes(8)
-                    os.preadv(fd, [block], 0)
-                finally:
-                    os.close(fd)
-                    os.unlink(path)
-                if block[:8] != b"kvsprobe":
-                    return False, "probe read back different bytes"
+            probe_direct(self.layout.tmp, self.token)
+        except ProbeFailed as exc:
+            return False, "probe read back different bytes" if exc.step == "verify" else f"probe: {exc.strerror}"
         except OSError as exc:
             return False, f"probe: {os.strerror(exc.errno or errno.EIO)}"
         return True, ""
@@ -234,9 +223,3 @@ class Tier:
 
     def __repr__(self) -> str:
         return f"Tier({self.k}, {self.root!r}, {'healthy' if self.healthy else 'failed'})"
-
-
-def new_token() -> str:
-    """Per-engine token in temporary names (tells engines of one process apart)."""
-    return secrets.token_hex(4)
-

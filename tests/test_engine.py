@@ -16,7 +16,7 @@ import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.io import AlignedBuffer, Ring
-from kvstream_hicache.layout import tmp_name
+from kvstream_hicache.tmpfiles import tmp_name
 
 NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
 CHUNK = 64 << 10  # small blocks: several items per page, blocks straddling segments

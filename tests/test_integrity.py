@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 from kvstream_hicache.config import Config
+from kvstream_hicache.errors import InvalidKeyError
 from kvstream_hicache.integrity import (
-    HeaderError, PageHeader, block_crcs, check_tiers, crc32c, pack_header, read_header, stale_tmp, unpack_header,
+    HeaderError, PageHeader, block_crcs, check_tiers, crc32c, pack_header, read_header, unpack_header,
 )
 from kvstream_hicache.layout import (
-    HEADER_SIZE, HOST, MAX_BLOCKS, Namespace, TierLayout, block_size_for, block_span, file_size, is_valid_key,
-    parse_tmp_name, round_up, tmp_name, validate_key,
+    HEADER_SIZE, MAX_BLOCKS, Namespace, TierLayout, block_size_for, block_span, file_size, is_valid_key, round_up,
+    validate_key,
 )
-from kvstream_hicache.errors import InvalidKeyError
+from kvstream_hicache.tmpfiles import HOST, parse_tmp_name, stale_tmp, tmp_name
 
 DIGEST = Namespace({"model": "m"}).digest
 KEY = "ab" * 32

@@ -16,7 +16,8 @@ import time
 from kvstream_hicache import Config, Namespace, check_tiers
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_WRITE
-from kvstream_hicache.layout import HEADER_SIZE, tmp_name
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.tmpfiles import tmp_name
 
 from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault
 

@@ -1,0 +1,167 @@
+"""Everything kvstream writes under ``<tier>/kvstream/tmp``, and which of it is a leftover.
+
+Names in the tmp directory::
+
+    <digest>.<host>.<pid>.<token>.<seq>.tmp    a page being written by the engine <token> of process <pid>
+    probe.<pid>.<tag>.<seq>                    an O_DIRECT probe (a tier checked at start-up, or re-probed
+                                               after it failed): lives for milliseconds
+
+A temporary file is *live* while its writer may still write it: another host's, or this host's whose
+process is alive and, for this process, whose engine is open (its token registered here). Engine
+start-up, ``Engine.check`` and ``check_tiers`` all decide with :func:`stale_tmp`, so none of them can
+take another engine's write in progress.
+"""
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import secrets
+import socket
+import time
+from typing import NamedTuple
+
+from .layout import ALIGN
+
+HOST = socket.gethostname().replace(".", "_") or "host"
+TMP_SUFFIX = ".tmp"
+PROBE_PREFIX = "probe."
+TMP_STALE_S = 3600.0  # a temp file of another host (or a probe) older than this is a leftover, s
+_PROBE_BYTES = b"kvsprobe"  # what a probe writes and expects to read back
+
+_live_tokens: set[str] = set()  # tokens of this process's open engines (their temp files are live)
+_probe_seq = itertools.count()  # probes running at once in one process (engines starting together) never share a file
+
+
+# ---------------------------------------------------------------------------------- live engines
+def register() -> str:
+    """A new engine token, live until :func:`release`; it names the engine's temporary files and tells
+    engines of one process apart."""
+    token = secrets.token_hex(4)
+    _live_tokens.add(token)
+    return token
+
+
+def release(token: str) -> None:
+    """The engine of ``token`` closed: its temporary files are leftovers from now on."""
+    _live_tokens.discard(token)
+
+
+def live_tokens() -> frozenset[str]:
+    return frozenset(_live_tokens)
+
+
+# ------------------------------------------------------------------------------------------ names
+def tmp_name(digest: str, pid: int, token: str, seq: int) -> str:
+    """Unique temporary name: host and pid tell start-up cleaning whether the writer is alive,
+    the per-engine token tells engines of one process apart."""
+    return f"{digest}.{HOST}.{pid}.{token}.{seq}{TMP_SUFFIX}"
+
+
+class TmpOwner(NamedTuple):
+    digest: str
+    host: str
+    pid: int
+    token: str
+
+
+def parse_tmp_name(name: str) -> TmpOwner | None:
+    if not name.endswith(TMP_SUFFIX):
+        return None
+    parts = name[: -len(TMP_SUFFIX)].split(".")
+    if len(parts) != 5 or not parts[2].isdigit():
+        return None
+    return TmpOwner(parts[0], parts[1], int(parts[2]), parts[3])
+
+
+def probe_name(tag: str) -> str:
+    return f"{PROBE_PREFIX}{os.getpid()}.{tag}.{next(_probe_seq)}"
+
+
+# ------------------------------------------------------------------------------------------ probe
+class ProbeFailed(OSError):
+    """The O_DIRECT probe failed at ``step``: 'create', 'write', 'read' or 'verify' (read back other bytes)."""
+
+    def __init__(self, err: int, step: str, detail: str | None = None):
+        super().__init__(err, detail or os.strerror(err))
+        self.step = step
+
+
+def probe_direct(tmp_dir: str, tag: str) -> None:
+    """Write a 4 KiB block to a new file ``<tmp_dir>/probe.<pid>.<tag>.<seq>`` with O_DIRECT, read it back,
+    remove the file.
+
+    :raises ProbeFailed: the step that failed and its errno (EINVAL from 'create' or 'write': the
+        file system refuses O_DIRECT).
+    """
+    path = os.path.join(tmp_dir, probe_name(tag))
+    with mmap.mmap(-1, ALIGN) as block:  # page-aligned anonymous memory: valid for O_DIRECT
+        block[:len(_PROBE_BYTES)] = _PROBE_BYTES
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise ProbeFailed(exc.errno or errno.EIO, "create") from None
+        step = "write"
+        try:
+            os.pwrite(fd, block, 0)
+            block[:len(_PROBE_BYTES)] = bytes(len(_PROBE_BYTES))
+            step = "read"
+            os.preadv(fd, [block], 0)
+        except OSError as exc:
+            raise ProbeFailed(exc.errno or errno.EIO, step) from None
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if block[:len(_PROBE_BYTES)] != _PROBE_BYTES:
+            raise ProbeFailed(errno.EIO, "verify", "read back different bytes")
+
+
+# -------------------------------------------------------------------------------------- leftovers
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: float | None = None) -> list[str]:
+    """Temporary files no live writer owns: this host's whose process is gone (or is this process
+    but not one of its live engines: ``live``, default every engine open in this process), other
+    hosts' and probes older than TMP_STALE_S, and names no engine writes. Never a file another live
+    engine may still be writing."""
+    live = _live_tokens if live is None else live
+    now = time.time() if now is None else now
+    me = os.getpid()
+    out = []
+    try:
+        entries = list(os.scandir(tmp_dir))
+    except FileNotFoundError:
+        return out
+    for entry in entries:
+        owner = parse_tmp_name(entry.name)
+        if owner is None and entry.name.startswith(PROBE_PREFIX):
+            # a probe of another process or host lives for milliseconds and may be in use right now:
+            # only an old one is a leftover
+            try:
+                stale = now - entry.stat().st_mtime > TMP_STALE_S
+            except FileNotFoundError:
+                continue
+        elif owner is None:
+            stale = True
+        elif owner.host == HOST:
+            stale = (owner.token not in live) if owner.pid == me else not _pid_alive(owner.pid)
+        else:
+            try:
+                stale = now - entry.stat().st_mtime > TMP_STALE_S
+            except FileNotFoundError:
+                continue
+        if stale:
+            out.append(entry.path)
+    return out
