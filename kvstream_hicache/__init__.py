@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Engine": "engine",
-    "Segment": "engine",
+    "Segment": "segments",
     "Config": "config",
     "TierConfig": "config",
     "Capacity": "config",
@@ -34,11 +34,12 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Capacity, Config, TierConfig
-    from .engine import Engine, Segment
+    from .engine import Engine
     from .errors import ConfigError, EngineClosedError, InvalidKeyError, KVStreamError, TierError
     from .integrity import Problem, check_tiers
     from .layout import Namespace, validate_key
     from .router import parse_policy
+    from .segments import Segment
 
 
 def __getattr__(name: str):

@@ -32,6 +32,7 @@ from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
     is_valid_key, key_of_page_file, n_blocks,
 )
+from .segments import Payload, Segment
 from .tmpfiles import stale_tmp
 
 if TYPE_CHECKING:
@@ -127,22 +128,16 @@ def unpack_header(data) -> PageHeader:
     return PageHeader(key, digest.hex(), length, block, struct.unpack_from(f"<{count}I", data, _CRC_OFF), created)
 
 
-def block_crcs(segments: Sequence[tuple[int, int]], length: int, block: int) -> tuple[int, ...]:
+def block_crcs(segments: Sequence[Segment], length: int, block: int) -> tuple[int, ...]:
     """crc32c of each block of the payload formed by concatenating raw ``(address, nbytes)``
     segments; a block may straddle segments (the CRC is chained across them)."""
+    payload = Payload(segments)
     crcs = []
-    seg = iter(segments)
-    address, left = 0, 0
     for j in range(n_blocks(length, block)):
-        need = block_span(length, block, j).nbytes
+        span = block_span(length, block, j)
         crc = 0
-        while need:
-            if not left:
-                address, left = next(seg)
-                continue
-            n = min(need, left)
-            crc = crc32c((address, n), crc)
-            address, left, need = address + n, left - n, need - n
+        for piece in payload.pieces(span.start, span.nbytes):
+            crc = crc32c(piece, crc)
         crcs.append(crc)
     return tuple(crcs)
 

@@ -19,7 +19,6 @@ flight on that tier, because none of them targets memory the caller may reuse.
 """
 from __future__ import annotations
 
-import bisect
 import errno
 import itertools
 import logging
@@ -31,15 +30,14 @@ from collections.abc import Sequence
 
 from .index import Index, PageInfo
 from .integrity import crc32c
-from .io import OP_READ, copy
+from .io import OP_READ
 from .layout import HEADER_SIZE, BlockSpan, block_span, is_valid_key
+from .segments import Payload, Segment
 from .staging import BufferPool
 from .stats import BusyClock, Stats, batch_figures
 from .tiers import Tier
 
 log = logging.getLogger("kvstream")
-
-Segment = tuple[int, int]
 
 
 class _File:
@@ -69,23 +67,10 @@ class _Op:
 class _Page:
     """One requested page: its index entry and where its payload goes in caller memory."""
 
-    __slots__ = ("key", "info", "segments", "starts")
+    __slots__ = ("key", "info", "payload")
 
     def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment]):
-        self.key, self.info, self.segments = key, info, segments
-        self.starts = list(itertools.accumulate((n for _, n in segments), initial=0))[:-1]
-
-    def copy_in(self, src: int, start: int, nbytes: int) -> None:
-        """Copy payload bytes [start, start+nbytes) from ``src`` into the caller's segments."""
-        s = bisect.bisect_right(self.starts, start) - 1
-        while nbytes:
-            address, length = self.segments[s]
-            off = start - self.starts[s]
-            n = min(nbytes, length - off)
-            if n > 0:
-                copy(address + off, src, n)
-                src, start, nbytes = src + n, start + n, nbytes - n
-            s += 1
+        self.key, self.info, self.payload = key, info, Payload(segments)
 
 
 class _Call:
@@ -298,7 +283,7 @@ class ReadPath:
         else:
             ok = self._verify_locked(op, res, p, j)
             if ok and not call.arrived[op.item]:
-                page.copy_in(op.buf.address, span.start, span.nbytes)
+                page.payload.scatter(op.buf.address, span.start, span.nbytes)
                 call.arrived[op.item] = 1
                 call.served[tier] += span.nbytes
                 call.page_tiers[p] |= 1 << tier

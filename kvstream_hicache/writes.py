@@ -28,15 +28,15 @@ from collections.abc import Sequence
 
 from .index import Index
 from .integrity import PageHeader, block_crcs, pack_header
-from .io import OP_WRITE, copy
+from .io import OP_WRITE
 from .layout import HEADER_SIZE, block_size_for, file_size, is_aligned, is_valid_key, round_up
+from .segments import Payload, Segment
 from .staging import BufferPool
 from .stats import BusyClock, Stats
 from .tiers import SPACE_ERRNOS, Tier
 
 log = logging.getLogger("kvstream")
 
-Segment = tuple[int, int]
 STAGING_LIMIT = 256 << 20  # staging memory for unaligned pages in flight per window, bytes
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; _room_possible_locked stops hopeless retries
@@ -200,21 +200,15 @@ class WritePath:
 
     def _prepare_locked(self, page: _Page) -> None:
         """Checksums, header, and where the payload is written from."""
+        payload = Payload(page.segments)
         if page.aligned:
-            offset = HEADER_SIZE
-            for address, n in page.segments:
-                if n:
-                    page.data.append((address, n, offset))
-                offset += n
+            page.data = [(address, n, HEADER_SIZE + start)
+                         for (address, n), start in zip(page.segments, payload.starts) if n]
             page.crcs = block_crcs(page.segments, page.length, page.block)
         else:
             padded = round_up(page.length)
             staging = page.staging = self.pool.get(padded)
-            dst = staging.address
-            for address, n in page.segments:
-                if n:
-                    copy(dst, address, n)
-                    dst += n
+            payload.gather(staging.address)
             if padded > page.length:
                 ctypes.memset(staging.address + page.length, 0, padded - page.length)
             page.data.append((staging.address, padded, HEADER_SIZE))

@@ -306,12 +306,3 @@ def test_bad_settings_raise_at_construction(tmp_path):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path / "missing")]})
     with pytest.raises(KVStreamError, match="unknown kvstream setting"):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "tierz": 1})
-
-
-def test_copy_segments_across_boundaries():
-    buf = (ctypes.c_char * 16)()
-    src = (ctypes.c_char * 16).from_buffer_copy(bytes(range(16)))
-    assert l2core._copy_segments([(ctypes.addressof(src), 16)],
-                             [(ctypes.addressof(buf), 5), (ctypes.addressof(buf) + 5, 11)])
-    assert bytes(buf) == bytes(range(16))
-    assert not l2core._copy_segments([(ctypes.addressof(src), 16)], [(ctypes.addressof(buf), 8)])

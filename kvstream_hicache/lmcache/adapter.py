@@ -11,7 +11,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .core import DEFAULT_MAX_POOL_PAGES, L2Core, _nbytes, open_engine
+from ..segments import nbytes
+from .core import DEFAULT_MAX_POOL_PAGES, L2Core, open_engine
 from .keys import engine_key, layout_tag, split_params
 
 log = logging.getLogger("kvstream")
@@ -100,7 +101,7 @@ def _lmcache_classes() -> dict[str, type]:
             ekeys, pages = self._map_objects(keys, objects)
             task_id = self.core.submit_store(ekeys, pages)
             with self._meta_lock:
-                self._store_keys[task_id] = (list(keys), [_nbytes(p) for p in pages])
+                self._store_keys[task_id] = (list(keys), [nbytes(p) for p in pages])
             return task_id
 
         def pop_completed_store_tasks(self) -> dict:

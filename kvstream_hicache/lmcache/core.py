@@ -21,7 +21,6 @@ Plain keys and ``(address, nbytes)`` segments, no LMCache or torch: :class:`L2Co
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 import logging
 import threading
@@ -29,11 +28,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..segments import Segment, copy_payload, nbytes
 from .keys import namespace_fields
 
 log = logging.getLogger("kvstream")
-
-Segment = tuple[int, int]  # (address, nbytes)
 
 DEFAULT_MAX_POOL_PAGES = 4096
 
@@ -311,7 +309,7 @@ class L2Core:
         for (task, i), good in zip(owner, ok, strict=True):
             task.result[i] = bool(good)
         for j, task, i in copies:
-            task.result[i] = bool(ok[j]) and _copy_segments(pages[j], task.pages[i])
+            task.result[i] = bool(ok[j]) and copy_payload(pages[j], task.pages[i])
 
     def _finish(self, store: bool, batch: list[_Task]) -> None:
         with self._lock:
@@ -319,8 +317,8 @@ class L2Core:
                 good = sum(task.result)
                 bad = len(task.result) - good
                 if store:
-                    nbytes = sum(_nbytes(p) for p, r in zip(task.pages, task.result) if r)
-                    self._stores_done[task.id] = (bad == 0, nbytes)
+                    written = sum(nbytes(p) for p, r in zip(task.pages, task.result) if r)
+                    self._stores_done[task.id] = (bad == 0, written)
                     self.counters["store_tasks"] += 1
                     self.counters["stored_pages"] += good
                     self.counters["store_failed_pages"] += bad
@@ -357,25 +355,3 @@ def _pin_functions(engine: Any) -> tuple[Callable, Callable]:
         return pin, unpin
     index = engine.index
     return index.pin, index.unpin
-
-
-def _nbytes(page: Sequence[Segment] | None) -> int:
-    return sum(n for _, n in page) if page else 0
-
-
-def _copy_segments(src: Sequence[Segment], dst: Sequence[Segment]) -> bool:
-    """Copy the payload of ``src`` into ``dst`` (same total length), segment boundaries may differ."""
-    if _nbytes(src) != _nbytes(dst):
-        return False
-    si, s_off = 0, 0
-    for d_addr, d_len in dst:
-        done = 0
-        while done < d_len:
-            s_addr, s_len = src[si]
-            n = min(d_len - done, s_len - s_off)
-            ctypes.memmove(d_addr + done, s_addr + s_off, n)
-            done += n
-            s_off += n
-            if s_off == s_len:
-                si, s_off = si + 1, 0
-    return True

@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from ..config import LOADER_KEYS, Config
 from ..layout import ALIGN, Namespace, is_valid_key
+from ..segments import Segment
 
 log = logging.getLogger("kvstream.sglang")
 
@@ -55,8 +56,6 @@ SGLANG_KEYS = LOADER_KEYS | frozenset({
 WARN_INTERVAL_S = 30.0  # at most one warning per (method, error) in this many seconds
 METRICS_INTERVAL_S = 1.0  # engine stats -> Prometheus at most this often
 MAX_STORAGE_SAMPLES = 4096  # per-call samples kept for get_stats() between two polls
-
-Segment = tuple[int, int]
 
 
 class KVStreamHiCacheStorage(HiCacheStorage):

@@ -30,8 +30,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from ...lmcache.core import L2Core, Segment
+from ...lmcache.core import L2Core
 from ...lmcache.keys import namespace_fields
+from ...segments import Segment
 from .dataset import Batch, Dataset, page_segments
 from .geometry import Geometry
 
