@@ -29,8 +29,9 @@ def _extensions():
     libs = _pkg_config("--libs")
     ext = Extension(
         "kvstream_hicache._uring",
-        sources=["_uring/_uring.pyx"],
-        depends=["_uring/crc32c.h", "_uring/liburing.pxd"],  # rebuild on change; shipped in the sdist
+        sources=["_uring/_uring.pyx"],  # includes bytes.pxi, buffers.pxi, ring.pxi: one module
+        depends=["_uring/crc32c.h", "_uring/liburing.pxd", "_uring/bytes.pxi", "_uring/buffers.pxi",
+                 "_uring/ring.pxi"],  # rebuild on change; shipped in the sdist
         include_dirs=[f[2:] for f in cflags if f.startswith("-I")] + ["_uring"],
         library_dirs=[f[2:] for f in libs if f.startswith("-L")],
         libraries=[f[2:] for f in libs if f.startswith("-l")],

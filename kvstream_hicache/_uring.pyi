@@ -1,4 +1,5 @@
-"""Type stub for the Cython extension kvstream_hicache._uring (source: _uring/_uring.pyx)."""
+"""Type stub for the Cython extension kvstream_hicache._uring (source: _uring/_uring.pyx, which includes
+_uring/bytes.pxi, _uring/buffers.pxi and _uring/ring.pxi)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -7,11 +8,12 @@ from typing import Tuple, Union
 
 from typing_extensions import Buffer
 
-ALIGN: int  # O_DIRECT block, bytes (4096)
+ALIGN: int  # O_DIRECT block, bytes (4096): the one definition (kvstream_hicache.layout re-exports it)
 HUGE_PAGE_SIZE: int  # transparent huge page size, bytes (AlignedBuffers this large are huge-page backed); 0 without THP
 OP_READ: int
 OP_WRITE: int
 CRC32C_IMPL: str  # "sse4.2-3way" or "table"
+RING_ENTRIES: int  # submission-queue entries of a Ring by default (256)
 
 RawMemory = Tuple[int, int]  # (address, length): caller keeps the memory alive until reaped
 IOBuffer = Union[Buffer, RawMemory]
@@ -20,7 +22,7 @@ Op = Tuple[int, int, IOBuffer, int, int]  # (opcode, fd, buf, offset, tag)
 class AlignedBuffer:
     align: int
     hugepages: bool
-    def __init__(self, nbytes: int, align: int = 4096, hugepages: bool = True) -> None: ...
+    def __init__(self, nbytes: int, align: int = ..., hugepages: bool = True) -> None: ...  # align: ALIGN
     def view(self, offset: int, nbytes: int) -> AlignedBuffer: ...
     @property
     def nbytes(self) -> int: ...
@@ -42,7 +44,7 @@ class Ring:
     entries: int
     cq_entries: int
     features: int
-    def __init__(self, entries: int = 256) -> None: ...
+    def __init__(self, entries: int = ...) -> None: ...  # entries: RING_ENTRIES
     @property
     def in_flight(self) -> int: ...
     @property

@@ -31,7 +31,7 @@ from .index import Index
 from .integrity import (
     VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards,
 )
-from .io import ThreadRing, open_ring
+from .io import RING_ENTRIES, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .reads import ReadPath
 from .router import Policy, parse_policy
@@ -43,7 +43,6 @@ from .writes import WritePath
 
 log = logging.getLogger("kvstream")
 
-RING_ENTRIES = 256  # submission-queue entries per ring (reads and writes each)
 # Start-up header reads in flight: threads release the GIL in open/pread, which a cold scan needs
 # (100k pages: 6.8k/s with 1 thread, 9.9k/s with 8); with a warm cache they only contend for the GIL.
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))

@@ -28,6 +28,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from .io import crc32c  # SSE4.2, the GIL released for large inputs
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
     is_valid_key, key_of_page_file, n_blocks,
@@ -48,32 +49,6 @@ _HCRC_OFF = HEADER_SIZE - 4
 VANISHED = "vanished during the scan"
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
-
-try:  # SSE4.2, GIL released; the fallback only keeps pure-logic tests importable without the extension
-    from ._uring import crc32c
-except ImportError:  # pragma: no cover - the package does not install without the extension
-    def _table() -> list[int]:
-        table = []
-        for n in range(256):
-            c = n
-            for _ in range(8):
-                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-            table.append(c)
-        return table
-
-    _T = _table()
-
-    def crc32c(buf, crc: int = 0) -> int:  # type: ignore[misc]
-        """Pure-Python crc32c (slow): only used when the extension is not built."""
-        if isinstance(buf, tuple):
-            import ctypes
-
-            buf = (ctypes.c_char * buf[1]).from_address(buf[0])
-        c = crc ^ 0xFFFFFFFF
-        for b in memoryview(buf).cast("B"):
-            c = _T[(c ^ b) & 0xFF] ^ (c >> 8)
-        return c ^ 0xFFFFFFFF
-
 
 class HeaderError(ValueError):
     """A page header that must not be trusted; ``str()`` says why."""

@@ -28,23 +28,24 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 # The extension is required: a missing build is an install error, not something to paper over.
-from ._uring import ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, OP_READ, OP_WRITE, AlignedBuffer, Ring, copy, crc32c
+from ._uring import (
+    ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, copy, crc32c,
+)
 
 __all__ = [
-    "ALIGN", "HUGE_PAGE_SIZE", "OP_READ", "OP_WRITE", "AlignedBuffer", "Ring", "ThreadRing", "open_ring", "byte_view",
-    "crc32c", "copy", "CRC32C_IMPL", "ENGINES",
+    "ALIGN", "HUGE_PAGE_SIZE", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring", "ThreadRing",
+    "open_ring", "byte_view", "crc32c", "copy", "CRC32C_IMPL", "ENGINES",
 ]
 
 log = logging.getLogger("kvstream")
 
 ENGINES = ("uring", "threads", "auto")
 ENV_ENGINE = "KVSTREAM_IO_ENGINE"
-DEFAULT_ENTRIES = 256  # submission-queue slots per ring; batches larger than this still work
 MAX_THREADS = 64  # ThreadRing worker cap: one blocked thread per op in flight; past this, deeper queues
 # buy little on one device and each thread costs a stack
 
 
-def open_ring(entries: int = DEFAULT_ENTRIES, engine: str | None = None):
+def open_ring(entries: int = RING_ENTRIES, engine: str | None = None):
     """Open an I/O engine.
 
     :param entries: submission-queue size (io_uring) or worker count bound (threads).
@@ -113,7 +114,7 @@ class ThreadRing:
     that one thread may submit while another waits in ``reap`` (as with ``Ring``).
     """
 
-    def __init__(self, entries: int = DEFAULT_ENTRIES, threads: int | None = None):
+    def __init__(self, entries: int = RING_ENTRIES, threads: int | None = None):
         if entries < 1:
             raise ValueError(f"entries must be >= 1, got {entries}")
         self.entries = entries

@@ -20,10 +20,12 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+# ALIGN, the O_DIRECT block (4096 bytes: file offsets, lengths and buffer addresses), is defined once, by
+# the I/O layer that needs it; the format below is built on it (header size, padding, block sizes).
+from ._uring import ALIGN
 from .errors import InvalidKeyError
 
-ALIGN = 4096  # O_DIRECT block: file offsets, lengths and buffer addresses, bytes
-HEADER_SIZE = 4096  # page header, bytes (one ALIGN block)
+HEADER_SIZE = ALIGN  # page header, bytes: one O_DIRECT block, so the payload starts aligned
 DEFAULT_BLOCK = 1 << 20  # routing / checksum block, bytes
 MAX_BLOCKS = 900  # block CRCs that fit in one header (see integrity.py); larger pages get larger blocks
 KEY_MAX = 200  # characters; keeps "<key>.kvp" under NAME_MAX (255)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvstream_hicache import io as kio
-from kvstream_hicache.io import ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Ring, ThreadRing, open_ring
+from kvstream_hicache.io import ALIGN, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, open_ring
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -22,7 +22,7 @@ ENGINES = ["uring", "threads"]
 REQUIRE_URING = os.environ.get("KVSTREAM_REQUIRE_URING") == "1" or os.environ.get("KVSTREAM_STRICT") == "1"
 
 
-def make_ring(engine: str, entries: int = 256):
+def make_ring(engine: str, entries: int = RING_ENTRIES):
     if engine == "threads":
         return ThreadRing(entries)
     try:

@@ -1,0 +1,439 @@
+# Included by _uring.pyx (after bytes.pxi, whose _raw unpacks raw memory): Ring, one io_uring.
+
+OP_READ = 0
+OP_WRITE = 1
+cdef enum:
+    C_RING_ENTRIES = 256            # submission-queue entries of a Ring by default (the engine's two rings)
+    SLOT_SHIFT = 8                  # slots come in blocks of 2**SLOT_SHIFT; blocks never move, so the
+    SLOT_BLOCK = 1 << SLOT_SHIFT    # Py_buffer inside a slot keeps its address while pinned
+    CQE_BATCH = 64                  # completions taken per io_uring_peek_batch_cqe call
+    CQ_PER_SQ = 4                   # CQ slots per SQ slot: callers may keep several batches in flight
+    MAX_ENTRIES = 32768             # kernel limit on SQ entries
+RING_ENTRIES = C_RING_ENTRIES
+
+cdef size_t MAX_SQE_BYTES = 1 << 30  # largest transfer per SQE (length field is 32-bit, kernel caps ~2 GiB)
+cdef uint64_t CANCEL_UDATA = <uint64_t>-2  # user_data of close()'s cancel-everything SQE
+
+
+cdef inline object _oserror(int err, str what):
+    """The one place a C error code becomes a Python exception."""
+    return OSError(err, f"{what}: {strerror(err).decode()}")
+
+
+ctypedef struct Req:
+    char *base            # first byte of the caller's memory
+    size_t length         # bytes requested
+    size_t done           # bytes transferred so far (short transfers resubmit from here)
+    unsigned long long offset
+    long long tag
+    int fd
+    int opcode
+    int has_view          # view pins a buffer object; 0 for raw (address, length) memory
+    int next_free         # free-list link while the slot is unused
+    Py_buffer view
+
+
+@cython.final
+@cython.no_gc_clear  # close() in __dealloc__ needs _tags/_done still set
+cdef class Ring:
+    """An io_uring instance for batched file I/O. Not thread-safe: callers serialize calls, except
+    that ``submit`` may run while another thread is blocked in ``reap`` (the wait touches no state
+    on Linux 5.11+). Nothing is shared between Ring objects: a read ring and a write ring never
+    wait on each other.
+
+    No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN (fio sets them): they tie the ring to the thread
+    that first submits, and callers may share a ring between threads under a lock.
+    """
+    cdef io_uring _ring
+    cdef bint _open
+    cdef bint _closing         # completions are final (no resubmission) while close() drains
+    cdef bint _waiting         # a reap is blocked in the kernel with the GIL released
+    cdef Req **_blocks
+    cdef int _nblocks
+    cdef int _nslots
+    cdef int _free             # head of the free-slot list, -1 when empty
+    cdef int *_backlog         # FIFO of slots waiting for an SQE (new ops and short-transfer remainders)
+    cdef int _bl_head
+    cdef int _bl_len
+    cdef int _bl_cap
+    cdef Py_ssize_t _in_flight # submitted and not yet returned by reap
+    cdef Py_ssize_t _in_kernel # SQEs prepared whose CQE has not been seen
+    cdef set _tags             # tags in flight (duplicates are refused)
+    cdef list _done            # completions not yet returned: survive an exception inside reap
+    cdef readonly unsigned entries
+    cdef readonly unsigned cq_entries
+    cdef readonly unsigned features
+
+    def __cinit__(self):
+        self._free = -1
+        self._tags = set()
+        self._done = []
+
+    def __init__(self, unsigned entries=C_RING_ENTRIES):
+        cdef io_uring_params params
+        cdef int ret
+        if entries < 1 or entries > MAX_ENTRIES:
+            raise ValueError(f"entries must be in 1..{MAX_ENTRIES}, got {entries}")
+        if self._open:
+            raise RuntimeError("Ring already initialized")
+        memset(&params, 0, sizeof(params))
+        params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP
+        params.cq_entries = entries * CQ_PER_SQ
+        ret = io_uring_queue_init_params(entries, &self._ring, &params)
+        if ret == -EINVAL:  # kernels before 5.6 lack CQSIZE/CLAMP: take the default 2x CQ
+            memset(&params, 0, sizeof(params))
+            ret = io_uring_queue_init_params(entries, &self._ring, &params)
+        if ret < 0:
+            raise _oserror(-ret, f"io_uring_setup(entries={entries}) refused")
+        self._open = True  # set only once the ring exists
+        self.entries = params.sq_entries
+        self.cq_entries = params.cq_entries
+        self.features = params.features
+
+    def __dealloc__(self):
+        if self._open:
+            try:
+                _warnings.warn(f"unclosed kvstream Ring with {self._in_flight} op(s) in flight",
+                               ResourceWarning)
+            finally:
+                self._close()
+        self._free_memory()
+
+    @property
+    def in_flight(self) -> int:
+        """Ops submitted and not yet returned by ``reap`` (completed-but-unreaped ones included)."""
+        return self._in_flight
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if not self._open else f"entries={self.entries}, in_flight={self._in_flight}"
+        return f"<kvstream Ring {state}>"
+
+    # -- public API ---------------------------------------------------------------------------
+    def submit(self, ops):
+        """Submit a batch of ``(opcode, fd, buf, offset, tag)``; returns the number of ops accepted.
+
+        ``buf`` is a buffer object (pinned until reaped; writable for reads) or ``(address, length)``.
+        The batch is validated first: on ValueError/TypeError/BufferError nothing is submitted.
+        One io_uring_submit per call, more only when the batch outgrows the submission queue.
+        """
+        self._check_open()
+        if self._waiting and not self.features & IORING_FEAT_EXT_ARG:
+            # Without EXT_ARG liburing implements the wait timeout with an SQE of its own, so the
+            # waiting thread touches the SQ too (kernels before 5.11).
+            raise RuntimeError("submit during another thread's reap needs Linux 5.11+ (IORING_FEAT_EXT_ARG)")
+        cdef Py_ssize_t accepted = 0
+        try:
+            for op in ops:
+                self._backlog_push(self._prepare(op))
+                accepted += 1
+        except BaseException:
+            while accepted:  # roll the batch back, newest first
+                self._release(self._backlog_pop_tail())
+                accepted -= 1
+            raise
+        self._in_flight += accepted
+        self._flush()
+        return accepted
+
+    def reap(self, Py_ssize_t min_complete=1, timeout=None):
+        """Wait until >= ``min_complete`` ops completed (capped at ``in_flight``) or ``timeout``
+        seconds passed; return every completion available as ``[(tag, res), ...]``.
+
+        ``res`` >= 0: bytes transferred (short only at end of file, or when an error followed
+        partial progress); ``res`` < 0: ``-errno`` for that op alone.
+        """
+        self._check_open()
+        if self._waiting:
+            raise RuntimeError("another thread is already reaping this Ring")
+        cdef double deadline = 0.0
+        cdef double left
+        cdef Py_ssize_t want = min(min_complete, self._in_flight)
+        cdef unsigned need
+        cdef Py_ssize_t held
+        cdef int ret
+        cdef io_uring_cqe *cqe = NULL
+        cdef __kernel_timespec ts
+        cdef __kernel_timespec *tsp = NULL
+        if timeout is not None:
+            deadline = _time.monotonic() + timeout
+            tsp = &ts
+        self._drain()
+        while len(self._done) < want:
+            self._flush()  # remainders of short transfers go out before we sleep on them
+            # Only SQEs the kernel has consumed can complete; ones it refused (EAGAIN/EBUSY) still
+            # sit in the SQ, and waiting on them would never return.
+            held = self._in_kernel - <Py_ssize_t>io_uring_sq_ready(&self._ring)
+            if held <= 0:
+                raise _oserror(EAGAIN, "io_uring_submit made no progress")
+            need = <unsigned>min(want - len(self._done), held)
+            if tsp != NULL:
+                left = deadline - _time.monotonic()
+                if left <= 0:
+                    break
+                ts.tv_sec = <long long>left
+                ts.tv_nsec = <long long>((left - ts.tv_sec) * 1e9)
+            self._waiting = True
+            with nogil:
+                ret = io_uring_wait_cqes(&self._ring, &cqe, need, tsp, <void *>NULL)
+            self._waiting = False
+            if ret == -EINTR:
+                PyErr_CheckSignals()  # Ctrl-C ends the wait; finished completions stay queued
+            elif ret < 0 and ret != -ETIME:
+                raise _oserror(-ret, "io_uring_wait_cqes")
+            self._drain()
+            if ret == -ETIME:
+                break
+        self._flush()
+        out = self._done
+        self._done = []
+        self._in_flight -= len(out)
+        return out
+
+    def close(self):
+        """Cancel what has not started, wait for everything in flight, free the ring. Idempotent."""
+        if not self._open:
+            return
+        if self._waiting:
+            raise RuntimeError("close() while another thread is reaping this Ring")
+        self._close()
+
+    # -- internals ----------------------------------------------------------------------------
+    cdef int _check_open(self) except -1:
+        if not self._open:
+            raise ValueError("Ring is closed")
+        return 0
+
+    cdef inline Req *_req(self, int slot) noexcept:
+        return &self._blocks[slot >> SLOT_SHIFT][slot & (SLOT_BLOCK - 1)]
+
+    cdef int _take_slot(self) except -1:
+        cdef Req **blocks
+        cdef Req *block
+        cdef int i, slot
+        if self._free < 0:
+            blocks = <Req **>PyMem_Realloc(self._blocks, (self._nblocks + 1) * sizeof(Req *))
+            if blocks == NULL:
+                raise MemoryError()
+            self._blocks = blocks
+            block = <Req *>PyMem_Malloc(SLOT_BLOCK * sizeof(Req))
+            if block == NULL:
+                raise MemoryError()
+            memset(block, 0, SLOT_BLOCK * sizeof(Req))
+            self._blocks[self._nblocks] = block
+            self._nblocks += 1
+            for i in range(SLOT_BLOCK - 1, -1, -1):
+                block[i].next_free = self._free
+                self._free = self._nslots + i
+            self._nslots += SLOT_BLOCK
+        slot = self._free
+        self._free = self._req(slot).next_free
+        return slot
+
+    cdef int _prepare(self, object op) except -1:
+        """Validate one op and fill a slot for it; returns the slot. Nothing is left behind on error."""
+        try:
+            opcode, fd, buf, offset, tag = op
+        except (TypeError, ValueError):
+            raise TypeError(f"an op is (opcode, fd, buf, offset, tag), got {op!r}") from None
+        if opcode != OP_READ and opcode != OP_WRITE:
+            raise ValueError(f"bad opcode {opcode!r}: use OP_READ or OP_WRITE")
+        if offset < 0:
+            raise ValueError(f"negative file offset {offset}")
+        # Convert everything before taking a slot or pinning a buffer, so a bad value leaks nothing.
+        cdef long long ctag = tag
+        cdef int cfd = fd
+        cdef unsigned long long coffset = offset
+        cdef int copcode = opcode
+        if ctag in self._tags:
+            raise ValueError(f"tag {tag} is already in flight on this Ring")
+        cdef int slot = self._take_slot()
+        cdef Req *req = self._req(slot)
+        try:
+            if type(buf) is tuple:
+                _raw(buf, &req.base, &req.length)
+                req.has_view = 0
+            else:
+                # SIMPLE implies C-contiguous; reads need a writable buffer
+                PyObject_GetBuffer(buf, &req.view,
+                                   PyBUF_WRITABLE if copcode == OP_READ else PyBUF_SIMPLE)
+                req.has_view = 1
+                req.base = <char *>req.view.buf
+                req.length = <size_t>req.view.len
+        except BaseException:
+            req.next_free = self._free
+            self._free = slot
+            raise
+        req.done = 0
+        req.offset = coffset
+        req.tag = ctag
+        req.fd = cfd
+        req.opcode = copcode
+        self._tags.add(ctag)
+        return slot
+
+    cdef void _release(self, int slot) noexcept:
+        """Unpin the op's buffer and return its slot (and tag) to the free pool."""
+        cdef Req *req = self._req(slot)
+        if req.has_view:
+            PyBuffer_Release(&req.view)
+            req.has_view = 0
+        self._tags.discard(req.tag)
+        req.next_free = self._free
+        self._free = slot
+
+    cdef int _backlog_push(self, int slot) except -1:
+        cdef int *grown
+        cdef int cap
+        if self._bl_head + self._bl_len == self._bl_cap:
+            if self._bl_head:  # reuse the consumed front before growing
+                memcpy(self._backlog, self._backlog + self._bl_head, self._bl_len * sizeof(int))
+                self._bl_head = 0
+            else:
+                cap = self._bl_cap * 2 if self._bl_cap else 256
+                grown = <int *>PyMem_Realloc(self._backlog, cap * sizeof(int))
+                if grown == NULL:
+                    raise MemoryError()
+                self._backlog = grown
+                self._bl_cap = cap
+        self._backlog[self._bl_head + self._bl_len] = slot
+        self._bl_len += 1
+        return 0
+
+    cdef inline int _backlog_pop_tail(self) noexcept:
+        self._bl_len -= 1
+        return self._backlog[self._bl_head + self._bl_len]
+
+    cdef int _submit_sq(self) except -2:
+        """io_uring_submit; 0 when the kernel is busy (we retry after reaping), raise otherwise."""
+        cdef int ret = io_uring_submit(&self._ring)
+        if ret >= 0:
+            return ret
+        if ret == -EAGAIN or ret == -EBUSY or ret == -EINTR:
+            return 0
+        raise _oserror(-ret, "io_uring_submit")
+
+    cdef int _flush(self) except -1:
+        """Turn backlog slots into SQEs; submit when the SQ fills and once at the end."""
+        cdef io_uring_sqe *sqe
+        cdef Req *req
+        cdef int slot
+        cdef size_t nbytes
+        while self._bl_len:
+            sqe = io_uring_get_sqe(&self._ring)
+            if sqe == NULL:  # SQ full: submit and continue
+                if self._submit_sq() == 0:
+                    return 0  # kernel busy: the rest stays in the backlog until the next reap
+                continue
+            slot = self._backlog[self._bl_head]
+            self._bl_head += 1
+            self._bl_len -= 1
+            if self._bl_len == 0:
+                self._bl_head = 0
+            req = self._req(slot)
+            nbytes = req.length - req.done
+            if nbytes > MAX_SQE_BYTES:
+                nbytes = MAX_SQE_BYTES  # the rest follows as a "short transfer"
+            if req.opcode == OP_READ:
+                io_uring_prep_read(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
+            else:
+                io_uring_prep_write(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
+            io_uring_sqe_set_data64(sqe, <uint64_t>slot)
+            self._in_kernel += 1
+        if io_uring_sq_ready(&self._ring):
+            self._submit_sq()
+        return 0
+
+    cdef int _drain(self) except -1:
+        """Consume every CQE in the completion queue (no waiting)."""
+        cdef io_uring_cqe *cqes[CQE_BATCH]
+        cdef unsigned n, i
+        while True:
+            n = io_uring_peek_batch_cqe(&self._ring, cqes, CQE_BATCH)
+            if n == 0:
+                return 0
+            try:
+                for i in range(n):
+                    self._complete(io_uring_cqe_get_data64(cqes[i]), cqes[i].res)
+            finally:
+                io_uring_cq_advance(&self._ring, n)
+
+    cdef int _complete(self, uint64_t udata, int res) except -1:
+        cdef Req *req
+        cdef long long final
+        if udata >= <uint64_t>self._nslots:
+            return 0  # close()'s cancel SQE, or liburing's own timeout SQE on old kernels
+        self._in_kernel -= 1
+        req = self._req(<int>udata)
+        if res > 0:
+            req.done += res
+            if req.done < req.length and not self._closing:
+                self._backlog_push(<int>udata)  # short transfer: resubmit the remainder
+                return 0
+            final = req.done
+        elif res == 0:
+            final = req.done  # end of file: report the short total
+        else:
+            # An error after partial progress reports the partial count, like read(2)/write(2);
+            # the caller sees a short result. An error on the first attempt is -errno.
+            final = req.done if req.done else res
+        tag = req.tag
+        self._release(<int>udata)
+        if not self._closing:
+            self._done.append((tag, final))
+        return 0
+
+    cdef void _close(self) noexcept:
+        """Cancel, drain, exit. The kernel may write into pinned buffers until their CQE arrives,
+        so no buffer is released before that; ops never handed to the kernel are just dropped."""
+        cdef io_uring_sqe *sqe
+        cdef io_uring_cqe *cqe = NULL
+        cdef int ret
+        self._closing = True
+        while self._bl_len:
+            self._release(self._backlog_pop_tail())
+        self._bl_head = 0
+        if self._in_kernel:
+            # Ops that have not started are cancelled (-ECANCELED); started file I/O finishes.
+            sqe = io_uring_get_sqe(&self._ring)
+            if sqe == NULL:
+                io_uring_submit(&self._ring)
+                sqe = io_uring_get_sqe(&self._ring)
+            if sqe != NULL:
+                io_uring_prep_cancel64(sqe, 0, IORING_ASYNC_CANCEL_ANY)
+                io_uring_sqe_set_data64(sqe, CANCEL_UDATA)
+            while self._in_kernel:
+                io_uring_submit(&self._ring)  # also retries SQEs a busy kernel refused earlier
+                with nogil:
+                    ret = io_uring_wait_cqes(&self._ring, &cqe, 1, <__kernel_timespec *>NULL, <void *>NULL)
+                if ret < 0 and ret != -EINTR and ret != -ETIME:
+                    # The ring is broken; buffers the kernel may still hold stay pinned (leaked)
+                    # rather than freed under a DMA.
+                    break
+                try:
+                    self._drain()
+                except BaseException:
+                    break
+        io_uring_queue_exit(&self._ring)
+        self._open = False
+        self._done = []
+        self._in_flight = 0
+
+    cdef void _free_memory(self) noexcept:
+        cdef int i
+        for i in range(self._nblocks):
+            PyMem_Free(self._blocks[i])
+        PyMem_Free(self._blocks)
+        self._blocks = NULL
+        self._nblocks = 0
+        PyMem_Free(self._backlog)
+        self._backlog = NULL
