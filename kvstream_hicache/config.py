@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from .errors import ConfigError, TierError
 from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR
+from .router import parse_policy
 from .tmpfiles import ProbeFailed, probe_direct
 
 log = logging.getLogger("kvstream")
@@ -150,7 +151,8 @@ def _number(value: Any, what: str, kind: Callable = float, minimum: float = 0) -
     return out
 
 
-def _flag(value: Any, what: str) -> bool:
+def parse_flag(value: Any, what: str) -> bool:
+    """on/off, 1/0, true/false, yes/no (any case) or a bool; anything else is an error naming ``what``."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -170,21 +172,28 @@ def _split(value: Any, what: str) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------- Config
+def _default(key: str) -> Any:
+    return SETTINGS[key].default
+
+
 @dataclass(frozen=True)
 class Config:
-    """Effective settings. Build with :meth:`from_sources` (or directly in tests)."""
+    """Effective settings. Build with :meth:`from_sources` (precedence, tier lists as text) or directly,
+    e.g. ``Config(tiers=["/a", "/b"], chunk="64K")``. Either way :meth:`__post_init__` parses and checks
+    every setting, so a Config never holds a value the engine would refuse; the fields hold the parsed
+    values (``chunk`` in bytes, ``fsync`` in lower case, ...). Defaults come from :data:`SETTINGS`."""
 
     tiers: tuple[TierConfig, ...]
-    policy: str = "kvstream"
-    claim: int | None = None
-    chunk: int = DEFAULT_BLOCK
-    fsync: str = "never"
-    io_engine: str = "auto"
-    file_mode: str = "private"
-    log_level: str | None = None
-    read_timeout: float = 30.0
-    tier_retry: float = 5.0
-    discover: bool = True
+    policy: str = _default("policy")
+    claim: int | None = _default("claim")
+    chunk: int = _default("chunk")
+    fsync: str = _default("fsync")
+    io_engine: str = _default("io_engine")
+    file_mode: str = _default("file_mode")
+    log_level: str | None = _default("log_level")
+    read_timeout: float = _default("read_timeout")
+    tier_retry: float = _default("tier_retry")
+    discover: bool = _default("discover")
     warnings: tuple[str, ...] = field(default=(), compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -213,71 +222,41 @@ class Config:
                 raw[key], sources[key] = environ[env_name(key)], env_name(key)
             else:
                 raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
-        return cls._parse(raw, sources)
+        warnings, tiers = _parse_tiers(raw.pop("tiers"), raw.pop("capacity"), lambda key: _what(sources, key))
+        return cls(tiers=tiers, **raw, warnings=tuple(warnings), sources=dict(sources))
 
-    @classmethod
-    def _parse(cls, raw: dict[str, Any], sources: dict[str, str]) -> "Config":
+    def __post_init__(self) -> None:
+        """Parse and check every setting (the values as written, or already parsed ones: parsing is
+        idempotent, so ``dataclasses.replace`` re-checks too); errors name the setting and the fix."""
         def what(key: str) -> str:
-            return f"{sources[key]} ({env_name(key)} / extra config '{key}')" if "default" in sources[key] \
-                else sources[key]
+            return _what(self.sources, key)
 
-        warnings: list[str] = []
-        paths: list[str] = []
-        if raw["tiers"] is not None:
-            seen: dict[str, str] = {}
-            for entry in _split(raw["tiers"], what("tiers")):
-                if not entry.strip():
-                    continue
-                path = os.path.abspath(os.path.expanduser(entry.strip()))
-                real = os.path.realpath(path)
-                if real in seen:
-                    warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
-                                    "the duplicate is ignored, it would add no bandwidth and no redundancy")
-                    continue
-                seen[real] = path
-                paths.append(path)
-        if not paths:
-            raise ConfigError(f"no tier directories: set {env_name('tiers')}=/fast/dir{os.pathsep}/slow/dir "
-                              "(fastest first) or the extra config key 'tiers' (a list)")
-        cap_raw = raw["capacity"]
-        if cap_raw in (None, "") or isinstance(cap_raw, (int, float)):
-            caps = [cap_raw]
-        elif isinstance(cap_raw, (list, tuple)):
-            caps = list(cap_raw)
-        else:
-            caps = _split(cap_raw, what("capacity"))
-        if len(caps) == 1:
-            caps = caps * len(paths)
-        if len(caps) != len(paths):
-            raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers; give one "
-                              f"value per tier in tier order (empty = unlimited) or a single value for all")
-        tiers = tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"))
-                      for p, c in zip(paths, caps))
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)  # frozen: normalise once, here
 
-        chunk = parse_bytes(raw["chunk"], what("chunk"))
+        tiers = tuple(t if isinstance(t, TierConfig) else TierConfig(os.path.abspath(os.path.expanduser(str(t))))
+                      for t in (self.tiers or ()))
+        if not tiers:
+            raise _no_tiers()
+        put("tiers", tiers)
+        chunk = parse_bytes(self.chunk, what("chunk"))
         if chunk < ALIGN or chunk % ALIGN or chunk > MAX_CHUNK:
-            raise ConfigError(f"{what('chunk')}: {raw['chunk']!r} must be a multiple of {ALIGN} bytes between "
+            raise ConfigError(f"{what('chunk')}: {self.chunk!r} must be a multiple of {ALIGN} bytes between "
                               f"4K and {MAX_CHUNK >> 20}M (O_DIRECT alignment), e.g. '1M'")
-        claim = None if raw["claim"] is None else _number(raw["claim"], what("claim"), int, 1)
-        policy = str(raw["policy"]).strip()
-        _check_policy(policy, claim, what("policy"))
-        log_level = None if raw["log_level"] is None else _choice(raw["log_level"], LOG_LEVELS,
-                                                                   what("log_level"), upper=True)
-        return cls(
-            tiers=tiers,
-            policy=policy,
-            claim=claim,
-            chunk=chunk,
-            fsync=_choice(raw["fsync"], FSYNC_MODES, what("fsync")),
-            io_engine=_choice(raw["io_engine"], IO_ENGINES, what("io_engine")),
-            file_mode=_choice(raw["file_mode"], FILE_MODES, what("file_mode")),
-            log_level=log_level,
-            read_timeout=_number(raw["read_timeout"], what("read_timeout")),
-            tier_retry=_number(raw["tier_retry"], what("tier_retry")),
-            discover=_flag(raw["discover"], what("discover")),
-            warnings=tuple(warnings),
-            sources=dict(sources),
-        )
+        put("chunk", chunk)
+        put("claim", None if self.claim is None else _number(self.claim, what("claim"), int, 1))
+        put("policy", str(self.policy).strip())
+        _check_policy(self.policy, self.claim, what("policy"))
+        if self.log_level is not None:
+            put("log_level", _choice(self.log_level, LOG_LEVELS, what("log_level"), upper=True))
+        put("fsync", _choice(self.fsync, FSYNC_MODES, what("fsync")))
+        put("io_engine", _choice(self.io_engine, IO_ENGINES, what("io_engine")))
+        put("file_mode", _choice(self.file_mode, FILE_MODES, what("file_mode")))
+        put("read_timeout", _number(self.read_timeout, what("read_timeout")))
+        put("tier_retry", _number(self.tier_retry, what("tier_retry")))
+        put("discover", parse_flag(self.discover, what("discover")))
+        put("warnings", tuple(self.warnings))
+        put("sources", dict(self.sources))
 
     # -- derived ------------------------------------------------------------------------------
     @property
@@ -286,6 +265,12 @@ class Config:
         if self.claim is not None and self.policy == "kvstream":
             return f"kvstream:m={self.claim}"
         return self.policy
+
+    @property
+    def claim_size(self) -> int:
+        """``m``, the blocks a tier claims at a time: ``claim``, else what the policy spec says, else the
+        router's default."""
+        return parse_policy(self.policy_spec).m
 
     @property
     def modes(self) -> tuple[int, int]:
@@ -318,11 +303,55 @@ class Config:
         return warnings
 
 
+def _what(sources: Mapping[str, str], key: str) -> str:
+    """Where setting ``key`` came from, for messages: the source, and for a default also its names."""
+    source = sources.get(key, f"Config argument '{key}'")
+    if source.startswith("extra config") or source == env_name(key):
+        return source
+    return f"{source} ({env_name(key)} / extra config '{key}')"
+
+
+def _no_tiers() -> ConfigError:
+    return ConfigError(f"no tier directories: set {env_name('tiers')}=/fast/dir{os.pathsep}/slow/dir "
+                       "(fastest first) or the extra config key 'tiers' (a list)")
+
+
+def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
+                 what: Callable[[str], str]) -> tuple[list[str], tuple[TierConfig, ...]]:
+    """(warnings, tiers) from the tier list and capacities as written (lists, or os.pathsep-separated)."""
+    warnings: list[str] = []
+    paths: list[str] = []
+    if raw_tiers is not None:
+        seen: dict[str, str] = {}
+        for entry in _split(raw_tiers, what("tiers")):
+            if not entry.strip():
+                continue
+            path = os.path.abspath(os.path.expanduser(entry.strip()))
+            real = os.path.realpath(path)
+            if real in seen:
+                warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
+                                "the duplicate is ignored, it would add no bandwidth and no redundancy")
+                continue
+            seen[real] = path
+            paths.append(path)
+    if not paths:
+        raise _no_tiers()
+    if raw_capacity in (None, "") or isinstance(raw_capacity, (int, float)):
+        caps = [raw_capacity]
+    elif isinstance(raw_capacity, (list, tuple)):
+        caps = list(raw_capacity)
+    else:
+        caps = _split(raw_capacity, what("capacity"))
+    if len(caps) == 1:
+        caps = caps * len(paths)
+    if len(caps) != len(paths):
+        raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers; give one "
+                          f"value per tier in tier order (empty = unlimited) or a single value for all")
+    return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"))
+                           for p, c in zip(paths, caps))
+
+
 def _check_policy(policy: str, claim: int | None, what: str) -> None:
-    try:
-        from .router import parse_policy
-    except ImportError:  # router not built yet: the engine re-parses and reports then
-        return
     spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
     try:
         parse_policy(spec)

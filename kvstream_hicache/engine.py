@@ -60,7 +60,7 @@ class Engine:
         (default :func:`kvstream_hicache.io.open_ring`).
     :param fault_plan: wrap both rings in ``FaultyRing(ring, fault_plan)`` (tests, fault drills).
     :param clock: monotonic clock for tier back-off (tests inject one).
-    :raises ConfigError: a tier directory is unusable or the policy does not parse.
+    :raises ConfigError: a tier directory is unusable, or no I/O ring opens (``io_engine``).
     """
 
     def __init__(self, config: Config, namespace: Namespace, *, policy: Policy | None = None,
@@ -71,10 +71,7 @@ class Engine:
         self.config = config
         self.namespace = namespace
         self.warnings = config.probe_tiers()
-        try:
-            self.policy = policy if policy is not None else parse_policy(config.policy_spec)
-        except ValueError as exc:
-            raise ConfigError(f"KVSTREAM_POLICY / extra config 'policy': {exc}") from None
+        self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
         self._token = tmpfiles.register()
         self.tiers = [Tier(k, t.path, namespace.digest, t.capacity.resolve(t.path), config.modes, config.fsync,

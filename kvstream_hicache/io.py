@@ -12,8 +12,9 @@ tuple of raw memory (the caller keeps it alive until reaped). Short transfers ar
 internally; ``res`` is short only at end of file, or when an error followed partial progress
 (``read(2)`` semantics: the partial count is reported, the error would surface on the next op).
 
-``open_ring()`` picks the engine: io_uring when the kernel allows it, else the thread pool, with
-one log line saying why. ``KVSTREAM_IO_ENGINE=uring|threads|auto`` forces the choice.
+``open_ring(engine=...)`` opens the engine the ``io_engine`` setting names (``Config`` decides it,
+``KVSTREAM_IO_ENGINE`` among its sources): 'auto' is io_uring when the kernel allows it, else the
+thread pool, with one log line saying why; 'uring' and 'threads' force the choice.
 """
 from __future__ import annotations
 
@@ -40,23 +41,24 @@ __all__ = [
 log = logging.getLogger("kvstream")
 
 ENGINES = ("uring", "threads", "auto")
-ENV_ENGINE = "KVSTREAM_IO_ENGINE"
+SETTING = "KVSTREAM_IO_ENGINE"  # the setting that picks the engine (config.py decides it; named in messages)
 MAX_THREADS = 64  # ThreadRing worker cap: one blocked thread per op in flight; past this, deeper queues
 # buy little on one device and each thread costs a stack
 
 
-def open_ring(entries: int = RING_ENTRIES, engine: str | None = None):
+def open_ring(entries: int = RING_ENTRIES, engine: str = "auto"):
     """Open an I/O engine.
 
     :param entries: submission-queue size (io_uring) or worker count bound (threads).
-    :param engine: 'uring', 'threads' or 'auto'; None reads $KVSTREAM_IO_ENGINE (default 'auto').
+    :param engine: 'uring', 'threads' or 'auto': the ``io_engine`` setting, which ``Config`` decides
+        (explicit > ``KVSTREAM_IO_ENGINE`` > default); this function reads no environment.
     :returns: a ``Ring`` or a ``ThreadRing``.
     :raises ValueError: unknown engine name.
     :raises OSError: engine='uring' and the kernel refuses io_uring_setup.
     """
-    choice = (engine if engine is not None else os.environ.get(ENV_ENGINE, "auto")).strip().lower() or "auto"
+    choice = engine.strip().lower()
     if choice not in ENGINES:
-        raise ValueError(f"unknown I/O engine {choice!r} (from {ENV_ENGINE} or engine=): choose one of {ENGINES}")
+        raise ValueError(f"unknown I/O engine {engine!r} (the io_engine setting, {SETTING}): choose one of {ENGINES}")
     if choice == "threads":
         return ThreadRing(entries)
     if choice == "uring":
@@ -67,7 +69,7 @@ def open_ring(entries: int = RING_ENTRIES, engine: str | None = None):
         # Containers whose seccomp profile blocks io_uring (EPERM/ENOSYS), kernels without it, or
         # io_uring_disabled=2 all end up here; the thread pool gives the same results, slower.
         log.warning("kvstream: io_uring unavailable (%s); using the thread-pool I/O engine "
-                    "(set %s=threads to silence this, or =uring to make it an error)", exc, ENV_ENGINE)
+                    "(set %s=threads to silence this, or =uring to make it an error)", exc, SETTING)
         return ThreadRing(entries)
 
 

@@ -56,6 +56,10 @@ def test_bench_three_tiers_and_check_of_what_it_leaves(tmp_path, tier_dirs, caps
     assert cli.main(["info", "--tiers", *bench_dirs]) == 0
     out = capsys.readouterr().out
     assert "tier0" in out and "tier2" in out
+    claim = next(line for line in out.splitlines() if line.split()[:1] == ["claim"])
+    assert claim.split()[1] == "2" and "m of policy 'kvstream'" in claim  # the effective m, not None
+    assert cli.main(["info", "--json", "--tiers", *bench_dirs]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["claim"][0] == "2"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")

@@ -1,13 +1,14 @@
 """Config: precedence decided once, values parsed with errors that name the setting and the fix."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 from unittest import mock
 
 import pytest
 
-from kvstream_hicache.config import SETTINGS, Capacity, Config, env_name, parse_bytes, probe_tier
+from kvstream_hicache.config import SETTINGS, Capacity, Config, env_name, parse_bytes, parse_flag, probe_tier
 from kvstream_hicache.errors import ConfigError, TierError
 
 
@@ -167,6 +168,52 @@ def test_probe_unwritable(tier_dirs):
     with mock.patch("kvstream_hicache.config.os.mkdir", side_effect=OSError(errno.EACCES, "Permission denied")):
         with pytest.raises(TierError, match="not writable.*permissions"):
             probe_tier(tier_dirs[0], 0o700, "KVSTREAM_TIERS")
+
+
+def test_defaults_come_from_the_settings_table(tier_dirs):
+    config = Config(tiers=tier_dirs[:1])
+    for f in dataclasses.fields(Config):
+        if f.name in SETTINGS and f.name != "tiers":
+            assert f.default == SETTINGS[f.name].default, f.name
+            assert getattr(config, f.name) == getattr(cfg({"tiers": tier_dirs[:1]}), f.name), f.name
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("chunk", "1000", "multiple of 4096"), ("fsync", "always", "never, data, full"), ("claim", 0, ">= 1"),
+    ("policy", "fastest", "policy"), ("discover", "flase", "on/off"), ("read_timeout", -1, ">= 0"),
+])
+def test_a_config_built_directly_is_checked_too(tier_dirs, key, value, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        Config(tiers=tier_dirs[:1], **{key: value})
+    assert f"Config argument '{key}'" in str(err.value) and env_name(key) in str(err.value)
+
+
+def test_a_config_built_directly_is_parsed_like_the_sources(tier_dirs):
+    direct = Config(tiers=tier_dirs[:2], chunk="64K", fsync="DATA", discover="off", claim="3")
+    assert direct == cfg({"tiers": tier_dirs[:2], "chunk": "64K", "fsync": "data", "discover": False, "claim": 3})
+    assert dataclasses.replace(direct, fsync="full").fsync == "full"
+    with pytest.raises(ConfigError, match="no tier directories"):
+        Config(tiers=())
+    with pytest.raises(ConfigError, match="fsync"):
+        dataclasses.replace(direct, fsync="sometimes")
+
+
+@pytest.mark.parametrize("settings,expected", [({}, 2), ({"claim": 4}, 4), ({"policy": "kvstream:m=3"}, 3),
+                                               ({"policy": "static-0.5"}, 2)])
+def test_claim_size_is_the_effective_m(tier_dirs, settings, expected):
+    assert cfg({"tiers": tier_dirs[:1], **settings}).claim_size == expected
+
+
+@pytest.mark.parametrize("text,expected", [("on", True), ("TRUE", True), (" 1 ", True), ("yes", True),
+                                           ("off", False), ("False", False), ("0", False), ("no", False)])
+def test_flag_parser(text, expected):
+    assert parse_flag(text, "x") is expected
+
+
+@pytest.mark.parametrize("text", ["flase", "", "2", "maybe"])
+def test_flag_parser_refuses_anything_else(text):
+    with pytest.raises(ConfigError, match="x: expected on/off"):
+        parse_flag(text, "x")
 
 
 def test_discover_flag(tier_dirs):

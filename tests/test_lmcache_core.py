@@ -306,3 +306,6 @@ def test_bad_settings_raise_at_construction(tmp_path):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path / "missing")]})
     with pytest.raises(KVStreamError, match="unknown kvstream setting"):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "tierz": 1})
+    # the engine settings' flag parser: a typo is an error, not "true" (refused before an engine opens)
+    with pytest.raises(KVStreamError, match="pool_loads.*'flase'"):
+        l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "pool_loads": "flase"})

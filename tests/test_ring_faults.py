@@ -16,27 +16,32 @@ from test_ring import ENGINES, make_file, make_ring, run  # tests/ is on sys.pat
 
 
 # -- open_ring ------------------------------------------------------------------------------------
-def test_open_ring_forced_threads(monkeypatch):
-    monkeypatch.setenv("KVSTREAM_IO_ENGINE", "threads")
-    with open_ring(16) as ring:
+def test_open_ring_forced_threads():
+    with open_ring(16, engine="threads") as ring:
         assert isinstance(ring, ThreadRing)
 
 
-def test_open_ring_forced_uring(monkeypatch):
-    monkeypatch.setenv("KVSTREAM_IO_ENGINE", "threads")
+def test_open_ring_forced_uring():
     ring = None
     try:
-        ring = open_ring(16, engine="uring")  # explicit beats the environment
+        ring = open_ring(16, engine="uring")
     except OSError:
         make_ring("uring")  # fails under KVSTREAM_REQUIRE_URING=1, else skips
     assert isinstance(ring, Ring)
     ring.close()
 
 
-def test_open_ring_rejects_unknown_engine(monkeypatch):
-    monkeypatch.setenv("KVSTREAM_IO_ENGINE", "spdk")
-    with pytest.raises(ValueError, match="KVSTREAM_IO_ENGINE"):
-        open_ring()
+def test_open_ring_reads_no_environment(monkeypatch):
+    """The engine is the io_engine setting, decided once by Config: the variable means nothing here."""
+    monkeypatch.setenv("KVSTREAM_IO_ENGINE", "spdk")  # refused, were it read
+    with open_ring(16, engine="threads") as ring:
+        assert isinstance(ring, ThreadRing)
+    open_ring(16).close()  # 'auto'
+
+
+def test_open_ring_rejects_unknown_engine():
+    with pytest.raises(ValueError, match="'spdk'.*KVSTREAM_IO_ENGINE"):
+        open_ring(engine="spdk")
 
 
 def _refuse(entries=256):
@@ -45,7 +50,6 @@ def _refuse(entries=256):
 
 def test_open_ring_auto_falls_back_with_one_log_line(monkeypatch, caplog):
     monkeypatch.setattr(kio, "Ring", _refuse)
-    monkeypatch.delenv("KVSTREAM_IO_ENGINE", raising=False)
     with caplog.at_level(logging.INFO, logger="kvstream"):
         ring = open_ring(8)
     ring.close()

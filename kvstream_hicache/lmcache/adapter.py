@@ -11,17 +11,12 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..config import parse_flag
 from ..segments import nbytes
 from .core import DEFAULT_MAX_POOL_PAGES, L2Core, open_engine
 from .keys import engine_key, layout_tag, split_params
 
 log = logging.getLogger("kvstream")
-
-
-def _flag(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
 
 
 def __getattr__(name: str) -> Any:
@@ -68,14 +63,14 @@ def _lmcache_classes() -> dict[str, type]:
                      engine: Any = None, environ: Mapping[str, str] | None = None):
             super().__init__(max_capacity_bytes=0)  # the engine evicts per tier; LMCache must not
             opts, settings = split_params(params)
+            pool_loads = parse_flag(opts.get("pool_loads", True), "adapter_params 'pool_loads'")  # before the engine
             self._own_engine = engine is None
             self.engine = open_engine(settings, opts.get("namespace"), environ) if engine is None else engine
             self._efds = [create_event_notifier() for _ in range(3)]  # store, lookup, load: distinct fds
             self._closed = False
             self.core = L2Core(self.engine, on_store=lambda _t: self._efds[0].notify(),
                                on_lookup=lambda _t: self._efds[1].notify(),
-                               on_load=lambda _t: self._efds[2].notify(),
-                               pool_loads=_flag(opts.get("pool_loads", True)),
+                               on_load=lambda _t: self._efds[2].notify(), pool_loads=pool_loads,
                                max_pool_pages=int(opts.get("max_pool_pages", DEFAULT_MAX_POOL_PAGES)))
             self._store_keys: dict[int, tuple[list, list[int]]] = {}  # task -> (ObjectKeys, sizes)
             self._load_keys: dict[int, list] = {}

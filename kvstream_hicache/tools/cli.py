@@ -215,9 +215,14 @@ def _settings(cfg) -> dict[str, tuple[str, str]]:
         if f.name in ("warnings", "sources"):
             continue
         value = getattr(cfg, f.name)
+        source = sources.get(f.name, "default")
         if f.name == "tiers":
             value = ", ".join(f"{t.path} [{t.capacity}]" for t in value)
-        out[f.name] = (str(value), sources.get(f.name, "default"))
+        elif f.name == "claim":  # the effective m: unset means the policy's own, or the router's default
+            value = cfg.claim_size
+            if cfg.claim is None:
+                source += f"; m of policy {cfg.policy_spec!r}"
+        out[f.name] = (str(value), source)
     return out
 
 

@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
-from ...io import OP_READ, open_ring
+from ...io import OP_READ, RING_ENTRIES, open_ring
 
 
 class SpanRecorder:
@@ -123,7 +123,7 @@ class TimedRing:
 def ring_factory(recorder: SpanRecorder) -> Callable:
     """An ``Engine(ring_factory=...)`` that opens the usual ring and wraps it."""
 
-    def factory(entries: int = 256, engine: str | None = None):
+    def factory(entries: int = RING_ENTRIES, engine: str = "auto"):
         return TimedRing(open_ring(entries, engine), recorder)
 
     return factory
