@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from contextlib import suppress
 from collections.abc import Callable, Sequence
@@ -60,11 +59,14 @@ class Engine:
         (default :func:`kvstream_hicache.io.open_ring`).
     :param fault_plan: wrap both rings in ``FaultyRing(ring, fault_plan)`` (tests, fault drills).
     :param clock: monotonic clock for tier back-off (tests inject one).
+    :param announce: log the one-line start-up summary at INFO (else at DEBUG): an adapter that logs
+        its own line with the same facts (the SGLang backend, once per server) turns it off.
     :raises ConfigError: a tier directory is unusable, or no I/O ring opens (``io_engine``).
     """
 
     def __init__(self, config: Config, namespace: Namespace, *, policy: Policy | None = None,
-                 ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic):
+                 ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic,
+                 announce: bool = True):
         self._closed = True
         if config.log_level:
             log.setLevel(config.log_level)
@@ -100,7 +102,8 @@ class Engine:
                                  namespace.digest)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
-        log.info("kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
+        log.log(logging.INFO if announce else logging.DEBUG,
+                 "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
                  namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
 
     # -- pages ---------------------------------------------------------------------------------
@@ -155,8 +158,7 @@ class Engine:
         with self._reads.lock, self._writes.lock:
             self.index.clear()
             for tier in self.tiers:
-                shutil.rmtree(tier.layout.pages, ignore_errors=True)
-                tier._dirs.clear()
+                tier.clear()
 
     def close(self) -> None:
         """Wait briefly for orphan reads, close the rings and free buffers. Idempotent."""

@@ -17,6 +17,7 @@ import errno
 import itertools
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 
@@ -186,6 +187,12 @@ class Tier:
             os.unlink(tmp_path)
         except OSError:  # the tier failed or the tmp directory is gone: start-up cleaning removes leftovers
             pass
+
+    def clear(self) -> None:
+        """Remove every page of this namespace from the tier (its page directory tree). The directories
+        known to exist are forgotten, so the next write re-creates what it needs."""
+        shutil.rmtree(self.layout.pages, ignore_errors=True)
+        self._dirs.clear()
 
     def unlink_page(self, key: str) -> None:
         try:

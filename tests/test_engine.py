@@ -7,6 +7,7 @@ straddle segments). Every test that leaves a store ends with ``check()`` finding
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import stat
 import threading
@@ -382,6 +383,16 @@ def test_clear_and_close_are_safe(tier_dirs):
 
     with pytest.raises(EngineClosedError):
         engine.get(keys, pages.dst_segments)
+
+
+@pytest.mark.parametrize("announce,level", [(True, logging.INFO), (False, logging.DEBUG)])
+def test_start_up_line_level(tier_dirs, caplog, announce, level):
+    """One line at start-up; an adapter with a line of its own (the SGLang backend) turns it down to DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="kvstream")
+    with Engine(Config.from_sources({"tiers": tier_dirs[:1]}, environ={}), NS, announce=announce):
+        pass
+    lines = [r for r in caplog.records if "pages indexed in" in r.getMessage()]
+    assert [r.levelno for r in lines] == [level]
 
 
 def _page_files(tier_dir: str) -> list[str]:

@@ -113,7 +113,8 @@ class RecordingPolicy:
         return route
 
 
-def scripted_engine(config, namespace, tiers: list[str], speeds: list[float], recorder: list, engine_cls=None):
+def scripted_engine(config, namespace, tiers: list[str], speeds: list[float], recorder: list, engine_cls=None,
+                    **kwargs):
     """An Engine whose rings are ScriptedRings and whose policy records its routes."""
     from kvstream_hicache.engine import Engine
     from kvstream_hicache.io import open_ring
@@ -126,7 +127,7 @@ def scripted_engine(config, namespace, tiers: list[str], speeds: list[float], re
 
     policy = RecordingPolicy(parse_policy(config.policy_spec))
     recorder.append(policy)
-    return Engine(config, namespace, policy=policy, ring_factory=ring_factory)
+    return Engine(config, namespace, policy=policy, ring_factory=ring_factory, **kwargs)
 
 
 def route_summary(route) -> dict:
@@ -148,8 +149,8 @@ def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
     assert pools.flat_page_nbytes() == PAGE_BYTES, pools.flat_page_nbytes()
     recorder: list = []
     real_engine = engine_mod.Engine
-    engine_mod.Engine = lambda config, namespace: scripted_engine(config, namespace, tiers, speeds, recorder,
-                                                                  real_engine)
+    engine_mod.Engine = lambda config, namespace, **kw: scripted_engine(config, namespace, tiers, speeds, recorder,
+                                                                        real_engine, **kw)
     try:
         cfg = cpu_sglang.storage_config(pools, extra_config={"tiers": tiers, "chunk": CHUNK})
         storage = KVStreamHiCacheStorage(cfg, pools.host)

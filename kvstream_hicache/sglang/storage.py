@@ -468,15 +468,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _open_engine(self, namespace: Namespace):
         from ..engine import Engine
 
-        # The engine announces itself at INFO on every rank; sglang gets one line instead, from rank 0
-        # (startup_line), which carries the same facts plus the host-pool side.
-        banner = _DropBanner()
-        engine_log = logging.getLogger("kvstream")
-        engine_log.addFilter(banner)
-        try:
-            return Engine(self.config, namespace)
-        finally:
-            engine_log.removeFilter(banner)
+        # The engine would announce itself at INFO on every rank; sglang gets one line instead, from
+        # rank 0 (startup_line), which carries the same facts plus the host-pool side.
+        return Engine(self.config, namespace, announce=False)
 
     def _make_exporter(self):
         from .metrics import Exporter
@@ -525,13 +519,6 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             log.info(line)
         else:
             log.debug(line)
-
-
-class _DropBanner(logging.Filter):
-    """Drops the engine's own start-up summary (INFO) while the adapter opens it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno == logging.INFO and str(record.msg).startswith("kvstream: %s; namespace"))
 
 
 def _count_of(keys) -> int:

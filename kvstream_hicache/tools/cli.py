@@ -35,17 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
+    from ..errors import KVStreamError
     from .bench.runner import UsageError
     from .bench.testbed import TestbedError
 
-    errors: list[type[BaseException]] = [TestbedError, UsageError]
-    try:
-        from ..errors import KVStreamError
-
-        errors.append(KVStreamError)
-    except ImportError:  # pragma: no cover - errors.py is part of the package
-        pass
-    return tuple(errors)
+    return TestbedError, UsageError, KVStreamError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,11 +136,8 @@ def _config(tiers: Sequence[str] | None):
 
 
 def _check(args) -> int:
-    try:
-        from ..integrity import check_tiers
-    except ImportError as exc:
-        print(f"kvstream check: the consistency check is not available in this build ({exc})", file=sys.stderr)
-        return 2
+    from ..integrity import check_tiers
+
     problems = check_tiers(_config(args.tiers), fix=args.fix)
     if args.json:
         print(json.dumps([_problem_dict(p) for p in problems], indent=1))
