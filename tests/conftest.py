@@ -4,12 +4,16 @@
   io_uring, sglang and LMCache tests must run, and a skip there means a missing install.
 * ``tier_root``: a scratch directory on a file system that supports O_DIRECT (tmpfs on older
   kernels does not), removed afterwards.
+* Every Engine a test opens ends consistent: ``check() == []`` just before it closes, and it is closed
+  by the end of the test (autouse ``engines_end_consistent``). A test that leaves damage on purpose
+  says so: ``@pytest.mark.leaves_problems("why")``.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import weakref
 
 import pytest
 
@@ -44,3 +48,34 @@ def tier_dirs(tier_root):
     for d in dirs:
         os.makedirs(d)
     return dirs
+
+
+@pytest.fixture(autouse=True)
+def engines_end_consistent(request, monkeypatch):
+    """Check every engine the test opens just before it closes, and that the test closed it."""
+    marker = request.node.get_closest_marker("leaves_problems")
+    if marker is not None and not (marker.args and str(marker.args[0]).strip()):
+        pytest.fail("@pytest.mark.leaves_problems needs a reason: what the test leaves behind and why")
+    from kvstream_hicache.engine import Engine
+
+    opened: list[weakref.ref] = []
+    problems: list[str] = []
+    init, close = Engine.__init__, Engine.close
+
+    def checked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        opened.append(weakref.ref(self))
+
+    def checked_close(self):
+        if not self._closed and marker is None:
+            problems.extend(f"{self!r}: {p}" for p in self.check())
+        close(self)
+
+    monkeypatch.setattr(Engine, "__init__", checked_init)
+    monkeypatch.setattr(Engine, "close", checked_close)
+    yield
+    leaked = [e for e in (ref() for ref in opened) if e is not None and not e._closed]
+    for engine in leaked:  # closed here, so the leak fails this test and not one that collects it later
+        checked_close(engine)
+    assert not leaked, f"engines left open by the test: {leaked}"
+    assert not problems, "engines closed with problems on their tiers:\n" + "\n".join(problems)

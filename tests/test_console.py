@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import io
+import math
 
+from kvstream_hicache.tools import console
 from kvstream_hicache.tools.console import Progress
 
 
@@ -43,10 +45,13 @@ def test_terminal_redraws_in_place_at_most_every_interval():
     assert "\r[" + "#" * 30 + "] run four\033[K" in text and text.endswith("\n")
 
 
-def test_disabled_writes_nothing_and_eta_follows_the_pace():
+def test_disabled_writes_nothing_and_eta_follows_the_pace(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
     out = Terminal()
     p = Progress(10, stream=out, enabled=False)
     p.show(3, "x", force=True)
     p.close()
     assert out.getvalue() == ""
-    assert p.eta(10) == 0.0 and p.eta(5) >= 0.0
+    now[0] = 104.0  # 4 s into the run
+    assert p.eta(10) == 0.0 and p.eta(5) == 4.0 and p.eta(2) == 16.0 and math.isnan(p.eta(0))

@@ -458,3 +458,6 @@ def test_pages_written_by_another_engine_of_the_namespace_are_discovered(tier_di
     with make_engine(tier_dirs[:2], discover=False) as blind, make_engine(tier_dirs[:2]) as writer:
         writer.put(keys[3:], pages.src_segments[3:])
         assert not blind.contains(keys[3]) and blind.prefix_len(keys) == 3
+        # index only: the blind engine's check sees the other engine's page on disk, unindexed
+        found = {(p.kind, p.path) for p in blind.check(fix=True)}
+        assert found == {("index_missing", t.layout.page_path(keys[3])) for t in blind.tiers}

@@ -279,7 +279,7 @@ def test_sigkill_during_writes_loses_no_acknowledged_page(tier_dirs):
                 break
     finally:
         proc.kill()
-        proc.wait()
+        proc.communicate()  # reaps it and closes its stdout
     assert len(acked) == 6
     import hashlib
 

@@ -88,7 +88,8 @@ def imports_of(name: str, path: str, modules) -> set[str]:
     ``TYPE_CHECKING`` blocks): ``from .x import y`` counts as ``x``, and ``x.y`` when that is a module."""
     import ast
 
-    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
     is_pkg = path.endswith("__init__.py")
     here = name if is_pkg else name.rpartition(".")[0]
     found = set()

@@ -105,7 +105,8 @@ class Server:
 
 
 @pytest.fixture
-def server_factory(lmc):
+def server_factory(lmc, tier_root):
+    """Servers closed at teardown, before tier_root (requested here for that order) removes their tiers."""
     servers: list[Server] = []
 
     def make(tiers, module_path: str = "kvstream_hicache.lmcache.adapter", **params) -> Server:

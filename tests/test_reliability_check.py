@@ -133,6 +133,7 @@ def test_library_check_beside_a_running_engine_keeps_its_writes(tier_dirs):
             plan.clear()
             plan.release()
             writer.join(60)
+        assert not writer.is_alive(), "the released writer did not finish"
         assert result == [[True, True]]
         assert [engine.index.holders(k) for k in pages.keys(2)] == [0b11] * 2
         assert engine.check() == []

@@ -136,6 +136,7 @@ def test_three_controller_threads_stay_consistent(tier_dirs):
             t.start()
         for t in threads:
             t.join(WAIT_S)
+            assert not t.is_alive(), f"{t.name} still running after {WAIT_S} s"
         assert errors == []
         stats = engine.stats()
         assert stats["tiers"][0]["evictions"] > 0 and stats["pages"] == n
@@ -168,4 +169,5 @@ def test_engines_starting_at_once_on_new_tiers(tier_root):
             t.start()
         for t in threads:
             t.join(WAIT_S)
+            assert not t.is_alive(), f"{t.name} still running after {WAIT_S} s"
     assert errors == []

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,7 @@ def _run_and_kill(tiers: list[str], ack: str, start: int, *, acks: int = 0, hold
     deadline = time.monotonic() + WAIT_S
     try:
         while True:
-            text = open(ack).read() if os.path.exists(ack) else ""
+            text = Path(ack).read_text() if os.path.exists(ack) else ""
             if hold_after >= 0 and "HOLDING" in text.split("START")[-1]:
                 break
             if hold_after < 0 and len(_acked(ack)) - before >= acks:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -140,17 +141,17 @@ def test_page_symlinked_out_of_the_tier_is_not_served_and_the_target_survives(ti
     outside = os.path.join(tier_root, "precious")
     with open(outside, "wb") as f:
         f.write(os.urandom(HEADER_SIZE + pages.size))
-    before = open(outside, "rb").read()
+    before = Path(outside).read_bytes()
     with make_engine(tier_dirs[:2]) as engine:
         assert pages.put(engine, keys) == [True] * 2
         path = engine.tiers[0].layout.page_path(keys[1])
         os.unlink(path)
         os.symlink(outside, path)
         assert pages.checked_get(engine, keys, policy=SingleTier(0)) == [True, True]
-        assert not os.path.lexists(path) and open(outside, "rb").read() == before
+        assert not os.path.lexists(path) and Path(outside).read_bytes() == before
         assert engine.check() == []
     os.symlink(outside, path)  # and at start-up: its header is not a page header
     with make_engine(tier_dirs[:2]) as engine:
         assert engine.scan["damaged_removed"] == 1 and not os.path.lexists(path)
-        assert open(outside, "rb").read() == before
+        assert Path(outside).read_bytes() == before
         assert pages.checked_get(engine, keys) == [True, True]

@@ -131,6 +131,7 @@ def test_every_page_pinned_by_reads_fails_the_write_for_that_tier_only(tier_root
             plan.clear()
             plan.release()
             reader.join(WAIT_S)
+        assert not reader.is_alive(), "the released reader did not finish"
         assert results == [[True] * 6]
         # unpinned now: the next page evicts the least recent one and is stored on both tiers
         later = pages.keys(1, 200)

@@ -97,6 +97,7 @@ def test_file_and_directory_modes(tier_dirs, mode, file_bits, dir_bits, umask):
                 plan.clear()
                 plan.release()
                 writer.join(60)
+            assert not writer.is_alive(), "the released writer did not finish"
         base = os.path.join(tier_dirs[0], "kvstream")
         dirs = [d for d, _, _ in os.walk(base)]
         files = [os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs]
