@@ -290,7 +290,7 @@ def _sum(samples: dict, name: str, **match) -> float:
                if n == name and all(dict(labels).get(k) == val for k, val in match.items()))
 
 
-KV = "kvstream:"  # kvstream's metric families (kvstream_hicache/metrics.py)
+KV = "kvstream:"  # kvstream's metric families (kvstream_hicache/sglang/metrics.py)
 TIER_FAMILIES = {"read_bytes": KV + "tier_read_bytes_total", "served_bytes": KV + "tier_served_bytes_total",
                  "write_bytes": KV + "tier_write_bytes_total", "fallbacks": KV + "tier_fallbacks_total",
                  "corrupted_pages": KV + "tier_corrupted_pages_total", "errors": KV + "tier_errors_total"}
@@ -300,7 +300,7 @@ def storage_metrics(before: dict | None, after: dict | None) -> dict | None:
     """What the run moved through the storage tier, from counter deltas of sglang's and kvstream's metrics.
 
     sglang: storage-hit tokens found by the prefetch query, tokens prefetched from storage, tokens
-    backed up, cached prompt tokens by source. kvstream (kvstream_hicache/metrics.py): per tier bytes
+    backed up, cached prompt tokens by source. kvstream (kvstream_hicache/sglang/metrics.py): per tier bytes
     read, served (first arrivals: the tier's read share) and written, fallbacks, corrupted pages; read
     batches' total time against their aggregate-bandwidth bound. Counters are summed over ranks; any
     family the server does not export is simply absent (zero).

@@ -9,7 +9,8 @@ Data flow of ``put`` (one call at a time per write ring)::
     per (page, tier): reserve capacity in the index (LRU victims deleted first), create
         <tier>/kvstream/tmp/<unique>.tmp (O_DIRECT), queue header + payload writes
     one ring submission for everything; as each (page, tier) completes: [fdatasync] -> rename
-        into place -> index commit; ENOSPC -> evict LRU on that tier and rewrite, at most twice
+        into place -> index commit; ENOSPC -> evict LRU on that tier and rewrite (or rename again), up
+        to SPACE_RETRIES times
     fsync=full: fsync the page directories; return when every write has completed
     (so the caller's memory is never read after return)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the development/test environment from scratch on Debian/Ubuntu:
-#   system packages (as root): liburing-dev, pkg-config, a C compiler, fio
+#   system packages (scripts/system-deps.sh: as root, or through sudo): liburing-dev, pkg-config, gcc, fio
 #   .venv with CPU torch 2.13.0, the real sglang 0.5.23 (--no-deps) and the few
 #   packages its import chain needs, then this package in editable mode.
 # Idempotent: a second run only re-checks. Downloads are cached in ~/.cache/pip,

@@ -11,7 +11,8 @@
 #   kvstream_hicache is then installed editable (--no-build-isolation --no-deps) into the same venv.
 #
 # Idempotent: a second run only re-checks the stamp and rebuilds the extension. Needs liburing-dev and
-# pkg-config (installed with apt-get when run as root, as in CI). Usage: bash scripts/setup-lmcache-env.sh
+# pkg-config (scripts/system-deps.sh installs them as root, as in CI, or through sudo).
+# Usage: bash scripts/setup-lmcache-env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVSTREAM_LMCACHE_VENV:-.venv-lmcache}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command: builds the environment from scratch if needed (system packages as root,
+# The test command: builds the environment from scratch if needed (system packages as root or via sudo,
 # .venv with the real sglang 0.5.23 on CPU torch, .venv-lmcache with the real LMCache 0.5.6),
 # then runs the whole suite. In CI (CI=true) a skipped test counts as a failure: the io_uring,
 # sglang and LMCache tests must run, not skip.

@@ -129,11 +129,8 @@ def _scratch() -> str:
 
 def _testbed_tiers(args) -> Tiers | None:
     """Throttled loop-device tiers, or None (with the reason) when this host cannot build them."""
-    try:
-        from .bench import testbed
-    except ImportError as e:
-        log(f"  (no throttled tiers: the benchmark testbed is not available: {e})")
-        return None
+    from .bench import testbed
+
     problems = testbed.preflight(need_fio=False)
     if problems:
         log("  (no throttled tiers: " + "; ".join(p.split(". Fix:")[0] for p in problems) + ")")
