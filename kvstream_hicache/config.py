@@ -234,8 +234,9 @@ class Config:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)  # frozen: normalise once, here
 
+        given = (self.tiers,) if isinstance(self.tiers, (str, os.PathLike, TierConfig)) else (self.tiers or ())
         tiers = tuple(t if isinstance(t, TierConfig) else TierConfig(os.path.abspath(os.path.expanduser(str(t))))
-                      for t in (self.tiers or ()))
+                      for t in given)
         if not tiers:
             raise _no_tiers()
         put("tiers", tiers)

@@ -103,8 +103,8 @@ class Engine:
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         log.log(logging.INFO if announce else logging.DEBUG,
-                 "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
-                 namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
+                "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
+                namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
 
     # -- pages ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:

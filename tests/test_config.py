@@ -192,6 +192,7 @@ def test_a_config_built_directly_is_parsed_like_the_sources(tier_dirs):
     direct = Config(tiers=tier_dirs[:2], chunk="64K", fsync="DATA", discover="off", claim="3")
     assert direct == cfg({"tiers": tier_dirs[:2], "chunk": "64K", "fsync": "data", "discover": False, "claim": 3})
     assert dataclasses.replace(direct, fsync="full").fsync == "full"
+    assert Config(tiers=tier_dirs[0]).tiers == Config(tiers=[tier_dirs[0]]).tiers  # one path, not its letters
     with pytest.raises(ConfigError, match="no tier directories"):
         Config(tiers=())
     with pytest.raises(ConfigError, match="fsync"):
