@@ -4,7 +4,9 @@
 One extension module, ``kvstream_hicache._uring``, built from this file and the three it includes
 (one concept each; they share C-level helpers, so they are one module, not three)::
 
-    bytes.pxi     raw ``(address, length)`` memory, ``crc32c`` (SSE4.2, crc32c.h) and ``copy``
+    bytes.pxi     raw ``(address, length)`` memory, ``crc32c`` (crc32c.h: VPCLMULQDQ folding, else SSE4.2),
+                  ``copy``, and ``PageMap``: a page's payload in caller segments, its blocks checked
+                  (and copied in from staging) with the GIL released
     buffers.pxi   ``AlignedBuffer``: aligned memory, huge-page backed from 2 MiB up; ``ALIGN``
     ring.pxi      ``Ring``: one io_uring, batched submit/reap of ``(opcode, fd, buf, offset, tag)``
 

@@ -10,6 +10,12 @@ cdef extern from "<linux/time_types.h>" nogil:
         long long tv_nsec
 
 
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void *iov_base
+        size_t iov_len
+
+
 cdef extern from "<liburing.h>" nogil:
     struct io_uring_sqe:
         pass
@@ -48,6 +54,8 @@ cdef extern from "<liburing.h>" nogil:
 
     void io_uring_prep_read(io_uring_sqe *sqe, int fd, void *buf, unsigned nbytes, uint64_t offset)
     void io_uring_prep_write(io_uring_sqe *sqe, int fd, const void *buf, unsigned nbytes, uint64_t offset)
+    void io_uring_prep_readv(io_uring_sqe *sqe, int fd, const iovec *iovecs, unsigned nr_vecs, uint64_t offset)
+    void io_uring_prep_writev(io_uring_sqe *sqe, int fd, const iovec *iovecs, unsigned nr_vecs, uint64_t offset)
     void io_uring_prep_cancel64(io_uring_sqe *sqe, uint64_t user_data, int flags)
     void io_uring_sqe_set_data64(io_uring_sqe *sqe, uint64_t data)
 

@@ -9,6 +9,7 @@ cdef enum:
     CQE_BATCH = 64                  # completions taken per io_uring_peek_batch_cqe call
     CQ_PER_SQ = 4                   # CQ slots per SQ slot: callers may keep several batches in flight
     MAX_ENTRIES = 32768             # kernel limit on SQ entries
+    IOV_MAX_VECS = 1024             # UIO_MAXIOV: ranges per vectored op
 RING_ENTRIES = C_RING_ENTRIES
 
 cdef size_t MAX_SQE_BYTES = 1 << 30  # largest transfer per SQE (length field is 32-bit, kernel caps ~2 GiB)
@@ -21,8 +22,10 @@ cdef inline object _oserror(int err, str what):
 
 
 ctypedef struct Req:
-    char *base            # first byte of the caller's memory
+    char *base            # first byte of the caller's memory (single-buffer ops)
     size_t length         # bytes requested
+    iovec *iov            # vectored ops: iovcnt caller ranges, then iovcnt entries of scratch for remainders
+    int iovcnt            # 0 for single-buffer ops
     size_t done           # bytes transferred so far (short transfers resubmit from here)
     unsigned long long offset
     long long tag
@@ -31,6 +34,53 @@ ctypedef struct Req:
     int has_view          # view pins a buffer object; 0 for raw (address, length) memory
     int next_free         # free-list link while the slot is unused
     Py_buffer view
+
+
+cdef int _raw_vector(list ranges, Req *req) except -1:
+    """Fill a vectored op from a list of (address, length) ranges of caller memory (readv/writev:
+    one request over several buffers, e.g. a page's segments or a run of staging blocks)."""
+    cdef Py_ssize_t n = len(ranges)
+    cdef Py_ssize_t i
+    cdef char *base
+    cdef size_t length
+    cdef size_t total = 0
+    if n == 0 or n > IOV_MAX_VECS:
+        raise ValueError(f"a vectored op takes 1..{IOV_MAX_VECS} (address, length) ranges, got {n}")
+    cdef iovec *iov = <iovec *>PyMem_Malloc(2 * n * sizeof(iovec))
+    if iov == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            _raw(ranges[i], &base, &length)
+            iov[i].iov_base = base
+            iov[i].iov_len = length
+            total += length
+    except BaseException:
+        PyMem_Free(iov)
+        raise
+    req.iov = iov
+    req.iovcnt = <int>n
+    req.base = NULL
+    req.length = total
+    return 0
+
+
+cdef unsigned _iov_remainder(Req *req) noexcept:
+    """Copy the part of the op's ranges not yet transferred (req.done bytes in) into its scratch
+    entries; returns how many. The original ranges stay intact for the next remainder."""
+    cdef iovec *out = req.iov + req.iovcnt
+    cdef size_t skip = req.done
+    cdef unsigned n = 0
+    cdef int i
+    for i in range(req.iovcnt):
+        if skip >= req.iov[i].iov_len:
+            skip -= req.iov[i].iov_len
+            continue
+        out[n].iov_base = <char *>req.iov[i].iov_base + skip
+        out[n].iov_len = req.iov[i].iov_len - skip
+        skip = 0
+        n += 1
+    return n
 
 
 @cython.final
@@ -122,7 +172,9 @@ cdef class Ring:
     def submit(self, ops):
         """Submit a batch of ``(opcode, fd, buf, offset, tag)``; returns the number of ops accepted.
 
-        ``buf`` is a buffer object (pinned until reaped; writable for reads) or ``(address, length)``.
+        ``buf`` is a buffer object (pinned until reaped; writable for reads), ``(address, length)``, or a
+        list of ``(address, length)`` ranges read or written as one vectored request (readv/writev:
+        the file range is contiguous, the memory need not be).
         The batch is validated first: on ValueError/TypeError/BufferError nothing is submitted.
         One io_uring_submit per call, more only when the batch outgrows the submission queue.
         """
@@ -258,9 +310,13 @@ cdef class Ring:
             raise ValueError(f"tag {tag} is already in flight on this Ring")
         cdef int slot = self._take_slot()
         cdef Req *req = self._req(slot)
+        req.iovcnt = 0
         try:
             if type(buf) is tuple:
                 _raw(buf, &req.base, &req.length)
+                req.has_view = 0
+            elif type(buf) is list:
+                _raw_vector(buf, req)
                 req.has_view = 0
             else:
                 # SIMPLE implies C-contiguous; reads need a writable buffer
@@ -287,6 +343,10 @@ cdef class Ring:
         if req.has_view:
             PyBuffer_Release(&req.view)
             req.has_view = 0
+        if req.iovcnt:
+            PyMem_Free(req.iov)
+            req.iov = NULL
+            req.iovcnt = 0
         self._tags.discard(req.tag)
         req.next_free = self._free
         self._free = slot
@@ -327,6 +387,7 @@ cdef class Ring:
         cdef io_uring_sqe *sqe
         cdef Req *req
         cdef int slot
+        cdef unsigned nvec
         cdef size_t nbytes
         while self._bl_len:
             sqe = io_uring_get_sqe(&self._ring)
@@ -343,7 +404,13 @@ cdef class Ring:
             nbytes = req.length - req.done
             if nbytes > MAX_SQE_BYTES:
                 nbytes = MAX_SQE_BYTES  # the rest follows as a "short transfer"
-            if req.opcode == OP_READ:
+            if req.iovcnt:
+                nvec = _iov_remainder(req)
+                if req.opcode == OP_READ:
+                    io_uring_prep_readv(sqe, req.fd, req.iov + req.iovcnt, nvec, req.offset + req.done)
+                else:
+                    io_uring_prep_writev(sqe, req.fd, req.iov + req.iovcnt, nvec, req.offset + req.done)
+            elif req.opcode == OP_READ:
                 io_uring_prep_read(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
             else:
                 io_uring_prep_write(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)

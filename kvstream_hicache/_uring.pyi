@@ -12,11 +12,11 @@ ALIGN: int  # O_DIRECT block, bytes (4096): the one definition (kvstream_hicache
 HUGE_PAGE_SIZE: int  # transparent huge page size, bytes (AlignedBuffers this large are huge-page backed); 0 without THP
 OP_READ: int
 OP_WRITE: int
-CRC32C_IMPL: str  # "sse4.2-3way" or "table"
+CRC32C_IMPL: str  # "vpclmulqdq-fold", "sse4.2-3way" or "table": the fastest the CPU has
 RING_ENTRIES: int  # submission-queue entries of a Ring by default (256)
 
 RawMemory = Tuple[int, int]  # (address, length): caller keeps the memory alive until reaped
-IOBuffer = Union[Buffer, RawMemory]
+IOBuffer = Union[Buffer, RawMemory, list[RawMemory]]  # a list: one vectored request (readv/writev)
 Op = Tuple[int, int, IOBuffer, int, int]  # (opcode, fd, buf, offset, tag)
 
 class AlignedBuffer:
@@ -56,6 +56,16 @@ class Ring:
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None: ...
 
-def crc32c(buf: IOBuffer, crc: int = 0) -> int: ...
+class PageMap:
+    """A page's payload in caller segments and the CRC each block must have (see bytes.pxi)."""
+    length: int
+    block: int
+    def __init__(self, segments: list[RawMemory], length: int, block: int, crcs: Iterable[int]) -> None: ...
+    @property
+    def nblocks(self) -> int: ...
+    def ranges(self, start: int, nbytes: int) -> list[RawMemory]: ...
+    def check(self, j0: int, j1: int, staging: list[int] | None = None, skip: int = 0) -> int: ...
+
+def crc32c(buf: Union[Buffer, RawMemory], crc: int = 0) -> int: ...
 def copy(dst_address: int, src_address: int, n: int) -> None: ...
 def _crc32c_software(data: Buffer, crc: int = 0) -> int: ...  # table path, for tests

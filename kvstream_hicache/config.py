@@ -56,6 +56,8 @@ SETTINGS: dict[str, Setting] = {
     "io_engine": Setting("auto", "'auto' (io_uring, else threads with one log line), 'uring', 'threads'"),
     "file_mode": Setting("private", "'private' (files 0600, dirs 0700) or 'shared' (0660 / 2770, group)"),
     "log_level": Setting(None, "level of the 'kvstream' logger (DEBUG, INFO, WARNING, ...); unset = inherit"),
+    "memory": Setting("64M", "staging memory of the engine, bytes: half for reads in flight (shared by the "
+                             "tiers), half for writes of pages not 4096-aligned in memory; e.g. '64M', '1G'"),
     "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
                                   " (0 = wait forever)"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
@@ -191,6 +193,7 @@ class Config:
     io_engine: str = _default("io_engine")
     file_mode: str = _default("file_mode")
     log_level: str | None = _default("log_level")
+    memory: int = _default("memory")
     read_timeout: float = _default("read_timeout")
     tier_retry: float = _default("tier_retry")
     discover: bool = _default("discover")
@@ -245,6 +248,12 @@ class Config:
             raise ConfigError(f"{what('chunk')}: {self.chunk!r} must be a multiple of {ALIGN} bytes between "
                               f"4K and {MAX_CHUNK >> 20}M (O_DIRECT alignment), e.g. '1M'")
         put("chunk", chunk)
+        memory = parse_bytes(self.memory, what("memory"))
+        if memory < 4 * chunk:
+            raise ConfigError(f"{what('memory')}: {self.memory!r} is less than 4 blocks of {chunk >> 10} KiB (a read "
+                              f"and a write window of two blocks each); give at least {4 * chunk >> 20}M (default "
+                              f"{SETTINGS['memory'].default})")
+        put("memory", memory)
         put("claim", None if self.claim is None else _number(self.claim, what("claim"), int, 1))
         put("policy", str(self.policy).strip())
         _check_policy(self.policy, self.claim, what("policy"))
@@ -280,8 +289,8 @@ class Config:
 
     def summary(self) -> str:
         tiers = ", ".join(f"{t.path} [{t.capacity}]" for t in self.tiers)
-        return (f"tiers: {tiers}; policy {self.policy_spec}; chunk {self.chunk >> 10} KiB; fsync {self.fsync}; "
-                f"io {self.io_engine}; files {self.file_mode}")
+        return (f"tiers: {tiers}; policy {self.policy_spec}; chunk {self.chunk >> 10} KiB; memory "
+                f"{self.memory >> 20} MiB; fsync {self.fsync}; io {self.io_engine}; files {self.file_mode}")
 
     # -- I/O checks ---------------------------------------------------------------------------
     def probe_tiers(self) -> list[str]:

@@ -97,9 +97,11 @@ class Engine:
             tmpfiles.release(self._token)
             raise ConfigError(f"KVSTREAM_IO_ENGINE={config.io_engine}: cannot open an I/O ring ({exc}); "
                               "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
-        self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(), config.read_timeout)
-        self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(), config.chunk,
-                                 namespace.digest)
+        half = config.memory // 2  # staging: half for reads in flight, half for writes (config.py)
+        self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
+                               config.read_timeout, half // len(self.tiers))
+        self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
+                                 namespace.digest, half)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         log.log(logging.INFO if announce else logging.DEBUG,
@@ -188,6 +190,10 @@ class Engine:
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity)
+        reads, writes = self._reads.pool, self._writes.pool
+        out["memory"] = {"limit_bytes": self.config.memory,
+                         "read_bytes": reads.held_bytes, "read_peak_bytes": reads.peak_bytes,
+                         "write_bytes": writes.held_bytes, "write_peak_bytes": writes.peak_bytes}
         out.update(pages=len(self.index), orphan_reads_in_flight=self._reads.orphans, policy=self.policy.name,
                    io_engine=self.io_engine, namespace=self.namespace.digest, scan=dict(self.scan))
         return out

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
-from .io import OP_READ, OP_WRITE, byte_view
+from .io import OP_READ, OP_WRITE, Vector, byte_view
 
 __all__ = ["Fault", "FaultPlan", "TierFaultPlan", "FaultyRing"]
 
@@ -271,6 +271,8 @@ class FaultyRing:
 def _length(buf) -> int:
     if isinstance(buf, tuple):
         return buf[1]
+    if isinstance(buf, list):  # a vectored op's ranges
+        return sum(n for _, n in buf)
     with memoryview(buf) as view:
         return view.nbytes
 
@@ -279,6 +281,7 @@ def _flip(buf, bit: int | None, length: int) -> None:
     view = byte_view(buf, OP_READ)
     try:
         index = (length // 2) * 8 if bit is None else bit % (length * 8)
-        view[index // 8] ^= 1 << (index % 8)
+        target, at = view.byte_at(index // 8) if isinstance(view, Vector) else (view, index // 8)
+        target[at] ^= 1 << (index % 8)
     finally:
         view.release()

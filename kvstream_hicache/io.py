@@ -30,12 +30,13 @@ from typing import Iterable
 
 # The extension is required: a missing build is an install error, not something to paper over.
 from ._uring import (
-    ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, copy, crc32c,
+    ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, PageMap, Ring, copy,
+    crc32c,
 )
 
 __all__ = [
     "ALIGN", "HUGE_PAGE_SIZE", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring", "ThreadRing",
-    "open_ring", "byte_view", "crc32c", "copy", "CRC32C_IMPL", "ENGINES",
+    "open_ring", "byte_view", "Vector", "crc32c", "copy", "CRC32C_IMPL", "ENGINES", "PageMap",
 ]
 
 log = logging.getLogger("kvstream")
@@ -73,8 +74,60 @@ def open_ring(entries: int = RING_ENTRIES, engine: str = "auto"):
         return ThreadRing(entries)
 
 
-def byte_view(buf, opcode: int) -> memoryview:
-    """A flat byte view of ``buf`` (buffer object or (address, length) raw memory)."""
+class Vector:
+    """Byte views of a vectored op's ranges (a list of (address, length)): one file range, several
+    pieces of memory. Stands in for the memoryview of a single-buffer op where ThreadRing and the
+    fault hook need one."""
+
+    __slots__ = ("views",)
+
+    def __init__(self, views: list[memoryview]):
+        self.views = views
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.views)
+
+    def after(self, done: int) -> list[memoryview]:
+        """The views of what is left after the first ``done`` bytes."""
+        out = []
+        for v in self.views:
+            if done >= len(v):
+                done -= len(v)
+                continue
+            out.append(v[done:])
+            done = 0
+        return out
+
+    def byte_at(self, index: int) -> tuple[memoryview, int]:
+        """(view, index in it) of byte ``index`` of the concatenation."""
+        for v in self.views:
+            if index < len(v):
+                return v, index
+            index -= len(v)
+        raise IndexError(index)
+
+    def release(self) -> None:
+        for v in self.views:
+            v.release()
+
+
+def byte_view(buf, opcode: int) -> "memoryview | Vector":
+    """A flat byte view of ``buf`` (buffer object or (address, length) raw memory), or a Vector for
+    a list of (address, length) ranges (a vectored op)."""
+    if isinstance(buf, list):
+        if not buf:
+            raise ValueError("a vectored op needs at least one (address, length) range")
+        views: list[memoryview] = []
+        try:
+            for pair in buf:
+                if not isinstance(pair, tuple):
+                    raise TypeError(f"a vectored op takes (address, length) ranges, got {pair!r}")
+                views.append(byte_view(pair, opcode))
+        except BaseException:
+            for v in views:
+                v.release()
+            raise
+        return Vector(views)
     if isinstance(buf, tuple):
         address, length = buf
         if length < 0 or (address == 0 and length):
@@ -214,14 +267,14 @@ class ThreadRing:
             self._cond.notify_all()
 
 
-def _transfer(opcode: int, fd: int, view: memoryview, offset: int) -> int:
+def _transfer(opcode: int, fd: int, view: "memoryview | Vector", offset: int) -> int:
     """One op to completion: bytes done (short only at EOF or error after progress), or -errno."""
     total = len(view)
     done = 0
     io = os.preadv if opcode == OP_READ else os.pwritev
     while done < total:
         try:
-            n = io(fd, [view[done:]], offset + done)
+            n = io(fd, view.after(done) if isinstance(view, Vector) else [view[done:]], offset + done)
         except InterruptedError:
             continue
         except OSError as exc:

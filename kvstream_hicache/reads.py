@@ -5,34 +5,41 @@ Data flow of ``get`` (one call at a time per read ring)::
     reap orphans of earlier calls (non-blocking)
     pin the pages in the index; items = every block of every page held by a usable tier
     route = policy.start(n_tiers, holders)                 (router.py, pure)
-    loop: submit claims -> reap completions ->
-          verify the block's crc32c against the index -> on the FIRST verified arrival copy the block
-          from its staging buffer into the caller's segments (a block may straddle segments)
-          -> route.complete(tier, item, ok) -> next claims
+    loop: claims -> requests: each tier's claimed blocks of one page, adjacent ones merged into one
+          read (up to its flow's request size), into staging buffers or straight into caller memory
+          -> submit -> reap -> verify each block's crc32c against the index (staged blocks are
+          copied into the caller's segments in the same pass) -> route.complete(tier, item, ok)
+          -> each tier's window follows its device (flow.py) -> next claims
     until every item is found or failed (or read_timeout passes)
-    unpin; reads still in flight become *orphans*: they keep their staging buffer and file
+    unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
     descriptor until a later call (or close) reaps them, and never touch caller memory again.
 
-Reads always land in engine-owned staging buffers. That costs one memcpy per block, and buys the
-rule that lets a stalled tier not hold a batch hostage: the call can return with reads still in
-flight on that tier, because none of them targets memory the caller may reuse.
+Where a read lands. A block that another tier could also deliver (a replica the router may give
+to an idle tier when this one stalls) is read into an engine-owned staging buffer and copied on
+its first verified arrival: the call can then return while a stalled tier still has reads in
+flight, because none of them targets memory the caller may reuse. A block only one usable tier
+holds cannot be raced for, so it is read straight into the caller's pages (when they are 4096-
+aligned) and no copy is made; the call waits for such reads, however long the device takes,
+because returning earlier would let them land in memory the caller reuses.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 
+from .flow import TierFlow
 from .index import Index, PageInfo
 from .integrity import crc32c
-from .io import OP_READ
-from .layout import HEADER_SIZE, BlockSpan, block_span, is_valid_key
-from .segments import Payload, Segment
+from .io import OP_READ, PageMap
+from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
+from .memory import HugePageMap
+from .segments import Segment
 from .staging import BufferPool
 from .stats import BusyClock, Stats, batch_figures
 from .tiers import Tier
@@ -40,15 +47,20 @@ from .tiers import Tier
 log = logging.getLogger("kvstream")
 
 
+def _address(data: bytes) -> int:
+    """Address of a (non-empty) bytes object's buffer, to copy from while ``data`` is alive."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+
+
 class _File:
-    """A read descriptor shared by the ops of one (tier, page) in one call."""
+    """A read descriptor shared by the requests of one (tier, page) in one call."""
 
     __slots__ = ("fd", "refs", "release")
 
     def __init__(self, fd: int | None):
         self.fd = fd
-        self.refs = 0  # ops in flight on it
-        self.release = False  # the call ended: close when the last op is reaped
+        self.refs = 0  # requests in flight on it
+        self.release = False  # the call ended: close when the last request is reaped
 
     def drop(self) -> None:
         self.refs -= 1
@@ -57,20 +69,32 @@ class _File:
             self.fd = None
 
 
-class _Op:
-    __slots__ = ("call", "tier", "item", "buf", "file", "span")
-
-    def __init__(self, call: "_Call", tier: int, item: int, buf, file: _File, span: BlockSpan):
-        self.call, self.tier, self.item, self.buf, self.file, self.span = call, tier, item, buf, file, span
-
-
 class _Page:
-    """One requested page: its index entry and where its payload goes in caller memory."""
+    """One requested page: its index entry, where its payload goes, whether it can be read in place."""
 
-    __slots__ = ("key", "info", "payload")
+    __slots__ = ("key", "info", "map", "in_place", "single")
 
-    def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment]):
-        self.key, self.info, self.payload = key, info, Payload(segments)
+    def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment], holders: int, huge: HugePageMap):
+        self.key, self.info = key, info
+        self.map = PageMap(segments, info.length, info.block, info.crcs)
+        # O_DIRECT can target the caller's memory as it is, and does better there than through
+        # staging: huge pages (memory.py)
+        self.in_place = info.length % ALIGN == 0 and all(is_aligned(a, n) and huge.huge(a, n) for a, n in segments)
+        self.single = holders & (holders - 1) == 0  # one usable holder: nobody can race for it
+
+
+class _Req:
+    """One read in flight: blocks ``j0 .. j1-1`` of one page from one tier."""
+
+    __slots__ = ("call", "tier", "p", "j0", "j1", "items", "bufs", "file", "nbytes", "t0", "ahead")
+
+    def __init__(self, call: "_Call", tier: int, p: int, j0: int, j1: int, items: list[int], bufs, file: _File,
+                 nbytes: int):
+        self.call, self.tier, self.p, self.j0, self.j1, self.items = call, tier, p, j0, j1, items
+        self.bufs = bufs  # staging buffers, one per block; None: straight into caller memory
+        self.file, self.nbytes = file, nbytes
+        self.t0 = 0.0
+        self.ahead = 0  # bytes in flight on the tier when this was submitted
 
 
 class _Call:
@@ -88,16 +112,27 @@ class _Call:
         self.route = None
         self.arrived = bytearray()
         self.active = True
-        self.in_flight = 0
+        self.in_flight = 0  # requests
+        self.direct_in_flight = 0  # requests into caller memory (the call cannot return before them)
         self.read = [0] * n_tiers  # bytes transferred per tier
         self.served = [0] * n_tiers  # first-arrival bytes per tier
+        self.requests = 0
+        self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
+        self.direct_tier = -1  # the tier whose reads land straight in caller memory (-1: none)
+        self.spoiled: set[int] = set()  # pages whose caller memory a late read in place overwrote badly
 
 
 class ReadPath:
-    """Owns the read ring, its staging pool and the ops in flight on it (orphans included)."""
+    """Owns the read ring, its staging pool, each tier's flow and the reads in flight (orphans
+    included).
 
-    def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
-                 read_timeout: float):
+    :param pool: staging buffers (its ``max_bytes`` bounds what the read path holds, in flight and idle).
+    :param block: the routing block, bytes.
+    :param ceiling: most bytes one tier may keep in flight (the pool's share per tier).
+    """
+
+    def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
+                 read_timeout: float, ceiling: int):
         self.ring = ring
         self.tiers = tiers
         self.index = index
@@ -106,8 +141,12 @@ class ReadPath:
         self.read_timeout = read_timeout
         self.lock = threading.Lock()
         self.busy = BusyClock(len(tiers))
-        self._ops: dict[int, _Op] = {}  # tag -> op, for every read in flight on the ring
-        self._orphans = 0  # ops in _ops whose call has returned
+        self.flows = [TierFlow(block, ceiling) for _ in tiers]
+        self.huge = HugePageMap()
+        self._in_flight = [0] * len(tiers)  # bytes in flight per tier (orphans included)
+        self._orphaned = [0] * len(tiers)  # of which orphans
+        self._reqs: dict[int, _Req] = {}  # tag -> request, for every read in flight on the ring
+        self._orphans = 0  # requests in _reqs whose call has returned
         self._tags = itertools.count(1)
 
     @property
@@ -129,7 +168,7 @@ class ReadPath:
             try:
                 self._plan_locked(call, keys, pages, infos, mask)
                 if call.items:
-                    self._run_locked(call, policy)
+                    self._run_locked(call, policy, mask)
                 done = self._pages_done(call)
                 for p, ok in enumerate(done):
                     found[call.page_of[p]] = ok
@@ -154,9 +193,12 @@ class ReadPath:
         self.stats.total("pages_found", n_found)
         self.stats.total("pages_missing", len(keys) - n_found)
         batch = batch_figures(elapsed, served, call.read, busy, call.served)
-        batch.update(pages=len(keys), found=n_found, items=len(call.items),
+        batch.update(pages=len(keys), found=n_found, items=len(call.items), requests=call.requests,
+                     direct_bytes=call.direct_bytes,
                      policy=getattr(policy, "name", str(policy)),
-                     duplicates=getattr(call.route, "duplicates", 0), retries=getattr(call.route, "retries", 0))
+                     duplicates=getattr(call.route, "duplicates", 0), retries=getattr(call.route, "retries", 0),
+                     duplicate_bytes=sum(call.read) - served if served else 0,
+                     windows=[f.window for f in self.flows])
         self.stats.record_batch(batch)
         return found
 
@@ -178,7 +220,7 @@ class ReadPath:
             if not holders:
                 continue
             p = len(call.pages)
-            call.pages.append(_Page(key, info, segments))
+            call.pages.append(_Page(key, info, segments, holders, self.huge))
             call.page_of.append(i)
             for j in range(len(info.crcs)):
                 call.items.append((p, j))
@@ -186,138 +228,280 @@ class ReadPath:
         call.arrived = bytearray(len(call.items))
         call.page_tiers = [0] * len(call.pages)
 
-    def _run_locked(self, call: _Call, policy) -> None:
+    def _run_locked(self, call: _Call, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
+        call.direct_tier = self._direct_tier(mask)
+        adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
+        unit = max(page.info.block for page in call.pages)
+        if adaptive:
+            self._set_depths(route, unit)
+        route.may_steal = self._may_steal
         deadline = time.monotonic() + self.read_timeout if self.read_timeout > 0 else None
-        pending = deque(route.start())
+        claims = route.start()
         while True:
-            ops: list[tuple[int, _Op]] = []
-            while pending:
-                tier, items, _steal = pending.popleft()
-                for item in items:
-                    op = self._prepare_locked(call, tier, item)
-                    if op is None:
-                        call.failed.append((tier, item))
-                        pending.extend(route.complete(tier, item, False))
-                    else:
-                        ops.append(op)
-            if ops:
-                self._submit_locked(ops)
+            self._submit_locked(call, claims)
             if route.done:
-                return
-            if not call.in_flight:
+                break
+            if not call.in_flight and not self._orphans:
                 log.error("kvstream: router stalled with %d unresolved items and nothing in flight; "
                           "reporting them missing", sum(1 for a in call.arrived if not a))
-                return
-            left = None if deadline is None else deadline - time.monotonic()
+                break
+            # (nothing of this call in flight but earlier calls' reads fill the windows: reaping
+            # them below makes room)
+            now = time.monotonic()
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 self.stats.total("read_timeouts")
                 log.warning("kvstream: read batch timed out after %.1f s with %d reads in flight; "
                             "their pages are reported missing", self.read_timeout, call.in_flight)
-                return
+                break
+            wait = self._steal_wait(now)
+            if wait is not None:
+                left = wait if left is None else min(left, wait)
+            claims = []
             for tag, res in self.ring.reap(1, left):
-                pending.extend(self._complete_locked(tag, res))
+                claims += self._complete_locked(tag, res)
+            if adaptive:
+                self._set_depths(route, unit)
+            claims += route.refill()  # a grown window, or a tier that turned overdue
+        if call.direct_in_flight:
+            self._wait_direct_locked(call)
 
-    def _prepare_locked(self, call: _Call, tier: int, item: int) -> tuple[int, _Op] | None:
-        p, j = call.items[item]
+    # -- requests --------------------------------------------------------------------------------
+    def _submit_locked(self, call: _Call, claims: list) -> None:
+        """Turn claims into requests and submit them; items whose page cannot be opened on the
+        claiming tier fail there at once (and may be claimed by another holder)."""
+        while claims:
+            reqs, failed = self._requests_locked(call, claims)
+            claims = []
+            for tier, item in failed:
+                call.failed.append((tier, item))
+                claims += call.route.complete(tier, item, False)
+            if reqs:
+                self._start_locked(reqs)
+
+    def _requests_locked(self, call: _Call, claims: list) -> tuple[list[_Req], list[tuple[int, int]]]:
+        runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for tier, items, _steal in claims:
+            for item in items:
+                p, j = call.items[item]
+                runs.setdefault((tier, p), []).append((j, item))
+        reqs: list[_Req] = []
+        failed: list[tuple[int, int]] = []
+        for (tier, p), blocks in runs.items():
+            f = self._file_locked(call, tier, p)
+            if f is None:
+                failed += [(tier, item) for _, item in blocks]
+                continue
+            blocks.sort()
+            page = call.pages[p]
+            cap = max(1, self.flows[tier].request // page.info.block)
+            start = 0
+            for end in range(1, len(blocks) + 1):
+                if end < len(blocks) and blocks[end][0] == blocks[end - 1][0] + 1 and end - start < cap:
+                    continue
+                reqs.append(self._request_locked(call, tier, p, f, blocks[start:end]))
+                start = end
+        return reqs, failed
+
+    def _request_locked(self, call: _Call, tier: int, p: int, f: _File, blocks: list[tuple[int, int]]) -> _Req:
         page = call.pages[p]
-        if not self.tiers[tier].healthy:
-            return None  # failed during this batch: its items go to the other holders
+        info = page.info
+        j0, j1 = blocks[0][0], blocks[-1][0] + 1
+        end = min(j1 * info.block, round_up(info.length))  # the last block's read is padded to ALIGN
+        nbytes = end - j0 * info.block
+        if page.in_place and (page.single or tier == call.direct_tier):
+            bufs = None
+        else:
+            bufs = [self.pool.get(info.block) for _ in range(j0, j1 - 1)]
+            bufs.append(self.pool.get(end - (j1 - 1) * info.block))
+        f.refs += 1
+        return _Req(call, tier, p, j0, j1, [item for _, item in blocks], bufs, f, nbytes)
+
+    def _file_locked(self, call: _Call, tier: int, p: int) -> _File | None:
+        """The call's read descriptor of page ``p`` on ``tier`` (opened once), or None."""
         f = call.files.get((tier, p))
         if f is None:
-            try:
-                f = _File(self.tiers[tier].open_page(page.key))
-            except OSError as exc:
-                f = _File(None)
-                err = exc.errno or errno.EIO
-                if self.tiers[tier].fail(err, f"open {page.key}"):
-                    # the whole tier went (unmounted, moved away): its copies may come back with it,
-                    # so the index keeps them; rejoining reconciles with what survived
-                    self.stats.add(tier, "errors")
-                elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
-                    self.index.remove(page.key, tier)
-                else:
-                    self.stats.add(tier, "errors")
+            page = call.pages[p]
+            f = _File(None)
+            if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
+                try:
+                    f.fd = self.tiers[tier].open_page(page.key)
+                except OSError as exc:
+                    err = exc.errno or errno.EIO
+                    if self.tiers[tier].fail(err, f"open {page.key}"):
+                        # the whole tier went (unmounted, moved away): its copies may come back with
+                        # it, so the index keeps them; rejoining reconciles with what survived
+                        self.stats.add(tier, "errors")
+                    elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
+                        self.index.remove(page.key, tier)
+                    else:
+                        self.stats.add(tier, "errors")
             call.files[(tier, p)] = f
-        if f.fd is None:
-            return None
-        span = block_span(page.info.length, page.info.block, j)
-        buf = self.pool.get(page.info.block)
-        f.refs += 1
-        return next(self._tags), _Op(call, tier, item, buf, f, span)
+        return f if f.fd is not None else None
 
-    def _submit_locked(self, ops: list[tuple[int, _Op]]) -> None:
-        batch = [(OP_READ, op.file.fd, (op.buf.address, op.span.padded), HEADER_SIZE + op.span.start, tag)
-                 for tag, op in ops]
+    def _start_locked(self, reqs: list[_Req]) -> None:
+        ops = []
+        tags = []
+        for req in reqs:
+            page = req.call.pages[req.p]
+            if req.bufs is None:
+                start = req.j0 * page.info.block
+                target = page.map.ranges(start, req.nbytes)
+            else:
+                target = [(b.address, b.nbytes) for b in req.bufs]
+            if len(target) == 1:
+                target = target[0]  # one buffer: a plain read
+            tag = next(self._tags)
+            tags.append(tag)
+            ops.append((OP_READ, req.file.fd, target, HEADER_SIZE + req.j0 * page.info.block, tag))
         try:
-            self.ring.submit(batch)
+            self.ring.submit(ops)
         except BaseException:  # nothing was queued (the ring validates a batch first): undo, re-raise
-            for _tag, op in ops:
-                op.file.drop()
-                self.pool.put(op.buf)
+            for req in reqs:
+                req.file.drop()
+                for b in req.bufs or ():
+                    self.pool.put(b)
             raise
-        for tag, op in ops:
-            self._ops[tag] = op
-            op.call.in_flight += 1
-            self.busy.started(op.tier)
+        now = time.monotonic()
+        for tag, req in zip(tags, reqs):
+            tier = req.tier
+            self.flows[tier].submitted(now, self._in_flight[tier])
+            req.t0 = now
+            req.ahead = self._in_flight[tier]
+            self._in_flight[tier] += req.nbytes
+            self._reqs[tag] = req
+            req.call.in_flight += 1
+            req.call.requests += 1
+            if req.bufs is None:
+                req.call.direct_in_flight += 1
+            self.busy.started(tier)
 
+    # -- completions ---------------------------------------------------------------------------
     def _complete_locked(self, tag: int, res: int) -> list:
-        op = self._ops.pop(tag)
-        call, tier, span = op.call, op.tier, op.span
+        req = self._reqs.pop(tag)
+        call, tier = req.call, req.tier
+        now = time.monotonic()
+        self._in_flight[tier] -= req.nbytes
         self.busy.finished(tier)
-        op.file.drop()
+        self.flows[tier].completed(max(res, 0), now - req.t0, req.ahead, now, self.busy.total(tier))
+        req.file.drop()
         call.in_flight -= 1
+        if req.bufs is None:
+            call.direct_in_flight -= 1
         if res > 0:
             call.read[tier] += res
-        self.stats.add(tier, "blocks_read")
+            if req.bufs is None:
+                call.direct_bytes += res
+        self.stats.add(tier, "blocks_read", req.j1 - req.j0)
+        self.stats.add(tier, "requests")
         if not call.active:  # orphan of an earlier call: its batch is over, only release
             self._orphans -= 1
+            self._orphaned[tier] -= req.nbytes
             self.stats.total("orphan_reads")
-            self.pool.put(op.buf)
+            self._release(req)
             return []
-        p, j = call.items[op.item]
-        page = call.pages[p]
-        if call.arrived[op.item] and res >= span.nbytes:
-            ok = True  # a duplicate: the first arrival already won; skip the verify
-            self.stats.total("duplicate_reads")
-        else:
-            ok = self._verify_locked(op, res, p, j)
-            if ok and not call.arrived[op.item]:
-                page.payload.scatter(op.buf.address, span.start, span.nbytes)
-                call.arrived[op.item] = 1
-                call.served[tier] += span.nbytes
-                call.page_tiers[p] |= 1 << tier
-            elif not ok:
-                call.failed.append((tier, op.item))
-        self.pool.put(op.buf)
-        return call.route.complete(tier, op.item, ok)
+        try:
+            return self._deliver_locked(req, res)
+        finally:
+            self._release(req)
 
-    def _verify_locked(self, op: _Op, res: int, p: int, j: int) -> bool:
-        tier, span, page = op.tier, op.span, op.call.pages[p]
+    def _release(self, req: _Req) -> None:
+        for b in req.bufs or ():
+            self.pool.put(b)
+        req.bufs = None if req.bufs is None else []
+
+    def _deliver_locked(self, req: _Req, res: int) -> list:
+        """Verify (and, from staging, copy in) the blocks that arrived; tell the router."""
+        call, tier = req.call, req.tier
+        page = call.pages[req.p]
+        info = page.info
         if res < 0:
             self.stats.add(tier, "errors")
             self.tiers[tier].fail(-res, f"read {page.key}")
-            return False
-        if res >= span.nbytes and crc32c((op.buf.address, span.nbytes)) == page.info.crcs[j]:
-            return True
-        self.stats.add(tier, "corrupted")
-        if (tier, p) not in op.call.bad:
-            self._quarantine_locked(op.call, tier, p, j, "truncated" if res < span.nbytes else "checksum")
-        return False
+        # Blocks wholly read (a short read means the file is shorter than its header says).
+        if res >= req.nbytes:
+            complete = req.j1 - req.j0
+        else:
+            complete = max(res, 0) // info.block  # every block but a page's last is a whole block
+        skip = 0
+        for i, item in enumerate(req.items):
+            if call.arrived[item]:
+                skip |= 1 << i
+        bad = 0
+        if complete:
+            if req.bufs is None:
+                # In place: verify every block, delivered ones too. Another tier's copy may have won
+                # already, but these bytes landed on top of it: a bad one is delivered again.
+                bad = page.map.check(req.j0, req.j0 + complete)
+                for i in range(complete):
+                    if bad >> i & skip >> i & 1:
+                        self._redeliver_locked(call, req.p, req.j0 + i, tier)
+            else:
+                bad = page.map.check(req.j0, req.j0 + complete, [b.address for b in req.bufs[:complete]],
+                                     skip & ((1 << complete) - 1))
+        results = []
+        duplicates = 0
+        for i, item in enumerate(req.items):
+            if skip >> i & 1:
+                ok = res >= 0  # a duplicate: the first arrival already won
+                duplicates += ok
+            elif i < complete and not bad >> i & 1:
+                ok = True
+                call.arrived[item] = 1
+                call.served[tier] += min(info.block, info.length - (req.j0 + i) * info.block)
+                call.page_tiers[req.p] |= 1 << tier
+            else:
+                ok = False
+                call.failed.append((tier, item))
+                if res >= 0:
+                    self.stats.add(tier, "corrupted")
+                    if (tier, req.p) not in call.bad:
+                        self._quarantine_locked(call, tier, req.p, req.j0 + i,
+                                                "checksum" if i < complete else "truncated")
+            results.append((item, ok))
+        if duplicates:
+            self.stats.total("duplicate_reads", duplicates)
+        return call.route.complete_many(tier, results)
+
+    def _read_block(self, tier: int, page: _Page, j: int) -> bytes:
+        """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
+        :raises OSError: e.g. FileNotFoundError."""
+        span = block_span(page.info.length, page.info.block, j)
+        fd = os.open(self.tiers[tier].layout.page_path(page.key), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
+        finally:
+            os.close(fd)
+
+    def _redeliver_locked(self, call: _Call, p: int, j: int, spoiler: int) -> None:
+        """A read in place landed bad bytes over a block another tier had delivered: read the
+        block again from a holder (outside the ring), verify it and copy it in; with no valid copy
+        left the page is reported missing."""
+        page = call.pages[p]
+        log.warning("kvstream: a late read of page %s block %d from tier %d landed bad bytes over a verified "
+                    "copy; delivering it again", page.key, j, spoiler)
+        for tier in range(len(self.tiers)):
+            if tier == spoiler or not page.info.tiers >> tier & 1:
+                continue
+            try:
+                data = self._read_block(tier, page, j)
+            except OSError:
+                continue
+            if len(data) == block_span(page.info.length, page.info.block, j).nbytes and \
+                    not page.map.check(j, j + 1, [_address(data)]):
+                return  # copied in and verified
+        call.spoiled.add(p)
 
     def _quarantine_locked(self, call: _Call, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged
         copy from a transfer fault; a damaged copy is removed from the tier and the index."""
         page = call.pages[p]
         call.bad.add((tier, p))
-        span = block_span(page.info.length, page.info.block, j)
         try:
-            fd = os.open(self.tiers[tier].layout.page_path(page.key), os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                data = os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
-            finally:
-                os.close(fd)
-            damaged = len(data) != span.nbytes or crc32c(data) != page.info.crcs[j]
+            data = self._read_block(tier, page, j)
+            damaged = len(data) != block_span(page.info.length, page.info.block, j).nbytes or \
+                crc32c(data) != page.info.crcs[j]
         except FileNotFoundError:
             damaged = True
         except OSError:
@@ -332,8 +516,52 @@ class ReadPath:
             log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
                         "intact on disk; read from a replica", j, page.key, tier, why)
 
+    # -- flow ----------------------------------------------------------------------------------
+    def _set_depths(self, route, unit: int) -> None:
+        """Each tier's window, less what earlier calls still have in flight on it, in items; a tier
+        claims what one of its requests carries (at least the policy's m)."""
+        for k, flow in enumerate(self.flows):
+            route.set_depth(k, max(0, flow.window - self._orphaned[k]) // unit, max(route.m, flow.request // unit))
+
+    def _direct_tier(self, mask: int) -> int:
+        """The usable tier whose reads land straight in caller memory: the fastest by what it
+        delivered lately, unless it stalled lately. No other tier re-reads its items unless it
+        stalls (``_may_steal``), so it needs no staging; the call waits for its reads, which is why
+        a tier that stalled stays out for a while. -1 before any tier was measured."""
+        now = time.monotonic()
+        best, rate = -1, 0.0
+        for k, flow in enumerate(self.flows):
+            if mask >> k & 1 and flow.rate > rate and flow.trusted(now):
+                best, rate = k, flow.rate
+        return best
+
+    def _may_steal(self, tier: int, owner: int) -> bool:
+        """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
+        ``owner`` is overdue (stalled): otherwise the owner delivers them sooner than a re-read."""
+        flows = self.flows
+        if flows[tier].rate >= flows[owner].rate:
+            return True
+        now = time.monotonic()
+        if flows[owner].overdue(now, self._in_flight[owner]):
+            flows[owner].stalled(now)
+            return True
+        return False
+
+    def _steal_wait(self, now: float) -> float | None:
+        """Seconds until a tier with reads in flight turns overdue (None: none has any)."""
+        dues = [f.overdue_at() for k, f in enumerate(self.flows) if self._in_flight[k]]
+        return max(0.0, min(dues) - now) + 1e-3 if dues else None
+
+    # -- end of a call -----------------------------------------------------------------------------
+    def _wait_direct_locked(self, call: _Call) -> None:
+        """Reads into caller memory must land before the call returns: wait for them."""
+        log.warning("kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
+        while call.direct_in_flight:
+            for tag, res in self.ring.reap(1, None):
+                self._complete_locked(tag, res)
+
     def _pages_done(self, call: _Call) -> list[bool]:
-        done = [True] * len(call.pages)
+        done = [p not in call.spoiled for p in range(len(call.pages))]
         for (p, _j), arrived in zip(call.items, call.arrived):
             if not arrived:
                 done[p] = False
@@ -342,6 +570,10 @@ class ReadPath:
     def _end_call_locked(self, call: _Call) -> None:
         call.active = False
         self._orphans += call.in_flight
+        if call.in_flight:
+            for req in self._reqs.values():
+                if req.call is call:
+                    self._orphaned[req.tier] += req.nbytes
         for k in range(len(self.tiers)):
             n = sum(1 for mask in call.page_tiers if mask >> k & 1)
             if n:
@@ -358,7 +590,7 @@ class ReadPath:
 
     # -- orphans -------------------------------------------------------------------------------
     def _reap_locked(self, min_complete: int, timeout: float | None) -> None:
-        if not self._ops:
+        if not self._reqs:
             return
         for tag, res in self.ring.reap(min_complete, timeout):
             self._complete_locked(tag, res)
@@ -367,22 +599,24 @@ class ReadPath:
         """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            while self._ops:
+            while self._reqs:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._reap_locked(1, left)
-            return len(self._ops)
+            return len(self._reqs)
 
     def close(self) -> None:
-        """Close the ring (it drains what is in flight), then release every op's resources."""
+        """Close the ring (it drains what is in flight), then release every request's resources."""
         with self.lock:
             self.ring.close()
-            for op in self._ops.values():
-                op.file.refs = max(op.file.refs - 1, 0)
-                if op.file.fd is not None and not op.file.refs:
-                    os.close(op.file.fd)
-                    op.file.fd = None
-            self._ops.clear()
+            for req in self._reqs.values():
+                req.file.refs = max(req.file.refs - 1, 0)
+                if req.file.fd is not None and not req.file.refs:
+                    os.close(req.file.fd)
+                    req.file.fd = None
+            self._reqs.clear()
             self._orphans = 0
+            self._orphaned = [0] * len(self.tiers)
+            self._in_flight = [0] * len(self.tiers)
             self.pool.close()

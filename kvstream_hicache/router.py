@@ -56,7 +56,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -108,6 +108,11 @@ class BatchRoute:
         self.n = n = len(holders)
         self.m = m
         self.depth = depth
+        self._depth = [depth] * n_tiers  # per tier: the caller may follow each device (set_depth)
+        self._m = [m] * n_tiers
+        # may_steal(stealer, owner): whether a tier with nothing unread may re-read items in flight on
+        # ``owner`` (None: always). The caller decides from what it measures; the router stays pure.
+        self.may_steal: Callable[[int, int], bool] | None = None
         full = (1 << n_tiers) - 1
         self._holders = [int(h) & full for h in holders]
         # _can[k][i] == 1 while tier k holds item i and has not failed it (bytearray: numpy views it).
@@ -145,6 +150,20 @@ class BatchRoute:
         """Items in flight on ``tier``, oldest claim first."""
         return tuple(self._flight[tier])
 
+    def set_depth(self, tier: int, depth: int, claim: int | None = None) -> None:
+        """Items ``tier`` may keep in flight from now on (0: none for now), and optionally how many it
+        claims at a time (a fast tier claims what one of its requests carries; >= 1). A claim needs
+        room for the whole claim, so a depth below it lets the tier claim again only when its flight
+        is empty."""
+        self._depth[tier] = max(0, depth)
+        if claim is not None:
+            self._m[tier] = max(1, claim)
+
+    def refill(self) -> list[Claim]:
+        """Claims for every tier with room (after ``set_depth`` grew one, or when a steal became
+        allowed without a completion)."""
+        return self._fill(range(self.n_tiers)) if self._started else []
+
     def start(self) -> list[Claim]:
         """Initial claims: tiers claim round-robin (tier 0, 1, ..., then again) until full or dry."""
         if self._started:
@@ -155,7 +174,7 @@ class BatchRoute:
         while progress:
             progress = False
             for tier in range(self.n_tiers):
-                if self._room(tier) >= self.m:
+                if self._room(tier) >= self._claim_size(tier):
                     claim = self._claim_fresh(tier)
                     if claim is not None:
                         out.append(claim)
@@ -169,6 +188,21 @@ class BatchRoute:
         to its other holders, or is reported missing when none remains.
         Raises ValueError when that read is not in flight (a caller bug).
         """
+        self._completed(tier, item, ok)
+        return self._fill_after(tier)
+
+    def complete_many(self, tier: int, results: Sequence[tuple[int, bool]]) -> list[Claim]:
+        """``complete`` for several ``(item, ok)`` of one tier at once (one request of several
+        items): the same state, and the claims the last of them would trigger."""
+        for item, ok in results:
+            self._completed(tier, item, ok)
+        return self._fill_after(tier)
+
+    def _fill_after(self, tier: int) -> list[Claim]:
+        order = [tier] + [k for k in range(self.n_tiers) if k != tier]
+        return self._fill(order)
+
+    def _completed(self, tier: int, item: int, ok: bool) -> None:
         flight = self._flight[tier]
         if item not in flight:
             raise ValueError(f"item {item} is not in flight on tier {tier}")
@@ -194,8 +228,6 @@ class BatchRoute:
                 self.retries += 1
             else:
                 self._resolve(item, False)
-        order = [tier] + [k for k in range(self.n_tiers) if k != tier]
-        return self._fill(order)
 
     # -- policy hook ------------------------------------------------------------------------------
     def _take(self, tier: int, k: int) -> list[int]:  # pragma: no cover - abstract
@@ -207,7 +239,12 @@ class BatchRoute:
         return self._state[item] == _UNREAD and self._can[tier][item] == 1
 
     def _room(self, tier: int) -> int:
-        return self.depth - len(self._flight[tier])
+        return self._depth[tier] - len(self._flight[tier])
+
+    def _claim_size(self, tier: int) -> int:
+        """The tier's claim size, or its whole depth when that is smaller (at least 1: a tier with
+        no depth has no room for it)."""
+        return max(1, min(self._m[tier], self._depth[tier]))
 
     def _resolve(self, item: int, found: bool) -> None:
         self._state[item] = _FOUND if found else _MISSING
@@ -232,9 +269,10 @@ class BatchRoute:
         return out
 
     def _claim_fresh(self, tier: int) -> Claim | None:
-        items = self._take_returned(tier, self.m)
-        if len(items) < self.m:
-            items += self._take(tier, self.m - len(items))
+        m = self._claim_size(tier)
+        items = self._take_returned(tier, m)
+        if len(items) < m:
+            items += self._take(tier, m - len(items))
         return self._record(tier, items, False) if items else None
 
     def _steal(self, tier: int, k: int) -> list[int]:
@@ -242,7 +280,7 @@ class BatchRoute:
         can = self._can[tier]
         cands = []
         for other in range(self.n_tiers):
-            if other == tier:
+            if other == tier or (self.may_steal is not None and not self.may_steal(tier, other)):
                 continue
             for pos, (item, seq) in enumerate(self._flight[other].items()):
                 r = self._readers[item]
@@ -269,10 +307,10 @@ class BatchRoute:
         if self.done:
             return out  # batch resolved: no new reads; stragglers just drain
         for tier in order:
-            while self._room(tier) >= self.m:
+            while self._room(tier) >= self._claim_size(tier):
                 claim = self._claim_fresh(tier)
                 if claim is None and self.steals:
-                    items = self._steal(tier, self.m)
+                    items = self._steal(tier, self._claim_size(tier))
                     claim = self._record(tier, items, True) if items else None
                 if claim is None:
                     break

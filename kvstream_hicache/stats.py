@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 
 TIER_COUNTERS = (
-    "bytes_read", "blocks_read", "bytes_served", "pages_read", "bytes_written", "pages_written",
+    "bytes_read", "blocks_read", "requests", "bytes_served", "pages_read", "bytes_written", "pages_written",
     "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
     "quarantined", "write_failures", "skipped_writes",
 )

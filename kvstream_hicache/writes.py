@@ -15,7 +15,8 @@ Data flow of ``put`` (one call at a time per write ring)::
     (so the caller's memory is never read after return)
 
 A page is stored when >= 1 tier committed it; fewer than all tiers counts as under-replicated.
-Staged pages are written in windows of at most STAGING_LIMIT bytes of staging memory.
+Staged pages are written in windows of at most ``staging_limit`` bytes of staging memory (half the
+engine's ``memory`` setting).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .tiers import SPACE_ERRNOS, Tier
 
 log = logging.getLogger("kvstream")
 
-STAGING_LIMIT = 256 << 20  # staging memory for unaligned pages in flight per window, bytes
+STAGING_LIMIT = 256 << 20  # default staging memory for unaligned pages in flight per window, bytes
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; _room_possible_locked stops hopeless retries
 
@@ -79,7 +80,7 @@ class _Job:
 
 class WritePath:
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
-                 chunk: int, digest: str):
+                 chunk: int, digest: str, staging_limit: int = STAGING_LIMIT):
         self.ring = ring
         self.chunk = chunk
         self.digest = digest
@@ -87,6 +88,7 @@ class WritePath:
         self.index = index
         self.stats = stats
         self.pool = pool
+        self.staging_limit = staging_limit
         self.lock = threading.Lock()
         self.busy = BusyClock(len(tiers))
         self._ops: dict[int, tuple[_Job, int]] = {}  # tag -> (job, bytes expected)
@@ -128,7 +130,7 @@ class WritePath:
             failed_tiers = ((1 << n_tiers) - 1) & ~mask
             for page in new:
                 page.expected = page.targets | failed_tiers
-            for window in _windows(new):
+            for window in _windows(new, self.staging_limit):
                 self._write_window_locked(window)
             busy = [b - a for a, b in zip(busy0, self.busy.snapshot())]
         for k in range(n_tiers):
@@ -348,14 +350,14 @@ class WritePath:
             self.pool.close()
 
 
-def _windows(pages: list[_Page]) -> list[list[_Page]]:
-    """Split pages so that the staged (unaligned) ones of a window fit STAGING_LIMIT."""
+def _windows(pages: list[_Page], limit: int) -> list[list[_Page]]:
+    """Split pages so that the staged (unaligned) ones of a window fit ``limit`` bytes."""
     out: list[list[_Page]] = []
     current: list[_Page] = []
     staged = 0
     for page in pages:
         need = 0 if page.aligned else round_up(page.length)
-        if current and staged + need > STAGING_LIMIT:
+        if current and staged + need > limit:
             out.append(current)
             current, staged = [], 0
         current.append(page)

@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 
@@ -56,16 +57,47 @@ def test_crc32c_known_vectors(data, expected):
     assert crc32c_ref(data) == expected
 
 
-def _cpu_has_sse42() -> bool:
-    """What the extension's run-time check should find: an x86 CPU whose flags list sse4_2."""
+def _cpu_flags() -> set[str]:
+    """The flags an x86 CPU lists in /proc/cpuinfo (empty elsewhere: the table path is used)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return False
+        return set()
     with open("/proc/cpuinfo") as f:
-        return any(line.startswith("flags") and "sse4_2" in line.split() for line in f)
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
 
 
-def test_crc32c_backend_reported():
-    assert CRC32C_IMPL == ("sse4.2-3way" if _cpu_has_sse42() else "table")
+def test_crc32c_backend_is_the_fastest_this_cpu_has():
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= flags:
+        assert CRC32C_IMPL == "vpclmulqdq-fold"
+    elif "sse4_2" in flags:
+        assert CRC32C_IMPL == "sse4.2-3way"
+    else:
+        assert CRC32C_IMPL == "table"
+
+
+@pytest.mark.parametrize("length", [256, 257, 300, 511, 512, 4095, 65536 + 17, (1 << 20) + 100])
+@pytest.mark.parametrize("offset", [0, 1, 7, 63])
+def test_crc32c_every_path_agrees_with_the_reference(length, offset):
+    """Lengths around the folding loop's 256- and 64-byte steps and unaligned starts, continued
+    from a non-zero CRC; and the fused copy leaves an exact copy with the same CRC."""
+    from kvstream_hicache._uring import PageMap
+
+    data = bytes(random.Random(length * 64 + offset).getrandbits(8) for _ in range(length + offset))[offset:]
+    assert crc32c(data, 0x1234) == crc32c_ref(data, 0x1234)
+    src = AlignedBuffer(length + 64)
+    dst = AlignedBuffer(length + 64)
+    try:
+        memoryview(src)[offset:offset + length] = data
+        want = crc32c_ref(data)
+        pm = PageMap([(dst.address + offset, length)], length, length, [want])
+        assert pm.check(0, 1, [src.address + offset]) == 0
+        assert bytes(memoryview(dst)[offset:offset + length]) == data
+    finally:
+        src.close()
+        dst.close()
 
 
 @pytest.mark.parametrize("length", [0, 1, 9, 4096, 24577])

@@ -47,20 +47,29 @@ def test_small_and_large_sizes_are_allocated_alone():
     pool.close()
 
 
-def test_idle_cap_frees_returned_buffers_and_slabs_go_with_their_last_piece():
-    pool = BufferPool(max_idle_bytes=MIB)
+def test_cap_counts_whole_slabs_and_frees_returned_buffers_beyond_it():
+    pool = BufferPool(max_bytes=2 * MIB)
     bufs = [pool.get(MIB) for _ in range(3)]
-    if HUGE_PAGE_SIZE > MIB:
-        # carved from slabs: the spare pieces of the last slab already fill the 1 MiB idle cap, so
-        # every buffer given back is freed (2 MiB pages: slab A -> bufs 0, 1; slab B -> buf 2, spare)
-        expected = [True, True, True]
-        assert pool.allocated == -(-3 // (HUGE_PAGE_SIZE // MIB)) * (HUGE_PAGE_SIZE // MIB)
-    else:
-        expected = [False, True, True]  # allocated one by one: the first fills the cap, the rest are freed
-        assert pool.allocated == 3
-    for b in bufs:
-        pool.put(b)
-    assert [b.closed for b in bufs] == expected
+    if HUGE_PAGE_SIZE == 2 * MIB:
+        # one slab (2 MiB held: both pieces), then a lone buffer, since a second slab would not fit
+        assert bufs[0].address + MIB == bufs[1].address
+        assert (pool.held_bytes, pool.peak_bytes, pool.idle_bytes) == (3 * MIB, 3 * MIB, 0)
+        for b in bufs:
+            pool.put(b)
+        # over the cap: the slab's pieces are kept (freeing one alone would release nothing), the
+        # lone buffer is freed, which brings the pool back to the cap
+        assert [b.closed for b in bufs] == [False, False, True]
+        assert (pool.held_bytes, pool.idle_bytes, pool.out_bytes) == (2 * MIB, 2 * MIB, 0)
+        other = pool.get(512 << 10)
+        assert pool.held_bytes == 2 * MIB + (512 << 10)  # nothing could be shed for it
+        again = pool.get(MIB)
+        assert again in bufs[:2]
+        pool.put(other)
+        pool.put(again)
+    else:  # no THP here: three lone buffers, the first returned one is already over the cap
+        for b in bufs:
+            pool.put(b)
+        assert [b.closed for b in bufs] == [True, False, False] and pool.held_bytes == 2 * MIB
     assert pool.out == 0
     pool.close()
     assert all(b.closed for b in bufs)  # and the idle ones with the pool

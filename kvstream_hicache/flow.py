@@ -1,0 +1,134 @@
+"""How much each tier keeps in flight: enough to reach its bandwidth, and no more.
+
+A throttled tier reaches its limit with one request in flight; an NVMe drive or a parallel file
+system needs many megabytes in flight before it does. A fixed depth is wrong for one of them, so
+each tier has a :class:`TierFlow` that follows its device from what its own reads show:
+
+* **Request size** follows the tier's throughput: about :data:`REQUEST_TIME_S` of its bandwidth,
+  in whole blocks, between one block and :data:`MAX_REQUEST`. A fast tier gets few large requests
+  (little CPU per byte); a slow one keeps small requests, so what it has in flight when a batch
+  ends (and the fast tier takes over) stays small.
+* **Window** (bytes in flight) follows the latency, as TCP Vegas does: while a request's latency
+  per byte stays close to the device's unloaded latency (that of requests sent to it while it was
+  idle, as the first of every batch is), the device is not queueing yet and the window grows by a
+  request; once it climbs well above it, requests are only waiting in a queue and the window
+  shrinks by an eighth. (The unloaded latency is never taken from a loaded device: a queue that
+  stands long enough would otherwise pass for it, and the window would ratchet up.) It never falls below :data:`MIN_REQUESTS` requests (one in service, one
+  queued behind it, so the device never waits for us), nor rises above ``ceiling``.
+* **Stalls**: a tier with reads in flight and no completion for :data:`STALL_FACTOR` times its
+  usual latency is *overdue*; the read path then lets other tiers re-read its items, and for
+  :data:`STALL_MEMORY_S` does not let it read straight into caller memory (a call must wait for
+  such reads).
+
+Pure: no I/O, no clock (callers pass ``now``), no threads; the read path calls it under its lock.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+REQUEST_TIME_S = 0.001  # a request carries about this much of the tier's bandwidth, s
+MAX_REQUEST = 8 << 20  # largest request, bytes: beyond this the device splits it anyway
+MIN_REQUESTS = 2  # smallest window, in requests
+GROW_BELOW = 1.5  # latency per byte over the recent lowest: grow the window while below this
+SHRINK_ABOVE = 2.5  # ... and shrink it while above this
+BASE_SAMPLES = 16  # unloaded latency: the lowest of the last this many requests that found the tier idle
+SMOOTH = 0.125  # weight of a new sample in the moving averages of throughput and latency
+RATE_SPAN_S = 0.02  # throughput is measured over at least this much busy time (completions come in bursts), s
+STALL_FACTOR = 8.0  # no completion for this many usual latencies: the tier is overdue
+STALL_MIN_S = 0.05  # ... and never sooner than this, s (scheduling noise on a busy host)
+STALL_MEMORY_S = 60.0  # a tier found overdue is not trusted with reads into caller memory for this long, s
+INITIAL_WINDOW = 4 << 20  # before the first measurement (the fixed depth of earlier versions), bytes
+
+
+class TierFlow:
+    """Request size, window and health of one tier's reads (see the module docstring).
+
+    :param block: the routing block, bytes: requests and windows are whole blocks.
+    :param ceiling: most bytes in flight (the read path's memory budget for this tier).
+    """
+
+    def __init__(self, block: int, ceiling: int):
+        self.block = block
+        self.ceiling = max(ceiling, MIN_REQUESTS * block)
+        self.window = min(max(INITIAL_WINDOW, MIN_REQUESTS * block), self.ceiling)
+        self.rate = 0.0  # bytes/s while busy, moving average (0: not measured yet)
+        self.latency = 0.0  # request latency, moving average, s
+        self._alone: deque[float] = deque(maxlen=BASE_SAMPLES)  # latency per byte of requests sent to an idle tier
+        self._last_done = 0.0  # when the last completion (or the first submit after idling) happened
+        self._last_stall = -math.inf  # when the tier was last found overdue
+        self._span_bytes = 0  # bytes completed since the current throughput span began
+        self._span_busy = 0.0  # the tier's busy time when it began, s
+        self.request = 0  # bytes per request (a multiple of ``block``), kept by _resize
+        self._resize()
+
+    # -- what the read path asks ---------------------------------------------------------------
+    def _resize(self) -> None:
+        """Bytes per request: about REQUEST_TIME_S of the tier's bandwidth, whole blocks, at most
+        MAX_REQUEST and half the window."""
+        want = self.rate * REQUEST_TIME_S if self.rate else self.window / MIN_REQUESTS
+        blocks = int(min(want, MAX_REQUEST, self.window / MIN_REQUESTS) // self.block)
+        self.request = max(1, blocks) * self.block
+
+    def room(self, in_flight: int) -> int:
+        """Bytes the tier may add to the ``in_flight`` it has."""
+        return max(0, self.window - in_flight)
+
+    def overdue(self, now: float, in_flight: int) -> bool:
+        """Reads in flight and no completion for far longer than usual: stalled, or much slower
+        than it was."""
+        return in_flight > 0 and now - self._last_done > self.stall_after
+
+    @property
+    def stall_after(self) -> float:
+        return max(STALL_MIN_S, STALL_FACTOR * self.latency)
+
+    def stalled(self, now: float) -> None:
+        """The read path found the tier overdue (and let others re-read its items)."""
+        self._last_stall = now
+
+    def trusted(self, now: float) -> bool:
+        """No stall for STALL_MEMORY_S: fit to read straight into caller memory, which a call
+        must wait for."""
+        return now - self._last_stall > STALL_MEMORY_S
+
+    def overdue_at(self) -> float:
+        """When the tier turns overdue if nothing completes meanwhile."""
+        return self._last_done + self.stall_after
+
+    # -- what the read path tells --------------------------------------------------------------
+    def submitted(self, now: float, in_flight_before: int) -> None:
+        if not in_flight_before:
+            self._last_done = now  # idle until now: the stall clock starts here
+
+    def completed(self, nbytes: int, latency: float, ahead: int, now: float, busy: float) -> None:
+        """A request of ``nbytes`` completed ``latency`` s after it was submitted behind ``ahead``
+        bytes already in flight on this tier (its own excluded); ``busy``: the tier's busy time so
+        far (seconds with at least one read in flight), which throughput is measured against."""
+        self._last_done = now
+        if nbytes <= 0 or latency <= 0:
+            return
+        self._span_bytes += nbytes
+        if busy - self._span_busy >= RATE_SPAN_S:
+            sample = self._span_bytes / (busy - self._span_busy)
+            self.rate = sample if not self.rate else self.rate + SMOOTH * (sample - self.rate)
+            self._span_bytes, self._span_busy = 0, busy
+            self._resize()
+        self.latency = latency if not self.latency else self.latency + SMOOTH * (latency - self.latency)
+        per_byte = latency / nbytes
+        if not ahead:  # the tier was idle: this is what a request costs with no queue at all
+            self._alone.append(per_byte)
+        if not self._alone:
+            return  # nothing to compare with yet
+        ratio = per_byte / min(self._alone)
+        request = self.request
+        if ratio < GROW_BELOW and ahead + nbytes >= self.window - request:
+            self.window = min(self.ceiling, self.window + request)  # the window limited this tier
+        elif ratio > SHRINK_ABOVE:  # a queue: drain it quickly, an eighth per completion
+            self.window = max(MIN_REQUESTS * request, self.window - max(request, self.window // 8 // self.block
+                                                                           * self.block))
+        self._resize()
+
+    def __repr__(self) -> str:
+        return (f"TierFlow(window={self.window >> 10} KiB, request={self.request >> 10} KiB, "
+                f"rate={self.rate / 1e6:.0f} MB/s, latency={self.latency * 1e3:.2f} ms)")

@@ -1,0 +1,145 @@
+"""The read path's requests: merged reads, reads straight into caller memory, memory bounds.
+
+What the engine tests (test_engine.py) show for every read holds here too; these tests pin down
+how the reads are issued: a page's adjacent blocks go out as one request, a block no other tier
+could deliver lands straight in the caller's pages (no staging copy), and the call then waits for
+it however long the device takes, since returning earlier would let it land in memory the caller
+reuses. Real files with O_DIRECT, both I/O engines; no timing assertions.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvstream_hicache.faults import Fault, TierFaultPlan
+from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.memory import HugePageMap
+
+from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
+from reliability_helpers import flip_byte
+
+MIB = 1 << 20
+
+
+def stored(dirs, n, io_engine="uring", plan=None, aligned=True, size=4 * MIB, **settings):
+    pages = Pages(n, aligned=aligned, size=size)  # 4 MiB pages: 2 MiB segments, huge-page backed
+    keys = [key(i, "reads") for i in range(n)]
+    engine = make_engine(dirs, io_engine, fault_plan=plan, **settings)
+    assert engine.put(keys, pages.src_segments) == [True] * n
+    return engine, pages, keys
+
+
+def huge(pages: Pages) -> bool:
+    """Whether the destination buffers are huge-page backed (THP may be off, or short of pages)."""
+    m = HugePageMap()
+    return all(m.huge(a, n) for page in pages.dst_segments for a, n in page)
+
+
+def test_single_holder_reads_land_in_caller_memory_in_merged_requests(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:1], 6, io_engine, chunk="64K")
+    with engine:
+        assert engine.get(keys, pages.dst_segments) == [True] * 6
+        assert all(pages.equal(i) for i in range(6))
+        batch = engine.last_batch
+        assert huge(pages) == bool(HUGE_PAGE_SIZE)
+        if not huge(pages):
+            pytest.fail("THP is off or out of huge pages: in-place reads cannot be shown here")
+        assert batch["direct_bytes"] == 6 * 4 * MIB  # no staging copy at all
+        assert batch["items"] == 6 * 64  # 64 blocks of 64 KiB per page ...
+        # ... read as larger requests: a request carries ~1 ms of the tier's rate (flow.py), which is
+        # several 64 KiB blocks at any rate above 128 MB/s
+        assert batch["requests"] < batch["items"] / 2
+        assert engine._reads.pool.allocated == 0
+
+
+def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:2], 6, io_engine)
+    with engine:
+        assert engine.get(keys, pages.dst_segments) == [True] * 6
+        assert engine.last_batch["direct_bytes"] == 0
+
+
+def test_caller_memory_of_small_pages_is_staged_even_with_one_holder(tier_dirs, io_engine):
+    """4 KiB pages: an O_DIRECT read into them pins every page and is split at the device's segment
+    limit, so the read goes through huge-page staging (memory.py)."""
+    engine, pages, keys = stored(tier_dirs[:1], 4, io_engine, size=192 << 10)  # 96 KiB: malloc'd, small pages
+    with engine:
+        assert not huge(pages)
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        assert all(pages.equal(i) for i in range(4))
+        assert engine.last_batch["direct_bytes"] == 0
+
+
+def test_unaligned_caller_memory_is_staged_even_with_one_holder(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:1], 4, io_engine, aligned=False)
+    with engine:
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        assert all(pages.equal(i) for i in range(4))
+        assert engine.last_batch["direct_bytes"] == 0
+
+
+def test_page_held_by_one_tier_of_two_is_read_in_place(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:2], 4, io_engine)
+    with engine:
+        engine.index.remove(keys[0], 0)  # tier 0 lost its copy: only tier 1 can deliver page 0
+        engine.tiers[0].unlink_page(keys[0])
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        assert all(pages.equal(i) for i in range(4))
+        assert engine.last_batch["direct_bytes"] == 4 * MIB
+
+
+def test_a_stalled_single_holder_is_waited_for_past_read_timeout(tier_dirs, io_engine):
+    """No other tier can deliver these blocks and they target caller memory: the call waits for
+    the reads in flight however long the device takes, delivers them verified, and reports what it
+    had not started by read_timeout as missing."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:1], 3, io_engine, plan=plan, read_timeout=0.05)
+    with engine:
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ)
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(engine.get(keys, pages.dst_segments)))
+        t.start()
+        t.join(1.0)  # far past read_timeout: still waiting for the held reads
+        assert t.is_alive() and not result
+        plan.clear()
+        plan.release()
+        t.join(30)
+        assert not t.is_alive()
+        (found,) = result
+        assert found[0] and all(pages.equal(i) for i in range(3) if found[i])
+        assert engine.stats()["orphan_reads_in_flight"] == 0 and engine.stats()["read_timeouts"] == 1
+        assert engine.get(keys, pages.dst_segments) == [True] * 3
+
+
+def test_transfer_fault_on_a_single_holder_is_a_miss_and_the_file_is_kept(tier_dirs, io_engine):
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:1], 2, io_engine, plan=plan)
+    with engine:
+        plan.on(tier_dirs[0], Fault.corrupt(), opcode=OP_READ, times=1)
+        assert engine.get(keys, pages.dst_segments).count(False) == 1  # the request that was corrupted
+        assert engine.stats()["tiers"][0]["corrupted"] == 1
+        assert engine.get(keys, pages.dst_segments) == [True, True]  # intact on disk: kept, served
+        assert all(pages.equal(i) for i in range(2))
+
+
+def test_damage_on_a_single_holder_is_a_miss_and_the_copy_is_removed(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:1], 2, io_engine)
+    with engine:
+        flip_byte(engine.tiers[0].layout.page_path(keys[1]), HEADER_SIZE + 100, 0x01)
+        assert engine.get(keys, pages.dst_segments) == [True, False]
+        assert engine.stats()["tiers"][0]["quarantined"] == 1
+        assert not engine.contains(keys[1])
+
+
+def test_staging_stays_within_the_memory_setting(tier_dirs, io_engine):
+    engine, pages, keys = stored(tier_dirs[:2], 24, io_engine, size=2 * MIB, chunk="256K", memory="4M")
+    # (two holders: every read is staged)
+    with engine:
+        for _ in range(3):
+            assert engine.get(keys, pages.dst_segments) == [True] * 24
+        pool = engine._reads.pool
+        assert pool.peak_bytes <= 2 * MIB  # half of memory= is the read path's
+        assert engine.stats()["memory"]["read_peak_bytes"] == pool.peak_bytes
