@@ -170,6 +170,13 @@ KV_FOLD_TARGET static inline __m128i kv_fold128(__m128i x, int i, __m128i next) 
                                   0x96);
 }
 
+KV_FOLD_TARGET static inline void kv_store256(unsigned char *dst, __m512i a, __m512i b, __m512i c, __m512i d) {
+    _mm512_storeu_si512(dst, a);
+    _mm512_storeu_si512(dst + 64, b);
+    _mm512_storeu_si512(dst + 128, c);
+    _mm512_storeu_si512(dst + 192, d);
+}
+
 /* CRC of len >= KV_FOLD_MIN bytes at src; with dst (not NULL) the bytes are copied there too. */
 KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, const unsigned char *src,
                                               size_t len) {
@@ -178,10 +185,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
     __m512i x0 = _mm512_loadu_si512(src), x1 = _mm512_loadu_si512(src + 64);
     __m512i x2 = _mm512_loadu_si512(src + 128), x3 = _mm512_loadu_si512(src + 192);
     if (dst) {
-        _mm512_storeu_si512(dst, x0);
-        _mm512_storeu_si512(dst + 64, x1);
-        _mm512_storeu_si512(dst + 128, x2);
-        _mm512_storeu_si512(dst + 192, x3);
+        kv_store256(dst, x0, x1, x2, x3);
         dst += 256;
     }
     x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)~crc))); /* the initial CRC */
@@ -191,10 +195,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
         __m512i n0 = _mm512_loadu_si512(src), n1 = _mm512_loadu_si512(src + 64);
         __m512i n2 = _mm512_loadu_si512(src + 128), n3 = _mm512_loadu_si512(src + 192);
         if (dst) {
-            _mm512_storeu_si512(dst, n0);
-            _mm512_storeu_si512(dst + 64, n1);
-            _mm512_storeu_si512(dst + 128, n2);
-            _mm512_storeu_si512(dst + 192, n3);
+            kv_store256(dst, n0, n1, n2, n3);
             dst += 256;
         }
         x0 = kv_fold512(x0, k256, n0);
