@@ -8,6 +8,10 @@ reuses. Real files with O_DIRECT, both I/O engines; no timing assertions.
 """
 from __future__ import annotations
 
+import ctypes
+import itertools
+import logging
+import mmap
 import threading
 
 import numpy as np
@@ -65,11 +69,17 @@ def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tie
 def test_caller_memory_of_small_pages_is_staged_even_with_one_holder(tier_dirs, io_engine):
     """4 KiB pages: an O_DIRECT read into them pins every page and is split at the device's segment
     limit, so the read goes through huge-page staging (memory.py)."""
-    engine, pages, keys = stored(tier_dirs[:1], 4, io_engine, size=192 << 10)  # 96 KiB: malloc'd, small pages
-    with engine:
-        assert not huge(pages)
-        assert engine.get(keys, pages.dst_segments) == [True] * 4
-        assert all(pages.equal(i) for i in range(4))
+    engine, pages, keys = stored(tier_dirs[:1], 4, io_engine)
+    sizes = [n for shape in pages.shapes for n in shape]
+    with engine, mmap.mmap(-1, sum(sizes)) as small:  # anonymous memory the kernel keeps in 4 KiB pages
+        small.madvise(mmap.MADV_NOHUGEPAGE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(small))
+        offsets = [0, *itertools.accumulate(sizes)]
+        segments = [[(base + offsets[2 * i], sizes[2 * i]), (base + offsets[2 * i + 1], sizes[2 * i + 1])]
+                    for i in range(4)]
+        assert not any(HugePageMap().huge(a, n) for page in segments for a, n in page)
+        assert engine.get(keys, segments) == [True] * 4
+        assert small[:] == b"".join(a.tobytes() for page in pages.src for a in page)
         assert engine.last_batch["direct_bytes"] == 0
 
 
@@ -143,3 +153,57 @@ def test_staging_stays_within_the_memory_setting(tier_dirs, io_engine):
         pool = engine._reads.pool
         assert pool.peak_bytes <= 2 * MIB  # half of memory= is the read path's
         assert engine.stats()["memory"]["read_peak_bytes"] == pool.peak_bytes
+
+
+class _Seen(logging.Handler):
+    """Sets ``event`` when a 'kvstream' log message contains ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__(logging.WARNING)
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_a_late_in_place_read_that_lands_bad_is_delivered_again(tier_dirs, io_engine):
+    """The fastest tier reads in place; it stalls, the other tier delivers its blocks, then its own
+    reads land late with a flipped bit, over the verified copies: the blocks are read again from the
+    valid holder, and the pages are found, byte-exact."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 2, io_engine, plan=plan)
+    with engine:
+        if not huge(pages):
+            pytest.fail("THP is off or out of huge pages: in-place reads cannot be shown here")
+        plan.on(tier_dirs[1], Fault.delay(0.02), opcode=OP_READ)  # tier 1 slower: tier 0 reads in place
+        flows = engine._reads.flows
+        for _ in range(100):
+            assert engine.get(keys, pages.dst_segments) == [True, True]
+            if flows[0].rate > flows[1].rate > 0:
+                break
+        assert flows[0].rate > flows[1].rate > 0
+        plan.clear()
+        plan.on(tier_dirs[0], Fault.hold(spoil=True), opcode=OP_READ)
+        waiting = _Seen("reads into caller memory before returning")
+        again = _Seen("landed bad bytes over a verified copy; delivering it again")
+        for handler in (waiting, again):
+            logging.getLogger("kvstream").addHandler(handler)
+        try:
+            result: list = []
+            dst = pages.fresh()
+            t = threading.Thread(target=lambda: result.append(engine.get(keys, Pages.segments(dst))))
+            t.start()
+            # tier 1 delivers everything once tier 0 is overdue; the call then waits for tier 0's reads
+            assert waiting.event.wait(30)
+            plan.clear()
+            plan.release()
+            t.join(30)
+            assert not t.is_alive()
+        finally:
+            for handler in (waiting, again):
+                logging.getLogger("kvstream").removeHandler(handler)
+        assert again.event.is_set()  # the late reads did land bad over delivered blocks
+        assert result == [[True, True]]
+        assert all(pages.equal(i, dst) for i in range(2))
+        assert engine.last_batch["direct_bytes"] > 0

@@ -86,6 +86,26 @@ def test_running_engine_finds_pages_another_process_stored(tier_dirs):
         assert reader.check() == [] and writer.check() == []
 
 
+def test_a_page_whose_only_known_copy_vanished_is_found_on_a_tier_the_index_never_knew(tier_dirs):
+    """The reader learned a page while its writer had committed only tier 0; the writer's tier-1 copy
+    came later, then tier 0's copy was evicted. The read of the vanished copy fails (ENOENT), and
+    instead of a miss the engine looks on the other tiers once more and serves tier 1's copy."""
+    pages = PageSet(salt="vanished")
+    keys = pages.keys(2)
+    t0, t1 = tier_dirs[:2]
+    with make_engine([t0, t1]) as reader:
+        with make_engine([t0]) as first:  # the writer, as far as tier 0
+            assert pages.put(first, keys) == [True, True]
+        assert reader.prefix_len(keys) == 2  # discovered: on tier 0 only
+        assert [reader.index.holders(k) for k in keys] == [0b01, 0b01]
+        with make_engine([t1]) as second:  # ... and its later tier-1 copy
+            assert pages.put(second, keys) == [True, True]
+        os.unlink(reader.tiers[0].layout.page_path(keys[0]))  # tier 0's copy evicted by its writer
+        assert pages.checked_get(reader, keys) == [True, True]
+        assert reader.index.holders(keys[0]) == 0b10 and reader.stats()["discovered"] == 3
+        reader.check(fix=True)  # the reader's view of the writers' tiers: reconcile, then it is consistent
+
+
 def test_three_controller_threads_stay_consistent(tier_dirs):
     """get, put and exists threads at once on one engine, with tier 0 small enough that writes evict
     pages reads may be using (pins), aligned and unaligned pages, repeated keys in a batch."""
