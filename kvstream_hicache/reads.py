@@ -233,9 +233,9 @@ class ReadPath:
         call.direct_tier = self._direct_tier(mask)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = max(page.info.block for page in call.pages)
-        if adaptive:
+        if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
             self._set_depths(route, unit)
-        route.may_steal = self._may_steal
+            route.may_steal = self._may_steal
         deadline = time.monotonic() + self.read_timeout if self.read_timeout > 0 else None
         claims = route.start()
         while True:
@@ -395,10 +395,12 @@ class ReadPath:
                 call.direct_bytes += res
         self.stats.add(tier, "blocks_read", req.j1 - req.j0)
         self.stats.add(tier, "requests")
-        if not call.active:  # orphan of an earlier call: its batch is over, only release
-            self._orphans -= 1
+        if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
+            self._orphans -= 1   # still tells about the tier's health)
             self._orphaned[tier] -= req.nbytes
             self.stats.total("orphan_reads")
+            if res < 0:
+                self._failed_read(tier, call.pages[req.p].key, -res)
             self._release(req)
             return []
         try:
@@ -417,8 +419,7 @@ class ReadPath:
         page = call.pages[req.p]
         info = page.info
         if res < 0:
-            self.stats.add(tier, "errors")
-            self.tiers[tier].fail(-res, f"read {page.key}")
+            self._failed_read(tier, page.key, -res)
         # Blocks wholly read (a short read means the file is shorter than its header says).
         if res >= req.nbytes:
             complete = req.j1 - req.j0
@@ -463,6 +464,10 @@ class ReadPath:
         if duplicates:
             self.stats.total("duplicate_reads", duplicates)
         return call.route.complete_many(tier, results)
+
+    def _failed_read(self, tier: int, key: str, err: int) -> None:
+        self.stats.add(tier, "errors")
+        self.tiers[tier].fail(err, f"read {key}")
 
     def _read_block(self, tier: int, page: _Page, j: int) -> bytes:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
@@ -518,10 +523,13 @@ class ReadPath:
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths(self, route, unit: int) -> None:
-        """Each tier's window, less what earlier calls still have in flight on it, in items; a tier
-        claims what one of its requests carries (at least the policy's m)."""
+        """Each tier's window, less what earlier calls still have in flight on it, in items. A tier
+        claims what one of its requests carries (at least the policy's m), but no more than a share
+        of the batch that leaves every tier a few claims: a small batch is still split."""
+        share = route.n // (2 * len(self.flows))
         for k, flow in enumerate(self.flows):
-            route.set_depth(k, max(0, flow.window - self._orphaned[k]) // unit, max(route.m, flow.request // unit))
+            claim = max(route.m, min(flow.request // unit, share))
+            route.set_depth(k, max(0, flow.window - self._orphaned[k]) // unit, claim)
 
     def _direct_tier(self, mask: int) -> int:
         """The usable tier whose reads land straight in caller memory: the fastest by what it

@@ -35,6 +35,7 @@ PAGE_TOKENS = 16
 # tokens; LMCache object [2, 16, 256] bf16. With 4 KiB routing blocks: 4 items per page, 32 per batch.
 PAGE_BYTES = 16384
 CHUNK = "4K"
+FIXED_POLICY = "kvstream:m=2,depth=4"
 CASES = {  # name: per-tier speeds (bytes per virtual second)
     "2tiers": [3.0, 1.0],
     "3tiers": [4.0, 2.0, 1.0],
@@ -68,7 +69,10 @@ class ScriptedRing:
         ops = list(ops)
         for opcode, fd, buf, offset, tag in ops:
             lane = self._lane(fd)
-            length = buf[1] if isinstance(buf, tuple) else memoryview(buf).nbytes
+            if isinstance(buf, list):  # a vectored request: its ranges
+                length = sum(n for _, n in buf)
+            else:
+                length = buf[1] if isinstance(buf, tuple) else memoryview(buf).nbytes
             start = max(self.now, self.free[lane])
             self.free[lane] = end = start + length / self.speeds[lane]
             heapq.heappush(self.heap, (end, self.seq, tag))
@@ -125,7 +129,9 @@ def scripted_engine(config, namespace, tiers: list[str], speeds: list[float], re
     def ring_factory(**kwargs):
         return ScriptedRing(open_ring(**kwargs), tiers, speeds)
 
-    policy = RecordingPolicy(parse_policy(config.policy_spec))
+    # A fixed depth: the router's own rule, nothing sized from what the tiers measured in real time
+    # (flow.py), so the claims are a function of the completion order alone on both halves.
+    policy = RecordingPolicy(parse_policy(FIXED_POLICY))
     recorder.append(policy)
     return Engine(config, namespace, policy=policy, ring_factory=ring_factory, **kwargs)
 
