@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvstream_hicache.faults import Fault, TierFaultPlan
-from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ
+from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 
@@ -33,12 +33,13 @@ def stored(dirs, n, io_engine="uring", plan=None, aligned=True, size=4 * MIB, **
     keys = [key(i, "reads") for i in range(n)]
     engine = make_engine(dirs, io_engine, fault_plan=plan, **settings)
     assert engine.put(keys, pages.src_segments) == [True] * n
+    engine._reads.huge.refresh()  # the read path reads smaps in the background: have the answer now
     return engine, pages, keys
 
 
 def huge(pages: Pages) -> bool:
     """Whether the destination buffers are huge-page backed (THP may be off, or short of pages)."""
-    m = HugePageMap()
+    m = HugePageMap(background=False)
     return all(m.huge(a, n) for page in pages.dst_segments for a, n in page)
 
 
@@ -77,7 +78,8 @@ def test_caller_memory_of_small_pages_is_staged_even_with_one_holder(tier_dirs, 
         offsets = [0, *itertools.accumulate(sizes)]
         segments = [[(base + offsets[2 * i], sizes[2 * i]), (base + offsets[2 * i + 1], sizes[2 * i + 1])]
                     for i in range(4)]
-        assert not any(HugePageMap().huge(a, n) for page in segments for a, n in page)
+        engine._reads.huge.refresh()  # (the read path reads smaps in the background: have it now)
+        assert not any(HugePageMap(background=False).huge(a, n) for page in segments for a, n in page)
         assert engine.get(keys, segments) == [True] * 4
         assert small[:] == b"".join(a.tobytes() for page in pages.src for a in page)
         assert engine.last_batch["direct_bytes"] == 0
@@ -192,6 +194,7 @@ def test_a_late_in_place_read_that_lands_bad_is_delivered_again(tier_dirs, io_en
         try:
             result: list = []
             dst = pages.fresh()
+            engine._reads.huge.refresh()
             t = threading.Thread(target=lambda: result.append(engine.get(keys, Pages.segments(dst))))
             t.start()
             # tier 1 delivers everything once tier 0 is overdue; the call then waits for tier 0's reads
@@ -207,3 +210,18 @@ def test_a_late_in_place_read_that_lands_bad_is_delivered_again(tier_dirs, io_en
         assert result == [[True, True]]
         assert all(pages.equal(i, dst) for i in range(2))
         assert engine.last_batch["direct_bytes"] > 0
+
+
+def test_the_huge_page_answer_never_blocks_the_read_path():
+    """Reading smaps walks every mapping's page tables (seconds for a large host pool): the read
+    path's map answers "not huge" for memory it does not know yet and learns it in the background."""
+    buf = AlignedBuffer(4 * MIB)  # huge-page backed where THP is available
+    try:
+        np.frombuffer(buf, dtype=np.uint8)[:] = 1
+        m = HugePageMap()
+        assert not m.huge(buf.address, buf.nbytes)  # unknown yet: staged, and a read starts
+        with m._reading:  # wait for the background read to finish
+            pass
+        assert m.huge(buf.address, buf.nbytes) == HugePageMap(background=False).huge(buf.address, buf.nbytes)
+    finally:
+        buf.close()
