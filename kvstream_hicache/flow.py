@@ -16,7 +16,7 @@ each tier has a :class:`TierFlow` that follows its device from what its own read
   stands long enough would otherwise pass for it, and the window would ratchet up.) It never falls below :data:`MIN_REQUESTS` requests (one in service, one
   queued behind it, so the device never waits for us), nor rises above ``ceiling``.
 * **Stalls**: a tier with reads in flight and no completion for :data:`STALL_FACTOR` times its
-  usual latency is *overdue*; the read path then lets other tiers re-read its items, and for
+  usual latency (at least :data:`STALL_MIN_S`) is *overdue*; the read path then lets other tiers re-read its items, and for
   :data:`STALL_MEMORY_S` does not let it read straight into caller memory (a call must wait for
   such reads).
 
@@ -36,7 +36,8 @@ BASE_SAMPLES = 16  # unloaded latency: the lowest of the last this many requests
 SMOOTH = 0.125  # weight of a new sample in the moving averages of throughput and latency
 RATE_SPAN_S = 0.02  # throughput is measured over at least this much busy time (completions come in bursts), s
 STALL_FACTOR = 8.0  # no completion for this many usual latencies: the tier is overdue
-STALL_MIN_S = 0.05  # ... and never sooner than this, s (scheduling noise on a busy host)
+STALL_MIN_S = 0.25  # ... and never sooner than this, s: a throttled device (cgroup blkio) holds its completions
+                    # for a throttle slice (100 ms) at a time, and a busy host adds scheduling noise
 STALL_MEMORY_S = 60.0  # a tier found overdue is not trusted with reads into caller memory for this long, s
 INITIAL_WINDOW = 4 << 20  # before the first measurement (the fixed depth of earlier versions), bytes
 

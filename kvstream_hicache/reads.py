@@ -265,7 +265,7 @@ class ReadPath:
                 self._set_depths(route, unit)
             claims += route.refill()  # a grown window, or a tier that turned overdue
         if call.direct_in_flight:
-            self._wait_direct_locked(call)
+            self._wait_direct_locked(call, timed_out=not route.done)
 
     # -- requests --------------------------------------------------------------------------------
     def _submit_locked(self, call: _Call, claims: list) -> None:
@@ -561,9 +561,11 @@ class ReadPath:
         return max(0.0, min(dues) - now) + 1e-3 if dues else None
 
     # -- end of a call -----------------------------------------------------------------------------
-    def _wait_direct_locked(self, call: _Call) -> None:
-        """Reads into caller memory must land before the call returns: wait for them."""
-        log.warning("kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
+    def _wait_direct_locked(self, call: _Call, timed_out: bool) -> None:
+        """Reads into caller memory must land before the call returns: wait for them. (After a
+        timeout that is news; otherwise another tier delivered their blocks first, which is routine.)"""
+        log.log(logging.WARNING if timed_out else logging.DEBUG,
+                "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight:
             for tag, res in self.ring.reap(1, None):
                 self._complete_locked(tag, res)

@@ -161,7 +161,7 @@ class _Seen(logging.Handler):
     """Sets ``event`` when a 'kvstream' log message contains ``text``."""
 
     def __init__(self, text: str):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.DEBUG)
         self.text, self.event = text, threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -189,8 +189,11 @@ def test_a_late_in_place_read_that_lands_bad_is_delivered_again(tier_dirs, io_en
         plan.on(tier_dirs[0], Fault.hold(spoil=True), opcode=OP_READ)
         waiting = _Seen("reads into caller memory before returning")
         again = _Seen("landed bad bytes over a verified copy; delivering it again")
+        logger = logging.getLogger("kvstream")
+        level = logger.level
+        logger.setLevel(logging.DEBUG)  # the wait after another tier delivered is logged at DEBUG
         for handler in (waiting, again):
-            logging.getLogger("kvstream").addHandler(handler)
+            logger.addHandler(handler)
         try:
             result: list = []
             dst = pages.fresh()
@@ -205,7 +208,8 @@ def test_a_late_in_place_read_that_lands_bad_is_delivered_again(tier_dirs, io_en
             assert not t.is_alive()
         finally:
             for handler in (waiting, again):
-                logging.getLogger("kvstream").removeHandler(handler)
+                logger.removeHandler(handler)
+            logger.setLevel(level)
         assert again.event.is_set()  # the late reads did land bad over delivered blocks
         assert result == [[True, True]]
         assert all(pages.equal(i, dst) for i in range(2))
