@@ -14,13 +14,14 @@ Data flow of ``get`` (one call at a time per read ring)::
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
     descriptor until a later call (or close) reaps them, and never touch caller memory again.
 
-Where a read lands. A block that another tier could also deliver (a replica the router may give
-to an idle tier when this one stalls) is read into an engine-owned staging buffer and copied on
-its first verified arrival: the call can then return while a stalled tier still has reads in
-flight, because none of them targets memory the caller may reuse. A block only one usable tier
-holds cannot be raced for, so it is read straight into the caller's pages (when they are 4096-
-aligned) and no copy is made; the call waits for such reads, however long the device takes,
-because returning earlier would let them land in memory the caller reuses.
+Where a read lands. Into an engine-owned staging buffer, copied into the caller's segments on its
+first verified arrival (checksum and copy in one pass), or straight into the caller's pages. In place
+only where nobody can race for the block and the memory suits O_DIRECT (4096-aligned and huge-page
+backed, memory.py): a block one usable tier alone holds, or a block of the call's fastest trusted
+tier, whose items no other tier re-reads unless it stalls. The call waits for reads in place however
+long the device takes (returning earlier would let them land in memory the caller reuses), so a tier
+found stalled loses that role for a while (flow.py). Staged reads let the call return while a stalled
+tier still has reads in flight: none of them targets memory the caller may reuse.
 """
 from __future__ import annotations
 
@@ -211,10 +212,11 @@ class ReadPath:
                     self.stats.total("invalid_keys")
                 continue
             segments = pages[i]
-            if sum(n for _, n in segments) != info.length:
+            nbytes = sum(n for _, n in segments)
+            if nbytes != info.length:
                 self.stats.total("size_mismatch")
                 log.warning("kvstream: page %s holds %d bytes but the caller's buffer has %d; reported missing",
-                            key, info.length, sum(n for _, n in segments))
+                            key, info.length, nbytes)
                 continue
             holders = info.tiers & mask
             if not holders:
