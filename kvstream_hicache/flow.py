@@ -5,7 +5,7 @@ system needs many megabytes in flight before it does. A fixed depth is wrong for
 each tier has a :class:`TierFlow` that follows its device from what its own reads show:
 
 * **Request size** follows the tier's throughput: about :data:`REQUEST_TIME_S` of its bandwidth,
-  in whole blocks, between one block and :data:`MAX_REQUEST`. A fast tier gets few large requests
+  in whole blocks, between :data:`MIN_REQUEST` (or one block) and :data:`MAX_REQUEST`. A fast tier gets few large requests
   (little CPU per byte); a slow one keeps small requests, so what it has in flight when a batch
   ends (and the fast tier takes over) stays small.
 * **Window** (bytes in flight) follows the latency, as TCP Vegas does: while a request's latency
@@ -29,6 +29,8 @@ from collections import deque
 
 REQUEST_TIME_S = 0.001  # a request carries about this much of the tier's bandwidth, s
 MAX_REQUEST = 8 << 20  # largest request, bytes: beyond this the device splits it anyway
+MIN_REQUEST = 1 << 20  # smallest request a tier is sized down to (rounded to whole blocks), bytes: below
+                       # it every device pays per request more than it saves in tail
 MIN_REQUESTS = 2  # smallest window, in requests
 GROW_BELOW = 1.5  # latency per byte over the recent lowest: grow the window while below this
 SHRINK_ABOVE = 2.5  # ... and shrink it while above this
@@ -67,7 +69,7 @@ class TierFlow:
     def _resize(self) -> None:
         """Bytes per request: about REQUEST_TIME_S of the tier's bandwidth, whole blocks, at most
         MAX_REQUEST and half the window."""
-        want = self.rate * REQUEST_TIME_S if self.rate else self.window / MIN_REQUESTS
+        want = max(self.rate * REQUEST_TIME_S, MIN_REQUEST) if self.rate else self.window / MIN_REQUESTS
         blocks = int(min(want, MAX_REQUEST, self.window / MIN_REQUESTS) // self.block)
         self.request = max(1, blocks) * self.block
 

@@ -12,7 +12,7 @@ import heapq
 
 import pytest
 
-from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS, STALL_MIN_S, TierFlow
+from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUEST, MIN_REQUESTS, STALL_MIN_S, TierFlow
 
 MIB = 1 << 20
 
@@ -97,14 +97,15 @@ def test_window_never_passes_the_ceiling():
     assert max(windows) <= 8 * MIB
 
 
-def test_slow_tier_keeps_small_requests():
-    """A request carries about a millisecond of the tier's bandwidth: at 100 MB/s that is one
-    block, so what a slow tier has in flight when a batch ends stays small."""
-    flow = TierFlow(MIB, 64 * MIB)
+@pytest.mark.parametrize("block", [MIB, 64 << 10])
+def test_slow_tier_keeps_small_requests(block):
+    """A request carries about a millisecond of the tier's bandwidth, but at least MIN_REQUEST: at
+    100 MB/s that is 1 MiB, so what a slow tier has in flight when a batch ends stays small."""
+    flow = TierFlow(block, 64 * MIB)
     device = Device(100e6)
     rate, _ = drive(flow, device, 256 * MIB)
     assert rate > 0.97 * capability(device, flow.request)
-    assert flow.request == MIB
+    assert flow.request == MIN_REQUEST == MIB
     assert flow.window <= 4 * MIB
 
 

@@ -54,9 +54,9 @@ def test_single_holder_reads_land_in_caller_memory_in_merged_requests(tier_dirs,
             pytest.fail("THP is off or out of huge pages: in-place reads cannot be shown here")
         assert batch["direct_bytes"] == 6 * 4 * MIB  # no staging copy at all
         assert batch["items"] == 6 * 64  # 64 blocks of 64 KiB per page ...
-        # ... read as larger requests: a request carries ~1 ms of the tier's rate (flow.py), which is
-        # several 64 KiB blocks at any rate above 128 MB/s
-        assert batch["requests"] < batch["items"] / 2
+        # ... read as larger requests: a request carries ~1 ms of the tier's rate and at least 1 MiB
+        # (flow.py): 16 blocks of 64 KiB
+        assert batch["requests"] <= batch["items"] / 16
         assert engine._reads.pool.allocated == 0
 
 
@@ -123,7 +123,8 @@ def test_a_stalled_single_holder_is_waited_for_past_read_timeout(tier_dirs, io_e
         (found,) = result
         assert found[0] and all(pages.equal(i) for i in range(3) if found[i])
         assert engine.stats()["orphan_reads_in_flight"] == 0 and engine.stats()["read_timeouts"] == 1
-        assert engine.get(keys, pages.dst_segments) == [True] * 3
+    with make_engine(tier_dirs[:1], io_engine) as again:  # (a timeout this short fails any read on a busy host)
+        assert again.get(keys, pages.dst_segments) == [True] * 3 and all(pages.equal(i) for i in range(3))
 
 
 def test_transfer_fault_on_a_single_holder_is_a_miss_and_the_file_is_kept(tier_dirs, io_engine):
