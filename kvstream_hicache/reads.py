@@ -536,14 +536,15 @@ class ReadPath:
     def _direct_tier(self, mask: int) -> int:
         """The usable tier whose reads land straight in caller memory: the fastest by what it
         delivered lately, unless it stalled lately. No other tier re-reads its items unless it
-        stalls (``_may_steal``), so it needs no staging; the call waits for its reads, which is why
-        a tier that stalled stays out for a while. -1 before any tier was measured."""
-        now = time.monotonic()
+        stalls (``_may_steal``: only a tier at least as fast may), so it needs no staging; the call
+        waits for its reads, which is why a tier that stalled stays out for a while, and why no
+        slower tier stands in for it (the faster one would re-read its items, and the call would
+        wait for the slow reads anyway). -1 before any tier was measured."""
         best, rate = -1, 0.0
         for k, flow in enumerate(self.flows):
-            if mask >> k & 1 and flow.rate > rate and flow.trusted(now):
+            if mask >> k & 1 and flow.rate > rate:
                 best, rate = k, flow.rate
-        return best
+        return best if best >= 0 and self.flows[best].trusted(time.monotonic()) else -1
 
     def _may_steal(self, tier: int, owner: int) -> bool:
         """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
