@@ -338,3 +338,69 @@ def test_write_baseline_tiers():
     for bad in ("2", "fast"):
         with pytest.raises(UsageError):
             _baseline_tiers(bad, None, 2)
+
+
+# ------------------------------------------------------------------------------ device-speed testbeds
+def test_device_speed_profiles_hold_the_issue_figures():
+    a = testbed.PROFILES["ram-0.7"]
+    assert [(t.read_bps, t.backing) for t in a.tiers] == [(0, "ram"), (700 * MB, "ram")]
+    c = testbed.PROFILES["testbed2-1:7"]  # the paper's Testbed-2 (11.6 + 3.6 GB/s) at 1:7
+    assert [t.read_bps for t in c.tiers] == [1650 * MB, 515 * MB] and {t.backing for t in c.tiers} == {"ram"}
+    assert c.slowest_write_tier == 1
+    b = testbed.PROFILES["disk+ram-0.7"]
+    assert [t.backing for t in b.tiers] == ["dir", "ram"] and b.tiers[1].read_bps == 700 * MB
+    assert a.slowest_write_tier == 0  # 0 is "not throttled", not the slowest
+    for p in (a, b, c):  # a device needs depth to reach its rate; the 1:20 profiles keep the engine's old depth
+        assert p.fio_iodepth == testbed.DEVICE_FIO_IODEPTH
+    assert testbed.PROFILES["testbed2-1:20"].fio_iodepth == fio.FIO_IODEPTH
+
+
+def test_explicit_profile_with_backings():
+    p = testbed.parse_profile("dir,ram:700/0")
+    assert [(t.read_bps, t.write_bps, t.backing) for t in p.tiers] == [(0, 0, "dir"), (700 * MB, 0, "ram")]
+    assert p.fio_iodepth == testbed.DEVICE_FIO_IODEPTH and p.fio_file_bytes == testbed.RAM_FIO_FILE_BYTES
+    q = testbed.parse_profile("disk:400/200, 150/100")
+    assert [t.backing for t in q.tiers] == ["disk", "disk"] and q.fio_iodepth == fio.FIO_IODEPTH
+    with pytest.raises(testbed.TestbedError, match="'dir'"):
+        testbed.parse_profile("ram:fast")
+
+
+def test_ram_tier_commands_and_names():
+    assert testbed.losetup_attach_cmd("/img", direct_io=False) == ["losetup", "--find", "--show", "/img"]
+    assert testbed.mount_cmd("/dev/loop3", "/mnt/x", discard=True) == ["mount", "-o", "noatime,discard",
+                                                                       "/dev/loop3", "/mnt/x"]
+    n = testbed.names("b", 2, "/var/lib/x", "/ram")
+    assert n["ram_images"] == ["/ram/b-tier0.img", "/ram/b-tier1.img"]
+    assert n["dir_tiers"][0] == "/var/lib/x/b-tier0"
+    assert testbed.names("b", 1)["ram_images"] == ["/dev/shm/b-tier0.img"]
+
+
+def test_throttle_rules_remove_limits_of_unthrottled_tiers_and_skip_dir_tiers():
+    assert testbed.throttle_writes("/cg", ["7:0", "7:1"], testbed.PROFILES["ram-0.7"]) == [
+        ("/cg/blkio.throttle.read_bps_device", "7:0 0"),  # 0 removes a rule a previous profile left
+        ("/cg/blkio.throttle.write_bps_device", "7:0 0"),
+        ("/cg/blkio.throttle.read_bps_device", "7:1 700000000"),
+        ("/cg/blkio.throttle.write_bps_device", "7:1 0"),
+    ]
+    assert testbed.throttle_writes("/cg", ["", "7:1"], testbed.PROFILES["disk+ram-0.7"]) == [
+        ("/cg/blkio.throttle.read_bps_device", "7:1 700000000"),
+        ("/cg/blkio.throttle.write_bps_device", "7:1 0"),
+    ]
+
+
+def test_fio_each_tier_alone_then_all_at_once(tmp_path):
+    """Real fio on two small files (plain directories): the figures a device-speed run compares with."""
+    if not fio.available():
+        pytest.skip("fio not installed (scripts/system-deps.sh installs it)")
+    files = [str(tmp_path / "a"), str(tmp_path / "b")]
+    fio.fill(files, 1 << 20, 8 << 20, 4)
+    assert [os.path.getsize(f) for f in files] == [8 << 20] * 2
+    mtime = os.path.getmtime(files[0])
+    fio.fill(files, 1 << 20, 8 << 20, 4)  # already full: not written again
+    assert os.path.getmtime(files[0]) == mtime
+    lines = []
+    out = fio.alone_and_together(files, "randread", 1 << 20, size=8 << 20, iodepth=4, runtime_s=0.3, log=lines.append)
+    assert set(out) == {"tier0", "tier1", "tier0+", "tier1+", "all"}
+    assert all(v > 0 for v in out.values())
+    assert out["all"] == pytest.approx(out["tier0+"] + out["tier1+"], abs=0.11)
+    assert len(lines) == 3 and "all at once" in lines[-1]

@@ -91,3 +91,36 @@ def test_bench_drives_the_lmcache_adapter(tmp_path, tier_dirs):
     assert lm["batches"] == 2 and lm["missing_pages"] == 0
     assert lm["throughput_gbps"] > 0 and sum(lm["share"]) == pytest.approx(1.0)
     assert doc["wrong_pages"] == {}
+
+
+@pytest.mark.testbed
+@pytest.mark.skipif(os.geteuid() != 0, reason="a testbed needs root (loop devices, mounts, cgroups)")
+def test_device_speed_testbed_up_and_down(tmp_path):
+    """A RAM-backed tier (image in /dev/shm, no direct I/O, discard) read-limited in the blkio group,
+    beside a directory on the machine's disk; torn down without a trace."""
+    from kvstream_hicache.tools.bench import testbed as tb
+
+    name = f"kvs-test-{os.getpid()}"
+    profile = tb.parse_profile("dir,ram:700/0")
+    lines = []
+    try:
+        bed = tb.up(profile, name=name, sizes=[0, 192 << 20], image_dir=str(tmp_path), fio_bs=None, log=lines.append)
+        dir_tier, ram_tier = bed.tiers
+        assert dir_tier.backing == "dir" and os.path.isdir(dir_tier.mount) and not dir_tier.device
+        assert dir_tier.mount.startswith(str(tmp_path))
+        assert ram_tier.image == f"/dev/shm/{name}-tier1.img"
+        with open(f"/sys/block/{os.path.basename(ram_tier.device)}/loop/dio") as f:
+            assert f.read().strip() == "0"  # reads come from the tmpfs image's pages: RAM
+        with open("/proc/self/mounts") as f:
+            opts = next(line.split()[3] for line in f if line.split()[1] == ram_tier.mount)
+        assert "discard" in opts.split(",")
+        assert bed.limits() == {"read": {ram_tier.devnum: 700 * 10**6}, "write": {}}
+        assert tb.Testbed.load(name).profile == profile and not bed.problems()
+        again = tb.up(profile, name=name, image_dir=str(tmp_path), fio_bs=None, log=lines.append)
+        assert again.tiers[1].device == ram_tier.device  # reused, not rebuilt
+    finally:
+        assert tb.down(name, image_dir=str(tmp_path), log=lines.append)
+    assert not os.path.exists(f"/dev/shm/{name}-tier1.img") and not os.path.exists(dir_tier.mount)
+    assert not os.path.exists(bed.cgroup) and tb.status(name) == {"up": False, "name": name}
+    with open("/proc/self/mounts") as f:
+        assert ram_tier.mount not in f.read()
