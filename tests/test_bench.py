@@ -2,6 +2,7 @@
 page geometry, the data set check, the span instrument and the drift scenarios (with fakes)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -404,3 +405,35 @@ def test_fio_each_tier_alone_then_all_at_once(tmp_path):
     assert all(v > 0 for v in out.values())
     assert out["all"] == pytest.approx(out["tier0+"] + out["tier1+"], abs=0.11)
     assert len(lines) == 3 and "all at once" in lines[-1]
+
+
+def test_summary_has_cpu_per_gb_median_and_engine_memory():
+    recs = [rec("kvstream", i, t, 10**9, (10**9,), (t,)) for i, t in enumerate((1.0, 2.0, 4.0))]
+    for r, cpu in zip(recs, (0.1, 0.2, 0.3)):
+        r.extra["cpu_s"] = cpu
+    recs[1].extra["memory_peak_bytes"] = 8 << 20
+    recs[2].extra["memory_peak_bytes"] = 4 << 20
+    s = gap.summarize(recs, 1)
+    assert s["cpu_s_per_gb"] == pytest.approx(0.6 / 3)
+    assert s["median_gbps"] == pytest.approx(0.5)  # per batch 1, 0.5, 0.25 GB/s
+    assert s["throughput_gbps"] == pytest.approx(3 / 7)
+    assert s["memory_peak_bytes"] == 8 << 20
+    assert gap.summarize([rec("p", 0, 1.0, 1, (1,), (1.0,))], 1)["memory_peak_bytes"] is None
+
+
+def test_peers_name_what_they_need_and_where_they_write():
+    from kvstream_hicache.tools.bench import peers
+
+    assert peers.copies("hicache-nixl", 2) == [1.0, 0.0]
+    assert peers.copies("hicache-nixl-sharded", 2) == [0.75, 0.75]
+    assert peers.copies("lmcache-kvstream", 2) == [1.0, 1.0]
+    assert peers.copies("lmcache-kvstream-1tier", 2) == [1.0, 0.0]
+    assert peers.copies("kvstream", 2) == [0.0, 0.0]  # the bench engine's own copy is counted apart
+    assert peers.missing(["kvstream", "tier0", "kvstream-1tier", "lmcache-adapter"]) == []  # need nothing else
+    # This venv has sglang or LMCache, never both: what it lacks is named, with where to run instead.
+    problems = peers.missing(["hicache-nixl", "lmcache-fs-native"])
+    absent = [pkg for pkg in ("sglang", "nixl", "lmcache") if importlib.util.find_spec(pkg) is None]
+    assert absent and len(problems) == len(absent) + 1
+    assert problems[-1] == "sglang and LMCache contenders cannot share one run (separate venvs): run them apart"
+    if "lmcache" in absent:
+        assert "lmcache-fs-native needs lmcache, not importable here" in problems[-2] and ".venv-lmcache" in problems[-2]

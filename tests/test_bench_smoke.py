@@ -93,6 +93,38 @@ def test_bench_drives_the_lmcache_adapter(tmp_path, tier_dirs):
     assert doc["wrong_pages"] == {}
 
 
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl not installed: pip install .[peers]")
+def test_bench_nixl_peers_and_one_tier_kvstream(tmp_path, tier_dirs):
+    """sglang's real NIXL backend (POSIX plugin, O_DIRECT) on tier 0 and hash-sharded over both tiers,
+    beside a one-tier kvstream engine, with fio's figures measured in the same run."""
+    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,kvstream-1tier,hicache-nixl,hicache-nixl-sharded",
+                 "--write-baseline", "none", "--batch", "8", "--fio", "run", "--fio-runtime", "0.3",
+                 "--fio-size", "4M", "--fio-iodepth", "4")
+    pol = doc["policies"]
+    assert doc["wrong_pages"] == {}
+    for name in ("kvstream-1tier", "hicache-nixl", "hicache-nixl-sharded"):
+        assert pol[name]["missing_pages"] == 0 and pol[name]["throughput_gbps"] > 0, name
+        assert pol[name]["cpu_s_per_gb"] > 0 and doc["write"][name]["seconds"] > 0, name
+    assert pol["hicache-nixl"]["share"] == [1.0, 0.0] and pol["kvstream-1tier"]["share"] == [1.0, 0.0]
+    sharded = pol["hicache-nixl-sharded"]["share"]  # NIXL's hash put 16 K/V files of 8 pages on each side
+    assert 0 < sharded[0] < 1 and sum(sharded) == pytest.approx(1.0)
+    assert pol["hicache-nixl"]["speedup_vs_hicache-nixl"] == pytest.approx(1.0)
+    assert pol["kvstream"]["memory_peak_bytes"] > 0 and pol["hicache-nixl"]["memory_peak_bytes"] is None
+    assert set(doc["fio"]) >= {"before", "after", "read"} and doc["fio"]["read"]["all"] > 0
+    assert pol["kvstream"]["fraction_of_fio"] > 0
+    assert not any(os.listdir(d) for d in tier_dirs[:2])  # every peer's copy removed with the bench's
+
+
+def test_bench_refuses_contenders_of_the_other_venv(tmp_path, tier_dirs, capsys):
+    """sglang's and LMCache's contenders run in separate venvs: asked for one this Python lacks, the
+    bench refuses before writing anything and says where to run it."""
+    other = "lmcache-fs-native" if importlib.util.find_spec("lmcache") is None else "hicache-nixl"
+    assert cli.main(["bench", *tier_dirs[:2], *SMALL, "--policies", f"kvstream,{other}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run the chosen policies here" in err and ("kvstream bench" in err or ".[peers]" in err)
+    assert not any(os.listdir(d) for d in tier_dirs[:2])
+
+
 @pytest.mark.testbed
 @pytest.mark.skipif(os.geteuid() != 0, reason="a testbed needs root (loop devices, mounts, cgroups)")
 def test_device_speed_testbed_up_and_down(tmp_path):
