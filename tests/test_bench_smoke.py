@@ -97,19 +97,21 @@ def test_bench_drives_the_lmcache_adapter(tmp_path, tier_dirs):
 def test_bench_nixl_peers_and_one_tier_kvstream(tmp_path, tier_dirs):
     """sglang's real NIXL backend (POSIX plugin, O_DIRECT) on tier 0 and hash-sharded over both tiers,
     beside a one-tier kvstream engine, with fio's figures measured in the same run."""
-    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,kvstream-1tier,hicache-nixl,hicache-nixl-sharded",
+    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,kvstream-1tier,sglang-adapter-1tier,hicache-nixl,hicache-nixl-sharded",
                  "--write-baseline", "none", "--batch", "8", "--fio", "run", "--fio-runtime", "0.3",
                  "--fio-size", "4M", "--fio-iodepth", "4")
     pol = doc["policies"]
     assert doc["wrong_pages"] == {}
-    for name in ("kvstream-1tier", "hicache-nixl", "hicache-nixl-sharded"):
+    for name in ("kvstream-1tier", "sglang-adapter-1tier", "hicache-nixl", "hicache-nixl-sharded"):
         assert pol[name]["missing_pages"] == 0 and pol[name]["throughput_gbps"] > 0, name
         assert pol[name]["cpu_s_per_gb"] > 0 and doc["write"][name]["seconds"] > 0, name
-    assert pol["hicache-nixl"]["share"] == [1.0, 0.0] and pol["kvstream-1tier"]["share"] == [1.0, 0.0]
+    for name in ("hicache-nixl", "kvstream-1tier", "sglang-adapter-1tier"):
+        assert pol[name]["share"] == [1.0, 0.0], name
     sharded = pol["hicache-nixl-sharded"]["share"]  # NIXL's hash put 16 K/V files of 8 pages on each side
     assert 0 < sharded[0] < 1 and sum(sharded) == pytest.approx(1.0)
     assert pol["hicache-nixl"]["speedup_vs_hicache-nixl"] == pytest.approx(1.0)
     assert pol["kvstream"]["memory_peak_bytes"] > 0 and pol["hicache-nixl"]["memory_peak_bytes"] is None
+    assert pol["sglang-adapter-1tier"]["memory_peak_bytes"] is not None  # its own engine's
     assert set(doc["fio"]) >= {"before", "after", "read"} and doc["fio"]["read"]["all"] > 0
     assert pol["kvstream"]["fraction_of_fio"] > 0
     assert not any(os.listdir(d) for d in tier_dirs[:2])  # every peer's copy removed with the bench's

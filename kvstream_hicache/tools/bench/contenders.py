@@ -39,7 +39,7 @@ from .geometry import Geometry
 KVSTREAM_1TIER = "kvstream-1tier"
 HICACHE_FILE = "hicache-file"
 SGLANG_ADAPTER = "sglang-adapter"
-SGLANG_CONTENDERS = (HICACHE_FILE, SGLANG_ADAPTER)
+SGLANG_ADAPTER_1TIER = "sglang-adapter-1tier"
 LMCACHE_ADAPTER = "lmcache-adapter"
 
 
@@ -376,13 +376,18 @@ class HiCacheFileReads(Contender):
 
 
 class AdapterReads(Contender):
-    """``KVStreamHiCacheStorage.batch_get_v1`` into the host pool, via ``_page_get_zero_copy``."""
+    """``KVStreamHiCacheStorage.batch_get_v1`` into the host pool, via ``_page_get_zero_copy``.
 
-    name = SGLANG_ADAPTER
+    :param tiers: its tier directories: the bench's (``sglang-adapter``), or tier 0's alone
+        (``sglang-adapter-1tier``, kvstream as a one-tier SGLang user runs it).
+    :param n_tiers: the bench's tier count (default: ``len(tiers)``).
+    """
 
-    def __init__(self, host: SglangHost, tiers: Sequence[str], model_name: str, extra: dict | None = None):
+    def __init__(self, host: SglangHost, tiers: Sequence[str], model_name: str, extra: dict | None = None, *,
+                 name: str = SGLANG_ADAPTER, n_tiers: int | None = None):
         from ...sglang.storage import KVStreamHiCacheStorage
 
+        self.name = name
         self.host = host
         cfg = host.storage_config(model_name, {"tiers": list(tiers), **(extra or {})})
         self.backend = KVStreamHiCacheStorage(cfg)
@@ -392,7 +397,7 @@ class AdapterReads(Contender):
         self.ctl = host.stand_in(self.backend)
         self.views = host.views
         self.engine = getattr(self.backend, "engine", None)
-        self.n_tiers = len(tiers)
+        self.n_tiers = n_tiers or len(tiers)
 
     def write(self, ds: Dataset, batch: Batch) -> float:
         self.host.load(ds, batch)

@@ -14,19 +14,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .contenders import HICACHE_FILE, KVSTREAM_1TIER, LMCACHE_ADAPTER, SGLANG_ADAPTER, AdapterReads, \
-    Contender, HiCacheFileReads, OneTierReads, SglangHost
+from .contenders import HICACHE_FILE, KVSTREAM_1TIER, LMCACHE_ADAPTER, SGLANG_ADAPTER, SGLANG_ADAPTER_1TIER, \
+    AdapterReads, Contender, HiCacheFileReads, OneTierReads, SglangHost
 from .lmcache_l2 import FS_NATIVE_ODIRECT, L2_CONTENDERS, LMCACHE_KVSTREAM
 from .nixl import NIXL, NIXL_SHARDED
 
-SGLANG_PEERS = (HICACHE_FILE, SGLANG_ADAPTER, NIXL, NIXL_SHARDED)
+SGLANG_PEERS = (HICACHE_FILE, SGLANG_ADAPTER, SGLANG_ADAPTER_1TIER, NIXL, NIXL_SHARDED)
 LMCACHE_PEERS = L2_CONTENDERS
 OWN_COPY = SGLANG_PEERS + LMCACHE_PEERS + (KVSTREAM_1TIER,)  # write their own copy of the data set
 NOT_POLICIES = OWN_COPY + (LMCACHE_ADAPTER,)  # every other name is a routing policy of the bench engine
 # the comparisons a device-speed run is about: each contender's ratio to these, in the same run
 REFERENCES = ("tier0", HICACHE_FILE, NIXL, FS_NATIVE_ODIRECT)
 
-_NEEDS = {HICACHE_FILE: ("sglang",), SGLANG_ADAPTER: ("sglang",), NIXL: ("sglang", "nixl"),
+_NEEDS = {HICACHE_FILE: ("sglang",), SGLANG_ADAPTER: ("sglang",), SGLANG_ADAPTER_1TIER: ("sglang",),
+          NIXL: ("sglang", "nixl"),
           NIXL_SHARDED: ("sglang", "nixl"), **{name: ("lmcache",) for name in LMCACHE_PEERS}}
 _HOW = {
     "sglang": "sglang 0.5.23 is installed in .venv (scripts/setup-env.sh): run .venv/bin/kvstream bench",
@@ -107,6 +108,9 @@ def build(spec: str, ctx: Context) -> Contender:
         return HiCacheFileReads(ctx.sglang_host(), own[0], ctx.model_name, drop=ctx.drop_caches)
     if spec == SGLANG_ADAPTER:
         return AdapterReads(ctx.sglang_host(), ctx.dirs, ctx.model_name, ctx.settings)
+    if spec == SGLANG_ADAPTER_1TIER:
+        os.makedirs(own[0], exist_ok=True)
+        return AdapterReads(ctx.sglang_host(), own[:1], ctx.model_name, ctx.settings, name=spec, n_tiers=n)
     if spec in (NIXL, NIXL_SHARDED):
         from .nixl import NixlReads
 

@@ -9,7 +9,8 @@ Policies (comma list): the bench engine's routing policies kvstream[:m=N], stati
 kvstream-1tier (a one-tier engine on tier 0 with its own copy); lmcache-adapter (the engine through
 the LMCache adapter's task machinery); and peers with their own copy: in the sglang venv
 hicache-file (sglang's HiCacheFile on tier 0, buffered, page cache dropped before each of its
-batches), sglang-adapter (kvstream through the SGLang adapter into a real host pool), hicache-nixl
+batches), sglang-adapter (kvstream through the SGLang adapter into a real host pool; -1tier: on
+tier 0 alone, with its own copy), hicache-nixl
 and hicache-nixl-sharded (sglang's NIXL backend on tier 0 / hash-sharded over all tiers; pip
 install .[peers]); in the LMCache venv (.venv-lmcache/bin/kvstream bench) lmcache-fs-native,
 lmcache-fs-native-odirect (LMCache's fs_native L2 adapter on tier 0), lmcache-kvstream and

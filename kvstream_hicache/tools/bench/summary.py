@@ -194,7 +194,8 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
 # ------------------------------------------------------------------------------------- device speed
 DEVICE_COLUMNS = {  # overview columns per environment: (policy, heading)
     "sglang": (("hicache-nixl", "nixl (1 dir)"), ("hicache-nixl-sharded", "nixl sharded"),
-               ("hicache-file", "sglang file"), ("kvstream-1tier", "kvstream 1 tier"), ("kvstream", "kvstream 2 tiers")),
+               ("hicache-file", "sglang file"), ("kvstream-1tier", "kvstream 1 tier"), ("kvstream", "kvstream 2 tiers"),
+               ("sglang-adapter-1tier", "kvstream adapter 1 tier"), ("sglang-adapter", "kvstream adapter 2 tiers")),
     "lmcache": (("lmcache-fs-native-odirect", "fs_native O_DIRECT"), ("lmcache-fs-native", "fs_native buffered"),
                 ("lmcache-kvstream-1tier", "kvstream adapter 1 tier"), ("lmcache-kvstream", "kvstream adapter 2 tiers")),
 }
@@ -260,7 +261,8 @@ def device_markdown(docs: Sequence[dict]) -> str:
                     cells.append("-")
                     continue
                 ratio = f" ({row['x_ref']:.2f}x)" if name != ref and row["x_ref"] is not None else ""
-                of_fio = f", {row['x_fio']:.2f}x fio" if name in ("kvstream", "lmcache-kvstream") and row["x_fio"] else ""
+                two_tier = name in ("kvstream", "sglang-adapter", "lmcache-kvstream")
+                of_fio = f", {row['x_fio']:.2f}x fio" if two_tier and row["x_fio"] else ""
                 cells.append(f"{row['mbps']:.0f}{ratio}{of_fio}, {_f(row['cpu_s_per_gb'], '.3f')} s/GB")
             fio = [((r.get("fio") or {}).get("read") or {}) for r in runs]
             both = " + ".join(_f(_median([f.get(f"tier{k}+") for f in fio]), ".0f")
