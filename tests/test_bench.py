@@ -437,3 +437,28 @@ def test_peers_name_what_they_need_and_where_they_write():
     assert problems[-1] == "sglang and LMCache contenders cannot share one run (separate venvs): run them apart"
     if "lmcache" in absent:
         assert "lmcache-fs-native needs lmcache, not importable here" in problems[-2] and ".venv-lmcache" in problems[-2]
+
+
+def test_device_summary_pairs_each_round_with_the_reference():
+    from kvstream_hicache.tools.bench import summary
+
+    def run(rates: dict[str, list[float]], fio_all: float) -> dict:
+        batches = [{"policy": p, "round": k, "t_ret": 1.0, "nbytes": int(r * 1e6)}
+                   for p, rs in rates.items() for k, r in enumerate(rs)]
+        policies = {p: {"throughput_gbps": sum(rs) / len(rs) / 1e3, "share": [1.0, 0.0], "cpu_s_per_gb": 0.05,
+                        "memory_peak_bytes": None if p == "hicache-nixl" else 8 << 20,
+                        "speedup_vs_hicache-nixl": sum(rs) / sum(rates["hicache-nixl"])}
+                    for p, rs in rates.items()}
+        return {"policies": policies, "batches": batches, "tiers": ["/a", "/b"], "geometry": {"label": "g"},
+                "testbed": {"profile": "ram-0.7"}, "fio": {"read": {"all": fio_all, "tier0+": fio_all, "tier1+": 0}},
+                "loadavg": {"start": [1.0], "end": [2.0]}}
+
+    # load drifts between the runs, and within the second: each round's ratio stays 1.5x
+    runs = [run({"hicache-nixl": [1000, 1000], "kvstream-1tier": [1500, 1500]}, 2000),
+            run({"hicache-nixl": [400, 2000], "kvstream-1tier": [600, 3000]}, 4000)]
+    assert summary.paired_ratios(runs, "kvstream-1tier", "hicache-nixl") == pytest.approx([1.5] * 4)
+    row = summary.device_row(runs, "kvstream-1tier", "hicache-nixl")
+    assert row["x_ref_paired"] == pytest.approx(1.5) and row["memory_mib"] == 8
+    assert row["mbps"] == pytest.approx((1500 + 1800) / 2) and row["x_fio"] == pytest.approx((0.75 + 0.45) / 2)
+    text = summary.device_markdown(runs)
+    assert "| ram-0.7 (2 runs) | 1100, 0.050 s/GB | - | - | 1650 (1.50x), 0.050 s/GB | - |" in text

@@ -200,6 +200,11 @@ DEVICE_COLUMNS = {  # overview columns per environment: (policy, heading)
                 ("lmcache-kvstream-1tier", "kvstream adapter 1 tier"), ("lmcache-kvstream", "kvstream adapter 2 tiers")),
 }
 DEVICE_REFS = {"sglang": "hicache-nixl", "lmcache": "lmcache-fs-native-odirect"}
+DEVICE_ORDER = ("ram-0.7", "disk+ram-0.7", "testbed2-1:7")  # the issue's rows A, B, C; others after them
+
+
+def _device_order(profile: str) -> tuple[int, str]:
+    return (DEVICE_ORDER.index(profile) if profile in DEVICE_ORDER else len(DEVICE_ORDER), profile)
 
 
 def _env(doc: dict) -> str:
@@ -218,9 +223,23 @@ def device_groups(docs: Sequence[dict]) -> dict[tuple[str, str, str], list[dict]
     return out
 
 
+def paired_ratios(runs: Sequence[dict], name: str, ref: str) -> list[float]:
+    """Per round of every run, ``name``'s batch rate over ``ref``'s in the same round: the two read
+    one after the other (the order rotates), so machine load that drifts over minutes hits both."""
+    out = []
+    for r in runs:
+        rates: dict[tuple[str, int], float] = {}
+        for b in r.get("batches", ()):
+            if b["t_ret"] > 0 and b["nbytes"]:
+                rates[(b["policy"], b["round"])] = b["nbytes"] / b["t_ret"]
+        out += [v / rates[(ref, k)] for (p, k), v in rates.items() if p == name and (ref, k) in rates]
+    return out
+
+
 def device_row(runs: Sequence[dict], name: str, ref: str) -> dict | None:
     """A policy's figures over runs: medians of per-run MB/s (payload / read time over the run's rounds),
-    ratios to ``ref`` and to fio both-at-once taken per run, CPU s/GB, memory peak, duplicate bytes."""
+    ratios to ``ref`` (per run, and per round: :func:`paired_ratios`) and to fio both-at-once, CPU s/GB,
+    memory peak, duplicate bytes, gap to the per-batch bound."""
     ps = [(r, r["policies"].get(name)) for r in runs]
     ps = [(r, p) for r, p in ps if p]
     if not ps:
@@ -229,6 +248,9 @@ def device_row(runs: Sequence[dict], name: str, ref: str) -> dict | None:
     return {
         "runs": len(ps), "mbps": _median(mbps), "mbps_min": min(mbps), "mbps_max": max(mbps),
         "x_ref": _median([p.get(f"speedup_vs_{ref}") for _, p in ps]),
+        "x_ref_runs": [p.get(f"speedup_vs_{ref}") for _, p in ps],
+        "x_ref_paired": _median(paired_ratios(runs, name, ref)),
+        "gap": _median([p.get("gap") for _, p in ps]),
         "x_fio": _median([p["throughput_gbps"] * 1e3 / _fio_all(r) if _fio_all(r) else None for r, p in ps]),
         "cpu_s_per_gb": _median([p.get("cpu_s_per_gb") for _, p in ps]),
         "memory_mib": _median([p["memory_peak_bytes"] / 2**20 if p.get("memory_peak_bytes") is not None else None
@@ -248,7 +270,7 @@ def device_markdown(docs: Sequence[dict]) -> str:
     for env, label in sorted({(e, g) for e, g, _ in groups}):
         ref = DEVICE_REFS[env]
         cols = DEVICE_COLUMNS[env]
-        profiles = sorted(p for e, g, p in groups if (e, g) == (env, label))
+        profiles = sorted((p for e, g, p in groups if (e, g) == (env, label)), key=_device_order)
         lines += [f"#### {label}: {env} path, medians of runs", "",
                   "| testbed | " + " | ".join(h for _, h in cols) + " | fio, both tiers at once |",
                   "|---|" + "---:|" * (len(cols) + 1)]
@@ -260,7 +282,7 @@ def device_markdown(docs: Sequence[dict]) -> str:
                 if row is None:
                     cells.append("-")
                     continue
-                ratio = f" ({row['x_ref']:.2f}x)" if name != ref and row["x_ref"] is not None else ""
+                ratio = f" ({row['x_ref_paired']:.2f}x)" if name != ref and row["x_ref_paired"] is not None else ""
                 two_tier = name in ("kvstream", "sglang-adapter", "lmcache-kvstream")
                 of_fio = f", {row['x_fio']:.2f}x fio" if two_tier and row["x_fio"] else ""
                 cells.append(f"{row['mbps']:.0f}{ratio}{of_fio}, {_f(row['cpu_s_per_gb'], '.3f')} s/GB")
@@ -269,8 +291,9 @@ def device_markdown(docs: Sequence[dict]) -> str:
                               for k in range(len(runs[0]["tiers"])))
             fio_cell = f"{both} = {_f(_median([f.get('all') for f in fio]), '.0f')}" if any(fio) else "-"
             lines.append(f"| {prof} ({len(runs)} runs) | " + " | ".join(cells) + f" | {fio_cell} |")
-        lines += ["", f"MB/s = 10^6 B/s; (Nx) = ratio to {ref} in the same run; s/GB = process CPU seconds per GB "
-                      "read (getrusage around each read).", ""]
+        lines += ["", f"MB/s = 10^6 B/s, median of the runs' rates; (Nx) = median over every round of the runs of the "
+                      f"ratio to {ref}'s batch in the same round; s/GB = process CPU seconds per GB read (getrusage "
+                      "around each read); two tiers: also the ratio to fio's both-at-once read in the same run.", ""]
         for prof in profiles:
             runs = groups[(env, label, prof)]
             loads = [x for r in runs for x in (r.get("loadavg") or {}).values()]
@@ -279,16 +302,19 @@ def device_markdown(docs: Sequence[dict]) -> str:
                 names += [n for n in r["policies"] if n not in names]
             lines += [f"##### {prof}, {label} ({len(runs)} runs; load average "
                       f"{min((x[0] for x in loads), default=0):.1f}-{max((x[0] for x in loads), default=0):.1f})", "",
-                      f"| policy | MB/s (min..max) | x {ref} | of fio both | CPU s/GB | engine memory MiB | "
-                      "share t0/t1 | duplicate bytes |",
-                      "|---|---:|---:|---:|---:|---:|---|---:|"]
+                      f"| policy | MB/s (min..max) | x {ref}: per round (per run) | of fio both | gap | CPU s/GB | "
+                      "engine memory MiB | share t0/t1 | duplicate bytes |",
+                      "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
             for name in names:
                 row = device_row(runs, name, ref)
                 if row is None:
                     continue
                 extra = f" (page cache {row['page_cache_mib']:.0f} MiB)" if row["page_cache_mib"] else ""
+                per_run = ", ".join(_f(x, ".2f") for x in row["x_ref_runs"])
+                gap = "-" if row["gap"] is None else f"{row['gap'] * 100:+.1f}%"
                 lines.append(f"| {name}{extra} | {row['mbps']:.0f} ({row['mbps_min']:.0f}..{row['mbps_max']:.0f}) | "
-                             f"{_f(row['x_ref'], '.2f')} | {_f(row['x_fio'], '.0%')} | {_f(row['cpu_s_per_gb'], '.3f')} | "
+                             f"{_f(row['x_ref_paired'], '.2f')} ({per_run}) | {_f(row['x_fio'], '.0%')} | {gap} | "
+                             f"{_f(row['cpu_s_per_gb'], '.3f')} | "
                              f"{_f(row['memory_mib'], '.0f')} | {'/'.join(_f(x, '.2f') for x in row['share'])} | "
                              f"{_f(row['duplicate'], '.1%')} |")
             fio = [((r.get("fio") or {}).get("read") or {}) for r in runs]
