@@ -2,7 +2,8 @@
 # Build the development/test environment from scratch on Debian/Ubuntu:
 #   system packages (scripts/system-deps.sh: as root, or through sudo): liburing-dev, pkg-config, gcc, fio
 #   .venv with CPU torch 2.13.0, the real sglang 0.5.23 (--no-deps) and the few
-#   packages its import chain needs, then this package in editable mode.
+#   packages its import chain needs, the peers extra of pyproject.toml (nixl, for kvstream bench's
+#   hicache-nixl contenders), then this package in editable mode.
 # Idempotent: a second run only re-checks. Downloads are cached in ~/.cache/pip,
 # never in the repository.
 set -euo pipefail
@@ -15,7 +16,19 @@ bash scripts/system-deps.sh
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 CONSTRAINTS=scripts/constraints.txt   # keeps a CUDA torch from ever being pulled in
-stamp="$VENV/.kvstream-deps-$(sha1sum scripts/setup-env.sh "$CONSTRAINTS" | sha1sum | cut -c1-12)"
+# The peers extra as pyproject.toml lists it (one place for its pins); the editable install below is
+# --no-deps, so extras are installed here. nixl's wheels (~430 MB) bring libaio and liburing of their own.
+PEERS=$("$PY" - <<'PY'
+import re
+text = open("pyproject.toml").read()
+try:
+    import tomllib
+    print(" ".join(tomllib.loads(text)["project"]["optional-dependencies"]["peers"]))
+except ImportError:  # Python 3.10 has no tomllib: the extra is one line
+    print(" ".join(re.findall(r'"([^"]+)"', re.search(r"^peers = \[(.*)\]$", text, re.M).group(1))))
+PY
+)
+stamp="$VENV/.kvstream-deps-$( (sha1sum scripts/setup-env.sh "$CONSTRAINTS"; echo "$PEERS") | sha1sum | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
   echo "[setup] installing Python packages into $VENV (torch CPU, sglang 0.5.23, test tools)"
   "$PIP" install -q --upgrade pip setuptools wheel
@@ -25,6 +38,9 @@ if [ ! -e "$stamp" ]; then
     msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 dill apache-tvm-ffi==0.1.11 \
     sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf prometheus_client \
     cython pytest pytest-benchmark pytest-timeout hypothesis matplotlib
+  echo "[setup] installing the peers extra into $VENV: $PEERS"
+  # shellcheck disable=SC2086  # one requirement per word
+  "$PIP" install -q -c "$CONSTRAINTS" $PEERS
   touch "$stamp"
 fi
 echo "[setup] building kvstream_hicache (Cython io_uring extension)"

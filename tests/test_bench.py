@@ -2,6 +2,7 @@
 page geometry, the data set check, the span instrument and the drift scenarios (with fakes)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -338,3 +339,126 @@ def test_write_baseline_tiers():
     for bad in ("2", "fast"):
         with pytest.raises(UsageError):
             _baseline_tiers(bad, None, 2)
+
+
+# ------------------------------------------------------------------------------ device-speed testbeds
+def test_device_speed_profiles_hold_the_issue_figures():
+    a = testbed.PROFILES["ram-0.7"]
+    assert [(t.read_bps, t.backing) for t in a.tiers] == [(0, "ram"), (700 * MB, "ram")]
+    c = testbed.PROFILES["testbed2-1:7"]  # the paper's Testbed-2 (11.6 + 3.6 GB/s) at 1:7
+    assert [t.read_bps for t in c.tiers] == [1650 * MB, 515 * MB] and {t.backing for t in c.tiers} == {"ram"}
+    assert c.slowest_write_tier == 1
+    b = testbed.PROFILES["disk+ram-0.7"]
+    assert [t.backing for t in b.tiers] == ["dir", "ram"] and b.tiers[1].read_bps == 700 * MB
+    assert a.slowest_write_tier == 0  # 0 is "not throttled", not the slowest
+    for p in (a, b, c):  # a device needs depth to reach its rate; the 1:20 profiles keep the engine's old depth
+        assert p.fio_iodepth == testbed.DEVICE_FIO_IODEPTH
+    assert testbed.PROFILES["testbed2-1:20"].fio_iodepth == fio.FIO_IODEPTH
+
+
+def test_explicit_profile_with_backings():
+    p = testbed.parse_profile("dir,ram:700/0")
+    assert [(t.read_bps, t.write_bps, t.backing) for t in p.tiers] == [(0, 0, "dir"), (700 * MB, 0, "ram")]
+    assert p.fio_iodepth == testbed.DEVICE_FIO_IODEPTH and p.fio_file_bytes == testbed.RAM_FIO_FILE_BYTES
+    q = testbed.parse_profile("disk:400/200, 150/100")
+    assert [t.backing for t in q.tiers] == ["disk", "disk"] and q.fio_iodepth == fio.FIO_IODEPTH
+    with pytest.raises(testbed.TestbedError, match="'dir'"):
+        testbed.parse_profile("ram:fast")
+
+
+def test_ram_tier_commands_and_names():
+    assert testbed.losetup_attach_cmd("/img", direct_io=False) == ["losetup", "--find", "--show", "/img"]
+    assert testbed.mount_cmd("/dev/loop3", "/mnt/x", discard=True) == ["mount", "-o", "noatime,discard",
+                                                                       "/dev/loop3", "/mnt/x"]
+    n = testbed.names("b", 2, "/var/lib/x", "/ram")
+    assert n["ram_images"] == ["/ram/b-tier0.img", "/ram/b-tier1.img"]
+    assert n["dir_tiers"][0] == "/var/lib/x/b-tier0"
+    assert testbed.names("b", 1)["ram_images"] == ["/dev/shm/b-tier0.img"]
+
+
+def test_throttle_rules_remove_limits_of_unthrottled_tiers_and_skip_dir_tiers():
+    assert testbed.throttle_writes("/cg", ["7:0", "7:1"], testbed.PROFILES["ram-0.7"]) == [
+        ("/cg/blkio.throttle.read_bps_device", "7:0 0"),  # 0 removes a rule a previous profile left
+        ("/cg/blkio.throttle.write_bps_device", "7:0 0"),
+        ("/cg/blkio.throttle.read_bps_device", "7:1 700000000"),
+        ("/cg/blkio.throttle.write_bps_device", "7:1 0"),
+    ]
+    assert testbed.throttle_writes("/cg", ["", "7:1"], testbed.PROFILES["disk+ram-0.7"]) == [
+        ("/cg/blkio.throttle.read_bps_device", "7:1 700000000"),
+        ("/cg/blkio.throttle.write_bps_device", "7:1 0"),
+    ]
+
+
+def test_fio_each_tier_alone_then_all_at_once(tmp_path):
+    """Real fio on two small files (plain directories): the figures a device-speed run compares with."""
+    if not fio.available():
+        pytest.skip("fio not installed (scripts/system-deps.sh installs it)")
+    files = [str(tmp_path / "a"), str(tmp_path / "b")]
+    fio.fill(files, 1 << 20, 8 << 20, 4)
+    assert [os.path.getsize(f) for f in files] == [8 << 20] * 2
+    mtime = os.path.getmtime(files[0])
+    fio.fill(files, 1 << 20, 8 << 20, 4)  # already full: not written again
+    assert os.path.getmtime(files[0]) == mtime
+    lines = []
+    out = fio.alone_and_together(files, "randread", 1 << 20, size=8 << 20, iodepth=4, runtime_s=0.3, log=lines.append)
+    assert set(out) == {"tier0", "tier1", "tier0+", "tier1+", "all"}
+    assert all(v > 0 for v in out.values())
+    assert out["all"] == pytest.approx(out["tier0+"] + out["tier1+"], abs=0.11)
+    assert len(lines) == 3 and "all at once" in lines[-1]
+
+
+def test_summary_has_cpu_per_gb_median_and_engine_memory():
+    recs = [rec("kvstream", i, t, 10**9, (10**9,), (t,)) for i, t in enumerate((1.0, 2.0, 4.0))]
+    for r, cpu in zip(recs, (0.1, 0.2, 0.3)):
+        r.extra["cpu_s"] = cpu
+    recs[1].extra["memory_peak_bytes"] = 8 << 20
+    recs[2].extra["memory_peak_bytes"] = 4 << 20
+    s = gap.summarize(recs, 1)
+    assert s["cpu_s_per_gb"] == pytest.approx(0.6 / 3)
+    assert s["median_gbps"] == pytest.approx(0.5)  # per batch 1, 0.5, 0.25 GB/s
+    assert s["throughput_gbps"] == pytest.approx(3 / 7)
+    assert s["memory_peak_bytes"] == 8 << 20
+    assert gap.summarize([rec("p", 0, 1.0, 1, (1,), (1.0,))], 1)["memory_peak_bytes"] is None
+
+
+def test_peers_name_what_they_need_and_where_they_write():
+    from kvstream_hicache.tools.bench import peers
+
+    assert peers.copies("hicache-nixl", 2) == [1.0, 0.0]
+    assert peers.copies("hicache-nixl-sharded", 2) == [0.75, 0.75]
+    assert peers.copies("lmcache-kvstream", 2) == [1.0, 1.0]
+    assert peers.copies("lmcache-kvstream-1tier", 2) == [1.0, 0.0]
+    assert peers.copies("kvstream", 2) == [0.0, 0.0]  # the bench engine's own copy is counted apart
+    assert peers.missing(["kvstream", "tier0", "kvstream-1tier", "lmcache-adapter"]) == []  # need nothing else
+    # This venv has sglang or LMCache, never both: what it lacks is named, with where to run instead.
+    problems = peers.missing(["hicache-nixl", "lmcache-fs-native"])
+    absent = [pkg for pkg in ("sglang", "nixl", "lmcache") if importlib.util.find_spec(pkg) is None]
+    assert absent and len(problems) == len(absent) + 1
+    assert problems[-1] == "sglang and LMCache contenders cannot share one run (separate venvs): run them apart"
+    if "lmcache" in absent:
+        assert "lmcache-fs-native needs lmcache, not importable here" in problems[-2] and ".venv-lmcache" in problems[-2]
+
+
+def test_device_summary_pairs_each_round_with_the_reference():
+    from kvstream_hicache.tools.bench import summary
+
+    def run(rates: dict[str, list[float]], fio_all: float) -> dict:
+        batches = [{"policy": p, "round": k, "t_ret": 1.0, "nbytes": int(r * 1e6)}
+                   for p, rs in rates.items() for k, r in enumerate(rs)]
+        policies = {p: {"throughput_gbps": sum(rs) / len(rs) / 1e3, "share": [1.0, 0.0], "cpu_s_per_gb": 0.05,
+                        "memory_peak_bytes": None if p == "hicache-nixl" else 8 << 20,
+                        "speedup_vs_hicache-nixl": sum(rs) / sum(rates["hicache-nixl"])}
+                    for p, rs in rates.items()}
+        return {"policies": policies, "batches": batches, "tiers": ["/a", "/b"], "geometry": {"label": "g"},
+                "testbed": {"profile": "ram-0.7"}, "fio": {"read": {"all": fio_all, "tier0+": fio_all, "tier1+": 0}},
+                "loadavg": {"start": [1.0], "end": [2.0]}}
+
+    # load drifts between the runs, and within the second: each round's ratio stays 1.5x
+    runs = [run({"hicache-nixl": [1000, 1000], "kvstream-1tier": [1500, 1500]}, 2000),
+            run({"hicache-nixl": [400, 2000], "kvstream-1tier": [600, 3000]}, 4000)]
+    assert summary.paired_ratios(runs, "kvstream-1tier", "hicache-nixl") == pytest.approx([1.5] * 4)
+    row = summary.device_row(runs, "kvstream-1tier", "hicache-nixl")
+    assert row["x_ref_paired"] == pytest.approx(1.5) and row["memory_mib"] == 8
+    assert row["mbps"] == pytest.approx((1500 + 1800) / 2) and row["x_fio"] == pytest.approx((0.75 + 0.45) / 2)
+    text = summary.device_markdown(runs)
+    assert "| ram-0.7 (2 runs) | 1100, 0.050 s/GB | - | - | 1650 (1.50x), 0.050 s/GB | - |" in text

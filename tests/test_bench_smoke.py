@@ -91,3 +91,70 @@ def test_bench_drives_the_lmcache_adapter(tmp_path, tier_dirs):
     assert lm["batches"] == 2 and lm["missing_pages"] == 0
     assert lm["throughput_gbps"] > 0 and sum(lm["share"]) == pytest.approx(1.0)
     assert doc["wrong_pages"] == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl not installed: pip install .[peers]")
+def test_bench_nixl_peers_and_one_tier_kvstream(tmp_path, tier_dirs):
+    """sglang's real NIXL backend (POSIX plugin, O_DIRECT) on tier 0 and hash-sharded over both tiers,
+    beside a one-tier kvstream engine, with fio's figures measured in the same run."""
+    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,kvstream-1tier,sglang-adapter-1tier,hicache-nixl,hicache-nixl-sharded",
+                 "--write-baseline", "none", "--batch", "8", "--fio", "run", "--fio-runtime", "0.3",
+                 "--fio-size", "4M", "--fio-iodepth", "4")
+    pol = doc["policies"]
+    assert doc["wrong_pages"] == {}
+    for name in ("kvstream-1tier", "sglang-adapter-1tier", "hicache-nixl", "hicache-nixl-sharded"):
+        assert pol[name]["missing_pages"] == 0 and pol[name]["throughput_gbps"] > 0, name
+        assert pol[name]["cpu_s_per_gb"] > 0 and doc["write"][name]["seconds"] > 0, name
+    for name in ("hicache-nixl", "kvstream-1tier", "sglang-adapter-1tier"):
+        assert pol[name]["share"] == [1.0, 0.0], name
+    sharded = pol["hicache-nixl-sharded"]["share"]  # NIXL's hash put 16 K/V files of 8 pages on each side
+    assert 0 < sharded[0] < 1 and sum(sharded) == pytest.approx(1.0)
+    assert pol["hicache-nixl"]["speedup_vs_hicache-nixl"] == pytest.approx(1.0)
+    assert pol["kvstream"]["memory_peak_bytes"] > 0 and pol["hicache-nixl"]["memory_peak_bytes"] is None
+    assert pol["sglang-adapter-1tier"]["memory_peak_bytes"] is not None  # its own engine's
+    assert set(doc["fio"]) >= {"before", "after", "read"} and doc["fio"]["read"]["all"] > 0
+    assert pol["kvstream"]["fraction_of_fio"] > 0
+    assert not any(os.listdir(d) for d in tier_dirs[:2])  # every peer's copy removed with the bench's
+
+
+def test_bench_refuses_contenders_of_the_other_venv(tmp_path, tier_dirs, capsys):
+    """sglang's and LMCache's contenders run in separate venvs: asked for one this Python lacks, the
+    bench refuses before writing anything and says where to run it."""
+    other = "lmcache-fs-native" if importlib.util.find_spec("lmcache") is None else "hicache-nixl"
+    assert cli.main(["bench", *tier_dirs[:2], *SMALL, "--policies", f"kvstream,{other}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run the chosen policies here" in err and ("kvstream bench" in err or ".[peers]" in err)
+    assert not any(os.listdir(d) for d in tier_dirs[:2])
+
+
+@pytest.mark.testbed
+@pytest.mark.skipif(os.geteuid() != 0, reason="a testbed needs root (loop devices, mounts, cgroups)")
+def test_device_speed_testbed_up_and_down(tmp_path):
+    """A RAM-backed tier (image in /dev/shm, no direct I/O, discard) read-limited in the blkio group,
+    beside a directory on the machine's disk; torn down without a trace."""
+    from kvstream_hicache.tools.bench import testbed as tb
+
+    name = f"kvs-test-{os.getpid()}"
+    profile = tb.parse_profile("dir,ram:700/0")
+    lines = []
+    try:
+        bed = tb.up(profile, name=name, sizes=[0, 192 << 20], image_dir=str(tmp_path), fio_bs=None, log=lines.append)
+        dir_tier, ram_tier = bed.tiers
+        assert dir_tier.backing == "dir" and os.path.isdir(dir_tier.mount) and not dir_tier.device
+        assert dir_tier.mount.startswith(str(tmp_path))
+        assert ram_tier.image == f"/dev/shm/{name}-tier1.img"
+        with open(f"/sys/block/{os.path.basename(ram_tier.device)}/loop/dio") as f:
+            assert f.read().strip() == "0"  # reads come from the tmpfs image's pages: RAM
+        with open("/proc/self/mounts") as f:
+            opts = next(line.split()[3] for line in f if line.split()[1] == ram_tier.mount)
+        assert "discard" in opts.split(",")
+        assert bed.limits() == {"read": {ram_tier.devnum: 700 * 10**6}, "write": {}}
+        assert tb.Testbed.load(name).profile == profile and not bed.problems()
+        again = tb.up(profile, name=name, image_dir=str(tmp_path), fio_bs=None, log=lines.append)
+        assert again.tiers[1].device == ram_tier.device  # reused, not rebuilt
+    finally:
+        assert tb.down(name, image_dir=str(tmp_path), log=lines.append)
+    assert not os.path.exists(f"/dev/shm/{name}-tier1.img") and not os.path.exists(dir_tier.mount)
+    assert not os.path.exists(bed.cgroup) and tb.status(name) == {"up": False, "name": name}
+    with open("/proc/self/mounts") as f:
+        assert ram_tier.mount not in f.read()

@@ -3,7 +3,8 @@
   kvstream bench   [tier dirs | --testbed PROFILE] ...   read-back throughput and gap to the bound, per policy
   kvstream check   [--fix] [--tiers DIR ...]              verify every stored page (headers, checksums, orphans)
   kvstream info    [--tiers DIR ...]                      effective configuration and the state of each tier
-  kvstream testbed up --profile P | down | status         throttled loop-device tiers for benchmarks (root)
+  kvstream testbed up --profile P | down | status         loop-device tiers for benchmarks (root): throttled,
+                                                          RAM-backed (device speed) or the machine's disk
 
 Tier directories come from ``--tiers`` or ``KVSTREAM_TIERS`` (the engine's configuration rules apply).
 Exit status: 0 success, 1 problems found (check) or a benchmark target failed to run, 2 usage/config error.
@@ -65,12 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)
 
-    t = sub.add_parser("testbed", help="throttled loop-device tiers for benchmarks (needs root)")
+    t = sub.add_parser("testbed", help="loop-device tiers for benchmarks: throttled or device speed (needs root)")
     tsub = t.add_subparsers(dest="action", metavar="{up,down,status}", required=True)
     tu = tsub.add_parser("up", help="build the testbed (or re-apply another profile) and record fio's figures")
     tu.add_argument("--profile", default="testbed2-1:20",
-                    help="testbed2-1:20 | testbed1-1:20 | 'R0/W0,R1/W1' in MB/s (default: %(default)s)")
-    tu.add_argument("--size", default="16G", help="image size per tier, or comma list per tier (default %(default)s)")
+                    help="throttled: testbed2-1:20 | testbed1-1:20; device speed: ram-0.7 (RAM-backed tier 0 "
+                         "unthrottled, tier 1 read-limited to 700 MB/s) | testbed2-1:7 (RAM-backed, 1650 / 515 "
+                         "MB/s) | disk+ram-0.7 (tier 0 a directory on this machine's disk); or 'R0/W0,R1/W1' in "
+                         "MB/s, 0 = no limit, each optionally 'ram:R/W', or 'dir' (default: %(default)s)")
+    tu.add_argument("--size", default=None,
+                    help="image size per tier, or comma list per tier (default 16G on disk, 6G in RAM; sparse)")
     tu.add_argument("--image-dir", default=None, help="where the sparse images live (default /var/lib/kvstream-testbed)")
     tu.add_argument("--name", default=None, help="testbed name (default kvstream: mounts under /mnt/kvstream)")
     tu.add_argument("--fio-bs", default="8M", help="fio request size: the page size (default %(default)s)")
@@ -93,8 +98,8 @@ def _testbed(args) -> int:
     name = args.name or tb.DEFAULT_NAME
     if args.action == "up":
         profile = tb.parse_profile(args.profile)
-        sizes = [tb.parse_size(s) for s in args.size.split(",")]
-        if len(sizes) == 1:
+        sizes = [tb.parse_size(s) for s in args.size.split(",")] if args.size else None
+        if sizes and len(sizes) == 1:
             sizes *= len(profile.tiers)
         tb.up(profile, name=name, sizes=sizes, image_dir=args.image_dir or tb.IMAGE_DIR,
               fio_bs=None if args.no_fio else tb.parse_size(args.fio_bs), fio_runtime_s=args.fio_runtime)
@@ -114,10 +119,14 @@ def _testbed(args) -> int:
     print(f"testbed {name!r}: profile {st['profile']['name']}, blkio group {st['cgroup']}")
     live = st.get("live_limits", {})
     for i, t in enumerate(st["tiers"]):
+        if not t["device"]:
+            print(f"  tier{i}: {t['mount']}, a directory on this machine's disk; not throttled")
+            continue
         r = live.get("read", {}).get(t["devnum"], 0) / 1e6
         w = live.get("write", {}).get(t["devnum"], 0) / 1e6
-        print(f"  tier{i}: {t['mount']} on {t['device']} ({t['devnum']}), {t['size'] >> 30} GiB image {t['image']};"
-              f" throttle read {r:.0f} MB/s, write {w:.0f} MB/s")
+        limits = ", ".join(f"{kind} {v:.0f} MB/s" if v else f"{kind} not throttled" for kind, v in (("read", r), ("write", w)))
+        print(f"  tier{i}: {t['mount']} on {t['device']} ({t['devnum']}), {t['size'] >> 30} GiB {t.get('backing', 'disk')} "
+              f"image {t['image']}; throttle {limits}")
     f = st.get("fio") or {}
     if f:
         print(f"  fio (io_uring, O_DIRECT, bs {f['bs'] >> 10} KiB, iodepth {f['iodepth']}), MB/s:")

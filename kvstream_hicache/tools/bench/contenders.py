@@ -36,9 +36,10 @@ from ...segments import Segment
 from .dataset import Batch, Dataset, page_segments
 from .geometry import Geometry
 
+KVSTREAM_1TIER = "kvstream-1tier"
 HICACHE_FILE = "hicache-file"
 SGLANG_ADAPTER = "sglang-adapter"
-SGLANG_CONTENDERS = (HICACHE_FILE, SGLANG_ADAPTER)
+SGLANG_ADAPTER_1TIER = "sglang-adapter-1tier"
 LMCACHE_ADAPTER = "lmcache-adapter"
 
 
@@ -54,6 +55,7 @@ class Outcome:
 class Contender:
     name: str
     views: list[np.ndarray]  # where a batch's pages land (uint8 views, one per page) for the check
+    buffered = False  # reads through the page cache (dropped before each read, footprint measured after)
 
     def before_phase(self) -> None:
         """Called right before each timed read (e.g. drop this contender's page cache)."""
@@ -64,13 +66,40 @@ class Contender:
     def after_phase(self, outcome: Outcome) -> None:
         """Called right after each timed read (e.g. measure the page-cache footprint)."""
 
+    def memory(self) -> dict | None:
+        """The staging memory of the kvstream engine this contender reads through (``stats()["memory"]``:
+        limit, held and peak bytes of its read and write pools); None for a peer without one."""
+        engine = getattr(self, "engine", None)
+        return engine.stats()["memory"] if engine is not None else None
+
     def close(self) -> None:
         pass
 
 
+def history_outcome(engine, found: Sequence[bool], batches: int, n_tiers: int, extra: dict | None = None) -> Outcome:
+    """An :class:`Outcome` summed over the engine's last ``batches`` batch records (a read that the
+    adapter's task machinery turned into that many engine batches)."""
+    records = engine.stats()["history"][-batches:] if batches else []
+    per_tier = [[_tier(r, k) for r in records] for k in range(n_tiers)]
+    return Outcome(
+        found=list(found),
+        tier_bytes=tuple(sum(int(t.get("bytes", 0)) for t in ts) for ts in per_tier),
+        tier_busy=tuple(sum(t.get("busy_s") or 0.0 for t in ts) if any(ts) else None for ts in per_tier),
+        tier_served=tuple(sum(int(t.get("bytes_served", 0)) for t in ts) for ts in per_tier),
+        extra={"engine_batches": batches, **(extra or {})},
+    )
+
+
+def _tier(record: dict, k: int) -> dict:
+    """Tier ``k`` of an engine batch record; empty for a bench tier the engine does not have (a one-tier
+    engine on bench tier 0)."""
+    tiers = record.get("tiers") or ()
+    return tiers[k] if k < len(tiers) else {}
+
+
 def engine_outcome(last: dict, found: Sequence[bool], n_tiers: int) -> Outcome:
     """An :class:`Outcome` from the engine's per-batch record (``Engine.last_batch``, stats.py)."""
-    tiers = last.get("tiers") or [{}] * n_tiers
+    tiers = [_tier(last, k) for k in range(n_tiers)]
     return Outcome(
         found=list(found),
         tier_bytes=tuple(int(t.get("bytes", 0)) for t in tiers),
@@ -96,6 +125,41 @@ class EngineReads(Contender):
     def read(self, batch: Batch) -> Outcome:
         found = self.engine.get(list(batch.keys), self.segments[: len(batch.keys)], policy=self.policy)
         return engine_outcome(self.engine.last_batch, found, self.n_tiers)
+
+
+class OneTierReads(EngineReads):
+    """kvstream as a one-tier user runs it: its own engine on tier 0 alone, holding its own copy of the
+    pages, read into the same destination as the engine policies. The ``tier0`` policy of the replicated
+    store is not that: there every page has a holder on each tier, which the read path must allow for.
+
+    :param directory: its directory on tier 0 (the runner removes it).
+    """
+
+    name = KVSTREAM_1TIER
+
+    def __init__(self, directory: str, namespace, settings: dict, dest, views: list[np.ndarray], geometry: Geometry,
+                 batch_pages: int, n_tiers: int):
+        from ...config import Config
+        from ...engine import Engine
+
+        os.makedirs(directory, exist_ok=True)
+        engine = Engine(Config.from_sources({"tiers": [directory], **settings}), namespace)
+        super().__init__(KVSTREAM_1TIER, engine, None, dest, views, geometry, batch_pages)
+        self.n_tiers = n_tiers  # its one tier is bench tier 0
+
+    def write(self, ds: Dataset, batch: Batch) -> float:
+        """Store ``batch`` through the one-tier engine (from the destination buffer); returns seconds."""
+        for i, j in enumerate(batch.pages):
+            ds.fill(j, self.views[i])
+        t0 = time.perf_counter()
+        ok = self.engine.put(list(batch.keys), self.segments[: len(batch.keys)])
+        dt = time.perf_counter() - t0
+        if not all(ok):
+            raise RuntimeError(f"{self.name} failed to store {ok.count(False)} pages of batch {batch.index}")
+        return dt
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 # ------------------------------------------------------------------------------------------ LMCache
@@ -159,15 +223,7 @@ class LMCacheReads(EngineReads):
 
     def read(self, batch: Batch) -> Outcome:
         run = bench_read(self.engine, list(batch.keys), self.segments[: len(batch.keys)], tasks=self.TASKS)
-        records = self.engine.stats()["history"][-run.batches:] if run.batches else []
-        per_tier = [[r["tiers"][k] for r in records] for k in range(self.n_tiers)]
-        return Outcome(
-            found=list(run.found),
-            tier_bytes=tuple(sum(int(t.get("bytes", 0)) for t in ts) for ts in per_tier),
-            tier_busy=tuple(sum(t.get("busy_s") or 0.0 for t in ts) for ts in per_tier),
-            tier_served=tuple(sum(int(t.get("bytes_served", 0)) for t in ts) for ts in per_tier),
-            extra={"engine_batches": run.batches, "tasks": run.tasks},
-        )
+        return history_outcome(self.engine, run.found, run.batches, self.n_tiers, {"tasks": run.tasks})
 
 
 # ------------------------------------------------------------------------------------------ sglang
@@ -197,6 +253,7 @@ class SglangHost:
         ptrs, sizes = self.host.get_page_buffer_meta(self.host_indices)
         if list(sizes[:2]) != list(geometry.segments):
             raise RuntimeError(f"sglang host pool chunks {sizes[:2]} differ from the geometry {geometry.segments}")
+        self.chunk_bytes = (int(sizes[0]), int(sizes[1]))  # K and V chunk of a page
         self.chunk_ptrs = [(int(ptrs[2 * i]), int(ptrs[2 * i + 1])) for i in range(batch_pages)]
         from sglang.srt.managers.cache_controller import HiCacheController
 
@@ -267,6 +324,7 @@ class HiCacheFileReads(Contender):
     """sglang's ``HiCacheFile`` on tier 0, read through ``HiCacheController._generic_page_get``."""
 
     name = HICACHE_FILE
+    buffered = True
 
     def __init__(self, host: SglangHost, directory: str, model_name: str, drop: str = "fadvise"):
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile
@@ -297,12 +355,7 @@ class HiCacheFileReads(Contender):
         return [e.path for e in os.scandir(self.dir) if e.name.endswith(".bin")]
 
     def _sync(self) -> None:
-        for path in self.files():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_files(self.files())
 
     def before_phase(self) -> None:
         drop_page_cache(self.files(), self.drop)
@@ -323,13 +376,18 @@ class HiCacheFileReads(Contender):
 
 
 class AdapterReads(Contender):
-    """``KVStreamHiCacheStorage.batch_get_v1`` into the host pool, via ``_page_get_zero_copy``."""
+    """``KVStreamHiCacheStorage.batch_get_v1`` into the host pool, via ``_page_get_zero_copy``.
 
-    name = SGLANG_ADAPTER
+    :param tiers: its tier directories: the bench's (``sglang-adapter``), or tier 0's alone
+        (``sglang-adapter-1tier``, kvstream as a one-tier SGLang user runs it).
+    :param n_tiers: the bench's tier count (default: ``len(tiers)``).
+    """
 
-    def __init__(self, host: SglangHost, tiers: Sequence[str], model_name: str, extra: dict | None = None):
+    def __init__(self, host: SglangHost, tiers: Sequence[str], model_name: str, extra: dict | None = None, *,
+                 name: str = SGLANG_ADAPTER, n_tiers: int | None = None):
         from ...sglang.storage import KVStreamHiCacheStorage
 
+        self.name = name
         self.host = host
         cfg = host.storage_config(model_name, {"tiers": list(tiers), **(extra or {})})
         self.backend = KVStreamHiCacheStorage(cfg)
@@ -339,7 +397,7 @@ class AdapterReads(Contender):
         self.ctl = host.stand_in(self.backend)
         self.views = host.views
         self.engine = getattr(self.backend, "engine", None)
-        self.n_tiers = len(tiers)
+        self.n_tiers = n_tiers or len(tiers)
 
     def write(self, ds: Dataset, batch: Batch) -> float:
         self.host.load(ds, batch)
@@ -363,6 +421,16 @@ class AdapterReads(Contender):
 
 
 # ------------------------------------------------------------------------------------ page cache
+def fsync_files(paths: Sequence[str]) -> None:
+    """Write back a buffered writer's files, so their pages are clean and can be dropped."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def drop_page_cache(paths: Sequence[str], mode: str) -> None:
     """Evict ``paths`` from the page cache: ``fadvise`` (just these files, no root needed),
     ``global`` (``sync; echo 3 > /proc/sys/vm/drop_caches``, root), or ``none``."""

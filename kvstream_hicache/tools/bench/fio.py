@@ -7,10 +7,11 @@ physical bound sits on record beside the engine's own.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 FIO_IODEPTH = 4  # requests in flight per tier: the engine's default claim depth (2 claims of m=2 pages)
 FIO_FILE_BYTES = 1 << 30  # bytes per tier probe file: large enough to defeat any device cache in a run
@@ -107,3 +108,34 @@ def spawn(jobs: Sequence[FioJob]) -> subprocess.Popen:
 def summarize(results: Mapping[str, Mapping[str, float]], key: str) -> dict[str, float]:
     """``{job: MB/s}`` of one direction (``"read_bps"`` or ``"write_bps"``), rounded for display."""
     return {name: round(r[key] / 1e6, 1) for name, r in results.items()}
+
+
+def fill(files: Sequence[str], bs: int, size: int = FIO_FILE_BYTES, iodepth: int = FIO_IODEPTH, *,
+         preexec_fn=None) -> None:
+    """Write each probe file in full (all at once), so it is allocated before anything is timed;
+    a file already at ``size`` (an earlier fill) is left as it is."""
+    todo = [f for f in files if not os.path.exists(f) or os.path.getsize(f) < size - size % bs]
+    if todo:
+        run([FioJob(f"fill{i}", f, "write", bs, size=size, runtime_s=None, iodepth=iodepth)
+             for i, f in enumerate(todo)], preexec_fn=preexec_fn)
+
+
+def alone_and_together(files: Sequence[str], rw: str, bs: int, *, size: int = FIO_FILE_BYTES,
+                       iodepth: int = FIO_IODEPTH, runtime_s: float = FIO_RUNTIME_S, preexec_fn=None,
+                       log: Callable[[str], None] = print) -> dict[str, float]:
+    """fio ``rw`` on each file (one per tier) alone, then on all at once: MB/s as
+    ``{"tier0": alone, ..., "tier0+": in the all-at-once run, ..., "all": the all-at-once sum}``."""
+    key = "write_bps" if "write" in rw else "read_bps"
+    kind = "write" if "write" in rw else "read"
+    out: dict[str, float] = {}
+    for i, f in enumerate(files):
+        job = FioJob(f"tier{i}", f, rw, bs, size=size, iodepth=iodepth, runtime_s=runtime_s)
+        out[f"tier{i}"] = summarize(run([job], preexec_fn=preexec_fn), key)[f"tier{i}"]
+        log(f"  fio {kind:5s} tier{i} alone: {out[f'tier{i}']:8.1f} MB/s")
+    jobs = [FioJob(f"tier{i}+", f, rw, bs, size=size, iodepth=iodepth, runtime_s=runtime_s) for i, f in enumerate(files)]
+    together = summarize(run(jobs, preexec_fn=preexec_fn), key)
+    out.update(together)
+    out["all"] = round(sum(together.values()), 1)
+    log(f"  fio {kind:5s} all at once: " + ", ".join(f"{k} {v:.1f}" for k, v in together.items())
+        + f" -> {out['all']:.1f} MB/s")
+    return out

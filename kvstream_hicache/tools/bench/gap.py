@@ -130,6 +130,7 @@ def summarize(records: Sequence[BatchRecord], n_tiers: int) -> dict:
         "pages": sum(r.pages for r in records),
         "missing_pages": sum(r.pages - r.found for r in records),
         "throughput_gbps": d_sum / t_sum / 1e9 if t_sum > 0 else 0.0,
+        "median_gbps": percentile([r.nbytes / r.t_ret / 1e9 for r in records if r.t_ret > 0], 50),
         "p50_s": percentile(times, 50),
         "p90_s": percentile(times, 90),
         "max_s": max(times),
@@ -143,6 +144,13 @@ def summarize(records: Sequence[BatchRecord], n_tiers: int) -> dict:
         "engine_busy_frac": [_busy_frac(records, k) for k in range(n_tiers)],
         "cpu_s_per_batch": percentile([r.extra["cpu_s"] for r in records if "cpu_s" in r.extra], 50)
         if any("cpu_s" in r.extra for r in records) else None,
+        # process CPU seconds (all threads) per GB delivered, over the policy's batches
+        "cpu_s_per_gb": (sum(r.extra["cpu_s"] for r in records if "cpu_s" in r.extra)
+                         / (sum(r.nbytes for r in records if "cpu_s" in r.extra) / 1e9))
+        if any("cpu_s" in r.extra and r.nbytes for r in records) else None,
+        # the staging memory peak of the engine the policy reads through (None: not a kvstream engine)
+        "memory_peak_bytes": max((r.extra["memory_peak_bytes"] for r in records if "memory_peak_bytes" in r.extra),
+                                 default=None),
         **_windows(records),
         "drift_on_frac": (sum(r.extra["drift_on"] * r.t_ret for r in records if "drift_on" in r.extra)
                           / sum(r.t_ret for r in records if "drift_on" in r.extra))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .peers import REFERENCES
+
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:+.1f}%"
@@ -12,24 +14,33 @@ def _x(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _ref_label(name: str) -> str:
+    return "x " + name.removeprefix("lmcache-").replace("-odirect", "-od")
+
+
 def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
     """The per-policy table, then the bound, fio's figures and the write ratio."""
     pol = doc["policies"]
     n = len(doc["tiers"])
-    refs = [k for k in ("tier0", "hicache-file") if k in pol]
-    head = f"{'policy':<16s} {'GB/s':>6s} " + "".join(f"{'x ' + r:>15s}" for r in refs) + \
-        f" {'p50 s':>6s} {'p90 s':>6s} {'max s':>6s}  {'share ' + '/'.join(f't{k}' for k in range(n)):<14s} {'gap':>7s}" \
-        f"  {'tier MB/s':<12s}"
+    refs = [k for k in REFERENCES if k in pol and pol[k]]
+    head = f"{'policy':<26s} {'GB/s':>6s} {'med':>6s} " + "".join(f"{_ref_label(r):>16s}" for r in refs) + \
+        f" {'CPU s/GB':>8s} {'mem MiB':>7s} {'p50 s':>6s} {'p90 s':>6s} {'max s':>6s}  " \
+        f"{'share ' + '/'.join(f't{k}' for k in range(n)):<14s} {'gap':>7s}  {'tier MB/s':<12s}"
     log("")
     log(f"scenario {doc['scenario']}, {doc['rounds']} rounds x {doc['batch_pages']} pages of "
-        f"{doc['geometry']['label']}" + (f", testbed {doc['testbed']['profile']}" if doc.get("testbed") else ""))
+        f"{doc['geometry']['label']}" + (f", testbed {doc['testbed']['profile']}" if doc.get("testbed") else "")
+        + (f"; load average {doc['loadavg']['start']} -> {doc['loadavg']['end']}" if doc.get("loadavg") else ""))
     log(head)
     log("-" * len(head))
     for name, p in pol.items():
         if not p:
             continue
         share = "/".join(f"{s:.2f}" for s in p["share"])
-        row = f"{name:<16s} {p['throughput_gbps']:6.3f} " + "".join(f"{_x(p.get('speedup_vs_' + r)):>15s}" for r in refs)
+        row = f"{name:<26s} {p['throughput_gbps']:6.3f} {p.get('median_gbps') or 0:6.3f} " + \
+            "".join(f"{_x(p.get('speedup_vs_' + r)):>16s}" for r in refs)
+        cpu = p.get("cpu_s_per_gb")
+        mem = p.get("memory_peak_bytes")
+        row += f" {'-' if cpu is None else f'{cpu:.3f}':>8s} {'-' if mem is None else f'{mem / 2**20:.0f}':>7s}"
         rates = "/".join("-" if r is None else f"{r:.0f}" for r in p.get("tier_rates_mbps", []))
         row += f" {p['p50_s']:6.3f} {p['p90_s']:6.3f} {p['max_s']:6.3f}  {share:<14s} {_pct(p['gap']):>7s}  {rates:<12s}"
         if p.get("page_cache_bytes") is not None:
@@ -39,12 +50,13 @@ def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
         log(row)
     bound = doc.get("bound_gbps")
     log(f"bound (same run, per-batch tier rates): {bound:.3f} GB/s" if bound else "bound: not measured")
-    tb = doc.get("testbed")
-    if tb and tb.get("fio", {}).get("read"):
-        r = tb["fio"]["read"]
+    f = doc.get("fio")
+    if f and f.get("read"):
+        r = f["read"]
         alone = ", ".join(f"tier{k} {r[f'tier{k}']:.0f}" for k in range(n) if f"tier{k}" in r)
-        log(f"fio read MB/s (bs {tb['fio']['bs'] >> 10} KiB, iodepth {tb['fio']['iodepth']}): alone {alone}; "
-            f"all at once {r.get('all', 0):.0f}")
+        each = "".join(f"; {when} {f[when]['read']['all']:.0f}" for when in ("before", "after") if when in f)
+        log(f"fio read MB/s (bs {f['bs'] >> 10} KiB, iodepth {f['iodepth']}, {f.get('source', '')}): alone {alone}; "
+            f"all at once {r.get('all', 0):.0f}{each}")
         frac = ", ".join(f"{k} {p['fraction_of_fio']:.1%}" for k, p in pol.items() if p and p.get("fraction_of_fio"))
         log(f"throughput as a share of fio's all-at-once figure: {frac}")
     w = doc.get("write", {})

@@ -2,12 +2,22 @@
 policy, and report each policy's throughput, batch-time percentiles, per-tier read share and gap
 to the aggregate-bandwidth bound measured in the same run.
 
-Tiers: directories (fastest first; default $KVSTREAM_TIERS), or --testbed PROFILE (throttled
-loop-device tiers built by `kvstream testbed up`; brought up here if needed, root only).
-Policies (comma list): kvstream[:m=N], static-<g>, tier<k>, hicache-file (sglang's HiCacheFile on
-tier 0, buffered, page cache dropped before each of its batches), sglang-adapter (kvstream through
-the SGLang adapter into a real host pool). Each round reads one batch under every policy, in an
-order rotated every round, so drift hits all policies alike.
+Tiers: directories (fastest first; default $KVSTREAM_TIERS), or --testbed PROFILE (loop-device
+tiers built by `kvstream testbed up`: throttled, RAM-backed or the machine's disk; brought up here
+if needed, root only).
+Policies (comma list): the bench engine's routing policies kvstream[:m=N], static-<g>, tier<k>;
+kvstream-1tier (a one-tier engine on tier 0 with its own copy); lmcache-adapter (the engine through
+the LMCache adapter's task machinery); and peers with their own copy: in the sglang venv
+hicache-file (sglang's HiCacheFile on tier 0, buffered, page cache dropped before each of its
+batches), sglang-adapter (kvstream through the SGLang adapter into a real host pool; -1tier: on
+tier 0 alone, with its own copy), hicache-nixl
+and hicache-nixl-sharded (sglang's NIXL backend on tier 0 / hash-sharded over all tiers; pip
+install .[peers]); in the LMCache venv (.venv-lmcache/bin/kvstream bench) lmcache-fs-native,
+lmcache-fs-native-odirect (LMCache's fs_native L2 adapter on tier 0), lmcache-kvstream and
+lmcache-kvstream-1tier (kvstream's L2 adapter built by LMCache's factory, all tiers / tier 0).
+Each round reads one batch under every policy, in an order rotated every round, so drift hits all
+policies alike. Every policy's row has its CPU seconds per GB read (getrusage of the process around
+each read) and the staging memory peak of the engine it reads through.
 
 The bound of a batch is D / sum_k b_k with b_k tier k's bandwidth in that batch (bytes / busy time
 from the engine's per-batch stats), or, for a tier the policy left idle, interpolated between the
@@ -16,6 +26,9 @@ neighbouring batches that measured it. gap = sum T_ret / sum T_bound - 1 (see be
 Example (the paper's Testbed-2 at 1/20, Llama-3-8B pages of 64 tokens = 8 MiB):
   kvstream bench --testbed testbed2-1:20 --model llama3-8b --page-size 64 --batches 12 \\
       --scenario periodic --json out.json --plot out.png
+Device speed (RAM-backed tier 0 unthrottled, tier 1 at 0.7 GB/s; fio before and after the reads):
+  kvstream bench --testbed ram-0.7 --batch 64 --dataset-batches 1 --batches 9 --fio run \\
+      --policies hicache-nixl,hicache-nixl-sharded,kvstream-1tier,kvstream --json out.json
 """
 from __future__ import annotations
 
@@ -23,16 +36,16 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict
 
 from ..console import Progress
-from . import drift, gap, geometry, report
-from .contenders import SGLANG_ADAPTER, HICACHE_FILE, LMCACHE_ADAPTER, SGLANG_CONTENDERS, AdapterReads, \
-    EngineReads, HiCacheFileReads, LMCacheReads, SglangHost
+from . import drift, fio, gap, geometry, peers, report
+from .contenders import LMCACHE_ADAPTER, EngineReads, LMCacheReads
 from .instrument import SpanRecorder, instrumented_engines, ring_factory
 from .dataset import Dataset, check, page_segments, page_views, poison
 
@@ -40,6 +53,7 @@ DEFAULT_POLICIES = "kvstream,static-0.5,static-0.75,tier0,hicache-file,sglang-ad
 WORK_DIR = "kvstream-bench"  # per-tier subdirectory the bench owns (and removes)
 BATCH_PAGES = 128  # sglang's STORAGE_BATCH_SIZE: pages per storage call
 DEFAULT_DATA_BATCHES = 4  # distinct batches written; rounds cycle over them
+DEVICE_FIO_IODEPTH = 32  # --fio run on plain directories: enough requests in flight for a real device
 
 
 class UsageError(ValueError):
@@ -49,9 +63,12 @@ class UsageError(ValueError):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("tiers")
     t.add_argument("tiers", nargs="*", metavar="DIR", help="tier directories, fastest first (default $KVSTREAM_TIERS)")
-    t.add_argument("--testbed", metavar="PROFILE", help="use the throttled testbed: testbed2-1:20 | testbed1-1:20")
+    t.add_argument("--testbed", metavar="PROFILE",
+                   help="use the testbed: throttled testbed2-1:20 | testbed1-1:20; device speed ram-0.7 | "
+                        "testbed2-1:7 | disk+ram-0.7 (see kvstream testbed up --help)")
     t.add_argument("--testbed-name", default=None, help="testbed name (default kvstream)")
-    t.add_argument("--testbed-size", default="16G", help="image size per tier when the bench builds the testbed")
+    t.add_argument("--testbed-size", default=None,
+                   help="image size per tier when the bench builds the testbed (default 16G on disk, 6G in RAM)")
     t.add_argument("--keep-testbed", action="store_true", help="leave a testbed this run built up afterwards")
     t.add_argument("--engine-config", nargs="*", default=[], metavar="KEY=VALUE",
                    help="engine settings (claim=2, chunk=1M, io_engine=uring, ...)")
@@ -83,6 +100,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--drop-caches", default="fadvise", choices=("fadvise", "global", "none"),
                    help="how hicache-file's page cache is dropped before each of its batches")
     r.add_argument("--verify", type=int, default=2, help="pages checked per batch (-1: all)")
+    r.add_argument("--fio", default="testbed", choices=("testbed", "run", "none"),
+                   help="fio's read figures the policies are compared with: testbed (recorded when the testbed "
+                        "came up, default), run (measured by this run, each tier alone and all at once, right "
+                        "before and after the reads; also on plain directories), none")
+    r.add_argument("--fio-iodepth", type=int, default=None,
+                   help=f"fio requests in flight per tier for --fio run (default: the testbed profile's; "
+                        f"{DEVICE_FIO_IODEPTH} on plain directories)")
+    r.add_argument("--fio-runtime", type=float, default=fio.FIO_RUNTIME_S, help="seconds per fio measurement")
+    r.add_argument("--fio-size", default=None,
+                   help="fio's probe file per tier for --fio run (default: the testbed profile's; 1G on plain directories)")
+    r.add_argument("--no-instrument", action="store_true",
+                   help="open engines without the ring instrument (it costs a few us of Python per request): "
+                        "tier rates then come from the engine's busy time")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the results as JSON")
     o.add_argument("--plot", metavar="PATH", help="write a PNG: per-tier bandwidth and share over time, gap per policy")
@@ -112,9 +142,19 @@ def run(args: argparse.Namespace, log=print) -> dict:
         raise UsageError("--policies is empty")
     if args.batch < 1 or args.batches < 1:
         raise UsageError("--batch and --batches must be >= 1")
+    if args.fio_size:
+        _bytes(args.fio_size, "--fio-size")  # refused now, not after the writes
+    if args.fio == "run" and not fio.available():
+        raise UsageError("--fio run needs fio, not found. Fix: apt-get install fio, or --fio none")
+    if args.fio_iodepth is not None and args.fio_iodepth < 1:
+        raise UsageError(f"--fio-iodepth {args.fio_iodepth}: must be >= 1")
+    missing = peers.missing(specs)
+    if missing:
+        raise UsageError("\n  ".join(["cannot run the chosen policies here:", *missing]))
     n_data = args.dataset_batches or min(max(args.batches, 1), DEFAULT_DATA_BATCHES)
     ds = Dataset(geom, args.batch, n_data, args.seed)
     engine_extra = _key_values(args.engine_config)
+    load = {"start": _loadavg()}
 
     with ExitStack() as stack:
         bed, roots = _tiers(args, geom, stack, log)
@@ -130,8 +170,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
                                   factor=args.drift_factor, period=args.drift_period, seed=args.seed,
                                   interference=args.interference)
             # lmcache-adapter reads with the engine's configured (kvstream) policy, through the adapter
-            policies = {spec: parse_policy(spec) for spec in specs
-                        if spec not in SGLANG_CONTENDERS and spec != LMCACHE_ADAPTER}
+            policies = {spec: parse_policy(spec) for spec in specs if spec not in peers.NOT_POLICIES}
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         n_tiers = len(dirs)
@@ -146,9 +185,12 @@ def run(args: argparse.Namespace, log=print) -> dict:
                                "seed": args.seed})
         config = Config.from_sources({"tiers": dirs, **engine_extra})
         recorder = SpanRecorder(dirs)
-        if not recorder.usable:
+        if args.no_instrument:
+            recorder.usable = False  # engines open plain rings: nothing to record
+        elif not recorder.usable:
             log("  note: tiers share a file system: tier rates come from the engine's busy time (see bench/instrument.py)")
-        engine = Engine(config, namespace, ring_factory=ring_factory(recorder))
+        instrumented = not args.no_instrument
+        engine = Engine(config, namespace, **({"ring_factory": ring_factory(recorder)} if instrumented else {}))
         stack.callback(engine.close)
 
         # -- writes ------------------------------------------------------------------------------
@@ -169,27 +211,34 @@ def run(args: argparse.Namespace, log=print) -> dict:
         dest_views = page_views(dest, geom.page_bytes, args.batch)
         stack.callback(dest_views.clear)  # numpy views pin the buffer: released before dest.close()
         contenders = []
-        host = None
+        ctx = peers.Context(dirs, geom, args.batch, engine_extra, namespace, dest, dest_views, args.drop_caches)
+        stack.callback(ctx.close)  # after every contender (closed before it: the stack unwinds in reverse)
         for spec in specs:
-            if spec in SGLANG_CONTENDERS:
-                if host is None:
-                    host = SglangHost(geom, args.batch)
-                with instrumented_engines(recorder):
-                    c = _sglang_contender(spec, host, dirs, ds, geom, args, engine_extra, writes, log)
+            if spec in peers.OWN_COPY:
+                with instrumented_engines(recorder) if instrumented else nullcontext():
+                    c = peers.build(spec, ctx)
                 stack.callback(c.close)
+                _peer_write(c, ds, writes, log)
             elif spec == LMCACHE_ADAPTER:
                 c = LMCacheReads(spec, engine, None, dest, dest_views, geom, args.batch)
             else:
                 c = EngineReads(spec, engine, policies[spec], dest, dest_views, geom, args.batch)
             contenders.append(c)
 
-        # -- reads -------------------------------------------------------------------------------
+        # -- reads (fio right before and after them, with --fio run) ------------------------------
+        fio_run = {}
+        if args.fio == "run":
+            fio_run["before"] = _fio_reads(args, bed, dirs, geom, log)
         scenario.prepare()
         records, wrong = _read_phase(args, ds, contenders, scenario, recorder, log)
+        if args.fio == "run":
+            fio_run["after"] = _fio_reads(args, bed, dirs, geom, log)
+    load["end"] = _loadavg()
 
     # -- figures ---------------------------------------------------------------------------------
     gap.assign_bounds(records, n_tiers, gap.MIN_TIER_PAGES * geom.page_bytes)
-    doc = _document(args, geom, ds, bed, roots, specs, records, writes, scenario, contenders, wrong, recorder.usable)
+    doc = _document(args, geom, ds, bed, roots, specs, records, writes, scenario, contenders, wrong, recorder.usable,
+                    fio_run, load)
     report.print_table(doc, log)
     if args.json:
         with open(args.json, "w") as f:
@@ -220,9 +269,11 @@ def _tiers(args, geom, stack: ExitStack, log):
     profile = tb.parse_profile(args.testbed)
     bed = tb.Testbed.load(name)
     built = bed is None or bool(bed.problems())
-    if built or bed.profile != profile or bed.fio.get("bs") != geom.page_bytes:
-        sizes = [tb.parse_size(args.testbed_size)] * len(profile.tiers)
-        bed = tb.up(profile, name=name, sizes=sizes, fio_bs=geom.page_bytes, log=log)
+    if built or bed.profile != profile or (args.fio == "testbed" and bed.fio.get("bs") != geom.page_bytes):
+        sizes = [tb.parse_size(args.testbed_size)] * len(profile.tiers) if args.testbed_size else None
+        # --fio run measures in the run itself; none wants no figures at all
+        bed = tb.up(profile, name=name, sizes=sizes, fio_bs=geom.page_bytes if args.fio == "testbed" else None,
+                    log=log)
     if built and not args.keep_testbed:
         stack.callback(tb.down, name, log=log)
     bed.join()
@@ -233,10 +284,10 @@ def _tiers(args, geom, stack: ExitStack, log):
 def _check_space(dirs, ds: Dataset, specs, baseline: list[int]) -> None:
     """Refuse early when a tier cannot hold what the run writes there at its peak: the engine's copy
     plus the larger of the single-tier write baseline (removed before the peers write) and the peers'
-    own copies (hicache-file on tier 0, the SGLang adapter on every tier)."""
+    own copies (peers.copies)."""
+    own = [sum(c) for c in zip(*(peers.copies(spec, len(dirs)) for spec in specs))] if specs else []
     for k, d in enumerate(dirs):
-        peers = (HICACHE_FILE in specs and k == 0) + (SGLANG_ADAPTER in specs)
-        copies = 1 + max(int(k in baseline), peers)
+        copies = 1 + max(int(k in baseline), own[k] if own else 0)
         need, free = copies * ds.total_bytes, shutil.disk_usage(d).free
         if need > free:
             raise UsageError(f"{d}: the run needs about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free: "
@@ -307,17 +358,44 @@ def _write_baselines(args, bed, dirs, namespace, engine_extra, ds: Dataset, src,
     return out
 
 
-def _sglang_contender(spec, host, dirs, ds, geom, args, engine_extra, writes, log):
-    model_name = f"kvstream-bench/{geom.label.replace(' ', '_')}"
-    if spec == HICACHE_FILE:
-        c = HiCacheFileReads(host, os.path.join(dirs[0], "hicache-file"), model_name, drop=args.drop_caches)
-    else:
-        c = AdapterReads(host, dirs, model_name, engine_extra)
+def _peer_write(c, ds: Dataset, writes: dict, log) -> None:
+    """A contender with its own copy writes the data set through its own write path."""
     secs = sum(c.write(ds, b) for b in ds.batches)
-    writes[spec] = {"seconds": secs, "gbps": ds.total_bytes / secs / 1e9 if secs else None}
-    note = " (buffered, then fsynced)" if spec == HICACHE_FILE else ""
-    log(f"  {spec} write{note}: {secs:.2f} s ({ds.total_bytes / secs / 1e9:.3f} GB/s)")
-    return c
+    writes[c.name] = {"seconds": secs, "gbps": ds.total_bytes / secs / 1e9 if secs else None}
+    note = " (buffered, then fsynced)" if c.buffered else ""
+    log(f"  {c.name} write{note}: {secs:.2f} s ({ds.total_bytes / secs / 1e9:.3f} GB/s)")
+
+
+def _fio_reads(args, bed, dirs, geom, log) -> dict:
+    """fio reads of each tier alone, then all at once (one probe file per tier, one page per request)."""
+    files = bed.probe_files() if bed else [os.path.join(d, ".fio-probe") for d in dirs]
+    pre = bed.joined_preexec() if bed else None
+    iodepth = args.fio_iodepth or (bed.profile.fio_iodepth if bed else DEVICE_FIO_IODEPTH)
+    size = _bytes(args.fio_size, "--fio-size") if args.fio_size else (
+        bed.profile.fio_file_bytes if bed else fio.FIO_FILE_BYTES)
+    fio.fill(files, geom.page_bytes, size, iodepth, preexec_fn=pre)
+    out = fio.alone_and_together(files, "randread", geom.page_bytes, size=size, iodepth=iodepth,
+                                 runtime_s=args.fio_runtime, preexec_fn=pre, log=log)
+    return {"bs": geom.page_bytes, "iodepth": iodepth, "runtime_s": args.fio_runtime, "read": out}
+
+
+def _bytes(text: str, what: str) -> int:
+    from .testbed import TestbedError, parse_size
+
+    try:
+        return parse_size(text)
+    except TestbedError as exc:
+        raise UsageError(f"{what}: {exc}") from None
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _cpu_s() -> float:
+    """Process CPU seconds so far, every thread (getrusage: microseconds, where times(2) counts 10 ms ticks)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder, log):
@@ -340,12 +418,14 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
                 c.before_phase()
                 poison(c.views, positions)
                 recorder.reset()
-                cpu0 = os.times()
+                cpu0 = _cpu_s()
                 t0 = clock()
                 out = c.read(batch)
                 t_ret = clock() - t0
-                cpu1 = os.times()
-                out.extra["cpu_s"] = round((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system), 4)
+                out.extra["cpu_s"] = round(_cpu_s() - cpu0, 5)
+                memory = c.memory()
+                if memory is not None:
+                    out.extra["memory_peak_bytes"] = memory["read_peak_bytes"] + memory["write_peak_bytes"]
                 _use_spans(out, recorder, clock0 + t0)
                 c.after_phase(out)
                 bad = check(ds, batch, c.views, positions, out.found)
@@ -387,7 +467,7 @@ def _use_spans(out, recorder: SpanRecorder, t0: float) -> None:
 
 
 def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, contenders, wrong,
-              recorder_usable: bool) -> dict:
+              recorder_usable: bool, fio_run: dict, load: dict) -> dict:
     n_tiers = len(roots)
     policies = {}
     for spec in specs:
@@ -399,13 +479,16 @@ def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, cont
             policies[c.name]["page_cache_bytes"] = max(fps)
             policies[c.name]["drop_caches"] = args.drop_caches
     ref = {}
-    for name in ("tier0", HICACHE_FILE):
+    for name in peers.REFERENCES:
         if name in policies and policies[name].get("throughput_gbps"):
-            ref[name] = policies[name]["throughput_gbps"]
-    fio_all = ((bed.fio or {}).get("read") or {}).get("all") if bed else None  # MB/s, all tiers at once
+            ref[name] = policies[name]
+    fio_doc = _fio_doc(args, bed, fio_run)
+    fio_all = ((fio_doc or {}).get("read") or {}).get("all")  # MB/s, all tiers at once
     for p in policies.values():
-        for name, thr in ref.items():
-            p[f"speedup_vs_{name}"] = p["throughput_gbps"] / thr if p.get("throughput_gbps") else None
+        for name, r in ref.items():
+            p[f"speedup_vs_{name}"] = p["throughput_gbps"] / r["throughput_gbps"] if p.get("throughput_gbps") else None
+            if p.get("median_gbps") and r.get("median_gbps"):
+                p[f"median_speedup_vs_{name}"] = p["median_gbps"] / r["median_gbps"]
         if fio_all and p.get("throughput_gbps"):
             p["fraction_of_fio"] = p["throughput_gbps"] * 1e3 / fio_all
     doc = {
@@ -416,9 +499,12 @@ def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, cont
         "geometry": {"label": geom.label, "page_bytes": geom.page_bytes, "segments": list(geom.segments)},
         "batch_pages": args.batch, "rounds": args.batches, "warmup": args.warmup, "dataset_batches": ds.n_batches,
         "tiers": list(roots), "scenario": scenario.name, "drift_events": scenario.events,
+        "loadavg": load,
         "testbed": ({"profile": bed.profile.name,
                      "limits_mbps": [[t.read_bps / 1e6, t.write_bps / 1e6] for t in bed.profile.tiers],
+                     "backing": [t.backing for t in bed.profile.tiers],
                      "fio": bed.fio} if bed else None),
+        "fio": fio_doc,
         "bound_method": ("per batch: D / sum_k b_k, b_k = tier k's bytes / its span in that batch (first read "
                          "submitted to last read completed, ring instrument)" if recorder_usable else
                          "per batch: D / sum_k b_k, b_k = tier k's bytes / its busy time in that batch (engine stats)")
@@ -430,6 +516,20 @@ def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, cont
         "batches": [_record_dict(r) for r in records],
     }
     return doc
+
+
+def _fio_doc(args, bed, fio_run: dict) -> dict | None:
+    """fio's read figures the policies are compared with: this run's (the mean of before and after the
+    reads, both kept), or the testbed's record."""
+    if fio_run:
+        runs = [fio_run[k] for k in ("before", "after") if k in fio_run]
+        keys = runs[0]["read"].keys()
+        mean = {k: round(sum(r["read"][k] for r in runs) / len(runs), 1) for k in keys}
+        return {**{k: v for k, v in runs[0].items() if k != "read"}, "source": "this run, before and after the reads",
+                **fio_run, "read": mean}
+    if bed and args.fio == "testbed" and bed.fio:
+        return {**bed.fio, "source": "the testbed's record"}
+    return None
 
 
 def _record_dict(r: gap.BatchRecord) -> dict:

@@ -1,8 +1,11 @@
 """Summarize repeated ``kvstream bench --json`` runs: medians per (testbed, scenario, policy), as
 Markdown tables and two figures per testbed (gap per policy and scenario; gap against the static
-share g, the V of the paper's Figure 21).
+share g, the V of the paper's Figure 21). ``--device``: the device-speed tables instead (per testbed
+and page size: MB/s, ratios to the peers and to fio's both-tiers-at-once read measured in the same
+runs, CPU seconds per GB, engine memory), and one overview per page size, testbeds as rows.
 
     python -m kvstream_hicache.tools.bench.summary out/*.json --md out/summary.md --img-dir docs/img
+    python -m kvstream_hicache.tools.bench.summary --device docs/data/device-speed/*.json
 """
 from __future__ import annotations
 
@@ -188,15 +191,151 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
     return written
 
 
+# ------------------------------------------------------------------------------------- device speed
+DEVICE_COLUMNS = {  # overview columns per environment: (policy, heading)
+    "sglang": (("hicache-nixl", "nixl (1 dir)"), ("hicache-nixl-sharded", "nixl sharded"),
+               ("hicache-file", "sglang file"), ("kvstream-1tier", "kvstream 1 tier"), ("kvstream", "kvstream 2 tiers"),
+               ("sglang-adapter-1tier", "kvstream adapter 1 tier"), ("sglang-adapter", "kvstream adapter 2 tiers")),
+    "lmcache": (("lmcache-fs-native-odirect", "fs_native O_DIRECT"), ("lmcache-fs-native", "fs_native buffered"),
+                ("lmcache-kvstream-1tier", "kvstream adapter 1 tier"), ("lmcache-kvstream", "kvstream adapter 2 tiers")),
+}
+DEVICE_REFS = {"sglang": "hicache-nixl", "lmcache": "lmcache-fs-native-odirect"}
+DEVICE_ORDER = ("ram-0.7", "disk+ram-0.7", "testbed2-1:7")  # the issue's rows A, B, C; others after them
+
+
+def _device_order(profile: str) -> tuple[int, str]:
+    return (DEVICE_ORDER.index(profile) if profile in DEVICE_ORDER else len(DEVICE_ORDER), profile)
+
+
+def _env(doc: dict) -> str:
+    return "lmcache" if any(n.startswith("lmcache-") for n in doc["policies"]) else "sglang"
+
+
+def _fio_all(doc: dict) -> float | None:
+    return ((doc.get("fio") or {}).get("read") or {}).get("all")
+
+
+def device_groups(docs: Sequence[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """Runs by (environment, page geometry, testbed)."""
+    out: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for d in docs:
+        out[(_env(d), d["geometry"]["label"], _profile(d))].append(d)
+    return out
+
+
+def paired_ratios(runs: Sequence[dict], name: str, ref: str) -> list[float]:
+    """Per round of every run, ``name``'s batch rate over ``ref``'s in the same round: the two read
+    one after the other (the order rotates), so machine load that drifts over minutes hits both."""
+    out = []
+    for r in runs:
+        rates: dict[tuple[str, int], float] = {}
+        for b in r.get("batches", ()):
+            if b["t_ret"] > 0 and b["nbytes"]:
+                rates[(b["policy"], b["round"])] = b["nbytes"] / b["t_ret"]
+        out += [v / rates[(ref, k)] for (p, k), v in rates.items() if p == name and (ref, k) in rates]
+    return out
+
+
+def device_row(runs: Sequence[dict], name: str, ref: str) -> dict | None:
+    """A policy's figures over runs: medians of per-run MB/s (payload / read time over the run's rounds),
+    ratios to ``ref`` (per run, and per round: :func:`paired_ratios`) and to fio both-at-once, CPU s/GB,
+    memory peak, duplicate bytes, gap to the per-batch bound."""
+    ps = [(r, r["policies"].get(name)) for r in runs]
+    ps = [(r, p) for r, p in ps if p]
+    if not ps:
+        return None
+    mbps = [p["throughput_gbps"] * 1e3 for _, p in ps]
+    return {
+        "runs": len(ps), "mbps": _median(mbps), "mbps_min": min(mbps), "mbps_max": max(mbps),
+        "x_ref": _median([p.get(f"speedup_vs_{ref}") for _, p in ps]),
+        "x_ref_runs": [p.get(f"speedup_vs_{ref}") for _, p in ps],
+        "x_ref_paired": _median(paired_ratios(runs, name, ref)),
+        "gap": _median([p.get("gap") for _, p in ps]),
+        "x_fio": _median([p["throughput_gbps"] * 1e3 / _fio_all(r) if _fio_all(r) else None for r, p in ps]),
+        "cpu_s_per_gb": _median([p.get("cpu_s_per_gb") for _, p in ps]),
+        "memory_mib": _median([p["memory_peak_bytes"] / 2**20 if p.get("memory_peak_bytes") is not None else None
+                               for _, p in ps]),
+        "share": [_median([p["share"][k] for _, p in ps]) for k in range(len(ps[0][1]["share"]))],
+        "duplicate": _median([p.get("read_amplification") for _, p in ps]),
+        "page_cache_mib": _median([p["page_cache_bytes"] / 2**20 if p.get("page_cache_bytes") else None
+                                   for _, p in ps]),
+    }
+
+
+def device_markdown(docs: Sequence[dict]) -> str:
+    """Per page geometry: an overview (testbeds as rows, contenders as columns), then per testbed
+    the full table with every policy."""
+    groups = device_groups(docs)
+    lines: list[str] = []
+    for env, label in sorted({(e, g) for e, g, _ in groups}):
+        ref = DEVICE_REFS[env]
+        cols = DEVICE_COLUMNS[env]
+        profiles = sorted((p for e, g, p in groups if (e, g) == (env, label)), key=_device_order)
+        lines += [f"#### {label}: {env} path, medians of runs", "",
+                  "| testbed | " + " | ".join(h for _, h in cols) + " | fio, both tiers at once |",
+                  "|---|" + "---:|" * (len(cols) + 1)]
+        for prof in profiles:
+            runs = groups[(env, label, prof)]
+            cells = []
+            for name, _ in cols:
+                row = device_row(runs, name, ref)
+                if row is None:
+                    cells.append("-")
+                    continue
+                ratio = f" ({row['x_ref_paired']:.2f}x)" if name != ref and row["x_ref_paired"] is not None else ""
+                two_tier = name in ("kvstream", "sglang-adapter", "lmcache-kvstream")
+                of_fio = f", {row['x_fio']:.2f}x fio" if two_tier and row["x_fio"] else ""
+                cells.append(f"{row['mbps']:.0f}{ratio}{of_fio}, {_f(row['cpu_s_per_gb'], '.3f')} s/GB")
+            fio = [((r.get("fio") or {}).get("read") or {}) for r in runs]
+            both = " + ".join(_f(_median([f.get(f"tier{k}+") for f in fio]), ".0f")
+                              for k in range(len(runs[0]["tiers"])))
+            fio_cell = f"{both} = {_f(_median([f.get('all') for f in fio]), '.0f')}" if any(fio) else "-"
+            lines.append(f"| {prof} ({len(runs)} runs) | " + " | ".join(cells) + f" | {fio_cell} |")
+        lines += ["", f"MB/s = 10^6 B/s, median of the runs' rates; (Nx) = median over every round of the runs of the "
+                      f"ratio to {ref}'s batch in the same round; s/GB = process CPU seconds per GB read (getrusage "
+                      "around each read); two tiers: also the ratio to fio's both-at-once read in the same run.", ""]
+        for prof in profiles:
+            runs = groups[(env, label, prof)]
+            loads = [x for r in runs for x in (r.get("loadavg") or {}).values()]
+            names: list[str] = []
+            for r in runs:
+                names += [n for n in r["policies"] if n not in names]
+            lines += [f"##### {prof}, {label} ({len(runs)} runs; load average "
+                      f"{min((x[0] for x in loads), default=0):.1f}-{max((x[0] for x in loads), default=0):.1f})", "",
+                      f"| policy | MB/s (min..max) | x {ref}: per round (per run) | of fio both | gap | CPU s/GB | "
+                      "engine memory MiB | share t0/t1 | duplicate bytes |",
+                      "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+            for name in names:
+                row = device_row(runs, name, ref)
+                if row is None:
+                    continue
+                extra = f" (page cache {row['page_cache_mib']:.0f} MiB)" if row["page_cache_mib"] else ""
+                per_run = ", ".join(_f(x, ".2f") for x in row["x_ref_runs"])
+                gap = "-" if row["gap"] is None else f"{row['gap'] * 100:+.1f}%"
+                lines.append(f"| {name}{extra} | {row['mbps']:.0f} ({row['mbps_min']:.0f}..{row['mbps_max']:.0f}) | "
+                             f"{_f(row['x_ref_paired'], '.2f')} ({per_run}) | {_f(row['x_fio'], '.0%')} | {gap} | "
+                             f"{_f(row['cpu_s_per_gb'], '.3f')} | "
+                             f"{_f(row['memory_mib'], '.0f')} | {'/'.join(_f(x, '.2f') for x in row['share'])} | "
+                             f"{_f(row['duplicate'], '.1%')} |")
+            fio = [((r.get("fio") or {}).get("read") or {}) for r in runs]
+            alone = ", ".join(f"tier{k} {_f(_median([f.get(f'tier{k}') for f in fio]), '.0f')}"
+                              for k in range(len(runs[0]["tiers"])))
+            lines += ["", f"fio alone: {alone} MB/s; both at once "
+                          f"{_f(_median([f.get('all') for f in fio]), '.0f')} MB/s (medians of the runs, each the mean "
+                          "of fio right before and right after the reads).", ""]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+", help="kvstream bench --json outputs")
+    p.add_argument("--device", action="store_true", help="device-speed tables (ratios to peers and fio, CPU s/GB)")
     p.add_argument("--md", help="write the Markdown tables here (default: stdout)")
     p.add_argument("--img-dir", help="write the summary figures here")
     p.add_argument("--prefix", default="bench")
     args = p.parse_args(argv)
     docs = load(args.json)
-    text = markdown(docs)
+    text = device_markdown(docs) if args.device else markdown(docs)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)

@@ -2,7 +2,7 @@
 
 Lifecycle (every step is undone by :func:`down`, which is idempotent and also cleans half-built testbeds)::
 
-    up(profile)     preflight -> per tier: sparse image -> losetup --direct-io=on -> mkfs.ext4 -> mount
+    up(profile)     preflight -> per tier: sparse image -> losetup -> mkfs.ext4 -> mount
                     -> blkio cgroup with each device's read/write bytes-per-second limit -> state file
                     -> fio: each tier alone, then all tiers at once (the physical bound, on record)
     join(pid)       a process (the bench; fio; a competing tenant) enters the throttled group.
@@ -14,6 +14,16 @@ The throttle is per cgroup and per device: every process in the group shares eac
 (a competing tenant in the group takes bandwidth from the bench); reads and writes have separate
 budgets (blk-throttle v1 meters them independently). Buffered writes are not throttled (writeback
 runs outside the group); the engine writes with O_DIRECT, so its writes are.
+
+Three kinds of tier (``TierLimit.backing``):
+
+* ``disk``: a sparse image on the machine's disk (``/var/lib/kvstream-testbed``) attached with
+  ``losetup --direct-io=on``: the throttle is the limit (the 1:20 profiles).
+* ``ram``: an image in ``/dev/shm`` attached *without* direct I/O, so the loop device reads RAM
+  (its memcpy runs in a kernel worker): a device-speed tier, unthrottled or read-limited to a
+  PFS-like rate. Mounted with ``discard``, so pages deleted from it give their RAM back.
+* ``dir``: a plain directory on the machine's own disk (no loop device, never throttled): what a
+  node's local file system does, page cache of the VM host included.
 
 The state lives in ``/run/kvstream-testbed/<name>.json`` (tmpfs: it disappears at reboot, like the
 loop devices). Commands are built by small pure functions (``*_cmd``) so they can be unit-tested.
@@ -34,10 +44,12 @@ from . import fio as _fio
 
 BLKIO_ROOT = "/sys/fs/cgroup/blkio"
 STATE_DIR = "/run/kvstream-testbed"
-IMAGE_DIR = "/var/lib/kvstream-testbed"
+IMAGE_DIR = "/var/lib/kvstream-testbed"  # disk images and dir tiers: on the machine's disk
+RAM_IMAGE_DIR = "/dev/shm"  # images of ram tiers (tmpfs)
 MOUNT_ROOT = "/mnt"
 DEFAULT_NAME = "kvstream"
 DEFAULT_TIER_BYTES = 16 << 30  # sparse image size per tier: room for the bench data set and the fio probe file
+DEFAULT_RAM_TIER_BYTES = 6 << 30  # a ram tier only takes RAM for what is written, and its ext4 metadata
 MB = 1_000_000  # profiles are in MB/s (decimal, like fio's and the paper's figures)
 
 
@@ -48,8 +60,9 @@ class TestbedError(RuntimeError):
 # ----------------------------------------------------------------------------------------- profiles
 @dataclass(frozen=True)
 class TierLimit:
-    read_bps: int
+    read_bps: int  # 0: not throttled
     write_bps: int
+    backing: str = "disk"  # disk | ram | dir (module docstring)
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,8 @@ class Profile:
     name: str
     tiers: tuple[TierLimit, ...]
     note: str = ""
+    fio_iodepth: int = _fio.FIO_IODEPTH  # fio's requests in flight per tier: enough to reach the tier's rate
+    fio_file_bytes: int = _fio.FIO_FILE_BYTES  # fio's probe file per tier
 
     @property
     def bound_read_bps(self) -> int:
@@ -64,10 +79,13 @@ class Profile:
 
     @property
     def slowest_write_tier(self) -> int:
-        return min(range(len(self.tiers)), key=lambda i: self.tiers[i].write_bps)
+        return min(range(len(self.tiers)), key=lambda i: self.tiers[i].write_bps or float("inf"))  # 0: no limit
 
 
-# The paper's testbeds scaled by 1/20 (tier 0 = local NVMe, tier 1 = the shared file system).
+# The paper's testbeds scaled by 1/20 (tier 0 = local NVMe, tier 1 = the shared file system), and the
+# device-speed testbeds: RAM-backed tiers (tier 0 unthrottled or Testbed-2 at 1/7), or the machine's disk.
+DEVICE_FIO_IODEPTH = 32  # a RAM-backed or real device needs many requests in flight to reach its rate
+RAM_FIO_FILE_BYTES = 512 << 20  # the probe file costs RAM on a ram tier
 PROFILES: dict[str, Profile] = {
     "testbed2-1:20": Profile(
         "testbed2-1:20",
@@ -79,21 +97,47 @@ PROFILES: dict[str, Profile] = {
         (TierLimit(685 * MB, 230 * MB), TierLimit(310 * MB, 355 * MB)),
         "paper Testbed-1 / 20",
     ),
+    "ram-0.7": Profile(
+        "ram-0.7",
+        (TierLimit(0, 0, "ram"), TierLimit(700 * MB, 0, "ram")),
+        "device speed: RAM-backed tier 0 unthrottled, tier 1 read-limited to a PFS-like 0.7 GB/s",
+        DEVICE_FIO_IODEPTH, RAM_FIO_FILE_BYTES,
+    ),
+    "testbed2-1:7": Profile(
+        "testbed2-1:7",
+        (TierLimit(1650 * MB, 730 * MB, "ram"), TierLimit(515 * MB, 400 * MB, "ram")),
+        "device speed: paper Testbed-2 (11.6 GB/s NVMe + 3.6 GB/s Lustre) / 7 on RAM-backed tiers",
+        DEVICE_FIO_IODEPTH, RAM_FIO_FILE_BYTES,
+    ),
+    "disk+ram-0.7": Profile(
+        "disk+ram-0.7",
+        (TierLimit(0, 0, "dir"), TierLimit(700 * MB, 0, "ram")),
+        "device speed: tier 0 a directory on the machine's own disk, tier 1 RAM-backed at 0.7 GB/s",
+        DEVICE_FIO_IODEPTH, RAM_FIO_FILE_BYTES,
+    ),
 }
 
 
 def parse_profile(spec: str) -> Profile:
-    """A profile name from :data:`PROFILES`, or explicit limits ``"R0/W0,R1/W1"`` in MB/s (``"400/200,150/100"``)."""
+    """A profile name from :data:`PROFILES`, or explicit tiers: ``"R0/W0,R1/W1"`` in MB/s
+    (``"400/200,150/100"``; 0 = not throttled), each optionally prefixed by its backing
+    (``"ram:0/0,ram:700/0"``), or ``dir`` for a directory on the machine's disk (``"dir,ram:700/0"``)."""
     if spec in PROFILES:
         return PROFILES[spec]
     tiers = []
     for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)\s*", part)
+        m = re.fullmatch(r"\s*(?:(disk|ram):)?\s*(\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)\s*|\s*(dir)\s*", part)
         if not m:
             known = ", ".join(PROFILES)
-            raise TestbedError(f"unknown testbed profile {spec!r}: use one of {known}, or 'R0/W0,R1/W1' in MB/s")
-        tiers.append(TierLimit(int(float(m[1]) * MB), int(float(m[2]) * MB)))
-    return Profile(spec, tuple(tiers), "explicit limits")
+            raise TestbedError(f"unknown testbed profile {spec!r}: use one of {known}, or 'R0/W0,R1/W1' in MB/s "
+                               "(each optionally 'ram:R/W', or 'dir' for a directory on this machine's disk)")
+        if m[4]:
+            tiers.append(TierLimit(0, 0, "dir"))
+        else:
+            tiers.append(TierLimit(int(float(m[2]) * MB), int(float(m[3]) * MB), m[1] or "disk"))
+    fast = any(t.backing != "disk" for t in tiers)  # device speed: fio needs the depth to reach the device
+    return Profile(spec, tuple(tiers), "explicit limits", DEVICE_FIO_IODEPTH if fast else _fio.FIO_IODEPTH,
+                   RAM_FIO_FILE_BYTES if fast else _fio.FIO_FILE_BYTES)
 
 
 def parse_size(text: str) -> int:
@@ -106,21 +150,26 @@ def parse_size(text: str) -> int:
 
 
 # ------------------------------------------------------------------------------------- pure builders
-def names(name: str, n_tiers: int, image_dir: str = IMAGE_DIR) -> dict:
-    """Paths of a testbed called ``name``: images, mount points, cgroup, state file."""
+def names(name: str, n_tiers: int, image_dir: str = IMAGE_DIR, ram_image_dir: str | None = None) -> dict:
+    """Paths of a testbed called ``name``: images (disk and ram backings), the directories of dir
+    tiers, mount points, cgroup, state file. Tier ``i`` of a kind uses that kind's entry ``i``."""
     suffix = "" if name == DEFAULT_NAME else f"-{name}"
+    ram = RAM_IMAGE_DIR if ram_image_dir is None else ram_image_dir
     return {
         "images": [os.path.join(image_dir, f"{name}-tier{i}.img") for i in range(n_tiers)],
+        "ram_images": [os.path.join(ram, f"{name}-tier{i}.img") for i in range(n_tiers)],
+        "dir_tiers": [os.path.join(image_dir, f"{name}-tier{i}") for i in range(n_tiers)],
         "mounts": [os.path.join(MOUNT_ROOT, f"kvstream{suffix}", f"tier{i}") for i in range(n_tiers)],
         "cgroup": os.path.join(BLKIO_ROOT, f"kvstream{suffix}"),
         "state": os.path.join(STATE_DIR, f"{name}.json"),
     }
 
 
-def losetup_attach_cmd(image: str) -> list[str]:
+def losetup_attach_cmd(image: str, direct_io: bool = True) -> list[str]:
     # --direct-io=on: the loop device reads its image with O_DIRECT, so the host page cache of the
-    # image file never serves (and never inflates) a tier's reads.
-    return ["losetup", "--direct-io=on", "--find", "--show", image]
+    # image file never serves (and never inflates) a tier's reads. A ram tier's image is in tmpfs,
+    # whose page cache *is* the storage: without direct I/O the device reads RAM.
+    return ["losetup", *(["--direct-io=on"] if direct_io else []), "--find", "--show", image]
 
 
 def losetup_detach_cmd(device: str) -> list[str]:
@@ -133,8 +182,9 @@ def mkfs_cmd(device: str, label: str) -> list[str]:
     return ["mkfs.ext4", "-q", "-F", "-m", "0", "-L", label, "-E", "lazy_itable_init=0,lazy_journal_init=0", device]
 
 
-def mount_cmd(device: str, mountpoint: str) -> list[str]:
-    return ["mount", "-o", "noatime", device, mountpoint]
+def mount_cmd(device: str, mountpoint: str, discard: bool = False) -> list[str]:
+    # discard (ram tiers): a deleted file's blocks are punched out of the tmpfs image, so its RAM comes back
+    return ["mount", "-o", "noatime,discard" if discard else "noatime", device, mountpoint]
 
 
 def umount_cmd(mountpoint: str) -> list[str]:
@@ -147,11 +197,14 @@ def throttle_line(devnum: str, bps: int) -> str:
 
 
 def throttle_writes(cgroup: str, devnums: Sequence[str], profile: Profile) -> list[tuple[str, str]]:
-    """``(file, line)`` pairs that apply ``profile`` to the devices, tier by tier."""
+    """``(file, line)`` pairs that apply ``profile`` to the devices, tier by tier (a limit of 0 removes
+    the rule: not throttled). A dir tier has no device of its own (devnum ``""``): no rule."""
     if len(devnums) != len(profile.tiers):
         raise TestbedError(f"profile {profile.name} has {len(profile.tiers)} tiers, testbed has {len(devnums)}")
     out = []
     for dev, lim in zip(devnums, profile.tiers):
+        if not dev:
+            continue
         out.append((os.path.join(cgroup, "blkio.throttle.read_bps_device"), throttle_line(dev, lim.read_bps)))
         out.append((os.path.join(cgroup, "blkio.throttle.write_bps_device"), throttle_line(dev, lim.write_bps)))
     return out
@@ -185,11 +238,12 @@ def preflight(image_dir: str = IMAGE_DIR, *, need_fio: bool = True) -> list[str]
 # ------------------------------------------------------------------------------------------- state
 @dataclass
 class Tier:
-    image: str
-    device: str
-    devnum: str  # "MAJOR:MINOR"
-    mount: str
+    image: str  # "" for a dir tier
+    device: str  # "" for a dir tier
+    devnum: str  # "MAJOR:MINOR"; "" for a dir tier (no throttle)
+    mount: str  # the tier's directory: a mount point, or the dir tier itself
     size: int
+    backing: str = "disk"
 
 
 @dataclass
@@ -248,26 +302,19 @@ class Testbed:
     def probe_files(self) -> list[str]:
         return [os.path.join(t.mount, ".fio-probe") for t in self.tiers]
 
-    def measure(self, bs: int, *, runtime_s: float = _fio.FIO_RUNTIME_S, iodepth: int = _fio.FIO_IODEPTH,
+    def measure(self, bs: int, *, runtime_s: float = _fio.FIO_RUNTIME_S, iodepth: int | None = None,
                 log: Callable[[str], None] = print) -> dict:
-        """fio writes and reads of each tier alone, then all tiers at once, inside the group."""
+        """fio writes and reads of each tier alone, then all tiers at once, inside the group
+        (``iodepth`` default: the profile's)."""
+        iodepth = iodepth or self.profile.fio_iodepth
         files = self.probe_files()
-        n = len(files)
         pre = self.joined_preexec()
-        fill = [_fio.FioJob(f"fill{i}", f, "write", bs, runtime_s=None, iodepth=iodepth) for i, f in enumerate(files)]
-        _fio.run(fill, preexec_fn=pre)  # probe files exist and are allocated before anything is timed
-        result: dict = {"bs": bs, "iodepth": iodepth, "runtime_s": runtime_s, "read": {}, "write": {}}
-        for rw, key, kind in (("write", "write_bps", "write"), ("randread", "read_bps", "read")):
-            for i in range(n):
-                job = _fio.FioJob(f"tier{i}", files[i], rw, bs, iodepth=iodepth, runtime_s=runtime_s)
-                result[kind][f"tier{i}"] = _fio.summarize(_fio.run([job], preexec_fn=pre), key)[f"tier{i}"]
-                log(f"  fio {kind:5s} tier{i} alone: {result[kind][f'tier{i}']:8.1f} MB/s")
-            jobs = [_fio.FioJob(f"tier{i}+", files[i], rw, bs, iodepth=iodepth, runtime_s=runtime_s) for i in range(n)]
-            both = _fio.summarize(_fio.run(jobs, preexec_fn=pre), key)
-            result[kind].update(both)
-            result[kind]["all"] = round(sum(both.values()), 1)
-            log(f"  fio {kind:5s} all at once: " + ", ".join(f"{k} {v:.1f}" for k, v in both.items())
-                + f" -> {result[kind]['all']:.1f} MB/s")
+        size = self.profile.fio_file_bytes
+        _fio.fill(files, bs, size, iodepth, preexec_fn=pre)
+        result: dict = {"bs": bs, "iodepth": iodepth, "runtime_s": runtime_s}
+        for rw, kind in (("write", "write"), ("randread", "read")):
+            result[kind] = _fio.alone_and_together(files, rw, bs, size=size, iodepth=iodepth, runtime_s=runtime_s,
+                                                   preexec_fn=pre, log=log)
         self.fio = result
         self.save()
         return result
@@ -289,8 +336,9 @@ class Testbed:
                 doc = json.load(f)
         except FileNotFoundError:
             return None
-        prof = doc["profile"]
-        doc["profile"] = Profile(prof["name"], tuple(TierLimit(**t) for t in prof["tiers"]), prof.get("note", ""))
+        prof = dict(doc["profile"])
+        prof["tiers"] = tuple(TierLimit(**t) for t in prof["tiers"])
+        doc["profile"] = Profile(**prof)
         doc["tiers"] = [Tier(**t) for t in doc["tiers"]]
         return cls(**doc)
 
@@ -299,6 +347,10 @@ class Testbed:
         out = []
         mounted = _mounts()
         for i, t in enumerate(self.tiers):
+            if t.backing == "dir":
+                if not os.path.isdir(t.mount):
+                    out.append(f"tier{i}: directory {t.mount} is missing")
+                continue
             if mounted.get(t.mount) != t.device:
                 out.append(f"tier{i}: {t.device} is not mounted on {t.mount}")
             if _backing_file(t.device) != t.image:
@@ -310,82 +362,104 @@ class Testbed:
 
 # ------------------------------------------------------------------------------------------ up/down
 def up(profile: Profile, *, name: str = DEFAULT_NAME, sizes: Sequence[int] | None = None, image_dir: str = IMAGE_DIR,
-       fio_bs: int | None = 8 << 20, fio_runtime_s: float = _fio.FIO_RUNTIME_S,
+       ram_image_dir: str = RAM_IMAGE_DIR, fio_bs: int | None = 8 << 20, fio_runtime_s: float = _fio.FIO_RUNTIME_S,
        log: Callable[[str], None] = print) -> Testbed:
     """Build (or re-profile) the testbed and put fio's figures on record. ``fio_bs=None`` skips fio.
 
-    An existing healthy testbed of the same name and tier count is reused: only its throttles change
-    (and fio runs again). A broken one is torn down first. Anything half-built is undone on failure.
+    An existing healthy testbed of the same name and the same tiers (count and backing) is reused:
+    only its throttles change (and fio runs again). A broken one is torn down first. Anything
+    half-built is undone on failure. ``sizes``: image bytes per tier (default 16 GiB on disk, 6 GiB
+    in RAM, sparse; unused for a dir tier).
     Raises :class:`TestbedError` with the reasons and fixes when this host cannot run it.
     """
     n = len(profile.tiers)
     problems = preflight(image_dir, need_fio=fio_bs is not None)
     if problems:
         raise TestbedError("cannot build the testbed here:\n  - " + "\n  - ".join(problems))
+    backings = [t.backing for t in profile.tiers]
     existing = Testbed.load(name)
     if existing is not None:
-        if len(existing.tiers) == n and not existing.problems():
+        if [t.backing for t in existing.tiers] == backings and not existing.problems():
             log(f"testbed {name!r} is up ({existing.profile.name}); applying {profile.name}")
             existing.apply(profile)
             existing.save()
             if fio_bs is not None:
                 existing.measure(fio_bs, runtime_s=fio_runtime_s, log=log)
             return existing
-        log(f"testbed {name!r} exists but is broken or has another tier count: tearing it down first")
-        down(name, image_dir=image_dir, log=log)
-    sizes = list(sizes or [DEFAULT_TIER_BYTES] * n)
+        log(f"testbed {name!r} exists but is broken or has other tiers: tearing it down first")
+        down(name, image_dir=image_dir, ram_image_dir=ram_image_dir, log=log)
+    sizes = list(sizes or [DEFAULT_RAM_TIER_BYTES if b == "ram" else DEFAULT_TIER_BYTES for b in backings])
     if len(sizes) != n:
         raise TestbedError(f"{len(sizes)} sizes given for {n} tiers")
-    paths = names(name, n, image_dir)
+    paths = names(name, n, image_dir, ram_image_dir)
     os.makedirs(image_dir, exist_ok=True)
-    free = shutil.disk_usage(image_dir).free
-    if sum(sizes) > free:
-        log(f"warning: images total {sum(sizes) >> 30} GiB (sparse) but {image_dir} has {free >> 30} GiB free")
+    for where, kind in ((image_dir, "disk"), (ram_image_dir, "ram")):
+        want = sum(sz for sz, b in zip(sizes, backings) if b == kind)
+        free = shutil.disk_usage(where).free if want else 0
+        if want > free:
+            log(f"warning: {kind} images total {want >> 30} GiB (sparse) but {where} has {free >> 30} GiB free")
     bed = Testbed(name, profile, paths["cgroup"], [], paths["state"])
     try:
         bed.save()  # recorded first, so that down() can clean up whatever the next steps leave
-        for i in range(n):
-            image, mnt = paths["images"][i], paths["mounts"][i]
+        for i, backing in enumerate(backings):
+            if backing == "dir":
+                d = paths["dir_tiers"][i]
+                bed.tiers.append(Tier("", "", "", d, 0, backing))
+                bed.save()
+                os.makedirs(d, exist_ok=True)
+                continue
+            ram = backing == "ram"
+            image, mnt = paths["ram_images" if ram else "images"][i], paths["mounts"][i]
             with open(image, "wb") as f:
                 f.truncate(sizes[i])
-            device = _run(losetup_attach_cmd(image)).strip()
-            bed.tiers.append(Tier(image, device, "", mnt, sizes[i]))
+            device = _run(losetup_attach_cmd(image, direct_io=not ram)).strip()
+            bed.tiers.append(Tier(image, device, "", mnt, sizes[i], backing))
             bed.save()
-            if _dio(device) != "1":
+            if not ram and _dio(device) != "1":
                 log(f"warning: {device} did not enable direct I/O (backing fs block size?); host page cache may serve reads")
             _run(mkfs_cmd(device, f"kvs-{name[:8]}-t{i}"))
             os.makedirs(mnt, exist_ok=True)
-            _run(mount_cmd(device, mnt))
+            _run(mount_cmd(device, mnt, discard=ram))
             bed.tiers[i].devnum = _devnum(device)
             bed.save()
         os.makedirs(bed.cgroup, exist_ok=True)
         bed.apply(profile)
         bed.save()
-        log(f"testbed {name!r} up: " + ", ".join(f"tier{i} {t.mount} ({t.device} {t.devnum})" for i, t in enumerate(bed.tiers))
-            + f"; blkio group {bed.cgroup}")
+        log(f"testbed {name!r} up: " + ", ".join(f"tier{i} {t.mount} ({t.device or 'directory'} {t.devnum}, {t.backing})"
+                                                 for i, t in enumerate(bed.tiers)) + f"; blkio group {bed.cgroup}")
         for i, lim in enumerate(profile.tiers):
-            log(f"  tier{i} throttle: read {lim.read_bps / MB:.0f} MB/s, write {lim.write_bps / MB:.0f} MB/s")
+            log(f"  tier{i} throttle: read {_limit_text(lim.read_bps)}, write {_limit_text(lim.write_bps)}")
         if fio_bs is not None:
             bed.measure(fio_bs, runtime_s=fio_runtime_s, log=log)
     except BaseException:
         with suppress(Exception):  # the original error is the one worth seeing
-            down(name, image_dir=image_dir, log=log)
+            down(name, image_dir=image_dir, ram_image_dir=ram_image_dir, log=log)
         raise
     return bed
 
 
-def down(name: str = DEFAULT_NAME, *, image_dir: str = IMAGE_DIR, log: Callable[[str], None] = print) -> bool:
+def _limit_text(bps: int) -> str:
+    return f"{bps / MB:.0f} MB/s" if bps else "not throttled"
+
+
+def down(name: str = DEFAULT_NAME, *, image_dir: str = IMAGE_DIR, ram_image_dir: str = RAM_IMAGE_DIR,
+         log: Callable[[str], None] = print) -> bool:
     """Tear the testbed down: idempotent, and safe on a half-built one. Returns True if anything was removed.
 
-    Without a state file it still looks for this name's images, mounts and group at the default places.
+    Without a state file it still looks for this name's images, dir tiers, mounts and group at the
+    default places.
     """
     bed = Testbed.load(name)
     n_guess = max(2, len(bed.tiers) if bed else 0)
-    paths = names(name, n_guess, image_dir)
+    paths = names(name, n_guess, image_dir, ram_image_dir)
+    recorded = bed.tiers if bed else []
     # The recorded tiers plus this name's default places: a half-built testbed may have created an
-    # image before recording it.
-    images = _unique(([t.image for t in bed.tiers] if bed else []) + [p for p in paths["images"] if os.path.exists(p)])
-    mounts = _unique(([t.mount for t in bed.tiers] if bed else []) + paths["mounts"])
+    # image or a directory before recording it.
+    images = _unique([t.image for t in recorded if t.image]
+                     + [p for p in paths["images"] + paths["ram_images"] if os.path.exists(p)])
+    dir_tiers = _unique([t.mount for t in recorded if t.backing == "dir"]
+                        + [p for p in paths["dir_tiers"] if os.path.isdir(p)])
+    mounts = _unique([t.mount for t in recorded if t.backing != "dir"] + paths["mounts"])
     cgroup = bed.cgroup if bed else paths["cgroup"]
     removed = False
     mounted = _mounts()
@@ -396,13 +470,17 @@ def down(name: str = DEFAULT_NAME, *, image_dir: str = IMAGE_DIR, log: Callable[
         with suppress(FileNotFoundError, OSError):  # not empty or already gone: leave it
             os.rmdir(mnt)
     with suppress(FileNotFoundError, OSError):
-        os.rmdir(os.path.dirname(mounts[0]))
+        os.rmdir(os.path.dirname(paths["mounts"][0]))
     for image in images:
         for dev in _devices_of(image):
             _run(losetup_detach_cmd(dev))
             removed = True
         if os.path.exists(image):
             os.unlink(image)
+            removed = True
+    for d in dir_tiers:
+        if os.path.isdir(d):
+            shutil.rmtree(d)
             removed = True
     if os.path.isdir(cgroup):
         _empty_cgroup(cgroup)
