@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from . import tmpfiles
-from .config import Config
+from .config import Config, check_capacities
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
@@ -61,12 +61,15 @@ class Engine:
     :param clock: monotonic clock for tier back-off (tests inject one).
     :param announce: log the one-line start-up summary at INFO (else at DEBUG): an adapter that logs
         its own line with the same facts (the SGLang backend, once per server) turns it off.
-    :raises ConfigError: a tier directory is unusable, or no I/O ring opens (``io_engine``).
+    :param page_bytes: the payload size of the pages the caller will store, when it knows it (the
+        SGLang adapter does): a tier whose capacity cannot hold one such page is refused at start-up.
+    :raises ConfigError: a tier directory is unusable, a capacity holds no page, or no I/O ring opens
+        (``io_engine``).
     """
 
     def __init__(self, config: Config, namespace: Namespace, *, policy: Policy | None = None,
                  ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic,
-                 announce: bool = True):
+                 announce: bool = True, page_bytes: int | None = None):
         self._closed = True
         if config.log_level:
             log.setLevel(config.log_level)
@@ -75,9 +78,12 @@ class Engine:
         self.warnings = config.probe_tiers()
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
+        capacities = [t.capacity.resolve(t.path) for t in config.tiers]
+        check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
-        self.tiers = [Tier(k, t.path, namespace.digest, t.capacity.resolve(t.path), config.modes, config.fsync,
-                           config.tier_retry, self._token, clock) for k, t in enumerate(config.tiers)]
+        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync,
+                           config.tier_retry, self._token, clock) for k, (t, cap) in enumerate(zip(config.tiers,
+                                                                                                 capacities))]
         for tier in self.tiers:
             tier.on_rejoin = self._reconcile
         self.index = Index([t.capacity for t in self.tiers])

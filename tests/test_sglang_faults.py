@@ -232,3 +232,17 @@ def test_prometheus_multiprocess_mode(tmp_path):
     assert 'kvstream:tier_healthy{dp_rank="0",pp_rank="0",tier="1",tp_rank="0"} 0.0' in out, out
     assert 'kvstream:retrieval_gap_count{dp_rank="0",pp_rank="0",tp_rank="0"} 1.0' in out, out
     assert any(f.name.startswith("counter_") for f in tmp_path.iterdir())
+
+
+def test_a_capacity_smaller_than_one_page_is_refused_at_attach(tier_dirs):
+    """A capacity that holds no page of this pool would make every backup a silent miss: the attach
+    fails, naming the setting, the page size and the fix."""
+    from kvstream_hicache.errors import ConfigError
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    config = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2], capacity="16K"))
+    with pytest.raises(ConfigError) as info:
+        KVStreamHiCacheStorage(config, pools.host)
+    message = str(info.value)
+    assert "extra config 'capacity'" in message and "less than one page file" in message
+    assert str(pools.flat_page_nbytes()) in message and "leave it empty for unlimited" in message

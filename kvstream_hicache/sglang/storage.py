@@ -470,7 +470,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
         # The engine would announce itself at INFO on every rank; sglang gets one line instead, from
         # rank 0 (startup_line), which carries the same facts plus the host-pool side.
-        return Engine(self.config, namespace, announce=False)
+        return Engine(self.config, namespace, announce=False, page_bytes=self._page_bytes)
 
     def _make_exporter(self):
         from .metrics import Exporter
