@@ -315,12 +315,14 @@ class Config:
 
     # -- I/O checks ---------------------------------------------------------------------------
     def probe_tiers(self) -> list[str]:
-        """Check every tier: exists, is a directory, is writable, supports O_DIRECT. Creates
-        ``<tier>/kvstream/tmp``. Returns warnings (two tiers on one file system).
+        """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
+        tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. Returns warnings (two
+        tiers on one file system).
 
         :raises TierError: naming the tier, the setting and the fix.
         """
         warnings = list(self.warnings)
+        self.check_overlap()
         devices: dict[int, str] = {}
         for tier in self.tiers:
             probe_tier(tier.path, self.modes[1], self.sources.get("tiers", env_name("tiers")))
@@ -332,6 +334,44 @@ class Config:
         for w in warnings:
             log.warning("kvstream: %s", w)
         return warnings
+
+
+    def check_overlap(self) -> None:
+        """Refuse tiers that share a tree: the same directory under two paths the tier list did not
+        catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
+        manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
+        them). Tiers that do not exist yet are left to the probe.
+
+        :raises TierError: naming both tiers, the setting and the fix.
+        """
+        source = _what(self.sources, "tiers")
+        ids: dict[tuple[int, int], str] = {}
+        trees: dict[tuple[int, int], str] = {}
+        for tier in self.tiers:
+            for path, table in ((tier.path, ids), (os.path.join(tier.path, ROOT_DIR), trees)):
+                try:
+                    st = os.stat(path)
+                except (OSError, ValueError):
+                    continue
+                other = table.setdefault((st.st_dev, st.st_ino), tier.path)
+                if table is ids and other != tier.path:
+                    raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
+                                    "mount or another path to it): list it once")
+        for tier in self.tiers:
+            path = os.path.realpath(tier.path)
+            while True:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    st = None
+                owner = trees.get((st.st_dev, st.st_ino)) if st is not None else None
+                if owner is not None and owner != tier.path:
+                    raise TierError(f"tier {tier.path} (from {source}) is inside {os.path.join(owner, ROOT_DIR)}, the "
+                                    f"directory kvstream manages for tier {owner} (its page and temporary files): "
+                                    "choose a directory outside it")
+                if path == os.path.dirname(path):
+                    break
+                path = os.path.dirname(path)
 
 
 def _what(sources: Mapping[str, str], key: str) -> str:

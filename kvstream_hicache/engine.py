@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from contextlib import suppress
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,7 +27,7 @@ from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import (
-    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards,
+    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
 from .io import RING_ENTRIES, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
@@ -278,11 +277,13 @@ class Engine:
         t0 = time.perf_counter()
         digest = self.namespace.digest
         tmp_removed = 0
+        kept: list[Problem] = []  # what start-up could not (or must not) remove: reported, never fatal
         for tier in self.tiers:
-            for path in tmpfiles.stale_tmp(tier.layout.tmp):
-                with suppress(FileNotFoundError):  # another engine's start removed it first
-                    os.unlink(path)
+            for problem in tmp_problems(tier.root, tier.layout.tmp, None, fix=True):
+                if problem.fixed:
                     tmp_removed += 1
+                else:
+                    kept.append(problem)
         tasks = [(k, shard) for k, tier in enumerate(self.tiers) for shard in shards(tier.layout)]
 
         def scan(task: tuple[int, str]) -> list[ScannedPage]:
@@ -297,8 +298,11 @@ class Engine:
                 if page.problem is None:
                     entries.append((page.header.created_ns, k, page))
                 elif page.problem.detail != VANISHED:
-                    fix_problem(page.problem)
-                    damaged += 1
+                    problem = fix_problem(page.problem)
+                    if problem.fixed:
+                        damaged += 1
+                    else:
+                        kept.append(problem)
         entries.sort(key=lambda e: (e[0], e[1]))
         for _, k, page in entries:
             self._index_page(k, page)
@@ -311,8 +315,10 @@ class Engine:
         if damaged or tmp_removed:
             log.warning("kvstream: start-up scan removed %d damaged page files and %d temporary leftovers",
                         damaged, tmp_removed)
+        for problem in kept:
+            log.warning("kvstream: start-up scan: %s %s: %s", problem.kind, problem.path, problem.detail)
         return {"files": len(entries), "pages": len(self.index), "damaged_removed": damaged,
-                "tmp_removed": tmp_removed, "seconds": seconds,
+                "tmp_removed": tmp_removed, "kept": len(kept), "seconds": seconds,
                 "rate": (len(entries) + damaged) / seconds if seconds > 0 else 0.0}
 
     def _reconcile(self, tier: Tier) -> None:

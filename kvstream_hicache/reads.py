@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from .flow import TierFlow
 from .index import Index, PageInfo
-from .integrity import crc32c
+from .integrity import NotRegularFile, crc32c, open_regular
 from .io import OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
 from .memory import HugePageMap
@@ -327,6 +327,9 @@ class ReadPath:
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
                 try:
                     f.fd = self.tiers[tier].open_page(page.key)
+                except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
+                    self._remove_copy_locked(tier, page.key, f"{exc.strerror} under its name",
+                                             remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
                     err = exc.errno or errno.EIO
                     if self.tiers[tier].fail(err, f"open {page.key}"):
@@ -468,7 +471,7 @@ class ReadPath:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
         :raises OSError: e.g. FileNotFoundError."""
         span = block_span(page.info.length, page.info.block, j)
-        fd = os.open(self.tiers[tier].layout.page_path(page.key), os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = open_regular(self.tiers[tier].layout.page_path(page.key))
         try:
             return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
         finally:
@@ -502,19 +505,25 @@ class ReadPath:
             data = self._read_block(tier, page, j)
             damaged = len(data) != block_span(page.info.length, page.info.block, j).nbytes or \
                 crc32c(data) != page.info.crcs[j]
-        except FileNotFoundError:
+        except (FileNotFoundError, NotRegularFile):
             damaged = True
         except OSError:
             return  # the tier is failing: its health, not this page, is the problem
         if damaged:
-            log.warning("kvstream: page %s on tier %d is damaged (%s, block %d); removed, served from a replica "
-                        "if one is valid", page.key, tier, why, j)
-            self.index.remove(page.key, tier)
-            self.tiers[tier].unlink_page(page.key)
-            self.stats.add(tier, "quarantined")
+            self._remove_copy_locked(tier, page.key, f"{why}, block {j}")
         else:
             log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
                         "intact on disk; read from a replica", j, page.key, tier, why)
+
+    def _remove_copy_locked(self, tier: int, key: str, why: str, remove: bool = True) -> None:
+        """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
+        directory stays: kvstream never removes one; ``check`` reports it)."""
+        log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
+                    key, tier, why, "removed" if remove else "left in place")
+        self.index.remove(key, tier)
+        if remove:
+            self.tiers[tier].unlink_page(key)
+        self.stats.add(tier, "quarantined")
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths(self, route, unit: int) -> None:

@@ -21,6 +21,7 @@ import shutil
 import threading
 from collections.abc import Callable
 
+from .integrity import open_regular
 from .layout import TierLayout
 from .tmpfiles import ProbeFailed, probe_direct, tmp_name
 
@@ -32,7 +33,6 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
 
-READ_FLAGS = os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC
 TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC
 
 
@@ -136,8 +136,10 @@ class Tier:
 
     # -- files ----------------------------------------------------------------------------------
     def open_page(self, key: str) -> int:
-        """O_DIRECT read descriptor of ``key``'s page. :raises OSError: e.g. ENOENT."""
-        return os.open(self.layout.page_path(key), READ_FLAGS)
+        """O_DIRECT read descriptor of ``key``'s page.
+        :raises NotRegularFile: a FIFO, directory, ... under the page's name (integrity.open_regular).
+        :raises OSError: e.g. ENOENT."""
+        return open_regular(self.layout.page_path(key), os.O_DIRECT)[0]
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError:"""
