@@ -104,7 +104,8 @@ class Engine:
                               "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
         half = config.memory // 2  # staging: half for reads in flight, half for writes (config.py)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, half // len(self.tiers))
+                               config.read_timeout, half // len(self.tiers), namespace.digest)
+        self._reads.recover = self._recover
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, half)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
@@ -224,14 +225,34 @@ class Engine:
                                             "indexed but not on disk", fixed=fix))
                     if fix:
                         self.index.remove(key, k)
+                for key in sorted(indexed & valid.keys()):
+                    page = valid[key]
+                    if self._same_version(key, page):
+                        continue
+                    # Another process of the namespace stored this key since, with other bytes: a valid
+                    # page. Fixed as a read would: forget this copy (the file stays), or, where it was the
+                    # only indexed copy, index the version on disk.
+                    problems.append(Problem("index_stale", tier.root, page.path, "indexed with other content than "
+                                            "the file holds (another writer's version)", fixed=fix))
+                    if fix:
+                        self.index.remove(key, k)
+                        if not self.index.holders(key):
+                            self._index_page(k, page)
                 for key in sorted(valid.keys() - indexed):
                     page = valid[key]
+                    if self.index.holders(key) and not self._same_version(key, page):
+                        continue  # another writer's version of an indexed page: valid, kept, not indexed
                     # A bug, or (shared namespace) another process's page that discovery will find.
                     problems.append(Problem("index_missing", tier.root, page.path, "on disk but not indexed",
                                             fixed=fix))
                     if fix:
                         self._index_page(k, page)
         return problems
+
+    def _same_version(self, key: str, page: ScannedPage) -> bool:
+        """The valid file ``page`` holds the content the index has for ``key``."""
+        info, h = self.index.get(key), page.header
+        return info is not None and info.same_content(h.length, h.block, h.crcs)
 
     # -- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -251,24 +272,44 @@ class Engine:
         Costs one failed open per tier for a truly missing key. Returns how many keys were found."""
         if not self.discover:
             return 0
+        return self._lookup([k for k in keys if is_valid_key(k) and not self.index.contains(k, mask)], mask)
+
+    def _lookup(self, keys: Sequence[str], mask: int) -> int:
+        """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
+        tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
         found = 0
         for key in keys:
-            if not is_valid_key(key) or self.index.contains(key, mask):
-                continue
-            for tier in self.tiers:
-                if mask >> tier.k & 1:
-                    page = scan_file(tier.layout, self.namespace.digest, key)
-                    if page.problem is None:
-                        self._index_page(tier.k, page)
+            pages = [(page.header.created_ns, tier.k, page) for tier in self.tiers if mask >> tier.k & 1
+                     for page in [scan_file(tier.layout, self.namespace.digest, key)] if page.problem is None]
+            for _, k, page in sorted(pages, key=lambda e: e[:2]):
+                self._index_page(k, page)
             if self.index.contains(key, mask):
                 found += 1
                 self._stats.total("discovered")
         return found
 
+    def _recover(self, missed: list[str], relook: set[str], mask: int) -> int:
+        """The read path missed ``missed``: probe now (once per batch, whatever their back-off) the
+        failed tiers that hold them, which may be the last copies (the others were damaged), and look
+        up on disk the ``relook`` keys no indexed copy is left of (their copies were gone, or another
+        writer's version: what the tiers hold now is indexed). Returns the tiers usable now."""
+        wanted = 0
+        for key in missed:
+            info = self.index.get(key)
+            if info is not None:
+                wanted |= info.tiers & ~mask  # tiers failed before this batch (one that failed in it just did)
+        for tier in self.tiers:
+            if wanted >> tier.k & 1:
+                tier.usable(now=True)
+        mask = self._usable_mask()
+        self._lookup([k for k in sorted(relook) if not self.index.contains(k, mask)], mask)
+        return mask
+
     def _index_page(self, k: int, page: ScannedPage) -> None:
+        """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
+        leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        for t in self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False):
-            self.tiers[t].unlink_page(h.key)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
 
     def _rebuild_index(self) -> dict:
         """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold

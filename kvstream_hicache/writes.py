@@ -276,8 +276,9 @@ class WritePath:
                 self.index.abort(k, page.file_bytes)
                 self._failed_locked(k, exc.errno or errno.EIO, f"commit {page.key}")
                 return
-            for t in self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes):
-                self.tiers[t].unlink_page(page.key)  # an older copy with other content: never serve it
+            # A copy of other content on another tier (a failed tier's, another writer's) leaves the
+            # index, so it is never served against these checksums; its file is a valid page and stays.
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes)
             page.committed.append(k)
             dirs.setdefault(k, set()).add(page_dir)
             self.stats.add(k, "bytes_written", page.length)

@@ -15,10 +15,11 @@ import shutil
 import pytest
 
 from kvstream_hicache import check_tiers
+from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tiers import LOOK_S
 
-from reliability_helpers import FakeClock, PageSet, loop_fs, make_engine, messages  # noqa: F401  (fixture)
+from reliability_helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages  # noqa: F401
 
 RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
 
@@ -176,3 +177,63 @@ def test_tier_subdirectory_of_an_unmounted_fs_refuses_to_start(tier_root, loop_f
         assert [engine.index.holders(k) for k in pages.keys(3)] == [0b11] * 3
         assert pages.checked_get(engine, pages.keys(3), policy=SingleTier(0)) == [True] * 3
 
+
+def test_a_returned_tier_serves_what_its_replica_lost(tier_root, caplog):
+    """Tier 0 vanished (failed: skipped for its back-off), then came back; meanwhile tier 1's copies
+    of some pages were damaged and others' are gone from tier 1 altogether. A read of those pages
+    finds tier 0 the only holder left: it is probed then and there (once per batch, whatever its
+    back-off) and serves them, in the same call. The clock does not move: no back-off expires."""
+    caplog.set_level(logging.INFO, logger="kvstream")
+    dirs = [os.path.join(tier_root, f"tier{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    clock = FakeClock()
+    pages = PageSet()
+    damaged, gone, fine = pages.keys(3), pages.keys(3, 3), pages.keys(3, 6)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, damaged + gone + fine) == [True] * 9
+        os.rename(dirs[0], dirs[0] + ".away")
+        assert pages.checked_get(engine, fine, policy=SingleTier(0)) == [True] * 3  # tier 0 fails here
+        assert not engine.stats()["tiers"][0]["healthy"]
+        os.rename(dirs[0] + ".away", dirs[0])
+        for k in damaged:
+            flip_byte(engine.tiers[1].layout.page_path(k), HEADER_SIZE + 100)
+        for k in gone:  # tier 1 lost these before this process could read them: only tier 0 is indexed
+            os.unlink(engine.tiers[1].layout.page_path(k))
+            engine.index.remove(k, 1)
+        assert pages.checked_get(engine, damaged + gone + fine) == [True] * 9
+        stats = engine.stats()
+        assert stats["tiers"][0]["healthy"] and stats["tiers"][0]["failures"] == 1
+        assert stats["tiers"][1]["quarantined"] == 3
+        assert engine.last_batch["second_chance"] == 1
+        assert len(messages(caplog, "tier 0", "recovered")) == 1
+        assert engine.check() == []
+
+
+def test_a_failed_tier_that_stays_broken_is_probed_once_per_batch(tier_root):
+    """The last holder of a page is probed at most once per read batch: a tier that is still gone
+    makes the page a miss (no wrong bytes), and the next batch probes it again."""
+    dirs = [os.path.join(tier_root, f"tier{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    clock = FakeClock()
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        os.rename(dirs[0], dirs[0] + ".away")
+        for k in keys:
+            os.unlink(engine.tiers[1].layout.page_path(k))
+        probes = []
+        real_probe = engine.tiers[0]._probe
+        engine.tiers[0]._probe = lambda: probes.append(1) or real_probe()
+        # tier 0 fails in this batch: no probe of a tier that failed a moment ago
+        assert pages.checked_get(engine, keys, policy=SingleTier(0)) == [False] * 4
+        assert probes == [] and not engine.stats()["tiers"][0]["healthy"]
+        for batch in (1, 2):  # the last holder, failed before the batch: one probe per batch
+            assert pages.checked_get(engine, keys) == [False] * 4
+            assert len(probes) == batch
+        os.rename(dirs[0] + ".away", dirs[0])
+        assert pages.checked_get(engine, keys) == [True] * 4  # back: probed, rejoined, served
+        assert len(probes) == 3
+        assert engine.check() == []
