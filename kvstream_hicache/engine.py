@@ -11,13 +11,21 @@ Composition::
 
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
 (prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; the
-index has its own lock; existence queries only read the index.
+index has its own lock; existence queries only read the index. ``close()`` racing a call on another
+thread: the call either completes or raises EngineClosedError.
+
+fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
+the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
+child, so in a forked child every engine is closed without touching its rings (``os.register_at_fork``)
+and any call raises EngineClosedError naming fork: open a new Engine in the child. The parent is
+untouched.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +53,20 @@ log = logging.getLogger("kvstream")
 # (100k pages: 6.8k/s with 1 thread, 9.9k/s with 8); with a warm cache they only contend for the GIL.
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
+CLOSED = "kvstream engine is closed"
+
+_open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child every inherited engine is closed without a syscall on its rings (the parent
+    still uses them: io_uring's queues are memory shared with the parent)."""
+    for engine in list(_open_engines):
+        engine._forked()
+    _open_engines.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Engine:
@@ -70,6 +92,8 @@ class Engine:
                  ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic,
                  announce: bool = True, page_bytes: int | None = None):
         self._closed = True
+        self._closed_why = CLOSED
+        self._pid = os.getpid()
         if config.log_level:
             log.setLevel(config.log_level)
         self.config = config
@@ -110,6 +134,7 @@ class Engine:
                                  namespace.digest, half)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
+        _open_engines.add(self)
         log.log(logging.INFO if announce else logging.DEBUG,
                 "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
                 namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
@@ -147,12 +172,14 @@ class Engine:
     def contains(self, key: str) -> bool:
         """True when a healthy tier holds ``key``: the index, and for a key it lacks, one header
         lookup per tier (pages written by another process sharing the namespace, see _discover)."""
+        self._check_open()
         mask = self._healthy_mask()
         return is_valid_key(key) and (self.index.contains(key, mask) or bool(self._discover([key], mask)))
 
     def prefix_len(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` held by a healthy tier. Answered from the index; only the
         first key it lacks costs a lookup per tier (and, if found there, the next one, and so on)."""
+        self._check_open()
         mask = self._healthy_mask()
         n = 0
         while True:
@@ -169,14 +196,23 @@ class Engine:
                 tier.clear()
 
     def close(self) -> None:
-        """Wait briefly for orphan reads, close the rings and free buffers. Idempotent."""
+        """Wait briefly for orphan reads, close the rings and free buffers. Idempotent. A call running
+        on another thread finishes first; one that starts later raises EngineClosedError."""
         if self._closed:
             return
         self._closed = True
+        _open_engines.discard(self)
         self._reads.drain(CLOSE_DRAIN_S)
         self._reads.close()
         self._writes.close()
         tmpfiles.release(self._token)
+
+    def _forked(self) -> None:
+        """This is a forked child: closed, without touching the rings (they are the parent's; the
+        rings themselves refuse use and skip their close in a child, io.py and _uring/ring.pxi)."""
+        self._closed = True
+        self._closed_why = (f"kvstream engine was opened in process {self._pid}; this process ({os.getpid()}) "
+                            "is a fork of it and cannot use its I/O rings: open a new Engine in this process")
 
     def __enter__(self) -> "Engine":
         return self
@@ -257,7 +293,7 @@ class Engine:
     # -- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise EngineClosedError("kvstream engine is closed")
+            raise EngineClosedError(self._closed_why)
 
     def _healthy_mask(self) -> int:
         return sum(1 << t.k for t in self.tiers if t.healthy)

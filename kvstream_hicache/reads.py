@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .errors import EngineClosedError
 from .flow import TierFlow
 from .index import Index, PageInfo
 from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
@@ -139,6 +140,7 @@ class ReadPath:
                  read_timeout: float, ceiling: int, digest: str):
         self.ring = ring
         self.digest = digest
+        self.closed = False
         self.tiers = tiers
         self.index = index
         self.stats = stats
@@ -172,6 +174,8 @@ class ReadPath:
         found = [False] * len(keys)
         t0 = time.perf_counter()
         with self.lock:
+            if self.closed:  # close() ran while this call waited for the lock
+                raise EngineClosedError("kvstream engine is closed")
             self._reap_locked(0, 0)
             busy0 = self.busy.snapshot()
             calls = [self._call_locked(keys, pages, policy, mask, list(range(len(keys))), found)]
@@ -681,6 +685,7 @@ class ReadPath:
     def close(self) -> None:
         """Close the ring (it drains what is in flight), then release every request's resources."""
         with self.lock:
+            self.closed = True
             self.ring.close()
             for req in self._reqs.values():
                 req.file.refs = max(req.file.refs - 1, 0)

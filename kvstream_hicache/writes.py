@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .errors import EngineClosedError
 from .index import Index
 from .integrity import PageHeader, block_crcs, pack_header
 from .io import OP_WRITE
@@ -93,6 +94,7 @@ class WritePath:
         self.busy = BusyClock(len(tiers))
         self._ops: dict[int, tuple[_Job, int]] = {}  # tag -> (job, bytes expected)
         self._tag = 0
+        self.closed = False
 
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int) -> list[bool]:
         """See Engine.put. ``mask``: tiers usable for this batch."""
@@ -101,6 +103,8 @@ class WritePath:
         results = [False] * len(keys)
         n_tiers = len(self.tiers)
         with self.lock:
+            if self.closed:  # close() ran while this call waited for the lock
+                raise EngineClosedError("kvstream engine is closed")
             busy0 = self.busy.snapshot()
             new: list[_Page] = []
             first: dict[str, int] = {}
@@ -347,6 +351,7 @@ class WritePath:
 
     def close(self) -> None:
         with self.lock:
+            self.closed = True
             self.ring.close()
             self.pool.close()
 
