@@ -315,6 +315,10 @@ class ReadPath:
             if adaptive:
                 self._set_depths(route, unit)
             claims += route.refill()  # a grown window, or a tier that turned overdue
+        # Completions already there (no wait) are taken while the call is active: an error among them
+        # fails its tier now, not when a later call reaps it as an orphan; buffers come back sooner.
+        for tag, res in self.ring.reap(0, 0):
+            self._complete_locked(tag, res)
         if call.direct_in_flight:
             self._wait_direct_locked(call)
 
