@@ -69,7 +69,7 @@ def main(who: int, tier0: str, shared: str, out: str, go: str) -> int:
         stats = drv.storage.stats()
         result["threads_alive"] = drv.threads_alive()
         result["quarantined"] = sum(t["quarantined"] for t in stats["tiers"])
-        result["other_versions"] = sum(t["other_versions"] for t in stats["tiers"])
+        result["other_versions"] = sum(t.get("other_versions", 0) for t in stats["tiers"])
         result["adapter_errors"] = stats["adapter"]["errors"]
         result["problems"] = [p._asdict() for p in drv.storage.engine.check()]
     with open(out, "w") as f:
