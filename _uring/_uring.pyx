@@ -37,6 +37,7 @@ from libc.string cimport memcpy, memset, strerror
 
 from liburing cimport *
 
+import os as _os
 import time as _time
 import warnings as _warnings
 

@@ -16,6 +16,19 @@ cdef size_t MAX_SQE_BYTES = 1 << 30  # largest transfer per SQE (length field is
 cdef uint64_t CANCEL_UDATA = <uint64_t>-2  # user_data of close()'s cancel-everything SQE
 
 
+cdef int _forks = 0  # fork()s between this process and the one that loaded the module (0: that one)
+
+
+def _forked_child():
+    global _forks
+    _forks += 1
+
+
+# A ring's queues are memory shared with the kernel, and after fork() with the parent too: a child that
+# submitted, reaped or even closed (io_uring_queue_exit cancels first) would corrupt the parent's ring.
+_os.register_at_fork(after_in_child=_forked_child)
+
+
 cdef inline object _oserror(int err, str what):
     """The one place a C error code becomes a Python exception."""
     return OSError(err, f"{what}: {strerror(err).decode()}")
@@ -93,6 +106,10 @@ cdef class Ring:
 
     No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN (fio sets them): they tie the ring to the thread
     that first submits, and callers may share a ring between threads under a lock.
+
+    A Ring belongs to the process that opened it: in a forked child ``submit``/``reap`` raise
+    RuntimeError and ``close`` (or garbage collection) drops the object without a system call on the
+    ring, which the parent still uses.
     """
     cdef io_uring _ring
     cdef bint _open
@@ -113,6 +130,8 @@ cdef class Ring:
     cdef readonly unsigned entries
     cdef readonly unsigned cq_entries
     cdef readonly unsigned features
+    cdef int _forks_at_open    # _forks when opened: another value means this is a forked child
+    cdef readonly long owner_pid
 
     def __cinit__(self):
         self._free = -1
@@ -136,11 +155,15 @@ cdef class Ring:
         if ret < 0:
             raise _oserror(-ret, f"io_uring_setup(entries={entries}) refused")
         self._open = True  # set only once the ring exists
+        self._forks_at_open = _forks
+        self.owner_pid = _os.getpid()
         self.entries = params.sq_entries
         self.cq_entries = params.cq_entries
         self.features = params.features
 
     def __dealloc__(self):
+        if self._open and self._forks_at_open != _forks:
+            self._open = False  # a forked child's copy: the parent's queues are not ours to cancel
         if self._open:
             try:
                 _warnings.warn(f"unclosed kvstream Ring with {self._in_flight} op(s) in flight",
@@ -255,6 +278,9 @@ cdef class Ring:
         """Cancel what has not started, wait for everything in flight, free the ring. Idempotent."""
         if not self._open:
             return
+        if self._forks_at_open != _forks:
+            self._open = False  # a forked child's copy: dropped without a syscall on the parent's ring
+            return
         if self._waiting:
             raise RuntimeError("close() while another thread is reaping this Ring")
         self._close()
@@ -263,6 +289,9 @@ cdef class Ring:
     cdef int _check_open(self) except -1:
         if not self._open:
             raise ValueError("Ring is closed")
+        if self._forks_at_open != _forks:
+            raise RuntimeError(f"this Ring was opened in process {self.owner_pid}, of which this process is a "
+                               "fork: a ring cannot be shared across fork(); open a new Ring in this process")
         return 0
 
     cdef inline Req *_req(self, int slot) noexcept:

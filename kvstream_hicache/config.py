@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .errors import ConfigError, TierError
-from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR
+from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR, file_size
 from .router import parse_policy
 from .tmpfiles import ProbeFailed, probe_direct
 
@@ -31,6 +32,12 @@ IO_ENGINES = ("auto", "uring", "threads")
 FILE_MODES = ("private", "shared")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_CHUNK = 64 << 20  # largest routing block, bytes
+MIN_PAGE_FILE = file_size(1)  # the smallest page file (a 4 KiB header and one 4 KiB block): the least capacity
+# File systems that are kernel interfaces, not storage: a tier there is refused by name, not by the odd
+# errno its first mkdir happens to return (procfs answers ENOENT).
+PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs",
+                       "configfs", "pstore", "bpf", "mqueue", "fusectl", "binfmt_misc", "autofs", "nsfs",
+                       "efivarfs", "rpc_pipefs", "selinuxfs"})
 # Keys SGLang's `dynamic` backend loader puts in the extra config next to ours.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 
@@ -113,8 +120,16 @@ class Capacity(NamedTuple):
                 raise ConfigError(f"{what}: share must be in (0, 100]%, got {text!r}")
             return cls(share=pct / 100)
         if isinstance(text, float):
+            if not math.isfinite(text):
+                raise ConfigError(f"{what}: {text!r} is not a size; give bytes or a size like '200G', or leave it "
+                                  "empty for unlimited")
             text = int(text)
-        return cls(nbytes=parse_bytes(text, what))
+        nbytes = parse_bytes(text, what)
+        if nbytes < MIN_PAGE_FILE:
+            raise ConfigError(f"{what}: {text!r} holds no page (a page file takes at least {MIN_PAGE_FILE} bytes: a "
+                              "4 KiB header and one 4 KiB block); give a size like '200G', or leave it empty for "
+                              "unlimited")
+        return cls(nbytes=nbytes)
 
     def resolve(self, path: str) -> int | None:
         """Bytes allowed on the tier at ``path`` (a share is taken of the file system's size)."""
@@ -125,7 +140,7 @@ class Capacity(NamedTuple):
 
     def __str__(self) -> str:
         if self.share is not None:
-            return f"{self.share * 100:g}%"
+            return f"{self.share * 100:.12f}".rstrip("0").rstrip(".") + "%"  # '0.000003%', not '3e-06%'
         return "unlimited" if self.nbytes is None else f"{self.nbytes / 2**30:.3g} GiB"
 
 
@@ -143,13 +158,15 @@ def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False
     return text
 
 
-def _number(value: Any, what: str, kind: Callable = float, minimum: float = 0) -> Any:
+def _number(value: Any, what: str, kind: Callable = float, minimum: float = 0, hint: str = "") -> Any:
     try:
         out = kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{what}: expected a number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{what}: expected a number, got {value!r}{hint}") from None
+    if not math.isfinite(out):
+        raise ConfigError(f"{what}: expected a finite number, got {value!r}{hint}")
     if out < minimum:
-        raise ConfigError(f"{what}: must be >= {minimum}, got {value!r}")
+        raise ConfigError(f"{what}: must be >= {minimum}, got {value!r}{hint}")
     return out
 
 
@@ -238,10 +255,12 @@ class Config:
             object.__setattr__(self, name, value)  # frozen: normalise once, here
 
         given = (self.tiers,) if isinstance(self.tiers, (str, os.PathLike, TierConfig)) else (self.tiers or ())
-        tiers = tuple(t if isinstance(t, TierConfig) else TierConfig(os.path.abspath(os.path.expanduser(str(t))))
+        tiers = tuple(t if isinstance(t, TierConfig) else TierConfig(_tier_path(str(t), what("tiers")))
                       for t in given)
         if not tiers:
             raise _no_tiers()
+        for t in tiers:
+            _tier_path(t.path, what("tiers"))  # a TierConfig built by hand is checked too
         put("tiers", tiers)
         chunk = parse_bytes(self.chunk, what("chunk"))
         if chunk < ALIGN or chunk % ALIGN or chunk > MAX_CHUNK:
@@ -256,14 +275,16 @@ class Config:
         put("memory", memory)
         put("claim", None if self.claim is None else _number(self.claim, what("claim"), int, 1))
         put("policy", str(self.policy).strip())
-        _check_policy(self.policy, self.claim, what("policy"))
+        _check_policy(self.policy, self.claim, what("policy"), len(tiers))
         if self.log_level is not None:
             put("log_level", _choice(self.log_level, LOG_LEVELS, what("log_level"), upper=True))
         put("fsync", _choice(self.fsync, FSYNC_MODES, what("fsync")))
         put("io_engine", _choice(self.io_engine, IO_ENGINES, what("io_engine")))
         put("file_mode", _choice(self.file_mode, FILE_MODES, what("file_mode")))
-        put("read_timeout", _number(self.read_timeout, what("read_timeout")))
-        put("tier_retry", _number(self.tier_retry, what("tier_retry")))
+        put("read_timeout", _number(self.read_timeout, what("read_timeout"),
+                                    hint="; give seconds, e.g. 30, or 0 to wait forever"))
+        put("tier_retry", _number(self.tier_retry, what("tier_retry"),
+                                  hint="; give seconds before a failed tier is probed again, e.g. 5"))
         put("discover", parse_flag(self.discover, what("discover")))
         put("warnings", tuple(self.warnings))
         put("sources", dict(self.sources))
@@ -294,12 +315,14 @@ class Config:
 
     # -- I/O checks ---------------------------------------------------------------------------
     def probe_tiers(self) -> list[str]:
-        """Check every tier: exists, is a directory, is writable, supports O_DIRECT. Creates
-        ``<tier>/kvstream/tmp``. Returns warnings (two tiers on one file system).
+        """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
+        tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. Returns warnings (two
+        tiers on one file system).
 
         :raises TierError: naming the tier, the setting and the fix.
         """
         warnings = list(self.warnings)
+        self.check_overlap()
         devices: dict[int, str] = {}
         for tier in self.tiers:
             probe_tier(tier.path, self.modes[1], self.sources.get("tiers", env_name("tiers")))
@@ -311,6 +334,44 @@ class Config:
         for w in warnings:
             log.warning("kvstream: %s", w)
         return warnings
+
+
+    def check_overlap(self) -> None:
+        """Refuse tiers that share a tree: the same directory under two paths the tier list did not
+        catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
+        manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
+        them). Tiers that do not exist yet are left to the probe.
+
+        :raises TierError: naming both tiers, the setting and the fix.
+        """
+        source = _what(self.sources, "tiers")
+        ids: dict[tuple[int, int], str] = {}
+        trees: dict[tuple[int, int], str] = {}
+        for tier in self.tiers:
+            for path, table in ((tier.path, ids), (os.path.join(tier.path, ROOT_DIR), trees)):
+                try:
+                    st = os.stat(path)
+                except (OSError, ValueError):
+                    continue
+                other = table.setdefault((st.st_dev, st.st_ino), tier.path)
+                if table is ids and other != tier.path:
+                    raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
+                                    "mount or another path to it): list it once")
+        for tier in self.tiers:
+            path = os.path.realpath(tier.path)
+            while True:
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    st = None
+                owner = trees.get((st.st_dev, st.st_ino)) if st is not None else None
+                if owner is not None and owner != tier.path:
+                    raise TierError(f"tier {tier.path} (from {source}) is inside {os.path.join(owner, ROOT_DIR)}, the "
+                                    f"directory kvstream manages for tier {owner} (its page and temporary files): "
+                                    "choose a directory outside it")
+                if path == os.path.dirname(path):
+                    break
+                path = os.path.dirname(path)
 
 
 def _what(sources: Mapping[str, str], key: str) -> str:
@@ -336,7 +397,7 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
         for entry in _split(raw_tiers, what("tiers")):
             if not entry.strip():
                 continue
-            path = os.path.abspath(os.path.expanduser(entry.strip()))
+            path = _tier_path(entry.strip(), what("tiers"))
             real = os.path.realpath(path)
             if real in seen:
                 warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
@@ -361,27 +422,54 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
                            for p, c in zip(paths, caps))
 
 
-def _check_policy(policy: str, claim: int | None, what: str) -> None:
+def _tier_path(entry: str, what: str) -> str:
+    """A tier path as written -> absolute; a NUL byte (no file name can hold one) is refused here, before
+    any system call would fail on it with a bare 'embedded null byte'."""
+    if "\0" in entry:
+        raise ConfigError(f"{what}: tier path {entry!r} contains a NUL byte, which no file name can hold: "
+                          "correct the tier list")
+    return os.path.abspath(os.path.expanduser(entry))
+
+
+def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int) -> None:
+    """The policy parses and fits the tiers (``tier2`` with two tiers, three static shares for two
+    tiers would fail every read): the route a read would start, over no items, says so."""
     spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
     try:
-        parse_policy(spec)
+        parse_policy(spec).start(n_tiers, ())
     except ValueError as exc:
-        raise ConfigError(f"{what}: {exc}; valid: 'kvstream', 'kvstream:m=4', 'static-0.75', 'tier0'") from None
+        tiers = f"'tier0' .. 'tier{n_tiers - 1}'" if n_tiers > 1 else "'tier0'"
+        raise ConfigError(f"{what}: {policy!r} cannot route reads over {n_tiers} tier{'s' * (n_tiers != 1)} ({exc}); "
+                          f"valid: 'kvstream', 'kvstream:m=4', 'static-0.75', {tiers}") from None
+
+
+def check_capacities(config: "Config", capacities: list[int | None], page_bytes: int | None) -> None:
+    """Resolved capacities (a share of the file system, e.g. '0.0001%') that cannot hold one page file (of
+    ``page_bytes`` when the caller knows its page size) would make every put on that tier fail quietly:
+    refuse them at start-up, naming the setting and the fix.
+
+    :raises ConfigError:"""
+    need = file_size(max(page_bytes or 1, 1))
+    for tier, cap in zip(config.tiers, capacities):
+        if cap is not None and cap < need:
+            page = f"a page of {page_bytes} bytes" if page_bytes else "the smallest page"
+            raise ConfigError(f"{_what(config.sources, 'capacity')}: {tier.capacity} of tier {tier.path} is {cap} "
+                              f"bytes, less than one page file ({need} bytes for {page}): give at least {need} "
+                              "bytes, or leave it empty for unlimited")
 
 
 def probe_tier(path: str, dir_mode: int, source: str) -> None:
     """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support."""
-    if not os.path.exists(path):
-        parent = os.path.dirname(path)
-        while parent != os.path.dirname(parent) and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):  # mkdir -p would fail too: say what is in the way
-            raise TierError(f"tier {path} (from {source}) cannot be created: {parent} is a file, not a "
-                            "directory; correct the tier list or move that file")
-        raise TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
-                        "or correct the tier list")
+    try:
+        os.stat(path)
+    except OSError as exc:
+        raise _unreachable(path, source, exc) from None
     if not os.path.isdir(path):
         raise TierError(f"tier {path} (from {source}) is not a directory: point the tier list at a directory")
+    fstype = fs_type(path)
+    if fstype in PSEUDO_FS:
+        raise TierError(f"tier {path} (from {source}) is on a {fstype} file system, a kernel interface that "
+                        "cannot store files: put the tier on a disk file system such as ext4 or xfs")
     tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
     try:
         for d in (os.path.join(path, ROOT_DIR), tmp):
@@ -406,6 +494,50 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None
         raise _not_writable(path, source, exc.errno) from None
+
+
+def _unreachable(path: str, source: str, exc: OSError) -> TierError:
+    """Why ``path`` cannot be reached, in words: a symlink loop, a dangling link, a file on the way, a
+    missing directory (create it), a permission."""
+    if exc.errno == errno.ELOOP:
+        return TierError(f"tier {path} (from {source}) is a symbolic link loop (too many levels of symbolic "
+                         "links): point the tier list at a real directory, or repair the links")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return TierError(f"tier {path} (from {source}) cannot be reached ({os.strerror(exc.errno)}): fix the "
+                         "permissions of its parent directories, or choose another directory")
+    if os.path.islink(path):
+        return TierError(f"tier {path} (from {source}) is a symbolic link to {os.readlink(path)}, which does not "
+                         "exist: create the target or point the tier list at a directory")
+    parent = os.path.dirname(path)
+    while parent != os.path.dirname(parent) and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):  # mkdir -p would fail too: say what is in the way
+        return TierError(f"tier {path} (from {source}) cannot be created: {parent} is "
+                         f"{'a dangling symbolic link' if os.path.islink(parent) else 'a file'}, not a directory; "
+                         "correct the tier list or move it")
+    return TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
+                     "or correct the tier list")
+
+
+def fs_type(path: str) -> str | None:
+    """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the deepest mount point
+    above its real path), or None when it cannot be told."""
+    real = os.path.realpath(path)
+    best, kind = -1, None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: a space
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= best:  # later lines mount over earlier ones at the same point
+                    best, kind = len(mnt), right.split()[0]
+    except OSError:
+        return None
+    return kind
 
 
 def _not_writable(path: str, source: str, err: int) -> TierError:

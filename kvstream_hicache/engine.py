@@ -11,24 +11,31 @@ Composition::
 
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
 (prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; the
-index has its own lock; existence queries only read the index.
+index has its own lock; existence queries only read the index. ``close()`` racing a call on another
+thread: the call either completes or raises EngineClosedError.
+
+fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
+the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
+child, so in a forked child every engine is closed without touching its rings (``os.register_at_fork``)
+and any call raises EngineClosedError naming fork: open a new Engine in the child. The parent is
+untouched.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from contextlib import suppress
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from . import tmpfiles
-from .config import Config
+from .config import Config, check_capacities
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import (
-    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards,
+    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
 from .io import RING_ENTRIES, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
@@ -46,6 +53,20 @@ log = logging.getLogger("kvstream")
 # (100k pages: 6.8k/s with 1 thread, 9.9k/s with 8); with a warm cache they only contend for the GIL.
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
+CLOSED = "kvstream engine is closed"
+
+_open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child every inherited engine is closed without a syscall on its rings (the parent
+    still uses them: io_uring's queues are memory shared with the parent)."""
+    for engine in list(_open_engines):
+        engine._forked()
+    _open_engines.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Engine:
@@ -61,13 +82,18 @@ class Engine:
     :param clock: monotonic clock for tier back-off (tests inject one).
     :param announce: log the one-line start-up summary at INFO (else at DEBUG): an adapter that logs
         its own line with the same facts (the SGLang backend, once per server) turns it off.
-    :raises ConfigError: a tier directory is unusable, or no I/O ring opens (``io_engine``).
+    :param page_bytes: the payload size of the pages the caller will store, when it knows it (the
+        SGLang adapter does): a tier whose capacity cannot hold one such page is refused at start-up.
+    :raises ConfigError: a tier directory is unusable, a capacity holds no page, or no I/O ring opens
+        (``io_engine``).
     """
 
     def __init__(self, config: Config, namespace: Namespace, *, policy: Policy | None = None,
                  ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic,
-                 announce: bool = True):
+                 announce: bool = True, page_bytes: int | None = None):
         self._closed = True
+        self._closed_why = CLOSED
+        self._pid = os.getpid()
         if config.log_level:
             log.setLevel(config.log_level)
         self.config = config
@@ -75,9 +101,12 @@ class Engine:
         self.warnings = config.probe_tiers()
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
+        capacities = [t.capacity.resolve(t.path) for t in config.tiers]
+        check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
-        self.tiers = [Tier(k, t.path, namespace.digest, t.capacity.resolve(t.path), config.modes, config.fsync,
-                           config.tier_retry, self._token, clock) for k, t in enumerate(config.tiers)]
+        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync,
+                           config.tier_retry, self._token, clock) for k, (t, cap) in enumerate(zip(config.tiers,
+                                                                                                 capacities))]
         for tier in self.tiers:
             tier.on_rejoin = self._reconcile
         self.index = Index([t.capacity for t in self.tiers])
@@ -99,11 +128,13 @@ class Engine:
                               "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
         half = config.memory // 2  # staging: half for reads in flight, half for writes (config.py)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, half // len(self.tiers))
+                               config.read_timeout, half // len(self.tiers), namespace.digest)
+        self._reads.recover = self._recover
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, half)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
+        _open_engines.add(self)
         log.log(logging.INFO if announce else logging.DEBUG,
                 "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
                 namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
@@ -154,12 +185,14 @@ class Engine:
     def contains(self, key: str) -> bool:
         """True when a healthy tier holds ``key``: the index, and for a key it lacks, one header
         lookup per tier (pages written by another process sharing the namespace, see _discover)."""
+        self._check_open()
         mask = self._healthy_mask()
         return is_valid_key(key) and (self.index.contains(key, mask) or bool(self._discover([key], mask)))
 
     def prefix_len(self, keys: Sequence[str]) -> int:
         """Number of leading ``keys`` held by a healthy tier. Answered from the index; only the
         first key it lacks costs a lookup per tier (and, if found there, the next one, and so on)."""
+        self._check_open()
         mask = self._healthy_mask()
         n = 0
         while True:
@@ -176,14 +209,23 @@ class Engine:
                 tier.clear()
 
     def close(self) -> None:
-        """Wait briefly for orphan reads, close the rings and free buffers. Idempotent."""
+        """Wait briefly for orphan reads, close the rings and free buffers. Idempotent. A call running
+        on another thread finishes first; one that starts later raises EngineClosedError."""
         if self._closed:
             return
         self._closed = True
+        _open_engines.discard(self)
         self._reads.drain(CLOSE_DRAIN_S)
         self._reads.close()
         self._writes.close()
         tmpfiles.release(self._token)
+
+    def _forked(self) -> None:
+        """This is a forked child: closed, without touching the rings (they are the parent's; the
+        rings themselves refuse use and skip their close in a child, io.py and _uring/ring.pxi)."""
+        self._closed = True
+        self._closed_why = (f"kvstream engine was opened in process {self._pid}; this process ({os.getpid()}) "
+                            "is a fork of it and cannot use its I/O rings: open a new Engine in this process")
 
     def __enter__(self) -> "Engine":
         return self
@@ -232,8 +274,23 @@ class Engine:
                                             "indexed but not on disk", fixed=fix))
                     if fix:
                         self.index.remove(key, k)
+                for key in sorted(indexed & valid.keys()):
+                    page = valid[key]
+                    if self._same_version(key, page):
+                        continue
+                    # Another process of the namespace stored this key since, with other bytes: a valid
+                    # page. Fixed as a read would: forget this copy (the file stays), or, where it was the
+                    # only indexed copy, index the version on disk.
+                    problems.append(Problem("index_stale", tier.root, page.path, "indexed with other content than "
+                                            "the file holds (another writer's version)", fixed=fix))
+                    if fix:
+                        self.index.remove(key, k)
+                        if not self.index.holders(key):
+                            self._index_page(k, page)
                 for key in sorted(valid.keys() - indexed):
                     page = valid[key]
+                    if self.index.holders(key) and not self._same_version(key, page):
+                        continue  # another writer's version of an indexed page: valid, kept, not indexed
                     # A bug, or (shared namespace) another process's page that discovery will find.
                     problems.append(Problem("index_missing", tier.root, page.path, "on disk but not indexed",
                                             fixed=fix))
@@ -241,10 +298,15 @@ class Engine:
                         self._index_page(k, page)
         return problems
 
+    def _same_version(self, key: str, page: ScannedPage) -> bool:
+        """The valid file ``page`` holds the content the index has for ``key``."""
+        info, h = self.index.get(key), page.header
+        return info is not None and info.same_content(h.length, h.block, h.crcs)
+
     # -- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise EngineClosedError("kvstream engine is closed")
+            raise EngineClosedError(self._closed_why)
 
     def _healthy_mask(self) -> int:
         return sum(1 << t.k for t in self.tiers if t.healthy)
@@ -259,24 +321,44 @@ class Engine:
         Costs one failed open per tier for a truly missing key. Returns how many keys were found."""
         if not self.discover:
             return 0
+        return self._lookup([k for k in keys if is_valid_key(k) and not self.index.contains(k, mask)], mask)
+
+    def _lookup(self, keys: Sequence[str], mask: int) -> int:
+        """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
+        tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
         found = 0
         for key in keys:
-            if not is_valid_key(key) or self.index.contains(key, mask):
-                continue
-            for tier in self.tiers:
-                if mask >> tier.k & 1:
-                    page = scan_file(tier.layout, self.namespace.digest, key)
-                    if page.problem is None:
-                        self._index_page(tier.k, page)
+            pages = [(page.header.created_ns, tier.k, page) for tier in self.tiers if mask >> tier.k & 1
+                     for page in [scan_file(tier.layout, self.namespace.digest, key)] if page.problem is None]
+            for _, k, page in sorted(pages, key=lambda e: e[:2]):
+                self._index_page(k, page)
             if self.index.contains(key, mask):
                 found += 1
                 self._stats.total("discovered")
         return found
 
+    def _recover(self, missed: list[str], relook: set[str], mask: int) -> int:
+        """The read path missed ``missed``: probe now (once per batch, whatever their back-off) the
+        failed tiers that hold them, which may be the last copies (the others were damaged), and look
+        up on disk the ``relook`` keys no indexed copy is left of (their copies were gone, or another
+        writer's version: what the tiers hold now is indexed). Returns the tiers usable now."""
+        wanted = 0
+        for key in missed:
+            info = self.index.get(key)
+            if info is not None:
+                wanted |= info.tiers & ~mask  # tiers failed before this batch (one that failed in it just did)
+        for tier in self.tiers:
+            if wanted >> tier.k & 1:
+                tier.usable(now=True)
+        mask = self._usable_mask()
+        self._lookup([k for k in sorted(relook) if not self.index.contains(k, mask)], mask)
+        return mask
+
     def _index_page(self, k: int, page: ScannedPage) -> None:
+        """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
+        leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        for t in self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False):
-            self.tiers[t].unlink_page(h.key)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
 
     def _rebuild_index(self) -> dict:
         """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold
@@ -285,11 +367,13 @@ class Engine:
         t0 = time.perf_counter()
         digest = self.namespace.digest
         tmp_removed = 0
+        kept: list[Problem] = []  # what start-up could not (or must not) remove: reported, never fatal
         for tier in self.tiers:
-            for path in tmpfiles.stale_tmp(tier.layout.tmp):
-                with suppress(FileNotFoundError):  # another engine's start removed it first
-                    os.unlink(path)
+            for problem in tmp_problems(tier.root, tier.layout.tmp, None, fix=True):
+                if problem.fixed:
                     tmp_removed += 1
+                else:
+                    kept.append(problem)
         tasks = [(k, shard) for k, tier in enumerate(self.tiers) for shard in shards(tier.layout)]
 
         def scan(task: tuple[int, str]) -> list[ScannedPage]:
@@ -304,8 +388,11 @@ class Engine:
                 if page.problem is None:
                     entries.append((page.header.created_ns, k, page))
                 elif page.problem.detail != VANISHED:
-                    fix_problem(page.problem)
-                    damaged += 1
+                    problem = fix_problem(page.problem)
+                    if problem.fixed:
+                        damaged += 1
+                    else:
+                        kept.append(problem)
         entries.sort(key=lambda e: (e[0], e[1]))
         for _, k, page in entries:
             self._index_page(k, page)
@@ -318,8 +405,10 @@ class Engine:
         if damaged or tmp_removed:
             log.warning("kvstream: start-up scan removed %d damaged page files and %d temporary leftovers",
                         damaged, tmp_removed)
+        for problem in kept:
+            log.warning("kvstream: start-up scan: %s %s: %s", problem.kind, problem.path, problem.detail)
         return {"files": len(entries), "pages": len(self.index), "damaged_removed": damaged,
-                "tmp_removed": tmp_removed, "seconds": seconds,
+                "tmp_removed": tmp_removed, "kept": len(kept), "seconds": seconds,
                 "rate": (len(entries) + damaged) / seconds if seconds > 0 else 0.0}
 
     def _reconcile(self, tier: Tier) -> None:

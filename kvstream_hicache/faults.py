@@ -161,6 +161,9 @@ class FaultyRing:
         for op in ops:
             opcode, fd, buf, offset, tag = op
             length = _length(buf)
+            # read before deciding: a release() that comes after the decision lets this hold go (read
+            # after it, a release racing the decision would leave the op held for good)
+            generation = self.plan.generation
             fault = self.plan.decide(opcode, fd, offset, length)
             if fault is None:
                 passed.append(op)
@@ -169,7 +172,7 @@ class FaultyRing:
             else:
                 if fault.kind == "corrupt" and opcode == OP_WRITE and length:
                     _flip(buf, fault.bit, length)
-                self._faults[tag] = (fault, buf, time.monotonic() + fault.seconds, self.plan.generation, opcode)
+                self._faults[tag] = (fault, buf, time.monotonic() + fault.seconds, generation, opcode)
                 passed.append(op)
         try:
             n = self.inner.submit(passed) if passed else 0

@@ -159,8 +159,9 @@ class Index:
         """Record that ``tier`` holds ``key`` (most recent). With ``reserved`` the bytes move from
         the reservation to the used count.
 
-        :returns: tiers whose copy was displaced because it describes different content (delete
-            those files); normally empty.
+        :returns: tiers whose copy the index forgot because it describes other content (one key
+            holds one content in the index); normally empty. Their files stay: another writer's
+            version of the page is valid, and is found again when no indexed copy is left.
         """
         with self._lock:
             if reserved:
@@ -169,7 +170,7 @@ class Index:
             displaced: list[int] = []
             if info is not None and not info.same_content(length, block, crcs):
                 displaced = [t for t in _bits(info.tiers) if t != tier]
-                for t in displaced:
+                for t in _bits(info.tiers):  # this tier's own entry too: it described the other content
                     self._drop_locked(key, t)
                 info = self._pages.get(key)
             if info is None:

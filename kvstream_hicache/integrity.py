@@ -23,7 +23,9 @@ released, so verifying costs a fraction of the memcpy that follows (figures in d
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import stat
 import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -34,7 +36,7 @@ from .layout import (
     is_valid_key, key_of_page_file, n_blocks,
 )
 from .segments import Payload, Segment
-from .tmpfiles import stale_tmp
+from .tmpfiles import stale_tmp, tmp_dirs
 
 if TYPE_CHECKING:
     from .config import Config
@@ -47,6 +49,7 @@ _KEY_OFF = 64
 _CRC_OFF = 272
 _HCRC_OFF = HEADER_SIZE - 4
 VANISHED = "vanished during the scan"
+UNREADABLE = "unreadable"  # detail of a 'damaged' or 'corrupt' file an I/O error kept from being read
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
 
@@ -141,21 +144,58 @@ class ScannedPage(NamedTuple):
     file_bytes: int
 
 
+class NotRegularFile(OSError):
+    """An entry under a page's name that is not a regular file (a FIFO, socket, device or directory):
+    a stray, never read. ``errno`` is EISDIR for a directory, else EINVAL (neither fails a tier)."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """'a directory', 'a FIFO (named pipe)', ... for an ``st_mode`` that is not a regular file's."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str, flags: int | None = None) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading, refusing anything but a regular file; returns (fd, its stat).
+
+    The open itself is O_NONBLOCK: opening a FIFO for reading blocks until a writer appears, so a FIFO
+    planted under a page's name would hang start-up, ``check`` or a read forever; O_NONBLOCK opens it
+    at once and ``fstat`` tells it apart. With ``flags`` (reads through the ring: O_DIRECT), ``F_SETFL``
+    then sets them and clears O_NONBLOCK, which io_uring would honour with EAGAIN instead of waiting;
+    plain ``pread`` ignores O_NONBLOCK on a regular file, so without ``flags`` nothing more is done.
+    :raises NotRegularFile: not a regular file. :raises OSError: the open failed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL, file_kind(st.st_mode),
+                                 path)
+        if flags is not None:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_header(path: str) -> tuple[PageHeader, int]:
     """Read and validate the header of one page file; returns (header, file size).
-    :raises HeaderError: unusable header. :raises OSError: the file cannot be read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    :raises HeaderError: unusable header. :raises NotRegularFile: not a regular file.
+    :raises OSError: the file cannot be read."""
+    fd, st = open_regular(path)
     try:
         data = os.pread(fd, HEADER_SIZE, 0)
-        size = os.fstat(fd).st_size
     finally:
         os.close(fd)
-    return unpack_header(data), size
+    return unpack_header(data), st.st_size
 
 
 def verify_payload(path: str, header: PageHeader) -> str | None:
     """Read the whole payload (buffered) and check every block CRC; None when intact."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd, _ = open_regular(path)
     try:
         for j, want in enumerate(header.crcs):
             span = block_span(header.length, header.block, j)
@@ -179,16 +219,20 @@ def shards(layout: TierLayout) -> list[str]:
 
 def scan_shard(layout: TierLayout, digest: str, shard: str, *, payload: bool = False) -> list[ScannedPage]:
     """Every file of one shard directory, validated (see :func:`scan_pages`)."""
+    path = os.path.join(layout.pages, shard)
     try:
-        entries = list(os.scandir(os.path.join(layout.pages, shard)))
-    except (FileNotFoundError, NotADirectoryError):
+        entries = list(os.scandir(path))
+    except FileNotFoundError:
         return []
+    except NotADirectoryError:  # a file where kvstream keeps only <key[:2]> directories
+        return [ScannedPage(path, None, Problem("stray", layout.root, path, "not a shard directory"), 0)]
     return [_scan_one(layout, digest, shard, entry.name, entry.path, payload) for entry in entries]
 
 
-def scan_file(layout: TierLayout, digest: str, key: str) -> ScannedPage:
-    """The page file of ``key`` on one tier, validated (a missing file is a 'stray' VANISHED)."""
-    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), False)
+def scan_file(layout: TierLayout, digest: str, key: str, *, payload: bool = False) -> ScannedPage:
+    """The page file of ``key`` on one tier, validated (a missing file is a 'stray' VANISHED); with
+    ``payload`` every block is checked against the file's own header too."""
+    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), payload)
 
 
 def scan_pages(layout: TierLayout, digest: str, *, payload: bool = False) -> Iterator[ScannedPage]:
@@ -209,10 +253,12 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         header, size = read_header(path)
     except FileNotFoundError:
         return bad("stray", VANISHED)
+    except NotRegularFile as exc:
+        return bad("stray", f"{exc.strerror}, not a page file")
     except HeaderError as exc:
         return bad("damaged", str(exc))
     except OSError as exc:
-        return bad("damaged", f"unreadable: {os.strerror(exc.errno or errno.EIO)}")
+        return bad("damaged", f"{UNREADABLE}: {os.strerror(exc.errno or errno.EIO)}")
     if header.digest != digest or header.key != key:
         return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size)
     if size < file_size(header.length):
@@ -221,7 +267,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         try:
             why = verify_payload(path, header)
         except OSError as exc:
-            why = f"unreadable: {os.strerror(exc.errno or errno.EIO)}"
+            why = f"{UNREADABLE}: {os.strerror(exc.errno or errno.EIO)}"
         if why:
             return bad("corrupt", why, size)
     return ScannedPage(path, header, None, size)
@@ -234,11 +280,8 @@ def check_tier(layout: TierLayout, digest: str, *, fix: bool = False, payload: b
     """Check one namespace on one tier: (problems, valid pages by key). With ``fix`` the files
     behind the problems are removed; ``tmp`` also reports (and fixes) temporary leftovers, those of
     no engine in ``live_tokens`` (None: every engine open in this process)."""
-    problems: list[Problem] = []
+    problems: list[Problem] = tmp_problems(layout.root, layout.tmp, live_tokens, fix) if tmp else []
     valid: dict[str, ScannedPage] = {}
-    if tmp:
-        for path in stale_tmp(layout.tmp, live_tokens):
-            problems.append(fix_problem(Problem("orphan_tmp", layout.root, path, "temporary leftover"), fix))
     for page in scan_pages(layout, digest, payload=payload):
         if page.problem is None:
             valid[page.header.key] = page
@@ -258,13 +301,15 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     :param live_tokens: engines of this process whose temporary files are live; None = every
         engine open in this process (so a check beside a running engine never takes its writes).
     :returns: the problems found, empty when the store is consistent.
+    :raises TierError: two tiers overlap (one inside another's ``kvstream`` tree, or one directory
+        twice): walking both would take one tier's files for the other's strays.
     """
+    config.check_overlap()
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:
         base = TierLayout(tier.path, "")
-        for path in stale_tmp(base.tmp, live_tokens):
-            problems.append(fix_problem(Problem("orphan_tmp", tier.path, path, "temporary leftover"), fix))
+        problems += tmp_problems(tier.path, base.tmp, live_tokens, fix)
         for d in ([digest] if digest else _digests(base.base)):
             problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False)[0]
     return problems
@@ -277,14 +322,29 @@ def _digests(base: str) -> list[str]:
         return []
 
 
+def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str] | None, fix: bool) -> list[Problem]:
+    """Temporary leftovers (``orphan_tmp``) and directories (``stray``: kvstream never makes one there)
+    in one tier's temporary directory; with ``fix`` the leftovers are removed, directories never."""
+    return [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover"), fix)
+            for path in stale_tmp(tmp_dir, live_tokens)] + \
+           [fix_problem(Problem("stray", root, path, "a directory in kvstream's temporary directory"), fix)
+            for path in tmp_dirs(tmp_dir)]
+
+
 def fix_problem(problem: Problem, fix: bool = True) -> Problem:
-    """Remove the file behind ``problem`` when ``fix``; the returned copy says whether it went."""
+    """Remove the file behind ``problem`` when ``fix``; the returned copy says whether it went, and
+    if not, why (its ``detail`` grows the reason). Directories are never removed: one may be another
+    tier's tree or anything else an operator keeps there."""
     if not fix:
         return problem
     try:
         os.unlink(problem.path)
     except FileNotFoundError:  # removed concurrently: fixed all the same
         pass
-    except OSError:
-        return problem
+    except IsADirectoryError:
+        return problem._replace(detail=f"{problem.detail}; left in place: kvstream never removes a directory "
+                                       f"(remove it by hand if nothing needs it)")
+    except OSError as exc:
+        return problem._replace(detail=f"{problem.detail}; could not remove it "
+                                       f"({os.strerror(exc.errno or errno.EIO)})")
     return problem._replace(fixed=True)

@@ -41,6 +41,16 @@ __all__ = [
 
 log = logging.getLogger("kvstream")
 
+_forks = 0  # fork()s between this process and the one that imported the module (see ThreadRing)
+
+
+def _forked_child() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked_child)
+
 ENGINES = ("uring", "threads", "auto")
 SETTING = "KVSTREAM_IO_ENGINE"  # the setting that picks the engine (config.py decides it; named in messages)
 MAX_THREADS = 64  # ThreadRing worker cap: one blocked thread per op in flight; past this, deeper queues
@@ -166,7 +176,9 @@ class ThreadRing:
     For hosts where io_uring_setup is refused. Same semantics as ``Ring``: per-op ``-errno``,
     short transfers completed, buffers referenced until reaped, ``close()`` drains. Not
     thread-safe for concurrent submit/reap from several threads without a caller lock, except
-    that one thread may submit while another waits in ``reap`` (as with ``Ring``).
+    that one thread may submit while another waits in ``reap`` (as with ``Ring``). Like ``Ring``,
+    it belongs to the process that opened it: a forked child has none of its threads, so there
+    ``submit``/``reap`` raise RuntimeError and ``close`` only marks it closed.
     """
 
     def __init__(self, entries: int = RING_ENTRIES, threads: int | None = None):
@@ -179,6 +191,8 @@ class ThreadRing:
         self._done: deque[tuple[int, int]] = deque()  # completed, not yet reaped
         self._views: dict[int, memoryview] = {}  # tag -> view pinning the caller's buffer until reaped
         self._closed = False
+        self._forks_at_open = _forks
+        self.owner_pid = os.getpid()
 
     # -- interface --------------------------------------------------------------------------
     @property
@@ -233,6 +247,9 @@ class ThreadRing:
         """Idempotent. Waits for in-flight ops (they touch caller memory), then stops the pool."""
         if self._closed:
             return
+        if self._forks_at_open != _forks:  # a forked child: the pool's threads are the parent's
+            self._closed = True
+            return
         self._pool.shutdown(wait=True)  # every queued op runs to completion first
         with self._cond:
             for view in self._views.values():
@@ -250,15 +267,19 @@ class ThreadRing:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            import warnings
+            if self._forks_at_open == _forks:
+                import warnings
 
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+                warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
             self.close()
 
     # -- internals --------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("I/O engine is closed")
+        if self._forks_at_open != _forks:
+            raise RuntimeError(f"this ThreadRing was opened in process {self.owner_pid}, of which this process is a "
+                               "fork (its threads are not here): open a new one in this process")
 
     def _run(self, opcode: int, fd: int, view: memoryview, offset: int, tag: int) -> None:
         res = _transfer(opcode, fd, view, offset)

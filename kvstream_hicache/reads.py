@@ -13,6 +13,9 @@ Data flow of ``get`` (one call at a time per read ring)::
     until every item is found or failed (or read_timeout passes)
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
     descriptor until a later call (or close) reaps them, and never touch caller memory again.
+    second chance (once): pages missed while a failed tier holds them, or whose indexed copies were
+    gone or another writer's version, go to the engine's ``recover`` (probe those tiers now, look the
+    pages up on disk) and are read again if that gave them a holder they did not have
 
 Where a read lands. Into an engine-owned staging buffer, copied into the caller's segments on its
 first verified arrival (checksum and copy in one pass), or straight into the caller's pages. In place
@@ -34,9 +37,10 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .errors import EngineClosedError
 from .flow import TierFlow
 from .index import Index, PageInfo
-from .integrity import crc32c
+from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
 from .io import OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
 from .memory import HugePageMap
@@ -121,6 +125,7 @@ class _Call:
         self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
         self.direct_tier = -1  # the tier whose reads land straight in caller memory (-1: none)
         self.spoiled: set[int] = set()  # pages whose caller memory a late read in place overwrote badly
+        self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
 
 
 class ReadPath:
@@ -133,8 +138,10 @@ class ReadPath:
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
-                 read_timeout: float, ceiling: int):
+                 read_timeout: float, ceiling: int, digest: str):
         self.ring = ring
+        self.digest = digest
+        self.closed = False
         self.tiers = tiers
         self.index = index
         self.stats = stats
@@ -155,6 +162,12 @@ class ReadPath:
         """Reads of finished calls still in flight (engine-owned buffers)."""
         return self._orphans
 
+    def recover(self, missed: list[str], relook: set[str], mask: int) -> int:
+        """Hook set by the engine: a call missed ``missed`` (``relook``: keys whose indexed copies were
+        gone or another writer's version). Probe failed tiers that hold them, index what the tiers
+        hold of ``relook``; returns the tiers usable now."""
+        return mask
+
     # -- get -----------------------------------------------------------------------------------
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], policy, mask: int) -> list[bool]:
         """See Engine.get. ``mask``: tiers usable for this batch."""
@@ -162,46 +175,84 @@ class ReadPath:
         found = [False] * len(keys)
         t0 = time.perf_counter()
         with self.lock:
+            if self.closed:  # close() ran while this call waited for the lock
+                raise EngineClosedError("kvstream engine is closed")
             self._reap_locked(0, 0)
             busy0 = self.busy.snapshot()
-            infos = self.index.pin(keys)
-            call = _Call(n_tiers)
-            try:
-                self._plan_locked(call, keys, pages, infos, mask)
-                if call.items:
-                    self._run_locked(call, policy, mask)
-                done = self._pages_done(call)
-                for p, ok in enumerate(done):
-                    found[call.page_of[p]] = ok
-            finally:
-                self.index.unpin(infos)
-                self._end_call_locked(call)
+            calls = [self._call_locked(keys, pages, policy, mask, list(range(len(keys))), found)]
+            retry, mask = self._second_chance_locked(calls[0], keys, found, mask)
+            if retry:
+                calls.append(self._call_locked([keys[i] for i in retry], [pages[i] for i in retry], policy, mask,
+                                               retry, found))
             busy = [b - a for a, b in zip(busy0, self.busy.snapshot())]
         elapsed = time.perf_counter() - t0
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
-        served = sum(call.served)
+        read = [sum(c.read[k] for c in calls) for k in range(n_tiers)]
+        served_by = [sum(c.served[k] for c in calls) for k in range(n_tiers)]
+        served = sum(served_by)
         n_found = sum(found)
         for k in range(n_tiers):
-            if call.read[k]:
-                self.stats.add(k, "bytes_read", call.read[k])
-            if call.served[k]:
-                self.stats.add(k, "bytes_served", call.served[k])
+            if read[k]:
+                self.stats.add(k, "bytes_read", read[k])
+            if served_by[k]:
+                self.stats.add(k, "bytes_served", served_by[k])
             self.stats.add(k, "read_busy_s", busy[k])
         self.stats.total("gets")
         self.stats.total("pages_requested", len(keys))
         self.stats.total("pages_found", n_found)
         self.stats.total("pages_missing", len(keys) - n_found)
-        batch = batch_figures(elapsed, served, call.read, busy, call.served)
-        batch.update(pages=len(keys), found=n_found, items=len(call.items), requests=call.requests,
-                     direct_bytes=call.direct_bytes,
+        batch = batch_figures(elapsed, served, read, busy, served_by)
+        batch.update(pages=len(keys), found=n_found, items=sum(len(c.items) for c in calls),
+                     requests=sum(c.requests for c in calls), direct_bytes=sum(c.direct_bytes for c in calls),
                      policy=getattr(policy, "name", str(policy)),
-                     duplicates=getattr(call.route, "duplicates", 0), retries=getattr(call.route, "retries", 0),
-                     duplicate_bytes=sum(call.read) - served if served else 0,
+                     duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
+                     retries=sum(getattr(c.route, "retries", 0) for c in calls),
+                     duplicate_bytes=sum(read) - served if served else 0, second_chance=len(calls) - 1,
                      windows=[f.window for f in self.flows])
         self.stats.record_batch(batch)
         return found
+
+    def _call_locked(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int], found: list[bool]) -> _Call:
+        """One routed pass over ``keys``; marks ``found[pos[i]]`` for each key read whole."""
+        infos = self.index.pin(keys)
+        call = _Call(len(self.tiers))
+        try:
+            self._plan_locked(call, keys, pages, infos, mask)
+            if call.items:
+                self._run_locked(call, policy, mask)
+            for p, ok in enumerate(self._pages_done(call)):
+                if ok:
+                    found[pos[call.page_of[p]]] = True
+        finally:
+            self.index.unpin(infos)
+            self._end_call_locked(call)
+        return call
+
+    def _second_chance_locked(self, call: _Call, keys: Sequence[str], found: list[bool],
+                              mask: int) -> tuple[list[int], int]:
+        """Pages the call missed that the engine's ``recover`` can give a new holder: a failed tier that
+        holds them and answers a probe now (it may be the only copy left: the other tiers' copies were
+        damaged, or never there), or a copy on disk the index did not list (another writer's version
+        in place of the indexed one, or a copy elsewhere when the indexed ones vanished). (positions,
+        new mask)"""
+        missed = [i for i, ok in enumerate(found) if not ok]
+        failed_holders = 0
+        for i in missed:
+            info = self.index.get(keys[i])
+            if info is not None:
+                failed_holders |= info.tiers & ~mask
+        if not missed or not (failed_holders or call.relook):
+            return [], mask
+        now = self.recover([keys[i] for i in missed], call.relook, mask)
+        rejoined = now & ~mask
+        retry = []
+        for i in missed:
+            info = self.index.get(keys[i])
+            if info is not None and info.tiers & now and (info.tiers & rejoined or keys[i] in call.relook):
+                retry.append(i)
+        return retry, now
 
     def _plan_locked(self, call: _Call, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
         if len(pages) != len(keys):
@@ -266,6 +317,10 @@ class ReadPath:
             if adaptive:
                 self._set_depths(route, unit)
             claims += route.refill()  # a grown window, or a tier that turned overdue
+        # Completions already there (no wait) are taken while the call is active: an error among them
+        # fails its tier now, not when a later call reaps it as an orphan; buffers come back sooner.
+        for tag, res in self.ring.reap(0, 0):
+            self._complete_locked(tag, res)
         if call.direct_in_flight:
             self._wait_direct_locked(call, timed_out=not route.done)
 
@@ -329,6 +384,9 @@ class ReadPath:
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
                 try:
                     f.fd = self.tiers[tier].open_page(page.key)
+                except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
+                    self._remove_copy_locked(tier, page.key, f"{exc.strerror} under its name",
+                                             remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
                     err = exc.errno or errno.EIO
                     if self.tiers[tier].fail(err, f"open {page.key}"):
@@ -337,6 +395,7 @@ class ReadPath:
                         self.stats.add(tier, "errors")
                     elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
                         self.index.remove(page.key, tier)
+                        call.relook.add(page.key)
                     else:
                         self.stats.add(tier, "errors")
             call.files[(tier, p)] = f
@@ -475,7 +534,7 @@ class ReadPath:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
         :raises OSError: e.g. FileNotFoundError."""
         span = block_span(page.info.length, page.info.block, j)
-        fd = os.open(self.tiers[tier].layout.page_path(page.key), os.O_RDONLY | os.O_CLOEXEC)
+        fd, _ = open_regular(self.tiers[tier].layout.page_path(page.key))
         try:
             return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
         finally:
@@ -502,26 +561,47 @@ class ReadPath:
 
     def _quarantine_locked(self, call: _Call, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged
-        copy from a transfer fault; a damaged copy is removed from the tier and the index."""
+        copy from a transfer fault. A copy that differs on disk from what the index says is checked
+        against its own header: intact, it is another writer's version of the page (two processes of
+        the namespace stored this key with other bytes), which leaves the index but stays on disk; it
+        is removed only when it fails its own header or checksums (damaged)."""
         page = call.pages[p]
         call.bad.add((tier, p))
         try:
             data = self._read_block(tier, page, j)
-            damaged = len(data) != block_span(page.info.length, page.info.block, j).nbytes or \
+            differs = len(data) != block_span(page.info.length, page.info.block, j).nbytes or \
                 crc32c(data) != page.info.crcs[j]
-        except FileNotFoundError:
-            damaged = True
+        except (FileNotFoundError, NotRegularFile):
+            differs = True
         except OSError:
             return  # the tier is failing: its health, not this page, is the problem
-        if damaged:
-            log.warning("kvstream: page %s on tier %d is damaged (%s, block %d); removed, served from a replica "
-                        "if one is valid", page.key, tier, why, j)
-            self.index.remove(page.key, tier)
-            self.tiers[tier].unlink_page(page.key)
-            self.stats.add(tier, "quarantined")
-        else:
+        if not differs:
             log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
                         "intact on disk; read from a replica", j, page.key, tier, why)
+            return
+        scanned = scan_file(self.tiers[tier].layout, self.digest, page.key, payload=True)
+        problem = scanned.problem
+        if problem is not None and problem.detail.startswith(UNREADABLE):
+            return  # an I/O error: the tier's health, not this copy, is the problem
+        if problem is None or problem.detail == VANISHED:  # kept (another writer's version), or gone
+            self.index.remove(page.key, tier)
+            call.relook.add(page.key)
+            if problem is None:
+                self.stats.add(tier, "other_versions")
+                log.info("kvstream: page %s on tier %d is another writer's version (intact, other bytes); kept, "
+                         "read from a copy of the indexed version or indexed in its place", page.key, tier)
+        else:
+            self._remove_copy_locked(tier, page.key, f"{why}, block {j}")
+
+    def _remove_copy_locked(self, tier: int, key: str, why: str, remove: bool = True) -> None:
+        """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
+        directory stays: kvstream never removes one; ``check`` reports it)."""
+        log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
+                    key, tier, why, "removed" if remove else "left in place")
+        self.index.remove(key, tier)
+        if remove:
+            self.tiers[tier].unlink_page(key)
+        self.stats.add(tier, "quarantined")
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths(self, route, unit: int) -> None:
@@ -622,6 +702,7 @@ class ReadPath:
     def close(self) -> None:
         """Close the ring (it drains what is in flight), then release every request's resources."""
         with self.lock:
+            self.closed = True
             self.ring.close()
             for req in self._reqs.values():
                 req.file.refs = max(req.file.refs - 1, 0)

@@ -4,7 +4,8 @@ Per tier: bytes and blocks read (every transfer, duplicates included), bytes ser
 verified arrivals: the tier's share of the data returned), pages read (pages it served at least one
 block of), bytes/pages written, read and write busy time
 (time with at least one op of that tier in flight), errors, reads retried on another replica
-after this tier failed them, corrupted copies found, evictions.
+after this tier failed them, corrupted copies found, copies found to be another writer's version
+(kept on disk, out of the index), evictions.
 
 Per read batch (``last_batch`` and a bounded history): retrieval time, bytes, per tier bytes and
 busy time, and the bound ``D / sum_k b_k`` with ``b_k`` = tier k's bytes / busy time in that batch
@@ -20,7 +21,7 @@ from collections.abc import Callable
 TIER_COUNTERS = (
     "bytes_read", "blocks_read", "requests", "bytes_served", "pages_read", "bytes_written", "pages_written",
     "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
-    "quarantined", "write_failures", "skipped_writes",
+    "quarantined", "other_versions", "write_failures", "skipped_writes",
 )
 TOTAL_COUNTERS = (
     "gets", "pages_requested", "pages_found", "pages_missing", "puts", "pages_put", "pages_stored",

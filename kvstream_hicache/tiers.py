@@ -3,8 +3,11 @@
 Health lifecycle::
 
     healthy --(EIO, EROFS, EACCES, EPERM, ESTALE, ... or its directory vanished)--> failed
-    failed  --(after the back-off: a probe writes, reads and removes a 4 KiB file)--> healthy
-             (the back-off doubles after each failed probe, from Config.tier_retry up to 300 s)
+    failed  --(a probe writes, reads and removes a 4 KiB file)--> healthy
+             when: the back-off expired (it doubles after each failed probe, from Config.tier_retry
+             up to 300 s); or the tier failed because its directory vanished and a look (one stat,
+             at most every LOOK_S) finds it back; or a read needs it (``usable(now=True)``: it is the
+             last holder of a page, once per batch)
 
 A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
 "gone" when ``<tier>/kvstream`` no longer exists on the device it was on at start: an unmounted
@@ -21,6 +24,7 @@ import shutil
 import threading
 from collections.abc import Callable
 
+from .integrity import open_regular
 from .layout import TierLayout
 from .tmpfiles import ProbeFailed, probe_direct, tmp_name
 
@@ -31,8 +35,9 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
                          errno.ESTALE, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF})
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
+LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
+# a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
 
-READ_FLAGS = os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC
 TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC
 
 
@@ -66,6 +71,8 @@ class Tier:
         self.failures = 0  # state changes to failed
         self._backoff = retry_s
         self._next_probe = 0.0
+        self._vanished = False  # failed because its directory went: look for it every LOOK_S
+        self._next_look = 0.0
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
@@ -74,13 +81,22 @@ class Tier:
         self._mkdir(self.layout.pages)
 
     # -- health ---------------------------------------------------------------------------------
-    def usable(self) -> bool:
-        """Healthy, or failed and due for a probe that now succeeds (then healthy again)."""
+    def usable(self, now: bool = False) -> bool:
+        """Healthy, or failed and due for a probe that now succeeds (then healthy again). Due: the
+        back-off expired; or the tier failed because its directory vanished and one stat (at most every
+        LOOK_S) finds it back; or ``now`` (a read that has no other holder left for a page)."""
         if self.healthy:
             return True
         with self._lock:
-            if self.healthy or self.clock() < self._next_probe:
-                return self.healthy
+            if self.healthy:
+                return True
+            t = self.clock()
+            due = now or t >= self._next_probe
+            if not due and self._vanished and t >= self._next_look:
+                self._next_look = t + LOOK_S
+                due = not self.gone()
+            if not due:
+                return False
             ok, why = self._probe()
             if ok:
                 self.healthy = True
@@ -90,6 +106,7 @@ class Tier:
             else:
                 self._backoff = min(self._backoff * 2, MAX_RETRY_S)
                 self._next_probe = self.clock() + self._backoff
+                self._vanished = self.gone()  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
             return self.healthy
 
@@ -108,6 +125,8 @@ class Tier:
                 self.failures += 1
                 self._backoff = self.retry_s
                 self._next_probe = self.clock() + self._backoff
+                self._vanished = self.gone()
+                self._next_look = self.clock() + LOOK_S
                 self._dirs.clear()
                 log.warning("kvstream: tier %d (%s) failed (%s); skipping it, next probe in %.0f s",
                             self.k, self.root, self.last_error, self._backoff)
@@ -136,8 +155,10 @@ class Tier:
 
     # -- files ----------------------------------------------------------------------------------
     def open_page(self, key: str) -> int:
-        """O_DIRECT read descriptor of ``key``'s page. :raises OSError: e.g. ENOENT."""
-        return os.open(self.layout.page_path(key), READ_FLAGS)
+        """O_DIRECT read descriptor of ``key``'s page.
+        :raises NotRegularFile: a FIFO, directory, ... under the page's name (integrity.open_regular).
+        :raises OSError: e.g. ENOENT."""
+        return open_regular(self.layout.page_path(key), os.O_DIRECT)[0]
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError:"""

@@ -145,6 +145,8 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
     except FileNotFoundError:
         return out
     for entry in entries:
+        if _is_dir(entry):  # not a temporary file: a stray (tmp_dirs), never removed as a leftover
+            continue
         owner = parse_tmp_name(entry.name)
         if owner is None and entry.name.startswith(PROBE_PREFIX):
             # a probe of another process or host lives for milliseconds and may be in use right now:
@@ -165,3 +167,19 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
         if stale:
             out.append(entry.path)
     return out
+
+
+def tmp_dirs(tmp_dir: str) -> list[str]:
+    """Directories in the tmp directory: kvstream never makes one there (another tier configured inside
+    this one's tree, or an operator's), so none is a leftover and none is ever removed."""
+    try:
+        return sorted(entry.path for entry in os.scandir(tmp_dir) if _is_dir(entry))
+    except FileNotFoundError:
+        return []
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:  # vanished meanwhile
+        return False

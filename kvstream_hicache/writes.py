@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .errors import EngineClosedError
 from .index import Index
 from .integrity import PageHeader, block_crcs, pack_header
 from .io import OP_WRITE
@@ -93,6 +94,7 @@ class WritePath:
         self.busy = BusyClock(len(tiers))
         self._ops: dict[int, tuple[_Job, int]] = {}  # tag -> (job, bytes expected)
         self._tag = 0
+        self.closed = False
 
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int) -> list[bool]:
         """See Engine.put. ``mask``: tiers usable for this batch."""
@@ -101,6 +103,8 @@ class WritePath:
         results = [False] * len(keys)
         n_tiers = len(self.tiers)
         with self.lock:
+            if self.closed:  # close() ran while this call waited for the lock
+                raise EngineClosedError("kvstream engine is closed")
             busy0 = self.busy.snapshot()
             new: list[_Page] = []
             first: dict[str, int] = {}
@@ -276,8 +280,9 @@ class WritePath:
                 self.index.abort(k, page.file_bytes)
                 self._failed_locked(k, exc.errno or errno.EIO, f"commit {page.key}")
                 return
-            for t in self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes):
-                self.tiers[t].unlink_page(page.key)  # an older copy with other content: never serve it
+            # A copy of other content on another tier (a failed tier's, another writer's) leaves the
+            # index, so it is never served against these checksums; its file is a valid page and stays.
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes)
             page.committed.append(k)
             dirs.setdefault(k, set()).add(page_dir)
             self.stats.add(k, "bytes_written", page.length)
@@ -346,6 +351,7 @@ class WritePath:
 
     def close(self) -> None:
         with self.lock:
+            self.closed = True
             self.ring.close()
             self.pool.close()
 

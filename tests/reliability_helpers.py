@@ -308,25 +308,9 @@ def _writer(tiers: str, ack_path: str, start: int, batch: int, rounds: int, size
     salt 'crash'); after each put returns, the acknowledged keys are
     appended to ``ack_path`` and fsynced. With ``hold_after`` >= 0, the writes of the batch after
     that many batches are held in the ring (their temp files exist) and 'HOLDING' is logged."""
-    from kvstream_hicache.faults import Fault
-    from kvstream_hicache.io import OP_WRITE
-
-    plan = None
-    if hold_after >= 0:
-        class HoldWrites(FaultPlan):
-            armed = False
-
-            def decide(self, opcode, fd, offset, length):
-                if self.armed and opcode == OP_WRITE:
-                    if not self.hits:
-                        _ack(ack_fd, "HOLDING")
-                    self.hits.append((Fault.hold(), opcode, fd, offset, length))
-                    return Fault.hold()
-                return None
-
-        plan = HoldWrites()
     pages = PageSet(size, aligned=True, salt="crash")
     ack_fd = os.open(ack_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    plan = HoldWrites(lambda: _ack(ack_fd, "HOLDING")) if hold_after >= 0 else None
     engine = make_engine(tiers.split(os.pathsep), fault_plan=plan)
     _ack(ack_fd, f"START {os.getpid()}")
     for r in range(rounds):
@@ -408,6 +392,111 @@ def _mla(tiers: str, role: str, rounds: int, out: str, go: str, capacity: str) -
     return 0
 
 
+class HoldWrites(FaultPlan):
+    """Holds every write of the engine while ``armed`` (the I/O happens, its completion waits for
+    ``release()``); the first held write calls ``on_hold()``, so another process can learn that this
+    one is inside its put with its temporary files written and nothing committed yet."""
+
+    def __init__(self, on_hold):
+        super().__init__()
+        self.on_hold = on_hold
+        self.armed = False
+
+    def decide(self, opcode, fd, offset, length):
+        from kvstream_hicache.faults import Fault
+        from kvstream_hicache.io import OP_WRITE
+
+        if not (self.armed and opcode == OP_WRITE):
+            return None
+        if not self.hits:
+            self.on_hold()
+        self.hits.append((Fault.hold(), opcode, fd, offset, length))
+        return Fault.hold()
+
+
+def wait_for_file(path: str, timeout: float = 240.0, children: Sequence[subprocess.Popen] = ()) -> None:
+    """Wait for ``path`` to appear; fail at ``timeout``, or at once when one of ``children`` died."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        for child in children:
+            if child.poll() is not None:
+                _, err = child.communicate()
+                raise AssertionError(f"child exited ({child.returncode}) before {path} appeared: {err[-3000:]}")
+        time.sleep(0.005)
+
+
+def release_on(plan: HoldWrites, path: str) -> threading.Thread:
+    """A thread that lets ``plan``'s held writes go when ``path`` appears."""
+    def run():
+        wait_for_file(path)
+        plan.armed = False
+        plan.release()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def store_at_once(children: Sequence[subprocess.Popen], outs: Sequence[str], go: str,
+                  timeout: float = 240.0) -> list[dict]:
+    """Drive two writer children (roles 'twin', tests/sglang_server_child.py) through one simultaneous
+    store: wait until both hold their writes (``OUT.holding``), let them go (``go``), wait until both
+    stored (``OUT.stored``), let them read (``go + '.read'``); returns each child's JSON result. A
+    child that dies or hangs fails the test; none is left running."""
+    try:
+        for out in outs:
+            wait_for_file(out + ".holding", timeout, children)  # inside the store, nothing committed
+        open(go, "w").close()
+        for out in outs:
+            wait_for_file(out + ".stored", timeout, children)
+        open(go + ".read", "w").close()
+        for child in children:
+            _, err = child.communicate(timeout=timeout)
+            assert child.returncode == 0, err[-3000:]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+    return results
+
+
+def twin_content(k: str, who: int) -> bytes:
+    """Process ``who``'s bytes for key ``k``: two servers' KV of one prefix need not be bit-identical."""
+    return content(f"{k}/twin{who}", PAGE_BYTES)
+
+
+def _twin(tiers: str, who: int, n: int, out: str, go: str) -> int:
+    """Two-writer child: stores the same ``n`` keys as its twin, with its own bytes, at the same moment
+    (writes held until ``go``: both puts looked the keys up and wrote their temporary files before
+    either committed), then, once both stored (``go + '.read'``), reads every key back."""
+    pages = PageSet(PAGE_BYTES, aligned=who == 0, salt="twin", data=lambda k: twin_content(k, who))
+    keys = pages.keys(n)
+    plan = HoldWrites(lambda: open(out + ".holding", "w").close())
+    engine = make_engine(tiers.split(os.pathsep), fault_plan=plan)
+    plan.armed = True
+    release_on(plan, go)
+    stored = pages.put(engine, keys)
+    open(out + ".stored", "w").close()
+    wait_for_file(go + ".read")
+    found, got = pages.get(engine, keys)
+    versions = [next((w for w in (who, 1 - who) if data == twin_content(k, w)), None) if ok else None
+                for k, ok, data in zip(keys, found, got)]
+    stats = engine.stats()
+    problems = engine.check()
+    engine.close()
+    with open(out, "w") as f:
+        json.dump({"stored": stored, "found": found, "versions": versions, "problems": [p._asdict() for p in problems],
+                   "quarantined": sum(t["quarantined"] for t in stats["tiers"]),
+                   "other_versions": sum(t.get("other_versions", 0) for t in stats["tiers"])}, f)
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     role, *args = argv
     if role == "writer":
@@ -419,6 +508,9 @@ def main(argv: Sequence[str]) -> int:
     if role == "mla":
         tiers, which, rounds, out, go, capacity = args
         return _mla(tiers, which, int(rounds), out, go, capacity)
+    if role == "twin":
+        tiers, who, n, out, go = args
+        return _twin(tiers, int(who), int(n), out, go)
     print(f"unknown role {role!r}", file=sys.stderr)
     return errno.EINVAL
 

@@ -134,6 +134,24 @@ BAD = [
     ({"tiers": "{root}", "file_mode": "world"}, None, ["extra config 'file_mode'", "private, shared"]),
     (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_IO_ENGINE": "spdk"}, ["KVSTREAM_IO_ENGINE", "auto, uring, threads"]),
     ({"tiers": "{root}", "read_timeout": "soon"}, None, ["extra config 'read_timeout'", "expected a number"]),
+    # settings that used to pass start-up and fail later, or fail raw (issue 16)
+    ({"tiers": "{root}", "policy": "tier1"}, None,
+     ["extra config 'policy'", "'tier1'", "1 tier", "no tier 1", "'tier0'"]),
+    (None, {"KVSTREAM_TIERS": "{root}:{root}/b", "KVSTREAM_POLICY": "static-0.5/0.3/0.2"}, ["KVSTREAM_POLICY",
+     "'static-0.5/0.3/0.2'", "2 tiers", "3 shares"]),
+    ({"tiers": "{root}", "capacity": float("nan")}, None, ["extra config 'capacity'", "nan is not a size", "empty for unlimited"]),
+    ({"tiers": "{root}", "capacity": [float("inf")]}, None, ["extra config 'capacity'", "inf is not a size"]),
+    ({"tiers": "{root}", "capacity": "0"}, None, ["extra config 'capacity'", "'0' holds no page", "8192 bytes",
+                                                   "empty for unlimited"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_CAPACITY": "4K"}, ["KVSTREAM_CAPACITY", "'4K' holds no page"]),
+    ({"tiers": ["{root}/a\x00b"]}, None, ["extra config 'tiers'", "'{root}/a\\x00b'", "NUL byte",
+                                          "correct the tier list"]),
+    (None, {"KVSTREAM_TIERS": "{root}\x00"}, ["KVSTREAM_TIERS", "NUL byte"]),
+    ({"tiers": "{root}", "read_timeout": "nan"}, None, ["extra config 'read_timeout'", "'nan'", "finite", "0 to wait forever"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_READ_TIMEOUT": "inf"}, ["KVSTREAM_READ_TIMEOUT", "'inf'", "finite"]),
+    ({"tiers": "{root}", "tier_retry": float("nan")}, None, ["extra config 'tier_retry'", "nan", "finite", "e.g. 5"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_TIER_RETRY": "Infinity"}, ["KVSTREAM_TIER_RETRY", "'Infinity'"]),
+    ({"tiers": "{root}", "claim": float("inf")}, None, ["extra config 'claim'", "expected a number"]),
 ]
 
 
@@ -154,6 +172,32 @@ def test_bad_setting_is_one_clear_message(tier_root, caplog, explicit, environ, 
     _has_all(str(err), *[fill(p) for p in parts])
     assert "\n" not in str(err), "one message, one line"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "nothing else is reported"
+
+
+def test_a_capacity_share_smaller_than_one_page_is_refused(tier_root):
+    """A share of the file system is resolved at start-up: one that comes to less than the smallest page
+    file is refused there, naming the setting and the bytes it came to."""
+    st = os.statvfs(tier_root)
+    share = f"{4096 / (st.f_blocks * st.f_frsize) * 100:.10f}".rstrip("0") + "%"  # about 4 KiB of this disk
+    err = _start({"tiers": [tier_root], "capacity": share})
+    _has_all(str(err), "extra config 'capacity'", share, tier_root, "less than one page file", "8192 bytes")
+
+
+def test_tier_path_messages_say_what_is_wrong(tier_root):
+    """A symlink loop is not 'missing: mkdir -p'; a dangling link names its target; /proc and /sys are
+    kernel interfaces, not 'not writable (No such file or directory)'."""
+    loop = os.path.join(tier_root, "loop")
+    os.symlink(loop, loop)
+    err = _start({"tiers": [loop]})
+    _has_all(str(err), loop, "symbolic link loop", "point the tier list at a real directory")
+    assert "mkdir" not in str(err) and "does not exist" not in str(err)
+    dangling = os.path.join(tier_root, "dangling")
+    os.symlink(os.path.join(tier_root, "nowhere"), dangling)
+    _has_all(str(_start({"tiers": [dangling]})), dangling, "symbolic link to", "nowhere", "which does not exist")
+    for pseudo, fstype in (("/proc", "proc"), ("/proc/sys/kernel", "proc"), ("/sys", "sysfs")):
+        err = _start({"tiers": [pseudo]})
+        _has_all(str(err), pseudo, f"on a {fstype} file system", "cannot store files", "ext4 or xfs")
+        assert "No such file" not in str(err)
 
 
 def test_listed_twice_and_one_file_system_are_warnings_not_errors(tier_dirs, caplog):

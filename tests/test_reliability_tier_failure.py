@@ -2,8 +2,9 @@
 file system is unmounted or remounted read-only (root ignores permission bits, so chmod proves
 nothing here). Reads go on from the other replica with no failed request, writes go on to the
 healthy tier and count the missing replica, the failed tier is probed after its back-off (doubling
-while it stays broken) and rejoins when it recovers; the stats and the log show each change of
-state once, never once per page. Time is an injected clock: no sleeps, no timing assertions.
+while it stays broken), or as soon as a look finds its vanished directory back, and rejoins when it
+recovers; the stats and the log show each change of state once, never once per page. Time is an
+injected clock: no sleeps, no timing assertions.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import shutil
 import pytest
 
 from kvstream_hicache import check_tiers
+from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
+from kvstream_hicache.tiers import LOOK_S
 
-from reliability_helpers import FakeClock, PageSet, loop_fs, make_engine, messages  # noqa: F401  (fixture)
+from reliability_helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages  # noqa: F401
 
 RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
 
@@ -25,6 +28,7 @@ class Rename:
     """The tier directory is moved away (a path that vanished), then moved back."""
 
     lossy = False
+    vanishes = True  # <tier>/kvstream is gone while failed: looked for between batches, not only probed
 
     def __init__(self, tier_root, loop_fs):
         self.dir = os.path.join(tier_root, "tier0")
@@ -53,6 +57,7 @@ class Unmount:
     """The tier's file system is unmounted (its empty mount point stays behind), then mounted again."""
 
     lossy = False
+    vanishes = True
 
     def __init__(self, tier_root, loop_fs):
         self.fs = loop_fs(32 << 20, "tier0fs")
@@ -67,6 +72,8 @@ class Unmount:
 
 class ReadOnly(Unmount):
     """The tier's file system is remounted read-only (what ext4 does itself on errors=remount-ro)."""
+
+    vanishes = False
 
     def fail(self):
         self.fs.remount("ro")
@@ -112,10 +119,18 @@ def test_tier_fails_mid_run_and_rejoins(tier_root, loop_fs, caplog, fault):
         assert engine.stats()["under_replicated"] == 12
 
         tier.recover()
-        clock.advance(RETRY_S)  # inside the doubled back-off (10 s from the failed probe)
-        assert pages.checked_get(engine, third) == [True] * 6
-        assert not engine.stats()["tiers"][0]["healthy"]
-        clock.advance(RETRY_S + 1)  # past it: probed, works, rejoins
+        if tier.vanishes:
+            # its directory is back: a look (one stat, at most every LOOK_S) finds it at the next call,
+            # which probes it and rejoins it, long before the doubled back-off (10 s) expires
+            clock.advance(LOOK_S)
+            assert pages.checked_get(engine, third) == [True] * 6
+            assert engine.stats()["tiers"][0]["healthy"]
+        else:
+            # a tier whose directory never went (read-only): the back-off alone decides
+            clock.advance(RETRY_S)  # inside the doubled back-off (10 s from the failed probe)
+            assert pages.checked_get(engine, third) == [True] * 6
+            assert not engine.stats()["tiers"][0]["healthy"]
+            clock.advance(RETRY_S + 1)  # past it: probed, works, rejoins
         assert pages.put(engine, fourth) == [True] * 6
         stats = engine.stats()
         assert stats["tiers"][0]["healthy"] and stats["tiers"][0]["failures"] == 1
@@ -161,3 +176,64 @@ def test_tier_subdirectory_of_an_unmounted_fs_refuses_to_start(tier_root, loop_f
     with make_engine([tier, other]) as engine:  # mounted again: every page is back on both tiers
         assert [engine.index.holders(k) for k in pages.keys(3)] == [0b11] * 3
         assert pages.checked_get(engine, pages.keys(3), policy=SingleTier(0)) == [True] * 3
+
+
+def test_a_returned_tier_serves_what_its_replica_lost(tier_root, caplog):
+    """Tier 0 vanished (failed: skipped for its back-off), then came back; meanwhile tier 1's copies
+    of some pages were damaged and others' are gone from tier 1 altogether. A read of those pages
+    finds tier 0 the only holder left: it is probed then and there (once per batch, whatever its
+    back-off) and serves them, in the same call. The clock does not move: no back-off expires."""
+    caplog.set_level(logging.INFO, logger="kvstream")
+    dirs = [os.path.join(tier_root, f"tier{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    clock = FakeClock()
+    pages = PageSet()
+    damaged, gone, fine = pages.keys(3), pages.keys(3, 3), pages.keys(3, 6)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, damaged + gone + fine) == [True] * 9
+        os.rename(dirs[0], dirs[0] + ".away")
+        assert pages.checked_get(engine, fine, policy=SingleTier(0)) == [True] * 3  # tier 0 fails here
+        assert not engine.stats()["tiers"][0]["healthy"]
+        os.rename(dirs[0] + ".away", dirs[0])
+        for k in damaged:
+            flip_byte(engine.tiers[1].layout.page_path(k), HEADER_SIZE + 100)
+        for k in gone:  # tier 1 lost these before this process could read them: only tier 0 is indexed
+            os.unlink(engine.tiers[1].layout.page_path(k))
+            engine.index.remove(k, 1)
+        assert pages.checked_get(engine, damaged + gone + fine) == [True] * 9
+        stats = engine.stats()
+        assert stats["tiers"][0]["healthy"] and stats["tiers"][0]["failures"] == 1
+        assert stats["tiers"][1]["quarantined"] == 3
+        assert engine.last_batch["second_chance"] == 1
+        assert len(messages(caplog, "tier 0", "recovered")) == 1
+        assert engine.check() == []
+
+
+def test_a_failed_tier_that_stays_broken_is_probed_once_per_batch(tier_root):
+    """The last holder of a page is probed at most once per read batch: a tier that is still gone
+    makes the page a miss (no wrong bytes), and the next batch probes it again."""
+    dirs = [os.path.join(tier_root, f"tier{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    clock = FakeClock()
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        os.rename(dirs[0], dirs[0] + ".away")
+        for k in keys:
+            os.unlink(engine.tiers[1].layout.page_path(k))
+        probes = []
+        real_probe = engine.tiers[0]._probe
+        engine.tiers[0]._probe = lambda: probes.append(1) or real_probe()
+        # tier 0 fails in this batch: no probe of a tier that failed a moment ago
+        assert pages.checked_get(engine, keys, policy=SingleTier(0)) == [False] * 4
+        assert probes == [] and not engine.stats()["tiers"][0]["healthy"]
+        for batch in (1, 2):  # the last holder, failed before the batch: one probe per batch
+            assert pages.checked_get(engine, keys) == [False] * 4
+            assert len(probes) == batch
+        os.rename(dirs[0] + ".away", dirs[0])
+        assert pages.checked_get(engine, keys) == [True] * 4  # back: probed, rejoined, served
+        assert len(probes) == 3
+        assert engine.check() == []

@@ -232,3 +232,65 @@ def test_prometheus_multiprocess_mode(tmp_path):
     assert 'kvstream:tier_healthy{dp_rank="0",pp_rank="0",tier="1",tp_rank="0"} 0.0' in out, out
     assert 'kvstream:retrieval_gap_count{dp_rank="0",pp_rank="0",tp_rank="0"} 1.0' in out, out
     assert any(f.name.startswith("counter_") for f in tmp_path.iterdir())
+
+
+def test_host_indices_outside_the_pool_are_misses_never_memory_writes(tier_dirs):
+    """host_indices past the end of the host pool, negative, 2**40 or straddling its end: each such page
+    is a miss (with a warning and a counter) before any address is formed from it; the good pages of the
+    batch are stored and read. In a child process: an address formed from 2**40 crashes the interpreter."""
+    from sglang_fixtures import run_python
+
+    code = f"""
+import json, torch
+from kvstream_hicache.tools import cpu_sglang
+cpu_sglang.install_stubs()
+from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+P = {PAGE}
+pools = cpu_sglang.make_pools("mha", "page_first", page_size=P)
+backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config={{"tiers": {tier_dirs[:2]!r}}}),
+                                 pools.host)
+size = pools.host.size
+tokens = cpu_sglang.random_tokens(2 * P, seed=81)
+keys = cpu_sglang.page_keys(tokens, P)
+src = cpu_sglang.fill_random(pools, len(tokens), seed=81)
+def at(start):
+    return torch.arange(start, start + P, dtype=torch.int64)
+bad = [at(size), at(-P), at(2 ** 40), at(size - P // 2)]
+bad_keys = [c * 64 for c in "abcd"]
+out = {{}}
+out["set"] = backend.batch_set_v1([keys[0]] + bad_keys + [keys[1]], torch.cat([src[:P]] + bad + [src[P:]]))
+out["exists"] = backend.batch_exists(keys)
+dst = pools.alloc(2 * P)
+out["get"] = backend.batch_get_v1([keys[0]] + bad_keys + [keys[1]], torch.cat([dst[:P]] + bad + [dst[P:]]))
+out["bytes"] = pools.page_bytes(dst) == pools.page_bytes(src)
+out["float"] = backend.batch_get_v1(keys[:1], dst[:P].to(torch.float32))
+out["counters"] = backend.counters
+backend.close()
+print("RESULT " + json.dumps(out))
+"""
+    proc = run_python(code, timeout=180)
+    assert proc.returncode == 0, f"the child died ({proc.returncode}): {proc.stderr[-3000:]}"
+    import json
+
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["set"] == [True, False, False, False, False, True]
+    assert out["exists"] == 2
+    assert out["get"] == [True, False, False, False, False, True] and out["bytes"]
+    assert out["float"] == [False]
+    assert out["counters"]["bad_host_indices"] == 8 and out["counters"]["bad_arguments"] == 1
+    assert out["counters"]["errors"] == 0
+    assert "outside the host pool" in proc.stderr
+
+
+def test_a_capacity_smaller_than_one_page_is_refused_at_attach(tier_dirs):
+    """A capacity that holds no page of this pool would make every backup a silent miss: the attach
+    fails, naming the setting, the page size and the fix."""
+    from kvstream_hicache.errors import ConfigError
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    config = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2], capacity="16K"))
+    with pytest.raises(ConfigError) as info:
+        KVStreamHiCacheStorage(config, pools.host)
+    message = str(info.value)
+    assert "extra config 'capacity'" in message and "less than one page file" in message
+    assert str(pools.flat_page_nbytes()) in message and "leave it empty for unlimited" in message

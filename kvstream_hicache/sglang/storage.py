@@ -87,7 +87,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._page_bytes = 0
         self._warned: dict[tuple[str, str], list] = {}
         self.counters = {"errors": 0, "legacy_calls": 0, "refused_calls": 0, "invalid_keys": 0,
-                         "skipped_writes": 0, "bad_arguments": 0, "metrics_errors": 0}
+                         "skipped_writes": 0, "bad_arguments": 0, "bad_host_indices": 0, "metrics_errors": 0}
         self._samples = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._exporter = None
         self._last_sync = 0.0
@@ -338,23 +338,28 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             self._record("backup", result, t0)
         return stored
 
-    def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment]]) -> list[bool]:
-        """Run an engine batch on the pages whose keys are valid; invalid keys are False (and counted)."""
-        ok = [is_valid_key(k) for k in keys]
-        if all(ok):
+    def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment] | None]) -> list[bool]:
+        """Run an engine batch on the pages whose keys are valid and whose memory is known; the others are
+        False (invalid keys counted here, pages outside the host pool by _pool_pages)."""
+        valid = [is_valid_key(k) for k in keys]
+        if not all(valid):
+            self._count("invalid_keys", valid.count(False))
+            self._warn("keys", "invalid", "kvstream: refused page keys that are not [0-9A-Za-z_-]{1,200} "
+                       f"(first: {next(k for k, v in zip(keys, valid) if not v)!r})")
+        sel = [i for i, (v, page) in enumerate(zip(valid, pages)) if v and page is not None]
+        if len(sel) == len(keys):
             return list(op(keys, pages))
-        self._count("invalid_keys", ok.count(False))
-        self._warn("keys", "invalid", "kvstream: refused page keys that are not [0-9A-Za-z_-]{1,200} "
-                   f"(first: {next(k for k, v in zip(keys, ok) if not v)!r})")
-        sel = [i for i, v in enumerate(ok) if v]
         out = [False] * len(keys)
         if sel:
             for i, r in zip(sel, op([keys[i] for i in sel], [pages[i] for i in sel])):
                 out[i] = bool(r)
         return out
 
-    def _pool_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment]] | None:
-        """The host pool's segments of each page, in flat-page order; None (and a warning) on a shape error."""
+    def _pool_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment] | None] | None:
+        """The host pool's segments of each page, in flat-page order. A page whose host slots are not inside
+        the pool is None (a miss, counted and warned): the pool forms raw addresses from the slots, and the
+        engine would read or write wherever they point. None for the whole batch (and a warning) on a shape
+        or type error."""
         host = self.mem_pool_host
         n = len(keys)
         if n == 0:
@@ -364,18 +369,50 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             self._warn("pages", "shape", f"kvstream: {n} keys but {0 if host_indices is None else len(host_indices)}"
                        f" host slots (page size {host.page_size}); answered as a miss")
             return None
+        inside = self._inside_pool(host_indices, n)
+        if inside is None:
+            self._count("bad_arguments")
+            self._warn("pages", "indices", "kvstream: host_indices are not integer slot indices "
+                       f"({type(host_indices).__name__} {getattr(host_indices, 'dtype', '')}); answered as a miss")
+            return None
+        sel = [i for i, ok in enumerate(inside) if ok]
+        if len(sel) < n:
+            self._count("bad_host_indices", n - len(sel))
+            self._warn("pages", "outside", f"kvstream: {n - len(sel)} of {n} pages have host slots outside the host "
+                       f"pool (slots 0..{host.size - 1}, pages of {host.page_size}); those pages are misses")
+            if not sel:
+                return [None] * n
+            host_indices = torch.as_tensor(host_indices).reshape(n, host.page_size)[sel].reshape(-1)
         ptrs, sizes = host.get_page_buffer_meta(host_indices)
         per = self._segments_per_page
-        if len(ptrs) != n * per:
+        if len(ptrs) != len(sel) * per:
             self._count("bad_arguments")
-            self._warn("pages", "segments", f"kvstream: host pool returned {len(ptrs)} segments for {n} pages, "
+            self._warn("pages", "segments", f"kvstream: host pool returned {len(ptrs)} segments for {len(sel)} pages, "
                        f"expected {per} per page; answered as a miss")
             return None
         segs = list(zip(ptrs, sizes))
-        pages = [segs[i * per:(i + 1) * per] for i in range(n)]
-        if self._reorder_kv:  # MHA layer_first: k0 v0 k1 v1 ... -> k0 k1 ... v0 v1 ... (the flat page order)
-            pages = [p[0::2] + p[1::2] for p in pages]
+        pages: list[list[Segment] | None] = [None] * n
+        for j, i in enumerate(sel):
+            page = segs[j * per:(j + 1) * per]
+            if self._reorder_kv:  # MHA layer_first: k0 v0 k1 v1 ... -> k0 k1 ... v0 v1 ... (the flat page order)
+                page = page[0::2] + page[1::2]
+            pages[i] = page
         return pages
+
+    def _inside_pool(self, host_indices: Any, n: int) -> list[bool] | None:
+        """Per page, whether its ``page_size`` slots lie inside the host pool (each page's first slot plus a
+        page fits too: the pool addresses a page from its first slot); None when the indices are not integers."""
+        host = self.mem_pool_host
+        try:
+            idx = torch.as_tensor(host_indices)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            return None
+        idx = idx.reshape(n, host.page_size).to(torch.int64)
+        size = int(host.size)
+        ok = (idx.min(dim=1).values >= 0) & (idx.max(dim=1).values < size) & (idx[:, 0] + host.page_size <= size)
+        return ok.tolist()
 
     def _note_legacy(self) -> None:
         self._count("legacy_calls")
@@ -470,7 +507,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
         # The engine would announce itself at INFO on every rank; sglang gets one line instead, from
         # rank 0 (startup_line), which carries the same facts plus the host-pool side.
-        return Engine(self.config, namespace, announce=False)
+        return Engine(self.config, namespace, announce=False, page_bytes=self._page_bytes)
 
     def _make_exporter(self):
         from .metrics import Exporter

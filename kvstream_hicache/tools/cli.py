@@ -148,14 +148,20 @@ def _check(args) -> int:
     from ..integrity import check_tiers
 
     problems = check_tiers(_config(args.tiers), fix=args.fix)
+    left = [p for p in problems if not p.fixed]
     if args.json:
         print(json.dumps([_problem_dict(p) for p in problems], indent=1))
     else:
         for p in problems:
             print(_problem_line(p))
-        verb = "found and repaired" if args.fix else "found"
-        print(f"{len(problems)} problem(s) {verb}" if problems else "no problems found")
-    return 1 if problems and not args.fix else 0
+        if not problems:
+            print("no problems found")
+        elif not args.fix:
+            print(f"{len(problems)} problem(s) found")
+        else:  # exactly what was and was not repaired (a directory is never removed, for one)
+            print(f"{len(problems)} problem(s) found: {len(problems) - len(left)} repaired"
+                  + (f", {len(left)} not repaired (fixed=False above)" if left else ""))
+    return 1 if (left if args.fix else problems) else 0
 
 
 def _problem_dict(p) -> dict:

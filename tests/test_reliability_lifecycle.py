@@ -1,0 +1,119 @@
+"""The engine's life cycle under an unkind caller: ``close()`` racing calls on other threads, and
+``fork()`` after the engine is open. A call racing close either completes or raises
+EngineClosedError, never a raw ring error; a forked child's calls raise EngineClosedError naming
+fork, without a system call on the parent's rings, and the parent goes on as if nothing happened.
+Both I/O engines (io_uring, threads); real threads, real os.fork().
+"""
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+
+from kvstream_hicache import EngineClosedError
+
+from reliability_helpers import PageSet, make_engine
+
+TRIES = 20
+WAIT_S = 60
+
+
+@pytest.fixture(params=["uring", "threads"])
+def io_engine(request):
+    return request.param
+
+
+def test_close_racing_get_and_put_raises_engine_closed_error(tier_dirs, io_engine):
+    pages = PageSet()
+    keys = pages.keys(8)
+    seen: dict[str, int] = {}
+    for attempt in range(TRIES):
+        engine = make_engine(tier_dirs[:2], io_engine=io_engine)
+        assert pages.put(engine, keys) == [True] * 8
+        started = threading.Barrier(3)
+        errors: list[BaseException] = []
+
+        def loop(call):
+            started.wait()
+            try:
+                while True:
+                    call()
+            except BaseException as exc:  # noqa: BLE001 - every way out is recorded and judged below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(lambda: pages.checked_get(engine, keys),)),
+                   threading.Thread(target=loop, args=(lambda: pages.put(engine, pages.keys(2, 100 + attempt)),))]
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.001 * (attempt % 5))  # close at different points of the calls in flight
+        engine.close()
+        for t in threads:
+            t.join(WAIT_S)
+            assert not t.is_alive(), "a call did not return after close()"
+        for exc in errors:
+            assert isinstance(exc, EngineClosedError), f"try {attempt}: {type(exc).__name__}: {exc}"
+            seen[str(exc)] = seen.get(str(exc), 0) + 1
+    assert seen, "no call ever met the closed engine"
+
+
+def _run_child(child) -> int:
+    """Fork; in the child run ``child()`` and exit with its return code (1 on any exception), never
+    returning into pytest. In the parent: the child's exit code, failing if it does not exit."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child hung for {WAIT_S} s")
+        time.sleep(0.01)
+
+
+def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_dirs, io_engine):
+    pages = PageSet()
+    keys = pages.keys(6)
+    with make_engine(tier_dirs[:2], io_engine=io_engine) as engine:
+        assert pages.put(engine, keys[:3]) == [True] * 3
+        assert pages.checked_get(engine, keys[:3]) == [True] * 3  # both rings have been used
+
+        def child() -> int:
+            for call in (lambda: pages.get(engine, keys[:3]), lambda: pages.put(engine, keys[3:]),
+                         lambda: engine.contains(keys[0]), lambda: engine.prefix_len(keys)):
+                try:
+                    call()
+                    return 2  # the child used the parent's rings
+                except EngineClosedError as exc:
+                    if "fork" not in str(exc) or "open a new Engine" not in str(exc):
+                        return 3
+            engine.close()  # a no-op in the child: the parent's rings are not touched
+            rings = (engine._reads.ring, engine._writes.ring)
+            del rings
+            gc.collect()
+            with make_engine(tier_dirs[:2], io_engine=io_engine) as mine:  # what the message says to do
+                if pages.checked_get(mine, keys[:3]) != [True] * 3:
+                    return 4
+            return 0
+
+        assert _run_child(child) == 0
+        # the parent: its rings work as before, and close() returns
+        for _ in range(3):
+            assert pages.checked_get(engine, keys[:3]) == [True] * 3
+        assert pages.put(engine, keys[3:]) == [True] * 3
+        assert pages.checked_get(engine, keys) == [True] * 6
+        closer = threading.Thread(target=engine.close)
+        closer.start()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), "the parent's close() hung after the fork"

@@ -1,0 +1,146 @@
+"""Processes of one namespace sharing tiers and storing the same keys with different bytes (two sglang
+servers of one model: their KV for one prefix need not be bit-identical). A copy whose bytes differ
+from what this process's index says, but which is intact against its own header and checksums, is
+the other writer's version of the page: it is served (or the indexed copy is) and never deleted; only
+a copy that fails its own header or checksums is quarantined. Real processes, real files.
+"""
+from __future__ import annotations
+
+import os
+
+from kvstream_hicache import check_tiers
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.router import SingleTier
+
+from reliability_helpers import (
+    PAGE_BYTES, PageSet, flip_byte, make_engine, page_files, spawn, store_at_once, twin_content,
+)
+
+WAIT_S = 240
+N = 64
+
+
+def test_two_processes_storing_one_key_with_other_bytes_delete_nothing(tier_dirs, tier_root):
+    """The issue's case: two processes put the same 64 keys at the same moment with different bytes
+    (their writes are held until both have written every temporary file, so both puts store every
+    key and each rename replaces the other's file on one tier or the other), then each reads every
+    key back. Every page is found, with one writer's bytes, and no file is deleted."""
+    tiers = tier_dirs[:2]
+    go = os.path.join(tier_root, "go")
+    outs = [os.path.join(tier_root, f"twin{who}.json") for who in range(2)]
+    children = [spawn("twin", os.pathsep.join(tiers), str(who), str(N), outs[who], go) for who in range(2)]
+    results = store_at_once(children, outs, go, WAIT_S)
+    for who, result in enumerate(results):
+        assert result["stored"] == [True] * N, who
+        assert result["found"] == [True] * N, f"process {who} missed pages both processes stored"
+        assert None not in result["versions"], "a page was served with bytes neither process wrote"
+        assert result["quarantined"] == 0, "an intact copy was taken for a damaged one"
+        # its own index describes its own bytes; the other's valid files differ: never a problem
+        assert {p["kind"] for p in result["problems"]} <= {"index_stale"}, result["problems"]
+    # each (key, tier) holds one writer's version, so one process or the other met a foreign copy
+    assert sum(r["other_versions"] for r in results) >= N
+    for tier in tiers:
+        assert len(page_files(tier)) == N, f"page files deleted from {tier}"
+    versions = {k: {twin_content(k, 0), twin_content(k, 1)} for k in PageSet(salt="twin").keys(N)}
+    pages = PageSet(PAGE_BYTES, salt="twin")
+    with make_engine(tiers) as engine:  # a fresh process: every page, each one writer's bytes
+        assert engine.prefix_len(list(versions)) == N
+        found, got = pages.get(engine, list(versions))
+        assert found == [True] * N
+        assert all(data in versions[k] for k, data in zip(versions, got))
+        assert engine.check() == []
+    assert check_tiers(engine.config) == []
+
+
+def _twins(n=6):
+    """Process A's and process B's pages for the same ``n`` keys (B's engine is opened before A stores
+    and looks nothing up, so B writes its own version over A's files where they share a tier, as when
+    both store at once). Returns (A's pages, B's pages, keys)."""
+    a = PageSet(PAGE_BYTES, salt="shared", data=lambda k: twin_content(k, 0))
+    b = PageSet(PAGE_BYTES, aligned=False, salt="shared", data=lambda k: twin_content(k, 1))
+    return a, b, a.keys(n)
+
+
+def test_another_writers_version_is_served_in_place_of_the_indexed_one(tier_dirs):
+    """Both tiers now hold B's version: A's reads find its indexed copies replaced, each intact against
+    its own header; A indexes B's version and serves it in the same call, and deletes nothing."""
+    a, b, keys = _twins()
+    with make_engine(tier_dirs[:2]) as engine_a, make_engine(tier_dirs[:2], discover=False) as engine_b:
+        assert a.put(engine_a, keys) == [True] * 6
+        assert b.put(engine_b, keys) == [True] * 6
+        assert b.checked_get(engine_a, keys) == [True] * 6  # B's bytes, verified against B's checksums
+        stats = engine_a.stats()
+        assert sum(t["quarantined"] for t in stats["tiers"]) == 0
+        assert sum(t.get("other_versions", 0) for t in stats["tiers"]) == 12
+        assert [engine_a.index.holders(k) for k in keys] == [0b11] * 6
+        assert engine_a.last_batch["second_chance"] == 1
+        assert engine_a.check() == []
+    for tier in tier_dirs[:2]:
+        assert len(page_files(tier)) == 6
+
+
+def test_another_writers_version_on_a_shared_tier_is_kept(tier_dirs, tier_root):
+    """Two servers with private tier 0s sharing tier 1: B's version replaced A's on the shared tier.
+    A serves its own bytes from its private tier and keeps B's file; B serves its own; a third
+    process that shares only tier 1 finds B's version there."""
+    shared = tier_dirs[2]
+    a, b, keys = _twins()
+    with make_engine([tier_dirs[0], shared]) as engine_a:
+        with make_engine([tier_dirs[1], shared], discover=False) as engine_b:
+            assert a.put(engine_a, keys) == [True] * 6
+            assert b.put(engine_b, keys) == [True] * 6
+            # A reads the shared tier first: B's version there, then its own bytes from its tier 0
+            assert a.checked_get(engine_a, keys, policy=SingleTier(1)) == [True] * 6
+            assert b.checked_get(engine_b, keys) == [True] * 6
+            assert engine_a.stats()["tiers"][1]["quarantined"] == 0  # B's intact file was not taken for damage
+            assert engine_a.stats()["tiers"][1]["other_versions"] == 6
+            assert [engine_a.index.holders(k) for k in keys] == [0b01] * 6  # B's file: out of A's index
+            assert engine_a.check() == [] and engine_b.check() == []  # a valid other version is no problem
+    assert [len(page_files(d)) for d in (tier_dirs[0], tier_dirs[1], shared)] == [6, 6, 6]
+    with make_engine([shared]) as reader:
+        assert b.checked_get(reader, keys) == [True] * 6
+
+
+def test_start_up_keeps_every_version_and_indexes_the_newest(tier_dirs):
+    """A restart over tiers holding two versions of a page indexes the newer one (header time) and
+    leaves the older file alone: it is valid, and found again when no indexed copy is left."""
+    a, b, keys = _twins()
+    with make_engine(tier_dirs[:2]) as engine_a, make_engine(tier_dirs[1:2], discover=False) as engine_b:
+        assert a.put(engine_a, keys) == [True] * 6
+        assert b.put(engine_b, keys) == [True] * 6  # B shares tier 1 only
+        # A's index still describes its own bytes on tier 1: check says so, and fixes it as a read
+        # would (forgets that copy, keeps the file)
+        assert {(p.kind, p.tier) for p in engine_a.check(fix=True)} == {("index_stale", tier_dirs[1])}
+        assert engine_a.check() == [] and engine_b.check() == []
+    with make_engine(tier_dirs[:2]) as engine:
+        assert [engine.index.holders(k) for k in keys] == [0b10] * 6  # B's, the newer
+        assert b.checked_get(engine, keys) == [True] * 6
+        assert engine.scan["damaged_removed"] == 0
+        assert engine.check() == []  # tier 0's older version: valid, not indexed, no problem
+        for k in keys:  # the indexed copies go (evicted by another process): the older version is found
+            os.unlink(engine.tiers[1].layout.page_path(k))
+        assert a.checked_get(engine, keys) == [True] * 6
+        assert engine.last_batch["second_chance"] == 1
+        assert [engine.index.holders(k) for k in keys] == [0b01] * 6
+        assert engine.check() == []
+    assert len(page_files(tier_dirs[0])) == 6
+
+
+def test_a_copy_that_fails_its_own_checksums_is_still_quarantined(tier_dirs):
+    """The other side of the rule: a copy of another writer's version whose payload no longer matches
+    its own header is damaged, and goes."""
+    a, b, keys = _twins()
+    with make_engine(tier_dirs[:2]) as engine_a:
+        with make_engine(tier_dirs[1:2], discover=False) as engine_b:
+            assert b.put(engine_b, keys[:1]) == [True]
+            flip_byte(engine_b.tiers[0].layout.page_path(keys[0]), HEADER_SIZE + 100)
+            assert b.get(engine_b, keys[:1])[0] == [False]  # its own damaged copy: removed by B
+            assert b.put(engine_b, keys[:1]) == [True]
+        assert a.put(engine_a, keys[1:]) == [True] * 5
+        assert a.put(engine_a, keys[:1]) == [True]  # discovered: B's version, on tier 1 only
+        flip_byte(engine_a.tiers[1].layout.page_path(keys[0]), HEADER_SIZE + 100)
+        assert a.get(engine_a, keys[:1])[0] == [False]  # damaged, no other copy: a miss, never B's bytes
+        stats = engine_a.stats()["tiers"][1]
+        assert stats["quarantined"] == 1 and stats["other_versions"] == 0
+        assert not os.path.exists(engine_a.tiers[1].layout.page_path(keys[0]))
+        assert engine_a.check() == []

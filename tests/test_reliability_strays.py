@@ -1,0 +1,150 @@
+"""Hostile files in kvstream's own directories: a FIFO (named pipe) under a page's name, directories
+where kvstream keeps only files, a second tier configured inside the first one's tree. Start-up,
+reads and ``kvstream check`` survive every type of stray: a FIFO is never opened blocking (that would
+hang forever), a non-regular file is a stray (reported, removed by ``--fix``), never a tier failure;
+a directory is reported and never removed; ``--fix`` says exactly what it did and did not repair;
+overlapping tiers are refused at start-up. Real files, real processes for everything that could hang.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from kvstream_hicache import Config, TierError, check_tiers
+from kvstream_hicache.router import SingleTier
+
+from reliability_helpers import HERE, PageSet, kvstream_cli, loop_devices_usable, make_engine
+
+HANG_S = 60  # a call that has not returned by then is hung (a FIFO opened blocking waits forever)
+
+
+def _start_in_a_child(dirs) -> subprocess.CompletedProcess:
+    """Open (and close) an engine on ``dirs`` in a fresh process: a hang there fails the test, not the run."""
+    code = ("import sys; from reliability_helpers import make_engine\n"
+            "e = make_engine(sys.argv[1:]); print(e.scan); e.close()")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH", "")]))}
+    try:
+        return subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True, env=env,
+                              timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"engine start-up hung for {HANG_S} s")
+
+
+def test_a_fifo_under_a_page_name_never_hangs_nor_fails_the_tier(tier_dirs):
+    pages = PageSet()
+    keys = pages.keys(3)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        fifo = engine.tiers[0].layout.page_path(keys[1])
+        os.unlink(fifo)
+        os.mkfifo(fifo)
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(pages.checked_get(engine, keys, SingleTier(0))),
+                                  daemon=True)
+        reader.start()
+        reader.join(HANG_S)
+        if reader.is_alive():  # the old engine opened the FIFO for reading and waits for a writer: free it
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(HANG_S)
+            os.unlink(fifo)  # (the check at close would hang on it too)
+            pytest.fail("a read hung on a FIFO planted under a page's name")
+        assert result == [[True] * 3]  # the page from tier 1
+        stats = engine.stats()["tiers"][0]
+        assert stats["healthy"] and stats["failures"] == 0, "a stray is not a tier failure"
+        assert stats["quarantined"] == 1 and not os.path.lexists(fifo)
+        assert engine.check() == []
+
+    os.mkfifo(fifo)  # at start-up, and for kvstream check
+    proc = _start_in_a_child(tier_dirs[:2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'damaged_removed': 1" in proc.stdout and not os.path.lexists(fifo)
+    os.mkfifo(fifo)
+    try:
+        proc = kvstream_cli("check", "--tiers", *tier_dirs[:2], timeout=HANG_S)
+        assert proc.returncode == 1, proc.stderr
+        assert "stray" in proc.stdout and "FIFO" in proc.stdout and fifo in proc.stdout
+        proc = kvstream_cli("check", "--fix", "--tiers", *tier_dirs[:2], timeout=HANG_S)
+        assert proc.returncode == 0 and "1 problem(s) found: 1 repaired" in proc.stdout, proc.stdout
+        assert not os.path.lexists(fifo)
+    except subprocess.TimeoutExpired:
+        pytest.fail("kvstream check hung on a FIFO")
+    finally:
+        if os.path.lexists(fifo):
+            os.unlink(fifo)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.checked_get(engine, keys) == [True] * 3
+
+
+def test_directories_where_kvstream_keeps_files_never_stop_start_up(tier_dirs):
+    """A directory in ``<tier>/kvstream/tmp``, one under a page's name and one at the shard level: the
+    engine starts (each is logged), check reports each as a stray it did not remove, and ``--fix``
+    says so instead of claiming a repair."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        layout = engine.tiers[0].layout
+    page_name = keys[0][:2] + "0" * 62 + ".kvp"  # a valid page name in keys[0]'s shard
+    strays = [os.path.join(layout.tmp, "adir"),
+              os.path.join(os.path.dirname(layout.page_path(keys[0])), page_name),
+              os.path.join(layout.pages, "zz")]  # scanned as a shard: empty, nothing to report
+    for d in strays:
+        os.makedirs(d)
+    open(os.path.join(layout.pages, "stray-file"), "w").close()  # a file where shards live: removed at start
+    proc = _start_in_a_child(tier_dirs[:1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "'kept': 2" in proc.stdout  # the two directories in kvstream's places for files, logged
+    assert not os.path.exists(os.path.join(layout.pages, "stray-file"))
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.checked_get(engine, keys) == [True] * 2
+        problems = engine.check(fix=True)
+        assert {(p.kind, p.path, p.fixed) for p in problems} == {("stray", d, False) for d in strays[:2]}
+        assert all("left in place" in p.detail for p in problems)
+        for d in strays:
+            os.rmdir(d)
+    for d in strays[:2]:
+        os.makedirs(d)
+    proc = kvstream_cli("check", "--fix", "--tiers", tier_dirs[0])
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # something is left to do by hand
+    assert "2 problem(s) found: 0 repaired, 2 not repaired" in proc.stdout, proc.stdout
+    assert all(os.path.isdir(d) for d in strays[:2]), "a directory is never removed"
+    for d in strays[:2]:
+        os.rmdir(d)
+
+
+def test_a_tier_inside_another_tiers_tree_is_refused(tier_dirs):
+    outer = tier_dirs[0]
+    with make_engine([outer]) as engine:
+        tmp, pages = engine.tiers[0].layout.tmp, engine.tiers[0].layout.pages
+    for inner in (tmp, os.path.join(outer, "kvstream", "nested"), pages):
+        os.makedirs(inner, exist_ok=True)
+        for order in ([outer, inner], [inner, outer]):
+            with pytest.raises(TierError) as info:
+                make_engine(order)
+            message = str(info.value)
+            assert inner in message and os.path.join(outer, "kvstream") in message and "outside" in message
+            with pytest.raises(TierError):  # kvstream check refuses the same configuration
+                check_tiers(Config.from_sources({"tiers": order}, environ={}))
+    assert os.listdir(tmp) == [], "nothing was created inside the first tier's tree"
+    with make_engine([outer, tier_dirs[1]]) as engine:  # and the outer tier alone still starts
+        assert engine.scan["kept"] == 0
+
+
+def test_one_directory_under_two_paths_is_refused(tier_dirs, tier_root):
+    """A bind mount makes one directory two paths that no path comparison can tell apart."""
+    why = loop_devices_usable()  # mount --bind needs root, as the loop devices do
+    if why:
+        pytest.skip(why)
+    alias = os.path.join(tier_root, "alias")
+    os.makedirs(alias)
+    subprocess.run(["mount", "--bind", tier_dirs[0], alias], check=True)
+    try:
+        with pytest.raises(TierError) as info:
+            make_engine([tier_dirs[0], alias])
+        assert "same directory" in str(info.value) and alias in str(info.value) and "list it once" in str(info.value)
+    finally:
+        subprocess.run(["umount", alias], check=True)
