@@ -167,20 +167,7 @@ class Engine:
         self._check_open()
         mask = self._usable_mask()
         self._discover(keys, mask)
-        policy = policy or self.policy
-        indexed = [self.index.contains(k, mask) for k in keys] if self.discover else []
-        found = self._reads.get(keys, pages, policy, mask)
-        if self.discover and not all(found):
-            # A holder's file vanished during the read (another process evicted or replaced it) and
-            # the index lost it: another tier may hold a copy this index never knew of (a page seen
-            # while its writer had committed only some tiers). Look once more, read what turns up.
-            lost = [i for i, ok in enumerate(found) if not ok and indexed[i] and not self.index.contains(keys[i], mask)]
-            if lost and self._discover([keys[i] for i in lost], mask):
-                lost = [i for i in lost if self.index.contains(keys[i], mask)]
-                for i, ok in zip(lost, self._reads.get([keys[i] for i in lost], [pages[i] for i in lost],
-                                                       policy, mask)):
-                    found[i] = ok
-        return found
+        return self._reads.get(keys, pages, policy or self.policy, mask)
 
     def contains(self, key: str) -> bool:
         """True when a healthy tier holds ``key``: the index, and for a key it lacks, one header
