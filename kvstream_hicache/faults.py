@@ -26,17 +26,14 @@ class Fault:
     errno: int = 0  # kind='error': the op completes with -errno and does no I/O
     seconds: float = 0.0  # kind='delay': completion reported no earlier than this after submit
     bit: int | None = None  # kind='corrupt': bit index into the transferred bytes; None = middle byte, bit 0
-    spoil: bool = False  # kind='hold' of a read: the data it read gets a bit flipped before it is released
 
     @classmethod
     def error(cls, errno: int) -> "Fault":
         return cls("error", errno=errno)
 
     @classmethod
-    def hold(cls, spoil: bool = False) -> "Fault":
-        """Withhold the completion until ``plan.release()``; ``spoil``: and flip a bit of what a read
-        brought in when it is released (a late read that lands bad, after whatever happened meanwhile)."""
-        return cls("hold", spoil=spoil)
+    def hold(cls) -> "Fault":
+        return cls("hold")
 
     @classmethod
     def delay(cls, seconds: float) -> "Fault":
@@ -255,9 +252,7 @@ class FaultyRing:
         for item in self._withheld:
             tag, res, fault, due, gen = item
             if self._is_due(fault, due, gen, now):
-                _, buf, _, _, opcode = self._faults.pop(tag)
-                if fault.spoil and opcode == OP_READ and res > 0:
-                    _flip(buf, None, res)  # the data "lands" now, bad: after whatever happened meanwhile
+                self._faults.pop(tag, None)
                 self._ready.append((tag, res))
             else:
                 keep.append(item)

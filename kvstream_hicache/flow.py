@@ -16,15 +16,13 @@ each tier has a :class:`TierFlow` that follows its device from what its own read
   stands long enough would otherwise pass for it, and the window would ratchet up.) It never falls below :data:`MIN_REQUESTS` requests (one in service, one
   queued behind it, so the device never waits for us), nor rises above ``ceiling``.
 * **Stalls**: a tier with reads in flight and no completion for :data:`STALL_FACTOR` times its
-  usual latency (at least :data:`STALL_MIN_S`) is *overdue*; the read path then lets other tiers re-read its items, and for
-  :data:`STALL_MEMORY_S` does not let it read straight into caller memory (a call must wait for
-  such reads).
+  usual latency (at least :data:`STALL_MIN_S`) is *overdue*; the read path then lets other tiers
+  re-read its items.
 
 Pure: no I/O, no clock (callers pass ``now``), no threads; the read path calls it under its lock.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 
 REQUEST_TIME_S = 0.001  # a request carries about this much of the tier's bandwidth, s
@@ -40,7 +38,6 @@ RATE_SPAN_S = 0.02  # throughput is measured over at least this much busy time (
 STALL_FACTOR = 8.0  # no completion for this many usual latencies: the tier is overdue
 STALL_MIN_S = 0.25  # ... and never sooner than this, s: a throttled device (cgroup blkio) holds its completions
                     # for a throttle slice (100 ms) at a time, and a busy host adds scheduling noise
-STALL_MEMORY_S = 60.0  # a tier found overdue is not trusted with reads into caller memory for this long, s
 INITIAL_WINDOW = 4 << 20  # before the first measurement (the fixed depth of earlier versions), bytes
 
 
@@ -59,7 +56,6 @@ class TierFlow:
         self.latency = 0.0  # request latency, moving average, s
         self._alone: deque[float] = deque(maxlen=BASE_SAMPLES)  # latency per byte of requests sent to an idle tier
         self._last_done = 0.0  # when the last completion (or the first submit after idling) happened
-        self._last_stall = -math.inf  # when the tier was last found overdue
         self._span_bytes = 0  # bytes completed since the current throughput span began
         self._span_busy = 0.0  # the tier's busy time when it began, s
         self.request = 0  # bytes per request (a multiple of ``block``), kept by _resize
@@ -85,15 +81,6 @@ class TierFlow:
     @property
     def stall_after(self) -> float:
         return max(STALL_MIN_S, STALL_FACTOR * self.latency)
-
-    def stalled(self, now: float) -> None:
-        """The read path found the tier overdue (and let others re-read its items)."""
-        self._last_stall = now
-
-    def trusted(self, now: float) -> bool:
-        """No stall for STALL_MEMORY_S: fit to read straight into caller memory, which a call
-        must wait for."""
-        return now - self._last_stall > STALL_MEMORY_S
 
     def overdue_at(self) -> float:
         """When the tier turns overdue if nothing completes meanwhile."""

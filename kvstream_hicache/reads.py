@@ -18,17 +18,15 @@ Data flow of ``get`` (one call at a time per read ring)::
     pages up on disk) and are read again if that gave them a holder they did not have
 
 Where a read lands. Into an engine-owned staging buffer, copied into the caller's segments on its
-first verified arrival (checksum and copy in one pass), or straight into the caller's pages. In place
-only where nobody can race for the block and the memory suits O_DIRECT (4096-aligned and huge-page
-backed, memory.py): a block one usable tier alone holds, or a block of the call's fastest trusted
-tier, whose items no other tier re-reads unless it stalls. The call waits for reads in place however
-long the device takes (returning earlier would let them land in memory the caller reuses), so a tier
-found stalled loses that role for a while (flow.py). Staged reads let the call return while a stalled
-tier still has reads in flight: none of them targets memory the caller may reuse.
+first verified arrival (checksum and copy in one pass), or straight into the caller's pages: only a
+block that one usable tier alone holds (nobody can race for it), and only where the memory suits
+O_DIRECT (4096-aligned and huge-page backed, memory.py). The call waits for reads in place however
+long the device takes (returning earlier would let them land in memory the caller reuses); with no
+other holder there is nobody to take over anyway. Every block another tier could deliver is staged,
+so a stalled tier never holds a call: its reads land in staging after the call returned.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import logging
@@ -50,11 +48,6 @@ from .stats import BusyClock, Stats, batch_figures
 from .tiers import Tier
 
 log = logging.getLogger("kvstream")
-
-
-def _address(data: bytes) -> int:
-    """Address of a (non-empty) bytes object's buffer, to copy from while ``data`` is alive."""
-    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
 
 
 class _File:
@@ -123,8 +116,6 @@ class _Call:
         self.served = [0] * n_tiers  # first-arrival bytes per tier
         self.requests = 0
         self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
-        self.direct_tier = -1  # the tier whose reads land straight in caller memory (-1: none)
-        self.spoiled: set[int] = set()  # pages whose caller memory a late read in place overwrote badly
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
 
 
@@ -283,7 +274,6 @@ class ReadPath:
 
     def _run_locked(self, call: _Call, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
-        call.direct_tier = self._direct_tier(mask)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = max(page.info.block for page in call.pages)
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
@@ -367,7 +357,7 @@ class ReadPath:
         j0, j1 = blocks[0][0], blocks[-1][0] + 1
         end = min(j1 * info.block, round_up(info.length))  # the last block's read is padded to ALIGN
         nbytes = end - j0 * info.block
-        if page.in_place and (page.single or tier == call.direct_tier):
+        if page.in_place and page.single:
             bufs = None
         else:
             bufs = [self.pool.get(info.block) for _ in range(j0, j1 - 1)]
@@ -492,16 +482,8 @@ class ReadPath:
                 skip |= 1 << i
         bad = 0
         if complete:
-            if req.bufs is None:
-                # In place: verify every block, delivered ones too. Another tier's copy may have won
-                # already, but these bytes landed on top of it: a bad one is delivered again.
-                bad = page.map.check(req.j0, req.j0 + complete)
-                for i in range(complete):
-                    if bad >> i & skip >> i & 1:
-                        self._redeliver_locked(call, req.p, req.j0 + i, tier)
-            else:
-                bad = page.map.check(req.j0, req.j0 + complete, [b.address for b in req.bufs[:complete]],
-                                     skip & ((1 << complete) - 1))
+            staging = None if req.bufs is None else [b.address for b in req.bufs[:complete]]  # None: in place
+            bad = page.map.check(req.j0, req.j0 + complete, staging, skip & ((1 << complete) - 1))
         results = []
         duplicates = 0
         for i, item in enumerate(req.items):
@@ -539,25 +521,6 @@ class ReadPath:
             return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
         finally:
             os.close(fd)
-
-    def _redeliver_locked(self, call: _Call, p: int, j: int, spoiler: int) -> None:
-        """A read in place landed bad bytes over a block another tier had delivered: read the
-        block again from a holder (outside the ring), verify it and copy it in; with no valid copy
-        left the page is reported missing."""
-        page = call.pages[p]
-        log.warning("kvstream: a late read of page %s block %d from tier %d landed bad bytes over a verified "
-                    "copy; delivering it again", page.key, j, spoiler)
-        for tier in range(len(self.tiers)):
-            if tier == spoiler or not page.info.tiers >> tier & 1:
-                continue
-            try:
-                data = self._read_block(tier, page, j)
-            except OSError:
-                continue
-            if len(data) == block_span(page.info.length, page.info.block, j).nbytes and \
-                    not page.map.check(j, j + 1, [_address(data)]):
-                return  # copied in and verified
-        call.spoiled.add(p)
 
     def _quarantine_locked(self, call: _Call, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged
@@ -613,30 +576,11 @@ class ReadPath:
             claim = max(route.m, min(flow.request // unit, share))
             route.set_depth(k, max(0, flow.window - self._orphaned[k]) // unit, claim)
 
-    def _direct_tier(self, mask: int) -> int:
-        """The usable tier whose reads land straight in caller memory: the fastest by what it
-        delivered lately, unless it stalled lately. No other tier re-reads its items unless it
-        stalls (``_may_steal``: only a tier at least as fast may), so it needs no staging; the call
-        waits for its reads, which is why a tier that stalled stays out for a while, and why no
-        slower tier stands in for it (the faster one would re-read its items, and the call would
-        wait for the slow reads anyway). -1 before any tier was measured."""
-        best, rate = -1, 0.0
-        for k, flow in enumerate(self.flows):
-            if mask >> k & 1 and flow.rate > rate:
-                best, rate = k, flow.rate
-        return best if best >= 0 and self.flows[best].trusted(time.monotonic()) else -1
-
     def _may_steal(self, tier: int, owner: int) -> bool:
         """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
         ``owner`` is overdue (stalled): otherwise the owner delivers them sooner than a re-read."""
         flows = self.flows
-        if flows[tier].rate >= flows[owner].rate:
-            return True
-        now = time.monotonic()
-        if flows[owner].overdue(now, self._in_flight[owner]):
-            flows[owner].stalled(now)
-            return True
-        return False
+        return flows[tier].rate >= flows[owner].rate or flows[owner].overdue(time.monotonic(), self._in_flight[owner])
 
     def _steal_wait(self, now: float) -> float | None:
         """Seconds until a tier with reads in flight turns overdue (None: none has any)."""
@@ -654,7 +598,7 @@ class ReadPath:
                 self._complete_locked(tag, res)
 
     def _pages_done(self, call: _Call) -> list[bool]:
-        done = [p not in call.spoiled for p in range(len(call.pages))]
+        done = [True] * len(call.pages)
         for (p, _j), arrived in zip(call.items, call.arrived):
             if not arrived:
                 done[p] = False

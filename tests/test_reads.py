@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import logging
 import mmap
 import threading
 
@@ -156,65 +155,6 @@ def test_staging_stays_within_the_memory_setting(tier_dirs, io_engine):
         pool = engine._reads.pool
         assert pool.peak_bytes <= 2 * MIB  # half of memory= is the read path's
         assert engine.stats()["memory"]["read_peak_bytes"] == pool.peak_bytes
-
-
-class _Seen(logging.Handler):
-    """Sets ``event`` when a 'kvstream' log message contains ``text``."""
-
-    def __init__(self, text: str):
-        super().__init__(logging.DEBUG)
-        self.text, self.event = text, threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.text in record.getMessage():
-            self.event.set()
-
-
-def test_a_late_in_place_read_that_lands_bad_is_delivered_again(tier_dirs, io_engine):
-    """The fastest tier reads in place; it stalls, the other tier delivers its blocks, then its own
-    reads land late with a flipped bit, over the verified copies: the blocks are read again from the
-    valid holder, and the pages are found, byte-exact."""
-    plan = TierFaultPlan()
-    engine, pages, keys = stored(tier_dirs[:2], 2, io_engine, plan=plan)
-    with engine:
-        if not huge(pages):
-            pytest.fail("THP is off or out of huge pages: in-place reads cannot be shown here")
-        plan.on(tier_dirs[1], Fault.delay(0.02), opcode=OP_READ)  # tier 1 slower: tier 0 reads in place
-        flows = engine._reads.flows
-        for _ in range(100):
-            assert engine.get(keys, pages.dst_segments) == [True, True]
-            if flows[0].rate > flows[1].rate > 0:
-                break
-        assert flows[0].rate > flows[1].rate > 0
-        plan.clear()
-        plan.on(tier_dirs[0], Fault.hold(spoil=True), opcode=OP_READ)
-        waiting = _Seen("reads into caller memory before returning")
-        again = _Seen("landed bad bytes over a verified copy; delivering it again")
-        logger = logging.getLogger("kvstream")
-        level = logger.level
-        logger.setLevel(logging.DEBUG)  # the wait after another tier delivered is logged at DEBUG
-        for handler in (waiting, again):
-            logger.addHandler(handler)
-        try:
-            result: list = []
-            dst = pages.fresh()
-            engine._reads.huge.refresh()
-            t = threading.Thread(target=lambda: result.append(engine.get(keys, Pages.segments(dst))))
-            t.start()
-            # tier 1 delivers everything once tier 0 is overdue; the call then waits for tier 0's reads
-            assert waiting.event.wait(30)
-            plan.clear()
-            plan.release()
-            t.join(30)
-            assert not t.is_alive()
-        finally:
-            for handler in (waiting, again):
-                logger.removeHandler(handler)
-            logger.setLevel(level)
-        assert again.event.is_set()  # the late reads did land bad over delivered blocks
-        assert result == [[True, True]]
-        assert all(pages.equal(i, dst) for i in range(2))
-        assert engine.last_batch["direct_bytes"] > 0
 
 
 def test_the_huge_page_answer_never_blocks_the_read_path():
