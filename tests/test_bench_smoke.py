@@ -91,3 +91,22 @@ def test_bench_drives_the_lmcache_adapter(tmp_path, tier_dirs):
     assert lm["batches"] == 2 and lm["missing_pages"] == 0
     assert lm["throughput_gbps"] > 0 and sum(lm["share"]) == pytest.approx(1.0)
     assert doc["wrong_pages"] == {}
+
+
+def test_bench_mixed_scenario(tmp_path, tier_dirs):
+    """--scenario mixed: every write policy (the SGLang and the LMCache path) reads and writes at once;
+    the backup pages of each phase are removed again, the data set reads back right."""
+    out = tmp_path / "mixed.json"
+    rc = cli.main(["bench", *tier_dirs[:2], "--scenario", "mixed", "--page-bytes", "65536", "--batch", "8",
+                   "--batches", "1", "--warmup", "0", "--mixed-reads", "2", "--mixed-gap", "0.05",
+                   "--write-batch", "4", "--write-rate", "max", "--no-progress", "--json", str(out), "--keep-data"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]) == {"today", "priority", "budget", "lmcache"}
+    for name, p in doc["policies"].items():
+        assert p["write_bps"] > 0 and p["write_failed_pages"] == 0, name
+        assert p["read_p50_s"] > 0 and p["gap"] is not None
+    assert doc["policies"]["today"]["write_vs_today"] == 1.0
+    assert doc["policies"]["today"]["held_s"] == [0.0, 0.0]  # read_priority=off never holds a write
+    pages = [len(files) for d in tier_dirs[:2] for _, _, files in os.walk(d) if files]
+    assert sum(pages) == 2 * 2 * 8  # only the data set is left: two batches of 8 pages on both tiers
