@@ -84,9 +84,10 @@ class Path:
     def get(self, keys: list[str], segs) -> list[bool]:
         if self.core is None:
             return self.engine.get(keys, segs)
-        from .contenders import bench_read
-
-        return bench_read(self.engine, keys, segs, tasks=LOAD_TASKS).found
+        n = len(keys)  # LOAD_TASKS load tasks queued together, as LMCache's prefetch controller does
+        bounds = [round(t * n / LOAD_TASKS) for t in range(LOAD_TASKS + 1)]
+        ids = self.core.submit_loads([(keys[a:b], list(segs[a:b])) for a, b in zip(bounds, bounds[1:])])
+        return [ok for task_id in ids for ok in self.core.wait_load(task_id)]
 
     def put(self, keys: list[str], segs) -> None:
         """The sync path waits for the commit; a store task only for room in the backlog."""
@@ -236,10 +237,10 @@ def run(args, log=print) -> dict:
                     if r >= args.warmup:
                         records[name].append(rec)
                         shown += 1
-                        progress.show(shown, f"{shown}/{progress.total} phases  {name} gap {rec['gap']:+.1%}, "
-                                             f"eta {progress.eta(shown):.0f} s")
+                        progress.show(shown, f"{shown}/{progress.total} phases  {name}, eta {progress.eta(shown):.0f} s")
         finally:
             progress.close()
+        b_quiet = quiet_bandwidth(records)
         doc = {
             "version": 1, "scenario": "mixed",
             "command": "kvstream bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
@@ -251,7 +252,8 @@ def run(args, log=print) -> dict:
             "batch_pages": args.batch, "write_batch": args.write_batch, "rounds": args.batches,
             "mixed_reads": args.mixed_reads, "mixed_gap_s": args.mixed_gap,
             "write_rate_bps": rate, "tier_write_bps": write_bps,
-            "policies": {n: summarize(records[n]) for n in names},
+            "quiet_tier_bps": b_quiet,
+            "policies": {n: summarize(records[n], b_quiet) for n in names},
             "phases": records,
         }
     today = doc["policies"].get("today", {}).get("write_bps")
@@ -295,7 +297,8 @@ def _read(path: Path, ds: Dataset, batch, segs, views) -> tuple[float, dict]:
 def _phase(path: Path, name: str, r: int, ds: Dataset, segs, views, src, rate, args) -> dict:
     engine = path.engine
     n_tiers = len(engine.tiers)
-    quiet_s, quiet = _read(path, ds, ds.batches[r % ds.n_batches], segs, views)
+    batch = ds.batches[r % ds.n_batches]
+    quiet_s, quiet = _read(path, ds, batch, segs, views)
     b_quiet = [t["bandwidth"] for t in quiet["tiers"]]
     s0 = engine.stats()
     backup = Backup(path, ds, src, args.write_batch, rate, f"{name[:2]}{r:04x}")
@@ -306,10 +309,8 @@ def _phase(path: Path, name: str, r: int, ds: Dataset, segs, views, src, rate, a
             batch = ds.batches[(r + 1 + i) % ds.n_batches]
             queued.append(sum(t["write_queued_bytes"] for t in engine.stats()["tiers"]))
             elapsed, last = _read(path, ds, batch, segs, views)
-            nbytes = len(batch.keys) * ds.page_bytes
-            bound = nbytes / sum(b_quiet) if sum(b_quiet) else None
-            reads.append({"t_s": elapsed, "bytes": nbytes, "bound_quiet_s": bound,
-                          "in_batch_gap": last["gap"], "tier_bps": [t["bandwidth"] for t in last["tiers"]]})
+            reads.append({"t_s": elapsed, "bytes": len(batch.keys) * ds.page_bytes, "in_batch_gap": last["gap"],
+                          "tier_bps": [t["bandwidth"] for t in last["tiers"]]})
             time.sleep(args.mixed_gap)  # the forward pass: no reads
     finally:
         backup.stop()
@@ -318,32 +319,44 @@ def _phase(path: Path, name: str, r: int, ds: Dataset, segs, views, src, rate, a
     stored = s1["pages_stored"] - s0["pages_stored"]
     skipped = [b["replica_skipped_pages"] - a["replica_skipped_pages"] for a, b in zip(s0["tiers"], s1["tiers"])]
     return {
-        "round": r - args.warmup, "quiet_s": quiet_s, "quiet_tier_bps": b_quiet, "reads": reads,
+        "round": r - args.warmup, "quiet_s": quiet_s, "quiet_bytes": len(batch.keys) * ds.page_bytes,
+        "quiet_tier_bps": b_quiet, "reads": reads,
         "write_bytes": stored * ds.page_bytes, "write_s": backup.t1 - backup.t0,
         "write_bps": stored * ds.page_bytes / (backup.t1 - backup.t0),
         "write_failed_pages": s1["pages_failed"] - s0["pages_failed"], "put_s": backup.put_s,
         "queued_bytes": queued, "new_pages": len(backup.keys), "replica_skips": skipped,
         "backpressure_s": s1["backpressure_s"] - s0["backpressure_s"],
         "held_s": [b["write_held_s"] - a["write_held_s"] for a, b in zip(s0["tiers"], s1["tiers"])],
-        "gap": sum(x["t_s"] for x in reads) / sum(x["bound_quiet_s"] for x in reads) - 1
-        if all(x["bound_quiet_s"] for x in reads) else None,
         "n_tiers": n_tiers,
     }
 
 
-def summarize(recs: list[dict]) -> dict:
+def quiet_bandwidth(records: dict[str, list[dict]]) -> list[float]:
+    """Each tier's read bandwidth when nothing competes: the median over every quiet read of the run
+    (all policies read the same tiers; one batch's figure on a loaded 2-core host scatters by +-30%)."""
+    rows = [r["quiet_tier_bps"] for recs in records.values() for r in recs]
+    return [statistics.median(row[k] for row in rows) for k in range(len(rows[0]))] if rows else []
+
+
+def summarize(recs: list[dict], b_quiet: list[float]) -> dict:
+    """A policy's phases; gaps against D / sum_k b_quiet[k]."""
     if not recs:
         return {}
+    rate = sum(b_quiet)
     reads = [x for r in recs for x in r["reads"]]
     times = sorted(x["t_s"] for x in reads)
     n_tiers = recs[0]["n_tiers"]
     new = sum(r["new_pages"] for r in recs)
     skips = [sum(r["replica_skips"][k] for r in recs) for k in range(n_tiers)]
+    phase_gaps = [sum(x["t_s"] for x in r["reads"]) * rate / sum(x["bytes"] for x in r["reads"]) - 1 for r in recs]
     return {
-        "gap": sum(x["t_s"] for x in reads) / sum(x["bound_quiet_s"] for x in reads) - 1,
+        "gap": sum(x["t_s"] for x in reads) * rate / sum(x["bytes"] for x in reads) - 1,
+        "gap_median": statistics.median(phase_gaps),
+        "quiet_gap": sum(r["quiet_s"] for r in recs) * rate / sum(r["quiet_bytes"] for r in recs) - 1,
         "in_batch_gap": statistics.median(x["in_batch_gap"] for x in reads if x["in_batch_gap"] is not None),
         "read_p50_s": _pct(times, 50), "read_p90_s": _pct(times, 90),
         "quiet_p50_s": statistics.median(r["quiet_s"] for r in recs),
+        "p50_vs_quiet": _pct(times, 50) / statistics.median(r["quiet_s"] for r in recs),
         "write_bps": sum(r["write_bytes"] for r in recs) / sum(r["write_s"] for r in recs),
         "write_failed_pages": sum(r["write_failed_pages"] for r in recs),
         "backpressure_s": sum(r["backpressure_s"] for r in recs),
@@ -368,7 +381,8 @@ def print_table(doc: dict, log=print) -> None:
     log(f"mixed: {doc['rounds']} rounds x {doc['mixed_reads']} reads of {doc['batch_pages']} pages of "
         f"{doc['geometry']['label']}, {doc['mixed_gap_s']:g} s between reads; backup "
         + ("unpaced" if rate is None else f"{rate / 1e6:.0f} MB/s") + f" in puts of {doc['write_batch']} pages")
-    head = (f"{'policy':<10s} {'gap':>7s} {'in-batch':>8s} {'p50 s':>6s} {'p90 s':>6s} {'quiet p50':>9s} "
+    head = (f"{'policy':<10s} {'gap':>7s} {'median':>7s} {'quiet':>7s} {'in-batch':>8s} {'p50 s':>6s} {'p90 s':>6s} "
+            f"{'quiet p50':>9s} {'x quiet':>7s} "
             f"{'write MB/s':>10s} {'x today':>7s} {'put p50':>7s} {'queued MiB':>10s} {'held s':>12s} {'skips':>12s}")
     log(head)
     log("-" * len(head))
@@ -376,9 +390,13 @@ def print_table(doc: dict, log=print) -> None:
         if not p:
             continue
         x = p.get("write_vs_today")
-        log(f"{name:<10s} {p['gap']:+7.1%} {p['in_batch_gap']:+8.1%} {p['read_p50_s']:6.3f} {p['read_p90_s']:6.3f} "
-            f"{p['quiet_p50_s']:9.3f} {p['write_bps'] / 1e6:10.0f} {'-' if x is None else f'{x:.2f}':>7s} "
+        log(f"{name:<10s} {p['gap']:+7.1%} {p['gap_median']:+7.1%} {p['quiet_gap']:+7.1%} {p['in_batch_gap']:+8.1%} "
+            f"{p['read_p50_s']:6.3f} {p['read_p90_s']:6.3f} {p['quiet_p50_s']:9.3f} {p['p50_vs_quiet']:7.2f} "
+            f"{p['write_bps'] / 1e6:10.0f} {'-' if x is None else f'{x:.2f}':>7s} "
             f"{p['put_p50_s']:7.3f} {p['queued_max_bytes'] / 2**20:10.0f} "
             f"{'/'.join(f'{h:.1f}' for h in p['held_s']):>12s} "
             f"{'/'.join(str(s) for s in p['replica_skips'])} ({p['replica_skip_share']:.0%})")
-    log(f"gap: mixed reads against D / sum_k b_k with b_k from the round's quiet read; load {doc['host']['load'][0]:.1f}")
+    bound = " + ".join(f"{b / 1e9:.2f}" for b in doc["quiet_tier_bps"])
+    log(f"gap: mixed reads against D / sum_k b_k, b_k the median of every quiet read ({bound} GB/s; all phases, "
+        f"median of the phases); quiet: the quiet reads against the same bound; in-batch: mixed reads against "
+        f"their own b_k (median); load {doc['host']['load'][0]:.1f}")
