@@ -79,8 +79,8 @@ __all__ = ["SimConfig", "Prepared", "prepare", "SimPolicy", "parse_sim_policy", 
            "capacity_sweep", "mean_share", "rate_for_load", "service_estimate", "placement_key", "DEFAULT_POLICIES"]
 
 MIN_BPS = 1e6  # a stalled tier still trickles 1 MB/s: keeps static times finite (and very long)
-DEFAULT_POLICIES = ("kvstream", "tier0", "tier1", "static-auto", "static-0.5", "replicate-share-0.4",
-                    "replicate-after-slow")
+DEFAULT_POLICIES = ("kvstream", "budget:h=home+1", "tier0", "tier1", "static-auto", "static-0.5",
+                    "replicate-share-0.4", "replicate-after-slow")  # budget:h=home+1: the engine's default rule
 
 
 @dataclass
