@@ -70,7 +70,16 @@ SETTINGS: dict[str, Setting] = {
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
     "discover": Setting(True, "look up pages the index lacks on the tiers (written by another process sharing "
                               "the namespace, e.g. MLA's writer rank); off = index only"),
+    "replicate": Setting("budget", "'all' (every new page on every tier) or 'budget' (a slower tier skips a new "
+                                   "page's replica when its pending writes would drain later than the home tier's, "
+                                   "or than replicate_slack)"),
+    "replicate_slack": Setting(1.0, "replicate=budget: seconds a replica may drain after its home copy"),
+    "read_priority": Setting(True, "writes to a tier wait while a get reads from it (on), or go out whatever is "
+                                   "read (off: the behaviour before read priority, every write in flight at once)"),
+    "write_backlog": Setting("2G", "deferred writes (the LMCache path): bytes of pages queued and not yet "
+                                   "committed; a store beyond it waits (back-pressure), e.g. '2G'"),
 }
+REPLICATE_MODES = ("all", "budget")
 
 
 def env_name(key: str) -> str:
@@ -214,6 +223,10 @@ class Config:
     read_timeout: float = _default("read_timeout")
     tier_retry: float = _default("tier_retry")
     discover: bool = _default("discover")
+    replicate: str = _default("replicate")
+    replicate_slack: float = _default("replicate_slack")
+    read_priority: bool = _default("read_priority")
+    write_backlog: int = _default("write_backlog")
     warnings: tuple[str, ...] = field(default=(), compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -286,6 +299,10 @@ class Config:
         put("tier_retry", _number(self.tier_retry, what("tier_retry"),
                                   hint="; give seconds before a failed tier is probed again, e.g. 5"))
         put("discover", parse_flag(self.discover, what("discover")))
+        put("replicate", _choice(self.replicate, REPLICATE_MODES, what("replicate")))
+        put("replicate_slack", _number(self.replicate_slack, what("replicate_slack")))
+        put("read_priority", parse_flag(self.read_priority, what("read_priority")))
+        put("write_backlog", parse_bytes(self.write_backlog, what("write_backlog")))
         put("warnings", tuple(self.warnings))
         put("sources", dict(self.sources))
 
@@ -310,8 +327,10 @@ class Config:
 
     def summary(self) -> str:
         tiers = ", ".join(f"{t.path} [{t.capacity}]" for t in self.tiers)
+        replicate = self.replicate if self.replicate == "all" else f"budget (slack {self.replicate_slack:g} s)"
         return (f"tiers: {tiers}; policy {self.policy_spec}; chunk {self.chunk >> 10} KiB; memory "
-                f"{self.memory >> 20} MiB; fsync {self.fsync}; io {self.io_engine}; files {self.file_mode}")
+                f"{self.memory >> 20} MiB; fsync {self.fsync}; io {self.io_engine}; files {self.file_mode}; "
+                f"replicate {replicate}; read priority {'on' if self.read_priority else 'off'}")
 
     # -- I/O checks ---------------------------------------------------------------------------
     def probe_tiers(self) -> list[str]:

@@ -6,13 +6,15 @@ Composition::
       tiers    [Tier]         health, paths, commit (tiers.py)
       index    Index          key -> tiers, LRU, capacity, pins (index.py, pure)
       reads    ReadPath       read ring + staging pool + router (reads.py, router.py)
-      writes   WritePath      write ring + staging pool (writes.py)
+      writes   WritePath      write ring + staging pool + per-tier queues, writer thread (writes.py)
+      priority ReadPriority   which tiers a read uses now: writes there wait (priority.py)
       stats    Stats          counters, per-batch bound (stats.py)
 
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
-(prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; the
-index has its own lock; existence queries only read the index. ``close()`` racing a call on another
-thread: the call either completes or raises EngineClosedError.
+(prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; every
+write is done by the engine's writer thread (put waits for it, put_deferred does not); the index has
+its own lock; existence queries only read the index. ``close()`` racing a call on another thread: the
+call either completes or raises EngineClosedError.
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
 the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
@@ -39,6 +41,7 @@ from .integrity import (
 )
 from .io import RING_ENTRIES, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
+from .priority import ReadPriority
 from .reads import ReadPath
 from .router import Policy, parse_policy
 from .segments import Segment
@@ -127,11 +130,15 @@ class Engine:
             raise ConfigError(f"KVSTREAM_IO_ENGINE={config.io_engine}: cannot open an I/O ring ({exc}); "
                               "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
         half = config.memory // 2  # staging: half for reads in flight, half for writes (config.py)
+        share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
+        self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, half // len(self.tiers), namespace.digest)
+                               config.read_timeout, share, namespace.digest, self.priority)
         self._reads.recover = self._recover
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                                 namespace.digest, half)
+                                 namespace.digest, self.priority, staging_limit=half, ceiling=share,
+                                 replicate=config.replicate, slack=config.replicate_slack,
+                                 backlog=config.write_backlog)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         _open_engines.add(self)
@@ -154,6 +161,24 @@ class Engine:
         mask = self._usable_mask()
         self._discover(keys, mask)
         return self._writes.put(keys, pages, mask)
+
+    def put_deferred(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+                     done: Callable[[list[bool]], None]) -> None:
+        """Queue pages to store behind reads (the paper's M2, the LMCache path) and return.
+
+        Pages go out on each tier when it has no read in flight; ``done(results)`` runs on the
+        engine's writer thread once every page is committed (or failed), ``results`` as :meth:`put`
+        returns them; it must not block, nor call :meth:`put`. The caller keeps the pages' memory
+        unchanged until then. Waits only while the pages not yet written exceed the
+        ``write_backlog`` setting (back-pressure). A page is found by ``contains``/``get`` once
+        committed on a tier, not before.
+
+        :raises ValueError: ``keys`` and ``pages`` differ in length (a caller bug).
+        """
+        self._check_open()
+        mask = self._usable_mask()
+        self._discover(keys, mask)
+        self._writes.put_deferred(keys, pages, mask, done)
 
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
             policy: Policy | None = None) -> list[bool]:
@@ -190,7 +215,8 @@ class Engine:
     def clear(self) -> None:
         """Remove every page of this namespace from every tier."""
         self._check_open()
-        with self._reads.lock, self._writes.lock:
+        with self._reads.lock, self._writes.exclusive():
+            self._writes.cancel_locked()  # a put in progress reports its pages False
             self.index.clear()
             for tier in self.tiers:
                 tier.clear()
@@ -229,10 +255,14 @@ class Engine:
     def stats(self) -> dict:
         """Counters as a plain dict: totals, ``tiers`` (per tier), ``last_batch``, ``history``."""
         out = self._stats.snapshot()
+        writes = self._writes
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
-                       pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity)
-        reads, writes = self._reads.pool, self._writes.pool
+                       pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
+                       write_queued_bytes=writes.queued[k], write_bandwidth=writes.flows[k].rate,
+                       write_window=writes.flows[k].window)
+        out["write_backlog_bytes"] = writes.backlog
+        reads, writes = self._reads.pool, writes.pool
         out["memory"] = {"limit_bytes": self.config.memory,
                          "read_bytes": reads.held_bytes, "read_peak_bytes": reads.peak_bytes,
                          "write_bytes": writes.held_bytes, "write_peak_bytes": writes.peak_bytes}
@@ -249,7 +279,7 @@ class Engine:
         """
         self._check_open()
         problems: list[Problem] = []
-        with self._reads.lock, self._writes.lock:
+        with self._reads.lock, self._writes.exclusive():
             for k, tier in enumerate(self.tiers):
                 if not tier.healthy:
                     continue

@@ -86,6 +86,11 @@ class TierFlow:
         """When the tier turns overdue if nothing completes meanwhile."""
         return self._last_done + self.stall_after
 
+    def disturbed(self, busy: float) -> None:
+        """Something else used the device during the current throughput span (for a write flow:
+        reads): drop the span, so that the rate measures the tier's own bandwidth."""
+        self._span_bytes, self._span_busy = 0, busy
+
     # -- what the read path tells --------------------------------------------------------------
     def submitted(self, now: float, in_flight_before: int) -> None:
         if not in_flight_before:

@@ -113,7 +113,7 @@ class Index:
             info = self._pages.get(key)
             if info is None:
                 return False
-            for tier in _bits(info.tiers):
+            for tier in tiers_in(info.tiers):
                 self._lru[tier].move_to_end(key)
             return True
 
@@ -169,8 +169,8 @@ class Index:
             info = self._pages.get(key)
             displaced: list[int] = []
             if info is not None and not info.same_content(length, block, crcs):
-                displaced = [t for t in _bits(info.tiers) if t != tier]
-                for t in _bits(info.tiers):  # this tier's own entry too: it described the other content
+                displaced = [t for t in tiers_in(info.tiers) if t != tier]
+                for t in tiers_in(info.tiers):  # this tier's own entry too: it described the other content
                     self._drop_locked(key, t)
                 info = self._pages.get(key)
             if info is None:
@@ -224,7 +224,8 @@ class Index:
         return True
 
 
-def _bits(mask: int) -> Iterable[int]:
+def tiers_in(mask: int) -> Iterable[int]:
+    """The tiers of a bitmask (bit k = tier k), lowest first."""
     tier = 0
     while mask:
         if mask & 1:

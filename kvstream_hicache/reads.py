@@ -42,6 +42,7 @@ from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regula
 from .io import OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
 from .memory import HugePageMap
+from .priority import ReadPriority
 from .segments import Segment
 from .staging import BufferPool
 from .stats import BusyClock, Stats, batch_figures
@@ -117,6 +118,7 @@ class _Call:
         self.requests = 0
         self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
+        self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
 
 
 class ReadPath:
@@ -126,12 +128,14 @@ class ReadPath:
     :param pool: staging buffers (its ``max_bytes`` bounds what the read path holds, in flight and idle).
     :param block: the routing block, bytes.
     :param ceiling: most bytes one tier may keep in flight (the pool's share per tier).
+    :param priority: told which tiers each call reads from (writes there wait: priority.py).
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
-                 read_timeout: float, ceiling: int, digest: str):
+                 read_timeout: float, ceiling: int, digest: str, priority: ReadPriority):
         self.ring = ring
         self.digest = digest
+        self.priority = priority
         self.closed = False
         self.tiers = tiers
         self.index = index
@@ -219,6 +223,8 @@ class ReadPath:
         finally:
             self.index.unpin(infos)
             self._end_call_locked(call)
+            if call.reading:
+                self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
 
     def _second_chance_locked(self, call: _Call, keys: Sequence[str], found: list[bool],
@@ -415,8 +421,10 @@ class ReadPath:
                     self.pool.put(b)
             raise
         now = time.monotonic()
+        started = 0
         for tag, req in zip(tags, reqs):
             tier = req.tier
+            started |= 1 << tier
             self.flows[tier].submitted(now, self._in_flight[tier])
             req.t0 = now
             req.ahead = self._in_flight[tier]
@@ -427,6 +435,10 @@ class ReadPath:
             if req.bufs is None:
                 req.call.direct_in_flight += 1
             self.busy.started(tier)
+        call = reqs[0].call
+        if started & ~call.reading:  # a tier's first read of the call (priority.py)
+            self.priority.begin(started & ~call.reading)
+            call.reading |= started
 
     # -- completions ---------------------------------------------------------------------------
     def _complete_locked(self, tag: int, res: int) -> list:
@@ -435,6 +447,7 @@ class ReadPath:
         now = time.monotonic()
         self._in_flight[tier] -= req.nbytes
         self.busy.finished(tier)
+        self.priority.progress(tier)
         self.flows[tier].completed(max(res, 0), now - req.t0, req.ahead, now, self.busy.total(tier))
         req.file.drop()
         call.in_flight -= 1

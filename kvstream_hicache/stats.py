@@ -21,12 +21,13 @@ from collections.abc import Callable
 TIER_COUNTERS = (
     "bytes_read", "blocks_read", "requests", "bytes_served", "pages_read", "bytes_written", "pages_written",
     "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
-    "quarantined", "other_versions", "write_failures", "skipped_writes",
+    "quarantined", "other_versions", "write_failures", "skipped_writes", "replica_skipped_pages",
+    "replica_skipped_bytes", "write_held_s",
 )
 TOTAL_COUNTERS = (
     "gets", "pages_requested", "pages_found", "pages_missing", "puts", "pages_put", "pages_stored",
     "pages_existing", "pages_failed", "under_replicated", "invalid_keys", "size_mismatch", "read_timeouts",
-    "duplicate_reads", "orphan_reads", "discovered",
+    "duplicate_reads", "orphan_reads", "discovered", "deferred_puts", "backpressure_waits", "backpressure_s",
 )
 HISTORY = 256  # read batches kept in stats()["history"]
 

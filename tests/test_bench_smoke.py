@@ -158,3 +158,22 @@ def test_device_speed_testbed_up_and_down(tmp_path):
     assert not os.path.exists(bed.cgroup) and tb.status(name) == {"up": False, "name": name}
     with open("/proc/self/mounts") as f:
         assert ram_tier.mount not in f.read()
+
+
+def test_bench_mixed_scenario(tmp_path, tier_dirs):
+    """--scenario mixed: every write policy (the SGLang and the LMCache path) reads and writes at once;
+    the backup pages of each phase are removed again, the data set reads back right."""
+    out = tmp_path / "mixed.json"
+    rc = cli.main(["bench", *tier_dirs[:2], "--scenario", "mixed", "--page-bytes", "65536", "--batch", "8",
+                   "--batches", "1", "--warmup", "0", "--mixed-reads", "2", "--mixed-gap", "0.05",
+                   "--write-batch", "4", "--write-rate", "max", "--no-progress", "--json", str(out), "--keep-data"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["policies"]) == {"today", "priority", "budget", "lmcache"}
+    for name, p in doc["policies"].items():
+        assert p["write_bps"] > 0 and p["write_failed_pages"] == 0, name
+        assert p["read_p50_s"] > 0 and p["gap"] is not None
+    assert doc["policies"]["today"]["write_vs_today"] == 1.0
+    assert doc["policies"]["today"]["held_s"] == [0.0, 0.0]  # read_priority=off never holds a write
+    pages = [len(files) for d in tier_dirs[:2] for _, _, files in os.walk(d) if files]
+    assert sum(pages) == 2 * 2 * 8  # only the data set is left: two batches of 8 pages on both tiers

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -288,6 +289,96 @@ def test_submit_never_raises_into_lmcache(lmc, server_factory, tier_root, monkey
     monkeypatch.undo()
     hits, got = server.prefetch(keys, layout)  # the adapter keeps working afterwards
     assert got == payloads
+
+
+# -------------------------------------------------------------------------------- deferred writes (M2)
+def write_l1(server: Server, keys, layout, payloads) -> None:
+    """L1 write only: LMCache's store controller hands the objects to the adapter; nothing is awaited."""
+    objs = server.sm.reserve_write(keys, layout)
+    for key, data in zip(keys, payloads):
+        np.frombuffer(objs[key].byte_array, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+    server.sm.finish_write(keys)
+
+
+def lookup(server: Server, keys, layout) -> list[bool]:
+    adapter = server.adapter
+    bits = adapter.query_lookup_and_lock_result(adapter.submit_lookup_and_lock_task(keys, {0: layout}))
+    adapter.submit_unlock(keys)
+    return [bits.test(i) for i in range(len(keys))]
+
+
+def test_store_task_completes_only_when_its_pages_are_committed(lmc, server_factory, tier_root, monkeypatch):
+    """The store task is queued in the engine; while its writes are held in the ring it is not
+    complete (LMCache keeps its L1 objects read-locked) and lookups miss; once committed it completes,
+    lookups hit and the bytes load back."""
+    from kvstream_hicache.faults import TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+    from reliability_helpers import wait_for_fault
+
+    tiers = make_tiers(tier_root, 2)
+    plan = TierFaultPlan()
+    monkeypatch.setattr(l2core, "_open_engine", engine_opener(fault_plan=plan))
+    server = server_factory(tiers)
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 4)
+    payloads = random_payloads(len(keys), 8192, seed=21)
+    for tier in tiers:
+        plan.on(tier, Fault.hold(), opcode=OP_WRITE)
+    try:
+        write_l1(server, keys, layout, payloads)
+        wait_for_fault(plan, WAIT_S, "the store's writes never reached the ring")
+        status = server.adapter.report_status()
+        assert status["store_tasks"] == 0 and status["queued_stores"] == 1
+        assert lookup(server, keys, layout) == [False] * 4  # queued, not committed: not visible
+    finally:
+        plan.clear()
+        plan.release()
+    assert server.adapter.core.wait_completed("store", 1, WAIT_S)
+    assert server.adapter.report_status()["stored_pages"] == 4
+    assert lookup(server, keys, layout) == [True] * 4
+    assert server.sm.delete_l1_keys(keys, force=True)[0] == len(keys)
+    assert server.prefetch(keys, layout) == (len(keys), payloads)
+    assert server.engine.check() == []
+
+
+def test_store_tasks_beyond_the_backlog_wait_and_none_is_lost(lmc, server_factory, tier_root, monkeypatch):
+    """write_backlog of two pages, writes held: LMCache's store controller waits in submit_store_task
+    (back-pressure) instead of a task being dropped; released, every task completes and every page
+    loads back."""
+    from kvstream_hicache.faults import TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+    from reliability_helpers import wait_for_fault
+
+    tiers = make_tiers(tier_root, 2)
+    plan = TierFaultPlan()
+    monkeypatch.setattr(l2core, "_open_engine", engine_opener(fault_plan=plan))
+    server = server_factory(tiers, write_backlog="16K")
+    layout = layout_of(lmc, 16, 128)
+    batches = [chunk_keys(lmc, 2, salt=f"b{i}") for i in range(3)]
+    payloads = [random_payloads(2, 8192, seed=30 + i) for i in range(3)]
+    plan.on(tiers[0], Fault.hold(), opcode=OP_WRITE)
+    try:
+        for keys, data in zip(batches, payloads):
+            write_l1(server, keys, layout, data)
+        wait_for_fault(plan, WAIT_S, "the store's writes never reached the ring")
+        deadline = time.monotonic() + WAIT_S
+        while not server.engine.stats()["backpressure_waits"]:
+            assert time.monotonic() < deadline, "no store task waited for the backlog"
+            time.sleep(0.005)
+        assert server.adapter.report_status()["store_tasks"] == 0
+    finally:
+        plan.clear()
+        plan.release()
+    # (LMCache's store controller may join L1 writes that queue up into one task: count pages)
+    deadline = time.monotonic() + WAIT_S
+    while server.adapter.report_status()["stored_pages"] < 6:
+        assert time.monotonic() < deadline, "a store task never completed"
+        time.sleep(0.005)
+    status = server.adapter.report_status()
+    assert status["store_failed_pages"] == 0 and status["stored_pages"] == 6 and status["queued_stores"] == 0
+    for keys, data in zip(batches, payloads):
+        assert server.sm.delete_l1_keys(keys, force=True)[0] == len(keys)
+        assert server.prefetch(keys, layout) == (len(keys), data)
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -210,7 +210,7 @@ class Exploding:
     def get(self, *_):
         raise RuntimeError("injected get failure")
 
-    def put(self, *_):
+    def put_deferred(self, *_):
         raise OSError(5, "injected put failure")
 
     def contains(self, key):

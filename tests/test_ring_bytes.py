@@ -85,7 +85,7 @@ def test_crc32c_every_path_agrees_with_the_reference(length, offset):
     from a non-zero CRC; and the fused copy leaves an exact copy with the same CRC."""
     from kvstream_hicache._uring import PageMap
 
-    data = bytes(random.Random(length * 64 + offset).getrandbits(8) for _ in range(length + offset))[offset:]
+    data = random.Random(length * 64 + offset).randbytes(length + offset)[offset:]
     assert crc32c(data, 0x1234) == crc32c_ref(data, 0x1234)
     src = AlignedBuffer(length + 64)
     dst = AlignedBuffer(length + 64)

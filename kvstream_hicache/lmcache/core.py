@@ -3,8 +3,12 @@
 Lifecycle of a task (each kind has its own eventfd in the adapter; a task's result is handed out
 exactly once)::
 
-    submit_store_task(keys, objs) -> id     store worker: engine.put (replicate to every tier)
-        pop_completed_store_tasks()          {id: L2StoreResult}: one verdict per task, as LMCache wants
+    submit_store_task(keys, objs) -> id     engine.put_deferred: queued in the engine and written to
+                                             each tier when it has no read in flight (M2); waits only
+                                             while the engine's write_backlog is full (back-pressure)
+        pop_completed_store_tasks()          {id: L2StoreResult}: one verdict per task, as LMCache wants,
+                                             once every page is committed (LMCache keeps the L1
+                                             objects read-locked until then)
     submit_lookup_and_lock_task(keys) -> id  answered at once from the engine's index; hits are pinned
         query_lookup_and_lock_result(id)     Bitmap (1 = held and pinned against eviction)
     submit_load_task(keys, objs) -> id       load worker: engine.get straight into the L1 buffers;
@@ -71,9 +75,10 @@ class L2Core:
 
     Keys are engine keys (``None`` = a key that could not be mapped: always a miss), pages are lists of
     ``(address, nbytes)`` segments. ``on_store/on_lookup/on_load(task_id)`` run after a task's result
-    is ready (the adapter notifies its eventfds there). Two daemon workers: stores (one ``engine.put``
-    per task, FIFO) and loads (every load task queued when the worker comes round is read as one
-    ``engine.get`` batch when ``pool_loads``; otherwise one batch per task). Thread-safe.
+    is ready (the adapter notifies its eventfds there). Stores go to ``engine.put_deferred`` (the
+    engine's writer thread completes them); one daemon worker reads loads (every load task queued
+    when the worker comes round is read as one ``engine.get`` batch when ``pool_loads``; otherwise
+    one batch per task). Thread-safe.
     """
 
     def __init__(self, engine: Any, *, on_store: Callable[[int], None] | None = None,
@@ -86,7 +91,7 @@ class L2Core:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
-        self._stores: deque[_Task] = deque()
+        self._stores_open = 0  # store tasks submitted and not completed
         self._loads: deque[_Task] = deque()
         self._stores_done: dict[int, tuple[bool, int]] = {}
         self._lookups_done: dict[int, list[bool]] = {}
@@ -98,15 +103,41 @@ class L2Core:
                                         "lookup_keys", "lookup_hits", "unlocks", "load_tasks", "load_batches",
                                         "loaded_pages", "load_failed_pages", "pooled_tasks_max", "errors")}
         self._pin, self._unpin = _pin_functions(engine)
-        self._workers = [threading.Thread(target=self._store_loop, name="kvstream-l2-store", daemon=True),
-                         threading.Thread(target=self._load_loop, name="kvstream-l2-load", daemon=True)]
+        self._workers = [threading.Thread(target=self._load_loop, name="kvstream-l2-load", daemon=True)]
         for w in self._workers:
             w.start()
 
     # -- store ----------------------------------------------------------------------------------
     def submit_store(self, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
-        """Queue a store task; the caller keeps ``pages`` valid until its result is out."""
-        return self._enqueue(self._stores, keys, pages)
+        """Queue a store task in the engine (deferred writes); the caller keeps ``pages`` valid and
+        unchanged until its result is out. Waits while the engine's write backlog is full."""
+        (task,) = self._tasks([(keys, pages)])
+        with self._lock:
+            closing = self._closing
+            if not closing:
+                self._stores_open += 1
+        if closing:  # after close(): fail at once rather than hang the caller
+            self._finish(True, [task])
+            return task.id
+        idx = [i for i, (k, p) in enumerate(zip(task.keys, task.pages)) if k is not None and p is not None]
+        try:
+            if not idx:
+                self._store_done(task, idx, [])
+            else:
+                self.engine.put_deferred([task.keys[i] for i in idx], [task.pages[i] for i in idx],
+                                         lambda ok: self._store_done(task, idx, ok))
+        except Exception:  # adapter boundary: a failed task for LMCache, a warning and a counter for us
+            self.report_error("store")
+            self._store_done(task, [], [])
+        return task.id
+
+    def _store_done(self, task: _Task, idx: list[int], ok: list[bool]) -> None:
+        """The engine committed (or failed) every page of the task: its verdict goes out now."""
+        for i, good in zip(idx, ok, strict=True):
+            task.result[i] = bool(good)
+        with self._lock:
+            self._stores_open -= 1
+        self._finish(True, [task])
 
     def pop_stores(self) -> dict[int, tuple[bool, int]]:
         """Completed store tasks: ``{id: (ok, bytes written)}``; ok only when every page was stored."""
@@ -170,12 +201,12 @@ class L2Core:
     # -- load -----------------------------------------------------------------------------------
     def submit_load(self, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
         """Queue a load task into ``pages`` (kept valid by the caller until its result is out)."""
-        return self._enqueue(self._loads, keys, pages)
+        return self._enqueue_loads([(keys, pages)])[0]
 
     def submit_loads(self, tasks: Sequence[tuple[list[str | None], list[Sequence[Segment] | None]]]) -> list[int]:
         """Queue several load tasks at once (the worker sees them together, as when LMCache's
         in-flight requests submit back to back)."""
-        return self._enqueue_many(self._loads, tasks)
+        return self._enqueue_loads(tasks)
 
     def pop_load(self, task_id: int) -> list[bool] | None:
         with self._lock:
@@ -196,12 +227,13 @@ class L2Core:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish queued tasks, stop the workers, release every pin. Idempotent."""
+        """Finish queued tasks (stores: until committed), stop the worker, release every pin. Idempotent."""
         with self._lock:
             if self._closing:
                 return
             self._closing = True
             self._work.notify_all()
+            self._done.wait_for(lambda: not self._stores_open)
         for w in self._workers:
             w.join()
         with self._lock:
@@ -218,14 +250,11 @@ class L2Core:
             out = dict(self.counters)
             out["locked_keys"] = len(self._pins)
             out["queued_loads"] = len(self._loads)
-            out["queued_stores"] = len(self._stores)
+            out["queued_stores"] = self._stores_open
         return out
 
     # -- workers --------------------------------------------------------------------------------
-    def _enqueue(self, queue: deque, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
-        return self._enqueue_many(queue, [(keys, pages)])[0]
-
-    def _enqueue_many(self, queue: deque, specs: Sequence[tuple[list, list]]) -> list[int]:
+    def _tasks(self, specs: Sequence[tuple[list, list]]) -> list[_Task]:
         tasks = []
         for keys, pages in specs:
             keys, pages = list(keys), list(pages)
@@ -234,53 +263,41 @@ class L2Core:
                 keys = [None] * len(keys)
                 pages = [None] * len(keys)
             tasks.append(_Task(next(self._ids), keys, pages))
+        return tasks
+
+    def _enqueue_loads(self, specs: Sequence[tuple[list, list]]) -> list[int]:
+        tasks = self._tasks(specs)
         with self._lock:
             closing = self._closing
             if not closing:
-                queue.extend(tasks)
+                self._loads.extend(tasks)
                 self._work.notify_all()
         if closing:  # after close(): fail at once rather than hang the caller
-            self._finish(queue is self._stores, tasks)
+            self._finish(False, tasks)
         return [t.id for t in tasks]
 
-    def _next(self, queue: deque, pooled: bool) -> list[_Task] | None:
+    def _next_loads(self) -> list[_Task] | None:
+        queue = self._loads
         with self._lock:
             self._work.wait_for(lambda: queue or self._closing)
             if not queue:
                 return None
             batch = [queue.popleft()]
             pages = len(batch[0].keys)
-            while pooled and queue and pages + len(queue[0].keys) <= self.max_pool_pages:
+            while self.pool_loads and queue and pages + len(queue[0].keys) <= self.max_pool_pages:
                 pages += len(queue[0].keys)
                 batch.append(queue.popleft())
             return batch
 
-    def _store_loop(self) -> None:
-        while (batch := self._next(self._stores, False)) is not None:
-            self._run(self._run_store, batch, "store")
-            self._finish(True, batch)
-
     def _load_loop(self) -> None:
-        while (batch := self._next(self._loads, self.pool_loads)) is not None:
-            self._run(self._run_loads, batch, "load")
+        while (batch := self._next_loads()) is not None:
+            try:
+                self._run_loads(batch)
+            except Exception:  # the whole batch fails; the worker lives on
+                self.report_error("load")
+                for task in batch:
+                    task.result = [False] * len(task.keys)
             self._finish(False, batch)
-
-    def _run(self, work: Callable[[list[_Task]], None], batch: list[_Task], what: str) -> None:
-        """Run ``work`` on a batch; any exception fails the whole batch (the worker lives on)."""
-        try:
-            work(batch)
-        except Exception:
-            self.report_error(what)
-            for task in batch:
-                task.result = [False] * len(task.keys)
-
-    def _run_store(self, batch: list[_Task]) -> None:
-        (task,) = batch
-        idx = [i for i, (k, p) in enumerate(zip(task.keys, task.pages)) if k is not None and p is not None]
-        if idx:
-            ok = self.engine.put([task.keys[i] for i in idx], [task.pages[i] for i in idx])
-            for i, good in zip(idx, ok, strict=True):
-                task.result[i] = bool(good)
 
     def _run_loads(self, batch: list[_Task]) -> None:
         # One engine batch of unique keys; a key asked for twice (two tasks for the same chunk) is

@@ -17,6 +17,8 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_corrupted_pages_total``     counter    copies on the tier that failed verification
 ``kvstream:tier_errors_total``              counter    I/O errors on the tier
 ``kvstream:tier_evictions_total``           counter    pages evicted from the tier (capacity)
+``kvstream:tier_replica_skips_total``       counter    new pages whose replica the tier skipped (replicate=budget)
+``kvstream:tier_replica_skip_bytes_total``  counter    bytes of those replicas
 ``kvstream:tier_healthy``                   gauge      1 while the tier is in service, 0 while failed
 ``kvstream:pages_total{result}``            counter    pages requested by reads: found / missing
 ``kvstream:under_replicated_pages_total``   counter    pages stored on fewer tiers than configured
@@ -45,6 +47,8 @@ TIER_COUNTERS = {
     "corrupted": "tier_corrupted_pages",
     "errors": "tier_errors",
     "evictions": "tier_evictions",
+    "replica_skipped_pages": "tier_replica_skips",
+    "replica_skipped_bytes": "tier_replica_skip_bytes",
 }
 TIER_DOCS = {
     "tier_read_bytes": "Bytes read from the tier (duplicate reads near the routing meeting point included).",
@@ -54,6 +58,9 @@ TIER_DOCS = {
     "tier_corrupted_pages": "Copies on the tier that failed header or checksum verification.",
     "tier_errors": "I/O errors on the tier.",
     "tier_evictions": "Pages evicted from the tier to stay within its capacity.",
+    "tier_replica_skips": "New pages whose replica this tier skipped: its writes would have drained after the "
+                          "home copy's and the slack (replicate=budget); not a failure.",
+    "tier_replica_skip_bytes": "Bytes of the replicas this tier skipped (replicate=budget).",
 }
 
 _families: dict | None = None

@@ -35,6 +35,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _bench(args) -> int:
+    """``kvstream bench``: the read benchmark, or with ``--scenario mixed`` the write policies under a
+    backup stream (bench/mixed.py)."""
+    from .bench import mixed, runner
+
+    if args.scenario == "mixed":
+        mixed.run(args)
+        return 0
+    return runner.run_cli(args)
+
+
 def _usage_errors() -> tuple[type[BaseException], ...]:
     from ..errors import KVStreamError
     from .bench.runner import UsageError
@@ -48,12 +59,13 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="{bench,check,info,testbed}")
 
-    from .bench import runner
+    from .bench import mixed, runner
 
     b = sub.add_parser("bench", help="benchmark reads against the aggregate-bandwidth bound",
                        description=runner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     runner.add_arguments(b)
-    b.set_defaults(func=runner.run_cli)
+    mixed.add_arguments(b)
+    b.set_defaults(func=_bench)
 
     c = sub.add_parser("check", help="verify stored pages; --fix removes damaged copies and orphans")
     c.add_argument("--tiers", nargs="+", metavar="DIR", help="tier directories (default: $KVSTREAM_TIERS)")

@@ -86,7 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("policies and scenario")
     r.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma list (default %(default)s); also lmcache-adapter (the LMCache/vLLM path)")
-    r.add_argument("--scenario", default="quiet", choices=drift.SCENARIOS)
+    r.add_argument("--scenario", default="quiet", choices=(*drift.SCENARIOS, "mixed"),
+                   help="a drift scenario of the reads, or mixed: a backup stream and a prefetch stream at once "
+                        "under each write policy (bench/mixed.py)")
     r.add_argument("--drift-period", type=float, default=drift.DRIFT_PERIOD_S, help="seconds per drift phase")
     r.add_argument("--drift-tier", type=int, default=None, help="tier the drift hits (default: periodic/competing 1, "
                                                                   "write-interference 0)")
@@ -132,11 +134,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     from ...layout import Namespace
     from ...router import parse_policy
 
-    try:
-        geom = (geometry.from_bytes(args.page_bytes) if args.page_bytes is not None
-                else geometry.from_model(args.model, args.page_size, args.tp))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    geom = page_geometry(args)
     specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     if not specs:
         raise UsageError("--policies is empty")
@@ -252,6 +250,15 @@ def run(args: argparse.Namespace, log=print) -> dict:
             json.dump(report.kvsim_series(doc), f)
         log(f"kvsim bandwidth series: {args.series}")
     return doc
+
+
+def page_geometry(args) -> geometry.Geometry:
+    """The pages of the run (``--page-bytes``, else ``--model``, ``--page-size``, ``--tp``)."""
+    try:
+        return (geometry.from_bytes(args.page_bytes) if args.page_bytes is not None
+                else geometry.from_model(args.model, args.page_size, args.tp))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _tiers(args, geom, stack: ExitStack, log):

@@ -33,6 +33,13 @@ from .trace import build_stream, load_requests
 
 DEFAULT_TIERS = ("periodic:mean=3G,amp=1G,period=30", "bursty:high=1.2G,low=0.3G,on=30,off=15,seed=1")
 DEFAULT_WRITE = ("1.3G", "0.7G")  # Testbed-2 per rank: NVMe 5.1 GB/s and Lustre 2.8 GB/s over 4 ranks
+# The paper's Table 2 per rank (4 ranks): read tiers and write bandwidths. Testbed-2 is the default above;
+# Testbed-1's NVMe reads 13.7/4 GB/s and writes 4.6/4, its VAST PFS reads up to 6.2/4 and writes 7.1/4.
+TESTBEDS = {
+    "2": (DEFAULT_TIERS, DEFAULT_WRITE),
+    "1": (("periodic:mean=3.4G,amp=1G,period=30", "bursty:high=1.55G,low=0.4G,on=30,off=15,seed=1"),
+          ("1.15G", "1.78G")),
+}
 DEFAULT_CAPACITIES = "10G,20G,40G,80G,160G,320G,640G,1280G"
 SWEEP = [round(x, 2) for x in np.arange(0.0, 1.0001, 0.05)]
 
@@ -60,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
                          "bursty:high=..,low=..,on=..,off=..[,seed=] | recorded:FILE[#K] "
                          f"(default: {' and '.join(DEFAULT_TIERS)})")
     ap.add_argument("--bandwidth-json", metavar="FILE", help="recorded per-tier bandwidth (replaces --tier)")
+    ap.add_argument("--testbed", choices=sorted(TESTBEDS),
+                    help="the paper's Testbed-1 or -2 per-rank bandwidths for --tier and --write-bw (default 2)")
+    ap.add_argument("--reuse", type=float, help="--workload swebench: target prefix reuse share (paper Fig. 15)")
+    ap.add_argument("--write-model", default="legacy", choices=["legacy", "deferred", "sync"],
+                    help="legacy (per-tier backlogs) | deferred (engine M2 queue, shared staging) | sync (SGLang)")
+    ap.add_argument("--read-priority", default="step", choices=["step", "tier"],
+                    help="step: no tier writes while a step retrieves | tier: a tier writes when it has no read")
+    ap.add_argument("--write-inflight", default="0",
+                    help="write bytes in flight per tier that a read batch cannot hold back (default 0)")
     ap.add_argument("--write-bw", action="append", metavar="SPEC",
                     help=f"write bandwidth per tier (default {', '.join(DEFAULT_WRITE)})")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help="comma-separated (default: %(default)s)")
@@ -85,13 +101,13 @@ def _gb(x: float) -> str:
 
 def table(results: dict) -> str:
     """The per-policy table."""
-    rows = [("policy", "gap", "retr s", "bound s", "share t0", "dup GB", "write GB", "WA", "off-path",
+    rows = [("policy", "gap", "retr s", "bound s", "share t0", "dup GB", "write GB", "WA", "skip t1", "off-path",
              "stall s", "util", "TTFT mean", "p50", "p90")]
     for name, r in results["policies"].items():
         rows.append((
             name, f"{100 * r['gap']:+.1f}%", f"{r['retrieval_s']:,.0f}", f"{r['bound_s']:,.0f}",
             f"{r['read_share'][0]:.2f}", _gb(r["duplicate_bytes"]), _gb(r["write_volume"]),
-            f"{r['write_amplification']:.2f}", f"{100 * r['writes_off_path']:.0f}%",
+            f"{r['write_amplification']:.2f}", _skip(r), f"{100 * r['writes_off_path']:.0f}%",
             f"{r['write_stall_s']:,.0f}", f"{r['utilization']:.2f}",
             f"{r['ttft_mean_s']:.2f}", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p90_s']:.2f}",
         ))
@@ -100,6 +116,14 @@ def table(results: dict) -> str:
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def _skip(r: dict) -> str:
+    """Share of tier 1's replicas skipped (budget policies), else '-'."""
+    sk = r.get("replica_skipped_bytes") or []
+    if len(sk) < 2 or not sk[1]:
+        return "-"
+    return f"{100 * sk[1] / (sk[1] + r['write_bytes'][1]):.0f}%"
 
 
 def plot(results: dict, path: str) -> None:
@@ -158,17 +182,18 @@ def _floats(text: str) -> list[float]:
 def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     preset = model.preset(args.model)
+    bed_tiers, bed_writes = TESTBEDS[args.testbed or "2"]
     if args.bandwidth_json:
         tiers, recorded_writes = load_recorded(args.bandwidth_json)
     else:
-        tiers, recorded_writes = [parse_series(s) for s in (args.tier or DEFAULT_TIERS)], []
+        tiers, recorded_writes = [parse_series(s) for s in (args.tier or bed_tiers)], []
     n_tiers = len(tiers)
     if args.write_bw:
         writes = [parse_series(s) for s in args.write_bw]
     elif recorded_writes and all(w is not None for w in recorded_writes):
         writes = list(recorded_writes)
     else:
-        writes = [parse_series(s) for s in DEFAULT_WRITE[:n_tiers]]
+        writes = [parse_series(s) for s in bed_writes[:n_tiers]]
     while len(writes) < n_tiers:
         writes.append(writes[-1] if writes else Constant(1e9))
     latency = _floats(args.latency)
@@ -187,9 +212,15 @@ def run(args: argparse.Namespace) -> dict:
         staging_bytes=model.parse_bytes(args.staging),
         m=args.m,
         depth=args.depth,
+        write_model=args.write_model,
+        read_priority=args.read_priority,
+        write_inflight_bytes=model.parse_bytes(args.write_inflight),
     )
     policies = [parse_sim_policy(s) for s in args.policies.split(",") if s.strip()]
-    requests = load_requests(args.trace, workload=args.workload, order=args.order, seed=args.seed, limit=args.limit)
+    if args.reuse is not None and args.workload != "swebench":
+        raise ValueError("--reuse applies to --workload swebench")
+    requests = load_requests(args.trace, workload=args.workload, order=args.order, seed=args.seed, limit=args.limit,
+                             reuse=args.reuse)
     t_load = time.perf_counter()
     stream = build_stream(requests)
     prep = prepare(stream, cfg)
@@ -210,7 +241,9 @@ def run(args: argparse.Namespace) -> dict:
             "order": args.order, "rate": rate, "load": None if args.rate is not None else args.load, "seed": args.seed, "chunk_tokens": cfg.chunk_tokens,
             "max_batch": cfg.max_batch, "prefill_tps": cfg.prefill_tps, "decode_tps": cfg.decode_tps,
             "latency_s": list(cfg.latency_s), "d2h_bps": cfg.d2h_bps, "staging_bytes": cfg.staging_bytes,
-            "m": cfg.m, "depth": cfg.depth or 2 * cfg.m,
+            "m": cfg.m, "depth": cfg.depth or 2 * cfg.m, "testbed": args.testbed, "reuse": args.reuse,
+            "write_model": cfg.write_model, "read_priority": cfg.read_priority,
+            "write_inflight_bytes": cfg.write_inflight_bytes,
         },
         "demand": {
             "reuse_bytes": prep.reuse_bytes,

@@ -35,6 +35,29 @@ Policies (``parse_sim_policy``)
 ``replicate-after-slow[:g=G,slow=S]``  placed as above without replicas; once a tier delivers less than
                             S (default 0.7) of its mean bandwidth, the chunks it just served are
                             copied to the other tier and new writes are replicated while it stays slow
+``budget[:h=H]``            replicas within budget: every new page goes to tier 0 (the home tier); its
+                            replica on tier k >= 1 is written only when tier k's pending writes plus
+                            the page drain, at tier k's write bandwidth, within the horizon H; else it
+                            is skipped (counted). Reads are completion-driven among the holders.
+                            H is the largest of its '+'-joined parts: ``home`` the time tier 0 needs
+                            for its own pending writes, this page included (a replica never outlasts
+                            its home copy); ``quiet`` how long the write path had been idle (no write
+                            pending on any tier) when the put came; ``put`` the time since the previous
+                            put; ``fwd`` the forward pass that produced the put (section 5.3: writes
+                            that drain within a forward pass stay off the read path); ``window`` the
+                            tier's last read-free window (end of its previous read batch to the start
+                            of its latest); a number of seconds. ``staging`` instead
+                            caps tier k's pending bytes at the staging bound. ``spill``: the mandatory
+                            copy goes to the tier whose queue would finish the page first (ties: the
+                            lowest tier), replicas to the others by the same horizon. On the sync path the
+                            pending writes are the call's own (the engine sees one call at a time).
+
+Write model (``SimConfig.write_model``, see ``writeq``): ``legacy`` (the original per-tier backlogs),
+``deferred`` (the engine's M2 queue: shared staging pool, per-tier FIFOs) or ``sync`` (SGLang: one
+call per step, calls one at a time). ``read_priority``: ``step`` (no tier writes while the step
+retrieves: the original model) or ``tier`` (a tier writes whenever it has no read in flight).
+``write_inflight_bytes``: writes already submitted to a tier when a read batch arrives cannot be held
+back; the tier's reads start after min(pending, this)/write bandwidth (0: no such interference).
 """
 
 from __future__ import annotations
@@ -50,13 +73,14 @@ from . import model
 from .bandwidth import Series
 from .batch import simulate
 from .trace import BlockStream
+from .writeq import WriteQueue
 
 __all__ = ["SimConfig", "Prepared", "prepare", "SimPolicy", "parse_sim_policy", "run_policy", "static_sweep",
            "capacity_sweep", "mean_share", "rate_for_load", "service_estimate", "placement_key", "DEFAULT_POLICIES"]
 
 MIN_BPS = 1e6  # a stalled tier still trickles 1 MB/s: keeps static times finite (and very long)
-DEFAULT_POLICIES = ("kvstream", "tier0", "tier1", "static-auto", "static-0.5", "replicate-share-0.4",
-                    "replicate-after-slow")
+DEFAULT_POLICIES = ("kvstream", "budget:h=home+1", "tier0", "tier1", "static-auto", "static-0.5",
+                    "replicate-share-0.4", "replicate-after-slow")  # budget:h=home+1: the engine's default rule
 
 
 @dataclass
@@ -77,6 +101,9 @@ class SimConfig:
     staging_bytes: float = 8e9  # deferred-write staging buffer per rank
     m: int = 2  # claim size of completion-driven routing
     depth: int | None = None
+    write_model: str = "legacy"  # legacy | deferred | sync (writeq)
+    read_priority: str = "step"  # step | tier
+    write_inflight_bytes: float = 0.0  # writes a read batch cannot hold back, per tier
 
 
 @dataclass
@@ -149,7 +176,7 @@ class SimPolicy:
     """A kvsim policy: how a step is routed and where writes go."""
 
     name: str
-    kind: str  # "kvstream" | "static" | "single" | "share" | "after-slow"
+    kind: str  # "kvstream" | "static" | "single" | "share" | "after-slow" | "budget"
     g: float = 0.75  # tier-0 share (static) or placement split (share, after-slow)
     f: float = 0.0  # replicated share (share)
     slow: float = 0.7  # slow threshold (after-slow)
@@ -157,8 +184,10 @@ class SimPolicy:
     m: int | None = None
     depth: int | None = None
     auto_g: bool = False
+    horizon: str = "window"  # budget: window | home | max | staging | seconds
 
 
+BUDGET_HORIZONS = ("window", "home", "staging", "put", "tier-idle", "quiet", "fwd", "spill")
 _SIM_SPEC = re.compile(r"^(?P<base>[a-z0-9.\-/]+)(?::(?P<opts>.*))?$")
 
 
@@ -208,9 +237,21 @@ def parse_sim_policy(spec: str) -> SimPolicy:
         g = o.get("g", "auto")
         return SimPolicy(spec, "after-slow", slow=float(o.get("slow", 0.7)),
                          g=0.75 if g == "auto" else float(g), auto_g=g == "auto")
+    if base == "budget":
+        o = _opts(opts, spec, {"h"})
+        h = o.get("h", "window")
+        for part in h.split("+"):
+            if part not in BUDGET_HORIZONS:
+                try:
+                    if float(part) < 0:
+                        raise ValueError
+                except ValueError:
+                    raise ValueError(f"budget horizon: '+'-joined parts among {', '.join(BUDGET_HORIZONS)} or "
+                                     f"seconds >= 0, got {h!r}") from None
+        return SimPolicy(spec, "budget", horizon=h)
     raise ValueError(
         f"unknown policy {spec!r}: use kvstream[:m=M], static-G, static-auto, tierK, replicate-share-F[:g=G], "
-        f"replicate-after-slow[:g=G,slow=S]"
+        f"replicate-after-slow[:g=G,slow=S], budget[:h=window|home|max|staging|SECONDS]"
     )
 
 
@@ -257,6 +298,47 @@ def _router_policy(p: SimPolicy, cfg: SimConfig, g: float) -> Policy:
     return CompletionDriven(m, depth)
 
 
+def _budget_masks(p: SimPolicy, sizes: np.ndarray, wq: WriteQueue, wbw: list[float], window: list[float],
+                  staging: float, put_gap: float, quiet: float, fwd: float, skipped: list[float],
+                  skipped_pages: list[int]) -> np.ndarray:
+    """Replicas within budget, decided per page per tier at put time: tier 0 takes every page; tier
+    k >= 1 takes it when its pending bytes plus the page drain at its write bandwidth within the
+    horizon (see the module docstring). Skipped replicas are counted in ``skipped``."""
+    n_tiers = len(wbw)
+    masks = np.ones(len(sizes), dtype=np.int64)
+    # SGLang's path (sync): the engine sees one batch_set at a time; the caller's backlog is invisible to it,
+    # so the queues are the call's own (a queued call starts when the previous returned: quiet is 0 then)
+    q = [0.0] * n_tiers if wq.mode == "sync" else [wq.pending(k) for k in range(n_tiers)]
+    parts = p.horizon.split("+")
+    fixed = max([float(x) for x in parts if x not in BUDGET_HORIZONS], default=0.0)
+    base = max(fixed, quiet if "quiet" in parts else 0.0, put_gap if "put" in parts else 0.0,
+               fwd if "fwd" in parts else 0.0)
+    spill = "spill" in parts
+    for j, s in enumerate(sizes.tolist()):
+        # the mandatory copy: tier 0, or (spill) the tier whose queue would finish this page first
+        h0 = min(range(n_tiers), key=lambda k: ((q[k] + s) / wbw[k], k)) if spill else 0
+        masks[j] = 1 << h0
+        q[h0] += s
+        home = q[h0] / wbw[h0] if "home" in parts else 0.0
+        for k in range(n_tiers):
+            if k == h0:
+                continue
+            if "staging" in parts:
+                ok = q[k] + s <= staging
+            elif "tier-idle" in parts and q[k] == 0:
+                ok = True
+            else:
+                horizon = max(base, home, window[k] if "window" in parts else 0.0)
+                ok = (q[k] + s) / wbw[k] <= horizon
+            if ok:
+                masks[j] |= 1 << k
+                q[k] += s
+            else:
+                skipped[k] += s
+                skipped_pages[k] += 1
+    return masks
+
+
 def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float | None = None) -> tuple[dict, StepLog]:
     """Serve the whole trace under policy ``p``; returns (results dict, per-step log)."""
     n_tiers = len(cfg.tiers)
@@ -264,11 +346,13 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
         raise ValueError(f"{p.name}: placement policies are defined for two tiers")
     if p.kind == "single" and not 0 <= p.tier < n_tiers:
         raise ValueError(f"{p.name}: no tier {p.tier} among {n_tiers}")
+    if cfg.read_priority not in ("step", "tier"):
+        raise ValueError(f"read priority is 'step' or 'tier', got {cfg.read_priority!r}")
     g = mean_share if (p.auto_g and mean_share is not None) else p.g
     router_policy = _router_policy(p, cfg, g)
     full = (1 << n_tiers) - 1
     lat = list(cfg.latency_s) + [0.0] * (n_tiers - len(cfg.latency_s))
-    mask = np.zeros(prep.max_block + 1, dtype=np.int8) if p.kind in ("share", "after-slow") else None
+    mask = (np.zeros(prep.max_block + 1, dtype=np.int8) if p.kind in ("share", "after-slow", "budget") else None)
     nominal = None
     if p.kind == "after-slow":
         horizon = float(prep.arrival_s[-1]) if len(prep.arrival_s) else 0.0
@@ -277,24 +361,31 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
 
     n = len(prep.arrival_s)
     ttft = np.zeros(n)
-    backlog = [0.0] * n_tiers
+    wq = WriteQueue(n_tiers, cfg.write_model, cfg.staging_bytes)
     delivered = [0.0] * n_tiers
     moved = [0.0] * n_tiers
     written = [0.0] * n_tiers
+    skipped = [0.0] * n_tiers
+    skipped_pages = [0] * n_tiers
+    read_end: list[float | None] = [None] * n_tiers  # end of the tier's latest read batch
+    window = [np.inf] * n_tiers  # the tier's latest read-free window (budget)
+    last_put = None  # time of the previous put (budget)
     dup_bytes = 0.0
-    t_ret_sum = bound_sum = t_wr_sum = busy = 0.0
+    t_ret_sum = bound_sum = t_wr_sum = busy = inflight_sum = 0.0
+    fwd_times: list[float] = []
     off_path_ok = off_path_n = 0
     prev_flush = None  # write time of the previous step's writes
     log = StepLog()
     t = 0.0
     i = 0
 
-    def drain(seconds: float, now: float) -> None:
-        if seconds <= 0:
-            return
-        for k in range(n_tiers):
-            if backlog[k] > 0:
-                backlog[k] = max(0.0, backlog[k] - seconds * max(cfg.write_tiers[k].rate(now), MIN_BPS))
+    def wrates(now: float) -> list[float]:
+        return [max(s.rate(now), MIN_BPS) for s in cfg.write_tiers]
+
+    def drain(seconds: float, now: float, at: float | None = None) -> None:
+        """Every tier writes for ``seconds`` from time ``at`` (default ``now``) at the rates of ``now``."""
+        if seconds > 0:
+            wq.advance(wrates(now), [(0.0, seconds)] * n_tiers, now if at is None else at)
 
     while i < n:
         if prep.arrival_s[i] > t:
@@ -305,7 +396,7 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
             j += 1
         a, b = int(prep.chunk_start[i]), int(prep.chunk_start[j])
         bw = [max(s.rate(t), MIN_BPS) for s in cfg.tiers]
-        wbw = [max(s.rate(t), MIN_BPS) for s in cfg.write_tiers]
+        wbw = wrates(t)
         sizes = prep.chunk_bytes[a:b]
         demand_bytes = float(sizes.sum())
         t_ret = bound_i = 0.0
@@ -316,9 +407,32 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
                 holders = holders.tolist()
             else:
                 holders = None
-            res = simulate(router_policy, b - a, bw, holders=holders, item_bytes=sizes.tolist(), latency=lat)
+            # writes already in flight on a tier finish before its reads start (they cannot be held back)
+            delay = [min(wq.pending(k), cfg.write_inflight_bytes) / wbw[k] for k in range(n_tiers)]
+            blocked = [d for d in delay if d > 0]
+            if blocked:  # a tier's speed is 0 until its in-flight writes are done (resampled every d/4)
+                speeds = [(lambda tt, v=bw[k], d=delay[k]: v if tt >= d else 0.0) if delay[k] > 0 else bw[k]
+                          for k in range(n_tiers)]
+                res = simulate(router_policy, b - a, speeds, holders=holders, item_bytes=sizes.tolist(),
+                               latency=lat, max_dt=min(blocked) / 4)
+                inflight_sum += max(delay)
+                wq.advance(wbw, [(0.0, d) for d in delay], t)
+            else:
+                res = simulate(router_policy, b - a, bw, holders=holders, item_bytes=sizes.tolist(), latency=lat)
             t_ret = max(res.finish, demand_bytes / cfg.d2h_bps)
             bound_i = model.bound(demand_bytes, bw, cfg.d2h_bps)
+            # each tier reads from its delay for bytes_read / bw; read priority decides when it may write
+            reads = [(delay[k], delay[k] + res.bytes_read[k] / bw[k]) if res.bytes_read[k] > 0 else None
+                     for k in range(n_tiers)]
+            if cfg.read_priority == "tier":
+                wq.advance(wbw, [(r[1] if r else 0.0, t_ret) for r in reads], t)
+            for k in range(n_tiers):
+                r = (0.0, t_ret) if cfg.read_priority == "step" else reads[k]
+                if r is None:
+                    continue
+                if read_end[k] is not None:
+                    window[k] = t + r[0] - read_end[k]
+                read_end[k] = t + r[1]
             src = np.asarray(res.source)
             for k in range(n_tiers):
                 delivered[k] += float(sizes[src == k].sum())
@@ -333,43 +447,47 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
                         if len(lacking):
                             mask[lacking] = full
                             extra = float(prep.block_bytes[lacking].sum())
+                            per = wq.add([extra], [full & ~(1 << k)])  # queued at the step start
                             for other in range(n_tiers):
-                                if other != k:
-                                    backlog[other] += extra
-                                    written[other] += extra
+                                written[other] += per[other]
         t_fwd = cfg.fwd_overhead_s + float(prep.prefill_tokens[i:j].sum()) / cfg.prefill_tps
+        fwd_times.append(t_fwd)
         if prev_flush is not None:
             off_path_n += 1
             off_path_ok += prev_flush <= t_fwd
-        drain(t_fwd, t)
-        t_wr = 0.0
-        for k in range(n_tiers):
-            over = backlog[k] - cfg.staging_bytes
-            if over > 0:
-                t_wr = max(t_wr, over / wbw[k])
-        drain(t_wr, t)
+        drain(t_fwd, t, t + t_ret)
+        new_bytes = float(prep.write_bytes[i:j].sum())
+        t_wr = wq.room(new_bytes, wbw, t + t_ret + t_fwd)
         end = t + t_ret + t_fwd + t_wr
         ttft[i:j] = end - prep.arrival_s[i:j]
         # this step's new KV, by placement
         wa, wb = int(prep.write_start[i]), int(prep.write_start[j])
-        step_w = [0.0] * n_tiers
+        blocks = prep.write_block[wa:wb]
+        wbytes = prep.write_block_bytes[wa:wb]
         if p.kind == "kvstream":
-            step_w = [float(prep.write_bytes[i:j].sum())] * n_tiers
+            place = np.full(len(blocks), full, dtype=np.int64)
         elif p.kind == "single":
-            step_w[p.tier] = float(prep.write_bytes[i:j].sum())
+            place = np.full(len(blocks), 1 << p.tier, dtype=np.int64)
         elif p.kind == "static":
-            shares = router_policy.shares(n_tiers)
-            step_w = [s * float(prep.write_bytes[i:j].sum()) for s in shares]
+            place = None
+        elif p.kind == "budget":
+            put_at = end
+            place = _budget_masks(p, wbytes, wq, wbw, window, cfg.staging_bytes,
+                                  put_at - last_put if last_put is not None else np.inf, wq.quiet_for(put_at),
+                                  t_fwd, skipped, skipped_pages)
+            last_put = put_at
         else:
-            blocks = prep.write_block[wa:wb]
             place = _placement(prep.write_u[wa:wb], g, p.f if p.kind == "share" else 0.0)
             if p.kind == "after-slow" and any(slow_now):
                 place[:] = full
+        if mask is not None:
             mask[blocks] = place
-            wbytes = prep.write_block_bytes[wa:wb]
-            step_w = [float(wbytes[(place >> k) & 1 == 1].sum()) for k in range(n_tiers)]
+        if place is None:  # static: a share of the bytes on each tier (Eq. 5's split)
+            shares = router_policy.shares(n_tiers)
+            step_w = wq.add([s * new_bytes for s in shares], [1 << k for k in range(n_tiers)])
+        else:
+            step_w = wq.add(wbytes, place)
         for k in range(n_tiers):
-            backlog[k] += step_w[k]
             written[k] += step_w[k]
         prev_flush = model.write_time(step_w, wbw)
         decode = float(prep.output_tokens[i:j].sum()) / cfg.decode_tps
@@ -402,12 +520,17 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
         "write_bytes": written,
         "write_volume": sum(written),
         "write_amplification": sum(written) / unique_w if unique_w else 0.0,
+        "replica_skipped_bytes": skipped,
+        "replica_skipped_pages": skipped_pages,
         "writes_off_path": off_path_ok / off_path_n if off_path_n else 1.0,
         "write_stall_s": t_wr_sum,
+        "inflight_delay_s": inflight_sum,  # sum over steps of the longest in-flight write wait
         "ttft_mean_s": float(ttft.mean()) if n else 0.0,
         "ttft_p50_s": float(np.percentile(ttft, 50)) if n else 0.0,
         "ttft_p90_s": float(np.percentile(ttft, 90)) if n else 0.0,
         "steps": len(log.start),
+        "fwd_p50_s": float(np.percentile(fwd_times, 50)) if fwd_times else 0.0,
+        "fwd_p90_s": float(np.percentile(fwd_times, 90)) if fwd_times else 0.0,
         "makespan_s": t,
         "utilization": busy / span if span > 0 else 0.0,
     }

@@ -49,6 +49,7 @@ def load_requests(
     rate: float = 1.0,
     seed: int = 0,
     limit: int | None = None,
+    reuse: float | None = None,
 ) -> list:
     """Requests in serving order from a Mooncake JSONL ``path`` or a generated ``workload``
     (``"swebench"``), re-interleaved by ``order`` and with arrivals sped up by ``rate``.
@@ -67,7 +68,7 @@ def load_requests(
     if path is not None:
         requests = wl.read_mooncake(path, limit=limit)
     elif workload == "swebench":
-        requests = wl.generate_swebench(seed=seed)
+        requests = wl.generate_swebench(seed=seed, reuse=reuse)
         if limit is not None:
             requests = requests[:limit]
     else:

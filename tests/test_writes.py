@@ -1,0 +1,332 @@
+"""The write path (issue 15, issue 16 item 7): writes wait while a get reads their tier, deferred
+writes (M2) and their back-pressure, replicas within budget, bounded open files per put.
+
+Real engine, real files with O_DIRECT; faults (held, delayed completions) at the ring. No timing
+assertions: the tests wait for events (a held op reached the ring, a page committed) and check order.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from kvstream_hicache import writes
+from kvstream_hicache.faults import Fault, FaultPlan
+from kvstream_hicache.io import OP_READ, OP_WRITE
+from kvstream_hicache.priority import STALL_S
+from kvstream_hicache.router import SingleTier
+
+from reliability_helpers import FakeClock, PageSet, TierFaultPlan, make_engine, wait_for_fault
+from test_engine import Pages, key
+
+WAIT_S = 60.0
+
+
+def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``condition`` (the state we wait for has no completion to wait on); fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+class Held:
+    """A get of ``keys`` from tier 0 alone whose reads are held in the ring, in a thread."""
+
+    def __init__(self, engine, pages: PageSet, keys, plan: TierFaultPlan, tier_dir: str):
+        self.plan = plan
+        plan.on(tier_dir, Fault.hold(), opcode=OP_READ)
+        self.result: list = []
+        self.thread = threading.Thread(target=lambda: self.result.append(
+            pages.checked_get(engine, keys, policy=SingleTier(0))))
+        self.thread.start()
+        wait_for_fault(plan, WAIT_S, "the get never reached the ring")
+
+    def release(self) -> list:
+        self.plan.clear()
+        self.plan.release()
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the released get did not finish"
+        return self.result[0]
+
+
+@contextmanager
+def releasing(plan: TierFaultPlan):
+    """Whatever happens in the block, held completions are let go after it (close would wait for them)."""
+    try:
+        yield
+    finally:
+        plan.clear()
+        plan.release()
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    return t, out
+
+
+# ----------------------------------------------------------------------------------- read priority
+def test_writes_to_a_tier_wait_while_a_get_reads_it(tier_dirs):
+    """A get reading tier 0 holds new writes to tier 0 (not one is started), while tier 1, which
+    the get does not read, takes its copies at once; the put returns, both tiers written, only after
+    the get. (Before read priority every write went out at once.)"""
+    plan = TierFaultPlan()
+    pages = PageSet()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=FakeClock()) as engine, releasing(plan):
+        stored, new = pages.keys(4), pages.keys(3, 100)
+        assert pages.put(engine, stored) == [True] * 4
+        reader = Held(engine, pages, stored, plan, tier_dirs[0])
+        writer, result = in_thread(pages.put, engine, new)
+        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), "tier 1 never took the pages")
+        assert os.listdir(engine.tiers[0].layout.tmp) == []  # no write to tier 0 even started
+        assert engine.stats()["tiers"][0]["write_queued_bytes"] == 3 * engine.index.get(new[0]).file_bytes
+        assert writer.is_alive()  # the put waits for every tier that takes its pages
+        assert reader.release() == [True] * 4
+        writer.join(WAIT_S)
+        assert result == [[True] * 3]
+        assert [engine.index.holders(k) for k in new] == [0b11] * 3
+        stats = engine.stats()
+        assert stats["tiers"][0]["write_held_s"] > 0 and stats["tiers"][1]["write_held_s"] == 0
+        assert stats["under_replicated"] == 0
+        assert pages.checked_get(engine, new) == [True] * 3
+
+
+def test_a_stalled_read_does_not_hold_writes_forever(tier_dirs):
+    """Reads of tier 0 that make no progress for STALL_S (a hung device, read_timeout=0) stop holding
+    its writes: the put completes on both tiers while the get is still stuck."""
+    plan = TierFaultPlan()
+    pages = PageSet()
+    clock = FakeClock()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=clock, read_timeout=0) as engine, releasing(plan):
+        stored, new = pages.keys(2), pages.keys(2, 100)
+        assert pages.put(engine, stored) == [True] * 2
+        reader = Held(engine, pages, stored, plan, tier_dirs[0])
+        writer, result = in_thread(pages.put, engine, new)
+        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), "tier 1 never took the pages")
+        assert writer.is_alive()
+        clock.advance(STALL_S + 0.1)  # the held read has made no progress for longer than STALL_S
+        writer.join(WAIT_S)
+        assert result == [[True] * 2] and [engine.index.holders(k) for k in new] == [0b11] * 2
+        assert reader.thread.is_alive()  # the get is still stuck: it was not what let the writes go
+        assert reader.release() == [True] * 2
+
+
+def test_read_priority_off_writes_whatever_is_read(tier_dirs):
+    """read_priority=off is the behaviour before: writes go out while a get reads their tier."""
+    plan = TierFaultPlan()
+    pages = PageSet()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=FakeClock(), read_priority="off") as engine, \
+            releasing(plan):
+        stored, new = pages.keys(2), pages.keys(2, 100)
+        assert pages.put(engine, stored) == [True] * 2
+        reader = Held(engine, pages, stored, plan, tier_dirs[0])
+        assert pages.put(engine, new) == [True] * 2  # returns with the get still held
+        assert [engine.index.holders(k) for k in new] == [0b11] * 2
+        assert reader.thread.is_alive()
+        assert reader.release() == [True] * 2
+
+
+# ---------------------------------------------------------------------------------- deferred (M2)
+def test_deferred_put_completes_only_when_committed(tier_dirs):
+    """put_deferred returns at once; until its pages are committed the callback has not run and the
+    page is not found; then the callback reports them, and they are found and read back."""
+    plan = TierFaultPlan()
+    src = Pages(3, seed=3)
+    keys = [key(i, "deferred") for i in range(3)]
+    done: list = []
+    finished = threading.Event()
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE).on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred(keys, src.src_segments, lambda ok: (done.append(ok), finished.set()))
+        wait_for_fault(plan)  # a write is in flight, held
+        assert done == [] and not any(engine.contains(k) for k in keys)
+        assert engine.stats()["write_backlog_bytes"] == 3 * sum(n for _, n in src.src_segments[0])
+        plan.clear()
+        plan.release()
+        assert finished.wait(WAIT_S)
+        assert done == [[True] * 3] and all(engine.contains(k) for k in keys)
+        assert engine.get(keys, src.dst_segments) == [True] * 3 and all(src.equal(i) for i in range(3))
+        stats = engine.stats()
+        assert stats["deferred_puts"] == 1 and stats["write_backlog_bytes"] == 0
+
+
+def test_deferred_puts_wait_when_the_backlog_is_full_and_lose_nothing(tier_dirs):
+    """With the backlog at its bound, the next deferred put waits (back-pressure) until pages commit;
+    no put is dropped and every page is stored."""
+    plan = TierFaultPlan()
+    size = 64 << 10
+    src = [Pages(2, seed=s, size=size) for s in range(3)]
+    keys = [[key(i, f"bp{s}") for i in range(2)] for s in range(3)]
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=3 * size) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred(keys[0], src[0].src_segments, results.append)  # 2 pages: within the bound
+        wait_for_fault(plan)
+        blocked, _ = in_thread(engine.put_deferred, keys[1], src[1].src_segments, results.append)
+        wait_until(lambda: engine.stats()["backpressure_waits"] == 1, "the second put never waited")
+        assert blocked.is_alive() and results == []
+        plan.clear()
+        plan.release()
+        blocked.join(WAIT_S)
+        engine.put_deferred(keys[2], src[2].src_segments, results.append)
+        wait_until(lambda: len(results) == 3, "a deferred put never completed")
+        assert results == [[True, True]] * 3
+        for s in range(3):
+            assert engine.get(keys[s], src[s].dst_segments) == [True, True] and src[s].equal(1)
+
+
+def test_a_key_being_written_is_written_once(tier_dirs):
+    """Two puts of one key while its first write is in flight: one file per tier, both report it."""
+    plan = TierFaultPlan()
+    src = Pages(1, seed=4)
+    k = [key(0, "twice")]
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred(k, src.src_segments, results.append)
+        wait_for_fault(plan)
+        engine.put_deferred(k, src.src_segments, results.append)
+        plan.clear()
+        plan.release()
+        wait_until(lambda: len(results) == 2, "a deferred put never completed")
+        assert results == [[True], [True]]
+        assert [t["pages_written"] for t in engine.stats()["tiers"]] == [1, 1]
+
+
+def test_clear_drops_queued_and_in_flight_writes(tier_dirs):
+    plan = TierFaultPlan()
+    src = Pages(4, seed=5)
+    keys = [key(i, "clear") for i in range(4)]
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred(keys, src.src_segments, results.append)
+        wait_for_fault(plan)
+        clearer, _ = in_thread(engine.clear)
+        wait_until(lambda: engine._writes._exclusive, "clear never started")
+        plan.clear()
+        plan.release()
+        clearer.join(WAIT_S)
+        wait_until(lambda: results, "the put never completed")
+        assert not any(engine.contains(k) for k in keys)
+        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+
+
+def test_clear_and_check_while_writes_wait_for_a_read(tier_dirs):
+    """Writes held back by a get (nothing in flight) do not block clear() or check(); the held
+    writes are dropped by clear and their put completes. (clear and check take the read path's lock,
+    so they run once the stalled get gives up at read_timeout: short here.)"""
+    plan = TierFaultPlan()
+    pages = PageSet()
+    src = Pages(2, seed=6)
+    keys = [key(i, "held-clear") for i in range(2)]
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=FakeClock(), read_timeout=0.5) as engine, \
+            releasing(plan):
+        stored = pages.keys(2)
+        assert pages.put(engine, stored) == [True] * 2
+        reader = Held(engine, pages, stored, plan, tier_dirs[0])
+        engine.put_deferred(keys, src.src_segments, results.append)
+        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in keys), "tier 1 never took the pages")
+        assert engine.check() == []
+        engine.clear()
+        wait_until(lambda: results, "the put never completed")
+        assert not any(engine.contains(k) for k in keys)
+        assert len(reader.release()) == 2  # the get ends (what it finds of cleared pages is not the point)
+        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+
+
+# ------------------------------------------------------------------------------- replicas in budget
+@pytest.mark.parametrize("queued,home,w,w_home,slack,fits", [
+    (0, 8, 1.0, 1.0, 0.0, True),    # drains with the home copy
+    (8, 8, 1.0, 1.0, 0.0, False),   # one page more than the home copy: later
+    (4, 8, 1.0, 2.0, 12.0, True),   # later than the home copy, within the slack
+    (8, 8, 1.0, 2.0, 16.0, True),
+    (10, 8, 1.0, 2.0, 16.0, False),  # beyond the slack
+    (0, 8, 0.0, 1.0, 0.0, True),    # not measured yet: admitted
+    (0, 8, 1.0, 0.0, 0.0, True),
+])
+def test_budget_rule(queued, home, w, w_home, slack, fits):
+    assert writes.replica_fits(queued, 8, w, home, w_home, slack) is fits
+
+
+def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_dirs):
+    """replicate=budget, slack 0.5 s, tier 1 much slower to write (every write delayed 0.5 s): once
+    both write bandwidths are measured, a large put leaves some pages on tier 0 alone. A skip is
+    counted per tier, is not under-replication, fails no page, and every page reads back;
+    replicate=all keeps every replica."""
+    plan = TierFaultPlan()
+    page = 1 << 20
+    warm = writes.TRUST_BYTES // page + 2
+    for mode in ("budget", "all"):
+        pages = PageSet(page, salt=mode)
+        plan.clear()
+        plan.on(tier_dirs[1], Fault.delay(0.5), opcode=OP_WRITE)
+        with make_engine(tier_dirs[:2], fault_plan=plan, replicate=mode, replicate_slack=0.5) as engine:
+            warm_keys = pages.keys(warm)
+            assert pages.put(engine, warm_keys) == [True] * warm  # accepted unmeasured: every replica
+            assert [engine.index.holders(k) for k in warm_keys] == [0b11] * warm
+            assert all(engine._writes._bandwidth(k) > 0 for k in range(2))  # both measured now
+            batch = pages.keys(24, 1000)
+            assert pages.put(engine, batch) == [True] * 24
+            stats = engine.stats()
+            alone = [k for k in batch if engine.index.holders(k) == 0b01]
+            skipped = stats["tiers"][1]["replica_skipped_pages"]
+            assert stats["under_replicated"] == 0 and stats["pages_failed"] == 0
+            assert skipped == len(alone)
+            assert stats["tiers"][1]["replica_skipped_bytes"] == skipped * engine.index.get(batch[0]).file_bytes
+            assert stats["tiers"][0]["replica_skipped_pages"] == 0  # the home tier takes every page
+            if mode == "budget":
+                assert 0 < len(alone) < 24
+            else:
+                assert skipped == 0
+            assert pages.checked_get(engine, batch) == [True] * 24
+
+
+# ---------------------------------------------------------------------- open files (issue 16 item 7)
+@pytest.fixture
+def fd_limit():
+    """Lower this process's descriptor limit for the test (restored after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower(n: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+    yield lower
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_large_put_holds_a_bounded_number_of_files(tier_dirs, fd_limit, caplog):
+    """3,000 pages on two tiers under a limit of open_fds + 128: every page stored, no warning
+    (before: one temporary file per page per tier at once, EMFILE from the 128th on)."""
+    pages = PageSet(4096)
+    keys = pages.keys(3000)
+    with make_engine(tier_dirs[:2]) as engine:
+        fd_limit(open_fds() + 128)
+        assert pages.put(engine, keys) == [True] * 3000
+        assert engine.stats()["pages_failed"] == 0 and engine.stats()["under_replicated"] == 0
+        assert [t["write_failures"] for t in engine.stats()["tiers"]] == [0, 0]
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "same file system" not in r.message]
+
+
+def test_out_of_descriptors_is_never_a_failure(tier_dirs, fd_limit):
+    """Fewer descriptors than the write path would keep open (EMFILE mid-put): the put waits for its
+    own files to close and stores every page; no tier fails."""
+    pages = PageSet(4096)
+    keys = pages.keys(400)
+    with make_engine(tier_dirs[:2]) as engine:
+        fd_limit(open_fds() + 6)  # caller buffers and CRC work need none; 6 < 2 x MAX_OPEN_FILES
+        assert pages.put(engine, keys) == [True] * 400
+        stats = engine.stats()
+        assert stats["pages_failed"] == 0 and all(t["healthy"] and not t["write_failures"] for t in stats["tiers"])
+    assert writes.MAX_OPEN_FILES * 2 > 6  # (so the limit really was below what the path would open)
