@@ -50,22 +50,23 @@ from .tiers import Tier
 
 log = logging.getLogger("kvstream")
 
+MAX_OPEN_FILES = 256  # read descriptors the read path keeps open at once before it closes idle ones: a
+# get of 10,000 pages on two tiers must not hold 20,000 (a page's file is reopened if needed again)
+
 
 class _File:
-    """A read descriptor shared by the requests of one (tier, page) in one call."""
+    """A read descriptor shared by the requests of one (tier, page) in one call. Closed when the
+    call ends, or earlier when idle while the read path holds more than MAX_OPEN_FILES (a batch of
+    any size holds a bounded number of descriptors); an idle one closed early is opened again if
+    another request of the page comes."""
 
-    __slots__ = ("fd", "refs", "release")
+    __slots__ = ("fd", "refs", "release", "failed")
 
-    def __init__(self, fd: int | None):
-        self.fd = fd
+    def __init__(self):
+        self.fd: int | None = None
         self.refs = 0  # requests in flight on it
         self.release = False  # the call ended: close when the last request is reaped
-
-    def drop(self) -> None:
-        self.refs -= 1
-        if self.release and not self.refs and self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self.failed = False  # the open failed: this (tier, page) is not read in this call
 
 
 class _Page:
@@ -150,6 +151,8 @@ class ReadPath:
         self._orphaned = [0] * len(tiers)  # of which orphans
         self._reqs: dict[int, _Req] = {}  # tag -> request, for every read in flight on the ring
         self._orphans = 0  # requests in _reqs whose call has returned
+        self._open_files = 0  # read descriptors open (every call's, orphans' included)
+        self.open_files_peak = 0
         self._tags = itertools.count(1)
 
     @property
@@ -372,14 +375,20 @@ class ReadPath:
         return _Req(call, tier, p, j0, j1, [item for _, item in blocks], bufs, f, nbytes)
 
     def _file_locked(self, call: _Call, tier: int, p: int) -> _File | None:
-        """The call's read descriptor of page ``p`` on ``tier`` (opened once), or None."""
+        """The call's read descriptor of page ``p`` on ``tier`` (opened on first use, or again if it
+        was closed while idle), or None."""
         f = call.files.get((tier, p))
         if f is None:
+            f = call.files[(tier, p)] = _File()
+        if f.fd is None and not f.failed:
             page = call.pages[p]
-            f = _File(None)
+            f.failed = True  # until the open below succeeds
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
                 try:
                     f.fd = self.tiers[tier].open_page(page.key)
+                    f.failed = False
+                    self._open_files += 1
+                    self.open_files_peak = max(self.open_files_peak, self._open_files)
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
                     self._remove_copy_locked(tier, page.key, f"{exc.strerror} under its name",
                                              remove=exc.errno != errno.EISDIR)
@@ -394,8 +403,18 @@ class ReadPath:
                         call.relook.add(page.key)
                     else:
                         self.stats.add(tier, "errors")
-            call.files[(tier, p)] = f
         return f if f.fd is not None else None
+
+    def _drop_file(self, f: _File) -> None:
+        """A request on ``f`` completed: close it once idle if its call ended or too many are open."""
+        f.refs -= 1
+        if not f.refs and f.fd is not None and (f.release or self._open_files > MAX_OPEN_FILES):
+            self._close_file(f)
+
+    def _close_file(self, f: _File) -> None:
+        os.close(f.fd)
+        f.fd = None
+        self._open_files -= 1
 
     def _start_locked(self, reqs: list[_Req]) -> None:
         ops = []
@@ -416,7 +435,7 @@ class ReadPath:
             self.ring.submit(ops)
         except BaseException:  # nothing was queued (the ring validates a batch first): undo, re-raise
             for req in reqs:
-                req.file.drop()
+                self._drop_file(req.file)
                 for b in req.bufs or ():
                     self.pool.put(b)
             raise
@@ -449,7 +468,7 @@ class ReadPath:
         self.busy.finished(tier)
         self.priority.progress(tier)
         self.flows[tier].completed(max(res, 0), now - req.t0, req.ahead, now, self.busy.total(tier))
-        req.file.drop()
+        self._drop_file(req.file)
         call.in_flight -= 1
         if req.bufs is None:
             call.direct_in_flight -= 1
@@ -631,8 +650,7 @@ class ReadPath:
         for f in call.files.values():
             f.release = True
             if not f.refs and f.fd is not None:
-                os.close(f.fd)
-                f.fd = None
+                self._close_file(f)
         if call.route is not None:
             for tier, item in call.failed:
                 if call.arrived[item]:
@@ -664,8 +682,7 @@ class ReadPath:
             for req in self._reqs.values():
                 req.file.refs = max(req.file.refs - 1, 0)
                 if req.file.fd is not None and not req.file.refs:
-                    os.close(req.file.fd)
-                    req.file.fd = None
+                    self._close_file(req.file)
             self._reqs.clear()
             self._orphans = 0
             self._orphaned = [0] * len(self.tiers)

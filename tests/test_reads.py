@@ -170,3 +170,20 @@ def test_the_huge_page_answer_never_blocks_the_read_path():
         assert m.huge(buf.address, buf.nbytes) == HugePageMap(background=False).huge(buf.address, buf.nbytes)
     finally:
         buf.close()
+
+
+def test_a_large_get_holds_a_bounded_number_of_files(tier_dirs, io_engine, monkeypatch):
+    """A get of many pages keeps about MAX_OPEN_FILES read descriptors open at most (an idle one
+    closes, and reopens if its page is read again), not one per page and tier: a batch of any size
+    fits the process's descriptor limit."""
+    from kvstream_hicache import reads
+
+    monkeypatch.setattr(reads, "MAX_OPEN_FILES", 8)
+    # memory=4M: each tier's window is at most 1 MiB, 16 requests of these 64 KiB pages in flight
+    engine, pages, keys = stored(tier_dirs[:2], 96, io_engine, size=64 << 10, chunk="16K", memory="4M")
+    with engine:
+        assert engine.get(keys, pages.dst_segments) == [True] * 96
+        assert all(pages.equal(i) for i in range(96))
+        # open: the files of the reads in flight (16 per tier) and at most 8 idle ones, not 2 x 96
+        assert engine._reads.open_files_peak <= 2 * 16 + 8
+        assert engine._reads.drain(30) == 0 and engine._reads._open_files == 0  # (tail duplicates' too)
