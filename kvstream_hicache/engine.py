@@ -194,6 +194,16 @@ class Engine:
         self._discover(keys, mask)
         return self._reads.get(keys, pages, policy or self.policy, mask)
 
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        """Say where pages will be read into (a host pool, a destination buffer): the engine learns
+        now, off the read path, whether that memory is huge-page backed, so reads of pages one tier
+        alone holds land in it directly from the first call (memory.py). Without it the first reads
+        into new memory are staged while the engine learns it in the background. Returns whether it
+        is (and so whether such reads will land in place)."""
+        self._check_open()
+        self._reads.huge.refresh()
+        return self._reads.huge.huge(address, nbytes)
+
     def contains(self, key: str) -> bool:
         """True when a healthy tier holds ``key``: the index, and for a key it lacks, one header
         lookup per tier (pages written by another process sharing the namespace, see _discover)."""

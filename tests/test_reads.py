@@ -32,7 +32,8 @@ def stored(dirs, n, io_engine="uring", plan=None, aligned=True, size=4 * MIB, **
     keys = [key(i, "reads") for i in range(n)]
     engine = make_engine(dirs, io_engine, fault_plan=plan, **settings)
     assert engine.put(keys, pages.src_segments) == [True] * n
-    engine._reads.huge.refresh()  # the read path reads smaps in the background: have the answer now
+    for a, n in (seg for page in pages.dst_segments for seg in page):  # as a server registers its pool
+        engine.register_memory(a, n)
     return engine, pages, keys
 
 
@@ -77,7 +78,6 @@ def test_caller_memory_of_small_pages_is_staged_even_with_one_holder(tier_dirs, 
         offsets = [0, *itertools.accumulate(sizes)]
         segments = [[(base + offsets[2 * i], sizes[2 * i]), (base + offsets[2 * i + 1], sizes[2 * i + 1])]
                     for i in range(4)]
-        engine._reads.huge.refresh()  # (the read path reads smaps in the background: have it now)
         assert not any(HugePageMap(background=False).huge(a, n) for page in segments for a, n in page)
         assert engine.get(keys, segments) == [True] * 4
         assert small[:] == b"".join(a.tobytes() for page in pages.src for a in page)
@@ -187,3 +187,18 @@ def test_a_large_get_holds_a_bounded_number_of_files(tier_dirs, io_engine, monke
         # open: the files of the reads in flight (16 per tier) and at most 8 idle ones, not 2 x 96
         assert engine._reads.open_files_peak <= 2 * 16 + 8
         assert engine._reads.drain(30) == 0 and engine._reads._open_files == 0  # (tail duplicates' too)
+
+
+def test_registered_memory_takes_reads_in_place_from_the_first_call(tier_dirs, io_engine):
+    """register_memory learns the memory's pages now; unregistered new memory is staged at first
+    (the engine learns it in the background, never on the read path)."""
+    pages = Pages(2, size=4 * MIB)
+    keys = [key(i, "registered") for i in range(2)]
+    with make_engine(tier_dirs[:1], io_engine) as engine:
+        assert engine.put(keys, pages.src_segments) == [True, True]
+        assert engine.get(keys, pages.dst_segments) == [True, True]
+        assert engine.last_batch["direct_bytes"] < 8 * MIB  # not known yet: the first page at least staged
+        dst = pages.fresh()
+        assert all(engine.register_memory(a, n) == bool(HUGE_PAGE_SIZE) for page in Pages.segments(dst) for a, n in page)
+        assert engine.get(keys, Pages.segments(dst)) == [True, True] and all(pages.equal(i, dst) for i in range(2))
+        assert engine.last_batch["direct_bytes"] == (8 * MIB if HUGE_PAGE_SIZE else 0)

@@ -80,6 +80,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self.registered_pools: dict = {}
         self._sidecars: list[str] = []
         self._refused: str | None = None
+        self._reads_in_place = False
         self._closed = False
         self._lock = threading.Lock()  # attach/close and the adapter's own counters, never held during I/O
         self._segments_per_page = 0
@@ -110,6 +111,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             self._describe_pages(mem_pool_host)
             self.namespace = Namespace(self._namespace_fields(mem_pool_host))
             self.engine = self._open_engine(self.namespace)
+            self._reads_in_place = self._register_pool(mem_pool_host)
             if self.enable_metrics:
                 self._exporter = self._make_exporter()
         self._log_startup()
@@ -502,6 +504,14 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             fields["tp"] = [cfg.tp_rank, cfg.tp_size]
         return fields
 
+    def _register_pool(self, host) -> bool:
+        """Tell the engine where pages are read into (the pool's KV buffer), so it knows from the first
+        call whether that memory takes reads in place (huge pages); returns whether it does."""
+        buf = getattr(host, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor) or not buf.numel():
+            return False
+        return self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+
     def _open_engine(self, namespace: Namespace):
         from ..engine import Engine
 
@@ -541,6 +551,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         scan = getattr(engine, "scan", None) or {}
         host = self.mem_pool_host
         mode = "zero-copy" if self.zero_copy else "staged"
+        if self.zero_copy:  # where a read lands: the host pool itself only if it is huge-page backed
+            mode += " (reads of single-tier pages in place)" if self._reads_in_place else \
+                " (reads through huge-page staging: host pool in 4 KiB pages)"
         why = "" if self.zero_copy else f" (host pages not {ALIGN}-aligned: bounce buffers)"
         writer = "" if self.is_writer else "; reads only (MLA non-writer rank)"
         return (f"kvstream: {len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''} [{tiers}]; "

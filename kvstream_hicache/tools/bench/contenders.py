@@ -120,6 +120,7 @@ class EngineReads(Contender):
         self.policy = policy
         self.n_tiers = len(engine.config.tiers)
         self.segments = page_segments(dest.address, geometry, batch_pages)
+        engine.register_memory(dest.address, dest.nbytes)  # as a server registers its host pool
         self.views = views  # shared by every engine policy; the runner releases them before closing dest
 
     def read(self, batch: Batch) -> Outcome:
