@@ -11,6 +11,7 @@ cdef enum:
     MAX_ENTRIES = 32768             # kernel limit on SQ entries
     IOV_MAX_VECS = 1024             # UIO_MAXIOV: ranges per vectored op
 RING_ENTRIES = C_RING_ENTRIES
+MAX_VECTOR = IOV_MAX_VECS  # most (address, length) ranges in one vectored op (both I/O engines)
 
 cdef size_t MAX_SQE_BYTES = 1 << 30  # largest transfer per SQE (length field is 32-bit, kernel caps ~2 GiB)
 cdef uint64_t CANCEL_UDATA = <uint64_t>-2  # user_data of close()'s cancel-everything SQE

@@ -7,8 +7,9 @@ Every engine has the same batch interface (see ``kvstream_hicache._uring.Ring``)
     ring.in_flight                                                 # submitted, not yet reaped
     ring.close()                                                   # idempotent; drains first
 
-``buf`` is a buffer-protocol object (kept referenced until reaped) or an ``(address, length)``
-tuple of raw memory (the caller keeps it alive until reaped). Short transfers are completed
+``buf`` is a buffer-protocol object (kept referenced until reaped), an ``(address, length)``
+tuple of raw memory, or a list of up to ``MAX_VECTOR`` such tuples: one vectored op (readv/writev)
+over several pieces of memory (the caller keeps raw memory alive until reaped). Short transfers are completed
 internally; ``res`` is short only at end of file, or when an error followed partial progress
 (``read(2)`` semantics: the partial count is reported, the error would surface on the next op).
 
@@ -30,12 +31,13 @@ from typing import Iterable
 
 # The extension is required: a missing build is an install error, not something to paper over.
 from ._uring import (
-    ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, PageMap, Ring, copy,
-    crc32c,
+    ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, PageMap, Ring,
+    copy, crc32c,
 )
 
 __all__ = [
-    "ALIGN", "HUGE_PAGE_SIZE", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring", "ThreadRing",
+    "ALIGN", "HUGE_PAGE_SIZE", "MAX_VECTOR", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring",
+    "ThreadRing",
     "open_ring", "byte_view", "Vector", "crc32c", "copy", "CRC32C_IMPL", "ENGINES", "PageMap",
 ]
 
@@ -125,8 +127,8 @@ def byte_view(buf, opcode: int) -> "memoryview | Vector":
     """A flat byte view of ``buf`` (buffer object or (address, length) raw memory), or a Vector for
     a list of (address, length) ranges (a vectored op)."""
     if isinstance(buf, list):
-        if not buf:
-            raise ValueError("a vectored op needs at least one (address, length) range")
+        if not 0 < len(buf) <= MAX_VECTOR:  # as the Ring: the whole batch is refused, not one op
+            raise ValueError(f"a vectored op takes 1..{MAX_VECTOR} (address, length) ranges, got {len(buf)}")
         views: list[memoryview] = []
         try:
             for pair in buf:

@@ -39,7 +39,7 @@ from .errors import EngineClosedError
 from .flow import TierFlow
 from .index import Index, PageInfo
 from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
-from .io import OP_READ, PageMap
+from .io import MAX_VECTOR, OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
 from .memory import HugePageMap
 from .priority import ReadPriority
@@ -79,7 +79,8 @@ class _Page:
         self.map = PageMap(segments, info.length, info.block, info.crcs)
         # O_DIRECT can target the caller's memory as it is, and does better there than through
         # staging: huge pages (memory.py)
-        self.in_place = info.length % ALIGN == 0 and all(is_aligned(a, n) and huge.huge(a, n) for a, n in segments)
+        self.in_place = info.length % ALIGN == 0 and len(segments) <= MAX_VECTOR and \
+            all(is_aligned(a, n) and huge.huge(a, n) for a, n in segments)
         self.single = holders & (holders - 1) == 0  # one usable holder: nobody can race for it
 
 
@@ -225,6 +226,8 @@ class ReadPath:
                     found[pos[call.page_of[p]]] = True
         finally:
             self.index.unpin(infos)
+            if call.direct_in_flight:  # an error cut the call short: reads into caller memory land first
+                self._settle_direct_locked(call)
             self._end_call_locked(call)
             if call.reading:
                 self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
@@ -351,7 +354,8 @@ class ReadPath:
                 continue
             blocks.sort()
             page = call.pages[p]
-            cap = max(1, self.flows[tier].request // page.info.block)
+            cap = min(max(1, self.flows[tier].request // page.info.block), MAX_VECTOR)  # (a staged
+            # request is one buffer per block, a vectored op)
             start = 0
             for end in range(1, len(blocks) + 1):
                 if end < len(blocks) and blocks[end][0] == blocks[end - 1][0] + 1 and end - start < cap:
@@ -385,7 +389,12 @@ class ReadPath:
             f.failed = True  # until the open below succeeds
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
                 try:
-                    f.fd = self.tiers[tier].open_page(page.key)
+                    try:
+                        f.fd = self.tiers[tier].open_page(page.key)
+                    except OSError as exc:  # out of descriptors: ours that are idle close, then once more
+                        if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._close_idle_locked(call):
+                            raise
+                        f.fd = self.tiers[tier].open_page(page.key)
                     f.failed = False
                     self._open_files += 1
                     self.open_files_peak = max(self.open_files_peak, self._open_files)
@@ -404,6 +413,13 @@ class ReadPath:
                     else:
                         self.stats.add(tier, "errors")
         return f if f.fd is not None else None
+
+    def _close_idle_locked(self, call: _Call) -> int:
+        """Close the call's descriptors no request is using (reopened if needed); how many closed."""
+        idle = [f for f in call.files.values() if not f.refs and f.fd is not None]
+        for f in idle:
+            self._close_file(f)
+        return len(idle)
 
     def _drop_file(self, f: _File) -> None:
         """A request on ``f`` completed: close it once idle if its call ended or too many are open."""
@@ -460,14 +476,20 @@ class ReadPath:
             call.reading |= started
 
     # -- completions ---------------------------------------------------------------------------
-    def _complete_locked(self, tag: int, res: int) -> list:
+    def _complete_locked(self, tag: int, res: int, timely: bool = True) -> list:
+        """``timely``: reaped while a call waited for completions. Otherwise (orphans reaped when the
+        next call starts, or by drain) the completion may be long past: it shows the tier progressed,
+        but its latency and the busy time up to now measure the gap between calls, not the device."""
         req = self._reqs.pop(tag)
         call, tier = req.call, req.tier
         now = time.monotonic()
         self._in_flight[tier] -= req.nbytes
         self.busy.finished(tier)
         self.priority.progress(tier)
-        self.flows[tier].completed(max(res, 0), now - req.t0, req.ahead, now, self.busy.total(tier))
+        flow = self.flows[tier]
+        flow.completed(max(res, 0) if timely else 0, now - req.t0, req.ahead, now, self.busy.total(tier))
+        if not timely:
+            flow.disturbed(self.busy.total(tier))
         self._drop_file(req.file)
         call.in_flight -= 1
         if req.bufs is None:
@@ -615,9 +637,10 @@ class ReadPath:
         return flows[tier].rate >= flows[owner].rate or flows[owner].overdue(time.monotonic(), self._in_flight[owner])
 
     def _steal_wait(self, now: float) -> float | None:
-        """Seconds until a tier with reads in flight turns overdue (None: none has any)."""
-        dues = [f.overdue_at() for k, f in enumerate(self.flows) if self._in_flight[k]]
-        return max(0.0, min(dues) - now) + 1e-3 if dues else None
+        """Seconds until a tier with reads in flight turns overdue (None: none will: they have none,
+        or are overdue already, and were offered to the other tiers when they turned so)."""
+        dues = [due for k, f in enumerate(self.flows) if self._in_flight[k] and (due := f.overdue_at()) > now]
+        return min(dues) - now + 1e-3 if dues else None
 
     # -- end of a call -----------------------------------------------------------------------------
     def _wait_direct_locked(self, call: _Call, timed_out: bool) -> None:
@@ -625,9 +648,20 @@ class ReadPath:
         timeout that is news; otherwise another tier delivered their blocks first, which is routine.)"""
         log.log(logging.WARNING if timed_out else logging.DEBUG,
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
-        while call.direct_in_flight:
+        while call.direct_in_flight and self.ring.in_flight:  # (a completion lost to an error has landed)
             for tag, res in self.ring.reap(1, None):
                 self._complete_locked(tag, res)
+
+    def _settle_direct_locked(self, call: _Call) -> None:
+        """After an error inside a call: its reads into caller memory must still land before it
+        returns. If even waiting fails (the ring is broken), the ring is closed, which cancels what
+        the kernel holds and waits for it, and the read path is closed (calls raise EngineClosedError)."""
+        try:
+            self._wait_direct_locked(call, timed_out=True)
+        except BaseException:
+            log.exception("kvstream: could not wait for reads into caller memory; closing the read path")
+            self.closed = True
+            self.ring.close()
 
     def _pages_done(self, call: _Call) -> list[bool]:
         done = [True] * len(call.pages)
@@ -661,7 +695,7 @@ class ReadPath:
         if not self._reqs:
             return
         for tag, res in self.ring.reap(min_complete, timeout):
-            self._complete_locked(tag, res)
+            self._complete_locked(tag, res, timely=False)
 
     def drain(self, timeout: float | None) -> int:
         """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain."""

@@ -1,7 +1,8 @@
 """Engine-owned, 4096-aligned staging buffers, recycled by size.
 
-Every routed read lands in one of these (never in caller memory directly), and unaligned pages
-are written from one. A buffer handed to the ring stays out of the pool until its completion is
+A routed read lands in one of these unless it may land in caller memory directly (reads.py: one
+tier alone holds the page, and the memory is aligned and huge-page backed); unaligned pages are
+written from one. A buffer handed to the ring stays out of the pool until its completion is
 reaped, even when that happens in a later call: the ring may still DMA into it.
 
 Buffers from SLAB_MIN up to a huge page (the 1 MiB routing blocks) are carved out of huge-page
@@ -122,6 +123,8 @@ class BufferPool:
                     self._free_locked(b)
                     self._idle -= size
                     nbytes -= before - self.held_bytes
+                    if slab is not None:  # the slab's other idle pieces follow it (it frees with the last)
+                        idle_pieces[id(slab)] -= 1
                 else:
                     keep.append(b)
             if keep:

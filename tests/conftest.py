@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import tempfile
 import weakref
@@ -39,6 +40,22 @@ def tier_root():
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def fd_limit():
+    """Lower this process's descriptor limit for the test (restored after): ``fd_limit(n)``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+    def lower(n: int) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+    yield lower
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 
+from conftest import open_fds
 from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
 from reliability_helpers import flip_byte
 
@@ -187,6 +188,19 @@ def test_a_large_get_holds_a_bounded_number_of_files(tier_dirs, io_engine, monke
         # open: the files of the reads in flight (16 per tier) and at most 8 idle ones, not 2 x 96
         assert engine._reads.open_files_peak <= 2 * 16 + 8
         assert engine._reads.drain(30) == 0 and engine._reads._open_files == 0  # (tail duplicates' too)
+
+
+def test_out_of_descriptors_on_a_read_closes_idle_ones_first(tier_dirs, io_engine, fd_limit):
+    """EMFILE when a get opens a page: the call's idle descriptors close and the open is tried again,
+    so every page is read and no tier error is counted (before: those pages missed)."""
+    engine, pages, keys = stored(tier_dirs[:1], 96, io_engine, size=64 << 10, chunk="16K", memory="4M")
+    with engine:
+        engine.stats()  # (anything that opens a file lazily does it now, not under the limit)
+        fd_limit(open_fds() + 24)  # room for the reads in flight (16), not for one file per page
+        assert engine.get(keys, pages.dst_segments) == [True] * 96
+        assert all(pages.equal(i) for i in range(96))
+        assert engine.stats()["tiers"][0]["errors"] == 0
+        assert engine._reads.open_files_peak <= 24
 
 
 def test_registered_memory_takes_reads_in_place_from_the_first_call(tier_dirs, io_engine):

@@ -14,7 +14,11 @@ import numpy as np
 import pytest
 
 from kvstream_hicache import io as kio
-from kvstream_hicache.io import ALIGN, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, open_ring
+from kvstream_hicache.io import (
+    ALIGN, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, open_ring,
+)
+
+from conftest import open_fds
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -257,6 +261,8 @@ def test_unaligned_o_direct_is_einval(ring, direct_dir, case):
 def test_invalid_batches_are_refused_whole(ring, tier_root):
     fd = file_with(tier_root, "v", b"v" * ALIGN, os.O_RDONLY)
     good = (OP_READ, fd, bytearray(ALIGN), 0, 1)
+    many = AlignedBuffer((MAX_VECTOR + 1) * ALIGN)
+    ranges = [(many.address + i * ALIGN, ALIGN) for i in range(MAX_VECTOR + 1)]
     try:
         with pytest.raises(ValueError, match="opcode"):
             ring.submit([good, (99, fd, bytearray(8), 0, 2)])
@@ -272,10 +278,15 @@ def test_invalid_batches_are_refused_whole(ring, tier_root):
             ring.submit([good, (OP_READ, "not an fd", bytearray(8), 0, 2)])
         with pytest.raises((BufferError, ValueError)):  # non-contiguous (numpy says ValueError)
             ring.submit([good, (OP_READ, fd, np.zeros((4, 4), dtype=np.uint8)[:, 0], 0, 2)])
+        for bad in ([], ranges):  # the kernel's UIO_MAXIOV, refused alike by both engines
+            with pytest.raises(ValueError, match=f"1..{MAX_VECTOR} "):
+                ring.submit([good, (OP_READ, fd, bad, 0, 2)])
         assert ring.in_flight == 0
         assert run(ring, [good]) == {1: ALIGN}  # the rejected batches left nothing behind (tag 1 is free)
         assert run(ring, [(OP_WRITE, fd, b"bytes are fine for writes", 0, 2)]) == {2: -errno.EBADF}
+        assert run(ring, [(OP_READ, fd, ranges[:MAX_VECTOR], 0, 3)]) == {3: ALIGN}  # (the file's one block)
     finally:
+        many.close()
         os.close(fd)
 
 
@@ -526,10 +537,6 @@ def test_signal_interrupts_reap_and_loses_nothing(uring, tier_root):
 
 
 # -- leaks ----------------------------------------------------------------------------------------
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -555,14 +562,14 @@ def test_no_fd_or_memory_leaks_across_thousands_of_batches(engine, direct_dir):
         with make_ring(engine, entries=8):
             pass
     gc.collect()
-    fds, rss = _open_fds(), _rss_bytes()
+    fds, rss = open_fds(), _rss_bytes()
     cycle(batches)
     for _ in range(200):  # ring setup/teardown: ring fds and mmaps must go too
         with make_ring(engine, entries=8):
             pass
     gc.collect()
     os.close(fd)
-    assert _open_fds() == fds - 1
+    assert open_fds() == fds - 1
     growth = _rss_bytes() - rss
     assert growth < 8 * MIB, f"RSS grew {growth / MIB:.1f} MiB over {batches} batches"
     assert all(b.exports == 0 for b in bufs)

@@ -7,7 +7,6 @@ assertions: the tests wait for events (a held op reached the ring, a page commit
 from __future__ import annotations
 
 import os
-import resource
 import threading
 import time
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from kvstream_hicache.priority import STALL_S
 from kvstream_hicache.router import SingleTier
 
 from reliability_helpers import FakeClock, PageSet, TierFaultPlan, make_engine, wait_for_fault
+from conftest import open_fds
 from test_engine import Pages, key
 
 WAIT_S = 60.0
@@ -290,22 +290,6 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
 
 
 # ---------------------------------------------------------------------- open files (issue 16 item 7)
-@pytest.fixture
-def fd_limit():
-    """Lower this process's descriptor limit for the test (restored after)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-
-    def lower(n: int) -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
-
-    yield lower
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def test_a_large_put_holds_a_bounded_number_of_files(tier_dirs, fd_limit, caplog):
     """3,000 pages on two tiers under a limit of open_fds + 128: every page stored, no warning
     (before: one temporary file per page per tier at once, EMFILE from the 128th on)."""
