@@ -337,6 +337,9 @@ def fix_problem(problem: Problem, fix: bool = True) -> Problem:
     tier's tree or anything else an operator keeps there."""
     if not fix:
         return problem
+    if problem.detail.startswith(UNREADABLE):  # EMFILE, EIO, ESTALE...: the file itself may be valid
+        return problem._replace(detail=f"{problem.detail}; left in place: an error kept it from being read, "
+                                       f"not the file's content (check again once the tier reads)")
     try:
         os.unlink(problem.path)
     except FileNotFoundError:  # removed concurrently: fixed all the same

@@ -15,8 +15,8 @@ hold them forever).
 
 The read path calls :meth:`begin`/:meth:`end` under its own lock, the write path calls
 :meth:`held`/:meth:`epoch` under its own; this object's lock is a leaf (nothing is called while it
-is held), and :meth:`end` runs the listeners (the write path's wake-up) after releasing it, so
-neither path ever waits for the other's lock.
+is held), and :meth:`end` runs the listeners after releasing it: the write path's wake-up takes
+only its queue lock, which is never held across I/O, so a get never waits for a write.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Health lifecycle::
              when: the back-off expired (it doubles after each failed probe, from Config.tier_retry
              up to 300 s); or the tier failed because its directory vanished and a look (one stat,
              at most every LOOK_S) finds it back; or a read needs it (``usable(now=True)``: it is the
-             last holder of a page, once per batch)
+             last holder of a page; once per batch, and at most every LOOK_S)
 
 A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
 "gone" when ``<tier>/kvstream`` no longer exists on the device it was on at start: an unmounted
@@ -73,6 +73,7 @@ class Tier:
         self._next_probe = 0.0
         self._vanished = False  # failed because its directory went: look for it every LOOK_S
         self._next_look = 0.0
+        self._next_forced = 0.0  # the next probe a read with no other holder may force
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
@@ -84,14 +85,18 @@ class Tier:
     def usable(self, now: bool = False) -> bool:
         """Healthy, or failed and due for a probe that now succeeds (then healthy again). Due: the
         back-off expired; or the tier failed because its directory vanished and one stat (at most every
-        LOOK_S) finds it back; or ``now`` (a read that has no other holder left for a page)."""
+        LOOK_S) finds it back; or ``now`` (a read that has no other holder left for a page), at most
+        every LOOK_S too: a tier that stays dead is not probed by every batch that misses."""
         if self.healthy:
             return True
         with self._lock:
             if self.healthy:
                 return True
             t = self.clock()
-            due = now or t >= self._next_probe
+            due = t >= self._next_probe
+            if not due and now and t >= self._next_forced:
+                self._next_forced = t + LOOK_S
+                due = True
             if not due and self._vanished and t >= self._next_look:
                 self._next_look = t + LOOK_S
                 due = not self.gone()
@@ -99,10 +104,10 @@ class Tier:
                 return False
             ok, why = self._probe()
             if ok:
+                self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
                 self.healthy = True
                 self._backoff = self.retry_s
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
-                self.on_rejoin(self)
             else:
                 self._backoff = min(self._backoff * 2, MAX_RETRY_S)
                 self._next_probe = self.clock() + self._backoff
@@ -171,7 +176,11 @@ class Tier:
             self._mkdir(self.layout.tmp)  # removed under us (clear, operator): re-create once
             fd = os.open(path, TMP_FLAGS, self.file_mode)
         if self.shared:
-            os.fchmod(fd, self.file_mode)  # the umask may have cleared the group bits
+            try:
+                os.fchmod(fd, self.file_mode)  # the umask may have cleared the group bits
+            except OSError:
+                self.discard(fd, path)
+                raise
         return fd, path
 
     def commit(self, fd: int, tmp_path: str, key: str) -> str:
@@ -202,8 +211,12 @@ class Tier:
         return page_dir
 
     def discard(self, fd: int | None, tmp_path: str) -> None:
+        """Close (if open) and remove a temporary file; never raises (it runs on error paths)."""
         if fd is not None:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:  # (EIO on close: the data is being thrown away anyway)
+                pass
         try:
             os.unlink(tmp_path)
         except OSError:  # the tier failed or the tmp directory is gone: start-up cleaning removes leftovers

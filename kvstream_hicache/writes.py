@@ -104,7 +104,7 @@ def replica_fits(queued: int, size: int, w: float, home_queued: int, w_home: flo
     of ``size`` bytes, whose home tier has ``home_queued`` bytes pending (the page included) at
     ``w_home``? Yes when it drains no later than the home copy, or within ``slack`` seconds; yes too
     while either bandwidth is unmeasured (0). With slack 0 a replica never finishes after its home
-    copy; the slack bounds what it may add: ``w * slack`` bytes beyond the home copy's drain."""
+    copy; the slack is a floor: a replica may always take up to ``slack`` seconds."""
     if not w or not w_home:
         return True
     return (queued + size) / w <= max(home_queued / w_home, slack)
@@ -282,19 +282,26 @@ class WritePath:
         if len(pages) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
         call = _Call(len(keys), done)
+        # Pages the index already has are looked at on disk before the queue lock is taken: a get's
+        # end takes that lock to wake the writer, and must not wait behind these stats.
+        held: set[str] = set()
+        for key in keys:
+            if is_valid_key(key) and key not in held and self.index.contains(key, mask) \
+                    and self._still_held(key, mask):
+                held.add(key)
         with self._qlock:
             if self._closing:  # close() ran while this call was on its way in
                 raise EngineClosedError("kvstream engine is closed")
             self.stats.total("puts")
             self.stats.total("pages_put", len(keys))
-            self._enqueue_locked(call, keys, pages, mask)
+            self._enqueue_locked(call, keys, pages, mask, held)
             now = not call.left  # else the writer thread ends it
         if now:
             self._signal(call)  # nothing to write (held, invalid, no tier can take it): done now
         return call
 
     def _enqueue_locked(self, call: _Call, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
-                        mask: int) -> None:
+                        mask: int, held: set[str]) -> None:
         first: dict[str, int] = {}
         for i, key in enumerate(keys):
             if not is_valid_key(key):
@@ -317,7 +324,7 @@ class WritePath:
                 for k in writing.committed:  # fsync=full: the tiers done already
                     call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
                 continue
-            if self.index.contains(key, mask) and self._still_held(key, mask):
+            if key in held and self.index.contains(key, mask):
                 self.index.touch(key)
                 self.stats.total("pages_existing")
                 call.results[i] = True
@@ -349,11 +356,16 @@ class WritePath:
         until one does). A put answers True without writing only then: a copy deleted behind the
         engine's back (an operator, another process's eviction) is forgotten and written again."""
         for k in tiers_in(self.index.holders(key) & mask):
-            if os.path.exists(self.tiers[k].layout.page_path(key)):
+            try:
+                os.stat(self.tiers[k].layout.page_path(key))
                 return True
-            if not self.tiers[k].fail(errno.ENOENT, f"look up {key}"):
-                self.index.remove(key, k)  # this file alone is gone (a tier that went keeps its entries,
-        return False                       # as on a read: its copies may come back with it)
+            except FileNotFoundError:
+                if not self.tiers[k].fail(errno.ENOENT, f"look up {key}"):
+                    self.index.remove(key, k)  # this file alone is gone (a tier that went keeps its
+                                               # entries, as on a read: its copies may come back with it)
+            except OSError:  # cannot tell (EIO, ESTALE...): the entry stays, the page is written again
+                pass
+        return False
 
     def _fit_capacity(self, new: list[_Page]) -> None:
         """A batch larger than a tier's capacity: target only its newest pages that fit, as LRU
@@ -433,10 +445,10 @@ class WritePath:
         self._account_held(held)
         self._submit_locked(held)
         if self._ops:
-            done = self.ring.reap(1, WAKE_S)
+            done = [(self._ops.pop(tag), res) for tag, res in self.ring.reap(1, WAKE_S)]
             now = time.monotonic()
-            for tag, res in done:
-                self._complete_locked(tag, res, now)
+            for op, res in done:
+                self._complete_locked(op, res, now)
             self._account_busy()
             return None
         timeout = until
@@ -469,30 +481,30 @@ class WritePath:
         entries = []
         now = time.monotonic()
         bounded = self.priority.enabled  # off: every job in flight at once (the behaviour before)
-        for k in range(len(self.tiers)):
-            if held >> k & 1:
-                continue
-            window = self.flows[k].window if bounded else math.inf
-            while self._in_flight[k] < window:
-                job = self._next_job_locked(k, now)
-                if job is None:
-                    break
-                buf, n, offset = job.ops[job.next]
-                job.next += 1
-                job.in_flight += 1
-                tag = next(self._tags)
-                ops.append((OP_WRITE, job.fd, buf, offset, tag))
-                reading = self.priority.reading(k)
-                entries.append((tag, job, n, k, -1 if reading else self.priority.epoch(k)))
-                self.flows[k].submitted(now, self._in_flight[k])
-                self._ops[tag] = (job, n, now, self._in_flight[k], entries[-1][4])
-                self._in_flight[k] += n
-                self.busy.started(k)
-        if not ops:
-            return
         try:
-            self.ring.submit(ops)
-        except BaseException:  # nothing was queued (the ring validates a batch first): undo, re-raise
+            for k in range(len(self.tiers)):
+                if held >> k & 1:
+                    continue
+                window = self.flows[k].window if bounded else math.inf
+                while self._in_flight[k] < window:
+                    job = self._next_job_locked(k, now)
+                    if job is None:
+                        break
+                    buf, n, offset = job.ops[job.next]
+                    job.next += 1
+                    job.in_flight += 1
+                    tag = next(self._tags)
+                    ops.append((OP_WRITE, job.fd, buf, offset, tag))
+                    reading = self.priority.reading(k)
+                    entries.append((tag, job, n, k, -1 if reading else self.priority.epoch(k)))
+                    self.flows[k].submitted(now, self._in_flight[k])
+                    self._ops[tag] = (job, n, now, self._in_flight[k], entries[-1][4])
+                    self._in_flight[k] += n
+                    self.busy.started(k)
+            if ops:
+                self.ring.submit(ops)
+        except BaseException:  # nothing of this batch was queued (the ring validates a batch first):
+            # undo what was recorded for it, so that no op waits for a completion that never comes
             for tag, job, n, k, _ in entries:
                 del self._ops[tag]
                 job.next -= 1
@@ -533,23 +545,23 @@ class WritePath:
         if not tier.healthy:  # failed since the put was accepted: the page misses it (under-replicated)
             self._job_over(page, k)
             return None
-        victims = self.index.reserve(k, page.file_bytes)
-        if victims is None:
-            self.stats.add(k, "skipped_writes")
-            log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
-            self._job_over(page, k)
-            return None
-        self._evicted_locked(k, victims)
-        try:
+        try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
             fd, tmp = tier.create_tmp()
         except OSError as exc:
-            self.index.abort(k, page.file_bytes)
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 return self._out_of_descriptors(page, k)
             self._failed_locked(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
             self._job_over(page, k)
             return None
         self._fd_since = None
+        victims = self.index.reserve(k, page.file_bytes)
+        if victims is None:
+            tier.discard(fd, tmp)
+            self.stats.add(k, "skipped_writes")
+            log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
+            self._job_over(page, k)
+            return None
+        self._evicted_locked(k, victims)
         page.users += 1
         try:
             self._prepare_locked(page)
@@ -577,7 +589,8 @@ class WritePath:
         if now - self._fd_since < FD_GIVE_UP_S:
             self._fd_retry_at = now + FD_RETRY_S
             return False
-        self._fd_since = None
+        # Given up: this (page, tier) fails, and so does every next one at once until a create
+        # succeeds (which resets _fd_since), instead of each waiting FD_GIVE_UP_S again.
         self.stats.add(k, "write_failures")
         self._job_over(page, k)
         return None
@@ -622,8 +635,8 @@ class WritePath:
             page.header = None
 
     # -- completions -----------------------------------------------------------------------------
-    def _complete_locked(self, tag: int, res: int, now: float) -> None:
-        job, want, t0, ahead, epoch = self._ops.pop(tag)
+    def _complete_locked(self, op: tuple, res: int, now: float) -> None:
+        job, want, t0, ahead, epoch = op
         k = job.tier
         self._in_flight[k] -= want
         self.busy.finished(k)
@@ -648,7 +661,8 @@ class WritePath:
         if job.err == 0:
             try:
                 try:
-                    page_dir = tier.commit(job.fd, job.tmp, page.key)
+                    fd, job.fd = job.fd, None  # commit closes it, whatever happens
+                    page_dir = tier.commit(fd, job.tmp, page.key)
                 except OSError as exc:
                     # No file name: fdatasync failed, the data is not sealed; never retried.
                     if exc.errno not in SPACE_ERRNOS or exc.filename is None:
@@ -717,12 +731,20 @@ class WritePath:
                 self._end_call(call)
 
     def _end_call(self, call: _Call) -> None:
+        unsynced = set()
         for k, dirs in call.dirs.items():
             if self.tiers[k].fsync == "full" and dirs:
                 try:
                     self.tiers[k].sync_dirs(dirs)
                 except OSError as exc:
+                    unsynced.add(k)
                     self.tiers[k].fail(exc.errno or errno.EIO, "fsync directory")
+        if unsynced:  # fsync=full promises a copy that survives a crash: none may have
+            for page in call.pages:
+                if page.committed and set(page.committed) <= unsynced:
+                    for owner, i in page.calls:
+                        if owner is call:
+                            call.results[i] = False
         for page in call.pages:
             if page.committed:
                 self.index.touch(page.key)  # LRU order = batch order, not completion order
@@ -742,12 +764,17 @@ class WritePath:
     def _abandon_locked(self) -> None:
         """After an unexpected error: wait for the writes in flight (they read caller memory), then
         discard every job and fail every page still pending, so that no caller waits forever."""
-        while self._ops:
-            for tag, res in self.ring.reap(1, None):
-                job, want, *_ = self._ops.pop(tag)
-                job.in_flight -= 1
-                self._in_flight[job.tier] -= want
-                self.busy.finished(job.tier)
+        while self.ring.in_flight:
+            for tag, _ in self.ring.reap(1, None):
+                self._ops.pop(tag, None)  # (reaped by the step that failed: already popped)
+        for tag in list(self._ops):  # recorded but never completed: nothing will reap them now
+            self._ops.pop(tag)
+        for k, jobs in enumerate(self._active):
+            self._in_flight[k] = 0
+            if self.busy.in_flight[k]:
+                self.busy.finished(k, self.busy.in_flight[k])
+            for job in jobs:
+                job.in_flight = 0
         self.cancel_locked()
 
     # -- errors ----------------------------------------------------------------------------------
