@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..config import parse_flag
+from ..config import parse_flag, parse_number
 from ..segments import nbytes
 from .core import DEFAULT_MAX_POOL_PAGES, L2Core, open_engine
 from .keys import engine_key, layout_tag, split_params
@@ -53,8 +53,9 @@ def _lmcache_classes() -> dict[str, type]:
         :param params: LMCache's ``adapter_params``: engine settings (``tiers``, ``capacity``,
             ``policy``, ... as ``KVSTREAM_*``; explicit wins over the variable) and the adapter's own
             (:data:`~kvstream_hicache.lmcache.keys.ADAPTER_PARAMS`).
-        :param l1_memory_desc: LMCache's L1 arena (unused: the engine stages reads in its own aligned
-            buffers and copies into L1, so no registration is needed).
+        :param l1_memory_desc: LMCache's L1 arena: registered with the engine so that reads of chunks
+            one tier alone holds land in L1 directly from the first load when the arena is huge-page
+            backed (:meth:`Engine.register_memory`); every other read is staged and copied.
         :param engine: an engine to use instead of opening one (tests, embedding); not closed here.
         :raises KVStreamError: bad setting or unusable tier (LMCache then fails to start the server).
         """
@@ -63,22 +64,37 @@ def _lmcache_classes() -> dict[str, type]:
                      engine: Any = None, environ: Mapping[str, str] | None = None):
             super().__init__(max_capacity_bytes=0)  # the engine evicts per tier; LMCache must not
             opts, settings = split_params(params)
-            pool_loads = parse_flag(opts.get("pool_loads", True), "adapter_params 'pool_loads'")  # before the engine
+            # The adapter's own options are checked before the engine opens: a bad one leaves nothing open.
+            pool_loads = parse_flag(opts.get("pool_loads", True), "adapter_params 'pool_loads'")
+            max_pool_pages = parse_number(opts.get("max_pool_pages", DEFAULT_MAX_POOL_PAGES),
+                                          "adapter_params 'max_pool_pages'", int, 1,
+                                          " (the largest pooled load, in pages; e.g. 4096)")
             self._own_engine = engine is None
             self.engine = open_engine(settings, opts.get("namespace"), environ) if engine is None else engine
-            self._efds = [create_event_notifier() for _ in range(3)]  # store, lookup, load: distinct fds
+            self._efds: list = []
             self._closed = False
-            self.core = L2Core(self.engine, on_store=lambda _t: self._efds[0].notify(),
-                               on_lookup=lambda _t: self._efds[1].notify(),
-                               on_load=lambda _t: self._efds[2].notify(), pool_loads=pool_loads,
-                               max_pool_pages=int(opts.get("max_pool_pages", DEFAULT_MAX_POOL_PAGES)))
+            try:
+                for _ in range(3):  # store, lookup, load: distinct fds
+                    self._efds.append(create_event_notifier())
+                self.core = L2Core(self.engine, on_store=lambda _t: self._efds[0].notify(),
+                                   on_lookup=lambda _t: self._efds[1].notify(),
+                                   on_load=lambda _t: self._efds[2].notify(), pool_loads=pool_loads,
+                                   max_pool_pages=max_pool_pages)
+            except BaseException:  # LMCache fails to start; the engine and fds opened so far close
+                self._release()
+                raise
+            in_place = self._register_l1(l1_memory_desc)
             self._store_keys: dict[int, tuple[list, list[int]]] = {}  # task -> (ObjectKeys, sizes)
             self._load_keys: dict[int, list] = {}
-            self._meta_lock = threading.Lock()
+            # One lock per direction: a store submit may wait for write_backlog, and a load's result
+            # must not wait behind it.
+            self._store_lock = threading.Lock()
+            self._load_lock = threading.Lock()
             config = getattr(self.engine, "config", None)
-            log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; namespace %s",
+            log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s",
                      config.summary() if config is not None else "engine given",
                      "on" if self.core.pool_loads else "off",
+                     "reads of single-tier chunks land in L1" if in_place else "reads staged and copied into L1",
                      getattr(getattr(self.engine, "namespace", None), "digest", "?"))
 
         # -- event fds --------------------------------------------------------------------------
@@ -94,15 +110,18 @@ def _lmcache_classes() -> dict[str, type]:
         # -- store ------------------------------------------------------------------------------
         def submit_store_task(self, keys: list, objects: list) -> int:
             ekeys, pages = self._map_objects(keys, objects)
-            task_id = self.core.submit_store(ekeys, pages)
-            with self._meta_lock:
-                self._store_keys[task_id] = (list(keys), [nbytes(p) for p in pages])
+            sizes = [nbytes(p) for p in pages]
+            # Submitted and recorded under one lock: a task can complete before submit returns (pages
+            # already held), and its pop must still find its keys (the pop waits for this lock).
+            with self._store_lock:
+                task_id = self.core.submit_store(ekeys, pages)
+                self._store_keys[task_id] = (list(keys), sizes)
             return task_id
 
         def pop_completed_store_tasks(self) -> dict:
             out = {}
             for task_id, (ok, nbytes) in self.core.pop_stores().items():
-                with self._meta_lock:
+                with self._store_lock:
                     keys, sizes = self._store_keys.pop(task_id, ([], []))
                 if ok and keys:
                     self._notify_safely(self._notify_keys_stored, keys, sizes)
@@ -136,8 +155,8 @@ def _lmcache_classes() -> dict[str, type]:
         # -- load -------------------------------------------------------------------------------
         def submit_load_task(self, keys: list, objects: list) -> int:
             ekeys, pages = self._map_objects(keys, objects)
-            task_id = self.core.submit_load(ekeys, pages)
-            with self._meta_lock:
+            with self._load_lock:  # as for stores: the result's pop finds the keys
+                task_id = self.core.submit_load(ekeys, pages)
                 self._load_keys[task_id] = list(keys)
             return task_id
 
@@ -145,7 +164,7 @@ def _lmcache_classes() -> dict[str, type]:
             found = self.core.pop_load(task_id)
             if found is None:
                 return None
-            with self._meta_lock:
+            with self._load_lock:
                 keys = self._load_keys.pop(task_id, [])
             hit = [k for k, f in zip(keys, found) if f]
             if hit:
@@ -168,12 +187,27 @@ def _lmcache_classes() -> dict[str, type]:
                 return
             self._closed = True
             self.core.close()
+            self._release()
+
+        def _release(self) -> None:
             if self._own_engine:
                 self.engine.close()
             for efd in self._efds:
                 efd.close()
 
         # -- helpers ----------------------------------------------------------------------------
+        def _register_l1(self, desc: Any) -> bool:
+            """Tell the engine where loads land (a lazy arena: the part pinned so far). Only a speed-up:
+            a failure is logged and reads are staged."""
+            if desc is None:
+                return False
+            try:
+                size = getattr(desc, "stable_registration_size", None) or desc.size
+                return bool(self.engine.register_memory(int(desc.ptr), int(size)))
+            except Exception as exc:
+                log.warning("kvstream lmcache: could not register the L1 arena (%s); reads are staged", exc)
+                return False
+
         def _map_objects(self, keys: list, objects: list) -> tuple[list[str | None], list]:
             """ObjectKeys + MemoryObjs -> engine keys + one-segment pages of the object's logical
             bytes (L1 objects are 4096-aligned; the engine stages O_DIRECT reads itself, so the

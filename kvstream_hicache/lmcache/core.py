@@ -147,8 +147,9 @@ class L2Core:
 
     # -- lookup and lock ------------------------------------------------------------------------
     def submit_lookup(self, keys: Sequence[str | None], lock_keys: Sequence[Any] | None = None) -> int:
-        """Look up and pin ``keys`` from the engine's index (no disk access); the result is ready
-        before this returns (``on_lookup`` has run). Each hit holds one lock under ``lock_keys[i]``
+        """Look up and pin ``keys`` in the engine's index (a page the index has only on a failed tier
+        costs one header lookup per healthy tier, see Engine.contains); the result is ready before
+        this returns (``on_lookup`` has run). Each hit holds one lock under ``lock_keys[i]``
         (default: the engine key), released by :meth:`unlock` with the same lock key."""
         task_id = next(self._ids)
         lock_keys = keys if lock_keys is None else lock_keys
@@ -157,18 +158,20 @@ class L2Core:
             present = [i for i, k in enumerate(keys) if k is not None]
             handles = self._pin([keys[i] for i in present]) if present else []
             # Pinned first, then checked: a page held only by a failed tier is a miss (unpinned now).
-            good = [h is not None and self.engine.contains(keys[i]) for i, h in zip(present, handles)]
-            stale = [h for h, g in zip(handles, good) if h is not None and not g]
-            if stale:
-                self._unpin(stale)
+            good = [h is not None and self._readable(keys[i]) for i, h in zip(present, handles)]
             with self._lock:
-                for i, handle, g in zip(present, handles, good, strict=True):
+                if self._closing:  # close() has released its pins (or is about to): hold none
+                    good = [False] * len(good)
+                for i, handle, g in zip(present, handles, good):
                     if g:
                         hits[i] = True
                         self._pins.setdefault(lock_keys[i], []).append(handle)
                 self.counters["lookups"] += 1
                 self.counters["lookup_keys"] += len(keys)
                 self.counters["lookup_hits"] += sum(hits)
+            stale = [h for h, g in zip(handles, good) if h is not None and not g]
+            if stale:
+                self._unpin(stale)
         except Exception:  # adapter boundary: a miss for LMCache, a warning and a counter for us
             self.report_error("lookup")
             hits = [False] * len(keys)
@@ -176,6 +179,14 @@ class L2Core:
             self._lookups_done[task_id] = hits
         self._signal(self._on_lookup, task_id)
         return task_id
+
+    def _readable(self, key: str) -> bool:
+        """Whether a usable tier still holds ``key``; an error is a miss (the pin is then released)."""
+        try:
+            return self.engine.contains(key)
+        except Exception:
+            self.report_error("lookup")
+            return False
 
     def pop_lookup(self, task_id: int) -> list[bool] | None:
         with self._lock:

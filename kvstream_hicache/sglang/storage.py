@@ -92,6 +92,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._samples = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._exporter = None
         self._last_sync = 0.0
+        self._sync_lock = threading.Lock()  # one snapshot+export at a time, in snapshot order
         self._last_stats: dict | None = None
         if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
             self.register_mem_pool_host(mem_pool_host)
@@ -110,10 +111,14 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             self.mem_pool_host = mem_pool_host
             self._describe_pages(mem_pool_host)
             self.namespace = Namespace(self._namespace_fields(mem_pool_host))
-            self.engine = self._open_engine(self.namespace)
+            engine = self._open_engine(self.namespace)
+            try:  # the backend holds an engine only once attached whole: a retry starts afresh
+                self._exporter = self._make_exporter() if self.enable_metrics else None
+            except BaseException:
+                engine.close()
+                raise
+            self.engine = engine
             self._reads_in_place = self._register_pool(mem_pool_host)
-            if self.enable_metrics:
-                self._exporter = self._make_exporter()
         self._log_startup()
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
@@ -148,7 +153,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------------------------------ v1
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Number of leading ``keys`` stored: the engine's index only, no disk access."""
+        """Number of leading ``keys`` stored: from the engine's index; the first key it lacks costs one
+        header lookup per tier (a page another rank or server wrote, see Engine.prefix_len)."""
         return self._guard("batch_exists", 0, self._batch_exists, keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -182,7 +188,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         return self._guard("batch_set", False, lambda: all(self._legacy_set(keys, values)))
 
     def exists(self, key: str) -> bool:
-        """Legacy: is ``key`` stored (index only)."""
+        """Legacy: is ``key`` stored (as batch_exists)."""
         return self._guard("exists", False, lambda: self._batch_exists([key]) == 1)
 
     # ------------------------------------------------------------------------------------------ v2
@@ -447,16 +453,24 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _maybe_sync(self, force: bool = False) -> None:
         """Refresh the stats snapshot (and the Prometheus metrics) at most once per METRICS_INTERVAL_S:
         sglang polls get_stats on every scheduler iteration, and a full snapshot is not free."""
-        now = time.monotonic()
-        if not force and self._last_stats is not None and now - self._last_sync < METRICS_INTERVAL_S:
+        # Serialised: the exporter turns totals into increments against the last snapshot it saw, so
+        # an older snapshot exported after a newer one would count the difference twice. A thread that
+        # finds a sync running skips its own (the running one is at most this fresh); flush waits.
+        if not self._sync_lock.acquire(blocking=force):
             return
-        self._last_sync = now
-        if self.engine is None:
-            return
-        stats = self.stats()
-        self._last_stats = stats
-        if self._exporter is not None:
-            self._exporter.sync(stats, self.counters)
+        try:
+            now = time.monotonic()
+            if not force and self._last_stats is not None and now - self._last_sync < METRICS_INTERVAL_S:
+                return
+            self._last_sync = now
+            if self.engine is None:
+                return
+            stats = self.stats()
+            self._last_stats = stats
+            if self._exporter is not None:
+                self._exporter.sync(stats, self.counters)
+        finally:
+            self._sync_lock.release()
 
     def _get_stats(self):
         from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -510,7 +524,11 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         buf = getattr(host, "kv_buffer", None)
         if not isinstance(buf, torch.Tensor) or not buf.numel():
             return False
-        return self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+        try:
+            return self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+        except Exception as exc:  # only a speed-up: reads are staged, the attach goes on
+            log.warning("kvstream: could not learn the host pool's page size (%s); reads are staged", exc)
+            return False
 
     def _open_engine(self, namespace: Namespace):
         from ..engine import Engine
