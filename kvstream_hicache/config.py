@@ -66,14 +66,15 @@ SETTINGS: dict[str, Setting] = {
     "memory": Setting("64M", "staging memory of the engine, bytes: half for reads in flight (shared by the "
                              "tiers), half for writes of pages not 4096-aligned in memory; e.g. '64M', '1G'"),
     "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
-                                  " (0 = wait forever)"),
+                                  " (0 = wait forever); a read landing in caller memory is waited for regardless"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
     "discover": Setting(True, "look up pages the index lacks on the tiers (written by another process sharing "
                               "the namespace, e.g. MLA's writer rank); off = index only"),
     "replicate": Setting("budget", "'all' (every new page on every tier) or 'budget' (a slower tier skips a new "
                                    "page's replica when its pending writes would drain later than the home tier's, "
                                    "or than replicate_slack)"),
-    "replicate_slack": Setting(1.0, "replicate=budget: seconds a replica may drain after its home copy"),
+    "replicate_slack": Setting(1.0, "replicate=budget: a replica is written when its tier drains it within "
+                                    "max(the home copy's drain time, this many seconds)"),
     "read_priority": Setting(True, "writes to a tier wait while a get reads from it (on), or go out whatever is "
                                    "read (off: the behaviour before read priority, every write in flight at once)"),
     "write_backlog": Setting("2G", "deferred writes (the LMCache path): bytes of pages queued and not yet "
@@ -150,7 +151,10 @@ class Capacity(NamedTuple):
     def __str__(self) -> str:
         if self.share is not None:
             return f"{self.share * 100:.12f}".rstrip("0").rstrip(".") + "%"  # '0.000003%', not '3e-06%'
-        return "unlimited" if self.nbytes is None else f"{self.nbytes / 2**30:.3g} GiB"
+        if self.nbytes is None:
+            return "unlimited"
+        unit, scale = ("TiB", 2**40) if self.nbytes >= 2**40 else ("GiB", 2**30)
+        return f"{self.nbytes / scale:.3g} {unit}"  # '1.5 TiB', not '1.54e+03 GiB'
 
 
 @dataclass(frozen=True)
@@ -167,11 +171,14 @@ def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False
     return text
 
 
-def _number(value: Any, what: str, kind: Callable = float, minimum: float = 0, hint: str = "") -> Any:
+def parse_number(value: Any, what: str, kind: Callable = float, minimum: float = 0, hint: str = "") -> Any:
+    """``kind(value)``, finite and >= ``minimum``; anything else is an error naming ``what``."""
     try:
         out = kind(value)
+        if kind is int and isinstance(value, float) and out != value:  # int() would truncate 2.5 to 2
+            raise ValueError
     except (TypeError, ValueError, OverflowError):
-        raise ConfigError(f"{what}: expected a number, got {value!r}{hint}") from None
+        raise ConfigError(f"{what}: expected {'a whole' if kind is int else 'a'} number, got {value!r}{hint}") from None
     if not math.isfinite(out):
         raise ConfigError(f"{what}: expected a finite number, got {value!r}{hint}")
     if out < minimum:
@@ -286,7 +293,7 @@ class Config:
                               f"and a write window of two blocks each); give at least {4 * chunk >> 20}M (default "
                               f"{SETTINGS['memory'].default})")
         put("memory", memory)
-        put("claim", None if self.claim is None else _number(self.claim, what("claim"), int, 1))
+        put("claim", None if self.claim is None else parse_number(self.claim, what("claim"), int, 1))
         put("policy", str(self.policy).strip())
         _check_policy(self.policy, self.claim, what("policy"), len(tiers))
         if self.log_level is not None:
@@ -294,13 +301,14 @@ class Config:
         put("fsync", _choice(self.fsync, FSYNC_MODES, what("fsync")))
         put("io_engine", _choice(self.io_engine, IO_ENGINES, what("io_engine")))
         put("file_mode", _choice(self.file_mode, FILE_MODES, what("file_mode")))
-        put("read_timeout", _number(self.read_timeout, what("read_timeout"),
-                                    hint="; give seconds, e.g. 30, or 0 to wait forever"))
-        put("tier_retry", _number(self.tier_retry, what("tier_retry"),
-                                  hint="; give seconds before a failed tier is probed again, e.g. 5"))
+        put("read_timeout", parse_number(self.read_timeout, what("read_timeout"),
+                                         hint="; give seconds, e.g. 30, or 0 to wait forever"))
+        put("tier_retry", parse_number(self.tier_retry, what("tier_retry"), minimum=0.1,
+                                       hint="; give seconds before a failed tier is probed again, e.g. 5"))
         put("discover", parse_flag(self.discover, what("discover")))
         put("replicate", _choice(self.replicate, REPLICATE_MODES, what("replicate")))
-        put("replicate_slack", _number(self.replicate_slack, what("replicate_slack")))
+        put("replicate_slack", parse_number(self.replicate_slack, what("replicate_slack"),
+                                            hint="; give seconds, e.g. 1 (the default)"))
         put("read_priority", parse_flag(self.read_priority, what("read_priority")))
         put("write_backlog", parse_bytes(self.write_backlog, what("write_backlog")))
         put("warnings", tuple(self.warnings))

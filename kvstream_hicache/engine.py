@@ -166,9 +166,11 @@ class Engine:
                      done: Callable[[list[bool]], None]) -> None:
         """Queue pages to store behind reads (the paper's M2, the LMCache path) and return.
 
-        Pages go out on each tier when it has no read in flight; ``done(results)`` runs on the
-        engine's writer thread once every page is committed (or failed), ``results`` as :meth:`put`
-        returns them; it must not block, nor call :meth:`put`. The caller keeps the pages' memory
+        Pages go out on each tier when it has no read in flight; ``done(results)`` runs once every
+        page is committed (or failed), ``results`` as :meth:`put` returns them: on the engine's
+        writer thread, or before this returns when nothing needed writing, or in :meth:`clear`'s
+        thread for pages it cancels. So it must not block, nor call the engine (it may hold the
+        engine's locks). The caller keeps the pages' memory
         unchanged until then. Waits only while the pages not yet written exceed the
         ``write_backlog`` setting (back-pressure). A page is found by ``contains``/``get`` once
         committed on a tier, not before.
@@ -199,7 +201,7 @@ class Engine:
         now, off the read path, whether that memory is huge-page backed, so reads of pages one tier
         alone holds land in it directly from the first call (memory.py). Without it the first reads
         into new memory are staged while the engine learns it in the background. Returns whether it
-        is (and so whether such reads will land in place)."""
+        is (such reads then land in place where a page's pieces are also 4096-aligned)."""
         self._check_open()
         self._reads.huge.refresh()
         return self._reads.huge.huge(address, nbytes)

@@ -19,7 +19,8 @@ each tier has a :class:`TierFlow` that follows its device from what its own read
   usual latency (at least :data:`STALL_MIN_S`) is *overdue*; the read path then lets other tiers
   re-read its items.
 
-Pure: no I/O, no clock (callers pass ``now``), no threads; the read path calls it under its lock.
+Pure: no I/O, no clock (callers pass ``now``), no threads; the read path calls it under its lock,
+and the write path keeps one per tier for its writes (writes.py) under its own.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class HugePageMap:
 
     def huge(self, address: int, nbytes: int) -> bool:
         """True when every byte of ``[address, address + nbytes)`` lies in mappings known to be
-        huge-page backed."""
+        huge-page backed (mostly: at least half of a mapping's resident memory, see _read)."""
         stale = self.clock() - self._read_at > REFRESH_S
         flags = self._lookup(address, nbytes)
         if flags is None or stale:  # memory mapped since the last read, or an old answer

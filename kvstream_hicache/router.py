@@ -24,7 +24,9 @@ Rules shared by every policy
   holder remains and no other read of it is in flight.
 * The first successful completion of an item wins; a later duplicate completion is ignored.
 * A tier keeps at most ``depth`` items in flight and claims ``m`` at a time whenever it has room for
-  ``m`` (a last claim may be shorter).
+  ``m`` (a last claim may be shorter). Both are per tier and may change during a batch
+  (``set_depth``: the read path sizes them from each tier's flow, flow.py); ``refill()`` lets tiers
+  claim into room that grew without a completion.
 
 Completion-driven meet-in-the-middle (``CompletionDriven``, name ``"kvstream"``)
 -------------------------------------------------------------------------------
@@ -41,7 +43,9 @@ Completion-driven meet-in-the-middle (``CompletionDriven``, name ``"kvstream"``)
   ``m`` items that are in flight on another tier, oldest claim first, each item read by at most two
   tiers at once. Near the meeting point this re-reads at most ``2m`` items (the paper's overlap);
   when a tier stalls it lets the healthy tier finish the whole batch. Stealing is triggered only by
-  a completion (never in ``start()``), so a healthy batch does not start with duplicates.
+  a completion or a ``refill()`` (never in ``start()``), so a healthy batch does not start with
+  duplicates; the read path's ``may_steal`` filter keeps a slower tier from re-reading a faster
+  one's items unless that one is overdue.
 
 Static policies (``StaticSplit``, ``SingleTier``) assign every item to one tier up front and never
 steal; an item the assigned tier does not hold, or fails, falls back to another holder.

@@ -227,6 +227,15 @@ def test_nothing_outside_tools_imports_tools():
 OLD_PATHS = {"hicache", "lmcache_adapter", "plugin"}  # re-exports of moved modules (tested above)
 
 
+def test_the_core_imports_no_adapter():
+    modules = package_modules()
+    adapters = (f"{PACKAGE}.sglang", f"{PACKAGE}.lmcache")
+    core = {f"{PACKAGE}.{name}" for name in _core_modules()}
+    offenders = {name: sorted(t for t in imports_of(name, modules[name], modules)
+                              if any(t == a or t.startswith(a + ".") for a in adapters)) for name in core}
+    assert len(core) > 15 and {k: v for k, v in offenders.items() if v} == {}
+
+
 def _core_modules() -> list[str]:
     return sorted(name.rsplit(".", 1)[1] for name, path in package_modules().items()
                   if name.count(".") == 1 and not path.endswith("__init__.py")

@@ -151,7 +151,11 @@ BAD = [
     (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_READ_TIMEOUT": "inf"}, ["KVSTREAM_READ_TIMEOUT", "'inf'", "finite"]),
     ({"tiers": "{root}", "tier_retry": float("nan")}, None, ["extra config 'tier_retry'", "nan", "finite", "e.g. 5"]),
     (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_TIER_RETRY": "Infinity"}, ["KVSTREAM_TIER_RETRY", "'Infinity'"]),
-    ({"tiers": "{root}", "claim": float("inf")}, None, ["extra config 'claim'", "expected a number"]),
+    ({"tiers": "{root}", "claim": float("inf")}, None, ["extra config 'claim'", "expected a whole number"]),
+    # review of the issue 13-16 change: values that were taken and then misbehaved
+    ({"tiers": "{root}", "claim": 2.5}, None, ["extra config 'claim'", "whole number", "2.5"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_TIER_RETRY": "0"}, ["KVSTREAM_TIER_RETRY", ">= 0.1", "'0'", "e.g. 5"]),
+    ({"tiers": "{root}", "replicate_slack": -1}, None, ["extra config 'replicate_slack'", ">= 0", "e.g. 1"]),
 ]
 
 
