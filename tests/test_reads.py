@@ -127,6 +127,46 @@ def test_a_stalled_single_holder_is_waited_for_past_read_timeout(tier_dirs, io_e
         assert again.get(keys, pages.dst_segments) == [True] * 3 and all(pages.equal(i) for i in range(3))
 
 
+def test_reads_into_caller_memory_land_before_a_failing_call_returns(tier_dirs, io_engine, monkeypatch):
+    """An unexpected error inside a get (here: the ring's reap, once) while reads into caller memory
+    are in flight: the call still waits for them before the error leaves it, so none lands in memory
+    the caller has taken back (before: it returned at once, the reads still in flight)."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:1], 3, io_engine, plan=plan)
+    with engine:
+        direct = huge(pages)  # (without huge pages every read is staged: nothing to wait for)
+        ring = engine._reads.ring
+        real, calls = ring.reap, []
+
+        def reap(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("the ring failed (injected)")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ring, "reap", reap)
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ)
+        result: list = []
+
+        def get():
+            try:
+                result.append(engine.get(keys, pages.dst_segments))
+            except RuntimeError as exc:
+                result.append(exc)
+
+        t = threading.Thread(target=get)
+        t.start()
+        t.join(1.0)
+        assert t.is_alive() == direct, "the call returned with reads into caller memory in flight"
+        plan.clear()
+        plan.release()
+        t.join(30)
+        assert not t.is_alive()
+        assert isinstance(result[0], RuntimeError)
+        assert engine._reads.drain(30) == 0
+        assert engine.get(keys, pages.dst_segments) == [True] * 3 and all(pages.equal(i) for i in range(3))
+
+
 def test_transfer_fault_on_a_single_holder_is_a_miss_and_the_file_is_kept(tier_dirs, io_engine):
     plan = TierFaultPlan()
     engine, pages, keys = stored(tier_dirs[:1], 2, io_engine, plan=plan)

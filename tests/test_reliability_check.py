@@ -152,3 +152,36 @@ def test_start_up_cleaning_spares_probes_in_use_and_removes_old_ones(tier_dirs):
         assert os.path.exists(fresh) and not os.path.exists(old)
         assert engine.scan["tmp_removed"] == 1
     os.unlink(fresh)
+
+
+
+def test_a_page_unreadable_for_an_error_of_the_moment_is_reported_not_removed(tier_root, monkeypatch):
+    """check --fix where reading a page fails with EMFILE or EIO (an error of the moment or of the
+    device, not of the file's content): the page is reported and stays (before: it was removed as
+    damaged). The error is injected where the header is read; the file itself is a valid page."""
+    import errno
+
+    from kvstream_hicache import integrity
+    from reliability_helpers import PageSet, make_engine
+
+    pages = PageSet()
+    keys = pages.keys(1)
+    with make_engine([tier_root]) as engine:
+        assert pages.put(engine, keys) == [True]
+        path = engine.tiers[0].layout.page_path(keys[0])
+        config = engine.config
+    real = integrity.read_header
+    for err in (errno.EMFILE, errno.EIO):
+        def failing(p, *args, **kwargs):
+            if p == path:
+                raise OSError(err, os.strerror(err), p)
+            return real(p, *args, **kwargs)
+
+        monkeypatch.setattr(integrity, "read_header", failing)
+        problems = check_tiers(config, fix=True, payload=True)
+        assert [(p.kind, p.fixed) for p in problems] == [("damaged", False)]
+        assert os.strerror(err) in problems[0].detail and "left in place" in problems[0].detail
+        assert os.path.exists(path)
+    monkeypatch.setattr(integrity, "read_header", real)
+    with make_engine([tier_root]) as engine:  # it was a valid page all along
+        assert pages.checked_get(engine, keys) == [True]

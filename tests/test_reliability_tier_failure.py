@@ -211,8 +211,8 @@ def test_a_returned_tier_serves_what_its_replica_lost(tier_root, caplog):
 
 
 def test_a_failed_tier_that_stays_broken_is_probed_once_per_batch(tier_root):
-    """The last holder of a page is probed at most once per read batch: a tier that is still gone
-    makes the page a miss (no wrong bytes), and the next batch probes it again."""
+    """The last holder of a page is probed at most once per read batch, and at most every LOOK_S: a
+    tier that is still gone makes the page a miss (no wrong bytes), and a later batch probes it again."""
     dirs = [os.path.join(tier_root, f"tier{i}") for i in range(2)]
     for d in dirs:
         os.makedirs(d)
@@ -233,6 +233,9 @@ def test_a_failed_tier_that_stays_broken_is_probed_once_per_batch(tier_root):
         for batch in (1, 2):  # the last holder, failed before the batch: one probe per batch
             assert pages.checked_get(engine, keys) == [False] * 4
             assert len(probes) == batch
+            assert pages.checked_get(engine, keys) == [False] * 4  # again within LOOK_S: no probe
+            assert len(probes) == batch
+            clock.advance(LOOK_S)
         os.rename(dirs[0] + ".away", dirs[0])
         assert pages.checked_get(engine, keys) == [True] * 4  # back: probed, rejoined, served
         assert len(probes) == 3
