@@ -486,10 +486,10 @@ class ReadPath:
         self._in_flight[tier] -= req.nbytes
         self.busy.finished(tier)
         self.priority.progress(tier)
-        flow = self.flows[tier]
-        flow.completed(max(res, 0) if timely else 0, now - req.t0, req.ahead, now, self.busy.total(tier))
+        flow, busy = self.flows[tier], self.busy.total(tier)
+        flow.completed(max(res, 0) if timely else 0, now - req.t0, req.ahead, now, busy)
         if not timely:
-            flow.disturbed(self.busy.total(tier))
+            flow.disturbed(busy)
         self._drop_file(req.file)
         call.in_flight -= 1
         if req.bufs is None:
@@ -682,9 +682,8 @@ class ReadPath:
             if n:
                 self.stats.add(k, "pages_read", n)
         for f in call.files.values():
-            f.release = True
-            if not f.refs and f.fd is not None:
-                self._close_file(f)
+            f.release = True  # (those still read close when their last request is reaped)
+        self._close_idle_locked(call)
         if call.route is not None:
             for tier, item in call.failed:
                 if call.arrived[item]:
