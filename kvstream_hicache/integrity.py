@@ -30,6 +30,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from .fds import close_fd
 from .io import crc32c  # SSE4.2, the GIL released for large inputs
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
@@ -176,7 +177,7 @@ def open_regular(path: str, flags: int | None = None) -> tuple[int, os.stat_resu
         if flags is not None:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     except BaseException:
-        os.close(fd)
+        close_fd(fd)
         raise
     return fd, st
 
@@ -189,7 +190,7 @@ def read_header(path: str) -> tuple[PageHeader, int]:
     try:
         data = os.pread(fd, HEADER_SIZE, 0)
     finally:
-        os.close(fd)
+        close_fd(fd)  # (a read: an error from close, e.g. ESTALE, changes nothing read)
     return unpack_header(data), st.st_size
 
 
@@ -205,7 +206,7 @@ def verify_payload(path: str, header: PageHeader) -> str | None:
             if crc32c(data) != want:
                 return f"block {j} checksum mismatch"
     finally:
-        os.close(fd)
+        close_fd(fd)
     return None
 
 

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 
 from .errors import EngineClosedError
+from .fds import close_fd
 from .flow import TierFlow
 from .index import Index, PageInfo
 from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
@@ -60,9 +61,10 @@ class _File:
     any size holds a bounded number of descriptors); an idle one closed early is opened again if
     another request of the page comes."""
 
-    __slots__ = ("fd", "refs", "release", "failed")
+    __slots__ = ("fd", "refs", "release", "failed", "tier", "key")
 
-    def __init__(self):
+    def __init__(self, tier: int, key: str):
+        self.tier, self.key = tier, key
         self.fd: int | None = None
         self.refs = 0  # requests in flight on it
         self.release = False  # the call ended: close when the last request is reaped
@@ -383,7 +385,7 @@ class ReadPath:
         was closed while idle), or None."""
         f = call.files.get((tier, p))
         if f is None:
-            f = call.files[(tier, p)] = _File()
+            f = call.files[(tier, p)] = _File(tier, call.pages[p].key)
         if f.fd is None and not f.failed:
             page = call.pages[p]
             f.failed = True  # until the open below succeeds
@@ -402,16 +404,9 @@ class ReadPath:
                     self._remove_copy_locked(tier, page.key, f"{exc.strerror} under its name",
                                              remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
-                    err = exc.errno or errno.EIO
-                    if self.tiers[tier].fail(err, f"open {page.key}"):
-                        # the whole tier went (unmounted, moved away): its copies may come back with
-                        # it, so the index keeps them; rejoining reconciles with what survived
-                        self.stats.add(tier, "errors")
-                    elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
-                        self.index.remove(page.key, tier)
-                        call.relook.add(page.key)
-                    else:
-                        self.stats.add(tier, "errors")
+                    # the whole tier went (unmounted, moved away): its copies may come back with it, so
+                    # the index keeps them; rejoining reconciles with what survived
+                    self._failed_read(tier, page.key, exc.errno or errno.EIO, call, "open")
         return f if f.fd is not None else None
 
     def _close_idle_locked(self, call: _Call) -> int:
@@ -428,9 +423,14 @@ class ReadPath:
             self._close_file(f)
 
     def _close_file(self, f: _File) -> None:
-        os.close(f.fd)
+        """Close a read descriptor. Its close never raises; ESTALE from it says another node replaced or
+        deleted the file since it was opened (what was read is verified all the same): that copy leaves
+        the index. Any other error from a read's close changes nothing."""
+        err = close_fd(f.fd)
         f.fd = None
         self._open_files -= 1
+        if err == errno.ESTALE and self.tiers[f.tier].copy_gone(err, f.key):
+            self.index.remove(f.key, f.tier)
 
     def _start_locked(self, reqs: list[_Req]) -> None:
         ops = []
@@ -505,7 +505,7 @@ class ReadPath:
             self._orphaned[tier] -= req.nbytes
             self.stats.total("orphan_reads")
             if res < 0:
-                self._failed_read(tier, call.pages[req.p].key, -res)
+                self._failed_read(tier, call.pages[req.p].key, -res, call)
             self._release(req)
             return []
         try:
@@ -524,7 +524,7 @@ class ReadPath:
         page = call.pages[req.p]
         info = page.info
         if res < 0:
-            self._failed_read(tier, page.key, -res)
+            self._failed_read(tier, page.key, -res, call)
         # Blocks wholly read (a short read means the file is shorter than its header says).
         if res >= req.nbytes:
             complete = req.j1 - req.j0
@@ -562,9 +562,17 @@ class ReadPath:
             self.stats.total("duplicate_reads", duplicates)
         return call.route.complete_many(tier, results)
 
-    def _failed_read(self, tier: int, key: str, err: int) -> None:
+    def _failed_read(self, tier: int, key: str, err: int, call: _Call, what: str = "read") -> None:
+        """An open or read of ``key``'s file on ``tier`` failed with ``err``. A copy deleted or replaced
+        under us (an operator, another rank, another node of a shared file system: ENOENT, ESTALE) is
+        forgotten and the key looked up again after the call; anything else is the tier's health."""
+        if self.tiers[tier].copy_gone(err, key):
+            self.index.remove(key, tier)
+            if err != errno.ESTALE or self.tiers[tier].listed(key):  # (ESTALE: replaced, not deleted)
+                call.relook.add(key)
+            return
         self.stats.add(tier, "errors")
-        self.tiers[tier].fail(err, f"read {key}")
+        self.tiers[tier].fail(err, f"{what} {key}")
 
     def _read_block(self, tier: int, page: _Page, j: int) -> bytes:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
@@ -574,7 +582,7 @@ class ReadPath:
         try:
             return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
         finally:
-            os.close(fd)
+            close_fd(fd)
 
     def _quarantine_locked(self, call: _Call, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged

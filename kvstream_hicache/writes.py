@@ -359,12 +359,12 @@ class WritePath:
             try:
                 os.stat(self.tiers[k].layout.page_path(key))
                 return True
-            except FileNotFoundError:
-                if not self.tiers[k].fail(errno.ENOENT, f"look up {key}"):
-                    self.index.remove(key, k)  # this file alone is gone (a tier that went keeps its
-                                               # entries, as on a read: its copies may come back with it)
-            except OSError:  # cannot tell (EIO, ESTALE...): the entry stays, the page is written again
-                pass
+            except OSError as exc:
+                if self.tiers[k].copy_gone(exc.errno, key):  # this file alone is gone (deleted, or replaced
+                    self.index.remove(key, k)  # by another node: ESTALE); a tier that went keeps its entries,
+                elif exc.errno == errno.ENOENT:  # as on a read: its copies may come back with it
+                    self.tiers[k].fail(errno.ENOENT, f"look up {key}")
+                # (else cannot tell, EIO...: the entry stays, the page is written again)
         return False
 
     def _fit_capacity(self, new: list[_Page]) -> None:
