@@ -24,6 +24,7 @@ untouched.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -440,20 +441,25 @@ class Engine:
                 "tmp_removed": tmp_removed, "kept": len(kept), "seconds": seconds,
                 "rate": (len(entries) + damaged) / seconds if seconds > 0 else 0.0}
 
-    def _reconcile(self, tier: Tier) -> None:
-        """A failed tier rejoined: forget indexed pages whose files did not survive."""
+    def _reconcile(self, tier: Tier) -> str:
+        """A failed tier rejoins: forget indexed pages whose files did not survive. An error while
+        listing leaves the index alone and keeps the tier out (returns why): pages not listed yet are
+        not lost, and forgetting them would lose every copy the tier holds of them."""
         present: set[str] = set()
         try:
-            for shard in os.scandir(tier.layout.pages):
-                if shard.is_dir():
-                    present.update(key_of_page_file(e.name) for e in os.scandir(shard.path))
-        except OSError:
-            pass
+            with os.scandir(tier.layout.pages) as listing:
+                for shard in listing:
+                    if shard.is_dir():
+                        with os.scandir(shard.path) as files:
+                            present.update(key_of_page_file(e.name) for e in files)
+        except OSError as exc:
+            return f"listing its pages: {os.strerror(exc.errno or errno.EIO)}"
         lost = [key for key in self.index.keys(tier.k) if key not in present]
         for key in lost:
             self.index.remove(key, tier.k)
         if lost:
             log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten", tier.k, len(lost))
+        return ""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.index)} pages"

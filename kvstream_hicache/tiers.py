@@ -113,8 +113,10 @@ class Tier:
             if not due:
                 return False
             ok, why = self._probe()
+            if ok:  # before writes may go there: a page committed meanwhile stays indexed
+                why = self.on_rejoin(self)
+                ok = not why
             if ok:
-                self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
                 self.healthy = True
                 self._backoff = self.retry_s
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
@@ -125,8 +127,10 @@ class Tier:
                 self.last_error = why
             return self.healthy
 
-    def on_rejoin(self, tier: "Tier") -> None:
-        """Hook set by the engine (reconcile the index with what survived on the tier)."""
+    def on_rejoin(self, tier: "Tier") -> str:
+        """Hook set by the engine (reconcile the index with what survived on the tier); returns why
+        the tier cannot rejoin yet ('' when it can: listing its pages failed half-way, say)."""
+        return ""
 
     def fail(self, err: int, what: str) -> bool:
         """Account an OS error of this tier; mark it failed when ``err`` says the tier (not one

@@ -292,3 +292,37 @@ def test_kvstream_check_on_the_dfs(dfs):
         assert not os.path.exists(victim)
         assert pages.checked_get(engine, keys) == [True] * N
         assert _healthy(engine) == (True, 0)
+
+
+def test_a_rejoin_whose_listing_fails_half_way_forgets_nothing(glusterfs, tier_dirs):
+    """A tier rejoins; listing its pages fails half-way (a shard directory answers ECONNABORTED: a
+    dead FUSE client is mounted on it, the first shard the listing meets). The index is left alone and
+    the tier stays out; once the directory lists again, the tier rejoins with every page it holds."""
+    clock = FakeClock()
+    pages = PageSet()
+    keys = pages.keys(4 * N)
+    tiers = tier_dirs[:2]
+    with make_engine(tiers, clock=clock, replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * len(keys)
+        base = os.path.join(tiers[1], "kvstream")
+        os.rename(base, base + ".away")
+        assert pages.checked_get(engine, keys, SingleTier(1)) == [True] * len(keys)
+        assert _healthy(engine) == (False, 1)
+        shards = os.path.join(base + ".away", engine.namespace.digest)
+        bad = os.path.join(shards, os.listdir(shards)[0])  # (scandir lists in this order too)
+        glusterfs.mount_at(bad)
+        glusterfs.kill_client(bad)
+        os.rename(base + ".away", base)
+        bad = base + bad[len(base + ".away"):]  # (the mount moved with its directory)
+        try:
+            clock.advance(engine.config.tier_retry + 0.01)
+            assert pages.checked_get(engine, keys, SingleTier(1)) == [True] * len(keys)
+            assert _healthy(engine) == (False, 1), "the tier rejoined on a half-read listing"
+            assert engine.index.pages_on(1) == len(keys), "pages not listed yet were forgotten"
+        finally:
+            glusterfs.umount(bad)
+        clock.advance(2 * engine.config.tier_retry + 0.01)
+        served = engine.stats()["tiers"][1]["bytes_served"]
+        assert pages.checked_get(engine, keys, SingleTier(1)) == [True] * len(keys)
+        assert _healthy(engine) == (True, 1)
+        assert engine.stats()["tiers"][1]["bytes_served"] - served == len(keys) * PAGE_BYTES

@@ -145,6 +145,7 @@ class GlusterFS:
         return pids
 
     def client_pid(self, node: str) -> int | None:
+        """The FUSE client of node ``node`` ('a', 'b'), or of a mount made by :meth:`mount_at` (a path)."""
         pids = self._pids(self.mount(node))
         return pids[0] if pids else None
 
@@ -247,6 +248,11 @@ class GlusterFS:
     def kill_client(self, node: str) -> None:
         """The node's FUSE client dies: its mount answers ENOTCONN until :meth:`remount`."""
         _stop_pid(self.client_pid(node), signal.SIGKILL)
+
+    def mount_at(self, path: str) -> None:
+        """One more client of the volume, mounted at ``path`` (tests: a dead mount inside a tier's tree);
+        :meth:`kill_client` and :meth:`umount` take ``path`` for it. :meth:`stop` does not know it."""
+        self._mount_volume(path, path.strip("/").replace("/", "-"))
 
     def umount(self, node: str) -> None:
         path = self.mount(node)
