@@ -73,6 +73,20 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _weak(method: Callable, dead):
+    """``method`` as a hook that does not keep its engine alive (returns ``dead`` once the engine is
+    gone). The writer thread reaches the tiers and the read path; a bound method there would keep a
+    dropped engine reachable for ever: never collected, never closed, its rings, descriptors and
+    writer thread leaked, and ``__del__``'s ResourceWarning never given."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        live = ref()
+        return dead if live is None else live(*args)
+
+    return hook
+
+
 class Engine:
     """A multi-tier, replicated page store for one namespace.
 
@@ -112,7 +126,7 @@ class Engine:
                            config.tier_retry, self._token, clock) for k, (t, cap) in enumerate(zip(config.tiers,
                                                                                                  capacities))]
         for tier in self.tiers:
-            tier.on_rejoin = self._reconcile
+            tier.on_rejoin = _weak(self._reconcile, "")
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
         self.scan = self._rebuild_index()
@@ -135,7 +149,7 @@ class Engine:
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                config.read_timeout, share, namespace.digest, self.priority)
-        self._reads.recover = self._recover
+        self._reads.recover = _weak(self._recover, 0)
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, self.priority, staging_limit=half, ceiling=share,
                                  replicate=config.replicate, slack=config.replicate_slack,

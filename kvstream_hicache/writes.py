@@ -271,7 +271,8 @@ class WritePath:
             self._closing = True
             self._work.notify_all()
             self._room.notify_all()
-        self._thread.join()
+        if self._thread is not threading.current_thread():  # (a dropped engine's __del__ may run here)
+            self._thread.join()
         with self.lock:
             self.ring.close()
             self.pool.close()

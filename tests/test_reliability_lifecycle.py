@@ -1,5 +1,5 @@
-"""The engine's life cycle under an unkind caller: ``close()`` racing calls on other threads, and
-``fork()`` after the engine is open. A call racing close either completes or raises
+"""The engine's life cycle under an unkind caller: ``close()`` racing calls on other threads,
+``fork()`` after the engine is open, and engines dropped without ``close()``. A call racing close either completes or raises
 EngineClosedError, never a raw ring error; a forked child's calls raise EngineClosedError naming
 fork, without a system call on the parent's rings, and the parent goes on as if nothing happened.
 Both I/O engines (io_uring, threads); real threads, real os.fork().
@@ -15,6 +15,7 @@ import pytest
 
 from kvstream_hicache import EngineClosedError
 
+from conftest import open_fds
 from reliability_helpers import PageSet, make_engine
 
 TRIES = 20
@@ -117,3 +118,20 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
         closer.start()
         closer.join(WAIT_S)
         assert not closer.is_alive(), "the parent's close() hung after the fork"
+
+
+def test_dropped_engines_are_closed_with_a_resource_warning(tier_dirs):
+    """30 engines dropped without close(), one page stored by each: each is collected, closed (its
+    rings' descriptors and its writer thread gone) and says so with a ResourceWarning, as any file."""
+    from kvstream_hicache.engine import _open_engines
+
+    pages = PageSet()
+    fds, threads, engines = open_fds(), threading.active_count(), len(_open_engines)
+    with pytest.warns(ResourceWarning) as warned:
+        for i in range(30):
+            assert pages.put(make_engine(tier_dirs[:2]), pages.keys(1, i)) == [True]
+        gc.collect()
+    assert sum(issubclass(w.category, ResourceWarning) and "unclosed" in str(w.message) for w in warned) == 30
+    assert (open_fds(), threading.active_count(), len(_open_engines)) == (fds, threads, engines)
+    with make_engine(tier_dirs[:2]) as engine:  # what they stored is there
+        assert pages.checked_get(engine, pages.keys(30)) == [True] * 30
