@@ -80,7 +80,7 @@ class _Page:
     """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
 
     __slots__ = ("key", "segments", "length", "block", "file_bytes", "aligned", "crcs", "created", "data",
-                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls")
+                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls", "spare")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -88,6 +88,7 @@ class _Page:
         self.aligned = all(is_aligned(a, n) for a, n in segments)
         self.targets = targets  # tiers to write (bitmask)
         self.expected = targets  # tiers that should hold it after the put (failed tiers included)
+        self.spare = 0  # tiers replicate=budget skipped: written after all if no tier committed the page
         self.crcs: tuple[int, ...] | None = None  # computed when its first job starts
         self.created = 0
         self.data: list[tuple[int, int, int]] = []  # (address, nbytes, file offset) of the payload
@@ -255,6 +256,8 @@ class WritePath:
         Called inside :meth:`exclusive`."""
         with self._qlock:
             dropped = [(page, k) for k, fifo in enumerate(self._fifo) for page in fifo]
+            for page in self._pending.values():
+                page.spare = 0  # cancelled, not failed: no tier takes it after all
             for fifo in self._fifo:
                 fifo.clear()
         for jobs in self._active:
@@ -399,6 +402,7 @@ class WritePath:
                                                                self.queued[home], w_home, self.slack):
                 page.targets &= ~(1 << k)
                 page.expected &= ~(1 << k)
+                page.spare |= 1 << k
                 self.stats.add(k, "replica_skipped_pages")
                 self.stats.add(k, "replica_skipped_bytes", s)
                 continue
@@ -712,7 +716,7 @@ class WritePath:
         with self._qlock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
             page.left -= 1
-            if page.left:
+            if page.left or self._spare_job_locked(page):
                 return
             if self._pending.get(page.key) is page:
                 del self._pending[page.key]
@@ -730,6 +734,25 @@ class WritePath:
             call.left -= 1
             if not call.left:
                 self._end_call(call)
+
+    def _spare_job_locked(self, page: _Page) -> bool:
+        """Every tier of the page failed it (the home tier's quota, EIO): a healthy tier that
+        replicate=budget skipped writes it after all, before the put answers (promise 4: writes go to
+        the healthy tiers). True when one took it. Called with _qlock held."""
+        if page.committed:
+            return False
+        for k in tiers_in(page.spare):
+            page.spare &= ~(1 << k)
+            if self.tiers[k].healthy:
+                log.info("kvstream: page %s failed on its tiers; written to tier %d, which skipped it", page.key, k)
+                page.targets |= 1 << k
+                page.expected |= 1 << k
+                page.left += 1
+                self.queued[k] += page.file_bytes
+                self._fifo[k].append(page)
+                self._work.notify()
+                return True
+        return False
 
     def _end_call(self, call: _Call) -> None:
         unsynced = set()
