@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -255,8 +256,14 @@ class Engine:
             return
         self._closed = True
         _open_engines.discard(self)
-        self._reads.drain(CLOSE_DRAIN_S)
-        self._reads.close()
+        left = self._reads.drain(CLOSE_DRAIN_S)
+        if left:  # a hung tier: the kernel holds reads into the ring's buffers, and closing the ring
+            # waits for them, however long; the caller does not (the buffers stay the ring's till then)
+            log.warning("kvstream: close(): %d reads still in flight after %.0f s (a hung tier); the read ring "
+                        "and its buffers are released by a background thread once they end", left, CLOSE_DRAIN_S)
+            threading.Thread(target=self._reads.close, name="kvstream-close", daemon=True).start()
+        else:
+            self._reads.close()
         self._writes.close()
         tmpfiles.release(self._token)
 

@@ -326,3 +326,43 @@ def test_a_rejoin_whose_listing_fails_half_way_forgets_nothing(glusterfs, tier_d
         assert pages.checked_get(engine, keys, SingleTier(1)) == [True] * len(keys)
         assert _healthy(engine) == (True, 1)
         assert engine.stats()["tiers"][1]["bytes_served"] - served == len(keys) * PAGE_BYTES
+
+
+@pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
+def test_close_returns_while_a_hung_tier_holds_reads(dfs):
+    """The brick stops (SIGSTOP; the clients' ping timeout raised so that GlusterFS does not give up
+    on its own) while a get reads a 4 MiB page from the shared tier, two 16 KiB reads at a time (the
+    first held in the ring until the brick stopped, so the file is open): the next reads hang in the
+    kernel. The get returns at read_timeout (a miss), and close() returns after its drain bound,
+    leaving the read ring to a background thread (before: close() waited for the kernel as long as
+    the tier hung). The brick resumes: that thread ends and nothing is left behind."""
+    fs, a, b, node = dfs
+    pages = PageSet(4 << 20, aligned=False)  # (staged: a get waits for reads into caller memory)
+    keys = pages.keys(1)
+    plan = FaultPlan()
+    fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
+    engine = make_engine(a[1:], read_timeout=1.0, fault_plan=plan)
+    try:
+        assert pages.put(engine, keys) == [True]
+        plan.add(Fault.hold(), opcode=OP_READ, times=1)
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(pages.get(engine, keys, SingleTier(0, m=1, depth=2))))
+        reader.start()
+        wait_for_fault(plan)
+        fs.pause_brick()
+        plan.release()
+        reader.join(WAIT_S)
+        assert not reader.is_alive() and result[0][0] == [False]
+        assert engine.stats()["orphan_reads_in_flight"] > 0
+        closer = threading.Thread(target=engine.close)
+        closer.start()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), "close() waited for a hung tier"
+    finally:
+        fs.pause_brick(False)
+        fs.cli("volume", "reset", fs.volume, "network.ping-timeout")
+        engine.close()
+    deadline = time.monotonic() + WAIT_S
+    while any(t.name == "kvstream-close" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the background close never ended after the tier came back"
+        time.sleep(0.05)

@@ -21,6 +21,7 @@ volfiles there), so one glusterd per machine: ``start`` holds an flock on :data:
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
@@ -245,6 +246,13 @@ class GlusterFS:
     def kill_brick(self) -> None:
         _stop_pid(self.brick_pid(), signal.SIGKILL)
 
+    def pause_brick(self, paused: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) the brick: the clients' requests hang, as on a hung server, until their
+        ping timeout (``network.ping-timeout``, 42 s unless set) declares it dead."""
+        pid = self.brick_pid()
+        if pid:
+            os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def kill_client(self, node: str) -> None:
         """The node's FUSE client dies: its mount answers ENOTCONN until :meth:`remount`."""
         _stop_pid(self.client_pid(node), signal.SIGKILL)
@@ -286,7 +294,19 @@ class GlusterFS:
               f"{self.host}:/{self.volume}", path])
 
     def stop(self) -> None:
-        """Tear everything down by PID and path. Idempotent, never raises."""
+        """Tear everything down by PID and path. Idempotent, never raises; also from another process
+        than the one that started it (``kvstream testbed down``: the PIDs and the loop device are read
+        back from the directory and the image)."""
+        if self.glusterd_pid is None:
+            try:
+                with open(os.path.join(self.root, "glusterd.pid")) as f:
+                    self.glusterd_pid = int(f.read().strip() or 0) or None
+            except (OSError, ValueError):
+                pass
+        if self.loop is None and os.path.exists(self.image):
+            with contextlib.suppress(GlusterError, OSError):
+                found = _run(["losetup", "-j", self.image]).split(":", 1)[0].strip()
+                self.loop = found or None
         for node in NODES:
             try:
                 self.umount(node)
