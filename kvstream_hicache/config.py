@@ -160,7 +160,7 @@ class Capacity(NamedTuple):
 @dataclass(frozen=True)
 class TierConfig:
     path: str
-    capacity: Capacity = Capacity()
+    capacity: Capacity = Capacity.parse(SETTINGS["capacity"].default, "capacity")  # (one tier: no limit)
 
 
 def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False) -> str:

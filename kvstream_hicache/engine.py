@@ -48,7 +48,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
-from .writes import WritePath
+from .writes import WritePath, WriteSettings
 
 log = logging.getLogger("kvstream")
 
@@ -133,12 +133,10 @@ class Engine:
         share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, share, namespace.digest, self.priority)
-        self._reads.recover = self._recover
+                               config.read_timeout, share, namespace.digest, self.priority, self._recover)
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                                 namespace.digest, self.priority, staging_limit=half, ceiling=share,
-                                 replicate=config.replicate, slack=config.replicate_slack,
-                                 backlog=config.write_backlog)
+                                 namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
+                                 ceiling=share)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         _open_engines.add(self)
@@ -271,8 +269,8 @@ class Engine:
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
-                       write_queued_bytes=writes.queued[k], write_bandwidth=writes.flows[k].rate,
-                       write_window=writes.flows[k].window)
+                       write_queued_bytes=writes.queued[k], write_bandwidth=writes.io.flows[k].rate,
+                       write_window=writes.io.flows[k].window)
         out["write_backlog_bytes"] = writes.backlog
         reads, writes = self._reads.pool, writes.pool
         out["memory"] = {"limit_bytes": self.config.memory,

@@ -28,16 +28,16 @@ so a stalled tier never holds a call: its reads land in staging after the call r
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .errors import EngineClosedError
-from .flow import TierFlow
+from .files import ReadFile, ReadFiles
 from .index import Index, PageInfo
+from .inflight import InFlight
 from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
 from .io import MAX_VECTOR, OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
@@ -45,31 +45,12 @@ from .memory import HugePageMap
 from .priority import ReadPriority
 from .segments import Segment
 from .staging import BufferPool
-from .stats import BusyClock, Stats, batch_figures
+from .stats import Stats, batch_figures
 from .tiers import Tier
 
 log = logging.getLogger("kvstream")
 
-MAX_OPEN_FILES = 256  # read descriptors the read path keeps open at once before it closes idle ones: a
-# get of 10,000 pages on two tiers must not hold 20,000 (a page's file is reopened if needed again)
-
-
-class _File:
-    """A read descriptor shared by the requests of one (tier, page) in one call. Closed when the
-    call ends, or earlier when idle while the read path holds more than MAX_OPEN_FILES (a batch of
-    any size holds a bounded number of descriptors); an idle one closed early is opened again if
-    another request of the page comes."""
-
-    __slots__ = ("fd", "refs", "release", "failed")
-
-    def __init__(self):
-        self.fd: int | None = None
-        self.refs = 0  # requests in flight on it
-        self.release = False  # the call ended: close when the last request is reaped
-        self.failed = False  # the open failed: this (tier, page) is not read in this call
-
-
-class _Page:
+class _ReadPage:
     """One requested page: its index entry, where its payload goes, whether it can be read in place."""
 
     __slots__ = ("key", "info", "map", "in_place", "single")
@@ -87,27 +68,25 @@ class _Page:
 class _Req:
     """One read in flight: blocks ``j0 .. j1-1`` of one page from one tier."""
 
-    __slots__ = ("call", "tier", "p", "j0", "j1", "items", "bufs", "file", "nbytes", "t0", "ahead")
+    __slots__ = ("call", "tier", "p", "j0", "j1", "items", "bufs", "file", "nbytes", "t0", "ahead", "orphan")
 
-    def __init__(self, call: "_Call", tier: int, p: int, j0: int, j1: int, items: list[int], bufs, file: _File,
-                 nbytes: int):
+    def __init__(self, call: "_GetCall", tier: int, p: int, j0: int, j1: int, items: list[int], bufs,
+                 file: ReadFile, nbytes: int):
         self.call, self.tier, self.p, self.j0, self.j1, self.items = call, tier, p, j0, j1, items
         self.bufs = bufs  # staging buffers, one per block; None: straight into caller memory
-        self.file, self.nbytes = file, nbytes
-        self.t0 = 0.0
-        self.ahead = 0  # bytes in flight on the tier when this was submitted
+        self.file, self.nbytes = file, nbytes  # (t0, ahead, orphan: set by InFlight.add)
 
 
-class _Call:
+class _GetCall:
     """State of one get(): pages, items (page, block), files, first arrivals."""
 
     def __init__(self, n_tiers: int):
-        self.pages: list[_Page] = []
+        self.pages: list[_ReadPage] = []
         self.page_of: list[int] = []  # request position of each entry of ``pages``
         self.page_tiers: list[int] = []  # per page, tiers that served >= 1 of its blocks (mask)
         self.items: list[tuple[int, int]] = []  # (index into pages, block)
         self.holders: list[int] = []
-        self.files: dict[tuple[int, int], _File] = {}
+        self.files: dict[tuple[int, int], ReadFile] = {}
         self.bad: set[tuple[int, int]] = set()  # (tier, page) found damaged this call
         self.failed: list[tuple[int, int]] = []  # (tier, item) reads that failed
         self.route = None
@@ -124,18 +103,24 @@ class _Call:
 
 
 class ReadPath:
-    """Owns the read ring, its staging pool, each tier's flow and the reads in flight (orphans
-    included).
+    """Owns the read ring's in-flight core (each tier's flow, the reads in flight, orphans included),
+    its staging pool and its descriptors.
 
     :param pool: staging buffers (its ``max_bytes`` bounds what the read path holds, in flight and idle).
     :param block: the routing block, bytes.
     :param ceiling: most bytes one tier may keep in flight (the pool's share per tier).
     :param priority: told which tiers each call reads from (writes there wait: priority.py).
+    :param recover: the engine's ``recover(missed, relook, mask)``: a call missed ``missed``
+        (``relook``: keys whose indexed copies were gone or another writer's version); it probes the
+        failed tiers that hold them, indexes what the tiers hold of ``relook``, and returns the tiers
+        usable now (the second chance).
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
-                 read_timeout: float, ceiling: int, digest: str, priority: ReadPriority):
-        self.ring = ring
+                 read_timeout: float, ceiling: int, digest: str, priority: ReadPriority,
+                 recover: Callable[[list[str], set[str], int], int]):
+        self.io = InFlight(ring, len(tiers), block, ceiling)
+        self.recover = recover
         self.digest = digest
         self.priority = priority
         self.closed = False
@@ -145,27 +130,13 @@ class ReadPath:
         self.pool = pool
         self.read_timeout = read_timeout
         self.lock = threading.Lock()
-        self.busy = BusyClock(len(tiers))
-        self.flows = [TierFlow(block, ceiling) for _ in tiers]
         self.huge = HugePageMap()
-        self._in_flight = [0] * len(tiers)  # bytes in flight per tier (orphans included)
-        self._orphaned = [0] * len(tiers)  # of which orphans
-        self._reqs: dict[int, _Req] = {}  # tag -> request, for every read in flight on the ring
-        self._orphans = 0  # requests in _reqs whose call has returned
-        self._open_files = 0  # read descriptors open (every call's, orphans' included)
-        self.open_files_peak = 0
-        self._tags = itertools.count(1)
+        self.files = ReadFiles()
 
     @property
     def orphans(self) -> int:
         """Reads of finished calls still in flight (engine-owned buffers)."""
-        return self._orphans
-
-    def recover(self, missed: list[str], relook: set[str], mask: int) -> int:
-        """Hook set by the engine: a call missed ``missed`` (``relook``: keys whose indexed copies were
-        gone or another writer's version). Probe failed tiers that hold them, index what the tiers
-        hold of ``relook``; returns the tiers usable now."""
-        return mask
+        return self.io.orphans
 
     # -- get -----------------------------------------------------------------------------------
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], policy, mask: int) -> list[bool]:
@@ -177,13 +148,13 @@ class ReadPath:
             if self.closed:  # close() ran while this call waited for the lock
                 raise EngineClosedError("kvstream engine is closed")
             self._reap_locked(0, 0)
-            busy0 = self.busy.snapshot()
+            busy0 = self.io.busy.snapshot()
             calls = [self._call_locked(keys, pages, policy, mask, list(range(len(keys))), found)]
             retry, mask = self._second_chance_locked(calls[0], keys, found, mask)
             if retry:
                 calls.append(self._call_locked([keys[i] for i in retry], [pages[i] for i in retry], policy, mask,
                                                retry, found))
-            busy = [b - a for a, b in zip(busy0, self.busy.snapshot())]
+            busy = [b - a for a, b in zip(busy0, self.io.busy.snapshot())]
         elapsed = time.perf_counter() - t0
         for p, ok in enumerate(found):
             if ok:
@@ -209,14 +180,14 @@ class ReadPath:
                      duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
                      retries=sum(getattr(c.route, "retries", 0) for c in calls),
                      duplicate_bytes=sum(read) - served if served else 0, second_chance=len(calls) - 1,
-                     windows=[f.window for f in self.flows])
+                     windows=[f.window for f in self.io.flows])
         self.stats.record_batch(batch)
         return found
 
-    def _call_locked(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int], found: list[bool]) -> _Call:
+    def _call_locked(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int], found: list[bool]) -> _GetCall:
         """One routed pass over ``keys``; marks ``found[pos[i]]`` for each key read whole."""
         infos = self.index.pin(keys)
-        call = _Call(len(self.tiers))
+        call = _GetCall(len(self.tiers))
         try:
             self._plan_locked(call, keys, pages, infos, mask)
             if call.items:
@@ -233,7 +204,7 @@ class ReadPath:
                 self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
 
-    def _second_chance_locked(self, call: _Call, keys: Sequence[str], found: list[bool],
+    def _second_chance_locked(self, call: _GetCall, keys: Sequence[str], found: list[bool],
                               mask: int) -> tuple[list[int], int]:
         """Pages the call missed that the engine's ``recover`` can give a new holder: a failed tier that
         holds them and answers a probe now (it may be the only copy left: the other tiers' copies were
@@ -257,7 +228,7 @@ class ReadPath:
                 retry.append(i)
         return retry, now
 
-    def _plan_locked(self, call: _Call, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
+    def _plan_locked(self, call: _GetCall, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
         if len(pages) != len(keys):
             raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
         for i, (key, info) in enumerate(zip(keys, infos)):
@@ -276,7 +247,7 @@ class ReadPath:
             if not holders:
                 continue
             p = len(call.pages)
-            call.pages.append(_Page(key, info, segments, holders, self.huge))
+            call.pages.append(_ReadPage(key, info, segments, holders, self.huge))
             call.page_of.append(i)
             for j in range(len(info.crcs)):
                 call.items.append((p, j))
@@ -284,7 +255,7 @@ class ReadPath:
         call.arrived = bytearray(len(call.items))
         call.page_tiers = [0] * len(call.pages)
 
-    def _run_locked(self, call: _Call, policy, mask: int) -> None:
+    def _run_locked(self, call: _GetCall, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = max(page.info.block for page in call.pages)
@@ -297,7 +268,7 @@ class ReadPath:
             self._submit_locked(call, claims)
             if route.done:
                 break
-            if not call.in_flight and not self._orphans:
+            if not call.in_flight and not self.io.orphans:
                 log.error("kvstream: router stalled with %d unresolved items and nothing in flight; "
                           "reporting them missing", sum(1 for a in call.arrived if not a))
                 break
@@ -310,24 +281,24 @@ class ReadPath:
                 log.warning("kvstream: read batch timed out after %.1f s with %d reads in flight; "
                             "their pages are reported missing", self.read_timeout, call.in_flight)
                 break
-            wait = self._steal_wait(now)
+            wait = self.io.overdue_wait(now)
             if wait is not None:
                 left = wait if left is None else min(left, wait)
             claims = []
-            for tag, res in self.ring.reap(1, left):
-                claims += self._complete_locked(tag, res)
+            for req, res in self.io.reap(1, left):
+                claims += self._complete_locked(req, res)
             if adaptive:
                 self._set_depths(route, unit)
             claims += route.refill()  # a grown window, or a tier that turned overdue
         # Completions already there (no wait) are taken while the call is active: an error among them
         # fails its tier now, not when a later call reaps it as an orphan; buffers come back sooner.
-        for tag, res in self.ring.reap(0, 0):
-            self._complete_locked(tag, res)
+        for req, res in self.io.reap(0, 0):
+            self._complete_locked(req, res)
         if call.direct_in_flight:
             self._wait_direct_locked(call, timed_out=not route.done)
 
     # -- requests --------------------------------------------------------------------------------
-    def _submit_locked(self, call: _Call, claims: list) -> None:
+    def _submit_locked(self, call: _GetCall, claims: list) -> None:
         """Turn claims into requests and submit them; items whose page cannot be opened on the
         claiming tier fail there at once (and may be claimed by another holder)."""
         while claims:
@@ -339,7 +310,7 @@ class ReadPath:
             if reqs:
                 self._start_locked(reqs)
 
-    def _requests_locked(self, call: _Call, claims: list) -> tuple[list[_Req], list[tuple[int, int]]]:
+    def _requests_locked(self, call: _GetCall, claims: list) -> tuple[list[_Req], list[tuple[int, int]]]:
         runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for tier, items, _steal in claims:
             for item in items:
@@ -354,7 +325,7 @@ class ReadPath:
                 continue
             blocks.sort()
             page = call.pages[p]
-            cap = min(max(1, self.flows[tier].request // page.info.block), MAX_VECTOR)  # (a staged
+            cap = min(max(1, self.io.flows[tier].request // page.info.block), MAX_VECTOR)  # (a staged
             # request is one buffer per block, a vectored op)
             start = 0
             for end in range(1, len(blocks) + 1):
@@ -364,7 +335,7 @@ class ReadPath:
                 start = end
         return reqs, failed
 
-    def _request_locked(self, call: _Call, tier: int, p: int, f: _File, blocks: list[tuple[int, int]]) -> _Req:
+    def _request_locked(self, call: _GetCall, tier: int, p: int, f: ReadFile, blocks: list[tuple[int, int]]) -> _Req:
         page = call.pages[p]
         info = page.info
         j0, j1 = blocks[0][0], blocks[-1][0] + 1
@@ -378,26 +349,19 @@ class ReadPath:
         f.refs += 1
         return _Req(call, tier, p, j0, j1, [item for _, item in blocks], bufs, f, nbytes)
 
-    def _file_locked(self, call: _Call, tier: int, p: int) -> _File | None:
+    def _file_locked(self, call: _GetCall, tier: int, p: int) -> ReadFile | None:
         """The call's read descriptor of page ``p`` on ``tier`` (opened on first use, or again if it
         was closed while idle), or None."""
         f = call.files.get((tier, p))
         if f is None:
-            f = call.files[(tier, p)] = _File()
+            f = call.files[(tier, p)] = ReadFile()
         if f.fd is None and not f.failed:
             page = call.pages[p]
             f.failed = True  # until the open below succeeds
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
                 try:
-                    try:
-                        f.fd = self.tiers[tier].open_page(page.key)
-                    except OSError as exc:  # out of descriptors: ours that are idle close, then once more
-                        if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._close_idle_locked(call):
-                            raise
-                        f.fd = self.tiers[tier].open_page(page.key)
+                    self.files.open_file(f, call.files, lambda: self.tiers[tier].open_page(page.key))
                     f.failed = False
-                    self._open_files += 1
-                    self.open_files_peak = max(self.open_files_peak, self._open_files)
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
                     self._remove_copy_locked(tier, page.key, f"{exc.strerror} under its name",
                                              remove=exc.errno != errno.EISDIR)
@@ -414,83 +378,44 @@ class ReadPath:
                         self.stats.add(tier, "errors")
         return f if f.fd is not None else None
 
-    def _close_idle_locked(self, call: _Call) -> int:
-        """Close the call's descriptors no request is using (reopened if needed); how many closed."""
-        idle = [f for f in call.files.values() if not f.refs and f.fd is not None]
-        for f in idle:
-            self._close_file(f)
-        return len(idle)
-
-    def _drop_file(self, f: _File) -> None:
-        """A request on ``f`` completed: close it once idle if its call ended or too many are open."""
-        f.refs -= 1
-        if not f.refs and f.fd is not None and (f.release or self._open_files > MAX_OPEN_FILES):
-            self._close_file(f)
-
-    def _close_file(self, f: _File) -> None:
-        os.close(f.fd)
-        f.fd = None
-        self._open_files -= 1
-
     def _start_locked(self, reqs: list[_Req]) -> None:
-        ops = []
-        tags = []
+        now = time.monotonic()
         for req in reqs:
             page = req.call.pages[req.p]
             if req.bufs is None:
-                start = req.j0 * page.info.block
-                target = page.map.ranges(start, req.nbytes)
+                target = page.map.ranges(req.j0 * page.info.block, req.nbytes)
             else:
                 target = [(b.address, b.nbytes) for b in req.bufs]
-            if len(target) == 1:
-                target = target[0]  # one buffer: a plain read
-            tag = next(self._tags)
-            tags.append(tag)
-            ops.append((OP_READ, req.file.fd, target, HEADER_SIZE + req.j0 * page.info.block, tag))
+            self.io.add(req, OP_READ, req.file.fd, target[0] if len(target) == 1 else target,  # (one: a plain read)
+                        HEADER_SIZE + req.j0 * page.info.block, now)
         try:
-            self.ring.submit(ops)
-        except BaseException:  # nothing was queued (the ring validates a batch first): undo, re-raise
+            self.io.submit()
+        except BaseException:
             for req in reqs:
-                self._drop_file(req.file)
-                for b in req.bufs or ():
-                    self.pool.put(b)
+                self.files.drop(req.file)
+                self._release(req)
             raise
-        now = time.monotonic()
-        started = 0
-        for tag, req in zip(tags, reqs):
-            tier = req.tier
-            started |= 1 << tier
-            self.flows[tier].submitted(now, self._in_flight[tier])
-            req.t0 = now
-            req.ahead = self._in_flight[tier]
-            self._in_flight[tier] += req.nbytes
-            self._reqs[tag] = req
-            req.call.in_flight += 1
-            req.call.requests += 1
-            if req.bufs is None:
-                req.call.direct_in_flight += 1
-            self.busy.started(tier)
         call = reqs[0].call
+        started = 0
+        for req in reqs:
+            started |= 1 << req.tier
+            call.in_flight += 1
+            call.requests += 1
+            if req.bufs is None:
+                call.direct_in_flight += 1
         if started & ~call.reading:  # a tier's first read of the call (priority.py)
             self.priority.begin(started & ~call.reading)
             call.reading |= started
 
     # -- completions ---------------------------------------------------------------------------
-    def _complete_locked(self, tag: int, res: int, timely: bool = True) -> list:
+    def _complete_locked(self, req: _Req, res: int, timely: bool = True) -> list:
         """``timely``: reaped while a call waited for completions. Otherwise (orphans reaped when the
         next call starts, or by drain) the completion may be long past: it shows the tier progressed,
         but its latency and the busy time up to now measure the gap between calls, not the device."""
-        req = self._reqs.pop(tag)
         call, tier = req.call, req.tier
-        now = time.monotonic()
-        self._in_flight[tier] -= req.nbytes
-        self.busy.finished(tier)
         self.priority.progress(tier)
-        flow, busy = self.flows[tier], self.busy.total(tier)
-        flow.completed(max(res, 0) if timely else 0, now - req.t0, req.ahead, now, busy)
-        if not timely:
-            flow.disturbed(busy)
-        self._drop_file(req.file)
+        self.io.measure(req, res, time.monotonic(), timely)
+        self.files.drop(req.file)
         call.in_flight -= 1
         if req.bufs is None:
             call.direct_in_flight -= 1
@@ -501,9 +426,7 @@ class ReadPath:
         self.stats.add(tier, "blocks_read", req.j1 - req.j0)
         self.stats.add(tier, "requests")
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
-            self._orphans -= 1   # still tells about the tier's health)
-            self._orphaned[tier] -= req.nbytes
-            self.stats.total("orphan_reads")
+            self.stats.total("orphan_reads")  # still tells about the tier's health)
             if res < 0:
                 self._failed_read(tier, call.pages[req.p].key, -res)
             self._release(req)
@@ -566,7 +489,7 @@ class ReadPath:
         self.stats.add(tier, "errors")
         self.tiers[tier].fail(err, f"read {key}")
 
-    def _read_block(self, tier: int, page: _Page, j: int) -> bytes:
+    def _read_block(self, tier: int, page: _ReadPage, j: int) -> bytes:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
         :raises OSError: e.g. FileNotFoundError."""
         span = block_span(page.info.length, page.info.block, j)
@@ -576,7 +499,7 @@ class ReadPath:
         finally:
             os.close(fd)
 
-    def _quarantine_locked(self, call: _Call, tier: int, p: int, j: int, why: str) -> None:
+    def _quarantine_locked(self, call: _GetCall, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged
         copy from a transfer fault. A copy that differs on disk from what the index says is checked
         against its own header: intact, it is another writer's version of the page (two processes of
@@ -625,34 +548,29 @@ class ReadPath:
         """Each tier's window, less what earlier calls still have in flight on it, in items. A tier
         claims what one of its requests carries (at least the policy's m), but no more than a share
         of the batch that leaves every tier a few claims: a small batch is still split."""
-        share = route.n // (2 * len(self.flows))
-        for k, flow in enumerate(self.flows):
+        flows = self.io.flows
+        share = route.n // (2 * len(flows))
+        for k, flow in enumerate(flows):
             claim = max(route.m, min(flow.request // unit, share))
-            route.set_depth(k, max(0, flow.window - self._orphaned[k]) // unit, claim)
+            route.set_depth(k, max(0, flow.window - self.io.orphaned[k]) // unit, claim)
 
     def _may_steal(self, tier: int, owner: int) -> bool:
         """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
         ``owner`` is overdue (stalled): otherwise the owner delivers them sooner than a re-read."""
-        flows = self.flows
-        return flows[tier].rate >= flows[owner].rate or flows[owner].overdue(time.monotonic(), self._in_flight[owner])
-
-    def _steal_wait(self, now: float) -> float | None:
-        """Seconds until a tier with reads in flight turns overdue (None: none will: they have none,
-        or are overdue already, and were offered to the other tiers when they turned so)."""
-        dues = [due for k, f in enumerate(self.flows) if self._in_flight[k] and (due := f.overdue_at()) > now]
-        return min(dues) - now + 1e-3 if dues else None
+        flows = self.io.flows
+        return flows[tier].rate >= flows[owner].rate or self.io.overdue(owner)
 
     # -- end of a call -----------------------------------------------------------------------------
-    def _wait_direct_locked(self, call: _Call, timed_out: bool) -> None:
+    def _wait_direct_locked(self, call: _GetCall, timed_out: bool) -> None:
         """Reads into caller memory must land before the call returns: wait for them. (After a
         timeout that is news; otherwise another tier delivered their blocks first, which is routine.)"""
         log.log(logging.WARNING if timed_out else logging.DEBUG,
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
-        while call.direct_in_flight and self.ring.in_flight:  # (a completion lost to an error has landed)
-            for tag, res in self.ring.reap(1, None):
-                self._complete_locked(tag, res)
+        while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
+            for req, res in self.io.reap(1, None):
+                self._complete_locked(req, res)
 
-    def _settle_direct_locked(self, call: _Call) -> None:
+    def _settle_direct_locked(self, call: _GetCall) -> None:
         """After an error inside a call: its reads into caller memory must still land before it
         returns. If even waiting fails (the ring is broken), the ring is closed, which cancels what
         the kernel holds and waits for it, and the read path is closed (calls raise EngineClosedError)."""
@@ -661,29 +579,24 @@ class ReadPath:
         except BaseException:
             log.exception("kvstream: could not wait for reads into caller memory; closing the read path")
             self.closed = True
-            self.ring.close()
+            self.io.ring.close()
 
-    def _pages_done(self, call: _Call) -> list[bool]:
+    def _pages_done(self, call: _GetCall) -> list[bool]:
         done = [True] * len(call.pages)
         for (p, _j), arrived in zip(call.items, call.arrived):
             if not arrived:
                 done[p] = False
         return done
 
-    def _end_call_locked(self, call: _Call) -> None:
+    def _end_call_locked(self, call: _GetCall) -> None:
         call.active = False
-        self._orphans += call.in_flight
         if call.in_flight:
-            for req in self._reqs.values():
-                if req.call is call:
-                    self._orphaned[req.tier] += req.nbytes
+            self.io.orphan(req for req in self.io.requests() if req.call is call)
         for k in range(len(self.tiers)):
             n = sum(1 for mask in call.page_tiers if mask >> k & 1)
             if n:
                 self.stats.add(k, "pages_read", n)
-        for f in call.files.values():
-            f.release = True  # (those still read close when their last request is reaped)
-        self._close_idle_locked(call)
+        self.files.release(call.files)
         if call.route is not None:
             for tier, item in call.failed:
                 if call.arrived[item]:
@@ -691,33 +604,26 @@ class ReadPath:
 
     # -- orphans -------------------------------------------------------------------------------
     def _reap_locked(self, min_complete: int, timeout: float | None) -> None:
-        if not self._reqs:
-            return
-        for tag, res in self.ring.reap(min_complete, timeout):
-            self._complete_locked(tag, res, timely=False)
+        if len(self.io):
+            for req, res in self.io.reap(min_complete, timeout):
+                self._complete_locked(req, res, timely=False)
 
     def drain(self, timeout: float | None) -> int:
         """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            while self._reqs:
+            while len(self.io):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._reap_locked(1, left)
-            return len(self._reqs)
+            return len(self.io)
 
     def close(self) -> None:
         """Close the ring (it drains what is in flight), then release every request's resources."""
         with self.lock:
             self.closed = True
-            self.ring.close()
-            for req in self._reqs.values():
-                req.file.refs = max(req.file.refs - 1, 0)
-                if req.file.fd is not None and not req.file.refs:
-                    self._close_file(req.file)
-            self._reqs.clear()
-            self._orphans = 0
-            self._orphaned = [0] * len(self.tiers)
-            self._in_flight = [0] * len(self.tiers)
+            self.io.ring.close()
+            for req in self.io.abandon():
+                self.files.drop(req.file)
             self.pool.close()

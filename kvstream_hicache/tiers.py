@@ -34,6 +34,8 @@ log = logging.getLogger("kvstream")
 TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENODEV, errno.ENXIO,
                          errno.ESTALE, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF})
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
+SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
+# jobs of a batch compete for the room each eviction makes; writes.py's _room_possible_locked stops hopeless ones
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -183,16 +185,35 @@ class Tier:
                 raise
         return fd, path
 
-    def commit(self, fd: int, tmp_path: str, key: str) -> str:
+    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool]) -> str:
         """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
-        Closes ``fd``. Returns the page directory (fsynced by the caller under fsync=full).
-        :raises OSError: the temporary file is left for :meth:`discard`."""
+        Closes ``fd``. A full tier may refuse the rename itself (a new shard directory or directory
+        block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
+        left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
+        the caller under fsync=full). :raises OSError: the temporary file is left for :meth:`discard`
+        (a failed fdatasync is never retried: the data is not sealed)."""
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)
         finally:
             os.close(fd)
+        for _ in range(SPACE_RETRIES):
+            try:
+                return self.place(tmp_path, key)
+            except OSError as exc:
+                if exc.errno not in SPACE_ERRNOS or not make_room():
+                    raise
         return self.place(tmp_path, key)
+
+    def free_bytes(self, fd: int | None = None) -> int | None:
+        """Bytes free for us on the tier's file system, plus what ``fd``'s file already holds; None:
+        cannot tell."""
+        try:
+            st = os.statvfs(self.root)
+            held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize + held
 
     def place(self, tmp_path: str, key: str) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (creating its shard

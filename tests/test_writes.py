@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvstream_hicache import writes
+from kvstream_hicache import admission, files, writes
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.priority import STALL_S
@@ -253,7 +253,7 @@ def test_clear_and_check_while_writes_wait_for_a_read(tier_dirs):
     (0, 8, 1.0, 0.0, 0.0, True),
 ])
 def test_budget_rule(queued, home, w, w_home, slack, fits):
-    assert writes.replica_fits(queued, 8, w, home, w_home, slack) is fits
+    assert admission.replica_fits(queued, 8, w, home, w_home, slack) is fits
 
 
 def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_dirs):
@@ -309,11 +309,11 @@ def test_out_of_descriptors_is_never_a_failure(tier_dirs, fd_limit):
     pages = PageSet(4096)
     keys = pages.keys(400)
     with make_engine(tier_dirs[:2]) as engine:
-        fd_limit(open_fds() + 6)  # caller buffers and CRC work need none; 6 < 2 x MAX_OPEN_FILES
+        fd_limit(open_fds() + 6)  # caller buffers and CRC work need none; 6 < 2 x TMP_FILES_PER_TIER
         assert pages.put(engine, keys) == [True] * 400
         stats = engine.stats()
         assert stats["pages_failed"] == 0 and all(t["healthy"] and not t["write_failures"] for t in stats["tiers"])
-    assert writes.MAX_OPEN_FILES * 2 > 6  # (so the limit really was below what the path would open)
+    assert files.TMP_FILES_PER_TIER * 2 > 6  # (so the limit really was below what the path would open)
 
 
 # ---------------------------------------------------------------------- a bug in the writer (review)
