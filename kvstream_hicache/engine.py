@@ -107,11 +107,9 @@ class Engine:
         capacities = [t.capacity.resolve(t.path) for t in config.tiers]
         check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
-        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync,
-                           config.tier_retry, self._token, clock) for k, (t, cap) in enumerate(zip(config.tiers,
-                                                                                                 capacities))]
-        for tier in self.tiers:
-            tier.on_rejoin = self._reconcile
+        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
+                           self._token, clock, self._reconcile)
+                      for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
         self.scan = self._rebuild_index()
@@ -193,6 +191,29 @@ class Engine:
         mask = self._usable_mask()
         self._discover(keys, mask)
         return self._reads.get(keys, pages, policy or self.policy, mask)
+
+    def pin(self, keys: Sequence[str]) -> list:
+        """Keep ``keys`` from being evicted until :meth:`unpin` (LMCache's lookup-and-lock): one
+        handle per key, None for a key the index lacks."""
+        return self.index.pin(keys)
+
+    def unpin(self, handles) -> None:
+        """Release what :meth:`pin` returned (each handle once)."""
+        self.index.unpin(handles)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` from the index and from every tier (a missing file is already gone);
+        returns how many keys were held. Writes wait meanwhile; a read in progress keeps its pins."""
+        self._check_open()
+        held = 0
+        with self._writes.exclusive():
+            for key in keys:
+                holders = self.index.holders(key)
+                held += bool(holders)
+                for tier in self.tiers:
+                    if holders >> tier.k & 1 and self.index.remove(key, tier.k):
+                        tier.unlink_page(key)
+        return held
 
     def register_memory(self, address: int, nbytes: int) -> bool:
         """Say where pages will be read into (a host pool, a destination buffer): the engine learns

@@ -54,10 +54,14 @@ class Tier:
     :param fsync: 'never' | 'data' | 'full'.
     :param retry_s: first back-off after a failure, s.
     :param clock: monotonic clock (injectable for tests).
+    :param on_rejoin: ``on_rejoin(tier)`` before a failed tier rejoins (the engine reconciles the
+        index with what survived on it).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
-                 fsync: str, retry_s: float, token: str, clock: Callable[[], float]):
+                 fsync: str, retry_s: float, token: str, clock: Callable[[], float],
+                 on_rejoin: Callable[["Tier"], None]):
+        self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
         self.root = root
@@ -116,9 +120,6 @@ class Tier:
                 self._vanished = self.gone()  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
             return self.healthy
-
-    def on_rejoin(self, tier: "Tier") -> None:
-        """Hook set by the engine (reconcile the index with what survived on the tier)."""
 
     def fail(self, err: int, what: str) -> bool:
         """Account an OS error of this tier; mark it failed when ``err`` says the tier (not one
