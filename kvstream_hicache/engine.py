@@ -37,7 +37,7 @@ from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import (
-    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
+    Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
 from .io import RING_ENTRIES, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
@@ -319,7 +319,7 @@ class Engine:
                 indexed = set(self.index.keys(k))
                 for key in sorted(indexed - valid.keys()):
                     problems.append(Problem("index_stale", tier.root, tier.layout.page_path(key),
-                                            "indexed but not on disk", fixed=fix))
+                                            "indexed but not on disk", Reason.INDEX, fixed=fix))
                     if fix:
                         self.index.remove(key, k)
                 for key in sorted(indexed & valid.keys()):
@@ -330,7 +330,7 @@ class Engine:
                     # page. Fixed as a read would: forget this copy (the file stays), or, where it was the
                     # only indexed copy, index the version on disk.
                     problems.append(Problem("index_stale", tier.root, page.path, "indexed with other content than "
-                                            "the file holds (another writer's version)", fixed=fix))
+                                            "the file holds (another writer's version)", Reason.INDEX, fixed=fix))
                     if fix:
                         self.index.remove(key, k)
                         if not self.index.holders(key):
@@ -341,7 +341,7 @@ class Engine:
                         continue  # another writer's version of an indexed page: valid, kept, not indexed
                     # A bug, or (shared namespace) another process's page that discovery will find.
                     problems.append(Problem("index_missing", tier.root, page.path, "on disk but not indexed",
-                                            fixed=fix))
+                                            Reason.INDEX, fixed=fix))
                     if fix:
                         self._index_page(k, page)
         return problems
@@ -435,7 +435,7 @@ class Engine:
             for page in pages:
                 if page.problem is None:
                     entries.append((page.header.created_ns, k, page))
-                elif page.problem.detail != VANISHED:
+                elif page.problem.reason is not Reason.VANISHED:
                     problem = fix_problem(page.problem)
                     if problem.fixed:
                         damaged += 1

@@ -38,7 +38,7 @@ from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
 from .index import Index, PageInfo
 from .inflight import InFlight
-from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
+from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
 from .io import MAX_VECTOR, OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
 from .memory import HugePageMap
@@ -521,9 +521,9 @@ class ReadPath:
             return
         scanned = scan_file(self.tiers[tier].layout, self.digest, page.key, payload=True)
         problem = scanned.problem
-        if problem is not None and problem.detail.startswith(UNREADABLE):
+        if problem is not None and problem.reason is Reason.UNREADABLE:
             return  # an I/O error: the tier's health, not this copy, is the problem
-        if problem is None or problem.detail == VANISHED:  # kept (another writer's version), or gone
+        if problem is None or problem.reason is Reason.VANISHED:  # kept (another writer's version), or gone
             self.index.remove(page.key, tier)
             call.relook.add(page.key)
             if problem is None:
