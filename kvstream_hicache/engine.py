@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from . import tmpfiles
 from .config import Config, check_capacities
+from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
@@ -101,10 +102,10 @@ class Engine:
             log.setLevel(config.log_level)
         self.config = config
         self.namespace = namespace
-        self.warnings = config.probe_tiers()
+        self.warnings = probe_tiers(config)
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
-        capacities = [t.capacity.resolve(t.path) for t in config.tiers]
+        capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
         check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,

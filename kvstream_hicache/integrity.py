@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .io import crc32c  # SSE4.2, the GIL released for large inputs
+from .probe import check_overlap
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
     is_valid_key, key_of_page_file, n_blocks,
@@ -319,7 +320,7 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     :raises TierError: two tiers overlap (one inside another's ``kvstream`` tree, or one directory
         twice): walking both would take one tier's files for the other's strays.
     """
-    config.check_overlap()
+    check_overlap(config)
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:
