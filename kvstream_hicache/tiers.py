@@ -80,7 +80,9 @@ class Tier:
         self._vanished = False  # failed because its directory went: look for it every LOOK_S
         self._next_look = 0.0
         self._next_forced = 0.0  # the next probe a read with no other holder may force
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the health state below; never held across I/O
+        self._probing = False  # a thread probes the failed tier now (outside the lock)
+        self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
@@ -95,29 +97,45 @@ class Tier:
         every LOOK_S too: a tier that stays dead is not probed by every batch that misses."""
         if self.healthy:
             return True
-        with self._lock:
-            if self.healthy:
-                return True
+        with self._lock:  # (decides who probes; the probe's I/O runs outside it)
+            if self.healthy or self._probing:  # (another thread probes now: its answer comes soon)
+                return self.healthy
             t = self.clock()
             due = t >= self._next_probe
             if not due and now and t >= self._next_forced:
                 self._next_forced = t + LOOK_S
                 due = True
-            if not due and self._vanished and t >= self._next_look:
+            look = not due and self._vanished and t >= self._next_look
+            if look:
                 self._next_look = t + LOOK_S
-                due = not self.gone()
-            if not due:
+            if not (due or look):
                 return False
-            ok, why = self._probe()
+            self._probing = True
+            failures = self._errors
+        ok, why, vanished = False, "", True
+        try:
+            still_gone = look and self.gone()
+            if not still_gone:
+                ok, why = self._probe()
+                if ok:
+                    self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
+                vanished = not ok and self.gone()
+        finally:
+            with self._lock:
+                self._probing = False
+        if still_gone:
+            return False
+        with self._lock:
+            if ok and self._errors != failures:  # failed again while probing: the probe is stale
+                ok, why = False, self.last_error
             if ok:
-                self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
                 self.healthy = True
                 self._backoff = self.retry_s
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
             else:
                 self._backoff = min(self._backoff * 2, MAX_RETRY_S)
                 self._next_probe = self.clock() + self._backoff
-                self._vanished = self.gone()  # back but unusable (read-only, EIO): the back-off alone decides
+                self._vanished = vanished  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
             return self.healthy
 
@@ -126,14 +144,16 @@ class Tier:
         page) is unusable, or its directory vanished. Returns True when the tier is now failed."""
         if err not in TIER_ERRNOS and not (err == errno.ENOENT and self.gone()):
             return False
+        vanished = self.gone()  # (I/O: before the lock)
         with self._lock:
             self.last_error = f"{what}: {os.strerror(err)}"
+            self._errors += 1
             if self.healthy:
                 self.healthy = False
                 self.failures += 1
                 self._backoff = self.retry_s
                 self._next_probe = self.clock() + self._backoff
-                self._vanished = self.gone()
+                self._vanished = vanished
                 self._next_look = self.clock() + LOOK_S
                 self._dirs.clear()
                 log.warning("kvstream: tier %d (%s) failed (%s); skipping it, next probe in %.0f s",
