@@ -405,5 +405,5 @@ def check_capacities(config: "Config", capacities: list[int | None], page_bytes:
         if cap is not None and cap < need:
             page = f"a page of {page_bytes} bytes" if page_bytes else "the smallest page"
             raise ConfigError(f"{setting_source(config.sources, 'capacity')}: {tier.capacity} of tier {tier.path} "
-                              f"is {cap} bytes, less than one page file ({need} bytes for {page}): give at least {need} "
-                              "bytes, or leave it empty for unlimited")
+                              f"is {cap} bytes, less than one page file ({need} bytes for {page}): give at least "
+                              f"{need} bytes, or leave it empty for unlimited")

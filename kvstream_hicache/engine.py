@@ -248,7 +248,7 @@ class Engine:
         """Remove every page of this namespace from every tier."""
         self._check_open()
         with self._reads.lock, self._writes.exclusive():
-            self._writes.cancel_locked()  # a put in progress reports its pages False
+            self._writes.cancel_under_writer()  # a put in progress reports its pages False
             self.index.clear()
             for tier in self.tiers:
                 tier.clear()

@@ -114,6 +114,9 @@ class ReadPath:
         (``relook``: keys whose indexed copies were gone or another writer's version); it probes the
         failed tiers that hold them, indexes what the tiers hold of ``relook``, and returns the tiers
         usable now (the second chance).
+
+    Lock: ``lock``, one call at a time (``get``, ``drain``, ``close`` take it): methods ending
+    ``_under_reads`` run with it held.
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
@@ -147,12 +150,12 @@ class ReadPath:
         with self.lock:
             if self.closed:  # close() ran while this call waited for the lock
                 raise EngineClosedError("kvstream engine is closed")
-            self._reap_locked(0, 0)
+            self._reap_under_reads(0, 0)
             busy0 = self.io.busy.snapshot()
-            calls = [self._call_locked(keys, pages, policy, mask, list(range(len(keys))), found)]
-            retry, mask = self._second_chance_locked(calls[0], keys, found, mask)
+            calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found)]
+            retry, mask = self._second_chance_under_reads(calls[0], keys, found, mask)
             if retry:
-                calls.append(self._call_locked([keys[i] for i in retry], [pages[i] for i in retry], policy, mask,
+                calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry], policy, mask,
                                                retry, found))
             busy = [b - a for a, b in zip(busy0, self.io.busy.snapshot())]
         elapsed = time.perf_counter() - t0
@@ -184,27 +187,28 @@ class ReadPath:
         self.stats.record_batch(batch)
         return found
 
-    def _call_locked(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int], found: list[bool]) -> _GetCall:
+    def _call_under_reads(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int],
+                          found: list[bool]) -> _GetCall:
         """One routed pass over ``keys``; marks ``found[pos[i]]`` for each key read whole."""
         infos = self.index.pin(keys)
         call = _GetCall(len(self.tiers))
         try:
-            self._plan_locked(call, keys, pages, infos, mask)
+            self._plan_under_reads(call, keys, pages, infos, mask)
             if call.items:
-                self._run_locked(call, policy, mask)
-            for p, ok in enumerate(self._pages_done(call)):
+                self._run_under_reads(call, policy, mask)
+            for p, ok in enumerate(self._pages_done_under_reads(call)):
                 if ok:
                     found[pos[call.page_of[p]]] = True
         finally:
             self.index.unpin(infos)
             if call.direct_in_flight:  # an error cut the call short: reads into caller memory land first
-                self._settle_direct_locked(call)
-            self._end_call_locked(call)
+                self._settle_direct_under_reads(call)
+            self._end_call_under_reads(call)
             if call.reading:
                 self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
 
-    def _second_chance_locked(self, call: _GetCall, keys: Sequence[str], found: list[bool],
+    def _second_chance_under_reads(self, call: _GetCall, keys: Sequence[str], found: list[bool],
                               mask: int) -> tuple[list[int], int]:
         """Pages the call missed that the engine's ``recover`` can give a new holder: a failed tier that
         holds them and answers a probe now (it may be the only copy left: the other tiers' copies were
@@ -228,7 +232,7 @@ class ReadPath:
                 retry.append(i)
         return retry, now
 
-    def _plan_locked(self, call: _GetCall, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
+    def _plan_under_reads(self, call: _GetCall, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
         if len(pages) != len(keys):
             raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
         for i, (key, info) in enumerate(zip(keys, infos)):
@@ -255,17 +259,17 @@ class ReadPath:
         call.arrived = bytearray(len(call.items))
         call.page_tiers = [0] * len(call.pages)
 
-    def _run_locked(self, call: _GetCall, policy, mask: int) -> None:
+    def _run_under_reads(self, call: _GetCall, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = max(page.info.block for page in call.pages)
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
-            self._set_depths(route, unit)
-            route.may_steal = self._may_steal
+            self._set_depths_under_reads(route, unit)
+            route.may_steal = self._may_steal_under_reads
         deadline = time.monotonic() + self.read_timeout if self.read_timeout > 0 else None
         claims = route.start()
         while True:
-            self._submit_locked(call, claims)
+            self._submit_under_reads(call, claims)
             if route.done:
                 break
             if not call.in_flight and not self.io.orphans:
@@ -286,31 +290,31 @@ class ReadPath:
                 left = wait if left is None else min(left, wait)
             claims = []
             for req, res in self.io.reap(1, left):
-                claims += self._complete_locked(req, res)
+                claims += self._complete_under_reads(req, res)
             if adaptive:
-                self._set_depths(route, unit)
+                self._set_depths_under_reads(route, unit)
             claims += route.refill()  # a grown window, or a tier that turned overdue
         # Completions already there (no wait) are taken while the call is active: an error among them
         # fails its tier now, not when a later call reaps it as an orphan; buffers come back sooner.
         for req, res in self.io.reap(0, 0):
-            self._complete_locked(req, res)
+            self._complete_under_reads(req, res)
         if call.direct_in_flight:
-            self._wait_direct_locked(call, timed_out=not route.done)
+            self._wait_direct_under_reads(call, timed_out=not route.done)
 
     # -- requests --------------------------------------------------------------------------------
-    def _submit_locked(self, call: _GetCall, claims: list) -> None:
+    def _submit_under_reads(self, call: _GetCall, claims: list) -> None:
         """Turn claims into requests and submit them; items whose page cannot be opened on the
         claiming tier fail there at once (and may be claimed by another holder)."""
         while claims:
-            reqs, failed = self._requests_locked(call, claims)
+            reqs, failed = self._requests_under_reads(call, claims)
             claims = []
             for tier, item in failed:
                 call.failed.append((tier, item))
                 claims += call.route.complete(tier, item, False)
             if reqs:
-                self._start_locked(reqs)
+                self._start_under_reads(reqs)
 
-    def _requests_locked(self, call: _GetCall, claims: list) -> tuple[list[_Req], list[tuple[int, int]]]:
+    def _requests_under_reads(self, call: _GetCall, claims: list) -> tuple[list[_Req], list[tuple[int, int]]]:
         runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for tier, items, _steal in claims:
             for item in items:
@@ -319,7 +323,7 @@ class ReadPath:
         reqs: list[_Req] = []
         failed: list[tuple[int, int]] = []
         for (tier, p), blocks in runs.items():
-            f = self._file_locked(call, tier, p)
+            f = self._file_under_reads(call, tier, p)
             if f is None:
                 failed += [(tier, item) for _, item in blocks]
                 continue
@@ -331,11 +335,12 @@ class ReadPath:
             for end in range(1, len(blocks) + 1):
                 if end < len(blocks) and blocks[end][0] == blocks[end - 1][0] + 1 and end - start < cap:
                     continue
-                reqs.append(self._request_locked(call, tier, p, f, blocks[start:end]))
+                reqs.append(self._request_under_reads(call, tier, p, f, blocks[start:end]))
                 start = end
         return reqs, failed
 
-    def _request_locked(self, call: _GetCall, tier: int, p: int, f: ReadFile, blocks: list[tuple[int, int]]) -> _Req:
+    def _request_under_reads(self, call: _GetCall, tier: int, p: int, f: ReadFile,
+                             blocks: list[tuple[int, int]]) -> _Req:
         page = call.pages[p]
         info = page.info
         j0, j1 = blocks[0][0], blocks[-1][0] + 1
@@ -349,7 +354,7 @@ class ReadPath:
         f.refs += 1
         return _Req(call, tier, p, j0, j1, [item for _, item in blocks], bufs, f, nbytes)
 
-    def _file_locked(self, call: _GetCall, tier: int, p: int) -> ReadFile | None:
+    def _file_under_reads(self, call: _GetCall, tier: int, p: int) -> ReadFile | None:
         """The call's read descriptor of page ``p`` on ``tier`` (opened on first use, or again if it
         was closed while idle), or None."""
         f = call.files.get((tier, p))
@@ -363,7 +368,7 @@ class ReadPath:
                     self.files.open_file(f, call.files, lambda: self.tiers[tier].open_page(page.key))
                     f.failed = False
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
-                    self._remove_copy_locked(tier, page.key, f"{exc.strerror} under its name",
+                    self._remove_copy_under_reads(tier, page.key, f"{exc.strerror} under its name",
                                              remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
                     err = exc.errno or errno.EIO
@@ -378,7 +383,7 @@ class ReadPath:
                         self.stats.add(tier, "errors")
         return f if f.fd is not None else None
 
-    def _start_locked(self, reqs: list[_Req]) -> None:
+    def _start_under_reads(self, reqs: list[_Req]) -> None:
         now = time.monotonic()
         for req in reqs:
             page = req.call.pages[req.p]
@@ -393,7 +398,7 @@ class ReadPath:
         except BaseException:
             for req in reqs:
                 self.files.drop(req.file)
-                self._release(req)
+                self._release_under_reads(req)
             raise
         call = reqs[0].call
         started = 0
@@ -408,7 +413,7 @@ class ReadPath:
             call.reading |= started
 
     # -- completions ---------------------------------------------------------------------------
-    def _complete_locked(self, req: _Req, res: int, timely: bool = True) -> list:
+    def _complete_under_reads(self, req: _Req, res: int, timely: bool = True) -> list:
         """``timely``: reaped while a call waited for completions. Otherwise (orphans reaped when the
         next call starts, or by drain) the completion may be long past: it shows the tier progressed,
         but its latency and the busy time up to now measure the gap between calls, not the device."""
@@ -428,26 +433,26 @@ class ReadPath:
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
             self.stats.total("orphan_reads")  # still tells about the tier's health)
             if res < 0:
-                self._failed_read(tier, call.pages[req.p].key, -res)
-            self._release(req)
+                self._failed_read_under_reads(tier, call.pages[req.p].key, -res)
+            self._release_under_reads(req)
             return []
         try:
-            return self._deliver_locked(req, res)
+            return self._deliver_under_reads(req, res)
         finally:
-            self._release(req)
+            self._release_under_reads(req)
 
-    def _release(self, req: _Req) -> None:
+    def _release_under_reads(self, req: _Req) -> None:
         for b in req.bufs or ():
             self.pool.put(b)
         req.bufs = None if req.bufs is None else []
 
-    def _deliver_locked(self, req: _Req, res: int) -> list:
+    def _deliver_under_reads(self, req: _Req, res: int) -> list:
         """Verify (and, from staging, copy in) the blocks that arrived; tell the router."""
         call, tier = req.call, req.tier
         page = call.pages[req.p]
         info = page.info
         if res < 0:
-            self._failed_read(tier, page.key, -res)
+            self._failed_read_under_reads(tier, page.key, -res)
         # Blocks wholly read (a short read means the file is shorter than its header says).
         if res >= req.nbytes:
             complete = req.j1 - req.j0
@@ -478,18 +483,18 @@ class ReadPath:
                 if res >= 0:
                     self.stats.add(tier, "corrupted")
                     if (tier, req.p) not in call.bad:
-                        self._quarantine_locked(call, tier, req.p, req.j0 + i,
+                        self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
                                                 "checksum" if i < complete else "truncated")
             results.append((item, ok))
         if duplicates:
             self.stats.total("duplicate_reads", duplicates)
         return call.route.complete_many(tier, results)
 
-    def _failed_read(self, tier: int, key: str, err: int) -> None:
+    def _failed_read_under_reads(self, tier: int, key: str, err: int) -> None:
         self.stats.add(tier, "errors")
         self.tiers[tier].fail(err, f"read {key}")
 
-    def _read_block(self, tier: int, page: _ReadPage, j: int) -> bytes:
+    def _read_block_under_reads(self, tier: int, page: _ReadPage, j: int) -> bytes:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
         :raises OSError: e.g. FileNotFoundError."""
         span = block_span(page.info.length, page.info.block, j)
@@ -499,7 +504,7 @@ class ReadPath:
         finally:
             os.close(fd)
 
-    def _quarantine_locked(self, call: _GetCall, tier: int, p: int, j: int, why: str) -> None:
+    def _quarantine_under_reads(self, call: _GetCall, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged
         copy from a transfer fault. A copy that differs on disk from what the index says is checked
         against its own header: intact, it is another writer's version of the page (two processes of
@@ -508,7 +513,7 @@ class ReadPath:
         page = call.pages[p]
         call.bad.add((tier, p))
         try:
-            data = self._read_block(tier, page, j)
+            data = self._read_block_under_reads(tier, page, j)
             differs = len(data) != block_span(page.info.length, page.info.block, j).nbytes or \
                 crc32c(data) != page.info.crcs[j]
         except (FileNotFoundError, NotRegularFile):
@@ -531,9 +536,9 @@ class ReadPath:
                 log.info("kvstream: page %s on tier %d is another writer's version (intact, other bytes); kept, "
                          "read from a copy of the indexed version or indexed in its place", page.key, tier)
         else:
-            self._remove_copy_locked(tier, page.key, f"{why}, block {j}")
+            self._remove_copy_under_reads(tier, page.key, f"{why}, block {j}")
 
-    def _remove_copy_locked(self, tier: int, key: str, why: str, remove: bool = True) -> None:
+    def _remove_copy_under_reads(self, tier: int, key: str, why: str, remove: bool = True) -> None:
         """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
         directory stays: kvstream never removes one; ``check`` reports it)."""
         log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
@@ -544,7 +549,7 @@ class ReadPath:
         self.stats.add(tier, "quarantined")
 
     # -- flow ----------------------------------------------------------------------------------
-    def _set_depths(self, route, unit: int) -> None:
+    def _set_depths_under_reads(self, route, unit: int) -> None:
         """Each tier's window, less what earlier calls still have in flight on it, in items. A tier
         claims what one of its requests carries (at least the policy's m), but no more than a share
         of the batch that leaves every tier a few claims: a small batch is still split."""
@@ -554,41 +559,41 @@ class ReadPath:
             claim = max(route.m, min(flow.request // unit, share))
             route.set_depth(k, max(0, flow.window - self.io.orphaned[k]) // unit, claim)
 
-    def _may_steal(self, tier: int, owner: int) -> bool:
+    def _may_steal_under_reads(self, tier: int, owner: int) -> bool:
         """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
         ``owner`` is overdue (stalled): otherwise the owner delivers them sooner than a re-read."""
         flows = self.io.flows
         return flows[tier].rate >= flows[owner].rate or self.io.overdue(owner)
 
     # -- end of a call -----------------------------------------------------------------------------
-    def _wait_direct_locked(self, call: _GetCall, timed_out: bool) -> None:
+    def _wait_direct_under_reads(self, call: _GetCall, timed_out: bool) -> None:
         """Reads into caller memory must land before the call returns: wait for them. (After a
         timeout that is news; otherwise another tier delivered their blocks first, which is routine.)"""
         log.log(logging.WARNING if timed_out else logging.DEBUG,
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
             for req, res in self.io.reap(1, None):
-                self._complete_locked(req, res)
+                self._complete_under_reads(req, res)
 
-    def _settle_direct_locked(self, call: _GetCall) -> None:
+    def _settle_direct_under_reads(self, call: _GetCall) -> None:
         """After an error inside a call: its reads into caller memory must still land before it
         returns. If even waiting fails (the ring is broken), the ring is closed, which cancels what
         the kernel holds and waits for it, and the read path is closed (calls raise EngineClosedError)."""
         try:
-            self._wait_direct_locked(call, timed_out=True)
+            self._wait_direct_under_reads(call, timed_out=True)
         except BaseException:
             log.exception("kvstream: could not wait for reads into caller memory; closing the read path")
             self.closed = True
             self.io.ring.close()
 
-    def _pages_done(self, call: _GetCall) -> list[bool]:
+    def _pages_done_under_reads(self, call: _GetCall) -> list[bool]:
         done = [True] * len(call.pages)
         for (p, _j), arrived in zip(call.items, call.arrived):
             if not arrived:
                 done[p] = False
         return done
 
-    def _end_call_locked(self, call: _GetCall) -> None:
+    def _end_call_under_reads(self, call: _GetCall) -> None:
         call.active = False
         if call.in_flight:
             self.io.orphan(req for req in self.io.requests() if req.call is call)
@@ -603,10 +608,10 @@ class ReadPath:
                     self.stats.add(tier, "replica_retries")
 
     # -- orphans -------------------------------------------------------------------------------
-    def _reap_locked(self, min_complete: int, timeout: float | None) -> None:
+    def _reap_under_reads(self, min_complete: int, timeout: float | None) -> None:
         if len(self.io):
             for req, res in self.io.reap(min_complete, timeout):
-                self._complete_locked(req, res, timely=False)
+                self._complete_under_reads(req, res, timely=False)
 
     def drain(self, timeout: float | None) -> int:
         """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain."""
@@ -616,7 +621,7 @@ class ReadPath:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._reap_locked(1, left)
+                self._reap_under_reads(1, left)
             return len(self.io)
 
     def close(self) -> None:

@@ -171,6 +171,12 @@ class WritePath:
     :param ceiling: most bytes one tier may keep in flight (its window's ceiling).
     :param settings: replicate (admission.py), replicate_slack, write_backlog (bytes of pages not
         yet done beyond which ``put_deferred`` waits).
+
+    Locks: ``lock``, the writer's (held by the writer thread while it works, and by ``exclusive``):
+    methods ending ``_under_writer`` run with it held; ``_qlock``, the queues' (callers and the
+    writer, briefly; taken under ``lock``, never the other way round): methods ending
+    ``_under_queues``. ``_signal`` runs under the writer's lock or under none (a put with nothing to
+    write).
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
@@ -245,7 +251,7 @@ class WritePath:
                 self._exclusive -= 1
                 self._work.notify_all()
 
-    def cancel_locked(self) -> None:
+    def cancel_under_writer(self) -> None:
         """clear(): drop every queued job and discard the ones in flight (their pages report False).
         Called inside :meth:`exclusive`."""
         with self._qlock:
@@ -256,9 +262,9 @@ class WritePath:
             for job in list(jobs):
                 job.err = CANCELLED
                 if not job.in_flight:  # (held back between two of its writes) nothing will reap it
-                    self._finish_job_locked(job)
+                    self._finish_job_under_writer(job)
         for page, k in dropped:
-            self._job_over(page, k)
+            self._job_over_under_writer(page, k)
 
     def close(self) -> None:
         """Write what is queued, stop the writer, close the ring. Idempotent."""
@@ -289,13 +295,13 @@ class WritePath:
                 raise EngineClosedError("kvstream engine is closed")
             self.stats.total("puts")
             self.stats.total("pages_put", len(keys))
-            self._enqueue_locked(call, keys, pages, mask, held)
+            self._enqueue_under_queues(call, keys, pages, mask, held)
             now = not call.left  # else the writer thread ends it
         if now:
             self._signal(call)  # nothing to write (held, invalid, no tier can take it): done now
         return call
 
-    def _enqueue_locked(self, call: _PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+    def _enqueue_under_queues(self, call: _PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
                         mask: int, held: set[str]) -> None:
         first: dict[str, int] = {}
         for i, key in enumerate(keys):
@@ -328,7 +334,7 @@ class WritePath:
                          mask & ~self.index.holders(key))
             page.calls.append((call, i))
             call.pages.append(page)
-        self._admit_locked(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
+        self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
         for page in call.pages:
             if not page.targets:  # no tier can take it (capacity, every tier failed): False
                 self.stats.total("pages_failed")
@@ -359,13 +365,13 @@ class WritePath:
                 pass
         return False
 
-    def _admit_locked(self, new: list[_WritePage], failed_tiers: int) -> None:
-        """Each new page's target tiers (admission.py), and its bytes queued on them. Under _qlock."""
+    def _admit_under_queues(self, new: list[_WritePage], failed_tiers: int) -> None:
+        """Each new page's target tiers (admission.py), and its bytes queued on them."""
         targets = [page.targets for page in new]
         for k, n in enumerate(fit_capacity([page.file_bytes for page in new], targets, self.index.capacities)):
             if n:
                 self.stats.add(k, "skipped_writes", n)
-        bandwidth = [self._bandwidth(k) for k in range(len(self.tiers))]
+        bandwidth = [self._bandwidth_under_queues(k) for k in range(len(self.tiers))]
         replicate, slack = self.settings.replicate, self.settings.replicate_slack
         for page, wanted in zip(new, targets):
             page.expected = wanted | failed_tiers
@@ -377,7 +383,7 @@ class WritePath:
             for k in tiers_in(page.targets):
                 self.queued[k] += page.file_bytes
 
-    def _bandwidth(self, k: int) -> float:
+    def _bandwidth_under_queues(self, k: int) -> float:
         """Tier k's write bandwidth (bytes/s, undisturbed by reads), or 0 until TRUST_BYTES were
         measured (the budget admits every replica until then)."""
         return self.io.flows[k].rate if self.measured[k] >= TRUST_BYTES else 0.0
@@ -389,41 +395,41 @@ class WritePath:
             self._wakes += 1
             self._work.notify()
 
-    def _has_work(self) -> bool:
+    def _has_work_under_queues(self) -> bool:
         return bool(len(self.io)) or any(self._fifo) or any(self._active)
 
     def _run(self) -> None:
         while True:
             with self._qlock:
-                self._work.wait_for(lambda: (self._has_work() and not self._exclusive) or
-                                    (self._closing and not self._has_work()))
-                if not self._has_work():
+                self._work.wait_for(lambda: (self._has_work_under_queues() and not self._exclusive) or
+                                    (self._closing and not self._has_work_under_queues()))
+                if not self._has_work_under_queues():
                     return
                 wakes = self._wakes
             with self.lock:
                 try:
-                    idle = self._step()
+                    idle = self._step_under_writer()
                 except Exception:  # a bug must not hang every caller: fail what is pending, live on
                     log.exception("kvstream: write path error; the pages being written are reported failed")
-                    self._abandon_locked()
+                    self._abandon_under_writer()
                     continue
             if idle is not None:  # nothing in flight: queued jobs wait for reads to end or stall
                 with self._qlock:  # (or for descriptors); a wake-up since the step cuts it short
                     if self._wakes == wakes and not self._exclusive:
                         self._work.wait(idle or None)
 
-    def _step(self) -> float | None:
+    def _step_under_writer(self) -> float | None:
         """Start and submit what each tier may take now, then reap what completes within WAKE_S.
         Returns None, or when nothing is in flight how long to wait for a wake-up (0: no limit)."""
         held, until = self.priority.held()
-        self._account_held(held)
-        self._submit_locked(held)
+        self._account_held_under_writer(held)
+        self._submit_under_writer(held)
         if len(self.io):
             done = self.io.reap(1, WAKE_S)
             now = time.monotonic()
             for write, res in done:
-                self._complete_locked(write, res, now)
-            self._account_busy()
+                self._complete_under_writer(write, res, now)
+            self._account_busy_under_writer()
             return None
         timeout = until
         retry = self._fds.retry_at - time.monotonic()
@@ -431,7 +437,7 @@ class WritePath:
             timeout = retry if timeout is None else min(timeout, retry)
         return 0.0 if timeout is None else max(timeout, 1e-3)
 
-    def _account_held(self, held: int) -> None:
+    def _account_held_under_writer(self, held: int) -> None:
         """Time each tier's queued writes spent waiting for its reads (stats ``write_held_s``)."""
         now = time.monotonic()
         for k in range(len(self.tiers)):
@@ -443,14 +449,14 @@ class WritePath:
                 self.stats.add(k, "write_held_s", now - since)
                 self._held_since[k] = None
 
-    def _account_busy(self) -> None:
+    def _account_busy_under_writer(self) -> None:
         for k, busy in enumerate(self.io.busy.snapshot()):
             if busy > self._busy_seen[k]:
                 self.stats.add(k, "write_busy_s", busy - self._busy_seen[k])
                 self._busy_seen[k] = busy
 
     # -- submit ----------------------------------------------------------------------------------
-    def _submit_locked(self, held: int) -> None:
+    def _submit_under_writer(self, held: int) -> None:
         writes = []
         now = time.monotonic()
         bounded = self.priority.enabled  # off: every job in flight at once (the behaviour before)
@@ -460,7 +466,7 @@ class WritePath:
                     continue
                 window = self.io.flows[k].window if bounded else math.inf
                 while self.io.bytes[k] < window:
-                    job = self._next_job_locked(k, now)
+                    job = self._next_job_under_writer(k, now)
                     if job is None:
                         break
                     buf, n, offset = job.ops[job.next]
@@ -476,7 +482,7 @@ class WritePath:
                 write.job.in_flight -= 1
             raise
 
-    def _next_job_locked(self, k: int, now: float) -> _Job | None:
+    def _next_job_under_writer(self, k: int, now: float) -> _Job | None:
         """The job of tier ``k`` with a write left to submit: a started one, else the next page of
         its FIFO (None: none, or none can start now: descriptors, staging memory)."""
         for job in self._active[k]:
@@ -492,7 +498,7 @@ class WritePath:
             if not page.aligned and page.staging is None and self._staged and \
                     self._staged + round_up(page.length) > self.staging_limit:
                 return None  # staging memory is in use by pages in flight: wait for one
-            started = self._start_job_locked(page, k)
+            started = self._start_job_under_writer(page, k)
             if started is False:
                 return None  # out of descriptors: the page stays first in line
             with self._qlock:
@@ -501,20 +507,20 @@ class WritePath:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
 
-    def _start_job_locked(self, page: _WritePage, k: int) -> _Job | None | bool:
+    def _start_job_under_writer(self, page: _WritePage, k: int) -> _Job | None | bool:
         """A job for ``page`` on tier ``k``, ready to submit; None when the page cannot go there (the
         reason is counted); False when no descriptor is free (try again later)."""
         tier = self.tiers[k]
         if not tier.healthy:  # failed since the put was accepted: the page misses it (under-replicated)
-            self._job_over(page, k)
+            self._job_over_under_writer(page, k)
             return None
         try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
             fd, tmp = tier.create_tmp()
         except OSError as exc:
             if exc.errno in OUT_OF_DESCRIPTORS:
-                return self._out_of_descriptors(page, k)
-            self._failed_locked(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
-            self._job_over(page, k)
+                return self._out_of_descriptors_under_writer(page, k)
+            self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
+            self._job_over_under_writer(page, k)
             return None
         self._fds.created()
         victims = self.index.reserve(k, page.file_bytes)
@@ -522,15 +528,15 @@ class WritePath:
             tier.discard(fd, tmp)
             self.stats.add(k, "skipped_writes")
             log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
-            self._job_over(page, k)
+            self._job_over_under_writer(page, k)
             return None
-        self._evicted_locked(k, victims)
+        self._evicted_under_writer(k, victims)
         page.users += 1
         try:
-            self._prepare_locked(page)
+            self._prepare_under_writer(page)
         except BaseException:
             page.users -= 1
-            self._release_locked(page)
+            self._release_under_writer(page)
             tier.discard(fd, tmp)
             self.index.abort(k, page.file_bytes)
             raise
@@ -539,15 +545,15 @@ class WritePath:
         self._active[k].append(job)
         return job
 
-    def _out_of_descriptors(self, page: _WritePage, k: int) -> bool | None:
+    def _out_of_descriptors_under_writer(self, page: _WritePage, k: int) -> bool | None:
         """EMFILE/ENFILE (files.py): False to try again later, or None: this (page, tier) fails."""
         if self._fds.hit(any(self._active), time.monotonic()):
             return False
         self.stats.add(k, "write_failures")
-        self._job_over(page, k)
+        self._job_over_under_writer(page, k)
         return None
 
-    def _prepare_locked(self, page: _WritePage) -> None:
+    def _prepare_under_writer(self, page: _WritePage) -> None:
         """Checksums (once per page), the header, and where the payload is written from: the caller's
         memory (aligned) or a staging copy, held while a job of the page is in flight."""
         if page.aligned:
@@ -573,7 +579,7 @@ class WritePath:
             pack_header(PageHeader(page.key, self.digest, page.length, page.block, page.crcs, page.created),
                         page.header)
 
-    def _release_locked(self, page: _WritePage) -> None:
+    def _release_under_writer(self, page: _WritePage) -> None:
         """No job of the page in flight: its staging copy and header go back (a later job of another
         tier copies again from the caller's memory, which stays valid until the page is done)."""
         if page.users:
@@ -587,7 +593,7 @@ class WritePath:
             page.header = None
 
     # -- completions -----------------------------------------------------------------------------
-    def _complete_locked(self, write: _Write, res: int, now: float) -> None:
+    def _complete_under_writer(self, write: _Write, res: int, now: float) -> None:
         job, want, k = write.job, write.nbytes, write.tier
         # A write measures the tier's bandwidth only if no read started on the tier meanwhile:
         # writes held back or slowed by reads must not lower it.
@@ -599,22 +605,22 @@ class WritePath:
             self.io.measure(write, res, now, False)
         job.in_flight -= 1
         if res != want and not job.err:
-            job.err = -res if res < 0 else self._short_write_errno(job)
+            job.err = -res if res < 0 else self._short_write_errno_under_writer(job)
         if not job.in_flight and (job.err or job.next == len(job.ops)):
-            self._finish_job_locked(job)
+            self._finish_job_under_writer(job)
 
-    def _finish_job_locked(self, job: _Job) -> None:
+    def _finish_job_under_writer(self, job: _Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
-                page_dir = tier.commit(fd, job.tmp, page.key, lambda: self._evict_locked(k, page.file_bytes))
+                page_dir = tier.commit(fd, job.tmp, page.key, lambda: self._evict_under_writer(k, page.file_bytes))
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.file_bytes)
-                self._failed_locked(k, exc.errno or errno.EIO, f"commit {page.key}")
-                self._close_job(job)
+                self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
+                self._close_job_under_writer(job)
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
@@ -624,10 +630,10 @@ class WritePath:
                 call.dirs.setdefault(k, set()).add(page_dir)
             self.stats.add(k, "bytes_written", page.length)
             self.stats.add(k, "pages_written")
-            self._close_job(job)
+            self._close_job_under_writer(job)
             return
-        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_locked(job):
-            if self._evict_locked(k, page.file_bytes):
+        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_under_writer(job):
+            if self._evict_under_writer(k, page.file_bytes):
                 job.tries += 1
                 job.err = 0
                 job.next = 0  # write it all again
@@ -635,18 +641,18 @@ class WritePath:
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.file_bytes)
         if job.err != CANCELLED:
-            self._failed_locked(k, job.err, f"write {page.key}")
-        self._close_job(job)
+            self._failed_under_writer(k, job.err, f"write {page.key}")
+        self._close_job_under_writer(job)
 
-    def _close_job(self, job: _Job) -> None:
+    def _close_job_under_writer(self, job: _Job) -> None:
         """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""
         self._active[job.tier].remove(job)
         self._fds.closed()
         job.page.users -= 1
-        self._release_locked(job.page)
-        self._job_over(job.page, job.tier)
+        self._release_under_writer(job.page)
+        self._job_over_under_writer(job.page, job.tier)
 
-    def _job_over(self, page: _WritePage, k: int) -> None:
+    def _job_over_under_writer(self, page: _WritePage, k: int) -> None:
         """One tier of the page is done (written, failed or skipped); the last one ends the page."""
         with self._qlock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
@@ -668,9 +674,9 @@ class WritePath:
             call.results[i] = ok
             call.left -= 1
             if not call.left:
-                self._end_call(call)
+                self._end_call_under_writer(call)
 
-    def _end_call(self, call: _PutCall) -> None:
+    def _end_call_under_writer(self, call: _PutCall) -> None:
         unsynced = set()
         for k, dirs in call.dirs.items():
             if self.tiers[k].fsync == "full" and dirs:
@@ -701,7 +707,7 @@ class WritePath:
         except Exception:
             log.exception("kvstream: a deferred put's completion callback failed")
 
-    def _abandon_locked(self) -> None:
+    def _abandon_under_writer(self) -> None:
         """After an unexpected error: wait for the writes in flight (they read caller memory), then
         discard every job and fail every page still pending, so that no caller waits forever."""
         while self.io.ring.in_flight:
@@ -710,16 +716,16 @@ class WritePath:
         for jobs in self._active:
             for job in jobs:
                 job.in_flight = 0
-        self.cancel_locked()
+        self.cancel_under_writer()
 
     # -- errors ----------------------------------------------------------------------------------
-    def _evict_locked(self, k: int, nbytes: int) -> bool:
+    def _evict_under_writer(self, k: int, nbytes: int) -> bool:
         """Evict LRU pages of tier ``k`` to make room for ``nbytes``; False: nothing left to evict."""
         victims = self.index.evict(k, nbytes)
-        self._evicted_locked(k, victims)
+        self._evicted_under_writer(k, victims)
         return bool(victims)
 
-    def _room_possible_locked(self, job: _Job) -> bool:
+    def _room_possible_under_writer(self, job: _Job) -> bool:
         """Could evicting every page of this namespace on the tier make room for the job? If not
         (a page larger than the file system, or one full of other data), evicting would only
         throw pages away: the write fails for this tier and nothing is evicted."""
@@ -727,19 +733,19 @@ class WritePath:
         return free is None or free + self.index.used[job.tier] >= job.page.file_bytes  # (None: cannot
         # tell: try eviction)
 
-    def _short_write_errno(self, job: _Job) -> int:
+    def _short_write_errno_under_writer(self, job: _Job) -> int:
         """A write that stopped early: the ring reports the bytes done, not the error that
         followed. A nearly full file system means ENOSPC (evict and retry), else EIO."""
         free = self.tiers[job.tier].free_bytes()
         return errno.ENOSPC if free is not None and free < 2 * job.page.file_bytes else errno.EIO
 
-    def _evicted_locked(self, k: int, victims: list[str]) -> None:
+    def _evicted_under_writer(self, k: int, victims: list[str]) -> None:
         for key in victims:
             self.tiers[k].unlink_page(key)
         if victims:
             self.stats.add(k, "evictions", len(victims))
 
-    def _failed_locked(self, k: int, err: int, what: str) -> None:
+    def _failed_under_writer(self, k: int, err: int, what: str) -> None:
         self.stats.add(k, "write_failures")
         self.stats.add(k, "errors")
         if not self.tiers[k].fail(err, what) and err not in SPACE_ERRNOS:

@@ -272,7 +272,7 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             warm_keys = pages.keys(warm)
             assert pages.put(engine, warm_keys) == [True] * warm  # accepted unmeasured: every replica
             assert [engine.index.holders(k) for k in warm_keys] == [0b11] * warm
-            assert all(engine._writes._bandwidth(k) > 0 for k in range(2))  # both measured now
+            assert all(engine._writes._bandwidth_under_queues(k) > 0 for k in range(2))  # both measured now
             batch = pages.keys(24, 1000)
             assert pages.put(engine, batch) == [True] * 24
             stats = engine.stats()
@@ -325,7 +325,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
     keys = pages.keys(4)
     with make_engine(tier_dirs[:2]) as engine:
         path = engine._writes
-        real = path._prepare_locked
+        real = path._prepare_under_writer
         calls = []
 
         def prepare(page):
@@ -334,7 +334,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
                 raise MemoryError("staging memory (a bug or a real shortage)")
             return real(page)
 
-        monkeypatch.setattr(path, "_prepare_locked", prepare)
+        monkeypatch.setattr(path, "_prepare_under_writer", prepare)
         out = []
         t = threading.Thread(target=lambda: out.append(pages.put(engine, keys)), daemon=True)
         t.start()
@@ -342,7 +342,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
         assert not t.is_alive(), "the put never returned: the writer is stuck"
         assert len(out[0]) == 4 and not all(out[0])
         assert "write path error" in caplog.text
-        monkeypatch.setattr(path, "_prepare_locked", real)
+        monkeypatch.setattr(path, "_prepare_under_writer", real)
         more = pages.keys(4, start=4)
         assert pages.put(engine, more) == [True] * 4  # the writer lives on
         assert pages.checked_get(engine, more) == [True] * 4
