@@ -7,8 +7,9 @@ Data flow of ``get`` (one call at a time per read ring)::
     route = policy.start(n_tiers, holders)                 (router.py, pure)
     loop: claims -> requests: each tier's claimed blocks of one page, adjacent ones merged into one
           read (up to its flow's request size), into staging buffers or straight into caller memory
-          -> submit -> reap -> verify each block's crc32c against the index (staged blocks are
-          copied into the caller's segments in the same pass) -> route.complete(tier, item, ok)
+          -> submit, reap (inflight.py) -> verify each block's crc32c against the index (staged blocks are
+          copied into the caller's segments in the same pass; a block that fails: damage.py)
+          -> route.complete(tier, item, ok)
           -> each tier's window follows its device (flow.py) -> next claims
     until every item is found or failed (or read_timeout passes)
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
@@ -29,78 +30,27 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+from . import damage
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
+from .getcall import GetCall, ReadPage, Req, record_get
 from .index import Index, PageInfo
 from .inflight import InFlight
-from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
-from .io import MAX_VECTOR, OP_READ, PageMap
-from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
+from .integrity import NotRegularFile
+from .io import MAX_VECTOR, OP_READ
+from .layout import HEADER_SIZE, is_valid_key, round_up
 from .memory import HugePageMap
 from .priority import ReadPriority
 from .segments import Segment
 from .staging import BufferPool
-from .stats import Stats, batch_figures
+from .stats import Stats
 from .tiers import Tier
 
 log = logging.getLogger("kvstream")
-
-class _ReadPage:
-    """One requested page: its index entry, where its payload goes, whether it can be read in place."""
-
-    __slots__ = ("key", "info", "map", "in_place", "single")
-
-    def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment], holders: int, huge: HugePageMap):
-        self.key, self.info = key, info
-        self.map = PageMap(segments, info.length, info.block, info.crcs)
-        # O_DIRECT can target the caller's memory as it is, and does better there than through
-        # staging: huge pages (memory.py)
-        self.in_place = info.length % ALIGN == 0 and len(segments) <= MAX_VECTOR and \
-            all(is_aligned(a, n) and huge.huge(a, n) for a, n in segments)
-        self.single = holders & (holders - 1) == 0  # one usable holder: nobody can race for it
-
-
-class _Req:
-    """One read in flight: blocks ``j0 .. j1-1`` of one page from one tier."""
-
-    __slots__ = ("call", "tier", "p", "j0", "j1", "items", "bufs", "file", "nbytes", "t0", "ahead", "orphan")
-
-    def __init__(self, call: "_GetCall", tier: int, p: int, j0: int, j1: int, items: list[int], bufs,
-                 file: ReadFile, nbytes: int):
-        self.call, self.tier, self.p, self.j0, self.j1, self.items = call, tier, p, j0, j1, items
-        self.bufs = bufs  # staging buffers, one per block; None: straight into caller memory
-        self.file, self.nbytes = file, nbytes  # (t0, ahead, orphan: set by InFlight.add)
-
-
-class _GetCall:
-    """State of one get(): pages, items (page, block), files, first arrivals."""
-
-    def __init__(self, n_tiers: int):
-        self.pages: list[_ReadPage] = []
-        self.page_of: list[int] = []  # request position of each entry of ``pages``
-        self.page_tiers: list[int] = []  # per page, tiers that served >= 1 of its blocks (mask)
-        self.items: list[tuple[int, int]] = []  # (index into pages, block)
-        self.holders: list[int] = []
-        self.files: dict[tuple[int, int], ReadFile] = {}
-        self.bad: set[tuple[int, int]] = set()  # (tier, page) found damaged this call
-        self.failed: list[tuple[int, int]] = []  # (tier, item) reads that failed
-        self.route = None
-        self.arrived = bytearray()
-        self.active = True
-        self.in_flight = 0  # requests
-        self.direct_in_flight = 0  # requests into caller memory (the call cannot return before them)
-        self.read = [0] * n_tiers  # bytes transferred per tier
-        self.served = [0] * n_tiers  # first-arrival bytes per tier
-        self.requests = 0
-        self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
-        self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
-        self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
-
 
 class ReadPath:
     """Owns the read ring's in-flight core (each tier's flow, the reads in flight, orphans included),
@@ -144,7 +94,6 @@ class ReadPath:
     # -- get -----------------------------------------------------------------------------------
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], policy, mask: int) -> list[bool]:
         """See Engine.get. ``mask``: tiers usable for this batch."""
-        n_tiers = len(self.tiers)
         found = [False] * len(keys)
         t0 = time.perf_counter()
         with self.lock:
@@ -155,48 +104,25 @@ class ReadPath:
             calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found)]
             retry, mask = self._second_chance_under_reads(calls[0], keys, found, mask)
             if retry:
-                calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry], policy, mask,
-                                               retry, found))
+                calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry], policy,
+                                                    mask, retry, found))
             busy = [b - a for a, b in zip(busy0, self.io.busy.snapshot())]
-        elapsed = time.perf_counter() - t0
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
-        read = [sum(c.read[k] for c in calls) for k in range(n_tiers)]
-        served_by = [sum(c.served[k] for c in calls) for k in range(n_tiers)]
-        served = sum(served_by)
-        n_found = sum(found)
-        for k in range(n_tiers):
-            if read[k]:
-                self.stats.add(k, "bytes_read", read[k])
-            if served_by[k]:
-                self.stats.add(k, "bytes_served", served_by[k])
-            self.stats.add(k, "read_busy_s", busy[k])
-        self.stats.total("gets")
-        self.stats.total("pages_requested", len(keys))
-        self.stats.total("pages_found", n_found)
-        self.stats.total("pages_missing", len(keys) - n_found)
-        batch = batch_figures(elapsed, served, read, busy, served_by)
-        batch.update(pages=len(keys), found=n_found, items=sum(len(c.items) for c in calls),
-                     requests=sum(c.requests for c in calls), direct_bytes=sum(c.direct_bytes for c in calls),
-                     policy=getattr(policy, "name", str(policy)),
-                     duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
-                     retries=sum(getattr(c.route, "retries", 0) for c in calls),
-                     duplicate_bytes=sum(read) - served if served else 0, second_chance=len(calls) - 1,
-                     windows=[f.window for f in self.io.flows])
-        self.stats.record_batch(batch)
+        record_get(self.stats, calls, len(keys), sum(found), time.perf_counter() - t0, busy, policy, self.io.flows)
         return found
 
     def _call_under_reads(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int],
-                          found: list[bool]) -> _GetCall:
+                          found: list[bool]) -> GetCall:
         """One routed pass over ``keys``; marks ``found[pos[i]]`` for each key read whole."""
         infos = self.index.pin(keys)
-        call = _GetCall(len(self.tiers))
+        call = GetCall(len(self.tiers))
         try:
             self._plan_under_reads(call, keys, pages, infos, mask)
             if call.items:
                 self._run_under_reads(call, policy, mask)
-            for p, ok in enumerate(self._pages_done_under_reads(call)):
+            for p, ok in enumerate(call.pages_done()):
                 if ok:
                     found[pos[call.page_of[p]]] = True
         finally:
@@ -208,7 +134,7 @@ class ReadPath:
                 self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
 
-    def _second_chance_under_reads(self, call: _GetCall, keys: Sequence[str], found: list[bool],
+    def _second_chance_under_reads(self, call: GetCall, keys: Sequence[str], found: list[bool],
                               mask: int) -> tuple[list[int], int]:
         """Pages the call missed that the engine's ``recover`` can give a new holder: a failed tier that
         holds them and answers a probe now (it may be the only copy left: the other tiers' copies were
@@ -232,7 +158,7 @@ class ReadPath:
                 retry.append(i)
         return retry, now
 
-    def _plan_under_reads(self, call: _GetCall, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
+    def _plan_under_reads(self, call: GetCall, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
         if len(pages) != len(keys):
             raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
         for i, (key, info) in enumerate(zip(keys, infos)):
@@ -251,7 +177,7 @@ class ReadPath:
             if not holders:
                 continue
             p = len(call.pages)
-            call.pages.append(_ReadPage(key, info, segments, holders, self.huge))
+            call.pages.append(ReadPage(key, info, segments, holders, self.huge))
             call.page_of.append(i)
             for j in range(len(info.crcs)):
                 call.items.append((p, j))
@@ -259,7 +185,7 @@ class ReadPath:
         call.arrived = bytearray(len(call.items))
         call.page_tiers = [0] * len(call.pages)
 
-    def _run_under_reads(self, call: _GetCall, policy, mask: int) -> None:
+    def _run_under_reads(self, call: GetCall, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = max(page.info.block for page in call.pages)
@@ -302,7 +228,7 @@ class ReadPath:
             self._wait_direct_under_reads(call, timed_out=not route.done)
 
     # -- requests --------------------------------------------------------------------------------
-    def _submit_under_reads(self, call: _GetCall, claims: list) -> None:
+    def _submit_under_reads(self, call: GetCall, claims: list) -> None:
         """Turn claims into requests and submit them; items whose page cannot be opened on the
         claiming tier fail there at once (and may be claimed by another holder)."""
         while claims:
@@ -314,13 +240,13 @@ class ReadPath:
             if reqs:
                 self._start_under_reads(reqs)
 
-    def _requests_under_reads(self, call: _GetCall, claims: list) -> tuple[list[_Req], list[tuple[int, int]]]:
+    def _requests_under_reads(self, call: GetCall, claims: list) -> tuple[list[Req], list[tuple[int, int]]]:
         runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for tier, items, _steal in claims:
             for item in items:
                 p, j = call.items[item]
                 runs.setdefault((tier, p), []).append((j, item))
-        reqs: list[_Req] = []
+        reqs: list[Req] = []
         failed: list[tuple[int, int]] = []
         for (tier, p), blocks in runs.items():
             f = self._file_under_reads(call, tier, p)
@@ -339,8 +265,8 @@ class ReadPath:
                 start = end
         return reqs, failed
 
-    def _request_under_reads(self, call: _GetCall, tier: int, p: int, f: ReadFile,
-                             blocks: list[tuple[int, int]]) -> _Req:
+    def _request_under_reads(self, call: GetCall, tier: int, p: int, f: ReadFile,
+                             blocks: list[tuple[int, int]]) -> Req:
         page = call.pages[p]
         info = page.info
         j0, j1 = blocks[0][0], blocks[-1][0] + 1
@@ -352,9 +278,9 @@ class ReadPath:
             bufs = [self.pool.get(info.block) for _ in range(j0, j1 - 1)]
             bufs.append(self.pool.get(end - (j1 - 1) * info.block))
         f.refs += 1
-        return _Req(call, tier, p, j0, j1, [item for _, item in blocks], bufs, f, nbytes)
+        return Req(call, tier, p, j0, j1, [item for _, item in blocks], bufs, f, nbytes)
 
-    def _file_under_reads(self, call: _GetCall, tier: int, p: int) -> ReadFile | None:
+    def _file_under_reads(self, call: GetCall, tier: int, p: int) -> ReadFile | None:
         """The call's read descriptor of page ``p`` on ``tier`` (opened on first use, or again if it
         was closed while idle), or None."""
         f = call.files.get((tier, p))
@@ -368,8 +294,8 @@ class ReadPath:
                     self.files.open_file(f, call.files, lambda: self.tiers[tier].open_page(page.key))
                     f.failed = False
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
-                    self._remove_copy_under_reads(tier, page.key, f"{exc.strerror} under its name",
-                                             remove=exc.errno != errno.EISDIR)
+                    damage.remove_copy(self.tiers[tier], self.index, self.stats, page.key,
+                                       f"{exc.strerror} under its name", remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
                     err = exc.errno or errno.EIO
                     if self.tiers[tier].fail(err, f"open {page.key}"):
@@ -383,7 +309,7 @@ class ReadPath:
                         self.stats.add(tier, "errors")
         return f if f.fd is not None else None
 
-    def _start_under_reads(self, reqs: list[_Req]) -> None:
+    def _start_under_reads(self, reqs: list[Req]) -> None:
         now = time.monotonic()
         for req in reqs:
             page = req.call.pages[req.p]
@@ -413,7 +339,7 @@ class ReadPath:
             call.reading |= started
 
     # -- completions ---------------------------------------------------------------------------
-    def _complete_under_reads(self, req: _Req, res: int, timely: bool = True) -> list:
+    def _complete_under_reads(self, req: Req, res: int, timely: bool = True) -> list:
         """``timely``: reaped while a call waited for completions. Otherwise (orphans reaped when the
         next call starts, or by drain) the completion may be long past: it shows the tier progressed,
         but its latency and the busy time up to now measure the gap between calls, not the device."""
@@ -441,12 +367,12 @@ class ReadPath:
         finally:
             self._release_under_reads(req)
 
-    def _release_under_reads(self, req: _Req) -> None:
+    def _release_under_reads(self, req: Req) -> None:
         for b in req.bufs or ():
             self.pool.put(b)
         req.bufs = None if req.bufs is None else []
 
-    def _deliver_under_reads(self, req: _Req, res: int) -> list:
+    def _deliver_under_reads(self, req: Req, res: int) -> list:
         """Verify (and, from staging, copy in) the blocks that arrived; tell the router."""
         call, tier = req.call, req.tier
         page = call.pages[req.p]
@@ -494,59 +420,12 @@ class ReadPath:
         self.stats.add(tier, "errors")
         self.tiers[tier].fail(err, f"read {key}")
 
-    def _read_block_under_reads(self, tier: int, page: _ReadPage, j: int) -> bytes:
-        """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
-        :raises OSError: e.g. FileNotFoundError."""
-        span = block_span(page.info.length, page.info.block, j)
-        fd, _ = open_regular(self.tiers[tier].layout.page_path(page.key))
-        try:
-            return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
-        finally:
-            os.close(fd)
-
-    def _quarantine_under_reads(self, call: _GetCall, tier: int, p: int, j: int, why: str) -> None:
-        """A block failed its check. Re-read it from the file (outside the ring) to tell a damaged
-        copy from a transfer fault. A copy that differs on disk from what the index says is checked
-        against its own header: intact, it is another writer's version of the page (two processes of
-        the namespace stored this key with other bytes), which leaves the index but stays on disk; it
-        is removed only when it fails its own header or checksums (damaged)."""
+    def _quarantine_under_reads(self, call: GetCall, tier: int, p: int, j: int, why: str) -> None:
+        """A block failed its check (damage.py tells what the copy on disk is)."""
         page = call.pages[p]
         call.bad.add((tier, p))
-        try:
-            data = self._read_block_under_reads(tier, page, j)
-            differs = len(data) != block_span(page.info.length, page.info.block, j).nbytes or \
-                crc32c(data) != page.info.crcs[j]
-        except (FileNotFoundError, NotRegularFile):
-            differs = True
-        except OSError:
-            return  # the tier is failing: its health, not this page, is the problem
-        if not differs:
-            log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
-                        "intact on disk; read from a replica", j, page.key, tier, why)
-            return
-        scanned = scan_file(self.tiers[tier].layout, self.digest, page.key, payload=True)
-        problem = scanned.problem
-        if problem is not None and problem.reason is Reason.UNREADABLE:
-            return  # an I/O error: the tier's health, not this copy, is the problem
-        if problem is None or problem.reason is Reason.VANISHED:  # kept (another writer's version), or gone
-            self.index.remove(page.key, tier)
+        if damage.block_failed(self.tiers[tier], self.index, self.stats, self.digest, page.key, page.info, j, why):
             call.relook.add(page.key)
-            if problem is None:
-                self.stats.add(tier, "other_versions")
-                log.info("kvstream: page %s on tier %d is another writer's version (intact, other bytes); kept, "
-                         "read from a copy of the indexed version or indexed in its place", page.key, tier)
-        else:
-            self._remove_copy_under_reads(tier, page.key, f"{why}, block {j}")
-
-    def _remove_copy_under_reads(self, tier: int, key: str, why: str, remove: bool = True) -> None:
-        """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
-        directory stays: kvstream never removes one; ``check`` reports it)."""
-        log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
-                    key, tier, why, "removed" if remove else "left in place")
-        self.index.remove(key, tier)
-        if remove:
-            self.tiers[tier].unlink_page(key)
-        self.stats.add(tier, "quarantined")
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths_under_reads(self, route, unit: int) -> None:
@@ -566,7 +445,7 @@ class ReadPath:
         return flows[tier].rate >= flows[owner].rate or self.io.overdue(owner)
 
     # -- end of a call -----------------------------------------------------------------------------
-    def _wait_direct_under_reads(self, call: _GetCall, timed_out: bool) -> None:
+    def _wait_direct_under_reads(self, call: GetCall, timed_out: bool) -> None:
         """Reads into caller memory must land before the call returns: wait for them. (After a
         timeout that is news; otherwise another tier delivered their blocks first, which is routine.)"""
         log.log(logging.WARNING if timed_out else logging.DEBUG,
@@ -575,7 +454,7 @@ class ReadPath:
             for req, res in self.io.reap(1, None):
                 self._complete_under_reads(req, res)
 
-    def _settle_direct_under_reads(self, call: _GetCall) -> None:
+    def _settle_direct_under_reads(self, call: GetCall) -> None:
         """After an error inside a call: its reads into caller memory must still land before it
         returns. If even waiting fails (the ring is broken), the ring is closed, which cancels what
         the kernel holds and waits for it, and the read path is closed (calls raise EngineClosedError)."""
@@ -586,14 +465,7 @@ class ReadPath:
             self.closed = True
             self.io.ring.close()
 
-    def _pages_done_under_reads(self, call: _GetCall) -> list[bool]:
-        done = [True] * len(call.pages)
-        for (p, _j), arrived in zip(call.items, call.arrived):
-            if not arrived:
-                done[p] = False
-        return done
-
-    def _end_call_under_reads(self, call: _GetCall) -> None:
+    def _end_call_under_reads(self, call: GetCall) -> None:
         call.active = False
         if call.in_flight:
             self.io.orphan(req for req in self.io.requests() if req.call is call)

@@ -31,7 +31,6 @@ stored when >= 1 tier committed it; fewer than the tiers it should be on counts 
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import math
@@ -48,11 +47,11 @@ from .errors import EngineClosedError
 from .files import OUT_OF_DESCRIPTORS, TMP_FILES_PER_TIER, Shortage
 from .index import Index, tiers_in
 from .inflight import InFlight
-from .integrity import PageHeader, block_crcs, pack_header
 from .io import OP_WRITE
-from .layout import HEADER_SIZE, block_size_for, file_size, is_aligned, is_valid_key, round_up
+from .layout import block_size_for, is_valid_key, round_up
 from .priority import ReadPriority
-from .segments import Payload, Segment
+from .puts import PutCall, WritePage
+from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
@@ -80,50 +79,6 @@ class WriteSettings(NamedTuple):
         return cls(*(getattr(config, name) for name in cls._fields))
 
 
-class _WritePage:
-    """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
-
-    __slots__ = ("key", "segments", "length", "block", "file_bytes", "aligned", "crcs", "created", "data",
-                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls")
-
-    def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
-        self.key, self.segments, self.length, self.block = key, segments, length, block
-        self.file_bytes = file_size(length)
-        self.aligned = all(is_aligned(a, n) for a, n in segments)
-        self.targets = targets  # tiers to write (bitmask)
-        self.expected = targets  # tiers that should hold it after the put (failed tiers included)
-        self.crcs: tuple[int, ...] | None = None  # computed when its first job starts
-        self.created = 0
-        self.data: list[tuple[int, int, int]] = []  # (address, nbytes, file offset) of the payload
-        self.staging = None  # staging copy (unaligned pages), held while a job of the page is in flight
-        self.header = None
-        self.users = 0  # jobs started and not finished (they hold the staging copy and the header)
-        self.committed: list[int] = []
-        self.left = 0  # jobs not finished
-        self.calls: list[tuple[_PutCall, int]] = []  # (put, position of the key in it)
-
-
-def _requests(page: _WritePage, request: float) -> list[tuple]:
-    """The writes of a page file: ``(buffer, bytes, file offset)``, each ``request`` payload bytes (the
-    first also carries the header), a buffer being one ``(address, length)`` or a list of them (a
-    vectored write where a request spans the header and the payload, or two segments)."""
-    ops: list[tuple] = []
-    pieces: list[tuple[int, int]] = []
-    size = start = 0
-    limit = request + HEADER_SIZE
-    for address, n, _offset in [(page.header.address, HEADER_SIZE, 0), *page.data]:  # contiguous in the file
-        while n:
-            take = int(min(n, limit - size))
-            pieces.append((address, take))
-            size, address, n = size + take, address + take, n - take
-            if size == limit:
-                ops.append((pieces if len(pieces) > 1 else pieces[0], size, start))
-                start, pieces, size, limit = start + size, [], 0, request
-    if pieces:
-        ops.append((pieces if len(pieces) > 1 else pieces[0], size, start))
-    return ops
-
-
 class _Write:
     """One write request in flight: ``nbytes`` of ``job``'s file. ``epoch``: the tier's read epoch
     when submitted (-1: a read was running), so a completion measures the device only undisturbed."""
@@ -139,27 +94,12 @@ class _Job:
 
     __slots__ = ("page", "tier", "fd", "tmp", "ops", "next", "in_flight", "err", "tries")
 
-    def __init__(self, page: _WritePage, tier: int, fd: int, tmp: str, ops: list[tuple]):
+    def __init__(self, page: WritePage, tier: int, fd: int, tmp: str, ops: list[tuple]):
         self.page, self.tier, self.fd, self.tmp, self.ops = page, tier, fd, tmp, ops
         self.next = 0  # ops[next:] not yet submitted
         self.in_flight = 0
         self.err = 0
         self.tries = 0
-
-
-class _PutCall:
-    """One put: results per key, pages not yet done, how the caller learns the end."""
-
-    __slots__ = ("results", "pages", "repeats", "left", "done", "event", "dirs")
-
-    def __init__(self, n: int, done: Callable[[list[bool]], None] | None):
-        self.results = [False] * n
-        self.pages: list[_WritePage] = []  # its own new pages, in key order (LRU order on completion)
-        self.repeats: list[tuple[int, int]] = []  # (position, first position of the same key)
-        self.left = 0  # pages (its own and others' it waits for) not yet done
-        self.done = done
-        self.event = threading.Event() if done is None else None
-        self.dirs: dict[int, set[str]] = {}  # page directories committed, per tier (fsync=full)
 
 
 class WritePath:
@@ -175,8 +115,7 @@ class WritePath:
     Locks: ``lock``, the writer's (held by the writer thread while it works, and by ``exclusive``):
     methods ending ``_under_writer`` run with it held; ``_qlock``, the queues' (callers and the
     writer, briefly; taken under ``lock``, never the other way round): methods ending
-    ``_under_queues``. ``_signal`` runs under the writer's lock or under none (a put with nothing to
-    write).
+    ``_under_queues``.
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
@@ -197,9 +136,9 @@ class WritePath:
         self._qlock = threading.Lock()  # the queues: taken briefly, by callers and the writer
         self._work = threading.Condition(self._qlock)  # the writer waits here for work
         self._room = threading.Condition(self._qlock)  # deferred puts wait here for backlog room
-        self._fifo: list[deque[_WritePage]] = [deque() for _ in tiers]  # pages waiting for a job on tier k
+        self._fifo: list[deque[WritePage]] = [deque() for _ in tiers]  # pages waiting for a job on tier k
         self._active: list[list[_Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
-        self._pending: dict[str, _WritePage] = {}  # key -> the page being written
+        self._pending: dict[str, WritePage] = {}  # key -> the page being written
         self.queued = [0] * n  # bytes accepted for tier k and not yet written (P_k), file bytes
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
         self.backlog = 0  # bytes of pages accepted and not done
@@ -279,10 +218,10 @@ class WritePath:
 
     # -- accept ----------------------------------------------------------------------------------
     def _accept(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
-                done: Callable[[list[bool]], None] | None) -> _PutCall:
+                done: Callable[[list[bool]], None] | None) -> PutCall:
         if len(pages) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
-        call = _PutCall(len(keys), done)
+        call = PutCall(len(keys), done)
         # Pages the index already has are looked at on disk before the queue lock is taken: a get's
         # end takes that lock to wake the writer, and must not wait behind these stats.
         held: set[str] = set()
@@ -298,10 +237,10 @@ class WritePath:
             self._enqueue_under_queues(call, keys, pages, mask, held)
             now = not call.left  # else the writer thread ends it
         if now:
-            self._signal(call)  # nothing to write (held, invalid, no tier can take it): done now
+            call.signal()  # nothing to write (held, invalid, no tier can take it): done now
         return call
 
-    def _enqueue_under_queues(self, call: _PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+    def _enqueue_under_queues(self, call: PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
                         mask: int, held: set[str]) -> None:
         first: dict[str, int] = {}
         for i, key in enumerate(keys):
@@ -330,7 +269,7 @@ class WritePath:
                 self.stats.total("pages_existing")
                 call.results[i] = True
                 continue
-            page = _WritePage(key, segments, length, block_size_for(length, self.chunk),
+            page = WritePage(key, segments, length, block_size_for(length, self.chunk),
                          mask & ~self.index.holders(key))
             page.calls.append((call, i))
             call.pages.append(page)
@@ -365,7 +304,7 @@ class WritePath:
                 pass
         return False
 
-    def _admit_under_queues(self, new: list[_WritePage], failed_tiers: int) -> None:
+    def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:
         """Each new page's target tiers (admission.py), and its bytes queued on them."""
         targets = [page.targets for page in new]
         for k, n in enumerate(fit_capacity([page.file_bytes for page in new], targets, self.index.capacities)):
@@ -507,7 +446,16 @@ class WritePath:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
 
-    def _start_job_under_writer(self, page: _WritePage, k: int) -> _Job | None | bool:
+    def _prepare_under_writer(self, page: WritePage) -> None:
+        self._staged += page.prepare(self.pool, self.digest)
+
+    def _release_under_writer(self, page: WritePage) -> None:
+        """No job of the page in flight: its staging copy and header go back (a later job of another
+        tier copies again from the caller's memory, which stays valid until the page is done)."""
+        if not page.users:
+            self._staged -= page.release(self.pool)
+
+    def _start_job_under_writer(self, page: WritePage, k: int) -> _Job | None | bool:
         """A job for ``page`` on tier ``k``, ready to submit; None when the page cannot go there (the
         reason is counted); False when no descriptor is free (try again later)."""
         tier = self.tiers[k]
@@ -541,56 +489,17 @@ class WritePath:
             self.index.abort(k, page.file_bytes)
             raise
         request = self.io.flows[k].request if self.priority.enabled else math.inf
-        job = _Job(page, k, fd, tmp, _requests(page, request))
+        job = _Job(page, k, fd, tmp, page.requests(request))
         self._active[k].append(job)
         return job
 
-    def _out_of_descriptors_under_writer(self, page: _WritePage, k: int) -> bool | None:
+    def _out_of_descriptors_under_writer(self, page: WritePage, k: int) -> bool | None:
         """EMFILE/ENFILE (files.py): False to try again later, or None: this (page, tier) fails."""
         if self._fds.hit(any(self._active), time.monotonic()):
             return False
         self.stats.add(k, "write_failures")
         self._job_over_under_writer(page, k)
         return None
-
-    def _prepare_under_writer(self, page: _WritePage) -> None:
-        """Checksums (once per page), the header, and where the payload is written from: the caller's
-        memory (aligned) or a staging copy, held while a job of the page is in flight."""
-        if page.aligned:
-            if page.crcs is None:
-                payload = Payload(page.segments)
-                page.data = [(address, n, HEADER_SIZE + start)
-                             for (address, n), start in zip(page.segments, payload.starts) if n]
-                page.crcs = block_crcs(page.segments, page.length, page.block)
-        elif page.staging is None:
-            padded = round_up(page.length)
-            staging = page.staging = self.pool.get(padded)
-            self._staged += padded
-            Payload(page.segments).gather(staging.address)
-            if padded > page.length:
-                ctypes.memset(staging.address + page.length, 0, padded - page.length)
-            page.data = [(staging.address, padded, HEADER_SIZE)]
-            if page.crcs is None:
-                page.crcs = block_crcs([(staging.address, page.length)], page.length, page.block)
-        if page.header is None:
-            if not page.created:
-                page.created = time.time_ns()
-            page.header = self.pool.get(HEADER_SIZE)
-            pack_header(PageHeader(page.key, self.digest, page.length, page.block, page.crcs, page.created),
-                        page.header)
-
-    def _release_under_writer(self, page: _WritePage) -> None:
-        """No job of the page in flight: its staging copy and header go back (a later job of another
-        tier copies again from the caller's memory, which stays valid until the page is done)."""
-        if page.users:
-            return
-        if page.staging is not None:
-            self._staged -= page.staging.nbytes
-            self.pool.put(page.staging)
-            page.staging = None
-        if page.header is not None:
-            self.pool.put(page.header)
-            page.header = None
 
     # -- completions -----------------------------------------------------------------------------
     def _complete_under_writer(self, write: _Write, res: int, now: float) -> None:
@@ -652,7 +561,7 @@ class WritePath:
         self._release_under_writer(job.page)
         self._job_over_under_writer(job.page, job.tier)
 
-    def _job_over_under_writer(self, page: _WritePage, k: int) -> None:
+    def _job_over_under_writer(self, page: WritePage, k: int) -> None:
         """One tier of the page is done (written, failed or skipped); the last one ends the page."""
         with self._qlock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
@@ -676,36 +585,12 @@ class WritePath:
             if not call.left:
                 self._end_call_under_writer(call)
 
-    def _end_call_under_writer(self, call: _PutCall) -> None:
-        unsynced = set()
-        for k, dirs in call.dirs.items():
-            if self.tiers[k].fsync == "full" and dirs:
-                try:
-                    self.tiers[k].sync_dirs(dirs)
-                except OSError as exc:
-                    unsynced.add(k)
-                    self.tiers[k].fail(exc.errno or errno.EIO, "fsync directory")
-        if unsynced:  # fsync=full promises a copy that survives a crash: none may have
-            for page in call.pages:
-                if page.committed and set(page.committed) <= unsynced:
-                    for owner, i in page.calls:
-                        if owner is call:
-                            call.results[i] = False
+    def _end_call_under_writer(self, call: PutCall) -> None:
+        call.sync_dirs(self.tiers)
         for page in call.pages:
             if page.committed:
                 self.index.touch(page.key)  # LRU order = batch order, not completion order
-        self._signal(call)
-
-    def _signal(self, call: _PutCall) -> None:
-        for i, j in call.repeats:
-            call.results[i] = call.results[j]
-        if call.event is not None:
-            call.event.set()
-            return
-        try:
-            call.done(call.results)
-        except Exception:
-            log.exception("kvstream: a deferred put's completion callback failed")
+        call.signal()
 
     def _abandon_under_writer(self) -> None:
         """After an unexpected error: wait for the writes in flight (they read caller memory), then
