@@ -18,16 +18,15 @@ call either completes or raises EngineClosedError.
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
 the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
-child, so in a forked child every engine is closed without touching its rings (``os.register_at_fork``)
-and any call raises EngineClosedError naming fork: open a new Engine in the child. The parent is
-untouched.
+child, so in a forked child an engine is closed without touching its rings (``io.forks()``, the one
+fork detector, tells) and any call raises EngineClosedError naming fork: open a new Engine in the
+child. The parent is untouched.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,7 +39,7 @@ from .index import Index
 from .integrity import (
     Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
-from .io import RING_ENTRIES, ThreadRing, open_ring
+from .io import RING_ENTRIES, ThreadRing, forks, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
 from .reads import ReadPath
@@ -58,19 +57,6 @@ log = logging.getLogger("kvstream")
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSED = "kvstream engine is closed"
-
-_open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child every inherited engine is closed without a syscall on its rings (the parent
-    still uses them: io_uring's queues are memory shared with the parent)."""
-    for engine in list(_open_engines):
-        engine._forked()
-    _open_engines.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Engine:
@@ -98,6 +84,7 @@ class Engine:
         self._closed = True
         self._closed_why = CLOSED
         self._pid = os.getpid()
+        self._forks = forks()
         if config.log_level:
             log.setLevel(config.log_level)
         self.config = config
@@ -138,7 +125,6 @@ class Engine:
                                  ceiling=share)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
-        _open_engines.add(self)
         log.log(logging.INFO if announce else logging.DEBUG,
                 "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
                 namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
@@ -259,18 +245,22 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        _open_engines.discard(self)
+        if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
+            return
         self._reads.drain(CLOSE_DRAIN_S)
         self._reads.close()
         self._writes.close()
         tmpfiles.release(self._token)
 
-    def _forked(self) -> None:
-        """This is a forked child: closed, without touching the rings (they are the parent's; the
-        rings themselves refuse use and skip their close in a child, io.py and _uring/ring.pxi)."""
+    def _in_fork(self) -> bool:
+        """This is a forked child of the process that opened the engine: closed, its rings untouched
+        (they are the parent's; the rings themselves refuse use and skip their close in a child)."""
+        if forks() == self._forks:
+            return False
         self._closed = True
         self._closed_why = (f"kvstream engine was opened in process {self._pid}; this process ({os.getpid()}) "
                             "is a fork of it and cannot use its I/O rings: open a new Engine in this process")
+        return True
 
     def __enter__(self) -> "Engine":
         return self
@@ -354,7 +344,7 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._in_fork():
             raise EngineClosedError(self._closed_why)
 
     def _healthy_mask(self) -> int:
@@ -480,7 +470,7 @@ class Engine:
         return f"<Engine {self.namespace.digest} {len(self.tiers)} tiers, {state}>"
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and not self._in_fork():
             import warnings
 
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)

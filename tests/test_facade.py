@@ -52,3 +52,16 @@ def test_delete_removes_every_copy_and_pin_holds_pages(tier_dirs):
         assert all(os.path.exists(tier.layout.page_path("b")) for tier in engine.tiers)
         assert engine.check() == []
 
+
+
+def test_one_fork_detector():
+    """_uring/ring.pxi counts fork()s; io.py's ThreadRing and engine.py's Engine ask it (io.forks)."""
+    hooks = []
+    for folder in ("kvstream_hicache", "_uring"):
+        for path, _dirs, names in os.walk(os.path.join(ROOT, folder)):
+            for name in names:
+                if name.endswith((".py", ".pxi", ".pyx")):
+                    with open(os.path.join(path, name), encoding="utf-8") as f:
+                        if "register_at_fork" in f.read():
+                            hooks.append(os.path.relpath(os.path.join(path, name), ROOT))
+    assert hooks == ["_uring/ring.pxi"]
