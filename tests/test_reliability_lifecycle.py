@@ -100,7 +100,7 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
                     if "fork" not in str(exc) or "open a new Engine" not in str(exc):
                         return 3
             engine.close()  # a no-op in the child: the parent's rings are not touched
-            rings = (engine._reads.ring, engine._writes.ring)
+            rings = (engine._reads.io.ring, engine._writes.io.ring)
             del rings
             gc.collect()
             with make_engine(tier_dirs[:2], io_engine=io_engine) as mine:  # what the message says to do
@@ -123,15 +123,16 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
 def test_dropped_engines_are_closed_with_a_resource_warning(tier_dirs):
     """30 engines dropped without close(), one page stored by each: each is collected, closed (its
     rings' descriptors and its writer thread gone) and says so with a ResourceWarning, as any file."""
-    from kvstream_hicache.engine import _open_engines
+    from kvstream_hicache.engine import Engine
 
     pages = PageSet()
-    fds, threads, engines = open_fds(), threading.active_count(), len(_open_engines)
+    live = lambda: sum(isinstance(o, Engine) and not o._closed for o in gc.get_objects())  # noqa: E731
+    fds, threads, engines = open_fds(), threading.active_count(), live()
     with pytest.warns(ResourceWarning) as warned:
         for i in range(30):
             assert pages.put(make_engine(tier_dirs[:2]), pages.keys(1, i)) == [True]
         gc.collect()
     assert sum(issubclass(w.category, ResourceWarning) and "unclosed" in str(w.message) for w in warned) == 30
-    assert (open_fds(), threading.active_count(), len(_open_engines)) == (fds, threads, engines)
+    assert (open_fds(), threading.active_count(), live()) == (fds, threads, engines)
     with make_engine(tier_dirs[:2]) as engine:  # what they stored is there
         assert pages.checked_get(engine, pages.keys(30)) == [True] * 30
