@@ -10,6 +10,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -123,16 +124,18 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
 def test_dropped_engines_are_closed_with_a_resource_warning(tier_dirs):
     """30 engines dropped without close(), one page stored by each: each is collected, closed (its
     rings' descriptors and its writer thread gone) and says so with a ResourceWarning, as any file."""
-    from kvstream_hicache.engine import Engine
-
     pages = PageSet()
-    live = lambda: sum(isinstance(o, Engine) and not o._closed for o in gc.get_objects())  # noqa: E731
-    fds, threads, engines = open_fds(), threading.active_count(), live()
+    fds, threads = open_fds(), threading.active_count()
+    dropped = []
     with pytest.warns(ResourceWarning) as warned:
         for i in range(30):
-            assert pages.put(make_engine(tier_dirs[:2]), pages.keys(1, i)) == [True]
+            engine = make_engine(tier_dirs[:2])
+            dropped.append(weakref.ref(engine))
+            assert pages.put(engine, pages.keys(1, i)) == [True]
+            del engine
         gc.collect()
     assert sum(issubclass(w.category, ResourceWarning) and "unclosed" in str(w.message) for w in warned) == 30
-    assert (open_fds(), threading.active_count(), live()) == (fds, threads, engines)
+    assert [ref() for ref in dropped] == [None] * 30, "a dropped engine was never collected"
+    assert (open_fds(), threading.active_count()) == (fds, threads)
     with make_engine(tier_dirs[:2]) as engine:  # what they stored is there
         assert pages.checked_get(engine, pages.keys(30)) == [True] * 30
