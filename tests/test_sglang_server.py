@@ -15,6 +15,9 @@ pages and damage never decide a later test's outcome.
   kv          kvstream on [t0, t1], page_first; restarted on the same tiers by the restart test
   peer        kvstream on [t0b, t1]: a second server sharing tier 1 with ``kv``
   layer_first kvstream on fresh tiers, --hicache-mem-layout layer_first
+
+On a GPU the same tests run against a GPU server (docs/sglang.md, "the GPU check"):
+``KVSTREAM_SERVE_DEVICE=cuda KVSTREAM_SERVE_MODEL=/models/small pytest tests/test_sglang_server.py``.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import time
 import urllib.request
@@ -43,6 +47,8 @@ STARTUP_S = 300.0
 REQUEST_S = 120.0
 BACKUP_S = 60.0  # longest the write-through backup of one prompt may take to reach L3
 KV = "kvstream:"
+DEVICE = os.environ.get("KVSTREAM_SERVE_DEVICE", "cpu")
+MODEL = os.environ.get("KVSTREAM_SERVE_MODEL")  # default: the tiny model serve-cpu builds
 
 
 def prompt(seed: int) -> list[int]:
@@ -70,8 +76,9 @@ class Server:
         # wait_complete: a prefetch is never cut short by sglang's timeout on a loaded machine
         extra = ["--hicache-storage-prefetch-policy", "wait_complete"] if self.tiers else []
         cmd = serve_cpu.launch_command(self.model, port=port, backend="kvstream" if self.tiers else None,
-                                       layout=self.layout, extra=extra)
-        env = serve_cpu.server_env(KVSTREAM_TIERS=os.pathsep.join(self.tiers or []), KVSTREAM_TIER_RETRY="0.5")
+                                       layout=self.layout, device=DEVICE, extra=extra)
+        env = serve_cpu.server_env(device=DEVICE, KVSTREAM_TIERS=os.pathsep.join(self.tiers or []),
+                                   KVSTREAM_TIER_RETRY="0.5")
         self.proc = serve_cpu.ServerProcess(cmd, env, self.log_path, url=f"http://127.0.0.1:{port}").launch()
         self.ready = False
         return self
@@ -159,9 +166,10 @@ def env(tmp_path_factory):
     for d in tiers.values():
         os.makedirs(d)
     started: list[Server] = []
+    previous = signal.signal(signal.SIGTERM, _terminated)  # teardown below runs on SIGTERM too
 
     def server(name, tier_names=None, layout="page_first") -> Server:
-        srv = Server(name, str(root), serve_cpu.build_model(),
+        srv = Server(name, str(root), MODEL or serve_cpu.build_model(),
                      [tiers[t] for t in tier_names] if tier_names else None, layout)
         started.append(srv)
         return srv.launch()
@@ -172,13 +180,25 @@ def env(tmp_path_factory):
         for srv in started:
             srv.stop()
         shutil.rmtree(scratch, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 @pytest.fixture(scope="module")
 def servers(env):
-    """The reference and the kvstream server, started together (their start-up overlaps)."""
-    ref, kv = env["server"]("reference"), env["server"]("kv", ["t0", "t1"])
-    return {"reference": ref.wait(), "kv": kv.wait()}
+    """The first wave: the reference, the kvstream server and the layer_first one, started together."""
+    wave = {"reference": env["server"]("reference"), "kv": env["server"]("kv", ["t0", "t1"]),
+            "layer_first": env["server"]("layer_first", ["lf0", "lf1"], layout="layer_first")}
+    return {name: srv.wait() for name, srv in wave.items()}
+
+
+@pytest.fixture(scope="module")
+def peer(env):
+    """A second kvstream server sharing tier 1 with ``kv``: launched (not waited for) by its first user."""
+    return env["server"]("peer", ["t0b", "t1"])
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +224,16 @@ def test_l3_hit_after_flush_gives_the_same_tokens(servers, expected):
     assert moved["pages"]["found"] >= PAGES, moved  # kvstream's
     assert sum(t["served_bytes"] for t in moved["tiers"].values()) > 0, moved
     assert outputs(warm) == expected(1)
+
+
+def test_layer_first_host_layout(servers, expected):
+    srv, ids = servers["layer_first"], prompt(7)
+    assert outputs(srv.store(ids)) == expected(7)
+    warm, moved = srv.from_l3(ids)
+    assert srv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
+    assert moved["pages"]["found"] >= PAGES, moved
+    assert outputs(warm) == expected(7)
+    srv.stop()  # done with it: its cores go to the servers the later tests start
 
 
 def test_log_and_metrics_show_kvstream(servers):
@@ -281,12 +311,3 @@ def test_tier_directory_removed_while_serving(servers, expected):
     assert outputs(warm) == expected(4)
     assert kv.proc.alive()
     assert kv.errors_since(mark) == []
-
-
-def test_layer_first_host_layout(servers, expected):
-    srv, ids = servers["layer_first"], prompt(7)
-    assert outputs(srv.store(ids)) == expected(7)
-    warm, moved = srv.from_l3(ids)
-    assert srv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
-    assert moved["pages"]["found"] >= PAGES, moved
-    assert outputs(warm) == expected(7)

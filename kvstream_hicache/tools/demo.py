@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -332,6 +333,7 @@ def report(kv: Run, fb: Run | None, tiers: Tiers) -> dict:
                                                 for k, (s, b) in enumerate(zip(shares, kv.tier_served))))
     kvr = out["runs"]["kvstream"]
     kvr["tier_read_share"] = shares
+    kvr["per_request_bound_s"] = kv.bound_s  # what the plot draws as the bound
     if kv.engine_batches and kv.engine_bound_s > 0:
         gap = kv.engine_time_s / kv.engine_bound_s - 1
         log(f"            engine read time {kv.engine_time_s:.2f} s over {kv.engine_batches} batches vs the "
@@ -422,7 +424,39 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the figures as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the pages (and temporary directories)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--server", action="store_true",
+                   help="serve through a real sglang server instead (kvstream serve-cpu's tiny model): "
+                        "examples/serve_swebench.py --cpu, kvstream against file, on these tiers")
     return p.parse_args(argv)
+
+
+SERVER_WORKLOAD = ("--sessions", "2", "--requests", "8", "--mean-input", "2048", "--mean-output", "16",
+                   "--rate", "0.5", "--max-input", "6000")
+SERVE_SWEBENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "serve_swebench.py")
+
+
+def serve(args) -> int:
+    """``--server``: the same A/B through real servers, run by the serve_swebench example on the tiers here
+    (a child process: in the testbed's throttle group when root, as this process is)."""
+    if not os.path.exists(SERVE_SWEBENCH):
+        log(f"--server needs a checkout: {os.path.abspath(SERVE_SWEBENCH)} is missing")
+        return 2
+    log("kvstream demo (--server): real sglang servers on the CPU, a tiny model, kvstream against file")
+    tiers = prepare_tiers(args)
+    log(f"  tiers      {tiers.note}")
+    cmd = [sys.executable, os.path.abspath(SERVE_SWEBENCH), "--cpu", "--compare", "file,kvstream", "--tiers",
+           os.pathsep.join(tiers.run_dirs("kvstream")), "--seed", str(args.seed), *SERVER_WORKLOAD]
+    if args.plot:
+        cmd += ["--plot", args.plot]
+    if args.json:
+        cmd += ["--json", args.json]
+    if args.quiet:
+        cmd += ["--no-progress"]
+    log("  " + " ".join(cmd))
+    try:
+        return subprocess.run(cmd).returncode
+    finally:
+        tiers.close()
 
 
 def main(argv=None) -> int:
@@ -430,6 +464,8 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():
         # SIGTERM -> SystemExit, so the finally below still takes the testbed down
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.server:
+        return serve(args)
     params = dict(WORKLOADS["small" if args.small else "default"], seed=args.seed, order="random")
     for name in ("sessions", "requests", "mean_input"):
         if getattr(args, name) is not None:

@@ -150,24 +150,30 @@ def ensure_packages() -> None:
 
 # ----------------------------------------------------------------------------------------------- server
 def launch_command(model: str, *, port: int, backend: str | None = "kvstream", layout: str = "page_first",
-                   host: str = "127.0.0.1", extra: Sequence[str] = ()) -> list[str]:
-    """``sglang.launch_server`` for the CPU; ``backend=None``: HiCache off (the reference server)."""
+                   host: str = "127.0.0.1", device: str = "cpu", extra: Sequence[str] = ()) -> list[str]:
+    """``sglang.launch_server`` with HiCache; ``backend=None``: HiCache off (the reference server).
+
+    ``device="cpu"`` adds the CPU server's flags; any other device (``cuda``) is a plain GPU server.
+    """
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", host, "--port", str(port),
-           *CPU_ARGS, "--page-size", str(PAGE_TOKENS), "--enable-metrics"]
+           *(CPU_ARGS if device == "cpu" else ()), "--page-size", str(PAGE_TOKENS), "--enable-metrics"]
     if backend is not None:
         cmd += ["--enable-hierarchical-cache", "--hicache-ratio", "2", "--hicache-mem-layout", layout,
                 "--hicache-storage-backend", backend]
     return cmd + list(extra)
 
 
-def server_env(env: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """The server's environment: the CPU engine, two OpenMP threads, and on PYTHONPATH the shims, then the
-    directory this kvstream_hicache was imported from (so the server runs the same tree as its caller)."""
+def server_env(env: Mapping[str, str] | None = None, *, device: str = "cpu", **extra: str) -> dict[str, str]:
+    """The server's environment: on PYTHONPATH the directory this kvstream_hicache was imported from (the
+    server runs the same tree as its caller); for the CPU also the shims, the CPU engine, two OpenMP threads.
+    A GPU server gets no shim directory: its stand-in ``sgl_kernel`` would hide the real one."""
     env = dict(os.environ if env is None else env)
-    first = [SHIM_DIR, PACKAGE_ROOT]
+    first = [SHIM_DIR, PACKAGE_ROOT] if device == "cpu" else [PACKAGE_ROOT]
     path = first + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
-    env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONPATH=os.pathsep.join(path))
-    env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
     env.update(extra)
     return env
 
