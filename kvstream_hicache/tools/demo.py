@@ -430,8 +430,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-SERVER_WORKLOAD = ("--sessions", "2", "--requests", "8", "--mean-input", "2048", "--mean-output", "16",
-                   "--rate", "0.5", "--max-input", "6000")
+# 20 unique 512-token blocks: more than the servers' L1 (4096 tokens) and L2 (1.5x) hold, so reused
+# prefixes come back from L3
+SERVER_WORKLOAD = ("--sessions", "4", "--requests", "12", "--mean-input", "2048", "--mean-output", "16",
+                   "--rate", "0.5", "--max-input", "3000", "--hicache-ratio", "1.5",
+                   "--server-args", "--max-total-tokens 4096")
 SERVE_SWEBENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "serve_swebench.py")
 
 
@@ -453,8 +456,13 @@ def serve(args) -> int:
     if args.quiet:
         cmd += ["--no-progress"]
     log("  " + " ".join(cmd))
+    proc = subprocess.Popen(cmd)
     try:
-        return subprocess.run(cmd).returncode
+        return proc.wait()
+    except BaseException:  # SIGTERM or Ctrl-C here: the example stops its server (its process group) itself
+        proc.terminate()
+        proc.wait()
+        raise
     finally:
         tiers.close()
 
