@@ -430,11 +430,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# 20 unique 512-token blocks: more than the servers' L1 (4096 tokens) and L2 (1.5x) hold, so reused
-# prefixes come back from L3
-SERVER_WORKLOAD = ("--sessions", "4", "--requests", "12", "--mean-input", "2048", "--mean-output", "16",
-                   "--rate", "0.5", "--max-input", "3000", "--hicache-ratio", "1.5",
-                   "--server-args", "--max-total-tokens 4096")
+# 32 unique 512-token blocks (16K tokens): twice what the servers' L1 (3584 tokens) and L2 (1.2x) hold,
+# so reused prefixes come back from L3
+SERVER_WORKLOAD = ("--sessions", "10", "--requests", "20", "--mean-input", "2048", "--mean-output", "16",
+                   "--rate", "0.5", "--max-input", "3000", "--hicache-ratio", "1.2",
+                   "--server-args", "--max-total-tokens 3584")
 SERVE_SWEBENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "serve_swebench.py")
 
 

@@ -281,8 +281,9 @@ def run(args) -> int:
     tiers = demo.prepare_tiers(args)
     try:
         dirs = tiers.run_dirs(args.backend)
-        env = server_env(KVSTREAM_TIERS=os.pathsep.join(dirs),
-                         SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=dirs[0])
+        env = server_env(KVSTREAM_TIERS=os.pathsep.join(dirs),  # sglang's file and nixl: tier 0's directory
+                         SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=dirs[0],
+                         SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR=dirs[0])
         cmd = launch_command(model, port=args.port, host=args.host, backend=args.backend, layout=args.layout,
                              extra=shlex.split(args.server_args))
         log = args.log or os.path.join(tempfile.gettempdir(), f"kvstream-serve-cpu-{os.getpid()}.log")
