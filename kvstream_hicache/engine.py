@@ -35,7 +35,7 @@ from . import tmpfiles
 from .config import Config, check_capacities
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
-from .index import Index
+from .index import Index, tiers_in
 from .integrity import (
     VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
@@ -224,6 +224,36 @@ class Engine:
             if n >= len(keys) or not self._discover([keys[n]], mask):
                 return n
 
+    def delete(self, keys: Sequence[str]) -> list[bool]:
+        """Remove pages from every tier that the index lists for them (LMCache's ``delete``).
+
+        :returns: per key, whether a tier held it. A read already in flight completes (its file stays
+            open); a write of the key still queued lands afterwards and is found again."""
+        self._check_open()
+        out = []
+        for key in keys:
+            held = self.index.forget(key) if is_valid_key(key) else 0
+            for k in tiers_in(held):
+                self.tiers[k].unlink_page(key)
+            out.append(bool(held))
+        return out
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
+        the index holds on any tier, against the largest tier's capacity (every tier takes every page,
+        so the largest bounds what is held; an unlimited tier counts its file system's size)."""
+        caps = []
+        for tier in self.tiers:
+            if tier.capacity is not None:
+                caps.append(tier.capacity)
+                continue
+            try:
+                st = os.statvfs(tier.root)
+                caps.append(st.f_blocks * st.f_frsize)
+            except OSError:  # a tier that cannot say (gone, ESTALE): it bounds nothing
+                pass
+        return self.index.held_bytes, max(caps, default=0)
+
     def clear(self) -> None:
         """Remove every page of this namespace from every tier."""
         self._check_open()
@@ -387,7 +417,7 @@ class Engine:
         """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
         leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
     def _rebuild_index(self) -> dict:
         """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold

@@ -376,8 +376,8 @@ class WritePath:
             room = cap
             for page in reversed(new):
                 if page.targets >> k & 1:
-                    if page.file_bytes <= room:
-                        room -= page.file_bytes
+                    if page.length <= room:
+                        room -= page.length
                     else:
                         page.targets &= ~(1 << k)
                         room = 0
@@ -554,7 +554,7 @@ class WritePath:
             self._job_over(page, k)
             return None
         self._fd_since = None
-        victims = self.index.reserve(k, page.file_bytes)
+        victims = self.index.reserve(k, page.length)
         if victims is None:
             tier.discard(fd, tmp)
             self.stats.add(k, "skipped_writes")
@@ -569,7 +569,7 @@ class WritePath:
             page.users -= 1
             self._release_locked(page)
             tier.discard(fd, tmp)
-            self.index.abort(k, page.file_bytes)
+            self.index.abort(k, page.length)
             raise
         request = self.flows[k].request if self.priority.enabled else math.inf
         job = _Job(page, k, fd, tmp, _requests(page, request))
@@ -670,13 +670,13 @@ class WritePath:
                     page_dir = self._place_after_eviction_locked(job, exc)
             except OSError as exc:
                 tier.discard(None, job.tmp)
-                self.index.abort(k, page.file_bytes)
+                self.index.abort(k, page.length)
                 self._failed_locked(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_job(job)
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes)
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length)
             page.committed.append(k)
             for call, _ in page.calls:
                 call.dirs.setdefault(k, set()).add(page_dir)
@@ -685,7 +685,7 @@ class WritePath:
             self._close_job(job)
             return
         if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_locked(job):
-            victims = self.index.evict(k, page.file_bytes)
+            victims = self.index.evict(k, page.length)
             if victims:
                 self._evicted_locked(k, victims)
                 job.tries += 1
@@ -693,7 +693,7 @@ class WritePath:
                 job.next = 0  # write it all again
                 return
         tier.discard(job.fd, job.tmp)
-        self.index.abort(k, page.file_bytes)
+        self.index.abort(k, page.length)
         if job.err != CANCELLED:
             self._failed_locked(k, job.err, f"write {page.key}")
         self._close_job(job)
@@ -783,7 +783,7 @@ class WritePath:
         room): the data is written and sealed, so evict LRU pages and place it again.
         :raises OSError: still no room (nothing left to evict, or SPACE_RETRIES used up)."""
         for _ in range(SPACE_RETRIES):
-            victims = self.index.evict(job.tier, job.page.file_bytes)
+            victims = self.index.evict(job.tier, job.page.length)
             if not victims:
                 break
             self._evicted_locked(job.tier, victims)
