@@ -7,12 +7,16 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
     touch(key)                                      (a hit or a repeated put: most recent)
     pin(keys) ... unpin(keys)                       (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
-    forget(key)                                     (deleted by the caller: every tier's copy)
 
 Bytes are counted as the caller passes them: the engine counts a page's payload, so a capacity holds
 what callers stored (LMCache's adapters count the same), not the 4 KiB header and padding of its file.
 
-Every method takes the index lock; the engine's read, write and existence threads call at once.
+The engine's read, write and existence threads call at once. Every method that changes the index,
+and ``keys``, takes the index lock; the one-key queries (``get``, ``holders``, ``contains``,
+``prefix_len``, ``pages_on``, ``len``) do not: each reads one dict entry or one length, which the
+GIL makes atomic, and answers what was true at some moment during the call (the existence queries
+SGLang's prefetch thread asks must not wait behind an eviction). Methods ending ``_under_index``
+run with the lock held.
 Victims are removed from the index *before* the caller deletes their files, so a reader either
 pinned a page before it was chosen (it is then not chosen) or never finds it.
 """
@@ -139,11 +143,11 @@ class Index:
                 self.reserved[tier] += nbytes
                 return []
             excess = self.used[tier] + self.reserved[tier] + nbytes - cap
-            victims = self._victims_locked(tier, excess) if excess > 0 else []
+            victims = self._victims_under_index(tier, excess) if excess > 0 else []
             if victims is None:
                 return None
             for key in victims:
-                self._drop_locked(key, tier)
+                self._drop_under_index(key, tier)
             self.evictions[tier] += len(victims)
             self.reserved[tier] += nbytes
             return victims
@@ -152,9 +156,9 @@ class Index:
         """Evict least-recent unpinned pages of ``tier`` totalling >= ``nbytes`` (or as many as
         there are), regardless of capacity: the file system said ENOSPC."""
         with self._lock:
-            victims = self._victims_locked(tier, nbytes, partial=True) or []
+            victims = self._victims_under_index(tier, nbytes, partial=True) or []
             for key in victims:
-                self._drop_locked(key, tier)
+                self._drop_under_index(key, tier)
             self.evictions[tier] += len(victims)
             return victims
 
@@ -179,7 +183,7 @@ class Index:
             if info is not None and not info.same_content(length, block, crcs):
                 displaced = [t for t in tiers_in(info.tiers) if t != tier]
                 for t in tiers_in(info.tiers):  # this tier's own entry too: it described the other content
-                    self._drop_locked(key, t)
+                    self._drop_under_index(key, t)
                 info = self._pages.get(key)
             if info is None:
                 info = self._pages[key] = PageInfo(length, block, crcs, nbytes)
@@ -195,16 +199,7 @@ class Index:
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:
-            return self._drop_locked(key, tier)
-
-    def forget(self, key: str) -> int:
-        """Forget every tier's copy of ``key``, pinned or not; returns the tiers that held one."""
-        with self._lock:
-            info = self._pages.get(key)
-            held = info.tiers if info is not None else 0
-            for tier in tiers_in(held):
-                self._drop_locked(key, tier)
-            return held
+            return self._drop_under_index(key, tier)
 
     def clear(self) -> None:
         with self._lock:
@@ -215,7 +210,7 @@ class Index:
             self.held_bytes = 0
 
     # -- internals ------------------------------------------------------------------------------
-    def _victims_locked(self, tier: int, nbytes: int, partial: bool = False) -> list[str] | None:
+    def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[str] | None:
         victims: list[str] = []
         freed = 0
         for key in self._lru[tier]:
@@ -230,7 +225,7 @@ class Index:
             return None
         return victims
 
-    def _drop_locked(self, key: str, tier: int) -> bool:
+    def _drop_under_index(self, key: str, tier: int) -> bool:
         info = self._pages.get(key)
         bit = 1 << tier
         if info is None or not info.tiers & bit:

@@ -112,7 +112,7 @@ def _lmcache_classes() -> dict[str, type]:
             self._held: dict[str, tuple[Any, int]] = {}  # engine key -> (ObjectKey, size)
             self._held_lock = threading.Lock()
             self._gone: deque[str] = deque()  # engine keys the index dropped (its lock held: no work there)
-            self.engine.index.on_gone = self._gone.append
+            self.engine.on_gone(self._gone.append)
             self._max_capacity_bytes = self.engine.usage()[1]
             config = getattr(self.engine, "config", None)
             log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s",
@@ -231,8 +231,8 @@ def _lmcache_classes() -> dict[str, type]:
         def _release(self) -> None:
             if self._own_engine:
                 self.engine.close()
-            elif getattr(self, "_gone", None) is not None and self.engine.index.on_gone == self._gone.append:
-                self.engine.index.on_gone = None
+            elif getattr(self, "_gone", None) is not None:
+                self.engine.on_gone(None)
             for efd in self._efds:
                 efd.close()
 
@@ -262,7 +262,6 @@ def _lmcache_classes() -> dict[str, type]:
             eviction, damage) is gone. A key counts once however often it is stored."""
             new: list[tuple[Any, int]] = []
             gone: list[tuple[Any, int]] = []
-            index = self.engine.index
             with self._held_lock:
                 for key, ekey, size in stored:
                     if ekey not in self._held:
@@ -270,7 +269,7 @@ def _lmcache_classes() -> dict[str, type]:
                         new.append((key, size))
                 while self._gone:
                     ekey = self._gone.popleft()
-                    if ekey in self._held and index.get(ekey) is None:
+                    if ekey in self._held and not self.engine.held(ekey):
                         gone.append(self._held.pop(ekey))
             if new:
                 self._notify_safely(self._notify_keys_stored, [k for k, _ in new], [n for _, n in new])
