@@ -20,7 +20,7 @@ def _params():
         yield pytest.param(suite, id=suite.name, marks=marks)
 
 
-@pytest.mark.parametrize("suite", _params())
+@pytest.mark.parametrize("suite", list(_params()))
 def test_peer_suite(suite):
     if suite.lmcache:
         pytest.importorskip("lmcache", reason="the LMCache suites run in .venv-lmcache (scripts/test.sh)")
