@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .errors import ConfigError, TierError
-from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR, file_size
+from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, file_size
 from .router import parse_policy
 from .tmpfiles import ProbeFailed, probe_direct
+from .trust import open_base
 
 log = logging.getLogger("kvstream")
 
@@ -61,7 +62,8 @@ SETTINGS: dict[str, Setting] = {
     "fsync": Setting("never", "'never' (data reaches the device via O_DIRECT, no flush), 'data' (fsync each "
                               "page before its rename), 'full' (and fsync the directory after the rename)"),
     "io_engine": Setting("auto", "'auto' (io_uring, else threads with one log line), 'uring', 'threads'"),
-    "file_mode": Setting("private", "'private' (files 0600, dirs 0700) or 'shared' (0660 / 2770, group)"),
+    "file_mode": Setting("private", "'private' (files 0600, dirs 0700; trusts the user's files) or 'shared' "
+                                     "(0660 / 2770; also trusts the tier directory's group)"),
     "log_level": Setting(None, "level of the 'kvstream' logger (DEBUG, INFO, WARNING, ...); unset = inherit"),
     "memory": Setting("64M", "staging memory of the engine, bytes: half for reads in flight (shared by the "
                              "tiers), half for writes of pages not 4096-aligned in memory; e.g. '64M', '1G'"),
@@ -497,19 +499,13 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
     if fstype in PSEUDO_FS:
         raise TierError(f"tier {path} (from {source}) is on a {fstype} file system, a kernel interface that "
                         "cannot store files: put the tier on a disk file system such as ext4 or xfs")
-    tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
     try:
-        for d in (os.path.join(path, ROOT_DIR), tmp):
-            if os.path.lexists(d) and not os.path.isdir(d):
-                raise TierError(f"tier {path} (from {source}): {d} is in the way (a file, not the directory "
-                                "kvstream keeps its pages in): move or remove it, or choose another directory")
-            if not os.path.isdir(d):
-                try:
-                    os.mkdir(d, dir_mode)
-                except FileExistsError:  # another process (a TP rank) starting now made it first
-                    continue
-                os.chmod(d, dir_mode)  # umask may have cleared group bits
-        probe_direct(tmp, "config")
+        base_fd, tmp_fd = open_base(path, dir_mode, source)  # made where missing, following no link
+        try:
+            probe_direct("", "config", dir_fd=tmp_fd)
+        finally:
+            os.close(base_fd)
+            os.close(tmp_fd)
     except ProbeFailed as exc:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None

@@ -570,7 +570,7 @@ class ReadPath:
         """Block ``j`` of ``page`` read from ``tier``'s file outside the ring (buffered, once).
         :raises OSError: e.g. FileNotFoundError."""
         span = block_span(page.info.length, page.info.block, j)
-        fd, _ = open_regular(self.tiers[tier].layout.page_path(page.key))
+        fd, _ = open_regular(self.tiers[tier].layout.page_path(page.key), trust=self.tiers[tier].trust)
         try:
             return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
         finally:
@@ -596,7 +596,7 @@ class ReadPath:
             log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
                         "intact on disk; read from a replica", j, page.key, tier, why)
             return
-        scanned = scan_file(self.tiers[tier].layout, self.digest, page.key, payload=True)
+        scanned = scan_file(self.tiers[tier].layout, self.digest, page.key, payload=True, trust=self.tiers[tier].trust)
         problem = scanned.problem
         if problem is not None and problem.detail.startswith(UNREADABLE):
             return  # an I/O error: the tier's health, not this copy, is the problem
@@ -612,12 +612,11 @@ class ReadPath:
 
     def _remove_copy_locked(self, tier: int, key: str, why: str, remove: bool = True) -> None:
         """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
-        directory stays: kvstream never removes one; ``check`` reports it)."""
-        log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
-                    key, tier, why, "removed" if remove else "left in place")
+        directory, a link or another user's file stays: kvstream never removes one; ``check`` reports it)."""
         self.index.remove(key, tier)
-        if remove:
-            self.tiers[tier].unlink_page(key)
+        kept = self.tiers[tier].unlink_page(key) if remove else "a directory"
+        log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
+                    key, tier, why, "removed" if kept is None else f"left in place ({kept})")
         self.stats.add(tier, "quarantined")
 
     # -- flow ----------------------------------------------------------------------------------
