@@ -37,7 +37,9 @@ from .layout import (
 )
 from .segments import Payload, Segment
 from .tmpfiles import is_engine_tmp, stale_tmp
-from .trust import Trust, learn, open_below, remove, scandir_below, untrusted_file
+from .trust import (
+    Trust, describe, dir_findings, dir_fix, learn, open_below, remove, scandir_below, untrusted_file,
+)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -326,7 +328,8 @@ def check_tier(layout: TierLayout, digest: str, *, trust: Trust, fix: bool = Fal
     behind the problems are removed (only files of owners in ``trust``); ``tmp`` also reports (and
     fixes) temporary leftovers, those of no engine in ``live_tokens`` (None: every engine open in this
     process)."""
-    problems: list[Problem] = tmp_problems(layout.root, layout.tmp, live_tokens, fix, trust) if tmp else []
+    problems = dir_problems(layout, trust, base=tmp, pages=True)
+    problems += tmp_problems(layout.root, layout.tmp, live_tokens, fix, trust) if tmp else []
     valid: dict[str, ScannedPage] = {}
     for page in scan_pages(layout, digest, payload=payload, trust=trust):
         if page.problem is None:
@@ -357,6 +360,7 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     for tier in config.tiers:
         base = TierLayout(tier.path, "")
         trust = learn(tier.path, config.file_mode == "shared")
+        problems += dir_problems(base, trust, base=True, pages=False)
         problems += tmp_problems(tier.path, base.tmp, live_tokens, fix, trust)
         try:
             digests = [digest] if digest else _digests(base)
@@ -368,6 +372,14 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
         for d in digests:
             problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False, trust=trust)[0]
     return problems
+
+
+def dir_problems(layout: TierLayout, trust: Trust, *, base: bool, pages: bool) -> list[Problem]:
+    """The directories an engine would refuse at start-up (trust.dir_findings) as 'untrusted' problems,
+    never fixed (kvstream removes no directory); a link there is the scans' 'stray'."""
+    return [Problem("untrusted", layout.root, path, f"a directory an engine refuses: it {why} ({describe(st)}); "
+                                                    f"{dir_fix(path, st, trust)}")
+            for path, st, why in dir_findings(layout, trust, base, pages) if not stat.S_ISLNK(st.st_mode)]
 
 
 def _digests(base: TierLayout) -> list[str]:

@@ -161,25 +161,28 @@ def describe(st: os.stat_result) -> str:
 
 def dir_error(path: str, st: os.stat_result, why: str, trust: Trust, source: str) -> ConfigError:
     """A directory the engine would use fails :meth:`Trust.dir_problem`: say so with the exact fix."""
+    return ConfigError(f"tier directory {path} (from {source}) {why} ({describe(st)}): {dir_fix(path, st, trust)}")
+
+
+def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
+    """The commands that make directory ``path`` (its ``lstat``) pass :meth:`Trust.dir_problem`."""
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        fix = (f"kvstream follows no link and keeps only directories there: replace it with a directory "
-               f"(rm {path} && mkdir -m 700 {path}) or choose another tier directory")
-    elif not trust.owns(st):
+        return (f"kvstream follows no link and keeps only directories there: replace it with a directory "
+                f"(rm {path} && mkdir -m 700 {path}) or choose another tier directory")
+    if not trust.owns(st):
         try:
             me = pwd.getpwuid(os.geteuid()).pw_name
         except KeyError:
             me = str(os.geteuid())
-        fix = (f"another user's directory could hand this engine pages it never stored, or take its own: remove "
-               f"it (as its owner or root: rm -r {path}) or make it yours (as root: chown -R {me} {path}), "
-               f"or choose another tier directory")
-    elif st.st_mode & stat.S_IWOTH:
-        fix = f"chmod -R o-w {path} (or choose another tier directory)"
-    elif trust.gid is None:
-        fix = f"chmod -R g-w {path} (or set file_mode=shared to trust its group, or choose another tier directory)"
-    else:
-        fix = (f"chgrp -R {group_name(trust.gid)} {path} (the tier directory's group), or chmod -R g-w {path}, "
-               "or choose another tier directory")
-    return ConfigError(f"tier directory {path} (from {source}) {why} ({describe(st)}): {fix}")
+        return (f"another user's directory could hand this engine pages it never stored, or take its own: remove "
+                f"it (as its owner or root: rm -r {path}) or make it yours (as root: chown -R {me} {path}), "
+                "or choose another tier directory")
+    if st.st_mode & stat.S_IWOTH:
+        return f"chmod -R o-w {path} (or choose another tier directory)"
+    if trust.gid is None:
+        return f"chmod -R g-w {path} (or set file_mode=shared to trust its group, or choose another tier directory)"
+    return (f"chgrp -R {group_name(trust.gid)} {path} (the tier directory's group), or chmod -R g-w {path}, "
+            "or choose another tier directory")
 
 
 def open_base(root: str, dir_mode: int, source: str) -> tuple[int, int]:
@@ -233,33 +236,57 @@ def _trust(root: str, base_fd: int, tmp_fd: int, shared: bool, tag: str) -> Trus
 
 
 def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag: str) -> Trust:
-    """Start-up of one tier: its directories (``kvstream/``, ``tmp/``, the namespace and every shard in
-    it) created where missing and checked through descriptors, and the trusted owners learnt (the
-    O_DIRECT probe in ``tmp``, named with ``tag``).
+    """Start-up of one tier: its directories (``kvstream/``, ``tmp/``, the namespace) created where
+    missing through descriptors, the trusted owners learnt (the O_DIRECT probe in ``tmp``, named with
+    ``tag``), and every directory the engine uses checked (:func:`dir_findings`, shards included).
 
     :raises ConfigError: a directory fails the checks (naming it, its owner and mode, and the fix).
     :raises TierError: a file is in the way of ``kvstream/`` or ``tmp/``.
     :raises OSError: the tier cannot be written (the probe, a mkdir)."""
     base_fd, tmp_fd = open_base(layout.root, dir_mode, source)
-    fds = [base_fd, tmp_fd]
     try:
         trust = _trust(layout.root, base_fd, tmp_fd, shared, tag)
-        _check(layout.base, os.fstat(base_fd), trust, source)
-        _check(layout.tmp, os.fstat(tmp_fd), trust, source)
-        fds.append(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))
-        _check(layout.pages, os.fstat(fds[-1]), trust, source)
-        with os.scandir(fds[-1]) as entries:
-            for entry in entries:
-                try:
-                    st = os.stat(entry.name, dir_fd=fds[-1], follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):  # a file here is a stray (removed)
-                    _check(os.path.join(layout.pages, entry.name), st, trust, source)
+        for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
+            raise dir_error(path, st, why, trust, source)
+        os.close(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))
+        for path, st, why in dir_findings(layout, trust, base=False):
+            raise dir_error(path, st, why, trust, source)
         return trust
     finally:
-        for fd in fds:
-            os.close(fd)
+        os.close(base_fd)
+        os.close(tmp_fd)
+
+
+def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,
+                 pages: bool = True) -> list[tuple[str, os.stat_result, str]]:
+    """(path, lstat, what is wrong) of each directory of one tier the engine uses that fails
+    :meth:`Trust.dir_problem`: ``kvstream/`` and ``tmp/`` (``base``), the namespace directory and its
+    shards (``pages``). A parent comes before its children, which are not looked at when it fails (nobody
+    can vouch for them); a missing directory is no finding (the engine makes it)."""
+    out = []
+    for path, wanted in ((layout.base, base), (layout.tmp, base), (layout.pages, pages)):
+        if not wanted:
+            continue
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        why = trust.dir_problem(st)
+        if why is not None:
+            out.append((path, st, why))
+            if path != layout.tmp:
+                return out
+    if pages:
+        try:
+            entries = scandir_below(layout.root, layout.pages)
+        except FileNotFoundError:
+            entries = []
+        for name, st in sorted(entries):
+            if st is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):  # a file: a stray
+                why = trust.dir_problem(st)
+                if why is not None:
+                    out.append((os.path.join(layout.pages, name), st, why))
+    return out
 
 
 def learn(root: str, shared: bool) -> Trust:
@@ -279,12 +306,6 @@ def learn(root: str, shared: bool) -> Trust:
         return Trust.user()
     finally:
         os.close(base_fd)
-
-
-def _check(path: str, st: os.stat_result, trust: Trust, source: str) -> None:
-    why = trust.dir_problem(st)
-    if why is not None:
-        raise dir_error(path, st, why, trust, source)
 
 
 def check_dir(path: str, trust: Trust) -> None:

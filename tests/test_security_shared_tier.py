@@ -128,10 +128,14 @@ def test_a_tree_another_user_made_first_is_refused_and_their_page_never_served(s
                  "another tier directory"):
         assert part in msg, (part, msg)
     config = Config.from_sources({"tiers": [scratch]}, environ={})
-    for fix in (False, True):
+    layout = TierLayout(scratch, NS.digest)
+    for fix in (False, True):  # the directories an engine refuses, and the page: reported, nothing removed
         problems = check_tiers(config, fix=fix)
-        assert [(p.kind, p.fixed) for p in problems] == [("untrusted", False)], problems
-        assert f"uid {INTRUDER}" in problems[0].detail
+        assert [(p.kind, p.path, p.fixed) for p in problems] == [
+            ("untrusted", layout.base, False), ("untrusted", layout.pages, False),
+            ("untrusted", layout.page_path(key), False)], problems
+        assert all(f"uid {INTRUDER}" in p.detail for p in problems)
+        assert f"rm -r {layout.base}" in problems[0].detail
     assert Path(scratch, rel).read_bytes() == planted  # never removed: not ours
 
 
