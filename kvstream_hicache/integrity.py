@@ -38,7 +38,7 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import is_engine_tmp, stale_tmp
 from .trust import (
-    Trust, describe, dir_findings, dir_fix, learn, open_below, remove, scandir_below, untrusted_file,
+    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, open_below, remove, scandir_below, untrusted_file,
 )
 
 if TYPE_CHECKING:
@@ -407,9 +407,8 @@ def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str]
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
         return [Problem("stray", root, tmp_dir, f"{LINKED}; left in place")]
-    strays = {name: "a symbolic link in kvstream's temporary directory: never followed" if stat.S_ISLNK(st.st_mode)
-              else "a directory in kvstream's temporary directory"
-              for name, st in entries if st is not None and (stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode))}
+    strays = {name: "a symbolic link in kvstream's temporary directory: never followed" if kind == LINK
+              else "a directory in kvstream's temporary directory" for name, kind in entries if kind != OTHER}
     out = [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover"), fix, trust)
            for path in stale_tmp(tmp_dir, live_tokens) if os.path.basename(path) not in strays]
     return out + [fix_problem(Problem("stray", root, os.path.join(tmp_dir, name), why), fix, trust)

@@ -73,8 +73,8 @@ class Trust(NamedTuple):
         return None
 
     def describe(self) -> str:
-        """For the start-up line: 'trusts uid 1000 (alice)', '... and group kv', '... (files it creates
-        come out owned by nobody)'."""
+        """For the start-up line: 'trusts alice (uid 1000)', '... and group kv', '... and nobody (uid 65534)
+        (its files come out owned by nobody (uid 65534) there)'."""
         me = os.geteuid()
         text = f"trusts {user_name(me)}"
         mapped = sorted(self.uids - {me})
@@ -123,18 +123,23 @@ def open_below(root: str, path: str) -> int:
     return fd
 
 
-def scandir_below(root: str, path: str) -> list[tuple[str, os.stat_result | None]]:
-    """(name, lstat) of every entry of directory ``path`` in tier ``root``, walked through descriptors
-    (None: vanished meanwhile). :raises OSError: as :func:`open_below`."""
+LINK, DIRECTORY, OTHER = "link", "directory", "other"
+
+
+def scandir_below(root: str, path: str) -> list[tuple[str, str]]:
+    """(name, LINK | DIRECTORY | OTHER) of every entry of directory ``path`` in tier ``root``, listed
+    through a descriptor reached following no link (the kind from the directory entry: no stat per
+    entry where the file system reports it). :raises OSError: as :func:`open_below`."""
     fd = open_below(root, path)
     try:
         out = []
         with os.scandir(fd) as entries:
             for entry in entries:
                 try:
-                    out.append((entry.name, os.stat(entry.name, dir_fd=fd, follow_symlinks=False)))
-                except FileNotFoundError:
-                    out.append((entry.name, None))
+                    kind = LINK if entry.is_symlink() else DIRECTORY if entry.is_dir(follow_symlinks=False) else OTHER
+                except OSError:  # vanished meanwhile
+                    kind = OTHER
+                out.append((entry.name, kind))
         return out
     finally:
         os.close(fd)
@@ -281,11 +286,17 @@ def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,
             entries = scandir_below(layout.root, layout.pages)
         except FileNotFoundError:
             entries = []
-        for name, st in sorted(entries):
-            if st is not None and (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):  # a file: a stray
-                why = trust.dir_problem(st)
-                if why is not None:
-                    out.append((os.path.join(layout.pages, name), st, why))
+        for name, kind in sorted(entries):
+            if kind == OTHER:  # a file where shards belong: a stray, the scan's
+                continue
+            path = os.path.join(layout.pages, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            why = trust.dir_problem(st)
+            if why is not None:
+                out.append((path, st, why))
     return out
 
 
