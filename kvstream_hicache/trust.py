@@ -268,35 +268,30 @@ def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,
     :meth:`Trust.dir_problem`: ``kvstream/`` and ``tmp/`` (``base``), the namespace directory and its
     shards (``pages``). A parent comes before its children, which are not looked at when it fails (nobody
     can vouch for them); a missing directory is no finding (the engine makes it)."""
-    out = []
-    for path, wanted in ((layout.base, base), (layout.tmp, base), (layout.pages, pages)):
-        if not wanted:
-            continue
+    out: list[tuple[str, os.stat_result, str]] = []
+
+    def passes(path: str) -> bool:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            continue
+            return True
         why = trust.dir_problem(st)
         if why is not None:
             out.append((path, st, why))
-            if path != layout.tmp:
-                return out
-    if pages:
+        return why is None
+
+    if base and not passes(layout.base):
+        return out
+    if base:
+        passes(layout.tmp)
+    if pages and passes(layout.pages):
         try:
             entries = scandir_below(layout.root, layout.pages)
         except FileNotFoundError:
             entries = []
         for name, kind in sorted(entries):
-            if kind == OTHER:  # a file where shards belong: a stray, the scan's
-                continue
-            path = os.path.join(layout.pages, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            why = trust.dir_problem(st)
-            if why is not None:
-                out.append((path, st, why))
+            if kind != OTHER:  # a file where shards belong is a stray: the scan's
+                passes(os.path.join(layout.pages, name))
     return out
 
 
