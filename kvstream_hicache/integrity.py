@@ -38,7 +38,7 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import is_engine_tmp, stale_tmp
 from .trust import (
-    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, open_below, remove, scandir_below, untrusted_file,
+    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, list_below, remove, scandir_below, untrusted_file,
 )
 
 if TYPE_CHECKING:
@@ -237,13 +237,9 @@ def shards(layout: TierLayout) -> list[str]:
     """The ``<key[:2]>`` directories of one namespace on one tier (listed through a descriptor that
     followed no link). :raises OSError: ELOOP/ENOTDIR: the namespace directory is a link or a file."""
     try:
-        fd = open_below(layout.root, layout.pages)
+        return sorted(list_below(layout.root, layout.pages))
     except FileNotFoundError:
         return []
-    try:
-        return sorted(os.listdir(fd))
-    finally:
-        os.close(fd)
 
 
 def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust,
@@ -252,7 +248,7 @@ def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust,
     through a descriptor that followed no link; its files are opened O_NOFOLLOW."""
     path = os.path.join(layout.pages, shard)
     try:
-        entries = scandir_below(layout.root, path)
+        names = list_below(layout.root, path)
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -261,8 +257,7 @@ def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust,
         linked = os.path.islink(path)  # a link is never followed, a file where a shard belongs is a stray
         return [ScannedPage(path, None, Problem("stray", layout.root, path,
                                                 LINKED if linked else "not a shard directory"), 0)]
-    return [_scan_one(layout, digest, shard, name, os.path.join(path, name), payload, trust)
-            for name, _ in entries]
+    return [_scan_one(layout, digest, shard, name, f"{path}{os.sep}{name}", payload, trust) for name in names]
 
 
 def scan_file(layout: TierLayout, digest: str, key: str, *, trust: Trust, payload: bool = False) -> ScannedPage:
@@ -385,13 +380,9 @@ def dir_problems(layout: TierLayout, trust: Trust, *, base: bool, pages: bool) -
 def _digests(base: TierLayout) -> list[str]:
     """The namespaces on one tier (listed through a descriptor). :raises OSError: as :func:`shards`."""
     try:
-        fd = open_below(base.root, base.base)
+        return sorted(n for n in list_below(base.root, base.base) if is_digest(n))
     except FileNotFoundError:
         return []
-    try:
-        return sorted(n for n in os.listdir(fd) if is_digest(n))
-    finally:
-        os.close(fd)
 
 
 def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str] | None, fix: bool,

@@ -123,6 +123,16 @@ def open_below(root: str, path: str) -> int:
     return fd
 
 
+def list_below(root: str, path: str) -> list[str]:
+    """The names in directory ``path`` of tier ``root``, listed through a descriptor reached following
+    no link. :raises OSError: as :func:`open_below`."""
+    fd = open_below(root, path)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 LINK, DIRECTORY, OTHER = "link", "directory", "other"
 
 
