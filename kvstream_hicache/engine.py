@@ -48,7 +48,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
-from .trust import by_age
+from .trust import age_key, honest_until
 from .writes import WritePath
 
 log = logging.getLogger("kvstream")
@@ -365,8 +365,9 @@ class Engine:
         """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
         tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
         found = 0
+        until = honest_until()
         for key in keys:
-            pages = [(by_age(page.header.created_ns), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
+            pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
                      for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
                      if page.problem is None]
             for _, k, page in sorted(pages, key=lambda e: e[:2]):
@@ -423,11 +424,11 @@ class Engine:
             results = list(pool.map(scan, tasks))
         entries = []
         damaged = 0
-        now_ns = time.time_ns()
+        until = honest_until()
         for (k, _shard), pages in zip(tasks, results):
             for page in pages:
                 if page.problem is None:
-                    entries.append((by_age(page.header.created_ns, now_ns), k, page))
+                    entries.append((age_key(page.header.created_ns, until), k, page))
                 elif page.problem.detail != VANISHED:
                     problem = fix_problem(page.problem, trust=self.tiers[k].trust)
                     if problem.fixed:

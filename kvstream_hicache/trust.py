@@ -376,10 +376,13 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
 
 
 # ---------------------------------------------------------------------------------------- order
-def by_age(created_ns: int, now_ns: int | None = None) -> tuple[bool, int]:
+def age_key(created_ns: int, honest_until_ns: int) -> tuple[bool, int]:
     """Sort key of a copy by its header's write time, oldest first (where copies differ, the last one
-    indexed wins): a time further in the future than CLOCK_SKEW_NS is a claim, not a time, and sorts
-    before every honest one, so it never wins over another copy."""
-    now_ns = time.time_ns() if now_ns is None else now_ns
-    honest = created_ns <= now_ns + CLOCK_SKEW_NS
-    return (honest, created_ns)
+    indexed wins). A time after ``honest_until_ns`` (:func:`honest_until`) is a claim, not a time, and
+    sorts before every honest one, so it never wins over another copy."""
+    return (created_ns <= honest_until_ns, created_ns)
+
+
+def honest_until(now_ns: int | None = None) -> int:
+    """The latest write time a header may claim now: this host's clock plus CLOCK_SKEW_NS."""
+    return (time.time_ns() if now_ns is None else now_ns) + CLOCK_SKEW_NS
