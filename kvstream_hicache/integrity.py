@@ -22,6 +22,7 @@ released, so verifying costs a fraction of the memcpy that follows (figures in d
 """
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import os
@@ -31,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .io import crc32c  # SSE4.2, the GIL released for large inputs
+from .probe import check_overlap
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
     is_valid_key, key_of_page_file, n_blocks,
@@ -51,8 +53,6 @@ _FIXED = struct.Struct("<8sHHIQQ16sH")  # magic .. key length (50 bytes)
 _KEY_OFF = 64
 _CRC_OFF = 272
 _HCRC_OFF = HEADER_SIZE - 4
-VANISHED = "vanished during the scan"
-UNREADABLE = "unreadable"  # detail of a 'damaged' or 'corrupt' file an I/O error kept from being read
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
 
@@ -124,20 +124,33 @@ def block_crcs(segments: Sequence[Segment], length: int, block: int) -> tuple[in
 
 
 # ------------------------------------------------------------------------------------ scanning
+class Reason(str, enum.Enum):
+    """Why a file is a problem, for code to act on (``Problem.detail`` says it for people). A str:
+    ``check --json`` writes its value."""
+
+    INVALID = "invalid"  # read, and not a valid page there (header, checksum, length, place, name, type)
+    UNREADABLE = "unreadable"  # an I/O error kept it from being read: the file itself may be valid
+    VANISHED = "vanished"  # removed while being looked at (another process, an operator): not a problem
+    LEFTOVER = "leftover"  # a temporary file of a writer that is gone
+    UNTRUSTED = "untrusted"  # a file or directory of an owner the engine does not trust (trust.py): left alone
+    INDEX = "index"  # the index and the disk disagree
+
+
 class Problem(NamedTuple):
     """One finding of :func:`check_tiers` / ``Engine.check``.
 
     kind: 'damaged' (header unusable), 'corrupt' (a payload block fails its CRC), 'truncated',
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
-    'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file whose owner this engine
-    does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
-    'index_stale' (indexed, not on disk).
+    'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file or directory of an owner
+    this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
+    'index_stale' (indexed, not on disk, or with other content).
     """
 
     kind: str
     tier: str
     path: str
     detail: str
+    reason: Reason
     fixed: bool = False
 
 
@@ -242,10 +255,12 @@ def shards(layout: TierLayout) -> list[str]:
         return []
 
 
-def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust,
+def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust | None = None,
                payload: bool = False) -> list[ScannedPage]:
     """Every file of one shard directory, validated (see :func:`scan_pages`). The shard is listed
-    through a descriptor that followed no link; its files are opened O_NOFOLLOW."""
+    through a descriptor that followed no link; its files are opened O_NOFOLLOW and read only when of
+    an owner in ``trust`` (default: this user)."""
+    trust = trust or Trust.user()
     path = os.path.join(layout.pages, shard)
     try:
         names = list_below(layout.root, path)
@@ -255,18 +270,20 @@ def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust,
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
         linked = os.path.islink(path)  # a link is never followed, a file where a shard belongs is a stray
-        return [ScannedPage(path, None, Problem("stray", layout.root, path,
-                                                LINKED if linked else "not a shard directory"), 0)]
+        problem = Problem("stray", layout.root, path, LINKED if linked else "not a shard directory", Reason.INVALID)
+        return [ScannedPage(path, None, problem, 0)]
     return [_scan_one(layout, digest, shard, name, f"{path}{os.sep}{name}", payload, trust) for name in names]
 
 
-def scan_file(layout: TierLayout, digest: str, key: str, *, trust: Trust, payload: bool = False) -> ScannedPage:
-    """The page file of ``key`` on one tier, validated (a missing file is a 'stray' VANISHED); with
+def scan_file(layout: TierLayout, digest: str, key: str, *, trust: Trust | None = None,
+              payload: bool = False) -> ScannedPage:
+    """The page file of ``key`` on one tier, validated (a missing file: a Reason.VANISHED 'stray'); with
     ``payload`` every block is checked against the file's own header too."""
-    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), payload, trust)
+    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), payload, trust or Trust.user())
 
 
-def scan_pages(layout: TierLayout, digest: str, *, trust: Trust, payload: bool = False) -> Iterator[ScannedPage]:
+def scan_pages(layout: TierLayout, digest: str, *, trust: Trust | None = None,
+               payload: bool = False) -> Iterator[ScannedPage]:
     """Every page file of one namespace on one tier, validated against its place (and, with
     ``payload=True``, its block CRCs). Files that vanish while scanning are skipped. A link where a
     directory belongs is a stray, never followed."""
@@ -275,7 +292,7 @@ def scan_pages(layout: TierLayout, digest: str, *, trust: Trust, payload: bool =
     except OSError as exc:
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
-        yield ScannedPage(layout.pages, None, Problem("stray", layout.root, layout.pages, LINKED), 0)
+        yield ScannedPage(layout.pages, None, Problem("stray", layout.root, layout.pages, LINKED, Reason.INVALID), 0)
         return
     for shard in names:
         yield from scan_shard(layout, digest, shard, payload=payload, trust=trust)
@@ -283,8 +300,11 @@ def scan_pages(layout: TierLayout, digest: str, *, trust: Trust, payload: bool =
 
 def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool,
               trust: Trust) -> ScannedPage:
-    def bad(kind: str, detail: str, size: int = 0) -> ScannedPage:
-        return ScannedPage(path, None, Problem(kind, layout.root, path, detail), size)
+    def bad(kind: str, detail: str, size: int = 0, reason: Reason = Reason.INVALID) -> ScannedPage:
+        return ScannedPage(path, None, Problem(kind, layout.root, path, detail, reason), size)
+
+    def unreadable(kind: str, exc: OSError, size: int = 0) -> ScannedPage:
+        return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
 
     key = key_of_page_file(name)
     if key is None or key[:2] != shard:
@@ -292,15 +312,15 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     try:
         header, size = read_header(path, trust)
     except FileNotFoundError:
-        return bad("stray", VANISHED)
+        return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
     except UntrustedFile as exc:
-        return bad("untrusted", f"{exc.strerror}: never read, never removed")
+        return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
     except NotRegularFile as exc:
         return bad("stray", f"{exc.strerror}, not a page file")
     except HeaderError as exc:
         return bad("damaged", str(exc))
     except OSError as exc:
-        return bad("damaged", f"{UNREADABLE}: {os.strerror(exc.errno or errno.EIO)}")
+        return unreadable("damaged", exc)
     if header.digest != digest or header.key != key:
         return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size)
     if size < file_size(header.length):
@@ -309,27 +329,28 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         try:
             why = verify_payload(path, header, trust)
         except OSError as exc:
-            why = f"{UNREADABLE}: {os.strerror(exc.errno or errno.EIO)}"
+            return unreadable("corrupt", exc, size)
         if why:
             return bad("corrupt", why, size)
     return ScannedPage(path, header, None, size)
 
 
 # ------------------------------------------------------------------------------------ check
-def check_tier(layout: TierLayout, digest: str, *, trust: Trust, fix: bool = False, payload: bool = True,
+def check_tier(layout: TierLayout, digest: str, *, trust: Trust | None = None, fix: bool = False, payload: bool = True,
                live_tokens: frozenset[str] | set[str] | None = None, tmp: bool = True
                ) -> tuple[list[Problem], dict[str, ScannedPage]]:
     """Check one namespace on one tier: (problems, valid pages by key). With ``fix`` the files
     behind the problems are removed (only files of owners in ``trust``); ``tmp`` also reports (and
     fixes) temporary leftovers, those of no engine in ``live_tokens`` (None: every engine open in this
     process)."""
+    trust = trust or Trust.user()
     problems = dir_problems(layout, trust, base=tmp, pages=True)
     problems += tmp_problems(layout.root, layout.tmp, live_tokens, fix, trust) if tmp else []
     valid: dict[str, ScannedPage] = {}
     for page in scan_pages(layout, digest, payload=payload, trust=trust):
         if page.problem is None:
             valid[page.header.key] = page
-        elif page.problem.detail != VANISHED:
+        elif page.problem.reason is not Reason.VANISHED:
             problems.append(fix_problem(page.problem, fix, trust))
     return problems, valid
 
@@ -349,7 +370,7 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     :raises TierError: two tiers overlap (one inside another's ``kvstream`` tree, or one directory
         twice): walking both would take one tier's files for the other's strays.
     """
-    config.check_overlap()
+    check_overlap(config)
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:
@@ -362,7 +383,7 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
         except OSError as exc:
             if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
                 raise
-            problems.append(Problem("stray", tier.path, base.base, f"{LINKED}; left in place"))
+            problems.append(Problem("stray", tier.path, base.base, f"{LINKED}; left in place", Reason.INVALID))
             continue
         for d in digests:
             problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False, trust=trust)[0]
@@ -373,7 +394,7 @@ def dir_problems(layout: TierLayout, trust: Trust, *, base: bool, pages: bool) -
     """The directories an engine would refuse at start-up (trust.dir_findings) as 'untrusted' problems,
     never fixed (kvstream removes no directory); a link there is the scans' 'stray'."""
     return [Problem("untrusted", layout.root, path, f"a directory an engine refuses: it {why} ({describe(st)}); "
-                                                    f"{dir_fix(path, st, trust)}")
+                                                    f"{dir_fix(path, st, trust)}", Reason.UNTRUSTED)
             for path, st, why in dir_findings(layout, trust, base, pages) if not stat.S_ISLNK(st.st_mode)]
 
 
@@ -397,12 +418,12 @@ def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str]
     except OSError as exc:
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
-        return [Problem("stray", root, tmp_dir, f"{LINKED}; left in place")]
+        return [Problem("stray", root, tmp_dir, f"{LINKED}; left in place", Reason.INVALID)]
     strays = {name: "a symbolic link in kvstream's temporary directory: never followed" if kind == LINK
               else "a directory in kvstream's temporary directory" for name, kind in entries if kind != OTHER}
-    out = [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover"), fix, trust)
+    out = [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER), fix, trust)
            for path in stale_tmp(tmp_dir, live_tokens) if os.path.basename(path) not in strays]
-    return out + [fix_problem(Problem("stray", root, os.path.join(tmp_dir, name), why), fix, trust)
+    return out + [fix_problem(Problem("stray", root, os.path.join(tmp_dir, name), why, Reason.INVALID), fix, trust)
                   for name, why in sorted(strays.items())]
 
 
@@ -414,12 +435,12 @@ def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None) 
     another tier's tree or anything else an operator keeps there."""
     if not fix:
         return problem
-    if problem.detail.startswith(UNREADABLE):  # EMFILE, EIO, ESTALE...: the file itself may be valid
+    if problem.reason is Reason.UNREADABLE:  # EMFILE, EIO, ESTALE...: the file itself may be valid
         return problem._replace(detail=f"{problem.detail}; left in place: an error kept it from being read, "
                                        f"not the file's content (check again once the tier reads)")
     try:
         why = remove(problem.tier, problem.path, trust or Trust.user(),
-                     is_engine_tmp if problem.kind == "orphan_tmp" else None)
+                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None)
     except OSError as exc:
         return problem._replace(detail=f"{problem.detail}; could not remove it "
                                        f"({os.strerror(exc.errno or errno.EIO)})")
