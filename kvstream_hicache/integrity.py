@@ -40,7 +40,7 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import is_engine_tmp, stale_tmp
 from .trust import (
-    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, list_below, remove, scandir_below, untrusted_file,
+    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, list_below, not_trusted, remove, scandir_below,
 )
 
 if TYPE_CHECKING:
@@ -203,9 +203,8 @@ def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL, file_kind(st.st_mode),
                                  path)
-        why = untrusted_file(st, trust)
-        if why is not None:
-            raise UntrustedFile(errno.EINVAL, why, path)
+        if not trust.owns(st):
+            raise UntrustedFile(errno.EINVAL, not_trusted(st), path)
         if flags is not None:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     except BaseException:

@@ -15,7 +15,7 @@ user's link, is ownership, checked the way OpenSSH's StrictModes checks ``~/.ssh
   (:func:`establish`). The tier root may be writable by every user only with the sticky bit (as
   ``/tmp``): then nobody can move the engine's own ``kvstream/`` there.
 * **Files**: opened with O_NOFOLLOW (a link is ELOOP, never followed) and served or indexed only when
-  ``fstat`` shows a regular file of a trusted owner (:func:`untrusted_file`); removed only through the
+  ``fstat`` shows a regular file of a trusted owner (:meth:`Trust.owns`); removed only through the
   directory descriptor they were found in, after ``fstat`` there shows an engine-owned, non-directory,
   non-link entry (:func:`remove`). Start-up, ``check`` and their fixes walk the tree through
   descriptors opened O_DIRECTORY|O_NOFOLLOW (:func:`open_below`).
@@ -335,10 +335,8 @@ def check_dir(path: str, trust: Trust) -> None:
 
 
 # ---------------------------------------------------------------------------------------- files
-def untrusted_file(st: os.stat_result, trust: Trust) -> str | None:
-    """Why a regular file (its ``fstat``) must not be read past that fstat, or None."""
-    if trust.owns(st):
-        return None
+def not_trusted(st: os.stat_result) -> str:
+    """Why a file that fails :meth:`Trust.owns` (its ``fstat``) is not read past that fstat."""
     return f"of a user this engine does not trust ({describe(st)})"
 
 
@@ -366,7 +364,7 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
         if stat.S_ISDIR(st.st_mode):
             return "kvstream never removes a directory (remove it by hand if nothing needs it)"
         if not trust.owns(st):
-            return f"not kvstream's: {untrusted_file(st, trust)}"
+            return f"not kvstream's: {not_trusted(st)}"
         os.unlink(name, dir_fd=fd)
         return None
     except FileNotFoundError:  # removed concurrently: gone all the same
