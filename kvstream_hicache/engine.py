@@ -35,7 +35,7 @@ from .config import Config, check_capacities
 from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
-from .index import Index
+from .index import Index, tiers_in
 from .integrity import (
     Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
@@ -233,6 +233,37 @@ class Engine:
             if n >= len(keys) or not self._discover([keys[n]], mask):
                 return n
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
+        the index holds on any tier, against the largest tier's capacity (every tier takes every page,
+        so the largest bounds what is held; an unlimited tier counts its file system's size)."""
+        caps = []
+        for tier in self.tiers:
+            if tier.capacity is not None:
+                caps.append(tier.capacity)
+                continue
+            try:
+                st = os.statvfs(tier.root)
+                caps.append(st.f_blocks * st.f_frsize)
+            except OSError:  # a tier that cannot say (gone, ESTALE): it bounds nothing
+                pass
+        return self.index.held_bytes, max(caps, default=0)
+
+    def capacity_limit(self) -> int | None:
+        """The largest tier's configured capacity, or None when some tier is unlimited: no page set
+        larger than this can be held whole."""
+        caps = [tier.capacity for tier in self.tiers]
+        return None if None in caps else max(caps)
+
+    def held(self, key: str) -> bool:
+        """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not)."""
+        return self.index.contains(key)
+
+    def on_gone(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(key)`` whenever a key leaves the index on every tier (evicted, deleted,
+        damaged, vanished). It runs under the index lock: it must not block nor call the engine."""
+        self.index.on_gone = callback
+
     def clear(self) -> None:
         """Remove every page of this namespace from every tier."""
         self._check_open()
@@ -410,7 +441,7 @@ class Engine:
         """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
         leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
     def _rebuild_index(self) -> dict:
         """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold
