@@ -38,7 +38,7 @@ from .config import Config, check_capacities
 from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
-from .index import Index
+from .index import Index, tiers_in
 from .integrity import (
     Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
@@ -51,6 +51,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
+from .trust import age_key, honest_until
 from .writequeue import WriteSettings
 from .writes import WritePath
 
@@ -113,8 +114,9 @@ class Engine:
         capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
         check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
+        source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, _weak(self._reconcile, ""))
+                           self._token, clock, _weak(self._reconcile, ""), source)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
@@ -144,8 +146,8 @@ class Engine:
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         log.log(logging.INFO if announce else logging.DEBUG,
-                "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
-                namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
+                "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s; %s", config.summary(),
+                namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine, self.trust_summary())
 
     # -- pages ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
@@ -248,6 +250,37 @@ class Engine:
             if n >= len(keys) or not self._discover([keys[n]], mask):
                 return n
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
+        the index holds on any tier, against the largest tier's capacity (every tier takes every page,
+        so the largest bounds what is held; an unlimited tier counts its file system's size)."""
+        caps = []
+        for tier in self.tiers:
+            if tier.capacity is not None:
+                caps.append(tier.capacity)
+                continue
+            try:
+                st = os.statvfs(tier.root)
+                caps.append(st.f_blocks * st.f_frsize)
+            except OSError:  # a tier that cannot say (gone, ESTALE): it bounds nothing
+                pass
+        return self.index.held_bytes, max(caps, default=0)
+
+    def capacity_limit(self) -> int | None:
+        """The largest tier's configured capacity, or None when some tier is unlimited: no page set
+        larger than this can be held whole."""
+        caps = [tier.capacity for tier in self.tiers]
+        return None if None in caps else max(caps)
+
+    def held(self, key: str) -> bool:
+        """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not)."""
+        return self.index.contains(key)
+
+    def on_gone(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(key)`` whenever a key leaves the index on every tier (evicted, deleted,
+        damaged, vanished). It runs under the index lock: it must not block nor call the engine."""
+        self.index.on_gone = callback
+
     def clear(self) -> None:
         """Remove every page of this namespace from every tier."""
         self._check_open()
@@ -293,6 +326,14 @@ class Engine:
         self.close()
 
     # -- observability -------------------------------------------------------------------------
+    def trust_summary(self) -> str:
+        """Whose files the engine trusts on its tiers (trust.py), for start-up lines: 'trusts alice (uid
+        1000)' when every tier says the same, else per tier."""
+        texts = [t.trust.describe() for t in self.tiers]
+        if len(set(texts)) == 1:
+            return texts[0] + (" on every tier" if len(texts) > 1 else "")
+        return "; ".join(f"tier {t.k} {text}" for t, text in zip(self.tiers, texts))
+
     @property
     def last_batch(self) -> dict:
         """Figures of the last read batch (see stats.py)."""
@@ -329,7 +370,7 @@ class Engine:
             for k, tier in enumerate(self.tiers):
                 if not tier.healthy:
                     continue
-                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True)
+                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True, trust=tier.trust)
                 problems += found
                 indexed = set(self.index.keys(k))
                 for key in sorted(indexed - valid.keys()):
@@ -390,9 +431,11 @@ class Engine:
         """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
         tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
         found = 0
+        until = honest_until()
         for key in keys:
-            pages = [(page.header.created_ns, tier.k, page) for tier in self.tiers if mask >> tier.k & 1
-                     for page in [scan_file(tier.layout, self.namespace.digest, key)] if page.problem is None]
+            pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
+                     for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
+                     if page.problem is None]
             for _, k, page in sorted(pages, key=lambda e: e[:2]):
                 self._index_page(k, page)
             if self.index.contains(key, mask):
@@ -421,7 +464,7 @@ class Engine:
         """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
         leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
     def _rebuild_index(self) -> dict:
         """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold
@@ -432,7 +475,7 @@ class Engine:
         tmp_removed = 0
         kept: list[Problem] = []  # what start-up could not (or must not) remove: reported, never fatal
         for tier in self.tiers:
-            for problem in tmp_problems(tier.root, tier.layout.tmp, None, fix=True):
+            for problem in tmp_problems(tier.root, tier.layout.tmp, None, True, tier.trust):
                 if problem.fixed:
                     tmp_removed += 1
                 else:
@@ -440,18 +483,20 @@ class Engine:
         tasks = [(k, shard) for k, tier in enumerate(self.tiers) for shard in shards(tier.layout)]
 
         def scan(task: tuple[int, str]) -> list[ScannedPage]:
-            return scan_shard(self.tiers[task[0]].layout, digest, task[1])
+            tier = self.tiers[task[0]]
+            return scan_shard(tier.layout, digest, task[1], trust=tier.trust)
 
         with ThreadPoolExecutor(max_workers=SCAN_THREADS, thread_name_prefix="kvstream-scan") as pool:
             results = list(pool.map(scan, tasks))
         entries = []
         damaged = 0
+        until = honest_until()
         for (k, _shard), pages in zip(tasks, results):
             for page in pages:
                 if page.problem is None:
-                    entries.append((page.header.created_ns, k, page))
+                    entries.append((age_key(page.header.created_ns, until), k, page))
                 elif page.problem.reason is not Reason.VANISHED:
-                    problem = fix_problem(page.problem)
+                    problem = fix_problem(page.problem, trust=self.tiers[k].trust)
                     if problem.fixed:
                         damaged += 1
                     else:

@@ -38,6 +38,10 @@ if [ ! -e "$stamp" ]; then
     msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 dill apache-tvm-ffi==0.1.11 \
     sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf prometheus_client \
     cython pytest pytest-benchmark pytest-timeout hypothesis matplotlib
+  # what a real `sglang.launch_server` imports (kvstream serve-cpu, tests/test_sglang_server.py); the same
+  # list as kvstream_hicache/tools/serve_cpu.py SERVER_MODULES. xgrammar brings triton (harmless on a CPU).
+  "$PIP" install -q -c "$CONSTRAINTS" fastapi "uvicorn>=0.51" uvloop setproctitle python-multipart \
+    partial_json_parser zstandard einops watchfiles distro openai==2.8.0 tiktoken jsonschema xgrammar soundfile
   echo "[setup] installing the peers extra into $VENV: $PEERS"
   # shellcheck disable=SC2086  # one requirement per word
   "$PIP" install -q -c "$CONSTRAINTS" $PEERS
