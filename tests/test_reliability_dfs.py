@@ -131,7 +131,7 @@ def test_another_node_evicting_one_page_fails_nothing(dfs):
     keys = pages.keys(N)
     with make_engine(a, replicate="all") as engine:
         assert pages.put(engine, keys) == [True] * N
-        file_bytes = engine.index.get(keys[0]).file_bytes
+        file_bytes = engine.index.get(keys[0]).nbytes
         before = set(page_files(a[1]))
         assert node("open", b, {"capacity": os.pathsep.join(["", str(N * file_bytes)]),
                                 "replicate": "all"})["pages"] == N
