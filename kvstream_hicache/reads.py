@@ -31,7 +31,6 @@ import errno
 import itertools
 import logging
 import os
-import threading
 import time
 from collections.abc import Sequence
 
@@ -41,6 +40,7 @@ from .index import Index, PageInfo
 from .integrity import UNREADABLE, VANISHED, NotRegularFile, crc32c, open_regular, scan_file
 from .io import MAX_VECTOR, OP_READ, PageMap
 from .layout import ALIGN, HEADER_SIZE, block_span, is_aligned, is_valid_key, round_up
+from .locks import ranked_lock
 from .memory import HugePageMap
 from .priority import ReadPriority
 from .segments import Segment
@@ -144,7 +144,7 @@ class ReadPath:
         self.stats = stats
         self.pool = pool
         self.read_timeout = read_timeout
-        self.lock = threading.Lock()
+        self.lock = ranked_lock("read")
         self.busy = BusyClock(len(tiers))
         self.flows = [TierFlow(block, ceiling) for _ in tiers]
         self.huge = HugePageMap()

@@ -21,11 +21,11 @@ import itertools
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable
 
 from .integrity import open_regular
 from .layout import TierLayout
+from .locks import ranked_lock
 from .tmpfiles import ProbeFailed, probe_direct, tmp_name
 
 log = logging.getLogger("kvstream")
@@ -74,7 +74,7 @@ class Tier:
         self._vanished = False  # failed because its directory went: look for it every LOOK_S
         self._next_look = 0.0
         self._next_forced = 0.0  # the next probe a read with no other holder may force
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("tier")
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev

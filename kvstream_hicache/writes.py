@@ -52,6 +52,7 @@ from .index import Index, tiers_in
 from .integrity import PageHeader, block_crcs, pack_header
 from .io import OP_WRITE
 from .layout import HEADER_SIZE, block_size_for, file_size, is_aligned, is_valid_key, round_up
+from .locks import ranked_lock
 from .priority import ReadPriority
 from .segments import Payload, Segment
 from .staging import BufferPool
@@ -187,8 +188,8 @@ class WritePath:
         unit = max(chunk, WRITE_UNIT)
         self.flows = [TierFlow(unit, ceiling) for _ in tiers]  # write window, request size, bandwidth
         self.busy = BusyClock(n)
-        self.lock = threading.Lock()  # held by the writer thread while it works, and by exclusive()
-        self._qlock = threading.Lock()  # the queues: taken briefly, by callers and the writer
+        self.lock = ranked_lock("write")  # held by the writer thread while it works, and by exclusive()
+        self._qlock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer
         self._work = threading.Condition(self._qlock)  # the writer waits here for work
         self._room = threading.Condition(self._qlock)  # deferred puts wait here for backlog room
         self._fifo: list[deque[_Page]] = [deque() for _ in tiers]  # pages waiting for a job on tier k

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import parse_flag, parse_number
+from ..locks import ranked_lock
 from ..segments import nbytes
 from .core import DEFAULT_MAX_POOL_PAGES, L2Core, open_engine
 from .keys import engine_key, layout_tag, split_params
@@ -88,8 +88,8 @@ def _lmcache_classes() -> dict[str, type]:
             self._load_keys: dict[int, list] = {}
             # One lock per direction: a store submit may wait for write_backlog, and a load's result
             # must not wait behind it.
-            self._store_lock = threading.Lock()
-            self._load_lock = threading.Lock()
+            self._store_lock = ranked_lock("lmcache.store")
+            self._load_lock = ranked_lock("lmcache.load")
             config = getattr(self.engine, "config", None)
             log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s",
                      config.summary() if config is not None else "engine given",
