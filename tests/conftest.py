@@ -24,6 +24,8 @@ import pytest
 
 os.environ.setdefault("KVSTREAM_LOCK_CHECK", "1")  # before any lock is built: see locks_in_order
 
+from helpers import ENGINES, uring_available  # noqa: E402  (after the lock check is on)
+
 STRICT = os.environ.get("KVSTREAM_STRICT") == "1"
 # A disk-backed scratch root: /var/tmp is on disk on Debian/Ubuntu even where /tmp is tmpfs.
 SCRATCH = os.environ.get("KVSTREAM_TEST_DIR", "/var/tmp")
@@ -60,8 +62,12 @@ def fd_limit():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+@pytest.fixture(params=ENGINES)
+def io_engine(request):
+    """Each I/O engine in turn; io_uring refused here is a skip (a failure under KVSTREAM_STRICT=1)."""
+    if request.param == "uring" and not uring_available():
+        pytest.skip("io_uring_setup refused on this host")
+    return request.param
 
 
 @pytest.fixture

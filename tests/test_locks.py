@@ -136,7 +136,7 @@ def test_an_unknown_name_is_refused():
 
 
 def test_an_engine_taking_its_locks_out_of_order_is_caught(tier_dirs, violations):
-    from reliability_helpers import make_engine
+    from helpers import make_engine
 
     engine = make_engine(tier_dirs[:2])
     try:

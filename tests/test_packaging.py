@@ -5,6 +5,7 @@ where the system has liburing.a, so the wheel runs where liburing is not install
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -26,10 +27,23 @@ def _wheel(source: str, out: str) -> str:
     return os.path.join(out, name)
 
 
+# What a build reads: a copy of these is built, so no build output (egg-info, build/) lands in the
+# checkout, where importlib.metadata would find it before the installed distribution.
+SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "_uring", "kvstream_hicache",
+           "kvstream-hicache-tools")
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("wheels"))
-    return _wheel(ROOT, out), _wheel(os.path.join(ROOT, "kvstream-hicache-tools"), out)
+    src, out = tmp_path_factory.mktemp("src"), str(tmp_path_factory.mktemp("wheels"))
+    skip = shutil.ignore_patterns("__pycache__", "*.so", "*.c", "build", "*.egg-info")
+    for name in SOURCES:
+        path = os.path.join(ROOT, name)
+        if os.path.isdir(path):
+            shutil.copytree(path, src / name, ignore=skip)
+        else:
+            shutil.copy2(path, src / name)
+    return _wheel(str(src), out), _wheel(str(src / "kvstream-hicache-tools"), out)
 
 
 def _entry_points(names: list[str], zf: zipfile.ZipFile) -> str:
