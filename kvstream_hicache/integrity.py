@@ -127,7 +127,7 @@ class Problem(NamedTuple):
     kind: 'damaged' (header unusable), 'corrupt' (a payload block fails its CRC), 'truncated',
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
     'stray' (a file no engine writes), 'index_missing' (valid on disk, not indexed),
-    'index_stale' (indexed, not on disk).
+    'index_stale' (indexed, and not on disk or on disk as another writer's version).
     """
 
     kind: str

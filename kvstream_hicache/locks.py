@@ -21,6 +21,7 @@ import threading
 # a leaf takes no other lock while held (stats, pools, rings, fault plans, metrics).
 ORDER = (
     "sglang.sync",  # SGLang adapter: one stats snapshot + export at a time
+    "sglang.adapter",  # SGLang adapter: attach/close state (the engine opens under it), counters, samples
     "lmcache.store",  # LMCache L2 adapter: a store submit and its task -> keys table
     "lmcache.load",  # LMCache L2 adapter: a load submit and its task -> keys table
     "read",  # ReadPath: the read ring, its pool, a whole get (also clear/check, with write)
@@ -29,7 +30,6 @@ ORDER = (
     "lmcache.core",  # LMCache core: tasks, results, pins (a put's done callback runs under write/queue)
     "tier",  # Tier: health state, back-off, probes (a rejoin reconciles the index under it)
     "index",  # Index: key -> tiers, LRU, capacity, pins
-    "sglang.adapter",  # SGLang adapter: attach/close state, counters, samples (never held during I/O)
     "priority",  # ReadPriority: readers per tier (listeners are called with it released)
     "staging",  # BufferPool: free and held staging buffers
     "stats",  # Stats: counters

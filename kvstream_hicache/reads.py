@@ -8,7 +8,7 @@ Data flow of ``get`` (one call at a time per read ring)::
     loop: claims -> requests: each tier's claimed blocks of one page, adjacent ones merged into one
           read (up to its flow's request size), into staging buffers or straight into caller memory
           -> submit -> reap -> verify each block's crc32c against the index (staged blocks are
-          copied into the caller's segments in the same pass) -> route.complete(tier, item, ok)
+          copied into the caller's segments in the same pass) -> route.complete_many(tier, results)
           -> each tier's window follows its device (flow.py) -> next claims
     until every item is found or failed (or read_timeout passes)
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file

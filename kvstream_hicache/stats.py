@@ -1,4 +1,4 @@
-"""Counters and per-batch figures, exported as plain dicts (issue 3 item 7).
+"""Counters and per-batch figures, exported as plain dicts.
 
 Per tier: bytes and blocks read (every transfer, duplicates included), bytes served (first
 verified arrivals: the tier's share of the data returned), pages read (pages it served at least one
