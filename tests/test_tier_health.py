@@ -21,16 +21,16 @@ def clock():
 
 
 @pytest.fixture
-def tier(tier_root, clock):
+def rejoined():
+    """The tiers the health machine handed to on_rejoin, in order."""
+    return []
+
+
+@pytest.fixture
+def tier(tier_root, clock, rejoined):
     os.makedirs(TierLayout(tier_root, "ns").base)
-    t = Tier(0, tier_root, "ns", None, (0o600, 0o700), "never", RETRY_S, "token", clock)
-    t.rejoined = 0
-
-    def on_rejoin(_tier):
-        t.rejoined += 1
-
-    t.on_rejoin = on_rejoin
-    return t
+    return Tier(0, tier_root, "ns", None, (0o600, 0o700), "never", RETRY_S, "token", clock,
+                on_rejoin=rejoined.append)
 
 
 def _break_probe(tier: Tier) -> None:
@@ -59,17 +59,17 @@ def test_a_tier_error_fails_it_once(tier, err):
     assert tier.last_error == f"read again: {os.strerror(err)}"
 
 
-def test_a_failed_tier_is_probed_when_its_back_off_expires_and_rejoins(tier, clock):
+def test_a_failed_tier_is_probed_when_its_back_off_expires_and_rejoins(tier, clock, rejoined):
     tier.fail(errno.EIO, "read")
     clock.advance(RETRY_S * 0.99)
-    assert not tier.usable() and tier.rejoined == 0  # not due: no probe
+    assert not tier.usable() and len(rejoined) == 0  # not due: no probe
     clock.advance(RETRY_S * 0.02)
     assert tier.usable() and tier.healthy
-    assert tier.rejoined == 1  # the index is reconciled before the tier takes writes again
-    assert tier.usable() and tier.rejoined == 1  # healthy: no probe, no second rejoin
+    assert len(rejoined) == 1  # the index is reconciled before the tier takes writes again
+    assert tier.usable() and len(rejoined) == 1  # healthy: no probe, no second rejoin
 
 
-def test_the_back_off_doubles_after_each_failed_probe_and_resets_on_recovery(tier, clock):
+def test_the_back_off_doubles_after_each_failed_probe_and_resets_on_recovery(tier, clock, rejoined):
     tier.fail(errno.EIO, "read")
     _break_probe(tier)
     waits = []
@@ -82,7 +82,7 @@ def test_the_back_off_doubles_after_each_failed_probe_and_resets_on_recovery(tie
         waits.append(wait)
     _mend_probe(tier)
     clock.advance(RETRY_S * 2 ** len(waits) * 1.001)
-    assert tier.usable() and tier.rejoined == 1
+    assert tier.usable() and len(rejoined) == 1
     tier.fail(errno.EIO, "read")  # a new failure starts from the first back-off again
     clock.advance(RETRY_S * 1.01)
     assert tier.usable() and tier.failures == 2
@@ -99,7 +99,7 @@ def test_the_back_off_is_capped(tier, clock):
     assert tier.usable()
 
 
-def test_a_read_with_no_other_holder_forces_a_probe_at_most_every_look(tier, clock):
+def test_a_read_with_no_other_holder_forces_a_probe_at_most_every_look(tier, clock, rejoined):
     tier.fail(errno.EIO, "read")
     _break_probe(tier)
     clock.advance(RETRY_S * 1.01)
@@ -109,10 +109,10 @@ def test_a_read_with_no_other_holder_forces_a_probe_at_most_every_look(tier, clo
     clock.advance(LOOK_S / 2)
     assert not tier.usable(now=True)  # forced again too soon: no probe
     clock.advance(LOOK_S / 2 + 0.01)
-    assert tier.usable(now=True) and tier.rejoined == 1  # well before the back-off's 2 s
+    assert tier.usable(now=True) and len(rejoined) == 1  # well before the back-off's 2 s
 
 
-def test_a_vanished_directory_is_looked_for_every_look_and_rejoins_when_back(tier, clock):
+def test_a_vanished_directory_is_looked_for_every_look_and_rejoins_when_back(tier, clock, rejoined):
     aside = tier.layout.base + ".away"
     os.rename(tier.layout.base, aside)
     assert tier.fail(errno.ENOENT, "open a page") is True  # ENOENT fails the tier when its directory went
@@ -123,4 +123,4 @@ def test_a_vanished_directory_is_looked_for_every_look_and_rejoins_when_back(tie
     clock.advance(LOOK_S / 2)
     assert not tier.usable()  # the next look is not due yet
     clock.advance(LOOK_S / 2 + 0.01)
-    assert tier.usable() and tier.rejoined == 1  # back within a second, not after the back-off
+    assert tier.usable() and len(rejoined) == 1  # back within a second, not after the back-off
