@@ -26,7 +26,7 @@ ORDER = (
     "lmcache.load",  # LMCache L2 adapter: a load submit and its task -> keys table
     "read",  # ReadPath: the read ring, its pool, a whole get (also clear/check, with write)
     "write",  # WritePath: the write ring, its pool, jobs in flight (the writer thread's step)
-    "queue",  # WritePath: the per-tier FIFOs, backlog, closing flag (callers and the writer, briefly)
+    "queue",  # WriteQueue: the per-tier FIFOs, backlog, closing flag (callers and the writer, briefly)
     "lmcache.core",  # LMCache core: tasks, results, pins (a put's done callback runs under write/queue)
     "tier",  # Tier: health state, back-off, probes (a rejoin reconciles the index under it)
     "index",  # Index: key -> tiers, LRU, capacity, pins
