@@ -25,7 +25,6 @@ from kvstream_hicache.tools import workload as wl  # noqa: E402
 
 from helpers import load_serve_swebench  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REST_S = 0.05  # the rest of a stream comes at least this long after the first chunk (see FakeSGLang.hold)
 FIRST_S = {600: 0.30, 1100: 0.10, 1600: 0.20}  # input_length -> delay of the first chunk, seconds
 GATE_S = 30.0  # longest a held stream waits for what it waits for (then the test fails, never hangs)
