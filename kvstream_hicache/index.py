@@ -22,9 +22,10 @@ pinned a page before it was chosen (it is then not chosen) or never finds it.
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+
+from .locks import ranked_lock
 
 
 class PageInfo:
@@ -59,7 +60,7 @@ class Index:
         self.on_gone: Callable[[str], None] | None = None
         self.capacities = list(capacities)
         self.n_tiers = len(self.capacities)
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("index")
         self._pages: dict[str, PageInfo] = {}
         self._lru: list[OrderedDict[str, None]] = [OrderedDict() for _ in self.capacities]
         self.used = [0] * self.n_tiers  # committed bytes per tier

@@ -3,7 +3,7 @@
 #   system packages (scripts/system-deps.sh: as root, or through sudo): liburing-dev, pkg-config, gcc, fio
 #   .venv with CPU torch 2.13.0, the real sglang 0.5.23 (--no-deps) and the few
 #   packages its import chain needs, the peers extra of pyproject.toml (nixl, for kvstream bench's
-#   hicache-nixl contenders), then this package in editable mode.
+#   hicache-nixl contenders), then this package and its tools (kvstream-hicache-tools/) in editable mode.
 # Idempotent: a second run only re-checks. Downloads are cached in ~/.cache/pip,
 # never in the repository.
 set -euo pipefail
@@ -49,4 +49,6 @@ if [ ! -e "$stamp" ]; then
 fi
 echo "[setup] building kvstream_hicache (Cython io_uring extension)"
 "$PIP" install -q --no-build-isolation --no-deps -e . >/dev/null
+# The commands (kvstream, kvsim), bench, simulator and demo: their own distribution, not in a worker's install
+"$PIP" install -q --no-build-isolation --no-deps -e ./kvstream-hicache-tools >/dev/null
 echo "[setup] ready: $VENV"

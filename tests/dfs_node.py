@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from reliability_helpers import PAGE_BYTES, PageSet, make_engine, twin_content
+from helpers import PAGE_BYTES, PageSet, make_engine, twin_content
 
 
 def pages(salt: str, version: int) -> PageSet:

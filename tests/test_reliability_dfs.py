@@ -30,7 +30,7 @@ from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import ALIGN, HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import (
+from helpers import (
     HERE, PAGE_BYTES, FakeClock, FaultPlan, PageSet, flip_byte, kvstream_cli, make_engine, page_files,
     twin_content, wait_for_fault,
 )

@@ -16,8 +16,7 @@ import pytest
 
 from kvstream_hicache import EngineClosedError
 
-from conftest import open_fds
-from reliability_helpers import PageSet, make_engine
+from helpers import PageSet, make_engine, open_fds
 
 TRIES = 20
 WAIT_S = 60
