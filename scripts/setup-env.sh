@@ -48,7 +48,10 @@ if [ ! -e "$stamp" ]; then
   touch "$stamp"
 fi
 echo "[setup] building kvstream_hicache (Cython io_uring extension)"
-"$PIP" install -q --no-build-isolation --no-deps -e . >/dev/null
+# compat: the checkout itself goes on sys.path, so kvstream_hicache is the regular package from any working
+# directory; the default finder loses to the tools distribution's namespace portion of kvstream_hicache
+# (child processes and servers started elsewhere imported an empty namespace package).
+"$PIP" install -q --no-build-isolation --no-deps --config-settings editable_mode=compat -e . >/dev/null
 # The commands (kvstream, kvsim), bench, simulator and demo: their own distribution, not in a worker's install
 "$PIP" install -q --no-build-isolation --no-deps -e ./kvstream-hicache-tools >/dev/null
 echo "[setup] ready: $VENV"

@@ -50,7 +50,8 @@ if "$VENV/bin/python" -m pip show kvstream-hicache >/dev/null 2>&1 && [ -n "$so"
   echo "[setup-lmcache] kvstream_hicache already installed in $VENV (editable), extension current"
 else
   echo "[setup-lmcache] building kvstream_hicache (editable) into $VENV"
-  "${PIP[@]}" install -q --no-build-isolation --no-deps -e . >/dev/null
+  # compat: see setup-env.sh (kvstream_hicache must not resolve to the tools' namespace portion)
+  "${PIP[@]}" install -q --no-build-isolation --no-deps --config-settings editable_mode=compat -e . >/dev/null
 fi
 if ! "$VENV/bin/python" -m pip show kvstream-hicache-tools >/dev/null 2>&1; then  # kvstream, kvsim, bench
   "${PIP[@]}" install -q --no-build-isolation --no-deps -e ./kvstream-hicache-tools >/dev/null

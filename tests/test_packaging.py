@@ -97,3 +97,15 @@ def test_the_extension_links_liburing_statically_where_the_system_has_it(wheels,
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_installed_package_imports_from_any_directory(tmp_path):
+    """The environment the setup scripts build (both distributions editable) gives the engine package
+    itself from any working directory: a child process or a server started elsewhere once imported an
+    empty namespace package (the tools distribution's portion of kvstream_hicache) and failed."""
+    code = ("import kvstream_hicache, kvstream_hicache.tools.cli; from kvstream_hicache import Config, Engine; "
+            "print(kvstream_hicache.__file__)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith(os.path.join("kvstream_hicache", "__init__.py"))
