@@ -217,16 +217,30 @@ def shards(layout: TierLayout) -> list[str]:
         return []
 
 
-def scan_shard(layout: TierLayout, digest: str, shard: str, *, payload: bool = False) -> list[ScannedPage]:
-    """Every file of one shard directory, validated (see :func:`scan_pages`)."""
+def shard_entries(layout: TierLayout, shard: str) -> list[tuple[str | None, str]]:
+    """(name, path) of every entry of one shard directory; ``[(None, path)]`` when the shard is a
+    file (a stray: kvstream keeps only <key[:2]> directories there)."""
     path = os.path.join(layout.pages, shard)
     try:
-        entries = list(os.scandir(path))
+        return [(entry.name, entry.path) for entry in os.scandir(path)]
     except FileNotFoundError:
         return []
-    except NotADirectoryError:  # a file where kvstream keeps only <key[:2]> directories
-        return [ScannedPage(path, None, Problem("stray", layout.root, path, "not a shard directory"), 0)]
-    return [_scan_one(layout, digest, shard, entry.name, entry.path, payload) for entry in entries]
+    except NotADirectoryError:
+        return [(None, path)]
+
+
+def scan_entry(layout: TierLayout, digest: str, shard: str, name: str | None, path: str, *,
+               payload: bool = False) -> ScannedPage:
+    """One entry of :func:`shard_entries`, validated (see :func:`scan_pages`)."""
+    if name is None:
+        return ScannedPage(path, None, Problem("stray", layout.root, path, "not a shard directory"), 0)
+    return _scan_one(layout, digest, shard, name, path, payload)
+
+
+def scan_shard(layout: TierLayout, digest: str, shard: str, *, payload: bool = False) -> list[ScannedPage]:
+    """Every file of one shard directory, validated (see :func:`scan_pages`)."""
+    return [scan_entry(layout, digest, shard, name, path, payload=payload)
+            for name, path in shard_entries(layout, shard)]
 
 
 def scan_file(layout: TierLayout, digest: str, key: str, *, payload: bool = False) -> ScannedPage:

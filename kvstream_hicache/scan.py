@@ -1,0 +1,225 @@
+"""The start-up scan, in the background: an engine serves at once, and learns its tiers as it goes.
+
+Until the scan of a tier ends, a page written before the restart is found on its first lookup
+(discovery, engine.py: one header read, verified as the scan would); the scan itself, one thread per
+tier, walks that tier's shard directories and:
+
+- removes stale temporary files (crashed writers'), as the foreground scan did;
+- reads each page file's header and indexes the valid pages the index does not know yet
+  (``Index.add_scanned``: at the oldest end, so a page used since start stays more recent);
+- removes damaged, truncated and misplaced files, after reading them a second time (a writer may
+  have renamed a valid page over the name since the first read: a valid page is never deleted);
+- at the end, sorts the pages it found by write time (``Index.settle``: the LRU order of before the
+  restart) and trims a tier over its capacity (one lowered since the last run).
+
+Its cost is bounded, for a shared file system many servers restart against at once: at most
+``scan_rate`` page files a second per tier (each an open, one 4 KiB read, a close), and at most
+``scan_cpu`` of a core per tier thread (it sleeps to stay within both). It takes no lock a request
+waits on: only the index's, one page (or one chunk of the final sort) at a time. Until it is done,
+capacity eviction works from the pages known (those written, read or scanned so far), and
+``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from array import array
+from collections.abc import Callable, Sequence
+
+from .index import RETRY, Index
+from .integrity import VANISHED, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
+from .layout import key_of_page_file
+from .tiers import Tier
+
+log = logging.getLogger("kvstream")
+
+NAP_S = 0.25  # longest sleep between two looks at the limits (set_limits, stop)
+RETRIES = 3  # reads of one file while removals of keys like its own race the scan
+
+
+class TierScan:
+    """Progress of one tier's scan (written by its thread, read by ``progress``)."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+        self.files = self.indexed = self.damaged = self.tmp = self.kept = 0
+        self.shards = self.shards_done = 0
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.done = False
+
+
+class BackgroundScan:
+    """One scan thread per tier over ``tiers`` for the namespace ``digest``.
+
+    :param rate: page files per second per tier (0: unbounded).
+    :param cpu: share of one core per tier thread, (0, 1] (1: unbounded).
+    :param level: of the line each tier's scan logs when done (the engine's start-up line's).
+    :param trim: ``trim(k, nbytes)`` evicts and removes ``nbytes`` of tier ``k``'s least recent
+        pages (the engine does it as its writer would, behind writes in progress).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], index: Index, digest: str, rate: float, cpu: float,
+                 trim: Callable[[int, int], None], level: int = logging.INFO):
+        self.index = index
+        self.level = level
+        self.digest = digest
+        self.rate = rate
+        self.cpu = cpu
+        self.trim = trim
+        self.epoch = index.epoch
+        self.parts = [TierScan(t) for t in tiers]
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._t0 = time.monotonic()
+        self._threads = [threading.Thread(target=self._run, args=(part,), name=f"kvstream-scan-{part.tier.k}",
+                                          daemon=True) for part in self.parts]
+        self._left = len(self._threads)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+        if not self._threads:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every tier is scanned; True when it is."""
+        return self._done.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Stop between two files (close, clear); wait up to ``timeout`` s for the threads."""
+        self._stop.set()
+        end = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(0.0, end - time.monotonic()))
+
+    def set_limits(self, rate: float, cpu: float) -> None:
+        """Change ``scan_rate`` and ``scan_cpu`` of the scan running (takes effect within NAP_S)."""
+        self.rate, self.cpu = rate, cpu
+
+    def progress(self) -> dict:
+        parts = self.parts
+        seconds = max((p.seconds for p in parts), default=0.0)
+        files = sum(p.files for p in parts)
+        return {
+            "done": self.done,
+            "eviction": "exact LRU" if self.done else "from the pages known so far (the scan is running)",
+            "files": files, "indexed": sum(p.indexed for p in parts), "pages": len(self.index),
+            "damaged_removed": sum(p.damaged for p in parts), "tmp_removed": sum(p.tmp for p in parts),
+            "kept": sum(p.kept for p in parts), "seconds": seconds,
+            "cpu_seconds": sum(p.cpu_seconds for p in parts),
+            "rate": files / seconds if seconds > 0 else 0.0,
+            "tiers": [{"shards": p.shards, "shards_done": p.shards_done, "files": p.files, "done": p.done}
+                      for p in parts],
+        }
+
+    # -- the thread of one tier ----------------------------------------------------------------
+    def _run(self, part: TierScan) -> None:
+        try:
+            self._scan_tier(part)
+        except Exception:  # never raise in a thread of ours: the engine serves on, from what it knows
+            log.exception("kvstream: background scan of tier %d (%s) stopped", part.tier.k, part.tier.root)
+        finally:
+            part.done = True
+            with self._lock:
+                self._left -= 1
+                if not self._left:
+                    self._done.set()
+
+    def _scan_tier(self, part: TierScan) -> None:
+        tier, layout = part.tier, part.tier.layout
+        w0, c0 = time.monotonic(), time.thread_time()
+        for problem in tmp_problems(tier.root, layout.tmp, None, fix=True):
+            if problem.fixed:
+                part.tmp += 1
+            else:
+                self._kept(part, problem)
+        names = shards(layout)
+        part.shards = len(names)
+        added = array("i")
+        pace = _Pace(self)
+        for shard in names:
+            for name, path in shard_entries(layout, shard):
+                if self._stop.is_set() or self.index.epoch != self.epoch:
+                    return
+                pace.step()
+                part.files += 1
+                page = self._visit(part, shard, name, path, added)
+                if page.problem is not None and page.problem.detail != VANISHED:
+                    # a writer may have put a valid page under the name since: read it again first
+                    page = self._visit(part, shard, name, path, added)
+                    if page.problem is not None and page.problem.detail != VANISHED:
+                        self._remove(part, page)
+            part.shards_done += 1
+            part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
+        self.index.settle(tier.k, added, self.epoch)
+        used, cap = self.index.used[tier.k], tier.capacity
+        if cap is not None and used > cap:
+            self.trim(tier.k, used - cap)
+        part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
+        if part.damaged or part.tmp:
+            log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "
+                        "leftovers", tier.k, part.damaged, part.tmp)
+        log.log(self.level, "kvstream: background scan of tier %d done: %d files, %d pages indexed in %.1f s "
+                "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
+
+    def _visit(self, part: TierScan, shard: str, name: str | None, path: str, added: array) -> ScannedPage:
+        """Read one entry and index it when it is a valid page the index lacks. A copy of a key
+        like it that left the index meanwhile (evicted, removed as damaged) may be this very file,
+        deleted since it was read: then it is read again (a few times, then left to discovery)."""
+        key = key_of_page_file(name) if name else None
+        for _ in range(RETRIES):
+            mark = self.index.mark(key) if key else 0
+            page = scan_entry(part.tier.layout, self.digest, shard, name, path)
+            if page.problem is not None:
+                return page
+            h = page.header
+            slot = self.index.add_scanned(h.key, part.tier.k, h.length, h.block, h.crcs, page.file_bytes,
+                                          h.created_ns, self.epoch, mark)
+            if slot != RETRY:
+                if slot >= 0:
+                    added.append(slot)
+                    part.indexed += 1
+                return page
+        return page
+
+    def _remove(self, part: TierScan, page: ScannedPage) -> None:
+        problem = fix_problem(page.problem)
+        if problem.fixed:
+            part.damaged += 1
+        else:
+            self._kept(part, problem)
+
+    @staticmethod
+    def _kept(part: TierScan, problem) -> None:
+        """What the scan could not (or must not) remove: reported, never fatal."""
+        part.kept += 1
+        log.warning("kvstream: background scan: %s %s: %s", problem.kind, problem.path, problem.detail)
+
+
+class _Pace:
+    """Sleeps to hold a scan thread to its scan's ``rate`` files a second and ``cpu`` of a core."""
+
+    def __init__(self, scan: BackgroundScan):
+        self.scan = scan
+        self.n = 0
+        self.w0, self.c0 = time.monotonic(), time.thread_time()
+
+    def step(self) -> None:
+        self.n += 1
+        scan = self.scan
+        while not scan._stop.is_set():
+            wall = time.monotonic() - self.w0
+            want = self.n / scan.rate if scan.rate > 0 else 0.0
+            if scan.cpu < 1:
+                want = max(want, (time.thread_time() - self.c0) / scan.cpu)
+            if want <= wall:
+                return
+            scan._stop.wait(min(want - wall, NAP_S))
