@@ -301,7 +301,10 @@ class Engine:
         :returns: the problems found (``Problem.fixed`` where repaired); empty when consistent.
         """
         self._check_open()
-        self._scan.wait()  # else the pages it has not reached yet would read as 'index_missing'
+        # check reads everything anyway: the scan finishes first, unpaced (else the pages it has not
+        # reached yet would read as 'index_missing')
+        self._scan.set_limits(0, 1)
+        self._scan.wait()
         problems: list[Problem] = []
         with self._reads.lock, self._writes.exclusive():
             for k, tier in enumerate(self.tiers):

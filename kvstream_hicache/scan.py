@@ -17,11 +17,16 @@ Its cost is bounded, for a shared file system many servers restart against at on
 ``scan_cpu`` of a core per tier thread (it sleeps to stay within both). It takes no lock a request
 waits on: only the index's, one page (or one chunk of the final sort) at a time. Until it is done,
 capacity eviction works from the pages known (those written, read or scanned so far), and
-``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so.
+``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so. For ``kvstream info`` (another
+process) the progress is also written, at most once a second, to this user's file
+``<runtime dir>/kvstream-<uid>/scan-<pid>-<digest>.json`` on this host (removed at close).
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 import threading
 import time
 from array import array
@@ -34,6 +39,7 @@ from .tiers import Tier
 
 log = logging.getLogger("kvstream")
 
+PROGRESS_S = 1.0  # the progress file (kvstream info) is rewritten at most this often, s
 NAP_S = 0.25  # longest sleep between two looks at the limits (set_limits, stop)
 RETRIES = 3  # reads of one file while removals of keys like its own race the scan
 
@@ -77,6 +83,8 @@ class BackgroundScan:
                                           daemon=True) for part in self.parts]
         self._left = len(self._threads)
         self._lock = threading.Lock()
+        self._written = 0.0  # when the progress file was last written (monotonic)
+        self.progress_path = os.path.join(progress_dir(), f"scan-{os.getpid()}-{digest}.json")
 
     def start(self) -> None:
         for thread in self._threads:
@@ -99,6 +107,11 @@ class BackgroundScan:
         for thread in self._threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(max(0.0, end - time.monotonic()))
+        with self._lock:  # after a _publish in progress (it writes nothing once stopped)
+            try:
+                os.unlink(self.progress_path)
+            except OSError:  # never written, or /tmp cleaned: nothing to remove
+                pass
 
     def set_limits(self, rate: float, cpu: float) -> None:
         """Change ``scan_rate`` and ``scan_cpu`` of the scan running (takes effect within NAP_S)."""
@@ -132,6 +145,7 @@ class BackgroundScan:
                 self._left -= 1
                 if not self._left:
                     self._done.set()
+            self._publish(force=True)
 
     def _scan_tier(self, part: TierScan) -> None:
         tier, layout = part.tier, part.tier.layout
@@ -159,6 +173,7 @@ class BackgroundScan:
                         self._remove(part, page)
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
+            self._publish()
         self.index.settle(tier.k, added, self.epoch)
         used, cap = self.index.used[tier.k], tier.capacity
         if cap is not None and used > cap:
@@ -197,11 +212,59 @@ class BackgroundScan:
         else:
             self._kept(part, problem)
 
+    def _publish(self, force: bool = False) -> None:
+        """Write the progress file (atomically: a reader never sees half of it); best effort."""
+        with self._lock:
+            now = time.monotonic()
+            if self._stop.is_set() or not force and now - self._written < PROGRESS_S:
+                return
+            self._written = now
+            doc = dict(self.progress(), pid=os.getpid(), namespace=self.digest,
+                       tier_dirs=[p.tier.root for p in self.parts])
+            try:
+                where = os.path.dirname(self.progress_path)
+                os.makedirs(where, mode=0o700, exist_ok=True)
+                if os.lstat(where).st_uid != os.getuid():  # made by someone else: not ours to write in
+                    return
+                tmp = f"{self.progress_path}.{threading.get_ident()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.progress_path)
+            except OSError as exc:  # a full or read-only /tmp costs the report, never the scan
+                log.debug("kvstream: scan progress file %s: %s", self.progress_path, exc)
+
     @staticmethod
     def _kept(part: TierScan, problem) -> None:
         """What the scan could not (or must not) remove: reported, never fatal."""
         part.kept += 1
         log.warning("kvstream: background scan: %s %s: %s", problem.kind, problem.path, problem.detail)
+
+
+def progress_dir() -> str:
+    """This user's directory of scan progress files on this host."""
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"kvstream-{os.getuid()}")
+
+
+def running_scans() -> list[dict]:
+    """The progress of every engine of this user on this host whose process is alive (kvstream info)."""
+    out = []
+    try:
+        names = sorted(os.listdir(progress_dir()))
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith("scan-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(progress_dir(), name)) as f:
+                doc = json.load(f)
+            os.kill(int(doc["pid"]), 0)
+        except PermissionError:  # alive, another user's process (a shared runtime directory)
+            pass
+        except (OSError, ValueError, KeyError, TypeError):  # gone, or a file being replaced
+            continue
+        out.append(doc)
+    return out
 
 
 class _Pace:

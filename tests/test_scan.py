@@ -11,7 +11,7 @@ from kvstream_hicache.layout import file_size
 from kvstream_hicache.tmpfiles import tmp_name
 
 from reliability_helpers import (
-    NS, PAGE_BYTES, PageSet, flip_byte, make_engine, page_files, run_children, spawn, wait_for_file,
+    NS, PAGE_BYTES, PageSet, flip_byte, kvstream_cli, make_engine, page_files, run_children, spawn, wait_for_file,
 )
 
 HELD = 0.001  # scan_rate: one file in 1000 s, the scan has not read a file while the test runs
@@ -38,6 +38,20 @@ def test_a_restart_serves_before_the_scan_ends(tier_dirs):
         _release(engine)
         assert engine.scan["indexed"] == 0, "every page was known: the scan indexed nothing twice"
         assert engine.check() == []
+
+
+def test_kvstream_info_shows_a_running_scan(tier_dirs):
+    pages = PageSet()
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, pages.keys(3)) == [True] * 3
+    with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:
+        engine._scan._publish(force=True)  # else written once a shard is done (none is: the scan is held)
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = kvstream_cli("info", "--tiers", tier_dirs[0], env=env).stdout
+        assert f"start-up scan of pid {os.getpid()} (namespace {NS.digest}, {tier_dirs[0]}): running, 0/" in out, out
+        _release(engine)
+        assert "): done; 3 files in " in kvstream_cli("info", "--tiers", tier_dirs[0], env=env).stdout
+    assert f"pid {os.getpid()}" not in kvstream_cli("info", "--tiers", tier_dirs[0], env=env).stdout  # closed
 
 
 def test_discover_off_still_finds_pages_until_the_scan_is_done(tier_dirs):
