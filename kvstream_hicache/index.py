@@ -9,8 +9,12 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
     pin(keys) ... unpin(infos)                      (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
 
-Every method takes the index lock; the engine's read, write, existence and scan threads call at
-once, and no method holds it for more than a bounded step (a sub-table's resize, a chunk of a sort).
+The engine's read, write, existence and scan threads call at once. Every method that changes the
+index, and ``get``/``keys``, takes the index lock, for a bounded step (a sub-table's resize, a chunk
+of a sort); the existence queries (``holders``, ``contains``, ``prefix_len``, ``pages_on``, ``len``)
+do not, so SGLang's prefetch thread never waits behind an eviction or the scan: each element read
+is atomic under the GIL, a row read is checked again against the key's hash afterwards (a row freed
+and reused meanwhile holds another key), and each answer is what was true at some moment of the call.
 Victims are removed from the index *before* the caller deletes their files, so a reader either
 pinned a page before it was chosen (it is then not chosen) or never finds it.
 
@@ -142,9 +146,13 @@ class Index:
             return self._info(slot) if slot >= 0 else None
 
     def holders(self, key: str) -> int:
-        with self._lock:
-            slot = self._find(key)
-            return self._tiers[slot] if slot >= 0 else 0
+        """The tiers holding ``key`` (a bitmask), without the lock."""
+        slot = self._find(key)
+        if slot < 0:
+            return 0
+        tiers = self._tiers[slot]
+        # a row freed and reused since _find holds another key, whose hash differs (but for 2**-64)
+        return tiers if self._hash[slot] == hash(key) else 0
 
     def contains(self, key: str, mask: int = -1) -> bool:
         """True when some tier in ``mask`` holds ``key``."""
@@ -153,12 +161,10 @@ class Index:
     def prefix_len(self, keys: Iterable[str], mask: int = -1) -> int:
         """Length of the leading run of ``keys`` held by some tier in ``mask``."""
         n = 0
-        with self._lock:
-            for key in keys:
-                slot = self._find(key)
-                if slot < 0 or not self._tiers[slot] & mask:
-                    break
-                n += 1
+        for key in keys:
+            if not self.holders(key) & mask:
+                break
+            n += 1
         return n
 
     def keys(self, tier: int | None = None) -> list[str]:
@@ -488,7 +494,8 @@ class Index:
 
     # -- internals: key -> slot ------------------------------------------------------------------
     def _find(self, key: str) -> int:
-        """The live slot of ``key``, or -1."""
+        """The live slot of ``key``, or -1. Safe without the lock: a sub-table being replaced is
+        read whole (the old one), an entry found is checked against the key itself."""
         h = hash(key)
         sub = self._subs[h & _SUB_MASK]
         mask = len(sub) - 1
@@ -500,8 +507,8 @@ class Index:
                 return -1
             if e > 0 and hashes[e - 1] == h:  # the hash matches: compare the key itself
                 slot = e - 1
-                if (odd.get(slot) if odd and slot in odd else
-                        stored[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()) == key:
+                name = odd.get(slot) if odd else None
+                if (name if name is not None else stored[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()) == key:
                     return slot
             i = (i + 1) & mask
 

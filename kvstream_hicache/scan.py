@@ -54,6 +54,7 @@ class TierScan:
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.done = False
+        self.stopped = ""  # why it ended before its last file, if it did
 
 
 class BackgroundScan:
@@ -123,14 +124,16 @@ class BackgroundScan:
         files = sum(p.files for p in parts)
         return {
             "done": self.done,
-            "eviction": "exact LRU" if self.done else "from the pages known so far (the scan is running)",
+            "eviction": ("from the pages known so far (the scan is running)" if not self.done else
+                         "from the pages known (the scan of a failed tier stopped)" if any(p.stopped for p in parts)
+                         else "exact LRU"),
             "files": files, "indexed": sum(p.indexed for p in parts), "pages": len(self.index),
             "damaged_removed": sum(p.damaged for p in parts), "tmp_removed": sum(p.tmp for p in parts),
             "kept": sum(p.kept for p in parts), "seconds": seconds,
             "cpu_seconds": sum(p.cpu_seconds for p in parts),
             "rate": files / seconds if seconds > 0 else 0.0,
-            "tiers": [{"shards": p.shards, "shards_done": p.shards_done, "files": p.files, "done": p.done}
-                      for p in parts],
+            "tiers": [{"shards": p.shards, "shards_done": p.shards_done, "files": p.files, "done": p.done,
+                       "stopped": p.stopped} for p in parts],
         }
 
     # -- the thread of one tier ----------------------------------------------------------------
@@ -150,16 +153,21 @@ class BackgroundScan:
     def _scan_tier(self, part: TierScan) -> None:
         tier, layout = part.tier, part.tier.layout
         w0, c0 = time.monotonic(), time.thread_time()
+        pace = _Pace(self)  # a directory listing counts as one file
+        pace.step()
         for problem in tmp_problems(tier.root, layout.tmp, None, fix=True):
             if problem.fixed:
                 part.tmp += 1
             else:
                 self._kept(part, problem)
+        pace.step()
         names = shards(layout)
         part.shards = len(names)
         added = array("i")
-        pace = _Pace(self)
         for shard in names:
+            if self._failed(part):
+                break
+            pace.step()
             for name, path in shard_entries(layout, shard):
                 if self._stop.is_set() or self.index.epoch != self.epoch:
                     return
@@ -174,6 +182,7 @@ class BackgroundScan:
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
             self._publish()
+        self._failed(part)
         self.index.settle(tier.k, added, self.epoch)
         used, cap = self.index.used[tier.k], tier.capacity
         if cap is not None and used > cap:
@@ -184,6 +193,17 @@ class BackgroundScan:
                         "leftovers", tier.k, part.damaged, part.tmp)
         log.log(self.level, "kvstream: background scan of tier %d done: %d files, %d pages indexed in %.1f s "
                 "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
+
+    @staticmethod
+    def _failed(part: TierScan) -> bool:
+        """The tier failed: its scan ends (a failed tier's tree is unusable; when it rejoins, tiers.py
+        reconciles the index with what survived, and discovery finds the pages not scanned)."""
+        tier = part.tier
+        if tier.healthy or part.stopped:
+            return bool(part.stopped)
+        part.stopped = f"tier failed: {tier.last_error}"
+        log.warning("kvstream: background scan of tier %d stopped after %d files: the tier failed", tier.k, part.files)
+        return True
 
     def _visit(self, part: TierScan, shard: str, name: str | None, path: str, added: array) -> ScannedPage:
         """Read one entry and index it when it is a valid page the index lacks. A copy of a key

@@ -144,3 +144,22 @@ def test_two_processes_start_on_a_shared_tier_at_once(tier_dirs, tier_root):
         assert engine.wait_scan(WAIT_S)
         assert engine.check() == []
     assert check_tiers(engine.config) == []
+
+
+def test_the_scan_of_a_tier_that_fails_stops_and_says_so(tier_dirs):
+    pages = PageSet()
+    keys = pages.keys(6)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 6
+    with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
+        os.rename(tier_dirs[1], tier_dirs[1] + ".away")
+        try:
+            assert pages.put(engine, pages.keys(1, start=50)) == [True]  # tier 1 fails: its directory went
+            assert not engine.tiers[1].healthy
+            _release(engine)
+            scan = engine.scan
+            assert scan["tiers"][1]["stopped"].startswith("tier failed") and not scan["tiers"][0]["stopped"]
+            assert "failed tier" in scan["eviction"] and engine.index.pages_on(0) == 7
+        finally:
+            os.rename(tier_dirs[1] + ".away", tier_dirs[1])
+        assert pages.checked_get(engine, keys) == [True] * 6
