@@ -18,16 +18,22 @@ HELD = 0.001  # scan_rate: one file in 1000 s, the scan has not read a file whil
 WAIT_S = 60
 
 
+def _stored(dirs, n: int) -> tuple[PageSet, list[str]]:
+    """``n`` pages stored on ``dirs`` by an engine that is closed again (the restart's tiers)."""
+    pages = PageSet()
+    keys = pages.keys(n)
+    with make_engine(dirs) as engine:
+        assert pages.put(engine, keys) == [True] * n
+    return pages, keys
+
+
 def _release(engine) -> None:
     engine._scan.set_limits(0, 1)
     assert engine.wait_scan(WAIT_S)
 
 
 def test_a_restart_serves_before_the_scan_ends(tier_dirs):
-    pages = PageSet()
-    keys = pages.keys(8)
-    with make_engine(tier_dirs[:2]) as engine:
-        assert pages.put(engine, keys) == [True] * 8
+    pages, keys = _stored(tier_dirs[:2], 8)
     with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
         scan = engine.scan
         assert not scan["done"] and scan["files"] == 0 and "known so far" in scan["eviction"]
@@ -41,9 +47,7 @@ def test_a_restart_serves_before_the_scan_ends(tier_dirs):
 
 
 def test_kvstream_info_shows_a_running_scan(tier_dirs):
-    pages = PageSet()
-    with make_engine(tier_dirs[:1]) as engine:
-        assert pages.put(engine, pages.keys(3)) == [True] * 3
+    _stored(tier_dirs[:1], 3)
     with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:
         engine._scan._publish(force=True)  # else written once a shard is done (none is: the scan is held)
         env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,10 +59,7 @@ def test_kvstream_info_shows_a_running_scan(tier_dirs):
 
 
 def test_discover_off_still_finds_pages_until_the_scan_is_done(tier_dirs):
-    pages = PageSet()
-    keys = pages.keys(3)
-    with make_engine(tier_dirs[:1]) as engine:
-        assert pages.put(engine, keys) == [True] * 3
+    pages, keys = _stored(tier_dirs[:1], 3)
     with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False) as engine:
         assert pages.checked_get(engine, keys[:1]) == [True]
         _release(engine)
@@ -147,10 +148,7 @@ def test_two_processes_start_on_a_shared_tier_at_once(tier_dirs, tier_root):
 
 
 def test_the_scan_of_a_tier_that_fails_stops_and_says_so(tier_dirs):
-    pages = PageSet()
-    keys = pages.keys(6)
-    with make_engine(tier_dirs[:2]) as engine:
-        assert pages.put(engine, keys) == [True] * 6
+    pages, keys = _stored(tier_dirs[:2], 6)
     with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
         os.rename(tier_dirs[1], tier_dirs[1] + ".away")
         try:
