@@ -50,7 +50,7 @@ _SUB_START = 8
 _KEY_BYTES = 32
 _DROP_BUCKETS = 4095  # mask: removals counted in 4096 buckets of keys (see mark)
 RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since the scan read the file
-SETTLE_CHUNK = 20_000  # slots moved per lock hold while sorting the old pages (settle)
+SETTLE_CHUNK = 2_000  # slots moved per lock hold while sorting the old pages (settle): a few ms
 MAX_TIERS = 32  # bits of the tiers column
 
 

@@ -172,7 +172,8 @@ def main() -> None:
                        "--scan-rate", str(args.scan_rate), "--scan-cpu", str(args.scan_cpu), "--child", root, str(n), str(seed)]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
                 if done.returncode:
-                    sys.exit(f"{name} at {n} pages failed:\n{done.stderr[-4000:]}")
+                    print(f"{name} at {n} pages failed:\n{done.stderr[-4000:]}", file=sys.stderr, flush=True)
+                    sys.exit(1)
                 row = dict(json.loads(done.stdout.strip().splitlines()[-1]), tree=name)
                 rows.append(row)
                 print(f"{name:9s} {n:>9,} pages: first request {row['first_request_s']:.3f} s "

@@ -150,6 +150,7 @@ def test_start_up_cleaning_spares_probes_in_use_and_removes_old_ones(tier_dirs):
         open(path, "wb").close()
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     with make_engine(tier_dirs[:1]) as engine:
+        assert engine.wait_scan(30)
         assert os.path.exists(fresh) and not os.path.exists(old)
         assert engine.wait_scan(30)
         assert engine.scan["tmp_removed"] == 1
