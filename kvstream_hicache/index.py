@@ -15,6 +15,7 @@ of a sort); the existence queries (``holders``, ``contains``, ``prefix_len``, ``
 do not, so SGLang's prefetch thread never waits behind an eviction or the scan: each element read
 is atomic under the GIL, a row read is checked again against the key's hash afterwards (a row freed
 and reused meanwhile holds another key), and each answer is what was true at some moment of the call.
+Methods ending ``_under_index`` run with the lock held.
 Victims are removed from the index *before* the caller deletes their files, so a reader either
 pinned a page before it was chosen (it is then not chosen) or never finds it.
 
@@ -143,7 +144,7 @@ class Index:
     def get(self, key: str) -> PageInfo | None:
         with self._lock:
             slot = self._find(key)
-            return self._info(slot) if slot >= 0 else None
+            return self._info_under_index(slot) if slot >= 0 else None
 
     def holders(self, key: str) -> int:
         """The tiers holding ``key`` (a bitmask), without the lock."""
@@ -171,8 +172,8 @@ class Index:
         """Every indexed key, or ``tier``'s in eviction order (oldest first)."""
         with self._lock:
             if tier is None:
-                return [self._key_of(s) for s in range(len(self._tiers)) if self._tiers[s]]
-            return [self._key_of(s) for s in self._order_locked(tier)]
+                return [self._key_of_under_index(s) for s in range(len(self._tiers)) if self._tiers[s]]
+            return [self._key_of_under_index(s) for s in self._order_under_index(tier)]
 
     def pages_on(self, tier: int) -> int:
         return self._count[tier]
@@ -192,7 +193,7 @@ class Index:
                 slot = self._find(key)
                 if slot >= 0:
                     self._pins[slot] += 1
-                    out.append(self._info(slot))
+                    out.append(self._info_under_index(slot))
                 else:
                     out.append(None)
         return out
@@ -205,7 +206,7 @@ class Index:
                 slot = info.slot
                 self._pins[slot] -= 1
                 if not self._pins[slot] and not self._tiers[slot]:
-                    self._free_slot(slot)  # removed while pinned: the row goes now
+                    self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it; False if not held."""
@@ -214,8 +215,8 @@ class Index:
             if slot < 0:
                 return False
             for tier in tiers_in(self._tiers[slot]):
-                self._unlink(tier, slot)
-                self._append(tier, HOT, slot)
+                self._unlink_under_index(tier, slot)
+                self._append_under_index(tier, HOT, slot)
             return True
 
     # -- writes ---------------------------------------------------------------------------------
@@ -232,17 +233,17 @@ class Index:
                 self.reserved[tier] += nbytes
                 return []
             excess = self.used[tier] + self.reserved[tier] + nbytes - cap
-            victims = self._victims_locked(tier, excess) if excess > 0 else []
+            victims = self._victims_under_index(tier, excess) if excess > 0 else []
             if victims is None:
                 return None
             self.reserved[tier] += nbytes
-            return self._evict_locked(tier, victims)
+            return self._evict_under_index(tier, victims)
 
     def evict(self, tier: int, nbytes: int) -> list[str]:
         """Evict least-recent unpinned pages of ``tier`` totalling >= ``nbytes`` (or as many as
         there are), regardless of capacity: the file system said ENOSPC."""
         with self._lock:
-            return self._evict_locked(tier, self._victims_locked(tier, nbytes, partial=True) or [])
+            return self._evict_under_index(tier, self._victims_under_index(tier, nbytes, partial=True) or [])
 
     def abort(self, tier: int, nbytes: int) -> None:
         with self._lock:
@@ -262,15 +263,15 @@ class Index:
                 self.reserved[tier] -= file_bytes
             slot = self._find(key)
             displaced: list[int] = []
-            if slot >= 0 and not self._same_locked(slot, length, block, crcs):
+            if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
                 held = self._tiers[slot]
                 displaced = [t for t in tiers_in(held) if t != tier]
                 for t in tiers_in(held):  # this tier's own entry too: it described the other content
-                    self._drop_locked(slot, t)
+                    self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot(key, length, block, crcs, file_bytes, time.time_ns())
-            self._hold(slot, tier, HOT)
+                slot = self._new_slot_under_index(key, length, block, crcs, file_bytes, time.time_ns())
+            self._hold_under_index(slot, tier, HOT)
             return displaced
 
     def mark(self, key: str) -> int:
@@ -295,22 +296,22 @@ class Index:
             slot = self._find(key)
             if slot >= 0 and self._tiers[slot] >> tier & 1:
                 return -1
-            if slot >= 0 and not self._same_locked(slot, length, block, crcs):
+            if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
                 if self._created[slot] >= created_ns:  # a newer version (one used since start is newer)
                     return -1
                 for t in tiers_in(self._tiers[slot]):  # an older version the scan found: the newest wins
-                    self._drop_locked(slot, t)
+                    self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot(key, length, block, crcs, file_bytes, created_ns)
-            self._hold(slot, tier, SCANNED)
+                slot = self._new_slot_under_index(key, length, block, crcs, file_bytes, created_ns)
+            self._hold_under_index(slot, tier, SCANNED)
             return slot
 
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:
             slot = self._find(key)
-            return slot >= 0 and self._drop_locked(slot, tier)
+            return slot >= 0 and self._drop_under_index(slot, tier)
 
     def clear(self) -> None:
         with self._lock:
@@ -338,28 +339,28 @@ class Index:
                 for i in order[start:start + chunk].tolist():
                     slot = slots[i]
                     if on[slot] == SCANNED:  # else touched, evicted or removed since: it has its place
-                        self._unlink(tier, slot)
-                        self._append(tier, OLD, slot)
+                        self._unlink_under_index(tier, slot)
+                        self._append_under_index(tier, OLD, slot)
                         placed += 1
         return placed
 
     # -- internals: rows ------------------------------------------------------------------------
-    def _info(self, slot: int) -> PageInfo:
-        return PageInfo(self._length[slot], self._block[slot], self._crcs_of(slot), self._fbytes[slot],
+    def _info_under_index(self, slot: int) -> PageInfo:
+        return PageInfo(self._length[slot], self._block[slot], self._crcs_of_under_index(slot), self._fbytes[slot],
                         self._tiers[slot], self._pins[slot], slot, self.epoch)
 
-    def _crcs_of(self, slot: int) -> tuple[int, ...]:
+    def _crcs_of_under_index(self, slot: int) -> tuple[int, ...]:
         at = self._crc_at[slot]
         return tuple(self._crcs[at:at + self._ncrc[slot]])
 
-    def _same_locked(self, slot: int, length: int, block: int, crcs: Sequence[int]) -> bool:
-        return self._length[slot] == length and self._block[slot] == block and self._crcs_of(slot) == tuple(crcs)
+    def _same_under_index(self, slot: int, length: int, block: int, crcs: Sequence[int]) -> bool:
+        return self._length[slot] == length and self._block[slot] == block and self._crcs_of_under_index(slot) == tuple(crcs)
 
-    def _key_of(self, slot: int) -> str:
+    def _key_of_under_index(self, slot: int) -> str:
         odd = self._odd.get(slot)
         return odd if odd is not None else self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()
 
-    def _new_slot(self, key: str, length: int, block: int, crcs: Sequence[int], file_bytes: int,
+    def _new_slot_under_index(self, key: str, length: int, block: int, crcs: Sequence[int], file_bytes: int,
                   created_ns: int) -> int:
         raw = _encode(key)
         n = len(crcs)
@@ -394,47 +395,47 @@ class Index:
                 self._on[tier].append(_NONE)
         if raw is None:
             self._odd[slot] = key
-        self._insert(slot, key)
+        self._insert_under_index(slot, key)
         self._live += 1
         return slot
 
-    def _hold(self, slot: int, tier: int, where: int) -> None:
+    def _hold_under_index(self, slot: int, tier: int, where: int) -> None:
         """``tier`` holds the page of ``slot``: counted once, on list ``where`` (at its end)."""
         if self._tiers[slot] >> tier & 1:
             self.used[tier] -= self._fbytes[slot]  # re-commit of the same copy: count once
-            self._unlink(tier, slot)
+            self._unlink_under_index(tier, slot)
         else:
             self._count[tier] += 1
         self._tiers[slot] |= 1 << tier
         self.used[tier] += self._fbytes[slot]
-        self._append(tier, where, slot)
+        self._append_under_index(tier, where, slot)
 
-    def _drop_locked(self, slot: int, tier: int) -> bool:
+    def _drop_under_index(self, slot: int, tier: int) -> bool:
         bit = 1 << tier
         if not self._tiers[slot] & bit:
             return False
         self._tiers[slot] &= ~bit
         self.used[tier] -= self._fbytes[slot]
         self._count[tier] -= 1
-        self._unlink(tier, slot)
+        self._unlink_under_index(tier, slot)
         self._drops[self._hash[slot] & _DROP_BUCKETS] += 1
         if not self._tiers[slot]:
-            self._delete(slot)
+            self._delete_under_index(slot)
             self._live -= 1
             if not self._pins[slot]:
-                self._free_slot(slot)  # else unpin frees it: a reader still holds its snapshot
+                self._free_slot_under_index(slot)  # else unpin frees it: a reader still holds its snapshot
         return True
 
-    def _free_slot(self, slot: int) -> None:
+    def _free_slot_under_index(self, slot: int) -> None:
         self._crc_free.setdefault(self._ncrc[slot], []).append(self._crc_at[slot])
         self._odd.pop(slot, None)
         self._free.append(slot)
 
     # -- internals: eviction --------------------------------------------------------------------
-    def _victims_locked(self, tier: int, nbytes: int, partial: bool = False) -> list[int] | None:
+    def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[int] | None:
         victims: list[int] = []
         freed = 0
-        for slot in self._order_locked(tier):
+        for slot in self._order_under_index(tier):
             if freed >= nbytes:
                 break
             if self._pins[slot]:
@@ -445,15 +446,15 @@ class Index:
             return None
         return victims
 
-    def _evict_locked(self, tier: int, victims: list[int]) -> list[str]:
-        keys = [self._key_of(slot) for slot in victims]
+    def _evict_under_index(self, tier: int, victims: list[int]) -> list[str]:
+        keys = [self._key_of_under_index(slot) for slot in victims]
         for slot in victims:
-            self._drop_locked(slot, tier)
+            self._drop_under_index(slot, tier)
         self.evictions[tier] += len(victims)
         return keys
 
     # -- internals: LRU lists -------------------------------------------------------------------
-    def _order_locked(self, tier: int) -> Iterable[int]:
+    def _order_under_index(self, tier: int) -> Iterable[int]:
         nxt = self._next[tier]
         for where in _LISTS:
             slot = self._head[tier][where]
@@ -462,7 +463,7 @@ class Index:
                 yield slot
                 slot = following
 
-    def _append(self, tier: int, where: int, slot: int) -> None:
+    def _append_under_index(self, tier: int, where: int, slot: int) -> None:
         tail = self._tail[tier]
         last = tail[where]
         self._prev[tier][slot] = last
@@ -475,7 +476,7 @@ class Index:
         self._on[tier][slot] = where
         self._len[tier][where] += 1
 
-    def _unlink(self, tier: int, slot: int) -> None:
+    def _unlink_under_index(self, tier: int, slot: int) -> None:
         where = self._on[tier][slot]
         if where == _NONE:
             return
@@ -512,12 +513,12 @@ class Index:
                     return slot
             i = (i + 1) & mask
 
-    def _insert(self, slot: int, key: str) -> None:
+    def _insert_under_index(self, slot: int, key: str) -> None:
         h = self._hash[slot]
         s = h & _SUB_MASK
         sub = self._subs[s]
         if 2 * (self._sub_filled[s] + 1) > len(sub):
-            sub = self._rehash(s)
+            sub = self._rehash_under_index(s)
         mask = len(sub) - 1
         i = (h >> _SUB_BITS) & mask
         while sub[i] > 0:  # a deleted entry is reused
@@ -526,7 +527,7 @@ class Index:
             self._sub_filled[s] += 1
         sub[i] = slot + 1
 
-    def _delete(self, slot: int) -> None:
+    def _delete_under_index(self, slot: int) -> None:
         h = self._hash[slot]
         sub = self._subs[h & _SUB_MASK]
         mask = len(sub) - 1
@@ -535,7 +536,7 @@ class Index:
             i = (i + 1) & mask
         sub[i] = _GONE
 
-    def _rehash(self, s: int) -> array:
+    def _rehash_under_index(self, s: int) -> array:
         """Rebuild sub-table ``s`` without its deleted entries, doubled when more than a quarter full."""
         live = [e for e in self._subs[s] if e > 0]
         size = len(self._subs[s])

@@ -33,7 +33,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from .index import RETRY, Index
-from .integrity import VANISHED, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
+from .integrity import Reason, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
 from .layout import key_of_page_file
 from .tiers import Tier
 
@@ -174,10 +174,10 @@ class BackgroundScan:
                 pace.step()
                 part.files += 1
                 page = self._visit(part, shard, name, path, added)
-                if page.problem is not None and page.problem.detail != VANISHED:
+                if page.problem is not None and page.problem.reason is not Reason.VANISHED:
                     # a writer may have put a valid page under the name since: read it again first
                     page = self._visit(part, shard, name, path, added)
-                    if page.problem is not None and page.problem.detail != VANISHED:
+                    if page.problem is not None and page.problem.reason is not Reason.VANISHED:
                         self._remove(part, page)
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
