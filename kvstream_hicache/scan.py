@@ -79,7 +79,6 @@ class BackgroundScan:
         self.parts = [TierScan(t) for t in tiers]
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._t0 = time.monotonic()
         self._threads = [threading.Thread(target=self._run, args=(part,), name=f"kvstream-scan-{part.tier.k}",
                                           daemon=True) for part in self.parts]
         self._left = len(self._threads)
