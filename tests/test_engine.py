@@ -265,6 +265,7 @@ def test_restart_keeps_lru_order(tier_dirs):
         for i in range(3):
             engine.put(keys[i:i + 1], pages.src_segments[i:i + 1])
     with make_engine(tier_dirs[:1], capacity=3 * page_file) as engine:
+        assert engine.wait_scan(30)  # the order of before the restart holds once the scan has the pages
         engine.put(keys[3:], pages.src_segments[3:])
         assert [engine.contains(k) for k in keys] == [False, True, True, True]
 
