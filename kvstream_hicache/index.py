@@ -61,8 +61,8 @@ class PageInfo:
 
     __slots__ = ("length", "block", "crcs", "file_bytes", "tiers", "pins", "slot", "epoch")
 
-    def __init__(self, length: int, block: int, crcs: tuple[int, ...], file_bytes: int, tiers: int = 0,
-                 pins: int = 0, slot: int = -1, epoch: int = 0):
+    def __init__(self, length: int, block: int, crcs: tuple[int, ...], file_bytes: int, tiers: int, pins: int,
+                 slot: int, epoch: int):
         self.length = length
         self.block = block
         self.crcs = crcs
