@@ -5,9 +5,10 @@ Real files, real io_uring; the scan is held back with its own rate limit (``scan
 from __future__ import annotations
 
 import os
+from array import array
 
 from kvstream_hicache import check_tiers
-from kvstream_hicache.layout import file_size
+from kvstream_hicache.layout import HEADER_SIZE, file_size
 from kvstream_hicache.tmpfiles import tmp_name
 
 from reliability_helpers import (
@@ -161,3 +162,17 @@ def test_the_scan_of_a_tier_that_fails_stops_and_says_so(tier_dirs):
         finally:
             os.rename(tier_dirs[1] + ".away", tier_dirs[1])
         assert pages.checked_get(engine, keys) == [True] * 6
+
+
+def test_a_damaged_copy_the_scan_found_first_falls_back_to_a_copy_it_has_not_reached(tier_dirs):
+    """While the scan runs the index may know one tier's copy of a page and not another's: when the
+    known one is damaged, the page is looked up on the tiers again and served from the other."""
+    pages, keys = _stored(tier_dirs[:2], 2)
+    with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
+        path = engine.tiers[1].layout.page_path(keys[0])
+        flip_byte(path, HEADER_SIZE + 100)  # the payload: the header (all the scan reads) is intact
+        engine._scan._visit(engine._scan.parts[1], keys[0][:2], os.path.basename(path), path, array("i"))
+        assert engine.index.holders(keys[0]) == 0b10  # the scan reached tier 1's copy, not tier 0's yet
+        assert pages.checked_get(engine, keys[:1]) == [True]
+        assert not os.path.exists(path) and engine.index.holders(keys[0]) == 0b01
+        _release(engine)
