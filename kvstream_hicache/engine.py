@@ -34,7 +34,7 @@ from .config import Config, check_capacities
 from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
-from .index import Index
+from .index import Index, tiers_in
 from .integrity import Problem, Reason, ScannedPage, check_tier, scan_file
 from .io import RING_ENTRIES, ThreadRing, forks, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
@@ -46,6 +46,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
+from .trust import age_key, honest_until
 from .writequeue import WriteSettings
 from .writes import WritePath
 
@@ -92,8 +93,9 @@ class Engine:
         capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
         check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
+        source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, self._reconcile)
+                           self._token, clock, self._reconcile, source)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
@@ -127,8 +129,8 @@ class Engine:
         self._closed = False
         self._scan.start()
         log.log(level,
-                "kvstream: %s; namespace %s; serving, start-up scan in the background; io %s", config.summary(),
-                namespace.digest, self.io_engine)
+                "kvstream: %s; namespace %s; serving, start-up scan in the background; io %s; %s", config.summary(),
+                namespace.digest, self.io_engine, self.trust_summary())
 
     # -- pages ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
@@ -231,6 +233,37 @@ class Engine:
             if n >= len(keys) or not self._discover([keys[n]], mask):
                 return n
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
+        the index holds on any tier, against the largest tier's capacity (every tier takes every page,
+        so the largest bounds what is held; an unlimited tier counts its file system's size)."""
+        caps = []
+        for tier in self.tiers:
+            if tier.capacity is not None:
+                caps.append(tier.capacity)
+                continue
+            try:
+                st = os.statvfs(tier.root)
+                caps.append(st.f_blocks * st.f_frsize)
+            except OSError:  # a tier that cannot say (gone, ESTALE): it bounds nothing
+                pass
+        return self.index.held_bytes, max(caps, default=0)
+
+    def capacity_limit(self) -> int | None:
+        """The largest tier's configured capacity, or None when some tier is unlimited: no page set
+        larger than this can be held whole."""
+        caps = [tier.capacity for tier in self.tiers]
+        return None if None in caps else max(caps)
+
+    def held(self, key: str) -> bool:
+        """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not)."""
+        return self.index.contains(key)
+
+    def on_gone(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(key)`` whenever a key leaves the index on every tier (evicted, deleted,
+        damaged, vanished). It runs under the index lock: it must not block nor call the engine."""
+        self.index.on_gone = callback
+
     def clear(self) -> None:
         """Remove every page of this namespace from every tier."""
         self._check_open()
@@ -271,6 +304,14 @@ class Engine:
         self.close()
 
     # -- observability -------------------------------------------------------------------------
+    def trust_summary(self) -> str:
+        """Whose files the engine trusts on its tiers (trust.py), for start-up lines: 'trusts alice (uid
+        1000)' when every tier says the same, else per tier."""
+        texts = [t.trust.describe() for t in self.tiers]
+        if len(set(texts)) == 1:
+            return texts[0] + (" on every tier" if len(texts) > 1 else "")
+        return "; ".join(f"tier {t.k} {text}" for t, text in zip(self.tiers, texts))
+
     @property
     def scan(self) -> dict:
         """Progress of the background start-up scan (scan.py): ``done``, files read, pages indexed,
@@ -321,7 +362,7 @@ class Engine:
             for k, tier in enumerate(self.tiers):
                 if not tier.healthy:
                     continue
-                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True)
+                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True, trust=tier.trust)
                 problems += found
                 indexed = set(self.index.keys(k))
                 for key in sorted(indexed - valid.keys()):
@@ -384,9 +425,11 @@ class Engine:
         """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
         tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
         found = 0
+        until = honest_until()
         for key in keys:
-            pages = [(page.header.created_ns, tier.k, page) for tier in self.tiers if mask >> tier.k & 1
-                     for page in [scan_file(tier.layout, self.namespace.digest, key)] if page.problem is None]
+            pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
+                     for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
+                     if page.problem is None]
             for _, k, page in sorted(pages, key=lambda e: e[:2]):
                 self._index_page(k, page)
             if self.index.contains(key, mask):
@@ -415,7 +458,7 @@ class Engine:
         """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
         leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
     def _trim(self, k: int, nbytes: int) -> None:
         """Evict ``nbytes`` of tier ``k``'s least recent pages and remove their files, as the writer

@@ -9,6 +9,9 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
     pin(keys) ... unpin(infos)                      (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
 
+Bytes are counted as the caller passes them: the engine counts a page's payload, so a capacity holds
+what callers stored (LMCache's adapters count the same), not the 4 KiB header and padding of its file.
+
 The engine's read, write, existence and scan threads call at once. Every method that changes the
 index, and ``get``/``keys``, takes the index lock, for a bounded step (a sub-table's resize, a chunk
 of a sort); the existence queries (``holders``, ``contains``, ``prefix_len``, ``pages_on``, ``len``)
@@ -20,7 +23,7 @@ Victims are removed from the index *before* the caller deletes their files, so a
 pinned a page before it was chosen (it is then not chosen) or never finds it.
 
 Packed, not one object per page (a tier of millions of pages, docs/design.md "The index"): a page is
-a *slot*, a row across flat ``array`` columns (length, block, file bytes, write time, tiers, pins,
+a *slot*, a row across flat ``array`` columns (length, block, bytes counted, write time, tiers, pins,
 where its CRCs start in one shared CRC array, per tier its LRU links); a 64-hex key (SGLang's and
 LMCache's) is kept as its 32 bytes; keys map to slots through open-addressing sub-tables of slot
 numbers, so growing the table re-hashes one small sub-table at a time. About 100 bytes a page at one
@@ -36,7 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -59,14 +62,14 @@ class PageInfo:
     """What the index knows of one page, as of the call that returned it. ``tiers`` is a bitmask
     (bit k = tier k holds a copy); ``slot`` and ``epoch`` let :meth:`Index.unpin` find the row."""
 
-    __slots__ = ("length", "block", "crcs", "file_bytes", "tiers", "pins", "slot", "epoch")
+    __slots__ = ("length", "block", "crcs", "nbytes", "tiers", "pins", "slot", "epoch")
 
-    def __init__(self, length: int, block: int, crcs: tuple[int, ...], file_bytes: int, tiers: int, pins: int,
+    def __init__(self, length: int, block: int, crcs: tuple[int, ...], nbytes: int, tiers: int, pins: int,
                  slot: int, epoch: int):
         self.length = length
         self.block = block
         self.crcs = crcs
-        self.file_bytes = file_bytes
+        self.nbytes = nbytes
         self.tiers = tiers
         self.pins = pins
         self.slot = slot
@@ -98,6 +101,9 @@ class Index:
     """
 
     def __init__(self, capacities: Sequence[int | None]):
+        # Called, under the index lock, with a key no tier holds any more (evicted, removed, deleted);
+        # it must not block nor call the index (the LMCache adapter queues the key for its accounting).
+        self.on_gone: Callable[[str], None] | None = None
         self.capacities = list(capacities)
         self.n_tiers = len(self.capacities)
         if self.n_tiers > MAX_TIERS:
@@ -118,7 +124,7 @@ class Index:
         self._odd: dict[int, str] = {}  # slot -> a key that is not 64-hex
         self._length = array("q")
         self._block = array("I")
-        self._fbytes = array("q")
+        self._nbytes = array("q")
         self._created = array("q")  # write time (ns): orders the old pages
         self._tiers = array("I")
         self._pins = array("i")
@@ -136,6 +142,7 @@ class Index:
         self._len = [[0] * 3 for _ in range(self.n_tiers)]  # pages per tier and list
         self._live = 0
         self.used = [0] * self.n_tiers
+        self.held_bytes = 0  # bytes of the distinct pages held on any tier
 
     # -- queries --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -250,7 +257,7 @@ class Index:
             self.reserved[tier] -= nbytes
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
-               file_bytes: int, *, reserved: bool = True) -> list[int]:
+               nbytes: int, *, reserved: bool = True) -> list[int]:
         """Record that ``tier`` holds ``key`` (most recent). With ``reserved`` the bytes move from
         the reservation to the used count.
 
@@ -260,7 +267,7 @@ class Index:
         """
         with self._lock:
             if reserved:
-                self.reserved[tier] -= file_bytes
+                self.reserved[tier] -= nbytes
             slot = self._find(key)
             displaced: list[int] = []
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
@@ -270,7 +277,7 @@ class Index:
                     self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot_under_index(key, length, block, crcs, file_bytes, time.time_ns())
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
             self._hold_under_index(slot, tier, HOT)
             return displaced
 
@@ -279,7 +286,7 @@ class Index:
         copies of keys like it that left the index (evicted, removed as damaged: their files deleted)."""
         return self._drops[hash(key) & _DROP_BUCKETS]
 
-    def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], file_bytes: int,
+    def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
                     created_ns: int, epoch: int, mark: int) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
@@ -303,7 +310,7 @@ class Index:
                     self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot_under_index(key, length, block, crcs, file_bytes, created_ns)
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
             self._hold_under_index(slot, tier, SCANNED)
             return slot
 
@@ -346,7 +353,7 @@ class Index:
 
     # -- internals: rows ------------------------------------------------------------------------
     def _info_under_index(self, slot: int) -> PageInfo:
-        return PageInfo(self._length[slot], self._block[slot], self._crcs_of_under_index(slot), self._fbytes[slot],
+        return PageInfo(self._length[slot], self._block[slot], self._crcs_of_under_index(slot), self._nbytes[slot],
                         self._tiers[slot], self._pins[slot], slot, self.epoch)
 
     def _crcs_of_under_index(self, slot: int) -> tuple[int, ...]:
@@ -360,7 +367,7 @@ class Index:
         odd = self._odd.get(slot)
         return odd if odd is not None else self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()
 
-    def _new_slot_under_index(self, key: str, length: int, block: int, crcs: Sequence[int], file_bytes: int,
+    def _new_slot_under_index(self, key: str, length: int, block: int, crcs: Sequence[int], nbytes: int,
                   created_ns: int) -> int:
         raw = _encode(key)
         n = len(crcs)
@@ -374,7 +381,7 @@ class Index:
         if self._free:
             slot = self._free.pop()
             self._hash[slot], self._length[slot], self._block[slot] = hash(key), length, block
-            self._fbytes[slot], self._created[slot], self._crc_at[slot] = file_bytes, created_ns, at
+            self._nbytes[slot], self._created[slot], self._crc_at[slot] = nbytes, created_ns, at
             self._ncrc[slot] = n
             self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES] = raw or bytes(_KEY_BYTES)
         else:
@@ -382,7 +389,7 @@ class Index:
             self._hash.append(hash(key))
             self._length.append(length)
             self._block.append(block)
-            self._fbytes.append(file_bytes)
+            self._nbytes.append(nbytes)
             self._created.append(created_ns)
             self._crc_at.append(at)
             self._ncrc.append(n)
@@ -397,17 +404,18 @@ class Index:
             self._odd[slot] = key
         self._insert_under_index(slot, key)
         self._live += 1
+        self.held_bytes += nbytes
         return slot
 
     def _hold_under_index(self, slot: int, tier: int, where: int) -> None:
         """``tier`` holds the page of ``slot``: counted once, on list ``where`` (at its end)."""
         if self._tiers[slot] >> tier & 1:
-            self.used[tier] -= self._fbytes[slot]  # re-commit of the same copy: count once
+            self.used[tier] -= self._nbytes[slot]  # re-commit of the same copy: count once
             self._unlink_under_index(tier, slot)
         else:
             self._count[tier] += 1
         self._tiers[slot] |= 1 << tier
-        self.used[tier] += self._fbytes[slot]
+        self.used[tier] += self._nbytes[slot]
         self._append_under_index(tier, where, slot)
 
     def _drop_under_index(self, slot: int, tier: int) -> bool:
@@ -415,13 +423,16 @@ class Index:
         if not self._tiers[slot] & bit:
             return False
         self._tiers[slot] &= ~bit
-        self.used[tier] -= self._fbytes[slot]
+        self.used[tier] -= self._nbytes[slot]
         self._count[tier] -= 1
         self._unlink_under_index(tier, slot)
         self._drops[self._hash[slot] & _DROP_BUCKETS] += 1
         if not self._tiers[slot]:
             self._delete_under_index(slot)
             self._live -= 1
+            self.held_bytes -= self._nbytes[slot]
+            if self.on_gone is not None:
+                self.on_gone(self._key_of_under_index(slot))
             if not self._pins[slot]:
                 self._free_slot_under_index(slot)  # else unpin frees it: a reader still holds its snapshot
         return True
@@ -441,7 +452,7 @@ class Index:
             if self._pins[slot]:
                 continue
             victims.append(slot)
-            freed += self._fbytes[slot]
+            freed += self._nbytes[slot]
         if freed < nbytes and not partial:
             return None
         return victims

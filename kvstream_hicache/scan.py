@@ -36,6 +36,7 @@ from .index import RETRY, Index
 from .integrity import Reason, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
 from .layout import key_of_page_file
 from .tiers import Tier
+from .trust import honest_until
 
 log = logging.getLogger("kvstream")
 
@@ -154,20 +155,32 @@ class BackgroundScan:
         w0, c0 = time.monotonic(), time.thread_time()
         pace = _Pace(self)  # a directory listing counts as one file
         pace.step()
-        for problem in tmp_problems(tier.root, layout.tmp, None, fix=True):
+        for problem in tmp_problems(tier.root, layout.tmp, None, True, tier.trust):
             if problem.fixed:
                 part.tmp += 1
             else:
                 self._kept(part, problem)
         pace.step()
-        names = shards(layout)
+        try:
+            names = shards(layout)
+        except OSError as exc:  # the namespace directory is a link or a file: never followed (trust.py)
+            names = []
+            part.stopped = f"namespace directory unusable: {os.strerror(exc.errno or 0)}"
+            log.warning("kvstream: background scan of tier %d: %s: %s", tier.k, layout.pages, part.stopped)
         part.shards = len(names)
         added = array("i")
         for shard in names:
             if self._failed(part):
                 break
             pace.step()
-            for name, path in shard_entries(layout, shard):
+            try:
+                entries = shard_entries(layout, shard)
+            except OSError as exc:  # unreadable: its pages are found by discovery
+                entries = []
+                part.kept += 1
+                log.warning("kvstream: background scan of tier %d: shard %s unreadable: %s", tier.k, shard,
+                            os.strerror(exc.errno or 0))
+            for name, path in entries:
                 if self._stop.is_set() or self.index.epoch != self.epoch:
                     return
                 pace.step()
@@ -209,14 +222,17 @@ class BackgroundScan:
         like it that left the index meanwhile (evicted, removed as damaged) may be this very file,
         deleted since it was read: then it is read again (a few times, then left to discovery)."""
         key = key_of_page_file(name) if name else None
+        tier = part.tier
         for _ in range(RETRIES):
             mark = self.index.mark(key) if key else 0
-            page = scan_entry(part.tier.layout, self.digest, shard, name, path)
+            page = scan_entry(tier.layout, self.digest, shard, name, path, trust=tier.trust)
             if page.problem is not None:
                 return page
             h = page.header
-            slot = self.index.add_scanned(h.key, part.tier.k, h.length, h.block, h.crcs, page.file_bytes,
-                                          h.created_ns, self.epoch, mark)
+            # a write time beyond the clock's skew is a claim, not a time: it never wins (trust.py)
+            created = h.created_ns if h.created_ns <= honest_until() else 0
+            slot = self.index.add_scanned(h.key, tier.k, h.length, h.block, h.crcs, h.length, created,
+                                          self.epoch, mark)
             if slot != RETRY:
                 if slot >= 0:
                     added.append(slot)
@@ -225,7 +241,7 @@ class BackgroundScan:
         return page
 
     def _remove(self, part: TierScan, page: ScannedPage) -> None:
-        problem = fix_problem(page.problem)
+        problem = fix_problem(page.problem, trust=part.tier.trust)
         if problem.fixed:
             part.damaged += 1
         else:

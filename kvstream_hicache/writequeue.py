@@ -202,7 +202,7 @@ class WriteQueue:
     def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:
         """Each new page's target tiers (admission.py), and its bytes queued on them."""
         targets = [page.targets for page in new]
-        for k, n in enumerate(fit_capacity([page.file_bytes for page in new], targets, self.index.capacities)):
+        for k, n in enumerate(fit_capacity([page.length for page in new], targets, self.index.capacities)):
             if n:
                 self.stats.add(k, "skipped_writes", n)
         bandwidth = [self.bandwidth(k) for k in range(len(self.tiers))]

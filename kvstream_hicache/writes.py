@@ -293,7 +293,7 @@ class WritePath:
             self.queue.job_over_under_writer(page, k)
             return None
         self._fds.created()
-        victims = self.index.reserve(k, page.file_bytes)
+        victims = self.index.reserve(k, page.length)
         if victims is None:
             tier.discard(fd, tmp)
             self.stats.add(k, "skipped_writes")
@@ -308,7 +308,7 @@ class WritePath:
             page.users -= 1
             self._release_under_writer(page)
             tier.discard(fd, tmp)
-            self.index.abort(k, page.file_bytes)
+            self.index.abort(k, page.length)
             raise
         request = self.io.flows[k].request if self.priority.enabled else math.inf
         job = Job(page, k, fd, tmp, page.requests(request))
@@ -346,16 +346,16 @@ class WritePath:
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
-                page_dir = tier.commit(fd, job.tmp, page.key, lambda: self._evict_under_writer(k, page.file_bytes))
+                page_dir = tier.commit(fd, job.tmp, page.key, lambda: self._evict_under_writer(k, page.length))
             except OSError as exc:
                 tier.discard(None, job.tmp)
-                self.index.abort(k, page.file_bytes)
+                self.index.abort(k, page.length)
                 self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_job_under_writer(job)
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes)
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length)
             page.committed.append(k)
             for call, _ in page.calls:
                 call.dirs.setdefault(k, set()).add(page_dir)
@@ -364,13 +364,13 @@ class WritePath:
             self._close_job_under_writer(job)
             return
         if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_under_writer(job):
-            if self._evict_under_writer(k, page.file_bytes):
+            if self._evict_under_writer(k, page.length):
                 job.tries += 1
                 job.err = 0
                 job.next = 0  # write it all again
                 return
         tier.discard(job.fd, job.tmp)
-        self.index.abort(k, page.file_bytes)
+        self.index.abort(k, page.length)
         if job.err != CANCELLED:
             self._failed_under_writer(k, job.err, f"write {page.key}")
         self._close_job_under_writer(job)

@@ -34,7 +34,8 @@ if [ ! -e "$stamp" ]; then
     prometheus_client py-cpuinfo psutil aiohttp aiofile aiofiles msgspec pyzmq transformers cryptography \
     opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus fastapi uvicorn httptools httpx \
     safetensors blake3 \
-    cython pytest pytest-timeout hypothesis
+    cython pytest pytest-timeout hypothesis \
+    setuptools_scm  # tests/peers: pip prepares the LMCache sdist's metadata (its tests are not in the wheel)
   "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got in: check scripts/constraints-lmcache.txt"

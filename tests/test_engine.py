@@ -164,7 +164,7 @@ def test_page_deleted_from_one_tier_is_read_from_another(tier_dirs, io_engine):
 def test_page_evicted_from_fast_tier_is_read_from_slow(tier_dirs, io_engine):
     pages = Pages(8)
     keys = [key(i) for i in range(8)]
-    page_file = 4096 + sum(pages.shapes[0])
+    page_file = sum(pages.shapes[0])  # capacity counts payload bytes (index.py)
     with make_engine(tier_dirs[:2], io_engine, capacity=[3 * page_file, ""]) as engine:
         assert engine.put(keys[:4], pages.src_segments[:4]) == [True] * 4
         assert engine.put(keys[4:], pages.src_segments[4:]) == [True] * 4

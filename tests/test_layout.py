@@ -31,10 +31,10 @@ def test_old_sglang_backend_path_is_the_same_class():
 
 def test_old_lmcache_adapter_path_names_the_same_attribute_without_lmcache():
     """The class itself needs LMCache (tests/test_lmcache_adapter.py loads it through LMCache from the old
-    path); the old module imports without it, and forwards exactly that one name."""
+    path); the old module imports without it, and forwards exactly the adapter and its config class."""
     from kvstream_hicache import lmcache_adapter
 
-    assert lmcache_adapter.__all__ == ["KVStreamL2Adapter"]
+    assert lmcache_adapter.__all__ == ["KVStreamL2Adapter", "KVStreamL2AdapterConfig"]
     with pytest.raises(AttributeError):
         lmcache_adapter.L2Core  # noqa: B018  (only the documented name is re-exported)
 

@@ -8,7 +8,7 @@ import os
 from array import array
 
 from kvstream_hicache import check_tiers
-from kvstream_hicache.layout import HEADER_SIZE, file_size
+from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
 from reliability_helpers import (
@@ -94,14 +94,14 @@ def test_capacity_eviction_before_and_after_the_scan(tier_dirs):
     done the tier is trimmed to its capacity, oldest write first, and LRU goes on in that order."""
     pages = PageSet()
     old, new = pages.keys(8), pages.keys(6, start=100)
-    cap = 8 * file_size(PAGE_BYTES)
+    cap = 8 * PAGE_BYTES  # capacity counts payload bytes
     with make_engine(tier_dirs[:1], capacity=str(cap)) as engine:
         for k in old:  # one put each: their write times order them
             assert pages.put(engine, [k]) == [True]
     with make_engine(tier_dirs[:1], capacity=str(cap), scan_rate=HELD) as engine:
         assert pages.checked_get(engine, old[7:]) == [True]  # discovered: used since start
         assert pages.put(engine, new[:4]) == [True] * 4
-        assert engine.index.used[0] == 5 * file_size(PAGE_BYTES) and engine.index.evictions == [0]
+        assert engine.index.used[0] == 5 * PAGE_BYTES and engine.index.evictions == [0]
         assert len(page_files(tier_dirs[0])) == 12  # over capacity on disk until the scan is done
         _release(engine)
         assert engine.index.used[0] == cap and len(page_files(tier_dirs[0])) == 8

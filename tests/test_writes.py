@@ -16,6 +16,7 @@ import pytest
 from kvstream_hicache import admission, files, writes
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
+from kvstream_hicache.layout import file_size
 from kvstream_hicache.priority import STALL_S
 from kvstream_hicache.router import SingleTier
 
@@ -85,7 +86,7 @@ def test_writes_to_a_tier_wait_while_a_get_reads_it(tier_dirs):
         writer, result = in_thread(pages.put, engine, new)
         wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), "tier 1 never took the pages")
         assert os.listdir(engine.tiers[0].layout.tmp) == []  # no write to tier 0 even started
-        assert engine.stats()["tiers"][0]["write_queued_bytes"] == 3 * engine.index.get(new[0]).file_bytes
+        assert engine.stats()["tiers"][0]["write_queued_bytes"] == 3 * file_size(engine.index.get(new[0]).length)
         assert writer.is_alive()  # the put waits for every tier that takes its pages
         assert reader.release() == [True] * 4
         writer.join(WAIT_S)
@@ -280,7 +281,7 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             skipped = stats["tiers"][1]["replica_skipped_pages"]
             assert stats["under_replicated"] == 0 and stats["pages_failed"] == 0
             assert skipped == len(alone)
-            assert stats["tiers"][1]["replica_skipped_bytes"] == skipped * engine.index.get(batch[0]).file_bytes
+            assert stats["tiers"][1]["replica_skipped_bytes"] == skipped * file_size(engine.index.get(batch[0]).length)
             assert stats["tiers"][0]["replica_skipped_pages"] == 0  # the home tier takes every page
             if mode == "budget":
                 assert 0 < len(alone) < 24
