@@ -203,7 +203,7 @@ class BackgroundScan:
         if part.damaged or part.tmp:
             log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "
                         "leftovers", tier.k, part.damaged, part.tmp)
-        log.log(self.level, "kvstream: background scan of tier %d done: %d files, %d pages indexed in %.1f s "
+        log.log(self.level, "kvstream: background scan of tier %d done: %d files read, %d pages added in %.1f s "
                 "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
 
     @staticmethod
