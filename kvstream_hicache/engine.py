@@ -13,8 +13,19 @@ Composition::
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
 (prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; every
 write is done by the engine's writer thread (put waits for it, put_deferred does not); the index has
-its own lock; existence queries only read the index. ``close()`` racing a call on another thread: the
-call either completes or raises EngineClosedError.
+its own lock; existence queries read the index, and look on disk for a key it lacks (discovery).
+``close()`` racing a call on another thread: the call either completes or raises EngineClosedError.
+
+Locks, outermost first (locks.ORDER; a lock is taken only under those above it; docs/design.md
+"Locks" has the full table, the adapters' locks included):
+
+    lock      guards                                           taken under it
+    read      a whole get: pins, read ring and pool, router    write (clear/check), queue, tier, index, leaves
+    write     the writer's step: write ring, pool, jobs        queue, tier, index, leaves
+    queue     WriteQueue: FIFOs, backlog, closing (never I/O)  index, stats
+    tier      health, back-off, probe schedule                 none (probes and rejoins run outside it)
+    index     key -> tiers, LRU, capacity, pins                none
+    leaves    priority, staging, stats, ring, faults            none
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
 the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a

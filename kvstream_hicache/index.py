@@ -36,12 +36,13 @@ read or discovered since start, least recent first).
 """
 from __future__ import annotations
 
-import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+
+from .locks import ranked_lock
 
 OLD, SCANNED, HOT = 0, 1, 2
 _LISTS = (OLD, SCANNED, HOT)
@@ -108,7 +109,7 @@ class Index:
         self.n_tiers = len(self.capacities)
         if self.n_tiers > MAX_TIERS:
             raise ValueError(f"at most {MAX_TIERS} tiers")
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("index")
         self.used = [0] * self.n_tiers  # committed bytes per tier
         self.reserved = [0] * self.n_tiers  # bytes of writes in progress per tier
         self.evictions = [0] * self.n_tiers

@@ -143,7 +143,7 @@ class Problem(NamedTuple):
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
     'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file or directory of an owner
     this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
-    'index_stale' (indexed, not on disk, or with other content).
+    'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version).
     """
 
     kind: str

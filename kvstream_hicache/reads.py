@@ -9,7 +9,7 @@ Data flow of ``get`` (one call at a time per read ring)::
           read (up to its flow's request size), into staging buffers or straight into caller memory
           -> submit, reap (inflight.py) -> delivery.py: verify each block's crc32c against the index
           (staged blocks copied into the caller's segments in the same pass; a block that fails:
-          damage.py) -> route.complete(tier, item, ok)
+          damage.py) -> route.complete_many(tier, results)
           -> each tier's window follows its device (flow.py) -> next claims
     until every item is found or failed (or read_timeout passes)
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,6 +43,7 @@ from .inflight import InFlight
 from .integrity import NotRegularFile
 from .io import MAX_VECTOR, OP_READ
 from .layout import HEADER_SIZE, round_up
+from .locks import ranked_lock
 from .memory import HugePageMap
 from .priority import ReadPriority
 from .segments import Segment
@@ -82,7 +82,7 @@ class ReadPath:
         self.stats = stats
         self.pool = pool
         self.read_timeout = read_timeout
-        self.lock = threading.Lock()
+        self.lock = ranked_lock("read")
         self.huge = HugePageMap()
         self.files = ReadFiles()
         self.delivery = Delivery(tiers, index, stats, digest)

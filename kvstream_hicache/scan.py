@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from .index import RETRY, Index
 from .integrity import Reason, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
 from .layout import key_of_page_file
+from .locks import ranked_lock
 from .tiers import Tier
 from .trust import honest_until
 
@@ -83,7 +84,7 @@ class BackgroundScan:
         self._threads = [threading.Thread(target=self._run, args=(part,), name=f"kvstream-scan-{part.tier.k}",
                                           daemon=True) for part in self.parts]
         self._left = len(self._threads)
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("scan")
         self._written = 0.0  # when the progress file was last written (monotonic)
         self.progress_path = os.path.join(progress_dir(), f"scan-{os.getpid()}-{digest}.json")
 

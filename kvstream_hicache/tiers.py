@@ -21,11 +21,11 @@ import itertools
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable
 
 from .integrity import open_regular
 from .layout import TierLayout
+from .locks import ranked_lock
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import check_dir, establish, remove
 
@@ -83,7 +83,7 @@ class Tier:
         self._vanished = False  # failed because its directory went: look for it every LOOK_S
         self._next_look = 0.0
         self._next_forced = 0.0  # the next probe a read with no other holder may force
-        self._lock = threading.Lock()  # the health state below; never held across I/O
+        self._lock = ranked_lock("tier")  # the health state below; never held across I/O
         self._probing = False  # a thread probes the failed tier now (outside the lock)
         self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()

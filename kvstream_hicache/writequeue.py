@@ -33,6 +33,7 @@ from .admission import admit, fit_capacity
 from .errors import EngineClosedError
 from .index import Index, tiers_in
 from .layout import block_size_for, is_valid_key
+from .locks import ranked_lock
 from .puts import PutCall, WritePage
 from .segments import Segment
 from .stats import Stats
@@ -69,7 +70,7 @@ class WriteQueue:
         self.chunk = chunk
         self.settings = settings
         self.bandwidth = bandwidth
-        self.lock = threading.Lock()  # the queues: taken briefly, by callers and the writer
+        self.lock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer
         self.work = threading.Condition(self.lock)  # the writer waits here for work
         self.room = threading.Condition(self.lock)  # deferred puts wait here for backlog room
         self.fifo: list[deque[WritePage]] = [deque() for _ in tiers]  # pages waiting for a job on tier k

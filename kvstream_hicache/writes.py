@@ -41,6 +41,7 @@ from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
 from .layout import round_up
+from .locks import ranked_lock
 from .priority import ReadPriority
 from .puts import CANCELLED, Job, Write, WritePage
 from .segments import Segment
@@ -86,7 +87,7 @@ class WritePath:
         self.pool = pool
         self.priority = priority
         self.staging_limit = staging_limit
-        self.lock = threading.Lock()  # held by the writer thread while it works, and by exclusive()
+        self.lock = ranked_lock("write")  # held by the writer thread while it works, and by exclusive()
         self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues)
         self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)

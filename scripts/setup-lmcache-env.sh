@@ -52,5 +52,8 @@ else
   echo "[setup-lmcache] building kvstream_hicache (editable) into $VENV"
   "${PIP[@]}" install -q --no-build-isolation --no-deps -e . >/dev/null
 fi
+if ! "$VENV/bin/python" -m pip show kvstream-hicache-tools >/dev/null 2>&1; then  # kvstream, kvsim, bench
+  "${PIP[@]}" install -q --no-build-isolation --no-deps -e ./kvstream-hicache-tools >/dev/null
+fi
 "$VENV/bin/python" -c "import lmcache.v1.distributed.l2_adapters.base, lmcache.lmcache_native, torch; \
 print('[setup-lmcache] ready:', '$VENV', 'lmcache', __import__('importlib.metadata').metadata.version('lmcache'), 'torch', torch.__version__)"

@@ -1,6 +1,7 @@
 """The package layout: core, adapters (sglang/, lmcache/), tools/; the import paths users type keep working."""
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import importlib.util
@@ -264,3 +265,22 @@ def test_docs_give_the_enospc_retry_count():
 
     for doc in (("docs", "design.md"), ("docs", "guarantees.md")):
         assert f"up to {SPACE_RETRIES} times" in _read(*doc), doc
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through helpers.py, sglang_fixtures.py, lmcache_fixtures.py and conftest.py's
+    fixtures, never by importing a test module (which would collect its tests twice)."""
+    tests = os.path.join(ROOT, "tests")
+    offenders = []
+    for name in sorted(os.listdir(tests)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(tests, name)) as f:
+            tree = ast.parse(f.read(), name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{name}: {m}" for m in mods if m.split(".")[0].startswith("test_") or m == "conftest"]
+    assert offenders == []

@@ -19,7 +19,7 @@ from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault
+from helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
 
@@ -165,7 +165,7 @@ def test_a_page_unreadable_for_an_error_of_the_moment_is_reported_not_removed(ti
     import errno
 
     from kvstream_hicache import integrity
-    from reliability_helpers import PageSet, make_engine
+    from helpers import PageSet, make_engine
 
     pages = PageSet()
     keys = pages.keys(1)

@@ -17,7 +17,7 @@ import pytest
 import kvstream_hicache.io as kio
 from kvstream_hicache import Config, ConfigError, Engine, TierError
 
-from reliability_helpers import (  # noqa: F401  (loop_fs: fixture)
+from helpers import (  # noqa: F401  (loop_fs: fixture)
     NS, PageSet, kvstream_cli, loop_devices_usable, loop_fs, make_engine,
 )
 

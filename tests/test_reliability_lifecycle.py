@@ -15,7 +15,7 @@ import pytest
 
 from kvstream_hicache import EngineClosedError
 
-from reliability_helpers import PageSet, make_engine
+from helpers import PageSet, make_engine
 
 TRIES = 20
 WAIT_S = 60

@@ -19,7 +19,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tiers import LOOK_S
 
-from reliability_helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages  # noqa: F401
+from helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages  # noqa: F401
 
 RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
 

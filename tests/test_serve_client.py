@@ -321,7 +321,7 @@ def test_compare_starts_stops_each_server_and_reports_speedups(tmp_path, monkeyp
     real_exit = sv.Server.__exit__
     monkeypatch.setattr(sv, "launch_command", fake_command)
     monkeypatch.setattr(sv.Server, "__exit__", spy_exit)
-    monkeypatch.setattr(sv, "HEALTH_POLL_S", 0.2)
+    monkeypatch.setattr(sv.serve_cpu, "HEALTH_POLL_S", 0.2)
     out_json = tmp_path / "cmp.json"
     rc = sv.main(["--model", "fake/model", "--tiers", f"{tiers[0]}:{tiers[1]}", "--compare", "file,kvstream",
                   "--port", str(_free_port()), "--sessions", "2", "--requests", "4", "--mean-input", "1200",

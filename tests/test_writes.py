@@ -20,9 +20,7 @@ from kvstream_hicache.layout import file_size
 from kvstream_hicache.priority import STALL_S
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import FakeClock, PageSet, TierFaultPlan, make_engine, wait_for_fault
-from conftest import open_fds
-from test_engine import Pages, key
+from helpers import FakeClock, Pages, PageSet, TierFaultPlan, key, make_engine, open_fds, wait_for_fault
 
 WAIT_S = 60.0
 

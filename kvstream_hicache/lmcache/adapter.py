@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import parse_flag, parse_number
+from ..locks import ranked_lock
 from ..segments import nbytes
 from .core import DEFAULT_MAX_POOL_PAGES, L2Core, open_engine
 from .keys import ADAPTER_PARAMS, engine_key, split_params
@@ -106,11 +106,11 @@ def _lmcache_classes() -> dict[str, type]:
             in_place = self._register_l1(l1_memory_desc)
             self._store_keys: dict[int, tuple[list, list[str | None], list[int]]] = {}  # task -> keys
             # A store submit may wait for write_backlog: nothing else waits behind this lock.
-            self._store_lock = threading.Lock()
+            self._store_lock = ranked_lock("lmcache.store")
             # LMCache's byte accounting (base class) follows what the engine holds: a key counts once,
             # from the store that put it there until delete() or the engine's eviction removes it.
             self._held: dict[str, tuple[Any, int]] = {}  # engine key -> (ObjectKey, size)
-            self._held_lock = threading.Lock()
+            self._held_lock = ranked_lock("lmcache.held")
             self._gone: deque[str] = deque()  # engine keys the index dropped (its lock held: no work there)
             self.engine.on_gone(self._gone.append)
             self._max_capacity_bytes = self.engine.usage()[1]

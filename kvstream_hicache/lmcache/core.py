@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..locks import ranked_lock
 from ..segments import Segment, copy_payload, nbytes
 from .keys import namespace_fields
 
@@ -96,7 +97,7 @@ class L2Core:
         self.max_pool_pages = max(1, int(max_pool_pages))
         self._on_store, self._on_lookup, self._on_load = on_store, on_lookup, on_load
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("lmcache.core")
         self._work = threading.Condition(self._lock)
         self._stores_open = 0  # store tasks submitted and not completed
         self._loads: deque[_Task] = deque()

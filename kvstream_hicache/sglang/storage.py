@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from contextlib import suppress
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from ..config import LOADER_KEYS, Config
 from ..layout import ALIGN, Namespace, is_valid_key
+from ..locks import ranked_lock
 from ..segments import Segment
 
 log = logging.getLogger("kvstream.sglang")
@@ -84,7 +84,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._refused: str | None = None
         self._reads_in_place = False
         self._closed = False
-        self._lock = threading.Lock()  # attach/close and the adapter's own counters, never held during I/O
+        self._lock = ranked_lock("sglang.adapter")  # attach/close and the adapter's own counters, never held during I/O
         self._segments_per_page = 0
         self._reorder_kv = False
         self._page_bytes = 0
@@ -94,7 +94,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._samples = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._exporter = None
         self._last_sync = 0.0
-        self._sync_lock = threading.Lock()  # one snapshot+export at a time, in snapshot order
+        self._sync_lock = ranked_lock("sglang.sync")  # one snapshot+export at a time, in snapshot order
         self._last_stats: dict | None = None
         if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
             self.register_mem_pool_host(mem_pool_host)
