@@ -657,3 +657,18 @@ def main(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def load_serve_swebench():
+    """examples/serve_swebench.py as a module (its client, /metrics parser and counter deltas): one copy
+    per process, shared by every test that uses it."""
+    import importlib.util
+
+    if "serve_swebench" in sys.modules:
+        return sys.modules["serve_swebench"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("serve_swebench", os.path.join(root, "examples", "serve_swebench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serve_swebench"] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -19,7 +19,7 @@ from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.lmcache import core as l2core
 from kvstream_hicache.lmcache import keys as l2keys
-from reliability_helpers import wait_for_fault
+from helpers import wait_for_fault
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")

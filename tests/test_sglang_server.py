@@ -36,9 +36,9 @@ import urllib.request
 import pytest
 
 from kvstream_hicache.tools import serve_cpu
-from reliability_helpers import flip_byte, page_files
+from helpers import flip_byte, load_serve_swebench, page_files
 
-from test_serve_client import sv  # examples/serve_swebench.py: its /metrics parser and counter deltas
+sv = load_serve_swebench()  # examples/serve_swebench.py: its /metrics parser and counter deltas
 
 pytestmark = pytest.mark.timeout(900)  # the first test also waits for the first wave
 
