@@ -11,7 +11,7 @@ from kvstream_hicache import check_tiers
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
-from reliability_helpers import (
+from helpers import (
     NS, PAGE_BYTES, PageSet, flip_byte, kvstream_cli, make_engine, page_files, run_children, spawn, wait_for_file,
 )
 
