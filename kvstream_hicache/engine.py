@@ -35,9 +35,12 @@ child. The parent is untouched.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from . import tmpfiles
@@ -66,6 +69,20 @@ log = logging.getLogger("kvstream")
 TRIM_BYTES = 256 << 20  # a trim (scan end, a capacity lowered) removes this much per hold of the writer's lock
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSED = "kvstream engine is closed"
+
+
+def _weak(method: Callable, dead):
+    """``method`` as a hook that does not keep its engine alive (returns ``dead`` once the engine is
+    gone). The writer thread reaches the tiers and the read path; a bound method there would keep a
+    dropped engine reachable for ever: never collected, never closed, its rings, descriptors and
+    writer thread leaked, and ``__del__``'s ResourceWarning never given."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        live = ref()
+        return dead if live is None else live(*args)
+
+    return hook
 
 
 class Engine:
@@ -106,7 +123,7 @@ class Engine:
         self._token = tmpfiles.register()
         source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, self._reconcile, source)
+                           self._token, clock, _weak(self._reconcile, ""), source)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
@@ -128,7 +145,7 @@ class Engine:
         share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, share, namespace.digest, self.priority, self._recover)
+                               config.read_timeout, share, namespace.digest, self.priority, _weak(self._recover, 0))
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
                                  ceiling=share)
@@ -293,8 +310,14 @@ class Engine:
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
             return
         self._scan.stop(CLOSE_DRAIN_S)
-        self._reads.drain(CLOSE_DRAIN_S)
-        self._reads.close()
+        left = self._reads.drain(CLOSE_DRAIN_S)
+        if left:  # a hung tier: the kernel holds reads into the ring's buffers, and closing the ring
+            # waits for them, however long; the caller does not (the buffers stay the ring's till then)
+            log.warning("kvstream: close(): %d reads still in flight after %.0f s (a hung tier); the read ring "
+                        "and its buffers are released by a background thread once they end", left, CLOSE_DRAIN_S)
+            threading.Thread(target=self._reads.close, name="kvstream-close", daemon=True).start()
+        else:
+            self._reads.close()
         self._writes.close()
         tmpfiles.release(self._token)
 
@@ -483,20 +506,25 @@ class Engine:
                 return
             nbytes -= min(nbytes, TRIM_BYTES)
 
-    def _reconcile(self, tier: Tier) -> None:
-        """A failed tier rejoined: forget indexed pages whose files did not survive."""
+    def _reconcile(self, tier: Tier) -> str:
+        """A failed tier rejoins: forget indexed pages whose files did not survive. An error while
+        listing leaves the index alone and keeps the tier out (returns why): pages not listed yet are
+        not lost, and forgetting them would lose every copy the tier holds of them."""
         present: set[str] = set()
         try:
-            for shard in os.scandir(tier.layout.pages):
-                if shard.is_dir():
-                    present.update(key_of_page_file(e.name) for e in os.scandir(shard.path))
-        except OSError:
-            pass
+            with os.scandir(tier.layout.pages) as listing:
+                for shard in listing:
+                    if shard.is_dir():
+                        with os.scandir(shard.path) as files:
+                            present.update(key_of_page_file(e.name) for e in files)
+        except OSError as exc:
+            return f"listing its pages: {os.strerror(exc.errno or errno.EIO)}"
         lost = [key for key in self.index.keys(tier.k) if key not in present]
         for key in lost:
             self.index.remove(key, tier.k)
         if lost:
             log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten", tier.k, len(lost))
+        return ""
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.index)} pages"

@@ -84,8 +84,8 @@ class ReadPath:
         self.read_timeout = read_timeout
         self.lock = ranked_lock("read")
         self.huge = HugePageMap()
-        self.files = ReadFiles()
         self.delivery = Delivery(tiers, index, stats, digest)
+        self.files = ReadFiles(self.delivery.stale_copy)
 
     @property
     def orphans(self) -> int:
@@ -259,7 +259,7 @@ class ReadPath:
         was closed while idle), or None."""
         f = call.files.get((tier, p))
         if f is None:
-            f = call.files[(tier, p)] = ReadFile()
+            f = call.files[(tier, p)] = ReadFile(tier, call.pages[p].key)
         if f.fd is None and not f.failed:
             page = call.pages[p]
             f.failed = True  # until the open below succeeds
@@ -271,16 +271,7 @@ class ReadPath:
                     damage.remove_copy(self.tiers[tier], self.index, self.stats, page.key,
                                        f"{exc.strerror} under its name", remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
-                    err = exc.errno or errno.EIO
-                    if self.tiers[tier].fail(err, f"open {page.key}"):
-                        # the whole tier went (unmounted, moved away): its copies may come back with
-                        # it, so the index keeps them; rejoining reconciles with what survived
-                        self.stats.add(tier, "errors")
-                    elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
-                        self.index.remove(page.key, tier)
-                        call.relook.add(page.key)
-                    else:
-                        self.stats.add(tier, "errors")
+                    self.delivery.failed_read_under_reads(tier, page.key, exc.errno or errno.EIO, call, "open")
         return f if f.fd is not None else None
 
     def _start_under_reads(self, reqs: list[Req]) -> None:
@@ -333,7 +324,7 @@ class ReadPath:
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
             self.stats.total("orphan_reads")  # still tells about the tier's health)
             if res < 0:
-                self.delivery.failed_read_under_reads(tier, call.pages[req.p].key, -res)
+                self.delivery.failed_read_under_reads(tier, call.pages[req.p].key, -res, call)
             self._release_under_reads(req)
             return []
         try:

@@ -145,7 +145,8 @@ class WritePath:
     def close(self) -> None:
         """Write what is queued, stop the writer, close the ring. Idempotent."""
         self.queue.close()
-        self._thread.join()
+        if self._thread is not threading.current_thread():  # (a dropped engine's __del__ may run here)
+            self._thread.join()
         with self.lock:
             self.io.ring.close()
             self.pool.close()

@@ -4,6 +4,9 @@
   io_uring, sglang and LMCache tests must run, and a skip there means a missing install.
 * ``tier_root``: a scratch directory on a file system that supports O_DIRECT (tmpfs on older
   kernels does not), removed afterwards.
+* ``glusterfs``: a real GlusterFS (glusterd, a brick on an ext4 loop image, the volume mounted twice
+  as two nodes' mounts), started once per session and torn down by PID at its end; root only (a skip
+  elsewhere, a failure under KVSTREAM_STRICT=1).
 * Every Engine a test opens ends consistent: ``check() == []`` just before it closes, and it is closed
   by the end of the test (autouse ``engines_end_consistent``). A test that leaves damage on purpose
   says so: ``@pytest.mark.leaves_problems("why")``.
@@ -60,6 +63,21 @@ def fd_limit():
 
     yield lower
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture(scope="session")
+def glusterfs():
+    """A running GlusterFS: ``.mount('a')`` and ``.mount('b')`` are two nodes' mounts of one volume."""
+    from kvstream_hicache.tools.bench import glusterfs as gfs
+
+    why = gfs.unavailable()
+    if why:
+        pytest.skip(f"GlusterFS unavailable: {why}")
+    fs = gfs.GlusterFS(tempfile.mkdtemp(prefix="kvstream-gfs-", dir=SCRATCH)).start()
+    try:
+        yield fs
+    finally:
+        fs.stop()
 
 
 @pytest.fixture(params=ENGINES)

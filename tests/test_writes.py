@@ -6,6 +6,7 @@ assertions: the tests wait for events (a held op reached the ring, a page commit
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -346,3 +347,28 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
         assert pages.put(engine, more) == [True] * 4  # the writer lives on
         assert pages.checked_get(engine, more) == [True] * 4
         engine.clear()  # (the failed put may leave a page on one tier only: start the check clean)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["quota", "eio"])
+def test_a_home_tier_write_failure_is_written_to_a_tier_that_skipped_it(tier_dirs, err):
+    """replicate=budget, tier 1 measured slower (its writes delayed) so it skips replicas; then every
+    write of tier 0 fails (a quota: ENOSPC; or EIO). Each page whose home write failed is written to
+    tier 1 before the put answers: every page True, on tier 1, read back; the next put too (before:
+    21 of 24 pages False, again on the put after)."""
+    plan = TierFaultPlan()
+    page = 1 << 20
+    warm = writes.TRUST_BYTES // page + 2
+    pages = PageSet(page)
+    plan.on(tier_dirs[1], Fault.delay(0.5), opcode=OP_WRITE)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.5) as engine:
+        assert pages.put(engine, pages.keys(warm)) == [True] * warm
+        assert all(engine._writes._bandwidth_under_queues(k) > 0 for k in range(2))
+        plan.on(tier_dirs[0], Fault.error(err), opcode=OP_WRITE)
+        for start in (1000, 2000):
+            skipped = engine.stats()["tiers"][1]["replica_skipped_pages"]
+            batch = pages.keys(24, start)
+            assert pages.put(engine, batch) == [True] * 24
+            assert all(engine.index.holders(k) & 0b10 for k in batch)
+            assert pages.checked_get(engine, batch) == [True] * 24
+            if start == 1000:  # (after EIO tier 0 is failed: the next put's home is tier 1)
+                assert engine.stats()["tiers"][1]["replica_skipped_pages"] > skipped, "no replica was skipped"

@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--profile", default="testbed2-1:20",
                     help="throttled: testbed2-1:20 | testbed1-1:20; device speed: ram-0.7 (RAM-backed tier 0 "
                          "unthrottled, tier 1 read-limited to 700 MB/s) | testbed2-1:7 (RAM-backed, 1650 / 515 "
-                         "MB/s) | disk+ram-0.7 (tier 0 a directory on this machine's disk); or 'R0/W0,R1/W1' in "
+                         "MB/s) | disk+ram-0.7 (tier 0 a directory on this machine's disk) | dfs (a directory beside "
+                         "GlusterFS on this machine as the shared tier); or 'R0/W0,R1/W1' in "
                          "MB/s, 0 = no limit, each optionally 'ram:R/W', or 'dir' (default: %(default)s)")
     tu.add_argument("--size", default=None,
                     help="image size per tier, or comma list per tier (default 16G on disk, 6G in RAM; sparse)")
