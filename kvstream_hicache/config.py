@@ -71,6 +71,11 @@ SETTINGS: dict[str, Setting] = {
                                    "read (off: the behaviour before read priority, every write in flight at once)"),
     "write_backlog": Setting("2G", "deferred writes (the LMCache path): bytes of pages queued and not yet "
                                    "committed; a store beyond it waits (back-pressure), e.g. '2G'"),
+    "scan_rate": Setting(2000.0, "the background start-up scan reads at most this many page files a second per "
+                                 "tier (each an open, a 4 KiB read and a close: a shared file system's metadata "
+                                 "servers serve every restarting server at once); 0 = as fast as it goes"),
+    "scan_cpu": Setting(0.25, "share of one core the background start-up scan of a tier may use, above 0 up "
+                              "to 1 (1 = as much as it takes)"),
 }
 REPLICATE_MODES = ("all", "budget")
 
@@ -218,6 +223,8 @@ class Config:
     replicate_slack: float = _default("replicate_slack")
     read_priority: bool = _default("read_priority")
     write_backlog: int = _default("write_backlog")
+    scan_rate: float = _default("scan_rate")
+    scan_cpu: float = _default("scan_cpu")
     warnings: tuple[str, ...] = field(default=(), compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -295,6 +302,13 @@ class Config:
                                             hint="; give seconds, e.g. 1 (the default)"))
         put("read_priority", parse_flag(self.read_priority, what("read_priority")))
         put("write_backlog", parse_bytes(self.write_backlog, what("write_backlog")))
+        put("scan_rate", parse_number(self.scan_rate, what("scan_rate"),
+                                      hint="; give page files a second per tier, e.g. 2000, or 0 for no limit"))
+        scan_cpu = parse_number(self.scan_cpu, what("scan_cpu"), hint="; give a share of one core, e.g. 0.25")
+        if not 0 < scan_cpu <= 1:
+            raise ConfigError(f"{what('scan_cpu')}: {self.scan_cpu!r} must be above 0 and at most 1 (a share of "
+                              f"one core, e.g. 0.25; 1 = no limit)")
+        put("scan_cpu", scan_cpu)
         put("warnings", tuple(self.warnings))
         put("sources", dict(self.sources))
 

@@ -26,8 +26,9 @@ log = logging.getLogger("kvstream")
 def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, info: PageInfo, j: int,
                  why: str) -> bool:
     """Block ``j`` of ``key`` from ``tier`` failed its ``why`` check ('checksum', 'truncated'). Returns
-    True when the indexed copy is gone from the index (vanished, or another writer's version): the
-    page is worth looking up again on the tiers."""
+    True when the indexed copy is gone from the index (damaged and removed, vanished, or another
+    writer's version): the page is worth looking up again on the tiers, where no indexed copy is left
+    (a copy the index does not list: one the start-up scan has not reached yet, or another process's)."""
     span = block_span(info.length, info.block, j)
     try:
         data = _read_block(tier, key, span)
@@ -45,7 +46,7 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
         return False  # an I/O error: the tier's health, not this copy, is the problem
     if problem is not None and problem.reason is not Reason.VANISHED:
         remove_copy(tier, index, stats, key, f"{why}, block {j}")
-        return False
+        return True
     index.remove(key, tier.k)  # kept (another writer's version), or gone
     if problem is None:
         stats.add(tier.k, "other_versions")

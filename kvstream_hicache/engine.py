@@ -42,7 +42,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from . import tmpfiles
 from .config import Config, check_capacities
@@ -50,14 +49,13 @@ from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index, tiers_in
-from .integrity import (
-    Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
-)
+from .integrity import Problem, Reason, ScannedPage, check_tier, scan_file
 from .io import RING_ENTRIES, ThreadRing, forks, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
 from .reads import ReadPath
 from .router import Policy, parse_policy
+from .scan import BackgroundScan
 from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
@@ -68,9 +66,7 @@ from .writes import WritePath
 
 log = logging.getLogger("kvstream")
 
-# Start-up header reads in flight: threads release the GIL in open/pread, which a cold scan needs
-# (100k pages: 6.8k/s with 1 thread, 9.9k/s with 8); with a warm cache they only contend for the GIL.
-SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
+TRIM_BYTES = 256 << 20  # a trim (scan end, a capacity lowered) removes this much per hold of the writer's lock
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSED = "kvstream engine is closed"
 
@@ -131,7 +127,6 @@ class Engine:
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
-        self.scan = self._rebuild_index()
         rings = []
         try:
             choice = config.io_engine
@@ -155,10 +150,15 @@ class Engine:
                                  namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
                                  ceiling=share)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
+        # Served from now on: pages of before the restart are found by discovery until the scan has them.
+        level = logging.INFO if announce else logging.DEBUG
+        self._scan = BackgroundScan(self.tiers, self.index, namespace.digest, config.scan_rate, config.scan_cpu,
+                                    self._trim, level)
         self._closed = False
-        log.log(logging.INFO if announce else logging.DEBUG,
-                "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s; %s", config.summary(),
-                namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine, self.trust_summary())
+        self._scan.start()
+        log.log(level,
+                "kvstream: %s; namespace %s; serving, start-up scan in the background; io %s; %s", config.summary(),
+                namespace.digest, self.io_engine, self.trust_summary())
 
     # -- pages ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
@@ -309,6 +309,7 @@ class Engine:
         self._closed = True
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
             return
+        self._scan.stop(CLOSE_DRAIN_S)
         left = self._reads.drain(CLOSE_DRAIN_S)
         if left:  # a hung tier: the kernel holds reads into the ring's buffers, and closing the ring
             # waits for them, however long; the caller does not (the buffers stay the ring's till then)
@@ -346,6 +347,16 @@ class Engine:
         return "; ".join(f"tier {t.k} {text}" for t, text in zip(self.tiers, texts))
 
     @property
+    def scan(self) -> dict:
+        """Progress of the background start-up scan (scan.py): ``done``, files read, pages indexed,
+        damaged files and temporary leftovers removed, seconds, rate, per tier shards done."""
+        return self._scan.progress()
+
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        """Wait until the start-up scan has read every tier; True when it has (False: ``timeout``)."""
+        return self._scan.wait(timeout)
+
+    @property
     def last_batch(self) -> dict:
         """Figures of the last read batch (see stats.py)."""
         return self._stats.snapshot()["last_batch"]
@@ -376,6 +387,10 @@ class Engine:
         :returns: the problems found (``Problem.fixed`` where repaired); empty when consistent.
         """
         self._check_open()
+        # check reads everything anyway: the scan finishes first, unpaced (else the pages it has not
+        # reached yet would read as 'index_missing')
+        self._scan.set_limits(0, 1)
+        self._scan.wait()
         problems: list[Problem] = []
         with self._reads.lock, self._writes.exclusive():
             for k, tier in enumerate(self.tiers):
@@ -433,8 +448,10 @@ class Engine:
     def _discover(self, keys: Sequence[str], mask: int) -> int:
         """Index pages of ``keys`` the index lacks but a tier in ``mask`` holds: written by another
         process sharing this namespace (MLA's writer rank, a second engine) since our start-up scan.
-        Costs one failed open per tier for a truly missing key. Returns how many keys were found."""
-        if not self.discover:
+        Costs one failed open per tier for a truly missing key. Returns how many keys were found.
+        Until the start-up scan is done this is how pages of before the restart are found, whatever
+        the ``discover`` setting."""
+        if not self.discover and self._scan.done:
             return 0
         return self._lookup([k for k in keys if is_valid_key(k) and not self.index.contains(k, mask)], mask)
 
@@ -477,58 +494,17 @@ class Engine:
         h = page.header
         self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
-    def _rebuild_index(self) -> dict:
-        """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold
-        scan keeps several header reads in flight per device), remove temp leftovers and damaged
-        files, and load the index oldest first so LRU order survives a restart."""
-        t0 = time.perf_counter()
-        digest = self.namespace.digest
-        tmp_removed = 0
-        kept: list[Problem] = []  # what start-up could not (or must not) remove: reported, never fatal
-        for tier in self.tiers:
-            for problem in tmp_problems(tier.root, tier.layout.tmp, None, True, tier.trust):
-                if problem.fixed:
-                    tmp_removed += 1
-                else:
-                    kept.append(problem)
-        tasks = [(k, shard) for k, tier in enumerate(self.tiers) for shard in shards(tier.layout)]
-
-        def scan(task: tuple[int, str]) -> list[ScannedPage]:
-            tier = self.tiers[task[0]]
-            return scan_shard(tier.layout, digest, task[1], trust=tier.trust)
-
-        with ThreadPoolExecutor(max_workers=SCAN_THREADS, thread_name_prefix="kvstream-scan") as pool:
-            results = list(pool.map(scan, tasks))
-        entries = []
-        damaged = 0
-        until = honest_until()
-        for (k, _shard), pages in zip(tasks, results):
-            for page in pages:
-                if page.problem is None:
-                    entries.append((age_key(page.header.created_ns, until), k, page))
-                elif page.problem.reason is not Reason.VANISHED:
-                    problem = fix_problem(page.problem, trust=self.tiers[k].trust)
-                    if problem.fixed:
-                        damaged += 1
-                    else:
-                        kept.append(problem)
-        entries.sort(key=lambda e: (e[0], e[1]))
-        for _, k, page in entries:
-            self._index_page(k, page)
-        for k, tier in enumerate(self.tiers):  # a capacity lowered since the last run
-            cap = tier.capacity
-            if cap is not None and self.index.used[k] > cap:
-                for key in self.index.evict(k, self.index.used[k] - cap):
-                    tier.unlink_page(key)
-        seconds = time.perf_counter() - t0
-        if damaged or tmp_removed:
-            log.warning("kvstream: start-up scan removed %d damaged page files and %d temporary leftovers",
-                        damaged, tmp_removed)
-        for problem in kept:
-            log.warning("kvstream: start-up scan: %s %s: %s", problem.kind, problem.path, problem.detail)
-        return {"files": len(entries), "pages": len(self.index), "damaged_removed": damaged,
-                "tmp_removed": tmp_removed, "kept": len(kept), "seconds": seconds,
-                "rate": (len(entries) + damaged) / seconds if seconds > 0 else 0.0}
+    def _trim(self, k: int, nbytes: int) -> None:
+        """Evict ``nbytes`` of tier ``k``'s least recent pages and remove their files, as the writer
+        does when it makes room, TRIM_BYTES at a time behind the writes in progress (the scan found
+        the tier over its capacity: one lowered since the last run)."""
+        while nbytes > 0 and not self._closed:
+            with self._writes.exclusive():
+                victims = self.index.evict(k, min(nbytes, TRIM_BYTES))
+                self._writes._evicted_under_writer(k, victims)
+            if not victims:
+                return
+            nbytes -= min(nbytes, TRIM_BYTES)
 
     def _reconcile(self, tier: Tier) -> str:
         """A failed tier rejoins: forget indexed pages whose files did not survive. An error while

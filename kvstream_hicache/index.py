@@ -4,52 +4,99 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
 
     reserve(tier, nbytes) -> victims to delete      (capacity made before the write starts)
         commit(key, tier, ...)  |  abort(tier, nbytes)
+    add_scanned(key, tier, ...)                     (found by the background scan: oldest end)
     touch(key)                                      (a hit or a repeated put: most recent)
-    pin(keys) ... unpin(keys)                       (a read in progress: never a victim)
+    pin(keys) ... unpin(infos)                      (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
 
 Bytes are counted as the caller passes them: the engine counts a page's payload, so a capacity holds
 what callers stored (LMCache's adapters count the same), not the 4 KiB header and padding of its file.
 
-The engine's read, write and existence threads call at once. Every method that changes the index,
-and ``keys``, takes the index lock; the one-key queries (``get``, ``holders``, ``contains``,
-``prefix_len``, ``pages_on``, ``len``) do not: each reads one dict entry or one length, which the
-GIL makes atomic, and answers what was true at some moment during the call (the existence queries
-SGLang's prefetch thread asks must not wait behind an eviction). Methods ending ``_under_index``
-run with the lock held.
+The engine's read, write, existence and scan threads call at once. Every method that changes the
+index, and ``get``/``keys``, takes the index lock, for a bounded step (a sub-table's resize, a chunk
+of a sort); the existence queries (``holders``, ``contains``, ``prefix_len``, ``pages_on``, ``len``)
+do not, so SGLang's prefetch thread never waits behind an eviction or the scan: each element read
+is atomic under the GIL, a row read is checked again against the key's hash afterwards (a row freed
+and reused meanwhile holds another key), and each answer is what was true at some moment of the call.
+Methods ending ``_under_index`` run with the lock held.
 Victims are removed from the index *before* the caller deletes their files, so a reader either
 pinned a page before it was chosen (it is then not chosen) or never finds it.
+
+Packed, not one object per page (a tier of millions of pages, docs/design.md "The index"): a page is
+a *slot*, a row across flat ``array`` columns (length, block, bytes counted, write time, tiers, pins,
+where its CRCs start in one shared CRC array, per tier its LRU links); a 64-hex key (SGLang's and
+LMCache's) is kept as its 32 bytes; keys map to slots through open-addressing sub-tables of slot
+numbers, so growing the table re-hashes one small sub-table at a time. About 100 bytes a page at one
+tier, 4 KiB pages (docs/benchmarks.md "Scale"). :class:`PageInfo` is a snapshot made on demand.
+
+Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pages from before the
+restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
+in the order it found them: until it is done, eviction works from what is known), ``HOT`` (written,
+read or discovered since start, least recent first).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
 
 from .locks import ranked_lock
 
+OLD, SCANNED, HOT = 0, 1, 2
+_LISTS = (OLD, SCANNED, HOT)
+_NONE = 255  # not on a list of this tier
+_NIL = -1  # end of a list
+_EMPTY, _GONE = 0, -1  # sub-table entries: never used, deleted; else slot + 1
+_SUB_BITS = 10  # 1024 sub-tables: a resize re-hashes ~1/1024 of the keys
+_SUB_MASK = (1 << _SUB_BITS) - 1
+_SUB_START = 8
+_KEY_BYTES = 32
+_DROP_BUCKETS = 4095  # mask: removals counted in 4096 buckets of keys (see mark)
+RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since the scan read the file
+SETTLE_CHUNK = 2_000  # slots moved per lock hold while sorting the old pages (settle): a few ms
+MAX_TIERS = 32  # bits of the tiers column
+
 
 class PageInfo:
-    """What the index knows of one page. ``tiers`` is a bitmask (bit k = tier k holds a copy)."""
+    """What the index knows of one page, as of the call that returned it. ``tiers`` is a bitmask
+    (bit k = tier k holds a copy); ``slot`` and ``epoch`` let :meth:`Index.unpin` find the row."""
 
-    __slots__ = ("length", "block", "crcs", "nbytes", "tiers", "pins")
+    __slots__ = ("length", "block", "crcs", "nbytes", "tiers", "pins", "slot", "epoch")
 
-    def __init__(self, length: int, block: int, crcs: tuple[int, ...], nbytes: int):
+    def __init__(self, length: int, block: int, crcs: tuple[int, ...], nbytes: int, tiers: int, pins: int,
+                 slot: int, epoch: int):
         self.length = length
         self.block = block
         self.crcs = crcs
         self.nbytes = nbytes
-        self.tiers = 0
-        self.pins = 0
+        self.tiers = tiers
+        self.pins = pins
+        self.slot = slot
+        self.epoch = epoch
 
-    def same_content(self, length: int, block: int, crcs: tuple[int, ...]) -> bool:
-        return self.length == length and self.block == block and self.crcs == crcs
+    def same_content(self, length: int, block: int, crcs: Sequence[int]) -> bool:
+        return self.length == length and self.block == block and tuple(self.crcs) == tuple(crcs)
 
     def __repr__(self) -> str:
         return f"PageInfo(length={self.length}, block={self.block}, tiers={self.tiers:#b}, pins={self.pins})"
 
 
+def _encode(key: str) -> bytes | None:
+    """The 32 bytes of a 64-lowercase-hex key, or None (the key is kept as a str)."""
+    if len(key) == 2 * _KEY_BYTES and key == key.lower():
+        try:
+            raw = bytes.fromhex(key)
+        except ValueError:
+            return None
+        if len(raw) == _KEY_BYTES:  # fromhex skips whitespace: "a b..." is not a hex key
+            return raw
+    return None
+
+
 class Index:
-    """key -> PageInfo, plus per tier an LRU order (oldest first) and byte counts.
+    """key -> slot, packed per-slot columns, per tier three LRU lists and byte counts.
 
     :param capacities: per tier, the byte limit or None (unlimited).
     """
@@ -60,47 +107,90 @@ class Index:
         self.on_gone: Callable[[str], None] | None = None
         self.capacities = list(capacities)
         self.n_tiers = len(self.capacities)
+        if self.n_tiers > MAX_TIERS:
+            raise ValueError(f"at most {MAX_TIERS} tiers")
         self._lock = ranked_lock("index")
-        self._pages: dict[str, PageInfo] = {}
-        self._lru: list[OrderedDict[str, None]] = [OrderedDict() for _ in self.capacities]
         self.used = [0] * self.n_tiers  # committed bytes per tier
-        self.held_bytes = 0  # bytes of the distinct pages held on any tier
         self.reserved = [0] * self.n_tiers  # bytes of writes in progress per tier
         self.evictions = [0] * self.n_tiers
+        self.epoch = 0  # clear() counts up: pins and scan results of before it are void
+        self._drops = array("q", bytes(8 * (_DROP_BUCKETS + 1)))  # removals per bucket of keys, ever
+        self._reset()
+
+    def _reset(self) -> None:
+        self._subs = [array("i", bytes(4 * _SUB_START)) for _ in range(1 << _SUB_BITS)]
+        self._sub_filled = [0] * (1 << _SUB_BITS)  # used + deleted entries
+        self._hash = array("q")
+        self._key = bytearray()
+        self._odd: dict[int, str] = {}  # slot -> a key that is not 64-hex
+        self._length = array("q")
+        self._block = array("I")
+        self._nbytes = array("q")
+        self._created = array("q")  # write time (ns): orders the old pages
+        self._tiers = array("I")
+        self._pins = array("i")
+        self._crc_at = array("q")
+        self._ncrc = array("H")
+        self._crcs = array("I")  # every page's block CRCs, end to end
+        self._crc_free: dict[int, list[int]] = {}  # block count -> offsets of freed runs
+        self._free = array("i")  # slots to reuse
+        self._prev = [array("i") for _ in range(self.n_tiers)]
+        self._next = [array("i") for _ in range(self.n_tiers)]
+        self._on = [bytearray() for _ in range(self.n_tiers)]  # which list, or _NONE
+        self._head = [[_NIL] * 3 for _ in range(self.n_tiers)]
+        self._tail = [[_NIL] * 3 for _ in range(self.n_tiers)]
+        self._count = [0] * self.n_tiers  # pages per tier
+        self._len = [[0] * 3 for _ in range(self.n_tiers)]  # pages per tier and list
+        self._live = 0
+        self.used = [0] * self.n_tiers
+        self.held_bytes = 0  # bytes of the distinct pages held on any tier
 
     # -- queries --------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._pages)
+        return self._live
 
     def get(self, key: str) -> PageInfo | None:
-        return self._pages.get(key)
+        with self._lock:
+            slot = self._find(key)
+            return self._info_under_index(slot) if slot >= 0 else None
 
     def holders(self, key: str) -> int:
-        info = self._pages.get(key)
-        return info.tiers if info is not None else 0
+        """The tiers holding ``key`` (a bitmask), without the lock."""
+        slot = self._find(key)
+        if slot < 0:
+            return 0
+        tiers = self._tiers[slot]
+        # a row freed and reused since _find holds another key, whose hash differs (but for 2**-64)
+        return tiers if self._hash[slot] == hash(key) else 0
 
     def contains(self, key: str, mask: int = -1) -> bool:
         """True when some tier in ``mask`` holds ``key``."""
-        info = self._pages.get(key)
-        return info is not None and bool(info.tiers & mask)
+        return bool(self.holders(key) & mask)
 
     def prefix_len(self, keys: Iterable[str], mask: int = -1) -> int:
         """Length of the leading run of ``keys`` held by some tier in ``mask``."""
         n = 0
-        pages = self._pages
         for key in keys:
-            info = pages.get(key)
-            if info is None or not info.tiers & mask:
+            if not self.holders(key) & mask:
                 break
             n += 1
         return n
 
     def keys(self, tier: int | None = None) -> list[str]:
+        """Every indexed key, or ``tier``'s in eviction order (oldest first)."""
         with self._lock:
-            return list(self._pages) if tier is None else list(self._lru[tier])
+            if tier is None:
+                return [self._key_of_under_index(s) for s in range(len(self._tiers)) if self._tiers[s]]
+            return [self._key_of_under_index(s) for s in self._order_under_index(tier)]
 
     def pages_on(self, tier: int) -> int:
-        return len(self._lru[tier])
+        return self._count[tier]
+
+    def old_pages(self, tier: int) -> tuple[int, int]:
+        """(pages on ``tier`` whose LRU place is their write time, pages found by the scan and not
+        placed yet): the second is what :meth:`settle` still has to sort."""
+        with self._lock:
+            return self._len[tier][OLD], self._len[tier][SCANNED]
 
     # -- reads ----------------------------------------------------------------------------------
     def pin(self, keys: Sequence[str]) -> list[PageInfo | None]:
@@ -108,26 +198,33 @@ class Index:
         out: list[PageInfo | None] = []
         with self._lock:
             for key in keys:
-                info = self._pages.get(key)
-                if info is not None:
-                    info.pins += 1
-                out.append(info)
+                slot = self._find(key)
+                if slot >= 0:
+                    self._pins[slot] += 1
+                    out.append(self._info_under_index(slot))
+                else:
+                    out.append(None)
         return out
 
     def unpin(self, infos: Iterable[PageInfo | None]) -> None:
         with self._lock:
             for info in infos:
-                if info is not None:
-                    info.pins -= 1
+                if info is None or info.epoch != self.epoch:
+                    continue  # cleared since: the row is gone
+                slot = info.slot
+                self._pins[slot] -= 1
+                if not self._pins[slot] and not self._tiers[slot]:
+                    self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it; False if not held."""
         with self._lock:
-            info = self._pages.get(key)
-            if info is None:
+            slot = self._find(key)
+            if slot < 0:
                 return False
-            for tier in tiers_in(info.tiers):
-                self._lru[tier].move_to_end(key)
+            for tier in tiers_in(self._tiers[slot]):
+                self._unlink_under_index(tier, slot)
+                self._append_under_index(tier, HOT, slot)
             return True
 
     # -- writes ---------------------------------------------------------------------------------
@@ -147,27 +244,20 @@ class Index:
             victims = self._victims_under_index(tier, excess) if excess > 0 else []
             if victims is None:
                 return None
-            for key in victims:
-                self._drop_under_index(key, tier)
-            self.evictions[tier] += len(victims)
             self.reserved[tier] += nbytes
-            return victims
+            return self._evict_under_index(tier, victims)
 
     def evict(self, tier: int, nbytes: int) -> list[str]:
         """Evict least-recent unpinned pages of ``tier`` totalling >= ``nbytes`` (or as many as
         there are), regardless of capacity: the file system said ENOSPC."""
         with self._lock:
-            victims = self._victims_under_index(tier, nbytes, partial=True) or []
-            for key in victims:
-                self._drop_under_index(key, tier)
-            self.evictions[tier] += len(victims)
-            return victims
+            return self._evict_under_index(tier, self._victims_under_index(tier, nbytes, partial=True) or [])
 
     def abort(self, tier: int, nbytes: int) -> None:
         with self._lock:
             self.reserved[tier] -= nbytes
 
-    def commit(self, key: str, tier: int, length: int, block: int, crcs: tuple[int, ...],
+    def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
                nbytes: int, *, reserved: bool = True) -> list[int]:
         """Record that ``tier`` holds ``key`` (most recent). With ``reserved`` the bytes move from
         the reservation to the used count.
@@ -179,67 +269,301 @@ class Index:
         with self._lock:
             if reserved:
                 self.reserved[tier] -= nbytes
-            info = self._pages.get(key)
+            slot = self._find(key)
             displaced: list[int] = []
-            if info is not None and not info.same_content(length, block, crcs):
-                displaced = [t for t in tiers_in(info.tiers) if t != tier]
-                for t in tiers_in(info.tiers):  # this tier's own entry too: it described the other content
-                    self._drop_under_index(key, t)
-                info = self._pages.get(key)
-            if info is None:
-                info = self._pages[key] = PageInfo(length, block, crcs, nbytes)
-                self.held_bytes += nbytes
-            if info.tiers & (1 << tier):
-                self.used[tier] -= info.nbytes  # re-commit of the same copy: count once
-            info.tiers |= 1 << tier
-            self.used[tier] += nbytes
-            self._lru[tier][key] = None
-            self._lru[tier].move_to_end(key)
+            if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
+                held = self._tiers[slot]
+                displaced = [t for t in tiers_in(held) if t != tier]
+                for t in tiers_in(held):  # this tier's own entry too: it described the other content
+                    self._drop_under_index(slot, t)
+                slot = -1
+            if slot < 0:
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
+            self._hold_under_index(slot, tier, HOT)
             return displaced
+
+    def mark(self, key: str) -> int:
+        """Read before the scan reads ``key``'s file, handed to :meth:`add_scanned`: it counts the
+        copies of keys like it that left the index (evicted, removed as damaged: their files deleted)."""
+        return self._drops[hash(key) & _DROP_BUCKETS]
+
+    def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
+                    created_ns: int, epoch: int, mark: int) -> int:
+        """The background scan found a valid page file from before the restart: index it at the
+        oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
+        of the key: one written, read or discovered since start, or a newer file the scan found
+        first; an older one it found first is forgotten, its files stay), or the index was cleared
+        since the scan began (``epoch``). Returns the slot indexed (for
+        :meth:`settle`), -1, or RETRY: a copy of a key like it left the index since :meth:`mark`,
+        maybe this one, its file deleted after the scan read it (read the file again)."""
+        with self._lock:
+            if epoch != self.epoch:
+                return -1
+            if self._drops[hash(key) & _DROP_BUCKETS] != mark:
+                return RETRY
+            slot = self._find(key)
+            if slot >= 0 and self._tiers[slot] >> tier & 1:
+                return -1
+            if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
+                if self._created[slot] >= created_ns:  # a newer version (one used since start is newer)
+                    return -1
+                for t in tiers_in(self._tiers[slot]):  # an older version the scan found: the newest wins
+                    self._drop_under_index(slot, t)
+                slot = -1
+            if slot < 0:
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
+            self._hold_under_index(slot, tier, SCANNED)
+            return slot
 
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:
-            return self._drop_under_index(key, tier)
+            slot = self._find(key)
+            return slot >= 0 and self._drop_under_index(slot, tier)
 
     def clear(self) -> None:
         with self._lock:
-            self._pages.clear()
-            for lru in self._lru:
-                lru.clear()
-            self.used = [0] * self.n_tiers
-            self.held_bytes = 0
+            self.epoch += 1
+            self._reset()
 
-    # -- internals ------------------------------------------------------------------------------
-    def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[str] | None:
-        victims: list[str] = []
+    def settle(self, tier: int, slots: array, epoch: int, chunk: int = SETTLE_CHUNK) -> int:
+        """Sort the pages the scan found on ``tier`` (``slots``, as :meth:`add_scanned` returned
+        them) by write time, oldest first, ahead of every page used since start: the LRU order of
+        before the restart. Only reading the write times and moving the pages take the lock, a chunk
+        at a time; the sort runs outside it. Returns the pages placed."""
+        created = np.empty(len(slots), dtype=np.int64)
+        for start in range(0, len(slots), chunk):
+            with self._lock:
+                if epoch != self.epoch:
+                    return 0
+                created[start:start + chunk] = [self._created[s] for s in slots[start:start + chunk]]
+        order = np.argsort(created, kind="stable")
+        placed = 0
+        for start in range(0, len(order), chunk):
+            with self._lock:
+                if epoch != self.epoch:
+                    return placed
+                on = self._on[tier]
+                for i in order[start:start + chunk].tolist():
+                    slot = slots[i]
+                    if on[slot] == SCANNED:  # else touched, evicted or removed since: it has its place
+                        self._unlink_under_index(tier, slot)
+                        self._append_under_index(tier, OLD, slot)
+                        placed += 1
+        return placed
+
+    # -- internals: rows ------------------------------------------------------------------------
+    def _info_under_index(self, slot: int) -> PageInfo:
+        return PageInfo(self._length[slot], self._block[slot], self._crcs_of_under_index(slot), self._nbytes[slot],
+                        self._tiers[slot], self._pins[slot], slot, self.epoch)
+
+    def _crcs_of_under_index(self, slot: int) -> tuple[int, ...]:
+        at = self._crc_at[slot]
+        return tuple(self._crcs[at:at + self._ncrc[slot]])
+
+    def _same_under_index(self, slot: int, length: int, block: int, crcs: Sequence[int]) -> bool:
+        return self._length[slot] == length and self._block[slot] == block and self._crcs_of_under_index(slot) == tuple(crcs)
+
+    def _key_of_under_index(self, slot: int) -> str:
+        odd = self._odd.get(slot)
+        return odd if odd is not None else self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()
+
+    def _new_slot_under_index(self, key: str, length: int, block: int, crcs: Sequence[int], nbytes: int,
+                  created_ns: int) -> int:
+        raw = _encode(key)
+        n = len(crcs)
+        runs = self._crc_free.get(n)
+        if runs:
+            at = runs.pop()
+            self._crcs[at:at + n] = array("I", crcs)
+        else:
+            at = len(self._crcs)
+            self._crcs.extend(crcs)
+        if self._free:
+            slot = self._free.pop()
+            self._hash[slot], self._length[slot], self._block[slot] = hash(key), length, block
+            self._nbytes[slot], self._created[slot], self._crc_at[slot] = nbytes, created_ns, at
+            self._ncrc[slot] = n
+            self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES] = raw or bytes(_KEY_BYTES)
+        else:
+            slot = len(self._tiers)
+            self._hash.append(hash(key))
+            self._length.append(length)
+            self._block.append(block)
+            self._nbytes.append(nbytes)
+            self._created.append(created_ns)
+            self._crc_at.append(at)
+            self._ncrc.append(n)
+            self._tiers.append(0)
+            self._pins.append(0)
+            self._key += raw or bytes(_KEY_BYTES)
+            for tier in range(self.n_tiers):
+                self._prev[tier].append(_NIL)
+                self._next[tier].append(_NIL)
+                self._on[tier].append(_NONE)
+        if raw is None:
+            self._odd[slot] = key
+        self._insert_under_index(slot, key)
+        self._live += 1
+        self.held_bytes += nbytes
+        return slot
+
+    def _hold_under_index(self, slot: int, tier: int, where: int) -> None:
+        """``tier`` holds the page of ``slot``: counted once, on list ``where`` (at its end)."""
+        if self._tiers[slot] >> tier & 1:
+            self.used[tier] -= self._nbytes[slot]  # re-commit of the same copy: count once
+            self._unlink_under_index(tier, slot)
+        else:
+            self._count[tier] += 1
+        self._tiers[slot] |= 1 << tier
+        self.used[tier] += self._nbytes[slot]
+        self._append_under_index(tier, where, slot)
+
+    def _drop_under_index(self, slot: int, tier: int) -> bool:
+        bit = 1 << tier
+        if not self._tiers[slot] & bit:
+            return False
+        self._tiers[slot] &= ~bit
+        self.used[tier] -= self._nbytes[slot]
+        self._count[tier] -= 1
+        self._unlink_under_index(tier, slot)
+        self._drops[self._hash[slot] & _DROP_BUCKETS] += 1
+        if not self._tiers[slot]:
+            self._delete_under_index(slot)
+            self._live -= 1
+            self.held_bytes -= self._nbytes[slot]
+            if self.on_gone is not None:
+                self.on_gone(self._key_of_under_index(slot))
+            if not self._pins[slot]:
+                self._free_slot_under_index(slot)  # else unpin frees it: a reader still holds its snapshot
+        return True
+
+    def _free_slot_under_index(self, slot: int) -> None:
+        self._crc_free.setdefault(self._ncrc[slot], []).append(self._crc_at[slot])
+        self._odd.pop(slot, None)
+        self._free.append(slot)
+
+    # -- internals: eviction --------------------------------------------------------------------
+    def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[int] | None:
+        victims: list[int] = []
         freed = 0
-        for key in self._lru[tier]:
+        for slot in self._order_under_index(tier):
             if freed >= nbytes:
                 break
-            info = self._pages[key]
-            if info.pins:
+            if self._pins[slot]:
                 continue
-            victims.append(key)
-            freed += info.nbytes
+            victims.append(slot)
+            freed += self._nbytes[slot]
         if freed < nbytes and not partial:
             return None
         return victims
 
-    def _drop_under_index(self, key: str, tier: int) -> bool:
-        info = self._pages.get(key)
-        bit = 1 << tier
-        if info is None or not info.tiers & bit:
-            return False
-        info.tiers &= ~bit
-        self.used[tier] -= info.nbytes
-        self._lru[tier].pop(key, None)
-        if not info.tiers:
-            del self._pages[key]
-            self.held_bytes -= info.nbytes
-            if self.on_gone is not None:
-                self.on_gone(key)
-        return True
+    def _evict_under_index(self, tier: int, victims: list[int]) -> list[str]:
+        keys = [self._key_of_under_index(slot) for slot in victims]
+        for slot in victims:
+            self._drop_under_index(slot, tier)
+        self.evictions[tier] += len(victims)
+        return keys
+
+    # -- internals: LRU lists -------------------------------------------------------------------
+    def _order_under_index(self, tier: int) -> Iterable[int]:
+        nxt = self._next[tier]
+        for where in _LISTS:
+            slot = self._head[tier][where]
+            while slot != _NIL:
+                following = nxt[slot]  # the caller may not unlink it, but read it before yielding
+                yield slot
+                slot = following
+
+    def _append_under_index(self, tier: int, where: int, slot: int) -> None:
+        tail = self._tail[tier]
+        last = tail[where]
+        self._prev[tier][slot] = last
+        self._next[tier][slot] = _NIL
+        if last == _NIL:
+            self._head[tier][where] = slot
+        else:
+            self._next[tier][last] = slot
+        tail[where] = slot
+        self._on[tier][slot] = where
+        self._len[tier][where] += 1
+
+    def _unlink_under_index(self, tier: int, slot: int) -> None:
+        where = self._on[tier][slot]
+        if where == _NONE:
+            return
+        prev, nxt = self._prev[tier], self._next[tier]
+        p, n = prev[slot], nxt[slot]
+        if p == _NIL:
+            self._head[tier][where] = n
+        else:
+            nxt[p] = n
+        if n == _NIL:
+            self._tail[tier][where] = p
+        else:
+            prev[n] = p
+        self._on[tier][slot] = _NONE
+        self._len[tier][where] -= 1
+
+    # -- internals: key -> slot ------------------------------------------------------------------
+    def _find(self, key: str) -> int:
+        """The live slot of ``key``, or -1. Safe without the lock: a sub-table being replaced is
+        read whole (the old one), an entry found is checked against the key itself."""
+        h = hash(key)
+        sub = self._subs[h & _SUB_MASK]
+        mask = len(sub) - 1
+        i = (h >> _SUB_BITS) & mask
+        hashes, stored, odd = self._hash, self._key, self._odd
+        while True:
+            e = sub[i]
+            if e == _EMPTY:
+                return -1
+            if e > 0 and hashes[e - 1] == h:  # the hash matches: compare the key itself
+                slot = e - 1
+                name = odd.get(slot) if odd else None
+                if (name if name is not None else stored[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()) == key:
+                    return slot
+            i = (i + 1) & mask
+
+    def _insert_under_index(self, slot: int, key: str) -> None:
+        h = self._hash[slot]
+        s = h & _SUB_MASK
+        sub = self._subs[s]
+        if 2 * (self._sub_filled[s] + 1) > len(sub):
+            sub = self._rehash_under_index(s)
+        mask = len(sub) - 1
+        i = (h >> _SUB_BITS) & mask
+        while sub[i] > 0:  # a deleted entry is reused
+            i = (i + 1) & mask
+        if sub[i] == _EMPTY:
+            self._sub_filled[s] += 1
+        sub[i] = slot + 1
+
+    def _delete_under_index(self, slot: int) -> None:
+        h = self._hash[slot]
+        sub = self._subs[h & _SUB_MASK]
+        mask = len(sub) - 1
+        i = (h >> _SUB_BITS) & mask
+        while sub[i] != slot + 1:
+            i = (i + 1) & mask
+        sub[i] = _GONE
+
+    def _rehash_under_index(self, s: int) -> array:
+        """Rebuild sub-table ``s`` without its deleted entries, doubled when more than a quarter full."""
+        live = [e for e in self._subs[s] if e > 0]
+        size = len(self._subs[s])
+        while 4 * (len(live) + 1) > size:
+            size *= 2
+        sub = array("i", bytes(4 * size))
+        mask = size - 1
+        for e in live:
+            i = (self._hash[e - 1] >> _SUB_BITS) & mask
+            while sub[i]:
+                i = (i + 1) & mask
+            sub[i] = e
+        self._subs[s] = sub
+        self._sub_filled[s] = len(live)
+        return sub
 
 
 def tiers_in(mask: int) -> Iterable[int]:

@@ -255,24 +255,38 @@ def shards(layout: TierLayout) -> list[str]:
         return []
 
 
-def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust | None = None,
-               payload: bool = False) -> list[ScannedPage]:
-    """Every file of one shard directory, validated (see :func:`scan_pages`). The shard is listed
-    through a descriptor that followed no link; its files are opened O_NOFOLLOW and read only when of
-    an owner in ``trust`` (default: this user)."""
-    trust = trust or Trust.user()
+def shard_entries(layout: TierLayout, shard: str) -> list[tuple[str | None, str]]:
+    """(name, path) of every entry of one shard directory, listed through a descriptor that followed
+    no link; ``[(None, path)]`` when the shard is a link or a file (a stray: kvstream keeps only
+    <key[:2]> directories there). :raises OSError: the shard cannot be listed."""
     path = os.path.join(layout.pages, shard)
     try:
-        names = list_below(layout.root, path)
+        return [(name, f"{path}{os.sep}{name}") for name in list_below(layout.root, path)]
     except FileNotFoundError:
         return []
     except OSError as exc:
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
-        linked = os.path.islink(path)  # a link is never followed, a file where a shard belongs is a stray
+        return [(None, path)]
+
+
+def scan_entry(layout: TierLayout, digest: str, shard: str, name: str | None, path: str, *,
+               trust: Trust | None = None, payload: bool = False) -> ScannedPage:
+    """One entry of :func:`shard_entries`, validated (see :func:`scan_pages`): opened O_NOFOLLOW and
+    read only when of an owner in ``trust`` (default: this user)."""
+    if name is None:  # a link is never followed, a file where a shard belongs is a stray
+        linked = os.path.islink(path)
         problem = Problem("stray", layout.root, path, LINKED if linked else "not a shard directory", Reason.INVALID)
-        return [ScannedPage(path, None, problem, 0)]
-    return [_scan_one(layout, digest, shard, name, f"{path}{os.sep}{name}", payload, trust) for name in names]
+        return ScannedPage(path, None, problem, 0)
+    return _scan_one(layout, digest, shard, name, path, payload, trust or Trust.user())
+
+
+def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust | None = None,
+               payload: bool = False) -> list[ScannedPage]:
+    """Every file of one shard directory, validated (see :func:`scan_pages`)."""
+    trust = trust or Trust.user()
+    return [scan_entry(layout, digest, shard, name, path, trust=trust, payload=payload)
+            for name, path in shard_entries(layout, shard)]
 
 
 def scan_file(layout: TierLayout, digest: str, key: str, *, trust: Trust | None = None,

@@ -31,6 +31,7 @@ ORDER = (
     "tier",  # Tier: health state, back-off, probes (a rejoin reconciles the index under it)
     "index",  # Index: key -> tiers, LRU, capacity, pins
     "priority",  # ReadPriority: readers per tier (listeners are called with it released)
+    "scan",  # BackgroundScan: tiers left to scan, its progress file (scan.py; takes nothing under it)
     "staging",  # BufferPool: free and held staging buffers
     "stats",  # Stats: counters
     "ring",  # ThreadRing: completions of the thread-pool I/O engine

@@ -26,6 +26,7 @@ def main() -> int:
         try:
             if cmd == "open":
                 engine = make_engine(args[0], **args[1])
+                assert engine.wait_scan(60.0), "the start-up scan did not finish in 60 s"  # it runs in the background
                 out = {"pages": len(engine.index)}
             elif cmd == "put":
                 salt, start, n, version = args

@@ -407,7 +407,8 @@ def kvstream_cli(*args: str, env: dict | None = None, timeout: float = 120) -> s
 def spawn(role: str, *args: str, **kw) -> subprocess.Popen:
     """Start ``python helpers.py ROLE ARGS...`` (a fresh interpreter of this venv)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH", "")]))
+    # the tree under test first (else the child imports the installed kvstream, which may be another tree)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, os.path.join(HERE, "helpers.py"), role, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
@@ -553,13 +554,22 @@ def store_at_once(children: Sequence[subprocess.Popen], outs: Sequence[str], go:
     store: wait until both hold their writes (``OUT.holding``), let them go (``go``), wait until both
     stored (``OUT.stored``), let them read (``go + '.read'``); returns each child's JSON result. A
     child that dies or hangs fails the test; none is left running."""
-    try:
+    def drive() -> None:
         for out in outs:
             wait_for_file(out + ".holding", timeout, children)  # inside the store, nothing committed
         open(go, "w").close()
         for out in outs:
             wait_for_file(out + ".stored", timeout, children)
         open(go + ".read", "w").close()
+
+    return run_children(children, outs, drive, timeout)
+
+
+def run_children(children: Sequence[subprocess.Popen], outs: Sequence[str], drive, timeout: float) -> list[dict]:
+    """``drive()`` the children, wait for each to exit 0, and return the JSON each wrote to its
+    ``outs`` file. A child that dies or hangs fails the test; none is left running."""
+    try:
+        drive()
         for child in children:
             _, err = child.communicate(timeout=timeout)
             assert child.returncode == 0, err[-3000:]
@@ -606,6 +616,24 @@ def _twin(tiers: str, who: int, n: int, out: str, go: str) -> int:
     return 0
 
 
+def _startup(tiers: str, who: int, out: str, go: str) -> int:
+    """Start-up child: opens an engine the moment ``go`` appears (its twin does too), reads the 40
+    pages of PageSet() at once, stores 4 of its own, then waits for its background scan."""
+    pages, own = PageSet(), PageSet(salt=f"own{who}")
+    open(out + ".ready", "w").close()
+    wait_for_file(go)
+    engine = make_engine(tiers.split(os.pathsep), replicate="all")
+    found = pages.checked_get(engine, pages.keys(40))
+    stored = own.put(engine, own.keys(4))
+    done = engine.wait_scan(120)
+    scan = engine.scan
+    engine.close()
+    with open(out, "w") as f:
+        json.dump({"found": found, "stored": stored, "scan_done": done, "damaged_removed": scan["damaged_removed"],
+                   "tmp_removed": scan["tmp_removed"]}, f)
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     role, *args = argv
     if role == "writer":
@@ -620,6 +648,9 @@ def main(argv: Sequence[str]) -> int:
     if role == "twin":
         tiers, who, n, out, go = args
         return _twin(tiers, int(who), int(n), out, go)
+    if role == "startup":
+        tiers, who, out, go = args
+        return _startup(tiers, int(who), out, go)
     print(f"unknown role {role!r}", file=sys.stderr)
     return errno.EINVAL
 

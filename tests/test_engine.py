@@ -169,6 +169,7 @@ def test_restart_finds_every_committed_page(tier_dirs, io_engine):
     with make_engine(tier_dirs, io_engine) as engine:
         assert engine.put(keys, pages.src_segments) == [True] * 12
     with make_engine(tier_dirs, io_engine) as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["files"] == 36 and engine.scan["pages"] == 12
         assert engine.prefix_len(keys) == 12
         assert [engine.index.holders(k) for k in keys] == [0b111] * 12
@@ -185,6 +186,7 @@ def test_restart_keeps_lru_order(tier_dirs):
         for i in range(3):
             engine.put(keys[i:i + 1], pages.src_segments[i:i + 1])
     with make_engine(tier_dirs[:1], capacity=3 * page_file) as engine:
+        assert engine.wait_scan(30)  # the order of before the restart holds once the scan has the pages
         engine.put(keys[3:], pages.src_segments[3:])
         assert [engine.contains(k) for k in keys] == [False, True, True, True]
 
@@ -201,6 +203,7 @@ def test_startup_cleans_temporary_leftovers_and_damaged_files(tier_dirs):
         f.seek(30)
         f.write(b"\xff")
     with make_engine(tier_dirs[:1]) as engine:
+        assert engine.wait_scan(30)
         assert not os.path.exists(dead)
         assert engine.scan["tmp_removed"] == 1 and engine.scan["damaged_removed"] == 1
         assert engine.contains(keys[0]) and not engine.contains(keys[1])
@@ -310,10 +313,12 @@ def test_clear_and_close_are_safe(tier_dirs):
 def test_start_up_line_level(tier_dirs, caplog, announce, level):
     """One line at start-up; an adapter with a line of its own (the SGLang backend) turns it down to DEBUG."""
     caplog.set_level(logging.DEBUG, logger="kvstream")
-    with Engine(Config.from_sources({"tiers": tier_dirs[:1]}, environ={}), NS, announce=announce):
-        pass
-    lines = [r for r in caplog.records if "pages indexed in" in r.getMessage()]
+    with Engine(Config.from_sources({"tiers": tier_dirs[:1]}, environ={}), NS, announce=announce) as engine:
+        assert engine.wait_scan(30)
+    lines = [r for r in caplog.records if "start-up scan in the background" in r.getMessage()]
     assert [r.levelno for r in lines] == [level]
+    done = [r for r in caplog.records if "background scan of tier 0 done" in r.getMessage()]
+    assert [r.levelno for r in done] == [level]
 
 
 def _page_files(tier_dir: str) -> list[str]:

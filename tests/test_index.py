@@ -129,3 +129,98 @@ def test_concurrent_reserve_commit_keeps_accounting():
     assert index.used[0] <= 10_000 and index.reserved == [0, 0]
     assert index.used[0] == 100 * len(index.keys(0))
     assert index.used[1] == 100 * 900
+
+
+# -- the packed table (a tier of millions of pages) ----------------------------------------------
+HEX = [f"{i:064x}" for i in range(6)]
+
+
+def scanned(index, key, tier=0, created=0, crcs=CRCS, mark=None):
+    mark = index.mark(key) if mark is None else mark
+    return index.add_scanned(key, tier, 90, 4096, crcs, 100, created, index.epoch, mark)
+
+
+def test_hex_and_other_keys_round_trip_and_slots_are_reused():
+    index = Index([None])
+    keys = HEX[:3] + ["short", "A" * 64]  # 'A'*64: hex digits, not lowercase: kept as it is
+    for k in keys:
+        add(index, k, 0)
+    assert index.keys(0) == keys and all(index.contains(k) for k in keys)
+    assert not index.contains(HEX[3]) and not index.contains("a" * 64)
+    assert index.remove(HEX[1], 0) and index.remove("short", 0)
+    add(index, HEX[4], 0)  # reuses a freed slot (and its CRC run)
+    add(index, "other", 0, crcs=(5, 6))
+    assert index.keys(0) == [HEX[0], HEX[2], "A" * 64, HEX[4], "other"]
+    assert index.get("other").crcs == (5, 6) and index.get(HEX[4]).crcs == CRCS
+    assert len(index) == 5 and index.used == [500]
+
+
+def test_many_keys_grow_the_sub_tables():
+    index = Index([None])
+    keys = [f"{i:064x}" for i in range(20_000)]
+    for k in keys:
+        index.commit(k, 0, 90, 4096, CRCS, 100, reserved=False)
+    for k in keys[::2]:
+        index.remove(k, 0)
+    assert len(index) == 10_000 and all(index.contains(k) for k in keys[1::2])
+    assert not any(index.contains(k) for k in keys[::2])
+
+
+def test_a_page_removed_while_pinned_keeps_its_row_until_unpinned():
+    index = Index([None])
+    add(index, "a", 0)
+    infos = index.pin(["a"])
+    assert index.remove("a", 0) and index.get("a") is None
+    add(index, "b", 0)  # must not take a's row: a reader still holds it
+    index.unpin(infos)
+    assert index.get("b").pins == 0 and index.keys(0) == ["b"]
+    add(index, "c", 0)  # a's row, free now
+    assert index.keys(0) == ["b", "c"]
+
+
+def test_pins_taken_before_clear_are_void_after_it():
+    index = Index([None])
+    add(index, "a", 0)
+    infos = index.pin(["a"])
+    index.clear()
+    add(index, "b", 0)
+    index.unpin(infos)
+    assert index.get("b").pins == 0
+
+
+def test_scanned_pages_are_older_than_used_ones_and_settle_by_write_time():
+    index = Index([400])
+    add(index, "new", 0)
+    slots = [scanned(index, k, created=c) for k, c in (("s1", 30), ("s2", 10), ("s3", 20))]
+    assert index.keys(0) == ["s1", "s2", "s3", "new"] and index.old_pages(0) == (0, 3)
+    assert index.touch("s3")
+    from array import array
+
+    assert index.settle(0, array("i", slots), index.epoch) == 2  # s3 was used: it keeps its place
+    assert index.keys(0) == ["s2", "s1", "new", "s3"] and index.old_pages(0) == (2, 0)
+    assert add(index, "x", 0) == ["s2"]  # the oldest write goes first
+
+
+def test_the_scan_never_overrides_what_the_index_knows():
+    index = Index([None, None])
+    add(index, "a", 0, crcs=(1,))
+    assert scanned(index, "a", 0, crcs=(1,)) == -1  # that copy already
+    assert scanned(index, "a", 1, crcs=(2,), created=1) == -1  # another version, older than a write
+    assert scanned(index, "a", 1, crcs=(1,)) >= 0 and index.holders("a") == 0b11
+    assert scanned(index, "b", 0, crcs=(1,), created=5) >= 0
+    assert scanned(index, "b", 1, crcs=(2,), created=9) >= 0  # a newer version: it wins
+    assert index.holders("b") == 0b10 and index.get("b").crcs == (2,)
+    epoch = index.epoch
+    index.clear()
+    assert index.add_scanned("c", 0, 90, 4096, CRCS, 100, 0, epoch, index.mark("c")) == -1
+
+
+def test_a_copy_that_left_the_index_after_the_scan_read_it_is_read_again():
+    from kvstream_hicache.index import RETRY
+
+    index = Index([None])
+    add(index, "a", 0)
+    mark = index.mark("a")  # the scan reads a's file now...
+    assert index.remove("a", 0)  # ...a read finds it damaged and deletes it
+    assert scanned(index, "a", mark=mark) == RETRY and index.get("a") is None
+    assert scanned(index, "a") >= 0  # read again (here: still there)

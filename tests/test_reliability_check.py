@@ -97,6 +97,7 @@ def test_check_cli_and_library_report_and_fix(tier_dirs, tier_root):
     with make_engine(tier_dirs[:2]) as engine:
         assert pages.checked_get(engine, keys) == [True] * 8
         assert [engine.index.holders(k) for k in keys] == [0b10, 0b01, 0b10, 0b01] + [0b11] * 4
+        assert engine.wait_scan(30)
         assert engine.scan["tmp_removed"] == 1  # the sleeper is gone now: its file is a leftover
         assert engine.check() == []
 
@@ -149,7 +150,9 @@ def test_start_up_cleaning_spares_probes_in_use_and_removes_old_ones(tier_dirs):
         open(path, "wb").close()
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     with make_engine(tier_dirs[:1]) as engine:
+        assert engine.wait_scan(30)
         assert os.path.exists(fresh) and not os.path.exists(old)
+        assert engine.wait_scan(30)
         assert engine.scan["tmp_removed"] == 1
     os.unlink(fresh)
 

@@ -42,6 +42,7 @@ def test_two_tp_ranks_share_tier_directories(tier_dirs, tier_root):
         ns = Namespace({**NS.fields, "tp": [rank, 2]})
         pages = PageSet(PAGE_BYTES, aligned=False, salt="tp", data=lambda k, r=rank: rank_content(k, r))
         with make_engine(tiers, namespace=ns) as engine:
+            assert engine.wait_scan(30)
             assert engine.scan["pages"] == 24
             assert pages.checked_get(engine, keys) == [True] * 24
             assert engine.check() == []

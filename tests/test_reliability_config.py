@@ -157,6 +157,11 @@ BAD = [
     ({"tiers": "{root}", "claim": 2.5}, None, ["extra config 'claim'", "whole number", "2.5"]),
     (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_TIER_RETRY": "0"}, ["KVSTREAM_TIER_RETRY", ">= 0.1", "'0'", "e.g. 5"]),
     ({"tiers": "{root}", "replicate_slack": -1}, None, ["extra config 'replicate_slack'", ">= 0", "e.g. 1"]),
+    # the background scan's pacing (issue 26)
+    ({"tiers": "{root}", "scan_rate": -5}, None, ["extra config 'scan_rate'", ">= 0", "-5", "0 for no limit"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_SCAN_RATE": "fast"}, ["KVSTREAM_SCAN_RATE", "'fast'", "e.g. 2000"]),
+    ({"tiers": "{root}", "scan_cpu": 0}, None, ["extra config 'scan_cpu'", "above 0 and at most 1", "e.g. 0.25"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_SCAN_CPU": "1.5"}, ["KVSTREAM_SCAN_CPU", "'1.5'", "at most 1"]),
 ]
 
 

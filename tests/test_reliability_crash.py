@@ -63,6 +63,7 @@ def _verify_restart(tiers: list[str], ack: str, *, leftovers: int) -> dict:
     assert acked, "the writer acknowledged nothing"
     pages = PageSet(SIZE, salt="crash")
     with make_engine(tiers) as engine:
+        assert engine.wait_scan(30)
         scan = engine.scan
         assert scan["tmp_removed"] == leftovers
         assert all(tmp_files(d) == [] for d in tiers), "temporary leftovers cleaned"

@@ -80,6 +80,7 @@ def test_damaged_page_is_never_served(tier_dirs, tier_root, caplog, kind, when, 
             engine.close()
             damage(path, ctx)
             engine = make_engine(dirs)
+            assert engine.wait_scan(30)
             removed_at_start = engine.scan["damaged_removed"]
             assert removed_at_start == (0 if kind == "payload_bit" else 1)  # headers are checked at start
             if removed_at_start:
@@ -155,6 +156,7 @@ def test_page_symlinked_out_of_the_tier_is_not_served_and_the_target_survives(ti
         assert engine.check() == []
     os.symlink(outside, path)  # and at start-up: never followed, never removed
     with make_engine(tier_dirs[:2]) as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["damaged_removed"] == 0 and engine.scan["kept"] == 1 and os.path.islink(path)
         assert Path(outside).read_bytes() == before
         assert pages.checked_get(engine, keys) == [True, True]

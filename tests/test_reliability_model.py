@@ -136,6 +136,7 @@ class StoreModel(RuleBasedStateMachine):
     def restart(self):
         self.engine.close()
         self.engine = self._open()
+        assert self.engine.wait_scan(30)  # the model's disk rules hold once the start-up scan has run
 
     @precondition(lambda self: len(self.away) < N_TIERS)
     @rule(t=st.integers(0, N_TIERS - 1))

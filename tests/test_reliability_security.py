@@ -70,6 +70,7 @@ def test_a_header_naming_a_hostile_key_is_removed_at_start(tier_dirs):
     with open(path, "r+b") as f:
         f.write(bytes(buf))
     with make_engine(tier_dirs[:1]) as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["damaged_removed"] == 1 and not os.path.exists(path)
         assert pages.checked_get(engine, keys) == [True, False]
         assert engine.check() == []
@@ -129,6 +130,7 @@ def test_namespace_keeps_models_layouts_dtypes_and_ranks_apart(tier_dirs, varian
     with make_engine(tier_dirs[:2]) as engine:
         assert mine.put(engine, keys) == [True] * 4
     with make_engine(tier_dirs[:2], namespace=other) as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["pages"] == 0 and engine.prefix_len(keys) == 0
         assert not any(engine.contains(k) for k in keys)
         assert theirs.checked_get(engine, keys) == [False] * 4  # a miss, never the other model's bytes

@@ -113,8 +113,10 @@ def test_start_up_keeps_every_version_and_indexes_the_newest(tier_dirs):
         assert {(p.kind, p.tier) for p in engine_a.check(fix=True)} == {("index_stale", tier_dirs[1])}
         assert engine_a.check() == [] and engine_b.check() == []
     with make_engine(tier_dirs[:2]) as engine:
+        assert engine.wait_scan(30)
         assert [engine.index.holders(k) for k in keys] == [0b10] * 6  # B's, the newer
         assert b.checked_get(engine, keys) == [True] * 6
+        assert engine.wait_scan(30)
         assert engine.scan["damaged_removed"] == 0
         assert engine.check() == []  # tier 0's older version: valid, not indexed, no problem
         for k in keys:  # the indexed copies go (evicted by another process): the older version is found

@@ -25,7 +25,7 @@ HANG_S = 60  # a call that has not returned by then is hung (a FIFO opened block
 def _start_in_a_child(dirs) -> subprocess.CompletedProcess:
     """Open (and close) an engine on ``dirs`` in a fresh process: a hang there fails the test, not the run."""
     code = ("import sys; from helpers import make_engine\n"
-            "e = make_engine(sys.argv[1:]); print(e.scan); e.close()")
+            "e = make_engine(sys.argv[1:]); e.wait_scan(); print(e.scan); e.close()")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH", "")]))}
     try:
         return subprocess.run([sys.executable, "-c", code, *dirs], capture_output=True, text=True, env=env,
@@ -131,6 +131,7 @@ def test_a_tier_inside_another_tiers_tree_is_refused(tier_dirs):
                 check_tiers(Config.from_sources({"tiers": order}, environ={}))
     assert os.listdir(tmp) == [], "nothing was created inside the first tier's tree"
     with make_engine([outer, tier_dirs[1]]) as engine:  # and the outer tier alone still starts
+        assert engine.wait_scan(30)
         assert engine.scan["kept"] == 0
 
 

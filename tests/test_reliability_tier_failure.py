@@ -174,6 +174,7 @@ def test_tier_subdirectory_of_an_unmounted_fs_refuses_to_start(tier_root, loop_f
     assert os.listdir(fs.mnt) == [], "nothing written on the parent file system"
     fs.mount()
     with make_engine([tier, other]) as engine:  # mounted again: every page is back on both tiers
+        assert engine.wait_scan(30)
         assert [engine.index.holders(k) for k in pages.keys(3)] == [0b11] * 3
         assert pages.checked_get(engine, pages.keys(3), policy=SingleTier(0)) == [True] * 3
 

@@ -240,6 +240,7 @@ def test_a_link_at_a_page_path_is_never_followed(tier_dirs, tier_root):
         os.unlink(link)
     os.symlink(outside, link)
     with make_engine(tier_dirs[:1]) as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["pages"] == 2 and engine.scan["kept"] == 1 and os.path.islink(link)
         assert pages.checked_get(engine, keys) == [True, True, False]
         os.unlink(link)
@@ -289,6 +290,7 @@ def test_shared_mode_trusts_the_tier_group_and_no_one_else(shared_tier, tier_roo
     layout = TierLayout(shared_tier, NS.digest)
     assert os.stat(layout.page_path(keys[1])).st_gid == GROUP  # the setgid directory gave it the tier's group
     with make_engine([shared_tier], file_mode="shared") as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["pages"] == 2 and engine.scan["kept"] == 1
         assert pages.checked_get(engine, keys) == [True, True, False]
         problems = engine.check(fix=True)
@@ -359,10 +361,11 @@ def test_an_owner_mapping_file_system_is_trusted_for_the_owner_its_files_get(map
     with make_engine([mapped_tier]) as engine:
         assert os.stat(engine.tiers[0].layout.base).st_uid == MAPPED
         assert pages.put(engine, keys) == [True] * 3
-    line = next(r.getMessage() for r in caplog.records if "pages indexed" in r.getMessage())
+    line = next(r.getMessage() for r in caplog.records if "start-up scan in the background" in r.getMessage())
     assert f"trusts {user_name(os.geteuid())} and uid {MAPPED} (its files come out owned by uid {MAPPED} " \
            "there)" in line, line
     with make_engine([mapped_tier]) as engine:
+        assert engine.wait_scan(30)
         assert engine.scan["pages"] == 3 and engine.scan["kept"] == 0
         assert pages.checked_get(engine, keys) == [True] * 3
         assert engine.check() == []

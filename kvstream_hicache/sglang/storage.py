@@ -609,8 +609,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 f"policy {cfg.policy_spec}; io {io}; layout {host.layout} "
                 f"{'MLA' if self.is_mla else 'MHA'} {_dtype(host).replace('torch.', '')} page {host.page_size} "
                 f"({self._page_bytes / 1024:.0f} KiB); {mode}{why}; fsync {cfg.fsync}; "
-                f"namespace {self.namespace.digest[:12]}; {scan.get('pages', 0)} pages indexed in "
-                f"{scan.get('seconds', 0.0):.2f} s{writer}"
+                f"namespace {self.namespace.digest[:12]}; {scan.get('pages', 0)} pages indexed so far, "
+                f"start-up scan {'done' if scan.get('done') else 'in the background'}{writer}"
                 + (f"; {engine.trust_summary()}" if hasattr(engine, "trust_summary") else ""))
 
     def _log_startup(self) -> None:

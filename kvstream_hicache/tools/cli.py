@@ -212,6 +212,9 @@ def _info(args) -> int:
     if st["up"]:
         doc["testbed"] = {"profile": st["profile"]["name"], "dirs": [t["mount"] for t in st["tiers"]],
                           "fio": st.get("fio"), "problems": st["problems"]}
+    from ..scan import running_scans
+
+    doc["scans"] = running_scans()
     if args.json:
         print(json.dumps(doc, indent=1, default=str))
         return 0
@@ -227,6 +230,13 @@ def _info(args) -> int:
             continue
         print(f"  tier{i} {t['dir']}: {t['fstype']} on {t['device']}, {t['free_gib']:.1f} GiB free of "
               f"{t['size_gib']:.1f}; {t['pages']} pages in {t['namespaces']} namespace(s)")
+    for scan in doc["scans"]:  # engines of this user on this host (scan.py's progress files)
+        shards = sum(t["shards_done"] for t in scan["tiers"]), sum(t["shards"] for t in scan["tiers"])
+        state = "done" if scan["done"] else f"running, {shards[0]}/{shards[1]} shard directories"
+        print(f"start-up scan of pid {scan['pid']} (namespace {scan['namespace']}, {', '.join(scan['tier_dirs'])}): "
+              f"{state}; {scan['files']} files in {scan['seconds']:.1f} s ({scan['rate']:,.0f}/s), "
+              f"{scan['indexed']} pages indexed, {scan['damaged_removed']} damaged and {scan['tmp_removed']} "
+              f"leftovers removed; eviction {scan['eviction']}")
     if "testbed" in doc:
         print(f"testbed: {doc['testbed']['profile']} at {', '.join(doc['testbed']['dirs'])} (kvstream testbed status)")
     return 0 if all(t["ok"] for t in doc["tiers"]) else 1

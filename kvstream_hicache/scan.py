@@ -1,0 +1,324 @@
+"""The start-up scan, in the background: an engine serves at once, and learns its tiers as it goes.
+
+Until the scan of a tier ends, a page written before the restart is found on its first lookup
+(discovery, engine.py: one header read, verified as the scan would); the scan itself, one thread per
+tier, walks that tier's shard directories and:
+
+- removes stale temporary files (crashed writers'), as the foreground scan did;
+- reads each page file's header and indexes the valid pages the index does not know yet
+  (``Index.add_scanned``: at the oldest end, so a page used since start stays more recent);
+- removes damaged, truncated and misplaced files, after reading them a second time (a writer may
+  have renamed a valid page over the name since the first read: a valid page is never deleted);
+- at the end, sorts the pages it found by write time (``Index.settle``: the LRU order of before the
+  restart) and trims a tier over its capacity (one lowered since the last run).
+
+Its cost is bounded, for a shared file system many servers restart against at once: at most
+``scan_rate`` page files a second per tier (each an open, one 4 KiB read, a close), and at most
+``scan_cpu`` of a core per tier thread (it sleeps to stay within both). It takes no lock a request
+waits on: only the index's, one page (or one chunk of the final sort) at a time. Until it is done,
+capacity eviction works from the pages known (those written, read or scanned so far), and
+``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so. For ``kvstream info`` (another
+process) the progress is also written, at most once a second, to this user's file
+``<runtime dir>/kvstream-<uid>/scan-<pid>-<digest>.json`` on this host (removed at close).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Callable, Sequence
+
+from .index import RETRY, Index
+from .integrity import Reason, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
+from .layout import key_of_page_file
+from .locks import ranked_lock
+from .tiers import Tier
+from .trust import honest_until
+
+log = logging.getLogger("kvstream")
+
+PROGRESS_S = 1.0  # the progress file (kvstream info) is rewritten at most this often, s
+NAP_S = 0.25  # longest sleep between two looks at the limits (set_limits, stop)
+RETRIES = 3  # reads of one file while removals of keys like its own race the scan
+
+
+class TierScan:
+    """Progress of one tier's scan (written by its thread, read by ``progress``)."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+        self.files = self.indexed = self.damaged = self.tmp = self.kept = 0
+        self.shards = self.shards_done = 0
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0
+        self.done = False
+        self.stopped = ""  # why it ended before its last file, if it did
+
+
+class BackgroundScan:
+    """One scan thread per tier over ``tiers`` for the namespace ``digest``.
+
+    :param rate: page files per second per tier (0: unbounded).
+    :param cpu: share of one core per tier thread, (0, 1] (1: unbounded).
+    :param level: of the line each tier's scan logs when done (the engine's start-up line's).
+    :param trim: ``trim(k, nbytes)`` evicts and removes ``nbytes`` of tier ``k``'s least recent
+        pages (the engine does it as its writer would, behind writes in progress).
+    """
+
+    def __init__(self, tiers: Sequence[Tier], index: Index, digest: str, rate: float, cpu: float,
+                 trim: Callable[[int, int], None], level: int = logging.INFO):
+        self.index = index
+        self.level = level
+        self.digest = digest
+        self.rate = rate
+        self.cpu = cpu
+        self.trim = trim
+        self.epoch = index.epoch
+        self.parts = [TierScan(t) for t in tiers]
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(part,), name=f"kvstream-scan-{part.tier.k}",
+                                          daemon=True) for part in self.parts]
+        self._left = len(self._threads)
+        self._lock = ranked_lock("scan")
+        self._written = 0.0  # when the progress file was last written (monotonic)
+        self.progress_path = os.path.join(progress_dir(), f"scan-{os.getpid()}-{digest}.json")
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+        if not self._threads:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every tier is scanned; True when it is."""
+        return self._done.wait(timeout)
+
+    def stop(self, timeout: float) -> None:
+        """Stop between two files (close, clear); wait up to ``timeout`` s for the threads."""
+        self._stop.set()
+        end = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive() and thread is not threading.current_thread():
+                thread.join(max(0.0, end - time.monotonic()))
+        with self._lock:  # after a _publish in progress (it writes nothing once stopped)
+            try:
+                os.unlink(self.progress_path)
+            except OSError:  # never written, or /tmp cleaned: nothing to remove
+                pass
+
+    def set_limits(self, rate: float, cpu: float) -> None:
+        """Change ``scan_rate`` and ``scan_cpu`` of the scan running (takes effect within NAP_S)."""
+        self.rate, self.cpu = rate, cpu
+
+    def progress(self) -> dict:
+        parts = self.parts
+        seconds = max((p.seconds for p in parts), default=0.0)
+        files = sum(p.files for p in parts)
+        return {
+            "done": self.done,
+            "eviction": ("from the pages known so far (the scan is running)" if not self.done else
+                         "from the pages known (the scan of a failed tier stopped)" if any(p.stopped for p in parts)
+                         else "exact LRU"),
+            "files": files, "indexed": sum(p.indexed for p in parts), "pages": len(self.index),
+            "damaged_removed": sum(p.damaged for p in parts), "tmp_removed": sum(p.tmp for p in parts),
+            "kept": sum(p.kept for p in parts), "seconds": seconds,
+            "cpu_seconds": sum(p.cpu_seconds for p in parts),
+            "rate": files / seconds if seconds > 0 else 0.0,
+            "tiers": [{"shards": p.shards, "shards_done": p.shards_done, "files": p.files, "done": p.done,
+                       "stopped": p.stopped} for p in parts],
+        }
+
+    # -- the thread of one tier ----------------------------------------------------------------
+    def _run(self, part: TierScan) -> None:
+        try:
+            self._scan_tier(part)
+        except Exception:  # never raise in a thread of ours: the engine serves on, from what it knows
+            log.exception("kvstream: background scan of tier %d (%s) stopped", part.tier.k, part.tier.root)
+        finally:
+            part.done = True
+            with self._lock:
+                self._left -= 1
+                if not self._left:
+                    self._done.set()
+            self._publish(force=True)
+
+    def _scan_tier(self, part: TierScan) -> None:
+        tier, layout = part.tier, part.tier.layout
+        w0, c0 = time.monotonic(), time.thread_time()
+        pace = _Pace(self)  # a directory listing counts as one file
+        pace.step()
+        for problem in tmp_problems(tier.root, layout.tmp, None, True, tier.trust):
+            if problem.fixed:
+                part.tmp += 1
+            else:
+                self._kept(part, problem)
+        pace.step()
+        try:
+            names = shards(layout)
+        except OSError as exc:  # the namespace directory is a link or a file: never followed (trust.py)
+            names = []
+            part.stopped = f"namespace directory unusable: {os.strerror(exc.errno or 0)}"
+            log.warning("kvstream: background scan of tier %d: %s: %s", tier.k, layout.pages, part.stopped)
+        part.shards = len(names)
+        added = array("i")
+        for shard in names:
+            if self._failed(part):
+                break
+            pace.step()
+            try:
+                entries = shard_entries(layout, shard)
+            except OSError as exc:  # unreadable: its pages are found by discovery
+                entries = []
+                part.kept += 1
+                log.warning("kvstream: background scan of tier %d: shard %s unreadable: %s", tier.k, shard,
+                            os.strerror(exc.errno or 0))
+            for name, path in entries:
+                if self._stop.is_set() or self.index.epoch != self.epoch:
+                    return
+                pace.step()
+                part.files += 1
+                page = self._visit(part, shard, name, path, added)
+                if page.problem is not None and page.problem.reason is not Reason.VANISHED:
+                    # a writer may have put a valid page under the name since: read it again first
+                    page = self._visit(part, shard, name, path, added)
+                    if page.problem is not None and page.problem.reason is not Reason.VANISHED:
+                        self._remove(part, page)
+            part.shards_done += 1
+            part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
+            self._publish()
+        self._failed(part)
+        self.index.settle(tier.k, added, self.epoch)
+        used, cap = self.index.used[tier.k], tier.capacity
+        if cap is not None and used > cap:
+            self.trim(tier.k, used - cap)
+        part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
+        if part.damaged or part.tmp:
+            log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "
+                        "leftovers", tier.k, part.damaged, part.tmp)
+        log.log(self.level, "kvstream: background scan of tier %d done: %d files read, %d pages added in %.1f s "
+                "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
+
+    @staticmethod
+    def _failed(part: TierScan) -> bool:
+        """The tier failed: its scan ends (a failed tier's tree is unusable; when it rejoins, tiers.py
+        reconciles the index with what survived, and discovery finds the pages not scanned)."""
+        tier = part.tier
+        if tier.healthy or part.stopped:
+            return bool(part.stopped)
+        part.stopped = f"tier failed: {tier.last_error}"
+        log.warning("kvstream: background scan of tier %d stopped after %d files: the tier failed", tier.k, part.files)
+        return True
+
+    def _visit(self, part: TierScan, shard: str, name: str | None, path: str, added: array) -> ScannedPage:
+        """Read one entry and index it when it is a valid page the index lacks. A copy of a key
+        like it that left the index meanwhile (evicted, removed as damaged) may be this very file,
+        deleted since it was read: then it is read again (a few times, then left to discovery)."""
+        key = key_of_page_file(name) if name else None
+        tier = part.tier
+        for _ in range(RETRIES):
+            mark = self.index.mark(key) if key else 0
+            page = scan_entry(tier.layout, self.digest, shard, name, path, trust=tier.trust)
+            if page.problem is not None:
+                return page
+            h = page.header
+            # a write time beyond the clock's skew is a claim, not a time: it never wins (trust.py)
+            created = h.created_ns if h.created_ns <= honest_until() else 0
+            slot = self.index.add_scanned(h.key, tier.k, h.length, h.block, h.crcs, h.length, created,
+                                          self.epoch, mark)
+            if slot != RETRY:
+                if slot >= 0:
+                    added.append(slot)
+                    part.indexed += 1
+                return page
+        return page
+
+    def _remove(self, part: TierScan, page: ScannedPage) -> None:
+        problem = fix_problem(page.problem, trust=part.tier.trust)
+        if problem.fixed:
+            part.damaged += 1
+        else:
+            self._kept(part, problem)
+
+    def _publish(self, force: bool = False) -> None:
+        """Write the progress file (atomically: a reader never sees half of it); best effort."""
+        with self._lock:
+            now = time.monotonic()
+            if self._stop.is_set() or not force and now - self._written < PROGRESS_S:
+                return
+            self._written = now
+            doc = dict(self.progress(), pid=os.getpid(), namespace=self.digest,
+                       tier_dirs=[p.tier.root for p in self.parts])
+            try:
+                where = os.path.dirname(self.progress_path)
+                os.makedirs(where, mode=0o700, exist_ok=True)
+                if os.lstat(where).st_uid != os.getuid():  # made by someone else: not ours to write in
+                    return
+                tmp = f"{self.progress_path}.{threading.get_ident()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.progress_path)
+            except OSError as exc:  # a full or read-only /tmp costs the report, never the scan
+                log.debug("kvstream: scan progress file %s: %s", self.progress_path, exc)
+
+    @staticmethod
+    def _kept(part: TierScan, problem) -> None:
+        """What the scan could not (or must not) remove: reported, never fatal."""
+        part.kept += 1
+        log.warning("kvstream: background scan: %s %s: %s", problem.kind, problem.path, problem.detail)
+
+
+def progress_dir() -> str:
+    """This user's directory of scan progress files on this host."""
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"kvstream-{os.getuid()}")
+
+
+def running_scans() -> list[dict]:
+    """The progress of every engine of this user on this host whose process is alive (kvstream info)."""
+    out = []
+    try:
+        names = sorted(os.listdir(progress_dir()))
+    except OSError:
+        return out
+    for name in names:
+        if not (name.startswith("scan-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(progress_dir(), name)) as f:
+                doc = json.load(f)
+            os.kill(int(doc["pid"]), 0)
+        except PermissionError:  # alive, another user's process (a shared runtime directory)
+            pass
+        except (OSError, ValueError, KeyError, TypeError):  # gone, or a file being replaced
+            continue
+        out.append(doc)
+    return out
+
+
+class _Pace:
+    """Sleeps to hold a scan thread to its scan's ``rate`` files a second and ``cpu`` of a core."""
+
+    def __init__(self, scan: BackgroundScan):
+        self.scan = scan
+        self.n = 0
+        self.w0, self.c0 = time.monotonic(), time.thread_time()
+
+    def step(self) -> None:
+        self.n += 1
+        scan = self.scan
+        while not scan._stop.is_set():
+            wall = time.monotonic() - self.w0
+            want = self.n / scan.rate if scan.rate > 0 else 0.0
+            if scan.cpu < 1:
+                want = max(want, (time.thread_time() - self.c0) / scan.cpu)
+            if want <= wall:
+                return
+            scan._stop.wait(min(want - wall, NAP_S))

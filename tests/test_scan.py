@@ -1,0 +1,178 @@
+"""The start-up scan in the background (scan.py): an engine serves at once, pages of before the restart
+are found on first lookup, and the scan catches up with damage, leftovers, capacity and LRU order.
+Real files, real io_uring; the scan is held back with its own rate limit (``scan_rate``), never mocked.
+"""
+from __future__ import annotations
+
+import os
+from array import array
+
+from kvstream_hicache import check_tiers
+from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.tmpfiles import tmp_name
+
+from helpers import (
+    NS, PAGE_BYTES, PageSet, flip_byte, kvstream_cli, make_engine, page_files, run_children, spawn, wait_for_file,
+)
+
+HELD = 0.001  # scan_rate: one file in 1000 s, the scan has not read a file while the test runs
+WAIT_S = 60
+
+
+def _stored(dirs, n: int) -> tuple[PageSet, list[str]]:
+    """``n`` pages stored on ``dirs`` by an engine that is closed again (the restart's tiers)."""
+    pages = PageSet()
+    keys = pages.keys(n)
+    with make_engine(dirs) as engine:
+        assert pages.put(engine, keys) == [True] * n
+    return pages, keys
+
+
+def _release(engine) -> None:
+    engine._scan.set_limits(0, 1)
+    assert engine.wait_scan(WAIT_S)
+
+
+def test_a_restart_serves_before_the_scan_ends(tier_dirs):
+    pages, keys = _stored(tier_dirs[:2], 8)
+    with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
+        scan = engine.scan
+        assert not scan["done"] and scan["files"] == 0 and "known so far" in scan["eviction"]
+        assert engine.contains(keys[0]) and engine.prefix_len(keys) == 8  # discovery, header verified
+        assert pages.checked_get(engine, keys) == [True] * 8
+        assert engine.stats()["discovered"] == 8 and engine.index.holders(keys[3]) == 0b11
+        assert not engine.scan["done"]
+        _release(engine)
+        assert engine.scan["indexed"] == 0, "every page was known: the scan indexed nothing twice"
+        assert engine.check() == []
+
+
+def test_kvstream_info_shows_a_running_scan(tier_dirs):
+    _stored(tier_dirs[:1], 3)
+    with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:
+        engine._scan._publish(force=True)  # else written once a shard is done (none is: the scan is held)
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = kvstream_cli("info", "--tiers", tier_dirs[0], env=env).stdout
+        assert f"start-up scan of pid {os.getpid()} (namespace {NS.digest}, {tier_dirs[0]}): running, 0/" in out, out
+        _release(engine)
+        assert "): done; 3 files in " in kvstream_cli("info", "--tiers", tier_dirs[0], env=env).stdout
+    assert f"pid {os.getpid()}" not in kvstream_cli("info", "--tiers", tier_dirs[0], env=env).stdout  # closed
+
+
+def test_discover_off_still_finds_pages_until_the_scan_is_done(tier_dirs):
+    pages, keys = _stored(tier_dirs[:1], 3)
+    with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False) as engine:
+        assert pages.checked_get(engine, keys[:1]) == [True]
+        _release(engine)
+        assert pages.checked_get(engine, keys) == [True] * 3  # the scan indexed the other two
+
+
+def test_the_background_scan_removes_damage_and_stray_temporaries(tier_dirs):
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        layout = engine.tiers[0].layout
+    dead = os.path.join(layout.tmp, tmp_name(NS.digest, 2**22 + 7, "dead", 0))  # no such pid
+    open(dead, "w").close()
+    flip_byte(layout.page_path(keys[1]), 30)  # the header: the scan sees it
+    with open(layout.page_path(keys[2]), "r+b") as f:  # truncated
+        f.truncate(4096)
+    with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:
+        assert pages.checked_get(engine, keys) == [True, False, False, True]  # never a damaged page
+        _release(engine)
+        scan = engine.scan
+        assert scan["tmp_removed"] == 1 and scan["damaged_removed"] == 2 and scan["kept"] == 0
+        assert not os.path.exists(dead) and not os.path.exists(layout.page_path(keys[1]))
+        assert not os.path.exists(layout.page_path(keys[2]))
+        assert sorted(page_files(tier_dirs[0])) == sorted(layout.page_path(k) for k in (keys[0], keys[3]))
+        assert engine.check() == []
+
+
+def test_capacity_eviction_before_and_after_the_scan(tier_dirs):
+    """Before the scan, eviction works from the pages known (written, read since start); once it is
+    done the tier is trimmed to its capacity, oldest write first, and LRU goes on in that order."""
+    pages = PageSet()
+    old, new = pages.keys(8), pages.keys(6, start=100)
+    cap = 8 * PAGE_BYTES  # capacity counts payload bytes
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as engine:
+        for k in old:  # one put each: their write times order them
+            assert pages.put(engine, [k]) == [True]
+    with make_engine(tier_dirs[:1], capacity=str(cap), scan_rate=HELD) as engine:
+        assert pages.checked_get(engine, old[7:]) == [True]  # discovered: used since start
+        assert pages.put(engine, new[:4]) == [True] * 4
+        assert engine.index.used[0] == 5 * PAGE_BYTES and engine.index.evictions == [0]
+        assert len(page_files(tier_dirs[0])) == 12  # over capacity on disk until the scan is done
+        _release(engine)
+        assert engine.index.used[0] == cap and len(page_files(tier_dirs[0])) == 8
+        assert engine.index.keys(0) == old[4:7] + old[7:] + new[:4]  # old by write time, then by use
+        assert pages.put(engine, new[4:]) == [True] * 2  # evicts the two oldest writes
+        assert [engine.contains(k) for k in old] == [False] * 6 + [True] * 2
+        assert pages.checked_get(engine, old[6:] + new) == [True] * 8
+        assert engine.check() == []
+
+
+def test_two_processes_start_on_a_shared_tier_at_once(tier_dirs, tier_root):
+    """Two engines open at the same moment on tiers holding pages, a damaged file and a dead writer's
+    temporary file; each serves every page at once and stores its own; both scans run over the
+    same files: the damage is removed once, no valid page is removed, nothing is left over."""
+    tiers = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(40)
+    with make_engine(tiers) as engine:
+        assert pages.put(engine, keys) == [True] * 40
+        layout = engine.tiers[1].layout
+    flip_byte(layout.page_path(keys[5]), 30)
+    dead = os.path.join(layout.tmp, tmp_name(NS.digest, 2**22 + 7, "dead", 0))
+    open(dead, "w").close()
+    go = os.path.join(tier_root, "go")
+    outs = [os.path.join(tier_root, f"start{who}.json") for who in range(2)]
+    children = [spawn("startup", os.pathsep.join(tiers), str(who), outs[who], go) for who in range(2)]
+
+    def at_once() -> None:
+        for out in outs:
+            wait_for_file(out + ".ready", WAIT_S, children)
+        open(go, "w").close()
+
+    results = run_children(children, outs, at_once, WAIT_S * 4)
+    for who, result in enumerate(results):
+        assert result["found"] == [True] * 40, who  # keys[5] on tier 0 is intact
+        assert result["stored"] == [True] * 4 and result["scan_done"]
+    # either scan may remove it, or both (one finds it gone: removed all the same)
+    assert sum(r["damaged_removed"] for r in results) >= 1 and not os.path.exists(layout.page_path(keys[5]))
+    assert sum(r["tmp_removed"] for r in results) >= 1 and not os.path.exists(dead)
+    assert len(page_files(tiers[0])) == 48 and len(page_files(tiers[1])) == 47
+    with make_engine(tiers) as engine:
+        assert engine.wait_scan(WAIT_S)
+        assert engine.check() == []
+    assert check_tiers(engine.config) == []
+
+
+def test_the_scan_of_a_tier_that_fails_stops_and_says_so(tier_dirs):
+    pages, keys = _stored(tier_dirs[:2], 6)
+    with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
+        os.rename(tier_dirs[1], tier_dirs[1] + ".away")
+        try:
+            assert pages.put(engine, pages.keys(1, start=50)) == [True]  # tier 1 fails: its directory went
+            assert not engine.tiers[1].healthy
+            _release(engine)
+            scan = engine.scan
+            assert scan["tiers"][1]["stopped"].startswith("tier failed") and not scan["tiers"][0]["stopped"]
+            assert "failed tier" in scan["eviction"] and engine.index.pages_on(0) == 7
+        finally:
+            os.rename(tier_dirs[1] + ".away", tier_dirs[1])
+        assert pages.checked_get(engine, keys) == [True] * 6
+
+
+def test_a_damaged_copy_the_scan_found_first_falls_back_to_a_copy_it_has_not_reached(tier_dirs):
+    """While the scan runs the index may know one tier's copy of a page and not another's: when the
+    known one is damaged, the page is looked up on the tiers again and served from the other."""
+    pages, keys = _stored(tier_dirs[:2], 2)
+    with make_engine(tier_dirs[:2], scan_rate=HELD) as engine:
+        path = engine.tiers[1].layout.page_path(keys[0])
+        flip_byte(path, HEADER_SIZE + 100)  # the payload: the header (all the scan reads) is intact
+        engine._scan._visit(engine._scan.parts[1], keys[0][:2], os.path.basename(path), path, array("i"))
+        assert engine.index.holders(keys[0]) == 0b10  # the scan reached tier 1's copy, not tier 0's yet
+        assert pages.checked_get(engine, keys[:1]) == [True]
+        assert not os.path.exists(path) and engine.index.holders(keys[0]) == 0b01
+        _release(engine)
