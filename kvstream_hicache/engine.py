@@ -153,7 +153,7 @@ class Engine:
         # Served from now on: pages of before the restart are found by discovery until the scan has them.
         level = logging.INFO if announce else logging.DEBUG
         self._scan = BackgroundScan(self.tiers, self.index, namespace.digest, config.scan_rate, config.scan_cpu,
-                                    self._trim, level)
+                                    _weak(self._trim, None), level)  # weak: a running scan keeps no engine alive
         self._closed = False
         self._scan.start()
         log.log(level,
