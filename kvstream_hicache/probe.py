@@ -12,6 +12,7 @@ import re
 
 from .config import Capacity, Config, env_name, setting_source
 from .errors import TierError
+from .fds import close_fd
 from .layout import ROOT_DIR
 from .tmpfiles import ProbeFailed, probe_direct
 from .trust import open_base
@@ -110,8 +111,8 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
         try:
             probe_direct("", "config", dir_fd=tmp_fd)
         finally:
-            os.close(base_fd)
-            os.close(tmp_fd)
+            close_fd(base_fd)
+            close_fd(tmp_fd)
     except ProbeFailed as exc:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None

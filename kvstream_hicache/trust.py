@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from .errors import ConfigError, TierError
+from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, TierLayout
 from .tmpfiles import probe_direct
 
@@ -115,10 +116,10 @@ def open_below(root: str, path: str) -> int:
     try:
         for part in [] if rel == "." else rel.split(os.sep):
             below = open_dir(part, fd)
-            os.close(fd)
+            close_fd(fd)
             fd = below
     except BaseException:
-        os.close(fd)
+        close_fd(fd)
         raise
     return fd
 
@@ -130,7 +131,7 @@ def list_below(root: str, path: str) -> list[str]:
     try:
         return os.listdir(fd)
     finally:
-        os.close(fd)
+        close_fd(fd)
 
 
 LINK, DIRECTORY, OTHER = "link", "directory", "other"
@@ -152,7 +153,7 @@ def scandir_below(root: str, path: str) -> list[tuple[str, str]]:
                 out.append((entry.name, kind))
         return out
     finally:
-        os.close(fd)
+        close_fd(fd)
 
 
 def make_dir(name: str, dir_fd: int, mode: int) -> int:
@@ -220,10 +221,10 @@ def open_base(root: str, dir_mode: int, source: str) -> tuple[int, int]:
         return fds[1], fds[2]
     except BaseException:
         for fd in fds[1:]:
-            os.close(fd)
+            close_fd(fd)
         raise
     finally:
-        os.close(fds[0])
+        close_fd(fds[0])
 
 
 def _tier_dir(root: str, path: str, parent_fd: int, dir_mode: int, source: str) -> int:
@@ -263,13 +264,13 @@ def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag:
         trust = _trust(layout.root, base_fd, tmp_fd, shared, tag)
         for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
             raise dir_error(path, st, why, trust, source)
-        os.close(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))
+        close_fd(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))
         for path, st, why in dir_findings(layout, trust, base=False):
             raise dir_error(path, st, why, trust, source)
         return trust
     finally:
-        os.close(base_fd)
-        os.close(tmp_fd)
+        close_fd(base_fd)
+        close_fd(tmp_fd)
 
 
 def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,
@@ -317,11 +318,11 @@ def learn(root: str, shared: bool) -> Trust:
         try:
             return _trust(root, base_fd, tmp_fd, shared, "check")
         finally:
-            os.close(tmp_fd)
+            close_fd(tmp_fd)
     except OSError:
         return Trust.user()
     finally:
-        os.close(base_fd)
+        close_fd(base_fd)
 
 
 def check_dir(path: str, trust: Trust) -> None:
@@ -370,7 +371,7 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
     except FileNotFoundError:  # removed concurrently: gone all the same
         return None
     finally:
-        os.close(fd)
+        close_fd(fd)
 
 
 # ---------------------------------------------------------------------------------------- order
