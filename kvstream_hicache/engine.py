@@ -8,6 +8,7 @@ Composition::
       reads    ReadPath       read ring + staging pool + router (reads.py, router.py)
       writes   WritePath      write ring + staging pool + per-tier queues, writer thread (writes.py)
       priority ReadPriority   which tiers a read uses now: writes there wait (priority.py)
+      replicas Replicator     what each tier is owed, written later from a copy (replication.py)
       stats    Stats          counters, per-batch bound (stats.py)
 
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
@@ -43,6 +44,7 @@ from .io import RING_ENTRIES, ThreadRing, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
 from .reads import ReadPath
+from .replication import PROMOTE_SHARE, Replicator
 from .router import Policy, parse_policy
 from .segments import Segment
 from .staging import BufferPool
@@ -139,6 +141,13 @@ class Engine:
                                  namespace.digest, self.priority, staging_limit=half, ceiling=share,
                                  replicate=config.replicate, slack=config.replicate_slack,
                                  backlog=config.write_backlog)
+        self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
+                                    self._writes.pool, namespace.digest, enabled=config.catchup,
+                                    share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
+        self._writes.on_thin = self._replicas.owe
+        self._reads.thinned = lambda key: self._replicas.owe([key])
+        self._reads.promote = self._replicas.promote
+        self._replicas.owe_all()  # what the start-up scan found under-replicated: catch-up resumes
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         _open_engines.add(self)
@@ -229,6 +238,7 @@ class Engine:
         self._check_open()
         with self._reads.lock, self._writes.exclusive():
             self._writes.cancel_locked()  # a put in progress reports its pages False
+            self._replicas.clear()
             self.index.clear()
             for tier in self.tiers:
                 tier.clear()
@@ -242,6 +252,7 @@ class Engine:
         _open_engines.discard(self)
         self._reads.drain(CLOSE_DRAIN_S)
         self._reads.close()
+        self._replicas.close()
         self._writes.close()
         tmpfiles.release(self._token)
 
@@ -272,8 +283,9 @@ class Engine:
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
                        write_queued_bytes=writes.queued[k], write_bandwidth=writes.flows[k].rate,
-                       write_window=writes.flows[k].window)
+                       write_window=writes.flows[k].window, replication_pending=self._replicas.pending(k))
         out["write_backlog_bytes"] = writes.backlog
+        out["replication_pending"] = sum(row["replication_pending"] for row in out["tiers"])
         reads, writes = self._reads.pool, writes.pool
         out["memory"] = {"limit_bytes": self.config.memory,
                          "read_bytes": reads.held_bytes, "read_peak_bytes": reads.peak_bytes,
@@ -453,7 +465,11 @@ class Engine:
         for key in lost:
             self.index.remove(key, tier.k)
         if lost:
-            log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten", tier.k, len(lost))
+            log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten (and written "
+                        "there again by background replication)", tier.k, len(lost))
+        replicas = getattr(self, "_replicas", None)  # (a tier may rejoin during the start-up scan)
+        if replicas is not None:
+            replicas.owe_all()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.index)} pages"

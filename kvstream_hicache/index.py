@@ -118,12 +118,12 @@ class Index:
             return True
 
     # -- writes ---------------------------------------------------------------------------------
-    def reserve(self, tier: int, nbytes: int) -> list[str] | None:
-        """Make room for ``nbytes`` on ``tier`` within its capacity.
+    def reserve(self, tier: int, nbytes: int, evict: bool = True) -> list[str] | None:
+        """Make room for ``nbytes`` on ``tier`` within its capacity (by evicting only if ``evict``).
 
         :returns: keys evicted from the index for this (delete their files on ``tier``), or None
-            when the room cannot be made (too many pinned pages or a page larger than the tier);
-            nothing is evicted then.
+            when the room cannot be made (too many pinned pages, a page larger than the tier, or no
+            room without eviction); nothing is evicted then.
         """
         with self._lock:
             cap = self.capacities[tier]
@@ -131,6 +131,8 @@ class Index:
                 self.reserved[tier] += nbytes
                 return []
             excess = self.used[tier] + self.reserved[tier] + nbytes - cap
+            if excess > 0 and not evict:
+                return None
             victims = self._victims_locked(tier, excess) if excess > 0 else []
             if victims is None:
                 return None

@@ -161,6 +161,13 @@ class ReadPath:
         """Reads of finished calls still in flight (engine-owned buffers)."""
         return self._orphans
 
+    def promote(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: list[bool]) -> None:
+        """Hook set by the engine (replication.py): a call read ``found`` into ``pages``, still the
+        caller's verified copies: pages held only by slower tiers are copied up from them."""
+
+    def thinned(self, key: str) -> None:
+        """Hook set by the engine (replication.py): a damaged copy of ``key`` was removed."""
+
     def recover(self, missed: list[str], relook: set[str], mask: int) -> int:
         """Hook set by the engine: a call missed ``missed`` (``relook``: keys whose indexed copies were
         gone or another writer's version). Probe failed tiers that hold them, index what the tiers
@@ -188,6 +195,7 @@ class ReadPath:
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
+        self.promote(keys, pages, found)
         read = [sum(c.read[k] for c in calls) for k in range(n_tiers)]
         served_by = [sum(c.served[k] for c in calls) for k in range(n_tiers)]
         served = sum(served_by)
@@ -619,6 +627,7 @@ class ReadPath:
         if remove:
             self.tiers[tier].unlink_page(key)
         self.stats.add(tier, "quarantined")
+        self.thinned(key)
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths(self, route, unit: int) -> None:

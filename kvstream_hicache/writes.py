@@ -80,7 +80,8 @@ class _Page:
     """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
 
     __slots__ = ("key", "segments", "length", "block", "file_bytes", "aligned", "crcs", "created", "data",
-                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls")
+                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls", "evict",
+                 "copied")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -97,6 +98,8 @@ class _Page:
         self.committed: list[int] = []
         self.left = 0  # jobs not finished
         self.calls: list[tuple[_Call, int]] = []  # (put, position of the key in it)
+        self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
+        self.copied: Callable[[bool], None] | None = None  # a catch-up copy (replication.py): its callback
 
 
 def replica_fits(queued: int, size: int, w: float, home_queued: int, w_home: float, slack: float) -> bool:
@@ -192,6 +195,8 @@ class WritePath:
         self._work = threading.Condition(self._qlock)  # the writer waits here for work
         self._room = threading.Condition(self._qlock)  # deferred puts wait here for backlog room
         self._fifo: list[deque[_Page]] = [deque() for _ in tiers]  # pages waiting for a job on tier k
+        self._copies: list[deque[_Page]] = [deque() for _ in tiers]  # catch-up copies: after the FIFO
+        self.on_thin: Callable[[list[str]], None] = lambda keys: None  # pages that now lack a tier
         self._active: list[list[_Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self._pending: dict[str, _Page] = {}  # key -> the page being written
         self.queued = [0] * n  # bytes accepted for tier k and not yet written (P_k), file bytes
@@ -237,6 +242,30 @@ class WritePath:
         self.stats.total("deferred_puts")
         self._accept(keys, pages, mask, done)
 
+    def copy(self, key: str, address: int, info, created: int, tier: int, evict: bool,
+             done: Callable[[bool], None]) -> None:
+        """Background replication (replication.py): write the page ``info`` describes, its payload at
+        ``address`` (4096-aligned, padded), to ``tier`` after the tier's foreground FIFO, held back by
+        reads as any write; ``evict``: it may evict LRU pages to make room. ``done(committed)`` runs on
+        the writer thread. Not a put: no put counter moves, and the budget does not count it."""
+        page = _Page(key, [(address, round_up(info.length))], info.length, info.block, 1 << tier)
+        page.length, page.crcs, page.created, page.evict, page.copied = info.length, info.crcs, created, evict, done
+        page.data = [(address, round_up(info.length), HEADER_SIZE)]
+        page.left = 1
+        with self._qlock:
+            if self._closing:
+                raise EngineClosedError("kvstream engine is closed")
+            self._copies[tier].append(page)
+            self._work.notify()
+
+    def idle(self, k: int) -> bool:
+        """No foreground page waits for a job on tier ``k`` (catch-up never goes ahead of a put)."""
+        return not self._fifo[k]
+
+    def writing(self, key: str) -> bool:
+        """A put is writing ``key`` now."""
+        return key in self._pending
+
     @contextmanager
     def exclusive(self):
         """No write progresses inside (check, clear): the writer finishes its step and waits."""
@@ -254,8 +283,9 @@ class WritePath:
         """clear(): drop every queued job and discard the ones in flight (their pages report False).
         Called inside :meth:`exclusive`."""
         with self._qlock:
-            dropped = [(page, k) for k, fifo in enumerate(self._fifo) for page in fifo]
-            for fifo in self._fifo:
+            dropped = [(page, k) for queues in (self._fifo, self._copies) for k, fifo in enumerate(queues)
+                       for page in fifo]
+            for fifo in (*self._fifo, *self._copies):
                 fifo.clear()
         for jobs in self._active:
             for job in list(jobs):
@@ -416,7 +446,7 @@ class WritePath:
             self._work.notify()
 
     def _has_work(self) -> bool:
-        return bool(self._ops) or any(self._fifo) or any(self._active)
+        return bool(self._ops) or any(self._fifo) or any(self._copies) or any(self._active)
 
     def _run(self) -> None:
         while True:
@@ -523,9 +553,10 @@ class WritePath:
             if len(self._active[k]) >= MAX_OPEN_FILES or self._fd_short or now < self._fd_retry_at:
                 return None
             with self._qlock:
-                if not self._fifo[k]:
+                fifo = self._fifo[k] or self._copies[k]  # catch-up copies only when no put waits
+                if not fifo:
                     return None
-                page = self._fifo[k][0]
+                page = fifo[0]
             if not page.aligned and page.staging is None and self._staged and \
                     self._staged + round_up(page.length) > self.staging_limit:
                 return None  # staging memory is in use by pages in flight: wait for one
@@ -533,7 +564,7 @@ class WritePath:
             if started is False:
                 return None  # out of descriptors: the page stays first in line
             with self._qlock:
-                self._fifo[k].popleft()
+                fifo.popleft()
             if started is not None:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
@@ -554,7 +585,7 @@ class WritePath:
             self._job_over(page, k)
             return None
         self._fd_since = None
-        victims = self.index.reserve(k, page.file_bytes)
+        victims = self.index.reserve(k, page.file_bytes, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
             self.stats.add(k, "skipped_writes")
@@ -665,7 +696,7 @@ class WritePath:
                     page_dir = tier.commit(fd, job.tmp, page.key)
                 except OSError as exc:
                     # No file name: fdatasync failed, the data is not sealed; never retried.
-                    if exc.errno not in SPACE_ERRNOS or exc.filename is None:
+                    if exc.errno not in SPACE_ERRNOS or exc.filename is None or not page.evict:
                         raise
                     page_dir = self._place_after_eviction_locked(job, exc)
             except OSError as exc:
@@ -684,7 +715,7 @@ class WritePath:
             self.stats.add(k, "pages_written")
             self._close_job(job)
             return
-        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_locked(job):
+        if job.err in SPACE_ERRNOS and page.evict and job.tries < SPACE_RETRIES and self._room_possible_locked(job):
             victims = self.index.evict(k, page.file_bytes)
             if victims:
                 self._evicted_locked(k, victims)
@@ -708,6 +739,9 @@ class WritePath:
 
     def _job_over(self, page: _Page, k: int) -> None:
         """One tier of the page is done (written, failed or skipped); the last one ends the page."""
+        if page.copied is not None:
+            page.copied(bool(page.committed))
+            return
         with self._qlock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
             page.left -= 1
@@ -724,6 +758,8 @@ class WritePath:
                 self.stats.total("under_replicated")
         else:
             self.stats.total("pages_failed")
+        if ok and len(page.committed) < len(self.tiers):
+            self.on_thin([page.key])  # a skipped or failed replica: background replication owes it
         for call, i in page.calls:
             call.results[i] = ok
             call.left -= 1
@@ -820,6 +856,7 @@ class WritePath:
             self.tiers[k].unlink_page(key)
         if victims:
             self.stats.add(k, "evictions", len(victims))
+            self.on_thin(victims)  # owed back to the tier once it has room (never by evicting)
 
     def _failed_locked(self, k: int, err: int, what: str) -> None:
         self.stats.add(k, "write_failures")

@@ -1,0 +1,304 @@
+"""Background replication: replicas a page lacks are written later, from a copy that exists.
+
+A page can hold fewer copies than there are tiers: ``replicate=budget`` skipped a slow tier's replica
+so that a put need not wait for it, a tier failed and came back without its files, a copy was
+damaged and removed, or a tier evicted it. Reads then have fewer tiers to route between, for ever.
+The :class:`Replicator` owes such a page to each tier that lacks it and writes it there later::
+
+    owe(key)                 the tiers that lack it (every tier, failed ones too: written when back)
+    promote(key, segments)   a page just read lacks a tier faster than its fastest holder (another
+                             node's page on the shared tier, a page tier 0 evicted): owed first, and
+                             the caller's copy is kept in memory as the source (budget PROMOTE_SHARE)
+    the replicator thread, per tier k, while
+        tier k is healthy, no get reads from it (nor from the source tier), its write FIFO is empty
+        (foreground puts first), its last catch-up job ended long enough ago (pacing: a job that took
+        t keeps the tier's next one back for t * (1 - share) / share, so catch-up takes at most
+        ``share`` of the tier's write time), and it has room within its capacity:
+      read the page from a holder (O_DIRECT, the whole file), check its header and every block CRC
+      against the index, and hand it to the writer (WritePath.copy), which writes it as any job,
+      after the tier's foreground FIFO, held back by reads, without evicting (a promoted page just
+      read may evict the tier's least recent pages, as a put would)
+
+Nothing of this survives a restart, and nothing needs to: the start-up scan indexes what each tier
+holds, and the engine owes every page that lacks a tier again (:meth:`owe_all`). A tier without room
+stops its catch-up (the page stays owed, ``pending``) until pages leave it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from .index import Index, tiers_in
+from .integrity import HeaderError, block_crcs, open_regular, unpack_header
+from .layout import HEADER_SIZE
+from .priority import ReadPriority
+from .segments import Payload, Segment
+from .staging import BufferPool
+from .stats import Stats
+from .tiers import Tier
+
+log = logging.getLogger("kvstream")
+
+IDLE_S = 0.25  # longest wait of the replicator thread with work it cannot start now (held, paced, full), s
+FAILED_BACKOFF_S = 1.0  # a catch-up write that failed on a tier (no room, an error): its catch-up waits, s
+PROMOTE_SHARE = 4  # promoted pages kept in memory as sources: at most 1/this of the `memory` setting
+
+
+class Replicator:
+    """What each tier is owed, and the thread that writes it (module docstring).
+
+    :param writes: the engine's WritePath: ``copy()`` writes a page from memory, ``idle(k)`` says the
+        tier's foreground FIFO is empty.
+    :param pool: buffers for source copies (the write half of ``memory``).
+    :param enabled: setting ``catchup``: off, nothing is owed and the thread does not run.
+    :param share: setting ``catchup_share``: the most of a tier's write time catch-up takes.
+    :param promote_bytes: memory promoted pages may hold as their sources, bytes.
+    """
+
+    def __init__(self, tiers: list[Tier], index: Index, writes, priority: ReadPriority, stats: Stats,
+                 pool: BufferPool, digest: str, *, enabled: bool = True, share: float = 0.5,
+                 promote_bytes: int = 16 << 20, clock: Callable[[], float] = time.monotonic):
+        self.tiers, self.index, self.writes, self.priority, self.stats = tiers, index, writes, priority, stats
+        self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, enabled, share, clock
+        self.promote_bytes = promote_bytes
+        self.all_tiers = (1 << len(tiers)) - 1
+        self._lock = threading.Lock()  # a leaf: nothing is called while it is held
+        self._work = threading.Condition(self._lock)
+        self._owed: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]  # oldest first
+        self._copies: dict[str, _Source] = {}  # promoted pages' sources in memory
+        self._copy_bytes = 0
+        self._busy = [False] * len(tiers)  # a catch-up job of the tier is with the writer
+        self._next = [0.0] * len(tiers)  # pacing: the tier's next job not before this
+        self._closing = False
+        self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
+        self._thread = None
+        if enabled:
+            priority.listen(self._wake)
+            self._thread = threading.Thread(target=self._run, name="kvstream-replicator", daemon=True)
+            self._thread.start()
+
+    # -- what is owed ----------------------------------------------------------------------------
+    def owe(self, keys: Iterable[str]) -> None:
+        """Each key is owed to the tiers the index says lack it (none if it is held nowhere)."""
+        if not self.enabled:
+            return
+        woke = False
+        with self._lock:
+            for key in keys:
+                holders = self.index.holders(key)
+                if holders:
+                    for k in tiers_in(self.all_tiers & ~holders):
+                        self._owed[k][key] = None
+                        woke = True
+            if woke:
+                self._work.notify()
+
+    def owe_all(self) -> None:
+        """Every indexed page that lacks a tier (after the start-up scan, when a tier rejoined)."""
+        self.owe(self.index.keys())
+
+    def promote(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: Sequence[bool]) -> None:
+        """A get read ``keys`` (``found``): each one that lacks a tier faster than its fastest holder is
+        owed to it ahead of the rest, with the caller's copy as its source while memory allows (called
+        before the get returns, when the caller's memory holds the verified page)."""
+        if not self.enabled:
+            return
+        healthy = sum(1 << t.k for t in self.tiers if t.healthy)
+        for key, segments, ok in zip(keys, pages, found):
+            info = self.index.get(key) if ok else None
+            if info is None or not info.tiers:
+                continue
+            faster = healthy & ((info.tiers & -info.tiers) - 1)  # tiers above the fastest holder
+            if not faster:
+                continue
+            source = None
+            with self._lock:
+                room = key not in self._copies and self._copy_bytes + info.file_bytes <= self.promote_bytes
+                if room:
+                    self._copy_bytes += info.file_bytes  # counted now: another get sees it
+            if room:
+                source = _Source(self.pool.get(info.file_bytes), info, 0)
+                Payload(segments).gather(source.buf.address + HEADER_SIZE)
+            with self._lock:
+                if source is not None:
+                    self._copies[key] = source
+                for k in tiers_in(faster):
+                    self._owed[k][key] = None
+                    self._owed[k].move_to_end(key, last=False)
+                self._work.notify()
+        # (a page a read finds on fewer tiers than it should, slower ones, is owed since it lost them)
+
+    def pending(self, k: int) -> int:
+        """Pages owed to tier ``k`` (a job with the writer included)."""
+        return len(self._owed[k])
+
+    def clear(self) -> None:
+        """Engine.clear(): nothing is owed any more (a job with the writer is cancelled by it)."""
+        with self._lock:
+            self._epoch += 1
+            for owed in self._owed:
+                owed.clear()
+            copies, self._copies, self._copy_bytes = self._copies, {}, 0
+        for source in copies.values():
+            self.pool.put(source.buf)
+
+    def close(self) -> None:
+        """Stop the thread; a job with the writer completes there (WritePath.close writes it)."""
+        with self._lock:
+            self._closing = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the replicator thread ---------------------------------------------------------------------
+    def _wake(self) -> None:
+        with self._lock:
+            self._work.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            started = False
+            for k in range(len(self.tiers)):
+                try:
+                    started |= self._start(k)
+                except Exception:  # a bug must not stop catch-up for good, nor reach a caller
+                    log.exception("kvstream: background replication to tier %d failed", k)
+            with self._lock:
+                if not started and not self._closing:
+                    self._work.wait(IDLE_S)
+
+    def _start(self, k: int) -> bool:
+        """Hand tier ``k``'s next owed page to the writer if the tier may take it now; True if one went."""
+        tier = self.tiers[k]
+        if self._busy[k] or not tier.healthy or self.clock() < self._next[k] or self.priority.reading(k) \
+                or not self.writes.idle(k):
+            return False
+        with self._lock:
+            owed = self._owed[k]
+            while owed:
+                key = next(iter(owed))
+                info = self.index.get(key)
+                if info is None or info.tiers >> k & 1 or self.writes.writing(key):
+                    del owed[key]  # held there now, gone, or a put is writing it (it owes it back if it fails)
+                    self._drop_copy_locked(key)
+                    continue
+                break
+            else:
+                return False
+            source = self._copies.get(key)
+            epoch = self._epoch
+        promoted = source is not None and source.info is info
+        if source is not None and not promoted:  # the page changed since it was read: that copy is stale
+            with self._lock:
+                if self._copies.pop(key, None) is source:
+                    self._copy_bytes -= source.info.file_bytes
+                    self.pool.put(source.buf)
+        if not promoted and not self._room(k, info.file_bytes):
+            return False  # full: the page stays owed until pages leave the tier
+        if not promoted:
+            source = self._read_source(key, info)
+            if not isinstance(source, _Source):
+                if source:  # holders were read and none had a valid copy: dropped
+                    with self._lock:
+                        self._owed[k].pop(key, None)
+                    self.stats.add(k, "replication_dropped")
+                return False  # (else no holder can be read now: later)
+        self._busy[k] = True
+        t0 = self.clock()
+
+        def done(ok: bool) -> None:
+            self._finished(k, key, source, promoted, ok, t0, epoch)
+
+        # A page just read is the most recent of all: it may evict the tier's least recent pages.
+        self.writes.copy(key, source.buf.address + HEADER_SIZE, info, source.created, k, promoted, done)
+        return True
+
+    def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, t0: float,
+                  epoch: int) -> None:
+        """The writer's callback (its thread): account, pace the tier, free the source if no tier needs it."""
+        now = self.clock()
+        with self._lock:
+            self._busy[k] = False
+            if epoch == self._epoch:
+                self._owed[k].pop(key, None)
+                # Pacing: catch-up takes at most `share` of the tier's write time.
+                took = now - t0
+                self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
+                if promoted:
+                    self._drop_copy_locked(key)
+            self._work.notify()
+        if not promoted:
+            self.pool.put(source.buf)
+        if ok:
+            self.stats.add(k, "replication_done")
+            self.stats.add(k, "replication_bytes", source.info.length)
+            if promoted:
+                self.stats.add(k, "replication_promoted")
+        else:
+            self.stats.add(k, "replication_dropped")
+
+    def _drop_copy_locked(self, key: str) -> None:
+        """A promoted page's source leaves memory once no tier is owed the page."""
+        source = self._copies.get(key)
+        if source is not None and not any(key in owed for owed in self._owed):
+            del self._copies[key]
+            self._copy_bytes -= source.info.file_bytes
+            self.pool.put(source.buf)
+
+    def _room(self, k: int, nbytes: int) -> bool:
+        cap = self.index.capacities[k]
+        return cap is None or self.index.used[k] + self.index.reserved[k] + nbytes <= cap
+
+    def _read_source(self, key: str, info) -> "_Source | bool":
+        """The page file read whole (O_DIRECT) from a holder with no read in flight, its header and
+        every block checked against the index. False when no holder could be read now (reads in
+        flight, failed tiers), True when the holders were read and none had a valid copy."""
+        tried = False
+        for src in tiers_in(info.tiers):
+            tier = self.tiers[src]
+            if not tier.healthy or self.priority.reading(src):
+                continue
+            tried = True
+            buf = self.pool.get(info.file_bytes)
+            try:
+                created = self._read_file(tier.layout.page_path(key), key, info, buf)
+            except (OSError, HeaderError) as exc:
+                created = None
+                log.debug("kvstream: catch-up of %s: tier %d's copy is unusable (%s)", key, src, exc)
+            self.stats.add(src, "replication_read_bytes", info.file_bytes)
+            if created is not None:
+                return _Source(buf, info, created)
+            self.pool.put(buf)
+        return tried
+
+    def _read_file(self, path: str, key: str, info, buf) -> int | None:
+        """Read ``path`` into ``buf``; its header's ``created`` when it is the indexed version, intact."""
+        fd = open_regular(path, os.O_DIRECT)[0]
+        try:
+            n = os.preadv(fd, [memoryview(buf)[:info.file_bytes]], 0)
+        finally:
+            os.close(fd)
+        if n < HEADER_SIZE + info.length:
+            return None
+        h = unpack_header(memoryview(buf)[:HEADER_SIZE])
+        if h.key != key or h.digest != self.digest or not info.same_content(h.length, h.block, h.crcs):
+            return None  # another writer's version: the read path deals with it
+        if block_crcs([(buf.address + HEADER_SIZE, info.length)], info.length, info.block) != info.crcs:
+            return None  # damaged: the read path removes it when it meets it
+        return h.created_ns
+
+
+class _Source:
+    """A page's bytes in memory, a file image (payload at HEADER_SIZE), the source of its copies."""
+
+    __slots__ = ("buf", "info", "created")
+
+    def __init__(self, buf, info, created: int):
+        self.buf, self.info, self.created = buf, info, created
