@@ -157,9 +157,9 @@ class Index:
             self.reserved[tier] -= nbytes
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: tuple[int, ...],
-               file_bytes: int, *, reserved: bool = True) -> list[int]:
-        """Record that ``tier`` holds ``key`` (most recent). With ``reserved`` the bytes move from
-        the reservation to the used count.
+               file_bytes: int, *, reserved: bool = True, oldest: bool = False) -> list[int]:
+        """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` least recent). With
+        ``reserved`` the bytes move from the reservation to the used count.
 
         :returns: tiers whose copy the index forgot because it describes other content (one key
             holds one content in the index); normally empty. Their files stay: another writer's
@@ -182,7 +182,7 @@ class Index:
             info.tiers |= 1 << tier
             self.used[tier] += file_bytes
             self._lru[tier][key] = None
-            self._lru[tier].move_to_end(key)
+            self._lru[tier].move_to_end(key, last=not oldest)
             return displaced
 
     def remove(self, key: str, tier: int) -> bool:

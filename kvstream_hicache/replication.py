@@ -3,6 +3,8 @@
 A page can hold fewer copies than there are tiers: ``replicate=budget`` skipped a slow tier's replica
 so that a put need not wait for it, a tier failed and came back without its files, a copy was
 damaged and removed, or a tier evicted it. Reads then have fewer tiers to route between, for ever.
+(An evicted copy is not owed back: the tier chose to keep hotter pages. It returns when it is read
+again, as a promotion, or at the next start if the tier has room then.)
 The :class:`Replicator` owes such a page to each tier that lacks it and writes it there later::
 
     owe(key)                 the tiers that lack it (every tier, failed ones too: written when back)
@@ -21,7 +23,8 @@ The :class:`Replicator` owes such a page to each tier that lacks it and writes i
 
 Nothing of this survives a restart, and nothing needs to: the start-up scan indexes what each tier
 holds, and the engine owes every page that lacks a tier again (:meth:`owe_all`). A tier without room
-stops its catch-up (the page stays owed, ``pending``) until pages leave it.
+stops its catch-up (the page stays owed, ``pending``) until pages leave it; a copy it does take enters
+its LRU as the least recent page (writes.py), so it never costs a page the tier chose to keep.
 """
 from __future__ import annotations
 
@@ -171,8 +174,8 @@ class Replicator:
                 except Exception:  # a bug must not stop catch-up for good, nor reach a caller
                     log.exception("kvstream: background replication to tier %d failed", k)
             with self._lock:
-                if not started and not self._closing:
-                    self._work.wait(IDLE_S)
+                if not started and not self._closing:  # nothing owed: wait for owe(); else look again soon
+                    self._work.wait(IDLE_S if any(self._owed) else None)
 
     def _start(self, k: int) -> bool:
         """Hand tier ``k``'s next owed page to the writer if the tier may take it now; True if one went."""
@@ -194,6 +197,13 @@ class Replicator:
                 return False
             source = self._copies.get(key)
             epoch = self._epoch
+        if os.path.lexists(tier.layout.page_path(key)):
+            # A file of that name the index does not list: another writer's version of the page, or a
+            # stray; neither is ours to replace (the read path and check() deal with them).
+            with self._lock:
+                self._owed[k].pop(key, None)
+                self._drop_copy_locked(key)
+            return True  # (looked at one: the thread comes back at once)
         promoted = source is not None and source.info is info
         if source is not None and not promoted:  # the page changed since it was read: that copy is stale
             with self._lock:
@@ -216,8 +226,14 @@ class Replicator:
         def done(ok: bool) -> None:
             self._finished(k, key, source, promoted, ok, t0, epoch)
 
-        # A page just read is the most recent of all: it may evict the tier's least recent pages.
-        self.writes.copy(key, source.buf.address + HEADER_SIZE, info, source.created, k, promoted, done)
+        with self._lock:  # (clear() since this began: the copy would bring a cleared page back)
+            if epoch != self._epoch:
+                self._busy[k] = False
+                if not promoted:
+                    self.pool.put(source.buf)
+                return False
+            # A page just read is the most recent of all: it may evict the tier's least recent pages.
+            self.writes.copy(key, source.buf.address + HEADER_SIZE, info, source.created, k, promoted, done)
         return True
 
     def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, t0: float,

@@ -588,7 +588,8 @@ class WritePath:
         victims = self.index.reserve(k, page.file_bytes, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
-            self.stats.add(k, "skipped_writes")
+            if page.copied is None:  # (a catch-up copy that finds no room counts as dropped, replication.py)
+                self.stats.add(k, "skipped_writes")
             log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
             self._job_over(page, k)
             return None
@@ -707,7 +708,10 @@ class WritePath:
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes)
+            # A background copy is the tier's least recent page (the first to go when room is needed: it
+            # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes,
+                              oldest=not page.evict)
             page.committed.append(k)
             for call, _ in page.calls:
                 call.dirs.setdefault(k, set()).add(page_dir)
@@ -725,8 +729,8 @@ class WritePath:
                 return
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.file_bytes)
-        if job.err != CANCELLED:
-            self._failed_locked(k, job.err, f"write {page.key}")
+        if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):
+            self._failed_locked(k, job.err, f"write {page.key}")  # (a full tier refusing a catch-up copy: dropped)
         self._close_job(job)
 
     def _close_job(self, job: _Job) -> None:
@@ -856,7 +860,6 @@ class WritePath:
             self.tiers[k].unlink_page(key)
         if victims:
             self.stats.add(k, "evictions", len(victims))
-            self.on_thin(victims)  # owed back to the tier once it has room (never by evicting)
 
     def _failed_locked(self, k: int, err: int, what: str) -> None:
         self.stats.add(k, "write_failures")

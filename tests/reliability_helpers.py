@@ -142,6 +142,18 @@ class FakeClock:
         self.now += seconds
 
 
+def gone_or_restored(engine: Engine, k: int, key: str) -> bool:
+    """The copy of ``key`` that tier ``k`` had is gone (removed as damaged, a stray), or background
+    replication has already written a fresh one there: indexed and intact, header and every block."""
+    from kvstream_hicache.integrity import scan_file
+
+    tier = engine.tiers[k]
+    if not os.path.lexists(tier.layout.page_path(key)):
+        return True
+    return bool(engine.index.holders(key) >> k & 1) and \
+        scan_file(tier.layout, engine.namespace.digest, key, payload=True).problem is None
+
+
 def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never reached the ring") -> None:
     """Wait until ``plan`` has applied a fault (a held op is in flight): polls, since a hold has no
     completion to wait on."""
