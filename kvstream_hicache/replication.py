@@ -28,6 +28,7 @@ its LRU as the least recent page (writes.py), so it never costs a page the tier 
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -126,6 +127,8 @@ class Replicator:
             if room:
                 source = _Source(self.pool.get(info.file_bytes), info, 0)
                 Payload(segments).gather(source.buf.address + HEADER_SIZE)
+                pad = info.file_bytes - HEADER_SIZE - info.length  # the file's padding is zeros
+                ctypes.memset(source.buf.address + HEADER_SIZE + info.length, 0, pad)
             with self._lock:
                 if source is not None:
                     self._copies[key] = source
@@ -174,8 +177,18 @@ class Replicator:
                 except Exception:  # a bug must not stop catch-up for good, nor reach a caller
                     log.exception("kvstream: background replication to tier %d failed", k)
             with self._lock:
-                if not started and not self._closing:  # nothing owed: wait for owe(); else look again soon
-                    self._work.wait(IDLE_S if any(self._owed) else None)
+                if not started and not self._closing:
+                    self._work.wait(self._idle_wait())
+
+    def _idle_wait(self) -> float | None:
+        """How long the thread may sleep: until a paced tier may go again, IDLE_S with work it cannot
+        start now (reads, puts, a full tier: the end of a get and a finished job wake it sooner), no
+        limit with nothing owed (owe() wakes it)."""
+        if not any(self._owed):
+            return None
+        now = self.clock()
+        paced = [t - now for t, owed, busy in zip(self._next, self._owed, self._busy) if owed and not busy and t > now]
+        return min([IDLE_S, *paced])
 
     def _start(self, k: int) -> bool:
         """Hand tier ``k``'s next owed page to the writer if the tier may take it now; True if one went."""
@@ -221,10 +234,9 @@ class Replicator:
                     self.stats.add(k, "replication_dropped")
                 return False  # (else no holder can be read now: later)
         self._busy[k] = True
-        t0 = self.clock()
 
-        def done(ok: bool) -> None:
-            self._finished(k, key, source, promoted, ok, t0, epoch)
+        def done(ok: bool, took: float) -> None:
+            self._finished(k, key, source, promoted, ok, took, epoch)
 
         with self._lock:  # (clear() since this began: the copy would bring a cleared page back)
             if epoch != self._epoch:
@@ -236,16 +248,16 @@ class Replicator:
             self.writes.copy(key, source.buf.address + HEADER_SIZE, info, source.created, k, promoted, done)
         return True
 
-    def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, t0: float,
+    def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, took: float,
                   epoch: int) -> None:
-        """The writer's callback (its thread): account, pace the tier, free the source if no tier needs it."""
+        """The writer's callback (its thread): account, pace the tier, free the source if no tier needs
+        it. ``took``: the job's time from its start on the tier (not its wait behind puts and reads)."""
         now = self.clock()
         with self._lock:
             self._busy[k] = False
             if epoch == self._epoch:
                 self._owed[k].pop(key, None)
                 # Pacing: catch-up takes at most `share` of the tier's write time.
-                took = now - t0
                 self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
                 if promoted:
                     self._drop_copy_locked(key)

@@ -81,7 +81,7 @@ class _Page:
 
     __slots__ = ("key", "segments", "length", "block", "file_bytes", "aligned", "crcs", "created", "data",
                  "staging", "header", "users", "targets", "expected", "committed", "left", "calls", "evict",
-                 "copied")
+                 "copied", "started")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -99,7 +99,9 @@ class _Page:
         self.left = 0  # jobs not finished
         self.calls: list[tuple[_Call, int]] = []  # (put, position of the key in it)
         self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
-        self.copied: Callable[[bool], None] | None = None  # a catch-up copy (replication.py): its callback
+        self.copied: Callable[[bool, float], None] | None = None  # a catch-up copy (replication.py): its
+        # callback, told whether it committed and how long its job took from its start
+        self.started = 0.0  # when its (last) job started, monotonic s
 
 
 def replica_fits(queued: int, size: int, w: float, home_queued: int, w_home: float, slack: float) -> bool:
@@ -246,8 +248,8 @@ class WritePath:
              done: Callable[[bool], None]) -> None:
         """Background replication (replication.py): write the page ``info`` describes, its payload at
         ``address`` (4096-aligned, padded), to ``tier`` after the tier's foreground FIFO, held back by
-        reads as any write; ``evict``: it may evict LRU pages to make room. ``done(committed)`` runs on
-        the writer thread. Not a put: no put counter moves, and the budget does not count it."""
+        reads as any write; ``evict``: it may evict LRU pages to make room. ``done(committed, seconds)``
+        runs on the writer thread (seconds: from the job's start on the tier to its end). Not a put: no put counter moves, and the budget does not count it."""
         page = _Page(key, [(address, round_up(info.length))], info.length, info.block, 1 << tier)
         page.length, page.crcs, page.created, page.evict, page.copied = info.length, info.crcs, created, evict, done
         page.data = [(address, round_up(info.length), HEADER_SIZE)]
@@ -605,6 +607,7 @@ class WritePath:
             raise
         request = self.flows[k].request if self.priority.enabled else math.inf
         job = _Job(page, k, fd, tmp, _requests(page, request))
+        page.started = time.monotonic()
         self._active[k].append(job)
         return job
 
@@ -744,7 +747,7 @@ class WritePath:
     def _job_over(self, page: _Page, k: int) -> None:
         """One tier of the page is done (written, failed or skipped); the last one ends the page."""
         if page.copied is not None:
-            page.copied(bool(page.committed))
+            page.copied(bool(page.committed), time.monotonic() - page.started if page.started else 0.0)
             return
         with self._qlock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
