@@ -75,7 +75,7 @@ class Replicator:
         self._owed: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]  # oldest first
         self._copies: dict[str, _Source] = {}  # promoted pages' sources in memory
         self._copy_bytes = 0
-        self._busy = [False] * len(tiers)  # a catch-up job of the tier is with the writer
+        self._busy: list[str | None] = [None] * len(tiers)  # the page of the tier's job with the writer
         self._next = [0.0] * len(tiers)  # pacing: the tier's next job not before this
         self._closing = False
         self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
@@ -149,6 +149,8 @@ class Replicator:
             for owed in self._owed:
                 owed.clear()
             copies, self._copies, self._copy_bytes = self._copies, {}, 0
+            for key in self._busy:  # a job with the writer may still read its source: freed when it ends
+                copies.pop(key, None)
         for source in copies.values():
             self.pool.put(source.buf)
 
@@ -187,13 +189,14 @@ class Replicator:
         if not any(self._owed):
             return None
         now = self.clock()
-        paced = [t - now for t, owed, busy in zip(self._next, self._owed, self._busy) if owed and not busy and t > now]
+        paced = [t - now for t, owed, busy in zip(self._next, self._owed, self._busy)
+                 if owed and busy is None and t > now]
         return min([IDLE_S, *paced])
 
     def _start(self, k: int) -> bool:
         """Hand tier ``k``'s next owed page to the writer if the tier may take it now; True if one went."""
         tier = self.tiers[k]
-        if self._busy[k] or not tier.healthy or self.clock() < self._next[k] or self.priority.reading(k) \
+        if self._busy[k] is not None or not tier.healthy or self.clock() < self._next[k] or self.priority.reading(k) \
                 or not self.writes.idle(k):
             return False
         with self._lock:
@@ -220,7 +223,7 @@ class Replicator:
         promoted = source is not None and source.info is info
         if source is not None and not promoted:  # the page changed since it was read: that copy is stale
             with self._lock:
-                if self._copies.pop(key, None) is source:
+                if key not in self._busy and self._copies.pop(key, None) is source:
                     self._copy_bytes -= source.info.file_bytes
                     self.pool.put(source.buf)
         if not promoted and not self._room(k, info.file_bytes):
@@ -233,15 +236,15 @@ class Replicator:
                         self._owed[k].pop(key, None)
                     self.stats.add(k, "replication_dropped")
                 return False  # (else no holder can be read now: later)
-        self._busy[k] = True
+        self._busy[k] = key
 
         def done(ok: bool, took: float) -> None:
             self._finished(k, key, source, promoted, ok, took, epoch)
 
         with self._lock:  # (clear() since this began: the copy would bring a cleared page back)
-            if epoch != self._epoch:
-                self._busy[k] = False
-                if not promoted:
+            if epoch != self._epoch:  # (clear() freed the promoted copies but this one: it was busy)
+                self._busy[k] = None
+                if not promoted or key not in self._busy:
                     self.pool.put(source.buf)
                 return False
             # A page just read is the most recent of all: it may evict the tier's least recent pages.
@@ -254,15 +257,18 @@ class Replicator:
         it. ``took``: the job's time from its start on the tier (not its wait behind puts and reads)."""
         now = self.clock()
         with self._lock:
-            self._busy[k] = False
+            self._busy[k] = None
+            free = not promoted
             if epoch == self._epoch:
                 self._owed[k].pop(key, None)
                 # Pacing: catch-up takes at most `share` of the tier's write time.
                 self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
                 if promoted:
                     self._drop_copy_locked(key)
+            elif promoted and key not in self._busy:  # cleared meanwhile: clear() left this copy to us
+                free = True
             self._work.notify()
-        if not promoted:
+        if free:
             self.pool.put(source.buf)
         if ok:
             self.stats.add(k, "replication_done")
@@ -275,7 +281,7 @@ class Replicator:
     def _drop_copy_locked(self, key: str) -> None:
         """A promoted page's source leaves memory once no tier is owed the page."""
         source = self._copies.get(key)
-        if source is not None and not any(key in owed for owed in self._owed):
+        if source is not None and key not in self._busy and not any(key in owed for owed in self._owed):
             del self._copies[key]
             self._copy_bytes -= source.info.file_bytes
             self.pool.put(source.buf)
