@@ -145,8 +145,7 @@ class Engine:
                                     self._writes.pool, namespace.digest, enabled=config.catchup,
                                     share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
         self._writes.on_thin = self._replicas.owe
-        self._reads.thinned = lambda key: self._replicas.owe([key])
-        self._reads.promote = self._replicas.promote
+        self._reads.after_get = self._replicas.read
         self._replicas.owe_all()  # what the start-up scan found under-replicated: catch-up resumes
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False

@@ -161,12 +161,9 @@ class ReadPath:
         """Reads of finished calls still in flight (engine-owned buffers)."""
         return self._orphans
 
-    def promote(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: list[bool]) -> None:
-        """Hook set by the engine (replication.py): a call read ``found`` into ``pages``, still the
-        caller's verified copies: pages held only by slower tiers are copied up from them."""
-
-    def thinned(self, key: str) -> None:
-        """Hook set by the engine (replication.py): a damaged copy of ``key`` was removed."""
+    def after_get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: list[bool]) -> None:
+        """Hook set by the engine (replication.py), called before a get returns: ``pages`` hold the
+        caller's verified copies of the pages ``found``; a page that lacks a tier is owed to it."""
 
     def recover(self, missed: list[str], relook: set[str], mask: int) -> int:
         """Hook set by the engine: a call missed ``missed`` (``relook``: keys whose indexed copies were
@@ -195,7 +192,7 @@ class ReadPath:
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
-        self.promote(keys, pages, found)
+        self.after_get(keys, pages, found)
         read = [sum(c.read[k] for c in calls) for k in range(n_tiers)]
         served_by = [sum(c.served[k] for c in calls) for k in range(n_tiers)]
         served = sum(served_by)
@@ -627,7 +624,6 @@ class ReadPath:
         if remove:
             self.tiers[tier].unlink_page(key)
         self.stats.add(tier, "quarantined")
-        self.thinned(key)
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths(self, route, unit: int) -> None:

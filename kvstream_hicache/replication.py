@@ -8,9 +8,11 @@ again, as a promotion, or at the next start if the tier has room then.)
 The :class:`Replicator` owes such a page to each tier that lacks it and writes it there later::
 
     owe(key)                 the tiers that lack it (every tier, failed ones too: written when back)
-    promote(key, segments)   a page just read lacks a tier faster than its fastest holder (another
-                             node's page on the shared tier, a page tier 0 evicted): owed first, and
-                             the caller's copy is kept in memory as the source (budget PROMOTE_SHARE)
+    read(keys, pages, found) after a get: every page it asked for that lacks a tier is owed (a copy
+                             the read removed as damaged, a stray); a page found only on slower tiers
+                             (another node's page on the shared tier, a page tier 0 evicted) is
+                             promoted: owed to the faster tiers first, the caller's copy kept in
+                             memory as the source (at most 1/PROMOTE_SHARE of `memory`)
     the replicator thread, per tier k, while
         tier k is healthy, no get reads from it (nor from the source tier), its write FIFO is empty
         (foreground puts first), its last catch-up job ended long enough ago (pacing: a job that took
@@ -105,10 +107,12 @@ class Replicator:
         """Every indexed page that lacks a tier (after the start-up scan, when a tier rejoined)."""
         self.owe(self.index.keys())
 
-    def promote(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: Sequence[bool]) -> None:
-        """A get read ``keys`` (``found``): each one that lacks a tier faster than its fastest holder is
-        owed to it ahead of the rest, with the caller's copy as its source while memory allows (called
-        before the get returns, when the caller's memory holds the verified page)."""
+    def read(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: Sequence[bool]) -> None:
+        """A get asked for ``keys`` and read ``found`` into ``pages`` (called before it returns, while
+        the caller's memory holds the verified pages). Each page that lacks a tier is owed to it (a copy
+        the read removed as damaged, a stray, a replica skipped or lost); one that lacks a tier faster
+        than its fastest holder is promoted: owed there ahead of the rest, with the caller's copy as
+        its source while memory allows."""
         if not self.enabled:
             return
         healthy = sum(1 << t.k for t in self.tiers if t.healthy)
@@ -136,7 +140,7 @@ class Replicator:
                     self._owed[k][key] = None
                     self._owed[k].move_to_end(key, last=False)
                 self._work.notify()
-        # (a page a read finds on fewer tiers than it should, slower ones, is owed since it lost them)
+        self.owe(keys)  # (after the promoted copies are in place: their jobs must find them)
 
     def pending(self, k: int) -> int:
         """Pages owed to tier ``k`` (a job with the writer included)."""
