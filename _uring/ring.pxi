@@ -25,6 +25,13 @@ def _forked_child():
     _forks += 1
 
 
+def forks():
+    """fork()s between this process and the one that loaded the module (0: that one). The one fork
+    detector: Ring, ThreadRing (io.py) and Engine (engine.py) each note it when opened, and another
+    value means they are in a forked child."""
+    return _forks
+
+
 # A ring's queues are memory shared with the kernel, and after fork() with the parent too: a child that
 # submitted, reaped or even closed (io_uring_queue_exit cancels first) would corrupt the parent's ring.
 _os.register_at_fork(after_in_child=_forked_child)

@@ -5,13 +5,12 @@ LMCache config) and an environment variable ``KVSTREAM_<KEY upper case>``; the e
 over the variable, which wins over the default. The table :data:`SETTINGS` is the single source of
 names, defaults and documentation (docs/design.md lists the same).
 
-Parsing is pure. :meth:`Config.probe_tiers` does the I/O checks (directory exists, writable,
-O_DIRECT works, two tiers on one file system) and runs once when an engine starts.
+Pure: no I/O (a path is made absolute, a duplicate tier found by its real path). probe.py does the
+checks that touch the tiers (directory exists, writable, O_DIRECT works, two tiers on one file
+system, capacities as a share of a file system) once when an engine starts.
 """
 from __future__ import annotations
 
-import errno
-import logging
 import math
 import os
 import re
@@ -19,12 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .errors import ConfigError, TierError
-from .layout import ALIGN, DEFAULT_BLOCK, ROOT_DIR, TMP_DIR, file_size
+from .errors import ConfigError
+from .layout import ALIGN, DEFAULT_BLOCK, file_size
 from .router import parse_policy
-from .tmpfiles import ProbeFailed, probe_direct
-
-log = logging.getLogger("kvstream")
 
 ENV_PREFIX = "KVSTREAM_"
 FSYNC_MODES = ("never", "data", "full")
@@ -33,11 +29,6 @@ FILE_MODES = ("private", "shared")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_CHUNK = 64 << 20  # largest routing block, bytes
 MIN_PAGE_FILE = file_size(1)  # the smallest page file (a 4 KiB header and one 4 KiB block): the least capacity
-# File systems that are kernel interfaces, not storage: a tier there is refused by name, not by the odd
-# errno its first mkdir happens to return (procfs answers ENOENT).
-PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs",
-                       "configfs", "pstore", "bpf", "mqueue", "fusectl", "binfmt_misc", "autofs", "nsfs",
-                       "efivarfs", "rpc_pipefs", "selinuxfs"})
 # Keys SGLang's `dynamic` backend loader puts in the extra config next to ours.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 
@@ -146,13 +137,6 @@ class Capacity(NamedTuple):
                               "unlimited")
         return cls(nbytes=nbytes)
 
-    def resolve(self, path: str) -> int | None:
-        """Bytes allowed on the tier at ``path`` (a share is taken of the file system's size)."""
-        if self.share is None:
-            return self.nbytes
-        st = os.statvfs(path)
-        return int(st.f_blocks * st.f_frsize * self.share)
-
     def __str__(self) -> str:
         if self.share is not None:
             return f"{self.share * 100:.12f}".rstrip("0").rstrip(".") + "%"  # '0.000003%', not '3e-06%'
@@ -165,7 +149,7 @@ class Capacity(NamedTuple):
 @dataclass(frozen=True)
 class TierConfig:
     path: str
-    capacity: Capacity = Capacity()
+    capacity: Capacity = Capacity.parse(SETTINGS["capacity"].default, "capacity")  # (one tier: no limit)
 
 
 def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False) -> str:
@@ -269,14 +253,14 @@ class Config:
                 raw[key], sources[key] = environ[env_name(key)], env_name(key)
             else:
                 raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
-        warnings, tiers = _parse_tiers(raw.pop("tiers"), raw.pop("capacity"), lambda key: _what(sources, key))
+        warnings, tiers = _parse_tiers(raw.pop("tiers"), raw.pop("capacity"), lambda key: setting_source(sources, key))
         return cls(tiers=tiers, **raw, warnings=tuple(warnings), sources=dict(sources))
 
     def __post_init__(self) -> None:
         """Parse and check every setting (the values as written, or already parsed ones: parsing is
         idempotent, so ``dataclasses.replace`` re-checks too); errors name the setting and the fix."""
         def what(key: str) -> str:
-            return _what(self.sources, key)
+            return setting_source(self.sources, key)
 
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)  # frozen: normalise once, here
@@ -356,68 +340,8 @@ class Config:
                 f"{f'on (share {self.catchup_share:g})' if self.catchup else 'off'}; "
                 f"read priority {'on' if self.read_priority else 'off'}")
 
-    # -- I/O checks ---------------------------------------------------------------------------
-    def probe_tiers(self) -> list[str]:
-        """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
-        tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. Returns warnings (two
-        tiers on one file system).
 
-        :raises TierError: naming the tier, the setting and the fix.
-        """
-        warnings = list(self.warnings)
-        self.check_overlap()
-        devices: dict[int, str] = {}
-        for tier in self.tiers:
-            probe_tier(tier.path, self.modes[1], self.sources.get("tiers", env_name("tiers")))
-            dev = os.stat(tier.path).st_dev
-            if dev in devices:
-                warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "
-                                "replicas there add no bandwidth and fail together")
-            devices.setdefault(dev, tier.path)
-        for w in warnings:
-            log.warning("kvstream: %s", w)
-        return warnings
-
-
-    def check_overlap(self) -> None:
-        """Refuse tiers that share a tree: the same directory under two paths the tier list did not
-        catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
-        manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
-        them). Tiers that do not exist yet are left to the probe.
-
-        :raises TierError: naming both tiers, the setting and the fix.
-        """
-        source = _what(self.sources, "tiers")
-        ids: dict[tuple[int, int], str] = {}
-        trees: dict[tuple[int, int], str] = {}
-        for tier in self.tiers:
-            for path, table in ((tier.path, ids), (os.path.join(tier.path, ROOT_DIR), trees)):
-                try:
-                    st = os.stat(path)
-                except (OSError, ValueError):
-                    continue
-                other = table.setdefault((st.st_dev, st.st_ino), tier.path)
-                if table is ids and other != tier.path:
-                    raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
-                                    "mount or another path to it): list it once")
-        for tier in self.tiers:
-            path = os.path.realpath(tier.path)
-            while True:
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    st = None
-                owner = trees.get((st.st_dev, st.st_ino)) if st is not None else None
-                if owner is not None and owner != tier.path:
-                    raise TierError(f"tier {tier.path} (from {source}) is inside {os.path.join(owner, ROOT_DIR)}, the "
-                                    f"directory kvstream manages for tier {owner} (its page and temporary files): "
-                                    "choose a directory outside it")
-                if path == os.path.dirname(path):
-                    break
-                path = os.path.dirname(path)
-
-
-def _what(sources: Mapping[str, str], key: str) -> str:
+def setting_source(sources: Mapping[str, str], key: str) -> str:
     """Where setting ``key`` came from, for messages: the source, and for a default also its names."""
     source = sources.get(key, f"Config argument '{key}'")
     if source.startswith("extra config") or source == env_name(key):
@@ -476,10 +400,10 @@ def _tier_path(entry: str, what: str) -> str:
 
 def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int) -> None:
     """The policy parses and fits the tiers (``tier2`` with two tiers, three static shares for two
-    tiers would fail every read): the route a read would start, over no items, says so."""
+    tiers would fail every read)."""
     spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
     try:
-        parse_policy(spec).start(n_tiers, ())
+        parse_policy(spec).validate(n_tiers)
     except ValueError as exc:
         tiers = f"'tier0' .. 'tier{n_tiers - 1}'" if n_tiers > 1 else "'tier0'"
         raise ConfigError(f"{what}: {policy!r} cannot route reads over {n_tiers} tier{'s' * (n_tiers != 1)} ({exc}); "
@@ -496,98 +420,6 @@ def check_capacities(config: "Config", capacities: list[int | None], page_bytes:
     for tier, cap in zip(config.tiers, capacities):
         if cap is not None and cap < need:
             page = f"a page of {page_bytes} bytes" if page_bytes else "the smallest page"
-            raise ConfigError(f"{_what(config.sources, 'capacity')}: {tier.capacity} of tier {tier.path} is {cap} "
-                              f"bytes, less than one page file ({need} bytes for {page}): give at least {need} "
-                              "bytes, or leave it empty for unlimited")
-
-
-def probe_tier(path: str, dir_mode: int, source: str) -> None:
-    """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support."""
-    try:
-        os.stat(path)
-    except OSError as exc:
-        raise _unreachable(path, source, exc) from None
-    if not os.path.isdir(path):
-        raise TierError(f"tier {path} (from {source}) is not a directory: point the tier list at a directory")
-    fstype = fs_type(path)
-    if fstype in PSEUDO_FS:
-        raise TierError(f"tier {path} (from {source}) is on a {fstype} file system, a kernel interface that "
-                        "cannot store files: put the tier on a disk file system such as ext4 or xfs")
-    tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
-    try:
-        for d in (os.path.join(path, ROOT_DIR), tmp):
-            if os.path.lexists(d) and not os.path.isdir(d):
-                raise TierError(f"tier {path} (from {source}): {d} is in the way (a file, not the directory "
-                                "kvstream keeps its pages in): move or remove it, or choose another directory")
-            if not os.path.isdir(d):
-                try:
-                    os.mkdir(d, dir_mode)
-                except FileExistsError:  # another process (a TP rank) starting now made it first
-                    continue
-                os.chmod(d, dir_mode)  # umask may have cleared group bits
-        probe_direct(tmp, "config")
-    except ProbeFailed as exc:
-        if exc.errno == errno.EINVAL:
-            raise _no_direct(path, source) from None
-        if exc.step != "create":
-            raise TierError(f"tier {path} (from {source}): test {exc.step} failed ({exc.strerror}): "
-                            "check free space, permissions and the mount") from None
-        raise _not_writable(path, source, exc.errno) from None
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            raise _no_direct(path, source) from None
-        raise _not_writable(path, source, exc.errno) from None
-
-
-def _unreachable(path: str, source: str, exc: OSError) -> TierError:
-    """Why ``path`` cannot be reached, in words: a symlink loop, a dangling link, a file on the way, a
-    missing directory (create it), a permission."""
-    if exc.errno == errno.ELOOP:
-        return TierError(f"tier {path} (from {source}) is a symbolic link loop (too many levels of symbolic "
-                         "links): point the tier list at a real directory, or repair the links")
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return TierError(f"tier {path} (from {source}) cannot be reached ({os.strerror(exc.errno)}): fix the "
-                         "permissions of its parent directories, or choose another directory")
-    if os.path.islink(path):
-        return TierError(f"tier {path} (from {source}) is a symbolic link to {os.readlink(path)}, which does not "
-                         "exist: create the target or point the tier list at a directory")
-    parent = os.path.dirname(path)
-    while parent != os.path.dirname(parent) and not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if os.path.lexists(parent) and not os.path.isdir(parent):  # mkdir -p would fail too: say what is in the way
-        return TierError(f"tier {path} (from {source}) cannot be created: {parent} is "
-                         f"{'a dangling symbolic link' if os.path.islink(parent) else 'a file'}, not a directory; "
-                         "correct the tier list or move it")
-    return TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
-                     "or correct the tier list")
-
-
-def fs_type(path: str) -> str | None:
-    """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the deepest mount point
-    above its real path), or None when it cannot be told."""
-    real = os.path.realpath(path)
-    best, kind = -1, None
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) < 5 or not right:
-                    continue
-                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: a space
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= best:  # later lines mount over earlier ones at the same point
-                    best, kind = len(mnt), right.split()[0]
-    except OSError:
-        return None
-    return kind
-
-
-def _not_writable(path: str, source: str, err: int) -> TierError:
-    return TierError(f"tier {path} (from {source}) is not writable ({os.strerror(err)}): "
-                     "fix its permissions or mount, or choose another directory")
-
-
-def _no_direct(path: str, source: str) -> TierError:
-    return TierError(f"tier {path} (from {source}): its file system does not support O_DIRECT (tmpfs on older "
-                     "kernels, some FUSE/overlay mounts): put the tier on a disk file system such as ext4 or xfs")
+            raise ConfigError(f"{setting_source(config.sources, 'capacity')}: {tier.capacity} of tier {tier.path} "
+                              f"is {cap} bytes, less than one page file ({need} bytes for {page}): give at least "
+                              f"{need} bytes, or leave it empty for unlimited")

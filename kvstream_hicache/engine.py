@@ -19,28 +19,28 @@ call either completes or raises EngineClosedError.
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
 the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
-child, so in a forked child every engine is closed without touching its rings (``os.register_at_fork``)
-and any call raises EngineClosedError naming fork: open a new Engine in the child. The parent is
-untouched.
+child, so in a forked child an engine is closed without touching its rings (``io.forks()``, the one
+fork detector, tells) and any call raises EngineClosedError naming fork: open a new Engine in the
+child. The parent is untouched.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from . import tmpfiles
 from .config import Config, check_capacities
+from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import (
-    VANISHED, Problem, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
+    Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
-from .io import RING_ENTRIES, ThreadRing, open_ring
+from .io import RING_ENTRIES, ThreadRing, forks, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
 from .reads import ReadPath
@@ -50,7 +50,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
-from .writes import WritePath
+from .writes import WritePath, WriteSettings
 
 log = logging.getLogger("kvstream")
 
@@ -59,19 +59,6 @@ log = logging.getLogger("kvstream")
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSED = "kvstream engine is closed"
-
-_open_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child every inherited engine is closed without a syscall on its rings (the parent
-    still uses them: io_uring's queues are memory shared with the parent)."""
-    for engine in list(_open_engines):
-        engine._forked()
-    _open_engines.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Engine:
@@ -99,21 +86,20 @@ class Engine:
         self._closed = True
         self._closed_why = CLOSED
         self._pid = os.getpid()
+        self._forks = forks()
         if config.log_level:
             log.setLevel(config.log_level)
         self.config = config
         self.namespace = namespace
-        self.warnings = config.probe_tiers()
+        self.warnings = probe_tiers(config)
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
-        capacities = [t.capacity.resolve(t.path) for t in config.tiers]
+        capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
         check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
-        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync,
-                           config.tier_retry, self._token, clock) for k, (t, cap) in enumerate(zip(config.tiers,
-                                                                                                 capacities))]
-        for tier in self.tiers:
-            tier.on_rejoin = self._reconcile
+        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
+                           self._token, clock, self._reconcile)
+                      for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
         self.scan = self._rebuild_index()
@@ -135,21 +121,17 @@ class Engine:
         share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, share, namespace.digest, self.priority)
-        self._reads.recover = self._recover
+                               config.read_timeout, share, namespace.digest, self.priority, self._recover,
+                               lambda keys, pages, found: self._replicas.read(keys, pages, found))
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                                 namespace.digest, self.priority, staging_limit=half, ceiling=share,
-                                 replicate=config.replicate, slack=config.replicate_slack,
-                                 backlog=config.write_backlog)
+                                 namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
+                                 ceiling=share, thinned=lambda keys: self._replicas.owe(keys))
         self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
                                     self._writes.pool, namespace.digest, enabled=config.catchup,
                                     share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
-        self._writes.on_thin = self._replicas.owe
-        self._reads.after_get = self._replicas.read
         self._replicas.owe_all()  # what the start-up scan found under-replicated: catch-up resumes
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
-        _open_engines.add(self)
         log.log(logging.INFO if announce else logging.DEBUG,
                 "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
                 namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
@@ -204,6 +186,29 @@ class Engine:
         self._discover(keys, mask)
         return self._reads.get(keys, pages, policy or self.policy, mask)
 
+    def pin(self, keys: Sequence[str]) -> list:
+        """Keep ``keys`` from being evicted until :meth:`unpin` (LMCache's lookup-and-lock): one
+        handle per key, None for a key the index lacks."""
+        return self.index.pin(keys)
+
+    def unpin(self, handles) -> None:
+        """Release what :meth:`pin` returned (each handle once)."""
+        self.index.unpin(handles)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` from the index and from every tier (a missing file is already gone);
+        returns how many keys were held. Writes wait meanwhile; a read in progress keeps its pins."""
+        self._check_open()
+        held = 0
+        with self._writes.exclusive():
+            for key in keys:
+                holders = self.index.holders(key)
+                held += bool(holders)
+                for tier in self.tiers:
+                    if holders >> tier.k & 1 and self.index.remove(key, tier.k):
+                        tier.unlink_page(key)
+        return held
+
     def register_memory(self, address: int, nbytes: int) -> bool:
         """Say where pages will be read into (a host pool, a destination buffer): the engine learns
         now, off the read path, whether that memory is huge-page backed, so reads of pages one tier
@@ -236,7 +241,7 @@ class Engine:
         """Remove every page of this namespace from every tier."""
         self._check_open()
         with self._reads.lock, self._writes.exclusive():
-            self._writes.cancel_locked()  # a put in progress reports its pages False
+            self._writes.cancel_under_writer()  # a put in progress reports its pages False
             self._replicas.clear()
             self.index.clear()
             for tier in self.tiers:
@@ -248,19 +253,23 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        _open_engines.discard(self)
+        if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
+            return
         self._reads.drain(CLOSE_DRAIN_S)
         self._reads.close()
         self._replicas.close()
         self._writes.close()
         tmpfiles.release(self._token)
 
-    def _forked(self) -> None:
-        """This is a forked child: closed, without touching the rings (they are the parent's; the
-        rings themselves refuse use and skip their close in a child, io.py and _uring/ring.pxi)."""
+    def _in_fork(self) -> bool:
+        """This is a forked child of the process that opened the engine: closed, its rings untouched
+        (they are the parent's; the rings themselves refuse use and skip their close in a child)."""
+        if forks() == self._forks:
+            return False
         self._closed = True
         self._closed_why = (f"kvstream engine was opened in process {self._pid}; this process ({os.getpid()}) "
                             "is a fork of it and cannot use its I/O rings: open a new Engine in this process")
+        return True
 
     def __enter__(self) -> "Engine":
         return self
@@ -281,8 +290,8 @@ class Engine:
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
-                       write_queued_bytes=writes.queued[k], write_bandwidth=writes.flows[k].rate,
-                       write_window=writes.flows[k].window, replication_pending=self._replicas.pending(k))
+                       write_queued_bytes=writes.queued[k], write_bandwidth=writes.io.flows[k].rate,
+                       write_window=writes.io.flows[k].window, replication_pending=self._replicas.pending(k))
         out["write_backlog_bytes"] = writes.backlog
         out["replication_pending"] = sum(row["replication_pending"] for row in out["tiers"])
         reads, writes = self._reads.pool, writes.pool
@@ -311,7 +320,7 @@ class Engine:
                 indexed = set(self.index.keys(k))
                 for key in sorted(indexed - valid.keys()):
                     problems.append(Problem("index_stale", tier.root, tier.layout.page_path(key),
-                                            "indexed but not on disk", fixed=fix))
+                                            "indexed but not on disk", Reason.INDEX, fixed=fix))
                     if fix:
                         self.index.remove(key, k)
                 for key in sorted(indexed & valid.keys()):
@@ -322,7 +331,7 @@ class Engine:
                     # page. Fixed as a read would: forget this copy (the file stays), or, where it was the
                     # only indexed copy, index the version on disk.
                     problems.append(Problem("index_stale", tier.root, page.path, "indexed with other content than "
-                                            "the file holds (another writer's version)", fixed=fix))
+                                            "the file holds (another writer's version)", Reason.INDEX, fixed=fix))
                     if fix:
                         self.index.remove(key, k)
                         if not self.index.holders(key):
@@ -333,7 +342,7 @@ class Engine:
                         continue  # another writer's version of an indexed page: valid, kept, not indexed
                     # A bug, or (shared namespace) another process's page that discovery will find.
                     problems.append(Problem("index_missing", tier.root, page.path, "on disk but not indexed",
-                                            fixed=fix))
+                                            Reason.INDEX, fixed=fix))
                     if fix:
                         self._index_page(k, page)
         return problems
@@ -345,7 +354,7 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._in_fork():
             raise EngineClosedError(self._closed_why)
 
     def _healthy_mask(self) -> int:
@@ -427,7 +436,7 @@ class Engine:
             for page in pages:
                 if page.problem is None:
                     entries.append((page.header.created_ns, k, page))
-                elif page.problem.detail != VANISHED:
+                elif page.problem.reason is not Reason.VANISHED:
                     problem = fix_problem(page.problem)
                     if problem.fixed:
                         damaged += 1
@@ -475,7 +484,7 @@ class Engine:
         return f"<Engine {self.namespace.digest} {len(self.tiers)} tiers, {state}>"
 
     def __del__(self):
-        if not getattr(self, "_closed", True):
+        if not getattr(self, "_closed", True) and not self._in_fork():
             import warnings
 
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)

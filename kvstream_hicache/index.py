@@ -8,7 +8,12 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
     pin(keys) ... unpin(keys)                       (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
 
-Every method takes the index lock; the engine's read, write and existence threads call at once.
+The engine's read, write and existence threads call at once. Every method that changes the index,
+and ``keys``, takes the index lock; the one-key queries (``get``, ``holders``, ``contains``,
+``prefix_len``, ``pages_on``, ``len``) do not: each reads one dict entry or one length, which the
+GIL makes atomic, and answers what was true at some moment during the call (the existence queries
+SGLang's prefetch thread asks must not wait behind an eviction). Methods ending ``_under_index``
+run with the lock held.
 Victims are removed from the index *before* the caller deletes their files, so a reader either
 pinned a page before it was chosen (it is then not chosen) or never finds it.
 """
@@ -133,11 +138,11 @@ class Index:
             excess = self.used[tier] + self.reserved[tier] + nbytes - cap
             if excess > 0 and not evict:
                 return None
-            victims = self._victims_locked(tier, excess) if excess > 0 else []
+            victims = self._victims_under_index(tier, excess) if excess > 0 else []
             if victims is None:
                 return None
             for key in victims:
-                self._drop_locked(key, tier)
+                self._drop_under_index(key, tier)
             self.evictions[tier] += len(victims)
             self.reserved[tier] += nbytes
             return victims
@@ -146,9 +151,9 @@ class Index:
         """Evict least-recent unpinned pages of ``tier`` totalling >= ``nbytes`` (or as many as
         there are), regardless of capacity: the file system said ENOSPC."""
         with self._lock:
-            victims = self._victims_locked(tier, nbytes, partial=True) or []
+            victims = self._victims_under_index(tier, nbytes, partial=True) or []
             for key in victims:
-                self._drop_locked(key, tier)
+                self._drop_under_index(key, tier)
             self.evictions[tier] += len(victims)
             return victims
 
@@ -173,7 +178,7 @@ class Index:
             if info is not None and not info.same_content(length, block, crcs):
                 displaced = [t for t in tiers_in(info.tiers) if t != tier]
                 for t in tiers_in(info.tiers):  # this tier's own entry too: it described the other content
-                    self._drop_locked(key, t)
+                    self._drop_under_index(key, t)
                 info = self._pages.get(key)
             if info is None:
                 info = self._pages[key] = PageInfo(length, block, crcs, file_bytes)
@@ -188,7 +193,7 @@ class Index:
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:
-            return self._drop_locked(key, tier)
+            return self._drop_under_index(key, tier)
 
     def clear(self) -> None:
         with self._lock:
@@ -198,7 +203,7 @@ class Index:
             self.used = [0] * self.n_tiers
 
     # -- internals ------------------------------------------------------------------------------
-    def _victims_locked(self, tier: int, nbytes: int, partial: bool = False) -> list[str] | None:
+    def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[str] | None:
         victims: list[str] = []
         freed = 0
         for key in self._lru[tier]:
@@ -213,7 +218,7 @@ class Index:
             return None
         return victims
 
-    def _drop_locked(self, key: str, tier: int) -> bool:
+    def _drop_under_index(self, key: str, tier: int) -> bool:
         info = self._pages.get(key)
         bit = 1 << tier
         if info is None or not info.tiers & bit:

@@ -22,6 +22,7 @@ released, so verifying costs a fraction of the memcpy that follows (figures in d
 """
 from __future__ import annotations
 
+import enum
 import errno
 import fcntl
 import os
@@ -31,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .io import crc32c  # SSE4.2, the GIL released for large inputs
+from .probe import check_overlap
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
     is_valid_key, key_of_page_file, n_blocks,
@@ -48,8 +50,6 @@ _FIXED = struct.Struct("<8sHHIQQ16sH")  # magic .. key length (50 bytes)
 _KEY_OFF = 64
 _CRC_OFF = 272
 _HCRC_OFF = HEADER_SIZE - 4
-VANISHED = "vanished during the scan"
-UNREADABLE = "unreadable"  # detail of a 'damaged' or 'corrupt' file an I/O error kept from being read
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
 
@@ -121,19 +121,31 @@ def block_crcs(segments: Sequence[Segment], length: int, block: int) -> tuple[in
 
 
 # ------------------------------------------------------------------------------------ scanning
+class Reason(str, enum.Enum):
+    """Why a file is a problem, for code to act on (``Problem.detail`` says it for people). A str:
+    ``check --json`` writes its value."""
+
+    INVALID = "invalid"  # read, and not a valid page there (header, checksum, length, place, name, type)
+    UNREADABLE = "unreadable"  # an I/O error kept it from being read: the file itself may be valid
+    VANISHED = "vanished"  # removed while being looked at (another process, an operator): not a problem
+    LEFTOVER = "leftover"  # a temporary file of a writer that is gone
+    INDEX = "index"  # the index and the disk disagree
+
+
 class Problem(NamedTuple):
     """One finding of :func:`check_tiers` / ``Engine.check``.
 
     kind: 'damaged' (header unusable), 'corrupt' (a payload block fails its CRC), 'truncated',
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
     'stray' (a file no engine writes), 'index_missing' (valid on disk, not indexed),
-    'index_stale' (indexed, not on disk).
+    'index_stale' (indexed, not on disk, or with other content).
     """
 
     kind: str
     tier: str
     path: str
     detail: str
+    reason: Reason
     fixed: bool = False
 
 
@@ -225,12 +237,13 @@ def scan_shard(layout: TierLayout, digest: str, shard: str, *, payload: bool = F
     except FileNotFoundError:
         return []
     except NotADirectoryError:  # a file where kvstream keeps only <key[:2]> directories
-        return [ScannedPage(path, None, Problem("stray", layout.root, path, "not a shard directory"), 0)]
+        problem = Problem("stray", layout.root, path, "not a shard directory", Reason.INVALID)
+        return [ScannedPage(path, None, problem, 0)]
     return [_scan_one(layout, digest, shard, entry.name, entry.path, payload) for entry in entries]
 
 
 def scan_file(layout: TierLayout, digest: str, key: str, *, payload: bool = False) -> ScannedPage:
-    """The page file of ``key`` on one tier, validated (a missing file is a 'stray' VANISHED); with
+    """The page file of ``key`` on one tier, validated (a missing file: a Reason.VANISHED 'stray'); with
     ``payload`` every block is checked against the file's own header too."""
     return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), payload)
 
@@ -243,8 +256,11 @@ def scan_pages(layout: TierLayout, digest: str, *, payload: bool = False) -> Ite
 
 
 def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool) -> ScannedPage:
-    def bad(kind: str, detail: str, size: int = 0) -> ScannedPage:
-        return ScannedPage(path, None, Problem(kind, layout.root, path, detail), size)
+    def bad(kind: str, detail: str, size: int = 0, reason: Reason = Reason.INVALID) -> ScannedPage:
+        return ScannedPage(path, None, Problem(kind, layout.root, path, detail, reason), size)
+
+    def unreadable(kind: str, exc: OSError, size: int = 0) -> ScannedPage:
+        return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
 
     key = key_of_page_file(name)
     if key is None or key[:2] != shard:
@@ -252,13 +268,13 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     try:
         header, size = read_header(path)
     except FileNotFoundError:
-        return bad("stray", VANISHED)
+        return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
     except NotRegularFile as exc:
         return bad("stray", f"{exc.strerror}, not a page file")
     except HeaderError as exc:
         return bad("damaged", str(exc))
     except OSError as exc:
-        return bad("damaged", f"{UNREADABLE}: {os.strerror(exc.errno or errno.EIO)}")
+        return unreadable("damaged", exc)
     if header.digest != digest or header.key != key:
         return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size)
     if size < file_size(header.length):
@@ -267,7 +283,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         try:
             why = verify_payload(path, header)
         except OSError as exc:
-            why = f"{UNREADABLE}: {os.strerror(exc.errno or errno.EIO)}"
+            return unreadable("corrupt", exc, size)
         if why:
             return bad("corrupt", why, size)
     return ScannedPage(path, header, None, size)
@@ -285,7 +301,7 @@ def check_tier(layout: TierLayout, digest: str, *, fix: bool = False, payload: b
     for page in scan_pages(layout, digest, payload=payload):
         if page.problem is None:
             valid[page.header.key] = page
-        elif page.problem.detail != VANISHED:
+        elif page.problem.reason is not Reason.VANISHED:
             problems.append(fix_problem(page.problem, fix))
     return problems, valid
 
@@ -304,7 +320,7 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     :raises TierError: two tiers overlap (one inside another's ``kvstream`` tree, or one directory
         twice): walking both would take one tier's files for the other's strays.
     """
-    config.check_overlap()
+    check_overlap(config)
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     for tier in config.tiers:
@@ -325,9 +341,10 @@ def _digests(base: str) -> list[str]:
 def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str] | None, fix: bool) -> list[Problem]:
     """Temporary leftovers (``orphan_tmp``) and directories (``stray``: kvstream never makes one there)
     in one tier's temporary directory; with ``fix`` the leftovers are removed, directories never."""
-    return [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover"), fix)
+    return [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER), fix)
             for path in stale_tmp(tmp_dir, live_tokens)] + \
-           [fix_problem(Problem("stray", root, path, "a directory in kvstream's temporary directory"), fix)
+           [fix_problem(Problem("stray", root, path, "a directory in kvstream's temporary directory",
+                                       Reason.INVALID), fix)
             for path in tmp_dirs(tmp_dir)]
 
 
@@ -337,7 +354,7 @@ def fix_problem(problem: Problem, fix: bool = True) -> Problem:
     tier's tree or anything else an operator keeps there."""
     if not fix:
         return problem
-    if problem.detail.startswith(UNREADABLE):  # EMFILE, EIO, ESTALE...: the file itself may be valid
+    if problem.reason is Reason.UNREADABLE:  # EMFILE, EIO, ESTALE...: the file itself may be valid
         return problem._replace(detail=f"{problem.detail}; left in place: an error kept it from being read, "
                                        f"not the file's content (check again once the tier reads)")
     try:

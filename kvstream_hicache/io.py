@@ -32,26 +32,16 @@ from typing import Iterable
 # The extension is required: a missing build is an install error, not something to paper over.
 from ._uring import (
     ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, PageMap, Ring,
-    copy, crc32c,
+    copy, crc32c, forks,
 )
 
 __all__ = [
     "ALIGN", "HUGE_PAGE_SIZE", "MAX_VECTOR", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring",
     "ThreadRing",
-    "open_ring", "byte_view", "Vector", "crc32c", "copy", "CRC32C_IMPL", "ENGINES", "PageMap",
+    "open_ring", "byte_view", "Vector", "crc32c", "copy", "CRC32C_IMPL", "ENGINES", "PageMap", "forks",
 ]
 
 log = logging.getLogger("kvstream")
-
-_forks = 0  # fork()s between this process and the one that imported the module (see ThreadRing)
-
-
-def _forked_child() -> None:
-    global _forks
-    _forks += 1
-
-
-os.register_at_fork(after_in_child=_forked_child)
 
 ENGINES = ("uring", "threads", "auto")
 SETTING = "KVSTREAM_IO_ENGINE"  # the setting that picks the engine (config.py decides it; named in messages)
@@ -193,7 +183,7 @@ class ThreadRing:
         self._done: deque[tuple[int, int]] = deque()  # completed, not yet reaped
         self._views: dict[int, memoryview] = {}  # tag -> view pinning the caller's buffer until reaped
         self._closed = False
-        self._forks_at_open = _forks
+        self._forks_at_open = forks()
         self.owner_pid = os.getpid()
 
     # -- interface --------------------------------------------------------------------------
@@ -249,7 +239,7 @@ class ThreadRing:
         """Idempotent. Waits for in-flight ops (they touch caller memory), then stops the pool."""
         if self._closed:
             return
-        if self._forks_at_open != _forks:  # a forked child: the pool's threads are the parent's
+        if self._forks_at_open != forks():  # a forked child: the pool's threads are the parent's
             self._closed = True
             return
         self._pool.shutdown(wait=True)  # every queued op runs to completion first
@@ -269,7 +259,7 @@ class ThreadRing:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
-            if self._forks_at_open == _forks:
+            if self._forks_at_open == forks():
                 import warnings
 
                 warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
@@ -279,7 +269,7 @@ class ThreadRing:
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("I/O engine is closed")
-        if self._forks_at_open != _forks:
+        if self._forks_at_open != forks():
             raise RuntimeError(f"this ThreadRing was opened in process {self.owner_pid}, of which this process is a "
                                "fork (its threads are not here): open a new one in this process")
 

@@ -407,6 +407,12 @@ class Policy:
 
     name: str = "policy"
 
+    def validate(self, n_tiers: int) -> None:
+        """:raises ValueError: the policy cannot route reads over ``n_tiers`` tiers (it names a tier, or
+        gives shares, that are not there). Its own parameters were checked when it was made."""
+        if n_tiers < 1:
+            raise ValueError(f"n_tiers must be >= 1, got {n_tiers}")
+
     def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:  # pragma: no cover
         raise NotImplementedError
 
@@ -461,10 +467,14 @@ class StaticSplit(Policy):
             return "static-" + "/".join(f"{s:g}" for s in self.g)
         return f"static-{self.g:g}"
 
+    def validate(self, n_tiers: int) -> None:
+        super().validate(n_tiers)
+        if isinstance(self.g, tuple) and len(self.g) != n_tiers:
+            raise ValueError(f"{self.name}: {len(self.g)} shares for {n_tiers} tiers")
+
     def shares(self, n_tiers: int) -> list[float]:
+        self.validate(n_tiers)
         if isinstance(self.g, tuple):
-            if len(self.g) != n_tiers:
-                raise ValueError(f"{self.name}: {len(self.g)} shares for {n_tiers} tiers")
             total = sum(self.g)
             return [s / total for s in self.g]
         if n_tiers == 1:
@@ -488,9 +498,13 @@ class SingleTier(Policy):
     def name(self) -> str:  # type: ignore[override]
         return f"tier{self.tier}"
 
-    def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:
+    def validate(self, n_tiers: int) -> None:
+        super().validate(n_tiers)
         if not 0 <= self.tier < n_tiers:
             raise ValueError(f"{self.name}: no tier {self.tier} among {n_tiers} tiers")
+
+    def start(self, n_tiers: int, holders: Sequence[int]) -> BatchRoute:
+        self.validate(n_tiers)
         shares = [1.0 if k == self.tier else 0.0 for k in range(n_tiers)]
         return _Assigned(n_tiers, holders, self.m, self.depth or 2 * self.m, shares)
 

@@ -63,7 +63,7 @@ class BufferPool:
                 return free.pop()
             slab = SLAB_MIN <= size < HUGE_PAGE_SIZE and self.held_bytes + HUGE_PAGE_SIZE <= self.max_bytes
             if self.held_bytes + (HUGE_PAGE_SIZE if slab else size) > self.max_bytes:
-                self._shed_locked(self.held_bytes + size - self.max_bytes)
+                self._shed_under_pool(self.held_bytes + size - self.max_bytes)
             self.held_bytes += HUGE_PAGE_SIZE if slab else size  # counted now: another thread sees it
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         # Outside the lock: zeroing new memory faults it in.
@@ -95,7 +95,7 @@ class BufferPool:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._idle += buf.nbytes
                 return
-            self._free_locked(buf)
+            self._free_under_pool(buf)
 
     def close(self) -> None:
         """Free idle buffers (buffers still out belong to in-flight ops and are freed by GC)."""
@@ -103,9 +103,9 @@ class BufferPool:
             free, self._free, self._idle = self._free, {}, 0
             for bufs in free.values():
                 for buf in bufs:
-                    self._free_locked(buf)
+                    self._free_under_pool(buf)
 
-    def _shed_locked(self, nbytes: int) -> None:
+    def _shed_under_pool(self, nbytes: int) -> None:
         """Free idle buffers until ``nbytes`` of held memory went (or nothing more can go): lone
         buffers, and slabs whose every live piece is idle (a piece alone frees nothing)."""
         idle_pieces: dict[int, int] = {}
@@ -120,7 +120,7 @@ class BufferPool:
                 slab = self._slab_of.get(id(b))
                 if nbytes > 0 and (slab is None or idle_pieces[id(slab)] == self._pieces[id(slab)]):
                     before = self.held_bytes
-                    self._free_locked(b)
+                    self._free_under_pool(b)
                     self._idle -= size
                     nbytes -= before - self.held_bytes
                     if slab is not None:  # the slab's other idle pieces follow it (it frees with the last)
@@ -132,7 +132,7 @@ class BufferPool:
             else:
                 del self._free[size]
 
-    def _free_locked(self, buf: AlignedBuffer) -> None:
+    def _free_under_pool(self, buf: AlignedBuffer) -> None:
         buf.close()
         slab = self._slab_of.pop(id(buf), None)
         if slab is None:

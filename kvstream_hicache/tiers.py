@@ -34,6 +34,8 @@ log = logging.getLogger("kvstream")
 TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENODEV, errno.ENXIO,
                          errno.ESTALE, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF})
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
+SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
+# jobs of a batch compete for the room each eviction makes; writes.py's _room_possible_under_writer stops hopeless ones
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -52,10 +54,14 @@ class Tier:
     :param fsync: 'never' | 'data' | 'full'.
     :param retry_s: first back-off after a failure, s.
     :param clock: monotonic clock (injectable for tests).
+    :param on_rejoin: ``on_rejoin(tier)`` before a failed tier rejoins (the engine reconciles the
+        index with what survived on it).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
-                 fsync: str, retry_s: float, token: str, clock: Callable[[], float]):
+                 fsync: str, retry_s: float, token: str, clock: Callable[[], float],
+                 on_rejoin: Callable[["Tier"], None]):
+        self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
         self.root = root
@@ -74,7 +80,9 @@ class Tier:
         self._vanished = False  # failed because its directory went: look for it every LOOK_S
         self._next_look = 0.0
         self._next_forced = 0.0  # the next probe a read with no other holder may force
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the health state below; never held across I/O
+        self._probing = False  # a thread probes the failed tier now (outside the lock)
+        self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
@@ -89,48 +97,63 @@ class Tier:
         every LOOK_S too: a tier that stays dead is not probed by every batch that misses."""
         if self.healthy:
             return True
-        with self._lock:
-            if self.healthy:
-                return True
+        with self._lock:  # (decides who probes; the probe's I/O runs outside it)
+            if self.healthy or self._probing:  # (another thread probes now: its answer comes soon)
+                return self.healthy
             t = self.clock()
             due = t >= self._next_probe
             if not due and now and t >= self._next_forced:
                 self._next_forced = t + LOOK_S
                 due = True
-            if not due and self._vanished and t >= self._next_look:
+            look = not due and self._vanished and t >= self._next_look
+            if look:
                 self._next_look = t + LOOK_S
-                due = not self.gone()
-            if not due:
+            if not (due or look):
                 return False
-            ok, why = self._probe()
+            self._probing = True
+            failures = self._errors
+        ok, why, vanished = False, "", True
+        try:
+            still_gone = look and self.gone()
+            if not still_gone:
+                ok, why = self._probe()
+                if ok:
+                    self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
+                vanished = not ok and self.gone()
+        finally:
+            with self._lock:
+                self._probing = False
+        if still_gone:
+            return False
+        with self._lock:
+            if ok and self._errors != failures:  # failed again while probing: the probe is stale
+                ok, why = False, self.last_error
             if ok:
-                self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
                 self.healthy = True
                 self._backoff = self.retry_s
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
             else:
                 self._backoff = min(self._backoff * 2, MAX_RETRY_S)
                 self._next_probe = self.clock() + self._backoff
-                self._vanished = self.gone()  # back but unusable (read-only, EIO): the back-off alone decides
+                self._vanished = vanished  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
             return self.healthy
-
-    def on_rejoin(self, tier: "Tier") -> None:
-        """Hook set by the engine (reconcile the index with what survived on the tier)."""
 
     def fail(self, err: int, what: str) -> bool:
         """Account an OS error of this tier; mark it failed when ``err`` says the tier (not one
         page) is unusable, or its directory vanished. Returns True when the tier is now failed."""
         if err not in TIER_ERRNOS and not (err == errno.ENOENT and self.gone()):
             return False
+        vanished = self.gone()  # (I/O: before the lock)
         with self._lock:
             self.last_error = f"{what}: {os.strerror(err)}"
+            self._errors += 1
             if self.healthy:
                 self.healthy = False
                 self.failures += 1
                 self._backoff = self.retry_s
                 self._next_probe = self.clock() + self._backoff
-                self._vanished = self.gone()
+                self._vanished = vanished
                 self._next_look = self.clock() + LOOK_S
                 self._dirs.clear()
                 log.warning("kvstream: tier %d (%s) failed (%s); skipping it, next probe in %.0f s",
@@ -183,16 +206,35 @@ class Tier:
                 raise
         return fd, path
 
-    def commit(self, fd: int, tmp_path: str, key: str) -> str:
+    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool]) -> str:
         """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
-        Closes ``fd``. Returns the page directory (fsynced by the caller under fsync=full).
-        :raises OSError: the temporary file is left for :meth:`discard`."""
+        Closes ``fd``. A full tier may refuse the rename itself (a new shard directory or directory
+        block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
+        left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
+        the caller under fsync=full). :raises OSError: the temporary file is left for :meth:`discard`
+        (a failed fdatasync is never retried: the data is not sealed)."""
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)
         finally:
             os.close(fd)
+        for _ in range(SPACE_RETRIES):
+            try:
+                return self.place(tmp_path, key)
+            except OSError as exc:
+                if exc.errno not in SPACE_ERRNOS or not make_room():
+                    raise
         return self.place(tmp_path, key)
+
+    def free_bytes(self, fd: int | None = None) -> int | None:
+        """Bytes free for us on the tier's file system, plus what ``fd``'s file already holds; None:
+        cannot tell."""
+        try:
+            st = os.statvfs(self.root)
+            held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize + held
 
     def place(self, tmp_path: str, key: str) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (creating its shard

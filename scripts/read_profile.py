@@ -9,8 +9,8 @@ Writes 512 MiB of 8 MiB pages (two 4 MiB segments each, in one huge-page buffer 
 engine) through a one-tier engine on the first directory and a two-tier engine on both, then reads
 each batch ``--rounds`` times, the two engines alternating: MB/s, process CPU seconds per GB, bytes
 served per tier, bytes read in place. Then profiles ten one-tier reads (cProfile): the time in
-``_deliver_locked`` is the CRC32C check (and, for staged reads, the fused copy), the rest of
-``_run_locked`` is mostly waiting for completions. Used for docs/benchmarks.md "Device speed".
+``_deliver_under_reads`` is the CRC32C check (and, for staged reads, the fused copy), the rest of
+``_run_under_reads`` is mostly waiting for completions. Used for docs/benchmarks.md "Device speed".
 """
 from __future__ import annotations
 
@@ -85,11 +85,11 @@ def main() -> None:
         dt = time.perf_counter() - t0
         stats = pstats.Stats(profile).stats
         own = {f[2]: (v[2], v[3]) for f, v in stats.items() if f[0].endswith("reads.py")}
-        deliver = own.get("_deliver_locked", (0, 0))[0]
-        run = own.get("_run_locked", (0, 0))[0]
+        deliver = own.get("_deliver_under_reads", (0, 0))[0]
+        run = own.get("_run_under_reads", (0, 0))[0]
         gb = 10 * TOTAL / 1e9
-        print(f"1 tier, profiled: {gb / dt:.2f} GB/s; verify (_deliver_locked) {deliver / gb:.3f} s/GB, "
-              f"waiting for completions and routing (_run_locked itself) {run / gb:.3f} s/GB, "
+        print(f"1 tier, profiled: {gb / dt:.2f} GB/s; verify (_deliver_under_reads) {deliver / gb:.3f} s/GB, "
+              f"waiting for completions and routing (_run_under_reads itself) {run / gb:.3f} s/GB, "
               f"wall {dt / gb:.3f} s/GB")
     finally:
         for engine, _ in engines.values():

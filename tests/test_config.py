@@ -8,7 +8,8 @@ from unittest import mock
 
 import pytest
 
-from kvstream_hicache.config import SETTINGS, Capacity, Config, env_name, parse_bytes, parse_flag, probe_tier
+from kvstream_hicache.config import SETTINGS, Capacity, Config, env_name, parse_bytes, parse_flag
+from kvstream_hicache.probe import probe_tier, probe_tiers, resolve_capacity
 from kvstream_hicache.errors import ConfigError, TierError
 
 
@@ -83,8 +84,8 @@ def test_capacity_per_tier_single_value_and_share(tier_dirs):
     caps = [t.capacity for t in config.tiers]
     assert caps == [Capacity(nbytes=1 << 30), Capacity(), Capacity(share=0.5)]
     st = os.statvfs(tier_dirs[2])
-    assert caps[2].resolve(tier_dirs[2]) == int(st.f_blocks * st.f_frsize * 0.5)
-    assert caps[1].resolve(tier_dirs[1]) is None
+    assert resolve_capacity(caps[2], tier_dirs[2]) == int(st.f_blocks * st.f_frsize * 0.5)
+    assert resolve_capacity(caps[1], tier_dirs[1]) is None
 
 
 @pytest.mark.parametrize("value,match", [
@@ -133,18 +134,18 @@ def test_duplicate_directory_is_dropped_with_a_warning(tier_dirs):
 def test_probe_missing_directory(tier_root):
     missing = os.path.join(tier_root, "nope")
     with pytest.raises(TierError, match="does not exist.*mkdir -p"):
-        cfg({"tiers": [missing]}).probe_tiers()
+        probe_tiers(cfg({"tiers": [missing]}))
 
 
 def test_probe_not_a_directory(tier_root):
     path = os.path.join(tier_root, "file")
     open(path, "w").close()
     with pytest.raises(TierError, match="not a directory"):
-        cfg({"tiers": [path]}).probe_tiers()
+        probe_tiers(cfg({"tiers": [path]}))
 
 
 def test_probe_same_file_system_warns(tier_dirs):
-    warnings = cfg({"tiers": tier_dirs[:2]}).probe_tiers()
+    warnings = probe_tiers(cfg({"tiers": tier_dirs[:2]}))
     assert any("same file system" in w for w in warnings)
     assert os.path.isdir(os.path.join(tier_dirs[0], "kvstream", "tmp"))
     assert oct(os.stat(os.path.join(tier_dirs[0], "kvstream")).st_mode & 0o777) == "0o700"
@@ -222,3 +223,26 @@ def test_discover_flag(tier_dirs):
     assert cfg({"tiers": tier_dirs[:1]}, {"KVSTREAM_DISCOVER": "off"}).discover is False
     with pytest.raises(ConfigError, match="discover"):
         cfg({"tiers": tier_dirs[:1], "discover": "maybe"})
+
+
+def test_config_does_no_io():
+    """Parsing is pure: the checks that touch the tiers are probe.py's."""
+    import inspect
+    import re
+
+    from kvstream_hicache import config
+
+    calls = re.findall(r"\b(os\.(?:stat|lstat|statvfs|mkdir|chmod|open|scandir|listdir|readlink)|open|probe_direct|"
+                       r"os\.path\.(?:isdir|exists|lexists|islink))\(", inspect.getsource(config))
+    assert calls == []
+
+
+def test_a_policy_validates_against_the_tier_count_without_building_a_route():
+    from kvstream_hicache.router import CompletionDriven, SingleTier, StaticSplit
+
+    CompletionDriven().validate(3)
+    SingleTier(1).validate(2)
+    with pytest.raises(ValueError, match="no tier 2"):
+        SingleTier(2).validate(2)
+    with pytest.raises(ValueError, match="3 shares for 2 tiers"):
+        StaticSplit((0.5, 0.3, 0.2)).validate(2)

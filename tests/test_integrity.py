@@ -172,3 +172,22 @@ def test_check_tiers_finds_and_fixes(tier_dirs):
     assert os.path.exists(good)
     header_, size = read_header(good)
     assert header_.key == "aa" + "0" * 62 and size == file_size(5000)
+
+
+def test_a_problem_says_its_reason_as_an_enum_and_its_detail_for_people(tmp_path):
+    """Code acts on Problem.reason (a vanished file is no problem, an unreadable one is never removed);
+    the detail is free text."""
+    from kvstream_hicache.integrity import Reason, fix_problem, scan_file
+    from kvstream_hicache.layout import TierLayout
+
+    layout = TierLayout(str(tmp_path), "0" * 32)
+    os.makedirs(os.path.dirname(layout.page_path("ab")))
+    gone = scan_file(layout, "0" * 32, "ab").problem
+    assert gone.reason is Reason.VANISHED and gone.kind == "stray"
+    with open(layout.page_path("ab"), "wb") as f:
+        f.write(b"not a header")
+    bad = scan_file(layout, "0" * 32, "ab").problem
+    assert bad.reason is Reason.INVALID and bad.kind == "damaged"
+    unreadable = bad._replace(reason=Reason.UNREADABLE)
+    assert not fix_problem(unreadable).fixed and os.path.exists(layout.page_path("ab"))
+    assert fix_problem(bad).fixed and not os.path.exists(layout.page_path("ab"))

@@ -260,7 +260,7 @@ def test_readme_and_design_name_every_core_module():
 
 
 def test_docs_give_the_enospc_retry_count():
-    from kvstream_hicache.writes import SPACE_RETRIES
+    from kvstream_hicache.tiers import SPACE_RETRIES
 
     for doc in (("docs", "design.md"), ("docs", "guarantees.md")):
         assert f"up to {SPACE_RETRIES} times" in _read(*doc), doc

@@ -127,7 +127,7 @@ class GatedEngine:
 
     def __init__(self, engine):
         self.engine = engine
-        self.index = engine.index
+        self.pin, self.unpin = engine.pin, engine.unpin
         self.entered = threading.Event()
         self.release = threading.Event()
         self.batches: list[int] = []
@@ -205,7 +205,7 @@ class Exploding:
 
     def __init__(self, engine):
         self.engine = engine
-        self.index = engine.index
+        self.pin, self.unpin = engine.pin, engine.unpin
 
     def get(self, *_):
         raise RuntimeError("injected get failure")

@@ -135,7 +135,7 @@ def test_reads_into_caller_memory_land_before_a_failing_call_returns(tier_dirs, 
     engine, pages, keys = stored(tier_dirs[:1], 3, io_engine, plan=plan)
     with engine:
         direct = huge(pages)  # (without huge pages every read is staged: nothing to wait for)
-        ring = engine._reads.ring
+        ring = engine._reads.io.ring
         real, calls = ring.reap, []
 
         def reap(*args, **kwargs):
@@ -214,20 +214,20 @@ def test_the_huge_page_answer_never_blocks_the_read_path():
 
 
 def test_a_large_get_holds_a_bounded_number_of_files(tier_dirs, io_engine, monkeypatch):
-    """A get of many pages keeps about MAX_OPEN_FILES read descriptors open at most (an idle one
+    """A get of many pages keeps about READ_FILES_HELD read descriptors open at most (an idle one
     closes, and reopens if its page is read again), not one per page and tier: a batch of any size
     fits the process's descriptor limit."""
-    from kvstream_hicache import reads
+    from kvstream_hicache import files
 
-    monkeypatch.setattr(reads, "MAX_OPEN_FILES", 8)
+    monkeypatch.setattr(files, "READ_FILES_HELD", 8)
     # memory=4M: each tier's window is at most 1 MiB, 16 requests of these 64 KiB pages in flight
     engine, pages, keys = stored(tier_dirs[:2], 96, io_engine, size=64 << 10, chunk="16K", memory="4M")
     with engine:
         assert engine.get(keys, pages.dst_segments) == [True] * 96
         assert all(pages.equal(i) for i in range(96))
         # open: the files of the reads in flight (16 per tier) and at most 8 idle ones, not 2 x 96
-        assert engine._reads.open_files_peak <= 2 * 16 + 8
-        assert engine._reads.drain(30) == 0 and engine._reads._open_files == 0  # (tail duplicates' too)
+        assert engine._reads.files.peak <= 2 * 16 + 8
+        assert engine._reads.drain(30) == 0 and engine._reads.files.open == 0  # (tail duplicates' too)
 
 
 def test_out_of_descriptors_on_a_read_closes_idle_ones_first(tier_dirs, io_engine, fd_limit):
@@ -242,7 +242,7 @@ def test_out_of_descriptors_on_a_read_closes_idle_ones_first(tier_dirs, io_engin
         assert engine.get(keys, pages.dst_segments) == [True] * 96
         assert all(pages.equal(i) for i in range(96))
         assert engine.stats()["tiers"][0]["errors"] == 0
-        assert engine._reads.open_files_peak < 96  # (not one per page)
+        assert engine._reads.files.peak < 96  # (not one per page)
 
 
 def test_registered_memory_takes_reads_in_place_from_the_first_call(tier_dirs, io_engine):

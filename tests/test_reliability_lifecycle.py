@@ -99,7 +99,7 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
                     if "fork" not in str(exc) or "open a new Engine" not in str(exc):
                         return 3
             engine.close()  # a no-op in the child: the parent's rings are not touched
-            rings = (engine._reads.ring, engine._writes.ring)
+            rings = (engine._reads.io.ring, engine._writes.io.ring)
             del rings
             gc.collect()
             with make_engine(tier_dirs[:2], io_engine=io_engine) as mine:  # what the message says to do

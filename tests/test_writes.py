@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvstream_hicache import writes
+from kvstream_hicache import admission, files, writes
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.priority import STALL_S
@@ -253,7 +253,7 @@ def test_clear_and_check_while_writes_wait_for_a_read(tier_dirs):
     (0, 8, 1.0, 0.0, 0.0, True),
 ])
 def test_budget_rule(queued, home, w, w_home, slack, fits):
-    assert writes.replica_fits(queued, 8, w, home, w_home, slack) is fits
+    assert admission.replica_fits(queued, 8, w, home, w_home, slack) is fits
 
 
 def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_dirs):
@@ -272,7 +272,7 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             warm_keys = pages.keys(warm)
             assert pages.put(engine, warm_keys) == [True] * warm  # accepted unmeasured: every replica
             assert [engine.index.holders(k) for k in warm_keys] == [0b11] * warm
-            assert all(engine._writes._bandwidth(k) > 0 for k in range(2))  # both measured now
+            assert all(engine._writes._bandwidth_under_queues(k) > 0 for k in range(2))  # both measured now
             batch = pages.keys(24, 1000)
             assert pages.put(engine, batch) == [True] * 24
             stats = engine.stats()
@@ -309,11 +309,11 @@ def test_out_of_descriptors_is_never_a_failure(tier_dirs, fd_limit):
     pages = PageSet(4096)
     keys = pages.keys(400)
     with make_engine(tier_dirs[:2]) as engine:
-        fd_limit(open_fds() + 6)  # caller buffers and CRC work need none; 6 < 2 x MAX_OPEN_FILES
+        fd_limit(open_fds() + 6)  # caller buffers and CRC work need none; 6 < 2 x TMP_FILES_PER_TIER
         assert pages.put(engine, keys) == [True] * 400
         stats = engine.stats()
         assert stats["pages_failed"] == 0 and all(t["healthy"] and not t["write_failures"] for t in stats["tiers"])
-    assert writes.MAX_OPEN_FILES * 2 > 6  # (so the limit really was below what the path would open)
+    assert files.TMP_FILES_PER_TIER * 2 > 6  # (so the limit really was below what the path would open)
 
 
 # ---------------------------------------------------------------------- a bug in the writer (review)
@@ -325,7 +325,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
     keys = pages.keys(4)
     with make_engine(tier_dirs[:2]) as engine:
         path = engine._writes
-        real = path._prepare_locked
+        real = path._prepare_under_writer
         calls = []
 
         def prepare(page):
@@ -334,7 +334,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
                 raise MemoryError("staging memory (a bug or a real shortage)")
             return real(page)
 
-        monkeypatch.setattr(path, "_prepare_locked", prepare)
+        monkeypatch.setattr(path, "_prepare_under_writer", prepare)
         out = []
         t = threading.Thread(target=lambda: out.append(pages.put(engine, keys)), daemon=True)
         t.start()
@@ -342,7 +342,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
         assert not t.is_alive(), "the put never returned: the writer is stuck"
         assert len(out[0]) == 4 and not all(out[0])
         assert "write path error" in caplog.text
-        monkeypatch.setattr(path, "_prepare_locked", real)
+        monkeypatch.setattr(path, "_prepare_under_writer", real)
         more = pages.keys(4, start=4)
         assert pages.put(engine, more) == [True] * 4  # the writer lives on
         assert pages.checked_get(engine, more) == [True] * 4

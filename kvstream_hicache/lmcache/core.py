@@ -102,7 +102,6 @@ class L2Core:
         self.counters = {k: 0 for k in ("store_tasks", "stored_pages", "store_failed_pages", "lookups",
                                         "lookup_keys", "lookup_hits", "unlocks", "load_tasks", "load_batches",
                                         "loaded_pages", "load_failed_pages", "pooled_tasks_max", "errors")}
-        self._pin, self._unpin = _pin_functions(engine)
         self._workers = [threading.Thread(target=self._load_loop, name="kvstream-l2-load", daemon=True)]
         for w in self._workers:
             w.start()
@@ -156,7 +155,7 @@ class L2Core:
         hits = [False] * len(keys)
         try:
             present = [i for i, k in enumerate(keys) if k is not None]
-            handles = self._pin([keys[i] for i in present]) if present else []
+            handles = self.engine.pin([keys[i] for i in present]) if present else []
             # Pinned first, then checked: a page held only by a failed tier is a miss (unpinned now).
             good = [h is not None and self._readable(keys[i]) for i, h in zip(present, handles)]
             with self._lock:
@@ -171,7 +170,7 @@ class L2Core:
                 self.counters["lookup_hits"] += sum(hits)
             stale = [h for h, g in zip(handles, good) if h is not None and not g]
             if stale:
-                self._unpin(stale)
+                self.engine.unpin(stale)
         except Exception:  # adapter boundary: a miss for LMCache, a warning and a counter for us
             self.report_error("lookup")
             hits = [False] * len(keys)
@@ -205,7 +204,7 @@ class L2Core:
                             del self._pins[key]
                 self.counters["unlocks"] += len(lock_keys)
             if handles:
-                self._unpin(handles)
+                self.engine.unpin(handles)
         except Exception:
             self.report_error("unlock")
 
@@ -252,7 +251,7 @@ class L2Core:
             self._pins.clear()
         if handles:
             try:
-                self._unpin(handles)
+                self.engine.unpin(handles)
             except Exception:
                 self.report_error("unlock at close")
 
@@ -372,14 +371,3 @@ class L2Core:
         with self._lock:
             self.counters["errors"] += 1
         log.warning("kvstream lmcache: %s failed; reported per task to LMCache", what, exc_info=True)
-
-
-def _pin_functions(engine: Any) -> tuple[Callable, Callable]:
-    """(pin(keys) -> [handle | None], unpin(handles)) over the engine's index: a pinned page is
-    never an eviction victim. Prefers ``engine.pin/unpin``; falls back to ``engine.index``."""
-    pin = getattr(engine, "pin", None)
-    unpin = getattr(engine, "unpin", None)
-    if callable(pin) and callable(unpin):
-        return pin, unpin
-    index = engine.index
-    return index.pin, index.unpin

@@ -152,13 +152,8 @@ class Backup:
 
 
 def drop(engine, keys: list[str]) -> None:
-    """Remove the backup pages of a phase (index first, then the files), so phases start alike."""
-    for key in keys:
-        holders = engine.index.holders(key)
-        for tier in engine.tiers:
-            if holders >> tier.k & 1:
-                engine.index.remove(key, tier.k)
-                tier.unlink_page(key)
+    """Remove the backup pages of a phase, so phases start alike."""
+    engine.delete(keys)
 
 
 def run(args, log=print) -> dict:
@@ -296,7 +291,7 @@ def _read(path: Path, ds: Dataset, batch, segs, views) -> tuple[float, dict]:
 
 def _phase(path: Path, name: str, r: int, ds: Dataset, segs, views, src, rate, args) -> dict:
     engine = path.engine
-    n_tiers = len(engine.tiers)
+    n_tiers = len(engine.config.tiers)
     batch = ds.batches[r % ds.n_batches]
     quiet_s, quiet = _read(path, ds, batch, segs, views)
     b_quiet = [t["bandwidth"] for t in quiet["tiers"]]

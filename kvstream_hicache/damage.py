@@ -1,0 +1,73 @@
+"""A copy that failed its check on a read: a transfer fault, a damaged copy, or another writer's version.
+
+The read path verifies every block against the index's checksums. A block that fails is re-read from
+the file outside the ring (buffered, once) to tell a fault of the transfer (the copy on disk is
+intact: read from a replica) from a copy that differs on disk. That copy is checked against its own
+header: intact, it is another writer's version of the page (two processes of the namespace stored
+this key with other bytes), which leaves the index but stays on disk; it is removed only when it
+fails its own header or checksums (damaged). An I/O error on the way is the tier's health, never a
+reason to remove a copy. Runs under the read path's lock (reads.py).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from .index import Index, PageInfo
+from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
+from .layout import HEADER_SIZE, block_span
+from .stats import Stats
+from .tiers import Tier
+
+log = logging.getLogger("kvstream")
+
+
+def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, info: PageInfo, j: int,
+                 why: str) -> bool:
+    """Block ``j`` of ``key`` from ``tier`` failed its ``why`` check ('checksum', 'truncated'). Returns
+    True when the indexed copy is gone from the index (vanished, or another writer's version): the
+    page is worth looking up again on the tiers."""
+    span = block_span(info.length, info.block, j)
+    try:
+        data = _read_block(tier, key, span)
+        differs = len(data) != span.nbytes or crc32c(data) != info.crcs[j]
+    except (FileNotFoundError, NotRegularFile):
+        differs = True
+    except OSError:
+        return False  # the tier is failing: its health, not this page, is the problem
+    if not differs:
+        log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
+                    "intact on disk; read from a replica", j, key, tier.k, why)
+        return False
+    problem = scan_file(tier.layout, digest, key, payload=True).problem
+    if problem is not None and problem.reason is Reason.UNREADABLE:
+        return False  # an I/O error: the tier's health, not this copy, is the problem
+    if problem is not None and problem.reason is not Reason.VANISHED:
+        remove_copy(tier, index, stats, key, f"{why}, block {j}")
+        return False
+    index.remove(key, tier.k)  # kept (another writer's version), or gone
+    if problem is None:
+        stats.add(tier.k, "other_versions")
+        log.info("kvstream: page %s on tier %d is another writer's version (intact, other bytes); kept, "
+                 "read from a copy of the indexed version or indexed in its place", key, tier.k)
+    return True
+
+
+def remove_copy(tier: Tier, index: Index, stats: Stats, key: str, why: str, remove: bool = True) -> None:
+    """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
+    directory stays: kvstream never removes one; ``check`` reports it)."""
+    log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
+                key, tier.k, why, "removed" if remove else "left in place")
+    index.remove(key, tier.k)
+    if remove:
+        tier.unlink_page(key)
+    stats.add(tier.k, "quarantined")
+
+
+def _read_block(tier: Tier, key: str, span) -> bytes:
+    """:raises OSError: e.g. FileNotFoundError."""
+    fd, _ = open_regular(tier.layout.page_path(key))
+    try:
+        return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
+    finally:
+        os.close(fd)

@@ -1,0 +1,103 @@
+"""The state of one get() on the read path: its pages, its requests in flight, what arrived, and the
+figures a finished get records (stats.py). Plain data, used under the read path's lock (reads.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .files import ReadFile
+from .index import PageInfo
+from .io import MAX_VECTOR, PageMap
+from .layout import ALIGN, is_aligned
+from .memory import HugePageMap
+from .segments import Segment
+from .stats import Stats, batch_figures
+
+
+class ReadPage:
+    """One requested page: its index entry, where its payload goes, whether it can be read in place."""
+
+    __slots__ = ("key", "info", "map", "in_place", "single")
+
+    def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment], holders: int, huge: HugePageMap):
+        self.key, self.info = key, info
+        self.map = PageMap(segments, info.length, info.block, info.crcs)
+        # O_DIRECT can target the caller's memory as it is, and does better there than through
+        # staging: huge pages (memory.py)
+        self.in_place = info.length % ALIGN == 0 and len(segments) <= MAX_VECTOR and \
+            all(is_aligned(a, n) and huge.huge(a, n) for a, n in segments)
+        self.single = holders & (holders - 1) == 0  # one usable holder: nobody can race for it
+
+
+class Req:
+    """One read in flight: blocks ``j0 .. j1-1`` of one page from one tier."""
+
+    __slots__ = ("call", "tier", "p", "j0", "j1", "items", "bufs", "file", "nbytes", "t0", "ahead", "orphan")
+
+    def __init__(self, call: "GetCall", tier: int, p: int, j0: int, j1: int, items: list[int], bufs,
+                 file: ReadFile, nbytes: int):
+        self.call, self.tier, self.p, self.j0, self.j1, self.items = call, tier, p, j0, j1, items
+        self.bufs = bufs  # staging buffers, one per block; None: straight into caller memory
+        self.file, self.nbytes = file, nbytes  # (t0, ahead, orphan: set by InFlight.add)
+
+
+class GetCall:
+    """State of one get(): pages, items (page, block), files, first arrivals."""
+
+    def __init__(self, n_tiers: int):
+        self.pages: list[ReadPage] = []
+        self.page_of: list[int] = []  # request position of each entry of ``pages``
+        self.page_tiers: list[int] = []  # per page, tiers that served >= 1 of its blocks (mask)
+        self.items: list[tuple[int, int]] = []  # (index into pages, block)
+        self.holders: list[int] = []
+        self.files: dict[tuple[int, int], ReadFile] = {}
+        self.bad: set[tuple[int, int]] = set()  # (tier, page) found damaged this call
+        self.failed: list[tuple[int, int]] = []  # (tier, item) reads that failed
+        self.route = None
+        self.arrived = bytearray()
+        self.active = True
+        self.in_flight = 0  # requests
+        self.direct_in_flight = 0  # requests into caller memory (the call cannot return before them)
+        self.read = [0] * n_tiers  # bytes transferred per tier
+        self.served = [0] * n_tiers  # first-arrival bytes per tier
+        self.requests = 0
+        self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
+        self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
+        self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
+
+    def pages_done(self) -> list[bool]:
+        """Per page, whether every block arrived."""
+        done = [True] * len(self.pages)
+        for (p, _j), arrived in zip(self.items, self.arrived):
+            if not arrived:
+                done[p] = False
+        return done
+
+
+
+def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, elapsed: float, busy: list[float],
+               policy, flows) -> None:
+    """Count a finished get (its call and, if any, its second chance) and record its batch figures."""
+    n_tiers = len(busy)
+    read = [sum(c.read[k] for c in calls) for k in range(n_tiers)]
+    served_by = [sum(c.served[k] for c in calls) for k in range(n_tiers)]
+    served = sum(served_by)
+    for k in range(n_tiers):
+        if read[k]:
+            stats.add(k, "bytes_read", read[k])
+        if served_by[k]:
+            stats.add(k, "bytes_served", served_by[k])
+        stats.add(k, "read_busy_s", busy[k])
+    stats.total("gets")
+    stats.total("pages_requested", n_keys)
+    stats.total("pages_found", n_found)
+    stats.total("pages_missing", n_keys - n_found)
+    batch = batch_figures(elapsed, served, read, busy, served_by)
+    batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
+                 requests=sum(c.requests for c in calls), direct_bytes=sum(c.direct_bytes for c in calls),
+                 policy=getattr(policy, "name", str(policy)),
+                 duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
+                 retries=sum(getattr(c.route, "retries", 0) for c in calls),
+                 duplicate_bytes=sum(read) - served if served else 0, second_chance=len(calls) - 1,
+                 windows=[f.window for f in flows])
+    stats.record_batch(batch)

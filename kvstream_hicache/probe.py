@@ -1,0 +1,184 @@
+"""The start-up checks that touch the tiers (config.py stays pure): each tier directory exists, is a
+directory on a storage file system, overlaps no other tier's tree, is writable and supports O_DIRECT;
+two tiers on one file system are warned about; a capacity given as a share is resolved against its
+file system. Each failure is a TierError naming the tier, the setting and the fix.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+
+from .config import Capacity, Config, env_name, setting_source
+from .errors import TierError
+from .layout import ROOT_DIR, TMP_DIR
+from .tmpfiles import ProbeFailed, probe_direct
+
+log = logging.getLogger("kvstream")
+
+# File systems that are kernel interfaces, not storage: a tier there is refused by name, not by the odd
+# errno its first mkdir happens to return (procfs answers ENOENT).
+PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs",
+                       "configfs", "pstore", "bpf", "mqueue", "fusectl", "binfmt_misc", "autofs", "nsfs",
+                       "efivarfs", "rpc_pipefs", "selinuxfs"})
+
+
+def probe_tiers(config: Config) -> list[str]:
+    """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
+    tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. Returns warnings (two
+    tiers on one file system).
+
+    :raises TierError: naming the tier, the setting and the fix.
+    """
+    warnings = list(config.warnings)
+    check_overlap(config)
+    devices: dict[int, str] = {}
+    for tier in config.tiers:
+        probe_tier(tier.path, config.modes[1], config.sources.get("tiers", env_name("tiers")))
+        dev = os.stat(tier.path).st_dev
+        if dev in devices:
+            warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "
+                            "replicas there add no bandwidth and fail together")
+        devices.setdefault(dev, tier.path)
+    for w in warnings:
+        log.warning("kvstream: %s", w)
+    return warnings
+
+
+def check_overlap(config: Config) -> None:
+    """Refuse tiers that share a tree: the same directory under two paths the tier list did not
+    catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
+    manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
+    them). Tiers that do not exist yet are left to the probe.
+
+    :raises TierError: naming both tiers, the setting and the fix.
+    """
+    source = setting_source(config.sources, "tiers")
+    ids: dict[tuple[int, int], str] = {}
+    trees: dict[tuple[int, int], str] = {}
+    for tier in config.tiers:
+        for path, table in ((tier.path, ids), (os.path.join(tier.path, ROOT_DIR), trees)):
+            try:
+                st = os.stat(path)
+            except (OSError, ValueError):
+                continue
+            other = table.setdefault((st.st_dev, st.st_ino), tier.path)
+            if table is ids and other != tier.path:
+                raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
+                                "mount or another path to it): list it once")
+    for tier in config.tiers:
+        path = os.path.realpath(tier.path)
+        while True:
+            try:
+                st = os.stat(path)
+            except OSError:
+                st = None
+            owner = trees.get((st.st_dev, st.st_ino)) if st is not None else None
+            if owner is not None and owner != tier.path:
+                raise TierError(f"tier {tier.path} (from {source}) is inside {os.path.join(owner, ROOT_DIR)}, the "
+                                f"directory kvstream manages for tier {owner} (its page and temporary files): "
+                                "choose a directory outside it")
+            if path == os.path.dirname(path):
+                break
+            path = os.path.dirname(path)
+
+
+def resolve_capacity(capacity: Capacity, path: str) -> int | None:
+    """Bytes allowed on the tier at ``path`` (a share is taken of the file system's size)."""
+    if capacity.share is None:
+        return capacity.nbytes
+    st = os.statvfs(path)
+    return int(st.f_blocks * st.f_frsize * capacity.share)
+
+
+def probe_tier(path: str, dir_mode: int, source: str) -> None:
+    """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support."""
+    try:
+        os.stat(path)
+    except OSError as exc:
+        raise _unreachable(path, source, exc) from None
+    if not os.path.isdir(path):
+        raise TierError(f"tier {path} (from {source}) is not a directory: point the tier list at a directory")
+    fstype = fs_type(path)
+    if fstype in PSEUDO_FS:
+        raise TierError(f"tier {path} (from {source}) is on a {fstype} file system, a kernel interface that "
+                        "cannot store files: put the tier on a disk file system such as ext4 or xfs")
+    tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
+    try:
+        for d in (os.path.join(path, ROOT_DIR), tmp):
+            if os.path.lexists(d) and not os.path.isdir(d):
+                raise TierError(f"tier {path} (from {source}): {d} is in the way (a file, not the directory "
+                                "kvstream keeps its pages in): move or remove it, or choose another directory")
+            if not os.path.isdir(d):
+                try:
+                    os.mkdir(d, dir_mode)
+                except FileExistsError:  # another process (a TP rank) starting now made it first
+                    continue
+                os.chmod(d, dir_mode)  # umask may have cleared group bits
+        probe_direct(tmp, "config")
+    except ProbeFailed as exc:
+        if exc.errno == errno.EINVAL:
+            raise _no_direct(path, source) from None
+        if exc.step != "create":
+            raise TierError(f"tier {path} (from {source}): test {exc.step} failed ({exc.strerror}): "
+                            "check free space, permissions and the mount") from None
+        raise _not_writable(path, source, exc.errno) from None
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise _no_direct(path, source) from None
+        raise _not_writable(path, source, exc.errno) from None
+
+
+def _unreachable(path: str, source: str, exc: OSError) -> TierError:
+    """Why ``path`` cannot be reached, in words: a symlink loop, a dangling link, a file on the way, a
+    missing directory (create it), a permission."""
+    if exc.errno == errno.ELOOP:
+        return TierError(f"tier {path} (from {source}) is a symbolic link loop (too many levels of symbolic "
+                         "links): point the tier list at a real directory, or repair the links")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return TierError(f"tier {path} (from {source}) cannot be reached ({os.strerror(exc.errno)}): fix the "
+                         "permissions of its parent directories, or choose another directory")
+    if os.path.islink(path):
+        return TierError(f"tier {path} (from {source}) is a symbolic link to {os.readlink(path)}, which does not "
+                         "exist: create the target or point the tier list at a directory")
+    parent = os.path.dirname(path)
+    while parent != os.path.dirname(parent) and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if os.path.lexists(parent) and not os.path.isdir(parent):  # mkdir -p would fail too: say what is in the way
+        return TierError(f"tier {path} (from {source}) cannot be created: {parent} is "
+                         f"{'a dangling symbolic link' if os.path.islink(parent) else 'a file'}, not a directory; "
+                         "correct the tier list or move it")
+    return TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
+                     "or correct the tier list")
+
+
+def fs_type(path: str) -> str | None:
+    """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the deepest mount point
+    above its real path), or None when it cannot be told."""
+    real = os.path.realpath(path)
+    best, kind = -1, None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) < 5 or not right:
+                    continue
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: a space
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= best:  # later lines mount over earlier ones at the same point
+                    best, kind = len(mnt), right.split()[0]
+    except OSError:
+        return None
+    return kind
+
+
+def _not_writable(path: str, source: str, err: int) -> TierError:
+    return TierError(f"tier {path} (from {source}) is not writable ({os.strerror(err)}): "
+                     "fix its permissions or mount, or choose another directory")
+
+
+def _no_direct(path: str, source: str) -> TierError:
+    return TierError(f"tier {path} (from {source}): its file system does not support O_DIRECT (tmpfs on older "
+                     "kernels, some FUSE/overlay mounts): put the tier on a disk file system such as ext4 or xfs")
