@@ -184,7 +184,7 @@ def test_catchup_stops_at_the_tiers_capacity(tier_dirs):
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-1", "x"])
 def test_a_bad_catchup_share_is_one_clear_message(tier_dirs, share):
-    with pytest.raises(ConfigError, match="catchup_share"):
+    with pytest.raises(ConfigError, match=r"catchup_share.*e\.g\. 0\.75"):  # the setting, the value, the fix
         make_engine(tier_dirs[:1], catchup_share=share)
 
 
