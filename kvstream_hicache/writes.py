@@ -552,6 +552,8 @@ class WritePath:
     def _finish_job_under_writer(self, job: _Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
+        if job.err == 0 and page.copied is not None and not self.index.holders(page.key):
+            job.err = CANCELLED  # a catch-up copy of a page deleted (or cleared) meanwhile: not brought back
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens

@@ -18,7 +18,7 @@ from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import TierLayout
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, make_engine
+from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, make_engine, wait_for_fault
 from test_writes import WAIT_S, wait_until
 
 
@@ -205,3 +205,25 @@ def test_info_and_check_show_under_replicated_pages(tier_dirs, capsys):
     assert "under-replicated: 2 page(s) lack a tier (tier1 lacks 2)" in out and "no problems found" in out
     assert cli.main(["info", "--json", "--tiers", *tier_dirs[:2]]) == 0
     assert json.loads(capsys.readouterr().out)["under_replicated"] == {"pages": 2, "lacking_per_tier": [0, 2]}
+
+
+def test_a_page_deleted_while_its_copy_is_written_is_not_brought_back(tier_dirs):
+    """Engine.delete while a catch-up copy of the page is in flight (its write held in the ring): the
+    copy is discarded, nothing of the page is left on any tier."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+    drop_copies(tier_dirs[1], keys)
+    plan = TierFaultPlan()
+    plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        try:
+            wait_for_fault(plan, WAIT_S, "no catch-up write reached tier 1")
+            assert engine.delete(keys) == 2
+        finally:
+            plan.clear()
+            plan.release()
+        wait_until(lambda: engine.stats()["replication_pending"] == 0, "the copies never ended")
+        assert len(engine.index) == 0 and engine.stats()["tiers"][1]["replication_done"] == 0
+        assert not any(on_disk(engine, k, key) for k in (0, 1) for key in keys)
