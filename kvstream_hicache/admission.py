@@ -1,5 +1,5 @@
 """Admission: which tiers a put's new pages go to. Pure: sizes, bandwidths and capacities in, target
-tiers out (writes.py keeps the queues and counts what was skipped).
+tiers out (writequeue.py keeps the queues and counts what was skipped).
 
 Two rules, in this order, over a batch's new pages in key order:
 

@@ -6,7 +6,7 @@ Composition::
       tiers    [Tier]         health, paths, commit (tiers.py)
       index    Index          key -> tiers, LRU, capacity, pins (index.py, pure)
       reads    ReadPath       read ring + staging pool + router (reads.py, router.py)
-      writes   WritePath      write ring + staging pool + per-tier queues, writer thread (writes.py)
+      writes   WritePath      write ring + staging pool + writer thread (writes.py), per-tier queues (writequeue.py)
       priority ReadPriority   which tiers a read uses now: writes there wait (priority.py)
       replicas Replicator     what each tier is owed, written later from a copy (replication.py)
       stats    Stats          counters, per-batch bound (stats.py)
@@ -50,7 +50,8 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
-from .writes import WritePath, WriteSettings
+from .writequeue import WriteSettings
+from .writes import WritePath
 
 log = logging.getLogger("kvstream")
 
@@ -290,9 +291,9 @@ class Engine:
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
-                       write_queued_bytes=writes.queued[k], write_bandwidth=writes.io.flows[k].rate,
+                       write_queued_bytes=writes.queue.queued[k], write_bandwidth=writes.io.flows[k].rate,
                        write_window=writes.io.flows[k].window, replication_pending=self._replicas.pending(k))
-        out["write_backlog_bytes"] = writes.backlog
+        out["write_backlog_bytes"] = writes.queue.backlog
         out["replication_pending"] = sum(row["replication_pending"] for row in out["tiers"])
         reads, writes = self._reads.pool, writes.pool
         out["memory"] = {"limit_bytes": self.config.memory,

@@ -1,17 +1,21 @@
-"""The state of one get() on the read path: its pages, its requests in flight, what arrived, and the
-figures a finished get records (stats.py). Plain data, used under the read path's lock (reads.py).
+"""The state of one get() on the read path: its plan (pages and blocks from the index entries), its
+requests in flight, what arrived, and the figures a finished get records (stats.py). Used under the
+read path's lock (reads.py).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from .files import ReadFile
 from .index import PageInfo
 from .io import MAX_VECTOR, PageMap
-from .layout import ALIGN, is_aligned
+from .layout import ALIGN, is_aligned, is_valid_key
 from .memory import HugePageMap
 from .segments import Segment
 from .stats import Stats, batch_figures
+
+log = logging.getLogger("kvstream")
 
 
 class ReadPage:
@@ -64,6 +68,35 @@ class GetCall:
         self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
+
+    def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, huge: HugePageMap) -> None:
+        """The call's pages and items (page, block): each key the index holds on a usable tier whose
+        size matches the caller's buffer (``infos``: the pinned index entries)."""
+        if len(pages) != len(keys):
+            raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
+        for i, (key, info) in enumerate(zip(keys, infos)):
+            if info is None:
+                if not is_valid_key(key):
+                    stats.total("invalid_keys")
+                continue
+            segments = pages[i]
+            nbytes = sum(n for _, n in segments)
+            if nbytes != info.length:
+                stats.total("size_mismatch")
+                log.warning("kvstream: page %s holds %d bytes but the caller's buffer has %d; reported missing",
+                            key, info.length, nbytes)
+                continue
+            holders = info.tiers & mask
+            if not holders:
+                continue
+            p = len(self.pages)
+            self.pages.append(ReadPage(key, info, segments, holders, huge))
+            self.page_of.append(i)
+            for j in range(len(info.crcs)):
+                self.items.append((p, j))
+                self.holders.append(holders)
+        self.arrived = bytearray(len(self.items))
+        self.page_tiers = [0] * len(self.pages)
 
     def pages_done(self) -> list[bool]:
         """Per page, whether every block arrived."""

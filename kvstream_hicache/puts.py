@@ -1,7 +1,8 @@
 """What the write path writes: a put (``PutCall``) and its pages (``WritePage``): a page's sources,
 its checksums and header, the staging copy of a page not 4096-aligned in memory, and the writes
-that fill its file. Plain data, used by writes.py under the writer's lock (``PutCall.signal`` also
-without it, for a put with nothing to write).
+that fill its file; a page on one tier (``Job``: its temporary file) and one write request of it in
+flight (``Write``). Plain data, used by writes.py and writequeue.py under the writer's lock
+(``PutCall.signal`` also without it, for a put with nothing to write).
 """
 from __future__ import annotations
 
@@ -151,3 +152,29 @@ class WritePage:
         if pieces:
             ops.append((pieces if len(pieces) > 1 else pieces[0], size, start))
         return ops
+
+
+CANCELLED = -1  # Job.err of a job that clear() cancelled
+
+
+class Write:
+    """One write request in flight: ``nbytes`` of ``job``'s file. ``epoch``: the tier's read epoch
+    when submitted (-1: a read was running), so a completion measures the device only undisturbed."""
+
+    __slots__ = ("job", "tier", "nbytes", "epoch", "t0", "ahead", "orphan")
+
+    def __init__(self, job: "Job", nbytes: int, epoch: int):
+        self.job, self.tier, self.nbytes, self.epoch = job, job.tier, nbytes, epoch
+
+
+class Job:
+    """One page on one tier: a temporary file and the writes that fill it."""
+
+    __slots__ = ("page", "tier", "fd", "tmp", "ops", "next", "in_flight", "err", "tries")
+
+    def __init__(self, page: WritePage, tier: int, fd: int, tmp: str, ops: list[tuple]):
+        self.page, self.tier, self.fd, self.tmp, self.ops = page, tier, fd, tmp, ops
+        self.next = 0  # ops[next:] not yet submitted
+        self.in_flight = 0
+        self.err = 0
+        self.tries = 0

@@ -3,13 +3,13 @@
 Data flow of ``get`` (one call at a time per read ring)::
 
     reap orphans of earlier calls (non-blocking)
-    pin the pages in the index; items = every block of every page held by a usable tier
+    pin the pages in the index; items = every block of every page held by a usable tier (GetCall.plan)
     route = policy.start(n_tiers, holders)                 (router.py, pure)
     loop: claims -> requests: each tier's claimed blocks of one page, adjacent ones merged into one
           read (up to its flow's request size), into staging buffers or straight into caller memory
-          -> submit, reap (inflight.py) -> verify each block's crc32c against the index (staged blocks are
-          copied into the caller's segments in the same pass; a block that fails: damage.py)
-          -> route.complete(tier, item, ok)
+          -> submit, reap (inflight.py) -> delivery.py: verify each block's crc32c against the index
+          (staged blocks copied into the caller's segments in the same pass; a block that fails:
+          damage.py) -> route.complete(tier, item, ok)
           -> each tier's window follows its device (flow.py) -> next claims
     until every item is found or failed (or read_timeout passes)
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
@@ -35,14 +35,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from . import damage
+from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .getcall import GetCall, ReadPage, Req, record_get
-from .index import Index, PageInfo
+from .getcall import GetCall, Req, record_get
+from .index import Index
 from .inflight import InFlight
 from .integrity import NotRegularFile
 from .io import MAX_VECTOR, OP_READ
-from .layout import HEADER_SIZE, is_valid_key, round_up
+from .layout import HEADER_SIZE, round_up
 from .memory import HugePageMap
 from .priority import ReadPriority
 from .segments import Segment
@@ -80,7 +81,6 @@ class ReadPath:
         self.io = InFlight(ring, len(tiers), block, ceiling)
         self.recover = recover
         self.after_get = after_get
-        self.digest = digest
         self.priority = priority
         self.closed = False
         self.tiers = tiers
@@ -91,6 +91,7 @@ class ReadPath:
         self.lock = threading.Lock()
         self.huge = HugePageMap()
         self.files = ReadFiles()
+        self.delivery = Delivery(tiers, index, stats, digest)
 
     @property
     def orphans(self) -> int:
@@ -126,7 +127,7 @@ class ReadPath:
         infos = self.index.pin(keys)
         call = GetCall(len(self.tiers))
         try:
-            self._plan_under_reads(call, keys, pages, infos, mask)
+            call.plan(keys, pages, infos, mask, self.stats, self.huge)
             if call.items:
                 self._run_under_reads(call, policy, mask)
             for p, ok in enumerate(call.pages_done()):
@@ -164,33 +165,6 @@ class ReadPath:
             if info is not None and info.tiers & now and (info.tiers & rejoined or keys[i] in call.relook):
                 retry.append(i)
         return retry, now
-
-    def _plan_under_reads(self, call: GetCall, keys, pages, infos: list[PageInfo | None], mask: int) -> None:
-        if len(pages) != len(keys):
-            raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
-        for i, (key, info) in enumerate(zip(keys, infos)):
-            if info is None:
-                if not is_valid_key(key):
-                    self.stats.total("invalid_keys")
-                continue
-            segments = pages[i]
-            nbytes = sum(n for _, n in segments)
-            if nbytes != info.length:
-                self.stats.total("size_mismatch")
-                log.warning("kvstream: page %s holds %d bytes but the caller's buffer has %d; reported missing",
-                            key, info.length, nbytes)
-                continue
-            holders = info.tiers & mask
-            if not holders:
-                continue
-            p = len(call.pages)
-            call.pages.append(ReadPage(key, info, segments, holders, self.huge))
-            call.page_of.append(i)
-            for j in range(len(info.crcs)):
-                call.items.append((p, j))
-                call.holders.append(holders)
-        call.arrived = bytearray(len(call.items))
-        call.page_tiers = [0] * len(call.pages)
 
     def _run_under_reads(self, call: GetCall, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
@@ -366,11 +340,11 @@ class ReadPath:
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
             self.stats.total("orphan_reads")  # still tells about the tier's health)
             if res < 0:
-                self._failed_read_under_reads(tier, call.pages[req.p].key, -res)
+                self.delivery.failed_read_under_reads(tier, call.pages[req.p].key, -res)
             self._release_under_reads(req)
             return []
         try:
-            return self._deliver_under_reads(req, res)
+            return self.delivery.deliver_under_reads(req, res)
         finally:
             self._release_under_reads(req)
 
@@ -378,61 +352,6 @@ class ReadPath:
         for b in req.bufs or ():
             self.pool.put(b)
         req.bufs = None if req.bufs is None else []
-
-    def _deliver_under_reads(self, req: Req, res: int) -> list:
-        """Verify (and, from staging, copy in) the blocks that arrived; tell the router."""
-        call, tier = req.call, req.tier
-        page = call.pages[req.p]
-        info = page.info
-        if res < 0:
-            self._failed_read_under_reads(tier, page.key, -res)
-        # Blocks wholly read (a short read means the file is shorter than its header says).
-        if res >= req.nbytes:
-            complete = req.j1 - req.j0
-        else:
-            complete = max(res, 0) // info.block  # every block but a page's last is a whole block
-        skip = 0
-        for i, item in enumerate(req.items):
-            if call.arrived[item]:
-                skip |= 1 << i
-        bad = 0
-        if complete:
-            staging = None if req.bufs is None else [b.address for b in req.bufs[:complete]]  # None: in place
-            bad = page.map.check(req.j0, req.j0 + complete, staging, skip & ((1 << complete) - 1))
-        results = []
-        duplicates = 0
-        for i, item in enumerate(req.items):
-            if skip >> i & 1:
-                ok = res >= 0  # a duplicate: the first arrival already won
-                duplicates += ok
-            elif i < complete and not bad >> i & 1:
-                ok = True
-                call.arrived[item] = 1
-                call.served[tier] += min(info.block, info.length - (req.j0 + i) * info.block)
-                call.page_tiers[req.p] |= 1 << tier
-            else:
-                ok = False
-                call.failed.append((tier, item))
-                if res >= 0:
-                    self.stats.add(tier, "corrupted")
-                    if (tier, req.p) not in call.bad:
-                        self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
-                                                "checksum" if i < complete else "truncated")
-            results.append((item, ok))
-        if duplicates:
-            self.stats.total("duplicate_reads", duplicates)
-        return call.route.complete_many(tier, results)
-
-    def _failed_read_under_reads(self, tier: int, key: str, err: int) -> None:
-        self.stats.add(tier, "errors")
-        self.tiers[tier].fail(err, f"read {key}")
-
-    def _quarantine_under_reads(self, call: GetCall, tier: int, p: int, j: int, why: str) -> None:
-        """A block failed its check (damage.py tells what the copy on disk is)."""
-        page = call.pages[p]
-        call.bad.add((tier, p))
-        if damage.block_failed(self.tiers[tier], self.index, self.stats, self.digest, page.key, page.info, j, why):
-            call.relook.add(page.key)
 
     # -- flow ----------------------------------------------------------------------------------
     def _set_depths_under_reads(self, route, unit: int) -> None:

@@ -8,7 +8,7 @@ import pkgutil
 
 import kvstream_hicache
 from kvstream_hicache.config import SETTINGS, Config
-from kvstream_hicache.writes import WriteSettings
+from kvstream_hicache.writequeue import WriteSettings
 
 CORE = [m.name for m in pkgutil.iter_modules(kvstream_hicache.__path__)
         if not m.ispkg and not m.name.startswith("_") and m.name != "config"]  # (config.py derives its

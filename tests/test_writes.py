@@ -209,7 +209,7 @@ def test_clear_drops_queued_and_in_flight_writes(tier_dirs):
         engine.put_deferred(keys, src.src_segments, results.append)
         wait_for_fault(plan)
         clearer, _ = in_thread(engine.clear)
-        wait_until(lambda: engine._writes._exclusive, "clear never started")
+        wait_until(lambda: engine._writes.queue.exclusive, "clear never started")
         plan.clear()
         plan.release()
         clearer.join(WAIT_S)

@@ -1,0 +1,78 @@
+"""What a completed read delivers: the blocks that arrived whole are verified against the index's
+checksums (from staging, copied into the caller's segments in the same pass: one pass over the
+bytes), a block that fails its check goes to damage.py (and its page may be looked up again: the
+second chance), and the router is told each item's outcome. A read that failed is its tier's
+health. Runs under the read path's lock (reads.py): methods ending ``_under_reads``.
+"""
+from __future__ import annotations
+
+from . import damage
+from .getcall import GetCall, Req
+from .index import Index
+from .stats import Stats
+from .tiers import Tier
+
+
+class Delivery:
+    """Verifies and hands over what the read ring delivered, for a read path's ``tiers``."""
+
+    def __init__(self, tiers: list[Tier], index: Index, stats: Stats, digest: str):
+        self.tiers = tiers
+        self.index = index
+        self.stats = stats
+        self.digest = digest
+
+    def deliver_under_reads(self, req: Req, res: int) -> list:
+        """Verify (and, from staging, copy in) the blocks that arrived; tell the router."""
+        call, tier = req.call, req.tier
+        page = call.pages[req.p]
+        info = page.info
+        if res < 0:
+            self.failed_read_under_reads(tier, page.key, -res)
+        # Blocks wholly read (a short read means the file is shorter than its header says).
+        if res >= req.nbytes:
+            complete = req.j1 - req.j0
+        else:
+            complete = max(res, 0) // info.block  # every block but a page's last is a whole block
+        skip = 0
+        for i, item in enumerate(req.items):
+            if call.arrived[item]:
+                skip |= 1 << i
+        bad = 0
+        if complete:
+            staging = None if req.bufs is None else [b.address for b in req.bufs[:complete]]  # None: in place
+            bad = page.map.check(req.j0, req.j0 + complete, staging, skip & ((1 << complete) - 1))
+        results = []
+        duplicates = 0
+        for i, item in enumerate(req.items):
+            if skip >> i & 1:
+                ok = res >= 0  # a duplicate: the first arrival already won
+                duplicates += ok
+            elif i < complete and not bad >> i & 1:
+                ok = True
+                call.arrived[item] = 1
+                call.served[tier] += min(info.block, info.length - (req.j0 + i) * info.block)
+                call.page_tiers[req.p] |= 1 << tier
+            else:
+                ok = False
+                call.failed.append((tier, item))
+                if res >= 0:
+                    self.stats.add(tier, "corrupted")
+                    if (tier, req.p) not in call.bad:
+                        self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
+                                                "checksum" if i < complete else "truncated")
+            results.append((item, ok))
+        if duplicates:
+            self.stats.total("duplicate_reads", duplicates)
+        return call.route.complete_many(tier, results)
+
+    def failed_read_under_reads(self, tier: int, key: str, err: int) -> None:
+        self.stats.add(tier, "errors")
+        self.tiers[tier].fail(err, f"read {key}")
+
+    def _quarantine_under_reads(self, call: GetCall, tier: int, p: int, j: int, why: str) -> None:
+        """A block failed its check (damage.py tells what the copy on disk is)."""
+        page = call.pages[p]
+        call.bad.add((tier, p))
+        if damage.block_failed(self.tiers[tier], self.index, self.stats, self.digest, page.key, page.info, j, why):
+            call.relook.add(page.key)

@@ -1,0 +1,268 @@
+"""The write side's queues: what puts handed in and the writer has not finished.
+
+Accepting a put (the caller's thread)::
+
+    keys already held by a usable tier -> touch (most recent), True, no I/O (idempotent, cheap);
+    a key another put is writing now -> waits for that page (written once)
+    admission (admission.py): capacity, then replicate=budget; a skipped replica is counted,
+        not a failure
+    -> the page at the back of each target tier's FIFO
+
+State: per tier a FIFO of pages waiting for a job and the bytes accepted and not yet written
+(``queued``, P_k of admission.py); the pages being written, by key (a put of a key already on its
+way waits for that copy); the bytes of pages not done (``backlog``: a deferred put beyond
+``write_backlog`` waits, back-pressure); the writer's two conditions (``work``: new work or a
+wake-up, ``room``: backlog room). The end of a page's last tier ends the page, and a put when its
+pages are done (:meth:`WriteQueue.job_over_under_writer`).
+
+Lock: ``lock``, the queues' (callers and the writer, briefly; the writer takes it under
+WritePath.lock, never the other way round): methods ending ``_under_queues`` run with it held.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from .admission import admit, fit_capacity
+from .errors import EngineClosedError
+from .index import Index, tiers_in
+from .layout import block_size_for, is_valid_key
+from .puts import PutCall, WritePage
+from .segments import Segment
+from .stats import Stats
+from .tiers import Tier
+
+log = logging.getLogger("kvstream")
+
+
+class WriteSettings(NamedTuple):
+    """The settings the write path reads (a slice of Config: defaults live in config.SETTINGS only)."""
+
+    replicate: str
+    replicate_slack: float
+    write_backlog: int
+
+    @classmethod
+    def of(cls, config) -> "WriteSettings":
+        return cls(*(getattr(config, name) for name in cls._fields))
+
+
+class WriteQueue:
+    """Per-tier FIFOs, pending pages, backlog and back-pressure, acceptance and admission's
+    bookkeeping.
+
+    :param bandwidth: tier k's write bandwidth for admission (bytes/s, 0 while unmeasured), asked
+        under the queues' lock.
+    """
+
+    def __init__(self, tiers: list[Tier], index: Index, stats: Stats, chunk: int, settings: WriteSettings,
+                 bandwidth: Callable[[int], float], thinned: Callable[[list[str]], None] = lambda keys: None):
+        self.tiers = tiers
+        self.index = index
+        self.stats = stats
+        self.chunk = chunk
+        self.settings = settings
+        self.bandwidth = bandwidth
+        self.lock = threading.Lock()  # the queues: taken briefly, by callers and the writer
+        self.work = threading.Condition(self.lock)  # the writer waits here for work
+        self.room = threading.Condition(self.lock)  # deferred puts wait here for backlog room
+        self.fifo: list[deque[WritePage]] = [deque() for _ in tiers]  # pages waiting for a job on tier k
+        self.copies: list[deque[WritePage]] = [deque() for _ in tiers]  # catch-up copies: after the FIFO
+        self.thinned = thinned  # pages a put left on fewer tiers than there are (replication.py owes them)
+        self.pending: dict[str, WritePage] = {}  # key -> the page being written
+        self.queued = [0] * len(tiers)  # bytes accepted for tier k and not yet written (P_k), file bytes
+        self.backlog = 0  # bytes of pages accepted and not done
+        self.wakes = 0  # wake-ups so far: one during a writer's step cuts its next wait short
+        self.exclusive = 0  # WritePath.exclusive() sections entered or waiting: the writer waits
+        self.closing = False
+
+    def wait_for_room(self, need: int) -> None:
+        """Back-pressure: wait while ``need`` more bytes would take the backlog past write_backlog."""
+        with self.lock:
+            limit = self.settings.write_backlog
+            if self.backlog and self.backlog + need > limit and not self.closing:
+                t0 = time.perf_counter()
+                self.stats.total("backpressure_waits")
+                self.room.wait_for(lambda: not self.backlog or self.backlog + need <= limit or self.closing)
+                self.stats.total("backpressure_s", time.perf_counter() - t0)
+
+    def wake(self) -> None:
+        """A tier's last read ended (priority listener) or new work came: the writer looks again."""
+        with self.lock:
+            self.wakes += 1
+            self.work.notify()
+
+    def close(self) -> None:
+        """No put is accepted from now on; the writer writes what is queued and stops."""
+        with self.lock:
+            self.closing = True
+            self.work.notify_all()
+            self.room.notify_all()
+
+    def drop_all(self) -> list[tuple[WritePage, int]]:
+        """clear(): empty every FIFO (catch-up copies too); returns the (page, tier) dropped (each still
+        to end)."""
+        with self.lock:
+            dropped = [(page, k) for queues in (self.fifo, self.copies) for k, fifo in enumerate(queues)
+                       for page in fifo]
+            for fifo in (*self.fifo, *self.copies):
+                fifo.clear()
+        return dropped
+
+    def copy(self, page: WritePage, tier: int) -> None:
+        """A catch-up copy (WritePath.copy) joins the tier's copies: written after its FIFO."""
+        with self.lock:
+            if self.closing:
+                raise EngineClosedError("kvstream engine is closed")
+            self.copies[tier].append(page)
+            self.work.notify()
+
+    # -- accept ----------------------------------------------------------------------------------
+    def accept(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
+               done: Callable[[list[bool]], None] | None) -> PutCall:
+        if len(pages) != len(keys):
+            raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
+        call = PutCall(len(keys), done)
+        # Pages the index already has are looked at on disk before the queue lock is taken: a get's
+        # end takes that lock to wake the writer, and must not wait behind these stats.
+        held: set[str] = set()
+        for key in keys:
+            if is_valid_key(key) and key not in held and self.index.contains(key, mask) \
+                    and self._still_held(key, mask):
+                held.add(key)
+        with self.lock:
+            if self.closing:  # close() ran while this call was on its way in
+                raise EngineClosedError("kvstream engine is closed")
+            self.stats.total("puts")
+            self.stats.total("pages_put", len(keys))
+            self._enqueue_under_queues(call, keys, pages, mask, held)
+            now = not call.left  # else the writer thread ends it
+        if now:
+            call.signal()  # nothing to write (held, invalid, no tier can take it): done now
+        return call
+
+    def _enqueue_under_queues(self, call: PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+                        mask: int, held: set[str]) -> None:
+        first: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            if not is_valid_key(key):
+                self.stats.total("invalid_keys")
+                log.warning("kvstream: refused to store invalid key %r", key)
+                continue
+            if key in first:
+                call.repeats.append((i, first[key]))
+                continue
+            first[key] = i
+            segments = pages[i]
+            length = sum(n for _, n in segments)
+            if length <= 0 or any(n < 0 for _, n in segments):
+                self.stats.total("pages_failed")
+                continue
+            writing = self.pending.get(key)
+            if writing is not None:  # another put is writing it: wait for that copy
+                writing.calls.append((call, i))
+                call.left += 1
+                for k in writing.committed:  # fsync=full: the tiers done already
+                    call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
+                continue
+            if key in held and self.index.contains(key, mask):
+                self.index.touch(key)
+                self.stats.total("pages_existing")
+                call.results[i] = True
+                continue
+            page = WritePage(key, segments, length, block_size_for(length, self.chunk),
+                         mask & ~self.index.holders(key))
+            page.calls.append((call, i))
+            call.pages.append(page)
+        self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
+        for page in call.pages:
+            if not page.targets:  # no tier can take it (capacity, every tier failed): False
+                self.stats.total("pages_failed")
+                continue
+            call.left += 1
+            self.pending[page.key] = page
+            self.backlog += page.length
+            for k in tiers_in(page.targets):
+                self.fifo[k].append(page)
+                page.left += 1
+        call.pages = [p for p in call.pages if p.targets]
+        if call.left:
+            self.work.notify()
+
+    def _still_held(self, key: str, mask: int) -> bool:
+        """Whether a usable tier the index lists for ``key`` still has its file (one stat per tier
+        until one does). A put answers True without writing only then: a copy deleted behind the
+        engine's back (an operator, another process's eviction) is forgotten and written again."""
+        for k in tiers_in(self.index.holders(key) & mask):
+            try:
+                os.stat(self.tiers[k].layout.page_path(key))
+                return True
+            except FileNotFoundError:
+                if not self.tiers[k].fail(errno.ENOENT, f"look up {key}"):
+                    self.index.remove(key, k)  # this file alone is gone (a tier that went keeps its
+                                               # entries, as on a read: its copies may come back with it)
+            except OSError:  # cannot tell (EIO, ESTALE...): the entry stays, the page is written again
+                pass
+        return False
+
+    def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:
+        """Each new page's target tiers (admission.py), and its bytes queued on them."""
+        targets = [page.targets for page in new]
+        for k, n in enumerate(fit_capacity([page.file_bytes for page in new], targets, self.index.capacities)):
+            if n:
+                self.stats.add(k, "skipped_writes", n)
+        bandwidth = [self.bandwidth(k) for k in range(len(self.tiers))]
+        replicate, slack = self.settings.replicate, self.settings.replicate_slack
+        for page, wanted in zip(new, targets):
+            page.expected = wanted | failed_tiers
+            page.targets = admit(page.file_bytes, wanted, self.queued, bandwidth, replicate, slack)
+            for k in tiers_in(wanted & ~page.targets):  # a skipped replica: not expected, not a failure
+                page.expected &= ~(1 << k)
+                self.stats.add(k, "replica_skipped_pages")
+                self.stats.add(k, "replica_skipped_bytes", page.file_bytes)
+            for k in tiers_in(page.targets):
+                self.queued[k] += page.file_bytes
+
+    # -- the end of a page, and of a put (the writer, under WritePath.lock) ------------------------
+    def job_over_under_writer(self, page: WritePage, k: int) -> None:
+        """One tier of the page is done (written, failed or skipped); the last one ends the page."""
+        if page.copied is not None:  # a catch-up copy: no put waits, nothing was counted for it
+            page.copied(bool(page.committed), time.monotonic() - page.started if page.started else 0.0)
+            return
+        with self.lock:  # (callers add to queued and backlog under it too)
+            self.queued[k] -= page.file_bytes
+            page.left -= 1
+            if page.left:
+                return
+            if self.pending.get(page.key) is page:
+                del self.pending[page.key]
+            self.backlog -= page.length
+            self.room.notify_all()
+        ok = bool(page.committed)
+        if ok:
+            self.stats.total("pages_stored")
+            if page.expected & ~self.index.holders(page.key):
+                self.stats.total("under_replicated")
+        else:
+            self.stats.total("pages_failed")
+        if ok and len(page.committed) < len(self.tiers):
+            self.thinned([page.key])  # a skipped or failed replica: background replication owes it
+        for call, i in page.calls:
+            call.results[i] = ok
+            call.left -= 1
+            if not call.left:
+                self._end_call_under_writer(call)
+
+    def _end_call_under_writer(self, call: PutCall) -> None:
+        call.sync_dirs(self.tiers)
+        for page in call.pages:
+            if page.committed:
+                self.index.touch(page.key)  # LRU order = batch order, not completion order
+        call.signal()
+
