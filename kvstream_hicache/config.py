@@ -52,7 +52,8 @@ SETTINGS: dict[str, Setting] = {
     "fsync": Setting("never", "'never' (data reaches the device via O_DIRECT, no flush), 'data' (fsync each "
                               "page before its rename), 'full' (and fsync the directory after the rename)"),
     "io_engine": Setting("auto", "'auto' (io_uring, else threads with one log line), 'uring', 'threads'"),
-    "file_mode": Setting("private", "'private' (files 0600, dirs 0700) or 'shared' (0660 / 2770, group)"),
+    "file_mode": Setting("private", "'private' (files 0600, dirs 0700; trusts the user's files) or 'shared' "
+                                     "(0660 / 2770; also trusts the tier directory's group)"),
     "log_level": Setting(None, "level of the 'kvstream' logger (DEBUG, INFO, WARNING, ...); unset = inherit"),
     "memory": Setting("64M", "staging memory of the engine, bytes: half for reads in flight (shared by the "
                              "tiers), half for writes of pages not 4096-aligned in memory; e.g. '64M', '1G'"),

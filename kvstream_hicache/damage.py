@@ -39,7 +39,7 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
         log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
                     "intact on disk; read from a replica", j, key, tier.k, why)
         return False
-    problem = scan_file(tier.layout, digest, key, payload=True).problem
+    problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
     if problem is not None and problem.reason is Reason.UNREADABLE:
         return False  # an I/O error: the tier's health, not this copy, is the problem
     if problem is not None and problem.reason is not Reason.VANISHED:
@@ -55,18 +55,17 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
 
 def remove_copy(tier: Tier, index: Index, stats: Stats, key: str, why: str, remove: bool = True) -> None:
     """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
-    directory stays: kvstream never removes one; ``check`` reports it)."""
-    log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
-                key, tier.k, why, "removed" if remove else "left in place")
+    directory, a link or another user's file stays: kvstream never removes one; ``check`` reports it)."""
     index.remove(key, tier.k)
-    if remove:
-        tier.unlink_page(key)
+    kept = tier.unlink_page(key) if remove else "a directory"
+    log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
+                key, tier.k, why, "removed" if kept is None else f"left in place ({kept})")
     stats.add(tier.k, "quarantined")
 
 
 def _read_block(tier: Tier, key: str, span) -> bytes:
     """:raises OSError: e.g. FileNotFoundError."""
-    fd, _ = open_regular(tier.layout.page_path(key))
+    fd, _ = open_regular(tier.layout.page_path(key), trust=tier.trust)
     try:
         return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
     finally:

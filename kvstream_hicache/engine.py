@@ -50,6 +50,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
+from .trust import age_key, honest_until
 from .writequeue import WriteSettings
 from .writes import WritePath
 
@@ -98,8 +99,9 @@ class Engine:
         capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
         check_capacities(config, capacities, page_bytes)
         self._token = tmpfiles.register()
+        source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, self._reconcile)
+                           self._token, clock, self._reconcile, source)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
@@ -134,8 +136,8 @@ class Engine:
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         self._closed = False
         log.log(logging.INFO if announce else logging.DEBUG,
-                "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s", config.summary(),
-                namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine)
+                "kvstream: %s; namespace %s; %d pages indexed in %.2f s; io %s; %s", config.summary(),
+                namespace.digest, self.scan["pages"], self.scan["seconds"], self.io_engine, self.trust_summary())
 
     # -- pages ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
@@ -279,6 +281,14 @@ class Engine:
         self.close()
 
     # -- observability -------------------------------------------------------------------------
+    def trust_summary(self) -> str:
+        """Whose files the engine trusts on its tiers (trust.py), for start-up lines: 'trusts alice (uid
+        1000)' when every tier says the same, else per tier."""
+        texts = [t.trust.describe() for t in self.tiers]
+        if len(set(texts)) == 1:
+            return texts[0] + (" on every tier" if len(texts) > 1 else "")
+        return "; ".join(f"tier {t.k} {text}" for t, text in zip(self.tiers, texts))
+
     @property
     def last_batch(self) -> dict:
         """Figures of the last read batch (see stats.py)."""
@@ -316,7 +326,7 @@ class Engine:
             for k, tier in enumerate(self.tiers):
                 if not tier.healthy:
                     continue
-                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True)
+                found, valid = check_tier(tier.layout, self.namespace.digest, fix=fix, payload=True, trust=tier.trust)
                 problems += found
                 indexed = set(self.index.keys(k))
                 for key in sorted(indexed - valid.keys()):
@@ -377,9 +387,11 @@ class Engine:
         """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
         tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
         found = 0
+        until = honest_until()
         for key in keys:
-            pages = [(page.header.created_ns, tier.k, page) for tier in self.tiers if mask >> tier.k & 1
-                     for page in [scan_file(tier.layout, self.namespace.digest, key)] if page.problem is None]
+            pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
+                     for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
+                     if page.problem is None]
             for _, k, page in sorted(pages, key=lambda e: e[:2]):
                 self._index_page(k, page)
             if self.index.contains(key, mask):
@@ -419,7 +431,7 @@ class Engine:
         tmp_removed = 0
         kept: list[Problem] = []  # what start-up could not (or must not) remove: reported, never fatal
         for tier in self.tiers:
-            for problem in tmp_problems(tier.root, tier.layout.tmp, None, fix=True):
+            for problem in tmp_problems(tier.root, tier.layout.tmp, None, True, tier.trust):
                 if problem.fixed:
                     tmp_removed += 1
                 else:
@@ -427,18 +439,20 @@ class Engine:
         tasks = [(k, shard) for k, tier in enumerate(self.tiers) for shard in shards(tier.layout)]
 
         def scan(task: tuple[int, str]) -> list[ScannedPage]:
-            return scan_shard(self.tiers[task[0]].layout, digest, task[1])
+            tier = self.tiers[task[0]]
+            return scan_shard(tier.layout, digest, task[1], trust=tier.trust)
 
         with ThreadPoolExecutor(max_workers=SCAN_THREADS, thread_name_prefix="kvstream-scan") as pool:
             results = list(pool.map(scan, tasks))
         entries = []
         damaged = 0
+        until = honest_until()
         for (k, _shard), pages in zip(tasks, results):
             for page in pages:
                 if page.problem is None:
-                    entries.append((page.header.created_ns, k, page))
+                    entries.append((age_key(page.header.created_ns, until), k, page))
                 elif page.problem.reason is not Reason.VANISHED:
-                    problem = fix_problem(page.problem)
+                    problem = fix_problem(page.problem, trust=self.tiers[k].trust)
                     if problem.fixed:
                         damaged += 1
                     else:

@@ -38,7 +38,10 @@ from .layout import (
     is_valid_key, key_of_page_file, n_blocks,
 )
 from .segments import Payload, Segment
-from .tmpfiles import stale_tmp, tmp_dirs
+from .tmpfiles import is_engine_tmp, stale_tmp
+from .trust import (
+    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, list_below, not_trusted, remove, scandir_below,
+)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -129,6 +132,7 @@ class Reason(str, enum.Enum):
     UNREADABLE = "unreadable"  # an I/O error kept it from being read: the file itself may be valid
     VANISHED = "vanished"  # removed while being looked at (another process, an operator): not a problem
     LEFTOVER = "leftover"  # a temporary file of a writer that is gone
+    UNTRUSTED = "untrusted"  # a file or directory of an owner the engine does not trust (trust.py): left alone
     INDEX = "index"  # the index and the disk disagree
 
 
@@ -137,7 +141,8 @@ class Problem(NamedTuple):
 
     kind: 'damaged' (header unusable), 'corrupt' (a payload block fails its CRC), 'truncated',
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
-    'stray' (a file no engine writes), 'index_missing' (valid on disk, not indexed),
+    'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file or directory of an owner
+    this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
     'index_stale' (indexed, not on disk, or with other content).
     """
 
@@ -157,8 +162,14 @@ class ScannedPage(NamedTuple):
 
 
 class NotRegularFile(OSError):
-    """An entry under a page's name that is not a regular file (a FIFO, socket, device or directory):
-    a stray, never read. ``errno`` is EISDIR for a directory, else EINVAL (neither fails a tier)."""
+    """An entry under a page's name that is not a regular file (a FIFO, socket, device, directory or
+    symbolic link): a stray, never read. ``errno`` is EISDIR for a directory, else EINVAL (neither
+    fails a tier)."""
+
+
+class UntrustedFile(NotRegularFile):
+    """A regular file under a page's name whose owner the engine does not trust (trust.py): never read
+    past its fstat, never indexed, never removed."""
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
@@ -170,21 +181,30 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def open_regular(path: str, flags: int | None = None) -> tuple[int, os.stat_result]:
-    """Open ``path`` for reading, refusing anything but a regular file; returns (fd, its stat).
+def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading, refusing anything but a regular file of an owner in ``trust`` (a
+    link is refused by O_NOFOLLOW, never followed); returns (fd, its stat).
 
     The open itself is O_NONBLOCK: opening a FIFO for reading blocks until a writer appears, so a FIFO
     planted under a page's name would hang start-up, ``check`` or a read forever; O_NONBLOCK opens it
     at once and ``fstat`` tells it apart. With ``flags`` (reads through the ring: O_DIRECT), ``F_SETFL``
     then sets them and clears O_NONBLOCK, which io_uring would honour with EAGAIN instead of waiting;
     plain ``pread`` ignores O_NONBLOCK on a regular file, so without ``flags`` nothing more is done.
-    :raises NotRegularFile: not a regular file. :raises OSError: the open failed."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    :raises NotRegularFile: not a regular file (:class:`UntrustedFile`: not a trusted owner's).
+    :raises OSError: the open failed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFile(errno.EINVAL, "a symbolic link", path) from None
+        raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotRegularFile(errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL, file_kind(st.st_mode),
                                  path)
+        if not trust.owns(st):
+            raise UntrustedFile(errno.EINVAL, not_trusted(st), path)
         if flags is not None:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     except BaseException:
@@ -193,11 +213,12 @@ def open_regular(path: str, flags: int | None = None) -> tuple[int, os.stat_resu
     return fd, st
 
 
-def read_header(path: str) -> tuple[PageHeader, int]:
-    """Read and validate the header of one page file; returns (header, file size).
-    :raises HeaderError: unusable header. :raises NotRegularFile: not a regular file.
-    :raises OSError: the file cannot be read."""
-    fd, st = open_regular(path)
+def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, int]:
+    """Read and validate the header of one page file (of an owner in ``trust``, default: this user);
+    returns (header, file size).
+    :raises HeaderError: unusable header. :raises NotRegularFile: not a regular file (or not a
+    trusted owner's). :raises OSError: the file cannot be read."""
+    fd, st = open_regular(path, trust=trust or Trust.user())
     try:
         data = os.pread(fd, HEADER_SIZE, 0)
     finally:
@@ -205,9 +226,9 @@ def read_header(path: str) -> tuple[PageHeader, int]:
     return unpack_header(data), st.st_size
 
 
-def verify_payload(path: str, header: PageHeader) -> str | None:
+def verify_payload(path: str, header: PageHeader, trust: Trust) -> str | None:
     """Read the whole payload (buffered) and check every block CRC; None when intact."""
-    fd, _ = open_regular(path)
+    fd, _ = open_regular(path, trust=trust)
     try:
         for j, want in enumerate(header.crcs):
             span = block_span(header.length, header.block, j)
@@ -221,41 +242,63 @@ def verify_payload(path: str, header: PageHeader) -> str | None:
     return None
 
 
+LINKED = "a symbolic link (or a file) where kvstream keeps a directory: never followed"
+
+
 def shards(layout: TierLayout) -> list[str]:
-    """The ``<key[:2]>`` directories of one namespace on one tier."""
+    """The ``<key[:2]>`` directories of one namespace on one tier (listed through a descriptor that
+    followed no link). :raises OSError: ELOOP/ENOTDIR: the namespace directory is a link or a file."""
     try:
-        return sorted(os.listdir(layout.pages))
+        return sorted(list_below(layout.root, layout.pages))
     except FileNotFoundError:
         return []
 
 
-def scan_shard(layout: TierLayout, digest: str, shard: str, *, payload: bool = False) -> list[ScannedPage]:
-    """Every file of one shard directory, validated (see :func:`scan_pages`)."""
+def scan_shard(layout: TierLayout, digest: str, shard: str, *, trust: Trust | None = None,
+               payload: bool = False) -> list[ScannedPage]:
+    """Every file of one shard directory, validated (see :func:`scan_pages`). The shard is listed
+    through a descriptor that followed no link; its files are opened O_NOFOLLOW and read only when of
+    an owner in ``trust`` (default: this user)."""
+    trust = trust or Trust.user()
     path = os.path.join(layout.pages, shard)
     try:
-        entries = list(os.scandir(path))
+        names = list_below(layout.root, path)
     except FileNotFoundError:
         return []
-    except NotADirectoryError:  # a file where kvstream keeps only <key[:2]> directories
-        problem = Problem("stray", layout.root, path, "not a shard directory", Reason.INVALID)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        linked = os.path.islink(path)  # a link is never followed, a file where a shard belongs is a stray
+        problem = Problem("stray", layout.root, path, LINKED if linked else "not a shard directory", Reason.INVALID)
         return [ScannedPage(path, None, problem, 0)]
-    return [_scan_one(layout, digest, shard, entry.name, entry.path, payload) for entry in entries]
+    return [_scan_one(layout, digest, shard, name, f"{path}{os.sep}{name}", payload, trust) for name in names]
 
 
-def scan_file(layout: TierLayout, digest: str, key: str, *, payload: bool = False) -> ScannedPage:
+def scan_file(layout: TierLayout, digest: str, key: str, *, trust: Trust | None = None,
+              payload: bool = False) -> ScannedPage:
     """The page file of ``key`` on one tier, validated (a missing file: a Reason.VANISHED 'stray'); with
     ``payload`` every block is checked against the file's own header too."""
-    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), payload)
+    return _scan_one(layout, digest, key[:2], key + PAGE_SUFFIX, layout.page_path(key), payload, trust or Trust.user())
 
 
-def scan_pages(layout: TierLayout, digest: str, *, payload: bool = False) -> Iterator[ScannedPage]:
+def scan_pages(layout: TierLayout, digest: str, *, trust: Trust | None = None,
+               payload: bool = False) -> Iterator[ScannedPage]:
     """Every page file of one namespace on one tier, validated against its place (and, with
-    ``payload=True``, its block CRCs). Files that vanish while scanning are skipped."""
-    for shard in shards(layout):
-        yield from scan_shard(layout, digest, shard, payload=payload)
+    ``payload=True``, its block CRCs). Files that vanish while scanning are skipped. A link where a
+    directory belongs is a stray, never followed."""
+    try:
+        names = shards(layout)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        yield ScannedPage(layout.pages, None, Problem("stray", layout.root, layout.pages, LINKED, Reason.INVALID), 0)
+        return
+    for shard in names:
+        yield from scan_shard(layout, digest, shard, payload=payload, trust=trust)
 
 
-def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool) -> ScannedPage:
+def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool,
+              trust: Trust) -> ScannedPage:
     def bad(kind: str, detail: str, size: int = 0, reason: Reason = Reason.INVALID) -> ScannedPage:
         return ScannedPage(path, None, Problem(kind, layout.root, path, detail, reason), size)
 
@@ -266,9 +309,11 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
     try:
-        header, size = read_header(path)
+        header, size = read_header(path, trust)
     except FileNotFoundError:
         return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
+    except UntrustedFile as exc:
+        return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
     except NotRegularFile as exc:
         return bad("stray", f"{exc.strerror}, not a page file")
     except HeaderError as exc:
@@ -281,7 +326,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size)
     if payload:
         try:
-            why = verify_payload(path, header)
+            why = verify_payload(path, header, trust)
         except OSError as exc:
             return unreadable("corrupt", exc, size)
         if why:
@@ -290,30 +335,34 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
 
 
 # ------------------------------------------------------------------------------------ check
-def check_tier(layout: TierLayout, digest: str, *, fix: bool = False, payload: bool = True,
+def check_tier(layout: TierLayout, digest: str, *, trust: Trust | None = None, fix: bool = False, payload: bool = True,
                live_tokens: frozenset[str] | set[str] | None = None, tmp: bool = True
                ) -> tuple[list[Problem], dict[str, ScannedPage]]:
     """Check one namespace on one tier: (problems, valid pages by key). With ``fix`` the files
-    behind the problems are removed; ``tmp`` also reports (and fixes) temporary leftovers, those of
-    no engine in ``live_tokens`` (None: every engine open in this process)."""
-    problems: list[Problem] = tmp_problems(layout.root, layout.tmp, live_tokens, fix) if tmp else []
+    behind the problems are removed (only files of owners in ``trust``); ``tmp`` also reports (and
+    fixes) temporary leftovers, those of no engine in ``live_tokens`` (None: every engine open in this
+    process)."""
+    trust = trust or Trust.user()
+    problems = dir_problems(layout, trust, base=tmp, pages=True)
+    problems += tmp_problems(layout.root, layout.tmp, live_tokens, fix, trust) if tmp else []
     valid: dict[str, ScannedPage] = {}
-    for page in scan_pages(layout, digest, payload=payload):
+    for page in scan_pages(layout, digest, payload=payload, trust=trust):
         if page.problem is None:
             valid[page.header.key] = page
         elif page.problem.reason is not Reason.VANISHED:
-            problems.append(fix_problem(page.problem, fix))
+            problems.append(fix_problem(page.problem, fix, trust))
     return problems, valid
 
 
 def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *, fix: bool = False,
                 payload: bool = True, live_tokens: frozenset[str] | set[str] | None = None) -> list[Problem]:
     """Walk the tiers of ``config`` without an engine: verify every page header (and, with
-    ``payload``, every block CRC), report temporary leftovers and stray files.
+    ``payload``, every block CRC), report temporary leftovers, stray files and links (never followed),
+    and files of owners an engine would not trust (trust.py).
 
     :param namespace: check only this namespace (a Namespace or its digest); None = all.
-    :param fix: remove damaged/corrupt/truncated/misplaced/stray page files and temp leftovers
-        (``Problem.fixed`` tells which were removed).
+    :param fix: remove damaged/corrupt/truncated/misplaced/stray page files and temp leftovers of
+        trusted owners (``Problem.fixed`` tells which were removed).
     :param live_tokens: engines of this process whose temporary files are live; None = every
         engine open in this process (so a check beside a running engine never takes its writes).
     :returns: the problems found, empty when the store is consistent.
@@ -325,46 +374,75 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     problems: list[Problem] = []
     for tier in config.tiers:
         base = TierLayout(tier.path, "")
-        problems += tmp_problems(tier.path, base.tmp, live_tokens, fix)
-        for d in ([digest] if digest else _digests(base.base)):
-            problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False)[0]
+        trust = learn(tier.path, config.file_mode == "shared")
+        problems += dir_problems(base, trust, base=True, pages=False)
+        problems += tmp_problems(tier.path, base.tmp, live_tokens, fix, trust)
+        try:
+            digests = [digest] if digest else _digests(base)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+                raise
+            problems.append(Problem("stray", tier.path, base.base, f"{LINKED}; left in place", Reason.INVALID))
+            continue
+        for d in digests:
+            problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False, trust=trust)[0]
     return problems
 
 
-def _digests(base: str) -> list[str]:
+def dir_problems(layout: TierLayout, trust: Trust, *, base: bool, pages: bool) -> list[Problem]:
+    """The directories an engine would refuse at start-up (trust.dir_findings) as 'untrusted' problems,
+    never fixed (kvstream removes no directory); a link there is the scans' 'stray'."""
+    return [Problem("untrusted", layout.root, path, f"a directory an engine refuses: it {why} ({describe(st)}); "
+                                                    f"{dir_fix(path, st, trust)}", Reason.UNTRUSTED)
+            for path, st, why in dir_findings(layout, trust, base, pages) if not stat.S_ISLNK(st.st_mode)]
+
+
+def _digests(base: TierLayout) -> list[str]:
+    """The namespaces on one tier (listed through a descriptor). :raises OSError: as :func:`shards`."""
     try:
-        return sorted(n for n in os.listdir(base) if is_digest(n))
+        return sorted(n for n in list_below(base.root, base.base) if is_digest(n))
     except FileNotFoundError:
         return []
 
 
-def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str] | None, fix: bool) -> list[Problem]:
-    """Temporary leftovers (``orphan_tmp``) and directories (``stray``: kvstream never makes one there)
-    in one tier's temporary directory; with ``fix`` the leftovers are removed, directories never."""
-    return [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER), fix)
-            for path in stale_tmp(tmp_dir, live_tokens)] + \
-           [fix_problem(Problem("stray", root, path, "a directory in kvstream's temporary directory",
-                                       Reason.INVALID), fix)
-            for path in tmp_dirs(tmp_dir)]
+def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str] | None, fix: bool,
+                 trust: Trust) -> list[Problem]:
+    """Temporary leftovers (``orphan_tmp``), directories and links (``stray``: kvstream never makes one
+    there) in one tier's temporary directory, listed through a descriptor that followed no link; with
+    ``fix`` the leftovers named as kvstream names them and of a trusted owner are removed, nothing else."""
+    try:
+        entries = scandir_below(root, tmp_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        return [Problem("stray", root, tmp_dir, f"{LINKED}; left in place", Reason.INVALID)]
+    strays = {name: "a symbolic link in kvstream's temporary directory: never followed" if kind == LINK
+              else "a directory in kvstream's temporary directory" for name, kind in entries if kind != OTHER}
+    out = [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER), fix, trust)
+           for path in stale_tmp(tmp_dir, live_tokens) if os.path.basename(path) not in strays]
+    return out + [fix_problem(Problem("stray", root, os.path.join(tmp_dir, name), why, Reason.INVALID), fix, trust)
+                  for name, why in sorted(strays.items())]
 
 
-def fix_problem(problem: Problem, fix: bool = True) -> Problem:
+def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None) -> Problem:
     """Remove the file behind ``problem`` when ``fix``; the returned copy says whether it went, and
-    if not, why (its ``detail`` grows the reason). Directories are never removed: one may be another
-    tier's tree or anything else an operator keeps there."""
+    if not, why (its ``detail`` grows the reason). Only a file of an owner in ``trust`` (default: this
+    user) goes, through the descriptor of its directory, never through a link (trust.remove); a
+    temporary one only when named as kvstream names them. Directories are never removed: one may be
+    another tier's tree or anything else an operator keeps there."""
     if not fix:
         return problem
     if problem.reason is Reason.UNREADABLE:  # EMFILE, EIO, ESTALE...: the file itself may be valid
         return problem._replace(detail=f"{problem.detail}; left in place: an error kept it from being read, "
                                        f"not the file's content (check again once the tier reads)")
     try:
-        os.unlink(problem.path)
-    except FileNotFoundError:  # removed concurrently: fixed all the same
-        pass
-    except IsADirectoryError:
-        return problem._replace(detail=f"{problem.detail}; left in place: kvstream never removes a directory "
-                                       f"(remove it by hand if nothing needs it)")
+        why = remove(problem.tier, problem.path, trust or Trust.user(),
+                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None)
     except OSError as exc:
         return problem._replace(detail=f"{problem.detail}; could not remove it "
                                        f"({os.strerror(exc.errno or errno.EIO)})")
+    if why is not None:
+        return problem._replace(detail=f"{problem.detail}; left in place: {why}")
     return problem._replace(fixed=True)

@@ -12,8 +12,9 @@ import re
 
 from .config import Capacity, Config, env_name, setting_source
 from .errors import TierError
-from .layout import ROOT_DIR, TMP_DIR
+from .layout import ROOT_DIR
 from .tmpfiles import ProbeFailed, probe_direct
+from .trust import open_base
 
 log = logging.getLogger("kvstream")
 
@@ -104,19 +105,13 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
     if fstype in PSEUDO_FS:
         raise TierError(f"tier {path} (from {source}) is on a {fstype} file system, a kernel interface that "
                         "cannot store files: put the tier on a disk file system such as ext4 or xfs")
-    tmp = os.path.join(path, ROOT_DIR, TMP_DIR)
     try:
-        for d in (os.path.join(path, ROOT_DIR), tmp):
-            if os.path.lexists(d) and not os.path.isdir(d):
-                raise TierError(f"tier {path} (from {source}): {d} is in the way (a file, not the directory "
-                                "kvstream keeps its pages in): move or remove it, or choose another directory")
-            if not os.path.isdir(d):
-                try:
-                    os.mkdir(d, dir_mode)
-                except FileExistsError:  # another process (a TP rank) starting now made it first
-                    continue
-                os.chmod(d, dir_mode)  # umask may have cleared group bits
-        probe_direct(tmp, "config")
+        base_fd, tmp_fd = open_base(path, dir_mode, source)  # made where missing, following no link
+        try:
+            probe_direct("", "config", dir_fd=tmp_fd)
+        finally:
+            os.close(base_fd)
+            os.close(tmp_fd)
     except ProbeFailed as exc:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None

@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from .index import Index, tiers_in
-from .integrity import HeaderError, block_crcs, open_regular, unpack_header
+from .integrity import HeaderError, block_crcs, unpack_header
 from .layout import HEADER_SIZE
 from .priority import ReadPriority
 from .segments import Payload, Segment
@@ -306,7 +306,7 @@ class Replicator:
             tried = True
             buf = self.pool.get(info.file_bytes)
             try:
-                created = self._read_file(tier.layout.page_path(key), key, info, buf)
+                created = self._read_file(tier, key, info, buf)
             except (OSError, HeaderError) as exc:
                 created = None
                 log.debug("kvstream: catch-up of %s: tier %d's copy is unusable (%s)", key, src, exc)
@@ -316,9 +316,10 @@ class Replicator:
             self.pool.put(buf)
         return tried
 
-    def _read_file(self, path: str, key: str, info, buf) -> int | None:
-        """Read ``path`` into ``buf``; its header's ``created`` when it is the indexed version, intact."""
-        fd = open_regular(path, os.O_DIRECT)[0]
+    def _read_file(self, tier: Tier, key: str, info, buf) -> int | None:
+        """Read the page file into ``buf`` (opened as a read opens it: a regular file the tier trusts);
+        its header's ``created`` when it is the indexed version, intact."""
+        fd = tier.open_page(key)
         try:
             n = os.preadv(fd, [memoryview(buf)[:info.file_bytes]], 0)
         finally:

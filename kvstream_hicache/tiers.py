@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 from .integrity import open_regular
 from .layout import TierLayout
-from .tmpfiles import ProbeFailed, probe_direct, tmp_name
+from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
+from .trust import check_dir, establish, remove
 
 log = logging.getLogger("kvstream")
 
@@ -40,7 +41,7 @@ MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
 
-TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT | os.O_CLOEXEC
+TMP_FLAGS = os.O_WRONLY | NEW_FILE | os.O_DIRECT
 
 
 class Tier:
@@ -56,11 +57,13 @@ class Tier:
     :param clock: monotonic clock (injectable for tests).
     :param on_rejoin: ``on_rejoin(tier)`` before a failed tier rejoins (the engine reconciles the
         index with what survived on it).
+    :param source: where the tier list came from (for messages).
+    :raises ConfigError: a directory of the tier fails the trust checks (trust.py).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
-                 on_rejoin: Callable[["Tier"], None]):
+                 on_rejoin: Callable[["Tier"], None], source: str = "KVSTREAM_TIERS"):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -86,8 +89,8 @@ class Tier:
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
-        self._mkdir(self.layout.tmp)
-        self._mkdir(self.layout.pages)
+        self.trust = establish(self.layout, self.dir_mode, self.shared, source, token)  # who owns what we use
+        self._dirs.update((self.layout.tmp, self.layout.pages))
 
     # -- health ---------------------------------------------------------------------------------
     def usable(self, now: bool = False) -> bool:
@@ -186,7 +189,7 @@ class Tier:
         """O_DIRECT read descriptor of ``key``'s page.
         :raises NotRegularFile: a FIFO, directory, ... under the page's name (integrity.open_regular).
         :raises OSError: e.g. ENOENT."""
-        return open_regular(self.layout.page_path(key), os.O_DIRECT)[0]
+        return open_regular(self.layout.page_path(key), os.O_DIRECT, trust=self.trust)[0]
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError:"""
@@ -253,15 +256,16 @@ class Tier:
         return page_dir
 
     def discard(self, fd: int | None, tmp_path: str) -> None:
-        """Close (if open) and remove a temporary file; never raises (it runs on error paths)."""
+        """Close (if open) and remove a temporary file; never raises (it runs on error paths). Where it
+        cannot go (the tier failed, the tmp directory is gone), start-up cleaning removes the leftover."""
         if fd is not None:
             try:
                 os.close(fd)
             except OSError:  # (EIO on close: the data is being thrown away anyway)
                 pass
         try:
-            os.unlink(tmp_path)
-        except OSError:  # the tier failed or the tmp directory is gone: start-up cleaning removes leftovers
+            remove(self.root, tmp_path, self.trust, is_engine_tmp)
+        except OSError:
             pass
 
     def clear(self) -> None:
@@ -270,18 +274,19 @@ class Tier:
         shutil.rmtree(self.layout.pages, ignore_errors=True)
         self._dirs.clear()
 
-    def unlink_page(self, key: str) -> None:
+    def unlink_page(self, key: str) -> str | None:
+        """Remove ``key``'s page file (only a file of a trusted owner, through its directory: trust.py).
+        Returns None when it is gone (or was already: another rank, an operator), else why it stays."""
         try:
-            os.unlink(self.layout.page_path(key))
-        except FileNotFoundError:  # removed concurrently (another rank, an operator): already gone
-            pass
+            return remove(self.root, self.layout.page_path(key), self.trust)
         except OSError as exc:
             self.fail(exc.errno or errno.EIO, f"remove page {key}")
+            return f"could not remove it ({os.strerror(exc.errno or errno.EIO)})"
 
     def sync_dirs(self, dirs: set[str]) -> None:
         """fsync=full: make renames durable (the page directories and the tmp directory)."""
         for d in (*dirs, self.layout.tmp):
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 os.fsync(fd)
             finally:
@@ -299,9 +304,9 @@ class Tier:
         try:
             os.mkdir(path, self.dir_mode)
             if self.shared:
-                os.chmod(path, self.dir_mode)
-        except FileExistsError:
-            pass
+                os.chmod(path, self.dir_mode)  # we just made it (mkdir makes no link)
+        except FileExistsError:  # made by another writer (or ours before): checked once, as at start-up
+            check_dir(path, self.trust)
         self._dirs.add(path)
 
     def __repr__(self) -> str:

@@ -3,7 +3,7 @@
 Names in the tmp directory::
 
     <digest>.<host>.<pid>.<token>.<seq>.tmp    a page being written by the engine <token> of process <pid>
-    probe.<pid>.<tag>.<seq>                    an O_DIRECT probe (a tier checked at start-up, or re-probed
+    probe.<pid>.<tag>.<seq>.<random>           an O_DIRECT probe (a tier checked at start-up, or re-probed
                                                after it failed): lives for milliseconds
 
 A temporary file is *live* while its writer may still write it: another host's, or this host's whose
@@ -75,8 +75,15 @@ def parse_tmp_name(name: str) -> TmpOwner | None:
     return TmpOwner(parts[0], parts[1], int(parts[2]), parts[3])
 
 
+def is_engine_tmp(name: str) -> bool:
+    """A name the engine gives what it writes in the tmp directory (a temporary page or a probe): only
+    such a file may be removed from there as a leftover (trust.remove)."""
+    return parse_tmp_name(name) is not None or name.startswith(PROBE_PREFIX)
+
+
 def probe_name(tag: str) -> str:
-    return f"{PROBE_PREFIX}{os.getpid()}.{tag}.{next(_probe_seq)}"
+    # the random part: no one can plant a link or file at the name a probe is about to create
+    return f"{PROBE_PREFIX}{os.getpid()}.{tag}.{next(_probe_seq)}.{secrets.token_hex(4)}"
 
 
 # ------------------------------------------------------------------------------------------ probe
@@ -88,22 +95,31 @@ class ProbeFailed(OSError):
         self.step = step
 
 
-def probe_direct(tmp_dir: str, tag: str) -> None:
-    """Write a 4 KiB block to a new file ``<tmp_dir>/probe.<pid>.<tag>.<seq>`` with O_DIRECT, read it back,
-    remove the file.
+# a new file, never an existing one nor a link's target (O_EXCL creates the name itself, O_NOFOLLOW
+# refuses a link there even without O_EXCL's guarantee on every file system)
+NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
+    """Write a 4 KiB block to a new file ``<tmp_dir>/probe.<pid>.<tag>.<seq>.<random>`` with O_DIRECT,
+    read it back, remove the file. With ``dir_fd`` the file is made in that directory (``tmp_dir`` is
+    then ignored). Returns the uid the file came out owned by (a file system may map owners: NFS root
+    squash, FUSE).
 
     :raises ProbeFailed: the step that failed and its errno (EINVAL from 'create' or 'write': the
         file system refuses O_DIRECT).
     """
-    path = os.path.join(tmp_dir, probe_name(tag))
+    name = probe_name(tag)
+    path = name if dir_fd is not None else os.path.join(tmp_dir, name)
     with mmap.mmap(-1, ALIGN) as block:  # page-aligned anonymous memory: valid for O_DIRECT
         block[:len(_PROBE_BYTES)] = _PROBE_BYTES
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_RDWR | NEW_FILE | os.O_DIRECT, 0o600, dir_fd=dir_fd)
         except OSError as exc:
             raise ProbeFailed(exc.errno or errno.EIO, "create") from None
         step = "write"
         try:
+            owner = os.fstat(fd).st_uid
             os.pwrite(fd, block, 0)
             block[:len(_PROBE_BYTES)] = bytes(len(_PROBE_BYTES))
             step = "read"
@@ -113,11 +129,12 @@ def probe_direct(tmp_dir: str, tag: str) -> None:
         finally:
             os.close(fd)
             try:
-                os.unlink(path)
+                os.unlink(path, dir_fd=dir_fd)
             except FileNotFoundError:
                 pass
         if block[:len(_PROBE_BYTES)] != _PROBE_BYTES:
             raise ProbeFailed(errno.EIO, "verify", "read back different bytes")
+    return owner
 
 
 # -------------------------------------------------------------------------------------- leftovers
@@ -145,7 +162,7 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
     except FileNotFoundError:
         return out
     for entry in entries:
-        if _is_dir(entry):  # not a temporary file: a stray (tmp_dirs), never removed as a leftover
+        if _is_dir(entry):  # not a temporary file: a stray (integrity.tmp_problems), never removed as a leftover
             continue
         owner = parse_tmp_name(entry.name)
         if owner is None and entry.name.startswith(PROBE_PREFIX):
@@ -167,15 +184,6 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
         if stale:
             out.append(entry.path)
     return out
-
-
-def tmp_dirs(tmp_dir: str) -> list[str]:
-    """Directories in the tmp directory: kvstream never makes one there (another tier configured inside
-    this one's tree, or an operator's), so none is a leftover and none is ever removed."""
-    try:
-        return sorted(entry.path for entry in os.scandir(tmp_dir) if _is_dir(entry))
-    except FileNotFoundError:
-        return []
 
 
 def _is_dir(entry: os.DirEntry) -> bool:

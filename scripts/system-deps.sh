@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # System packages every environment of this project needs: liburing's headers (the io_uring layer),
-# pkg-config and a C compiler (to build it), fio (benchmark reference), venv and Python headers.
+# pkg-config and a C compiler (to build it), fio (benchmark reference), venv and Python headers, bindfs
+# (a FUSE mount that maps owners: the owner-mapping case of tests/test_security_shared_tier.py).
 # On Debian/Ubuntu the missing ones are installed with apt-get: directly as root (containers, where
 # sudo is often not installed), through sudo for a user who has it. Otherwise they are only checked.
 set -euo pipefail
-PKGS=(liburing-dev pkg-config gcc g++ fio python3-venv python3-dev)
-INSTALL_HINT="install liburing-dev pkg-config gcc fio python3-venv python3-dev (Debian/Ubuntu) /
-liburing-devel pkgconf gcc fio python3-devel (Fedora/RHEL), or run this as root or as a user with sudo"
+PKGS=(liburing-dev pkg-config gcc g++ fio python3-venv python3-dev bindfs)
+INSTALL_HINT="install liburing-dev pkg-config gcc fio python3-venv python3-dev bindfs (Debian/Ubuntu) /
+liburing-devel pkgconf gcc fio python3-devel bindfs (Fedora/RHEL), or run this as root or as a user with sudo"
 
 need=()
 if command -v dpkg >/dev/null && command -v apt-get >/dev/null; then

@@ -91,11 +91,12 @@ def _lmcache_classes() -> dict[str, type]:
             self._store_lock = threading.Lock()
             self._load_lock = threading.Lock()
             config = getattr(self.engine, "config", None)
-            log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s",
+            log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s; %s",
                      config.summary() if config is not None else "engine given",
                      "on" if self.core.pool_loads else "off",
                      "reads of single-tier chunks land in L1" if in_place else "reads staged and copied into L1",
-                     getattr(getattr(self.engine, "namespace", None), "digest", "?"))
+                     getattr(getattr(self.engine, "namespace", None), "digest", "?"),
+                     self.engine.trust_summary() if hasattr(self.engine, "trust_summary") else "trust not known")
 
         # -- event fds --------------------------------------------------------------------------
         def get_store_event_fd(self) -> int:

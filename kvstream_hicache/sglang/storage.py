@@ -579,7 +579,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 f"{'MLA' if self.is_mla else 'MHA'} {str(host.dtype).replace('torch.', '')} page {host.page_size} "
                 f"({self._page_bytes / 1024:.0f} KiB); {mode}{why}; fsync {cfg.fsync}; "
                 f"namespace {self.namespace.digest[:12]}; {scan.get('pages', 0)} pages indexed in "
-                f"{scan.get('seconds', 0.0):.2f} s{writer}")
+                f"{scan.get('seconds', 0.0):.2f} s{writer}"
+                + (f"; {engine.trust_summary()}" if hasattr(engine, "trust_summary") else ""))
 
     def _log_startup(self) -> None:
         line = self.startup_line()

@@ -1,0 +1,386 @@
+"""Who the engine trusts on a tier, and the file operations that follow no link inside one.
+
+A tier may be a scratch area other users write (a parallel or cloud file system, a 1777 directory).
+CRC32C is no signature: anyone can write a page file with a valid header and checksums. What keeps
+another user's file from being served, and keeps the engine from writing or deleting through another
+user's link, is ownership, checked the way OpenSSH's StrictModes checks ``~/.ssh``:
+
+* **Trusted owners** (:class:`Trust`): the engine's own uid, and the uid its own files come out with
+  on the tier (learnt by the start-up probe: NFS root squash and some FUSE mounts map owners); with
+  ``file_mode=shared`` also the tier directory's group. Nobody else.
+* **Directories** the engine uses (``kvstream/``, ``tmp/``, the namespace, its shards) must be real
+  directories (no link), owned by a trusted owner, writable by nobody else: then no one else can add,
+  rename or remove an entry in them, and a path walk through them cannot be redirected. A directory
+  that fails is a ConfigError at start-up naming it, its owner and mode and the fix
+  (:func:`establish`). The tier root may be writable by every user only with the sticky bit (as
+  ``/tmp``): then nobody can move the engine's own ``kvstream/`` there.
+* **Files**: opened with O_NOFOLLOW (a link is ELOOP, never followed) and served or indexed only when
+  ``fstat`` shows a regular file of a trusted owner (:meth:`Trust.owns`); removed only through the
+  directory descriptor they were found in, after ``fstat`` there shows an engine-owned, non-directory,
+  non-link entry (:func:`remove`). Start-up, ``check`` and their fixes walk the tree through
+  descriptors opened O_DIRECTORY|O_NOFOLLOW (:func:`open_below`).
+
+The read and write paths open pages by path (one path walk, as before: no descriptor is held per
+directory, so a tier moved away or unmounted is still noticed, never written through) with O_NOFOLLOW
+on the file: the directories on the way were checked at start-up, or when first used (a new shard),
+and only a trusted owner can change them.
+"""
+from __future__ import annotations
+
+import errno
+import grp
+import os
+import pwd
+import stat
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from .errors import ConfigError, TierError
+from .layout import ROOT_DIR, TMP_DIR, TierLayout
+from .tmpfiles import probe_direct
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+CLOCK_SKEW_NS = 300 * 10**9  # a header's created_ns further ahead of this host's clock is not clock skew
+
+
+class Trust(NamedTuple):
+    """The owners whose files and directories one tier's engine trusts."""
+
+    uids: frozenset[int]
+    gid: int | None = None  # file_mode=shared: the tier directory's group (its members are trusted)
+
+    @classmethod
+    def user(cls) -> "Trust":
+        """This process's user alone (before, or without, a probe of the tier)."""
+        return cls(frozenset({os.geteuid()}))
+
+    def owns(self, st: os.stat_result) -> bool:
+        return st.st_uid in self.uids or (self.gid is not None and st.st_gid == self.gid)
+
+    def dir_problem(self, st: os.stat_result) -> str | None:
+        """What makes a directory (its ``lstat``) untrustworthy, or None."""
+        if stat.S_ISLNK(st.st_mode):
+            return "is a symbolic link"
+        if not stat.S_ISDIR(st.st_mode):
+            return "is not a directory"
+        if not self.owns(st):
+            return "belongs to a user this engine does not trust"
+        if st.st_mode & stat.S_IWOTH:
+            return "is writable by every user"
+        if st.st_mode & stat.S_IWGRP and st.st_gid != self.gid:
+            return "is writable by a group this engine does not trust"
+        return None
+
+    def describe(self) -> str:
+        """For the start-up line: 'trusts alice (uid 1000)', '... and group kv', '... and nobody (uid 65534)
+        (its files come out owned by nobody (uid 65534) there)'."""
+        me = os.geteuid()
+        text = f"trusts {user_name(me)}"
+        mapped = sorted(self.uids - {me})
+        if mapped:
+            text += " and " + ", ".join(user_name(u) for u in mapped) + " (its files come out owned by " + \
+                    ", ".join(user_name(u) for u in mapped) + " there)"
+        if self.gid is not None:
+            text += f" and group {group_name(self.gid)}"
+        return text
+
+
+def user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
+
+
+# ---------------------------------------------------------------------------------- directories
+def open_dir(name: str, dir_fd: int | None = None) -> int:
+    """A directory descriptor that followed no link: a link is ELOOP (or ENOTDIR), never followed."""
+    return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+
+
+def open_below(root: str, path: str) -> int:
+    """Open directory ``path`` inside tier ``root`` through descriptors, following no link below the
+    root (the root itself is the operator's configured path, links and all).
+    :raises OSError: ELOOP or ENOTDIR where a link or a file is on the way, ENOENT, ..."""
+    rel = os.path.relpath(path, root)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [] if rel == "." else rel.split(os.sep):
+            below = open_dir(part, fd)
+            os.close(fd)
+            fd = below
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def list_below(root: str, path: str) -> list[str]:
+    """The names in directory ``path`` of tier ``root``, listed through a descriptor reached following
+    no link. :raises OSError: as :func:`open_below`."""
+    fd = open_below(root, path)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+LINK, DIRECTORY, OTHER = "link", "directory", "other"
+
+
+def scandir_below(root: str, path: str) -> list[tuple[str, str]]:
+    """(name, LINK | DIRECTORY | OTHER) of every entry of directory ``path`` in tier ``root``, listed
+    through a descriptor reached following no link (the kind from the directory entry: no stat per
+    entry where the file system reports it). :raises OSError: as :func:`open_below`."""
+    fd = open_below(root, path)
+    try:
+        out = []
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    kind = LINK if entry.is_symlink() else DIRECTORY if entry.is_dir(follow_symlinks=False) else OTHER
+                except OSError:  # vanished meanwhile
+                    kind = OTHER
+                out.append((entry.name, kind))
+        return out
+    finally:
+        os.close(fd)
+
+
+def make_dir(name: str, dir_fd: int, mode: int) -> int:
+    """Create directory ``name`` in ``dir_fd`` with ``mode`` (unless it exists) and open it, following
+    no link. :raises OSError: ELOOP/ENOTDIR when a link or file is in its place."""
+    try:
+        os.mkdir(name, mode, dir_fd=dir_fd)
+        created = True
+    except FileExistsError:
+        created = False
+    fd = open_dir(name, dir_fd)
+    if created:
+        os.fchmod(fd, mode)  # the umask may have cleared the group bits (file_mode=shared)
+    return fd
+
+
+def describe(st: os.stat_result) -> str:
+    """'owner alice (uid 1000), group kv, mode 0770' of an ``lstat``."""
+    return f"owner {user_name(st.st_uid)}, group {group_name(st.st_gid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def dir_error(path: str, st: os.stat_result, why: str, trust: Trust, source: str) -> ConfigError:
+    """A directory the engine would use fails :meth:`Trust.dir_problem`: say so with the exact fix."""
+    return ConfigError(f"tier directory {path} (from {source}) {why} ({describe(st)}): {dir_fix(path, st, trust)}")
+
+
+def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
+    """The commands that make directory ``path`` (its ``lstat``) pass :meth:`Trust.dir_problem`."""
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return (f"kvstream follows no link and keeps only directories there: replace it with a directory "
+                f"(rm {path} && mkdir -m 700 {path}) or choose another tier directory")
+    if not trust.owns(st):
+        try:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:
+            me = str(os.geteuid())
+        return (f"another user's directory could hand this engine pages it never stored, or take its own: remove "
+                f"it (as its owner or root: rm -r {path}) or make it yours (as root: chown -R {me} {path}), "
+                "or choose another tier directory")
+    if st.st_mode & stat.S_IWOTH:
+        return f"chmod -R o-w {path} (or choose another tier directory)"
+    if trust.gid is None:
+        return f"chmod -R g-w {path} (or set file_mode=shared to trust its group, or choose another tier directory)"
+    return (f"chgrp -R {group_name(trust.gid)} {path} (the tier directory's group), or chmod -R g-w {path}, "
+            "or choose another tier directory")
+
+
+def open_base(root: str, dir_mode: int, source: str) -> tuple[int, int]:
+    """Descriptors of ``<root>/kvstream`` and its ``tmp``, each created (``dir_mode``) where missing,
+    following no link; the tier root may be writable by every user only with the sticky bit.
+
+    :raises ConfigError: the root is world-writable without the sticky bit, or a link is in the way.
+    :raises TierError: a file is in the way."""
+    root_st = os.stat(root)
+    if root_st.st_mode & stat.S_IWOTH and not root_st.st_mode & stat.S_ISVTX:
+        raise ConfigError(f"tier directory {root} (from {source}) is writable by every user without the sticky "
+                          f"bit (mode {stat.S_IMODE(root_st.st_mode):04o}): anyone could replace kvstream's "
+                          f"directory in it; chmod +t {root} (as /tmp), chmod o-w {root}, or use a directory of "
+                          f"your own below it (mkdir -m 700 {root}/$USER)")
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        base = os.path.join(root, ROOT_DIR)
+        for path in (base, os.path.join(base, TMP_DIR)):
+            fds.append(_tier_dir(root, path, fds[-1], dir_mode, source))
+        return fds[1], fds[2]
+    except BaseException:
+        for fd in fds[1:]:
+            os.close(fd)
+        raise
+    finally:
+        os.close(fds[0])
+
+
+def _tier_dir(root: str, path: str, parent_fd: int, dir_mode: int, source: str) -> int:
+    """:func:`make_dir` of ``path`` with a message for what is in its way."""
+    try:
+        return make_dir(os.path.basename(path), parent_fd, dir_mode)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise dir_error(path, st, "is a symbolic link", Trust.user(), source) from None
+        raise TierError(f"tier {root} (from {source}): {path} is in the way (a file, not the directory kvstream "
+                        "keeps its pages in): move or remove it, or choose another directory") from None
+
+
+def _trust(root: str, base_fd: int, tmp_fd: int, shared: bool, tag: str) -> Trust:
+    """This user, the owner the probe's file comes out with in ``tmp``, and (shared) the tier's group:
+    the root's, or in a root every user may write (sticky), that of the engine's own ``kvstream/``."""
+    uids = frozenset({os.geteuid(), probe_direct("", tag, dir_fd=tmp_fd)})
+    if not shared:
+        return Trust(uids)
+    root_st = os.stat(root)
+    return Trust(uids, (os.fstat(base_fd) if root_st.st_mode & stat.S_IWOTH else root_st).st_gid)
+
+
+def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag: str) -> Trust:
+    """Start-up of one tier: its directories (``kvstream/``, ``tmp/``, the namespace) created where
+    missing through descriptors, the trusted owners learnt (the O_DIRECT probe in ``tmp``, named with
+    ``tag``), and every directory the engine uses checked (:func:`dir_findings`, shards included).
+
+    :raises ConfigError: a directory fails the checks (naming it, its owner and mode, and the fix).
+    :raises TierError: a file is in the way of ``kvstream/`` or ``tmp/``.
+    :raises OSError: the tier cannot be written (the probe, a mkdir)."""
+    base_fd, tmp_fd = open_base(layout.root, dir_mode, source)
+    try:
+        trust = _trust(layout.root, base_fd, tmp_fd, shared, tag)
+        for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
+            raise dir_error(path, st, why, trust, source)
+        os.close(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))
+        for path, st, why in dir_findings(layout, trust, base=False):
+            raise dir_error(path, st, why, trust, source)
+        return trust
+    finally:
+        os.close(base_fd)
+        os.close(tmp_fd)
+
+
+def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,
+                 pages: bool = True) -> list[tuple[str, os.stat_result, str]]:
+    """(path, lstat, what is wrong) of each directory of one tier the engine uses that fails
+    :meth:`Trust.dir_problem`: ``kvstream/`` and ``tmp/`` (``base``), the namespace directory and its
+    shards (``pages``). A parent comes before its children, which are not looked at when it fails (nobody
+    can vouch for them); a missing directory is no finding (the engine makes it)."""
+    out: list[tuple[str, os.stat_result, str]] = []
+
+    def passes(path: str) -> bool:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        why = trust.dir_problem(st)
+        if why is not None:
+            out.append((path, st, why))
+        return why is None
+
+    if base and not passes(layout.base):
+        return out
+    if base:
+        passes(layout.tmp)
+    if pages and passes(layout.pages):
+        try:
+            entries = scandir_below(layout.root, layout.pages)
+        except FileNotFoundError:
+            entries = []
+        for name, kind in sorted(entries):
+            if kind != OTHER:  # a file where shards belong is a stray: the scan's
+                passes(os.path.join(layout.pages, name))
+    return out
+
+
+def learn(root: str, shared: bool) -> Trust:
+    """The trust an engine would establish on tier ``root``, without creating its directories (``check``):
+    this user alone when the tier's ``kvstream/tmp`` cannot be probed."""
+    try:
+        base_fd = open_below(root, os.path.join(root, ROOT_DIR))
+    except OSError:
+        return Trust.user()
+    try:
+        tmp_fd = open_dir(TMP_DIR, base_fd)
+        try:
+            return _trust(root, base_fd, tmp_fd, shared, "check")
+        finally:
+            os.close(tmp_fd)
+    except OSError:
+        return Trust.user()
+    finally:
+        os.close(base_fd)
+
+
+def check_dir(path: str, trust: Trust) -> None:
+    """A directory the engine came upon while running (a shard a write needs: made by another trusted
+    writer, or by us): one ``lstat`` the first time. :raises NotADirectoryError: it fails the checks
+    (the write fails on that tier; start-up and ``check`` say why)."""
+    st = os.lstat(path)
+    why = trust.dir_problem(st)
+    if why is not None:
+        raise NotADirectoryError(errno.ENOTDIR, f"{path} {why} ({describe(st)})", path)
+
+
+# ---------------------------------------------------------------------------------------- files
+def not_trusted(st: os.stat_result) -> str:
+    """Why a file that fails :meth:`Trust.owns` (its ``fstat``) is not read past that fstat."""
+    return f"of a user this engine does not trust ({describe(st)})"
+
+
+def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | None = None) -> str | None:
+    """Remove file ``path`` of tier ``root`` through the descriptor of its directory (reached following
+    no link), only if ``lstat`` there shows an entry that is no directory and no link, of a trusted
+    owner, and (``name_ok``) named as the engine names it. Returns None when it is gone (or was
+    already), else why it was left in place.
+    :raises OSError: the directory, the lstat or the unlink failed for an I/O error."""
+    directory, name = os.path.split(path)
+    if name_ok is not None and not name_ok(name):
+        return "not a name kvstream writes"
+    try:
+        fd = open_below(root, directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return "its directory is reached through a symbolic link (or a file): kvstream follows none"
+        raise
+    try:
+        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            return "a symbolic link: kvstream follows none and removes none"
+        if stat.S_ISDIR(st.st_mode):
+            return "kvstream never removes a directory (remove it by hand if nothing needs it)"
+        if not trust.owns(st):
+            return f"not kvstream's: {not_trusted(st)}"
+        os.unlink(name, dir_fd=fd)
+        return None
+    except FileNotFoundError:  # removed concurrently: gone all the same
+        return None
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------- order
+def age_key(created_ns: int, honest_until_ns: int) -> tuple[bool, int]:
+    """Sort key of a copy by its header's write time, oldest first (where copies differ, the last one
+    indexed wins). A time after ``honest_until_ns`` (:func:`honest_until`) is a claim, not a time, and
+    sorts before every honest one, so it never wins over another copy."""
+    return (created_ns <= honest_until_ns, created_ns)
+
+
+def honest_until(now_ns: int | None = None) -> int:
+    """The latest write time a header may claim now: this host's clock plus CLOCK_SKEW_NS."""
+    return (time.time_ns() if now_ns is None else now_ns) + CLOCK_SKEW_NS

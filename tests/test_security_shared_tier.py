@@ -1,0 +1,390 @@
+"""A shared tier lets no one in (docs/guarantees.md, "Who can do what on a shared tier").
+
+A second user is made by the test: a child process that takes a uid no account has (fork, then
+setgroups/setgid/setuid, as root can) and attacks with plain file operations, as a user without kvstream
+would: it pre-creates the tree and plants a valid page, plants links at the probe path, at ``tmp/``, at a
+shard directory and at a page path, writes as a member of a shared tier's group, and claims a creation
+time in the future. The engine runs as the test's user (root in CI: being root changes nothing here,
+the engine trusts owners, not permissions).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+import kvstream_hicache
+from kvstream_hicache import Config, ConfigError, check_tiers, tmpfiles
+from kvstream_hicache.integrity import pack_header, unpack_header
+from kvstream_hicache.io import AlignedBuffer
+from kvstream_hicache.layout import HEADER_SIZE, TierLayout
+from kvstream_hicache.tmpfiles import tmp_name
+from kvstream_hicache.trust import user_name
+
+from reliability_helpers import NS, PageSet, content, kvstream_cli, make_engine
+
+INTRUDER = 54321  # uids and a group no account has: the second user and the shared tier's group
+MEMBER = 54322
+GROUP = 54320
+MAPPED = 54323  # the owner an owner-mapping file system gives every file
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root (CI runs as root)")
+
+
+def as_user(uid: int, fn, *args, groups: tuple[int, ...] = ()) -> None:
+    """Run ``fn(*args)`` in a child process as ``uid`` (its own gid, plus ``groups``), umask 0 as a
+    careless or hostile user would; its exception fails the test."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups(list(groups))
+            os.setgid(uid)
+            os.setuid(uid)
+            os.umask(0)
+            fn(*args)
+        except BaseException:
+            os.write(w, traceback.format_exc().encode())
+            code = 1
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, err
+
+
+def page_file(scratch: str, key: str, data: bytes, created_ns: int | None = None) -> bytes:
+    """The bytes of a valid page file of ``key`` holding ``data`` (header, checksums and all: anyone can
+    make one), written by an engine on a scratch tier; ``created_ns`` rewrites the header's time."""
+    os.makedirs(scratch, exist_ok=True)
+    with make_engine([scratch]) as engine:
+        assert PageSet(size=len(data), data=lambda k: data).put(engine, [key]) == [True]
+        path = engine.tiers[0].layout.page_path(key)
+        raw = Path(path).read_bytes()
+        engine.clear()
+    if created_ns is not None:
+        buf = AlignedBuffer(HEADER_SIZE)
+        pack_header(unpack_header(raw[:HEADER_SIZE])._replace(created_ns=created_ns), buf)
+        raw = bytes(buf) + raw[HEADER_SIZE:]
+    return raw
+
+
+def plant_tree(tier: str, files: dict[str, bytes]) -> None:
+    """As the other user: ``kvstream/``, ``tmp/`` and the namespace's page directories, mode 0777, and
+    ``files`` (paths relative to the tier) written there."""
+    layout = TierLayout(tier, NS.digest)
+    os.makedirs(layout.tmp, 0o777, exist_ok=True)
+    for rel, data in files.items():
+        path = os.path.join(tier, rel)
+        os.makedirs(os.path.dirname(path), 0o777, exist_ok=True)
+        Path(path).write_bytes(data)
+
+
+def start(dirs, use=None, **settings):
+    """Start an engine on ``dirs``: (the ConfigError, None) when it refuses, else (None, ``use(engine)``),
+    the engine closed. The harm a start may do is asserted before the refusal is."""
+    try:
+        engine = make_engine(dirs, **settings)
+    except ConfigError as exc:
+        return exc, None
+    with engine:
+        return None, use(engine) if use is not None else None
+
+
+@pytest.fixture
+def scratch(tier_root):
+    """``tier_root`` reachable by every user (the other user must get to the tier), and a world-writable
+    sticky scratch area in it, as on a parallel file system."""
+    os.chmod(tier_root, 0o755)
+    area = os.path.join(tier_root, "scratch")
+    os.mkdir(area)
+    os.chmod(area, 0o1777)
+    return area
+
+
+def test_a_tree_another_user_made_first_is_refused_and_their_page_never_served(scratch, tier_root):
+    """The other user creates kvstream/ and the directories below it (0777) before the engine, and plants
+    a valid page for a key the victim never stored: the engine refuses the tier, naming the directory,
+    its owner and mode, and the fix; check reports the page as untrusted and never removes it."""
+    key = PageSet().keys(1)[0]
+    planted = page_file(os.path.join(tier_root, "forge"), key, content("forged", PageSet().size))
+    rel = os.path.relpath(TierLayout(scratch, NS.digest).page_path(key), scratch)
+    as_user(INTRUDER, plant_tree, scratch, {rel: planted})
+    base = os.path.join(scratch, "kvstream")
+    err, served = start([scratch], lambda engine: PageSet().get(engine, [key])[0])
+    assert served is None, "the other user's page was served"
+    msg = str(err)
+    for part in (f"tier directory {base} ", f"uid {INTRUDER}", "mode 0777", f"rm -r {base}", "chown -R",
+                 "another tier directory"):
+        assert part in msg, (part, msg)
+    config = Config.from_sources({"tiers": [scratch]}, environ={})
+    layout = TierLayout(scratch, NS.digest)
+    for fix in (False, True):  # the directories an engine refuses, and the page: reported, nothing removed
+        problems = check_tiers(config, fix=fix)
+        assert [(p.kind, p.path, p.fixed) for p in problems] == [
+            ("untrusted", layout.base, False), ("untrusted", layout.pages, False),
+            ("untrusted", layout.page_path(key), False)], problems
+        assert all(f"uid {INTRUDER}" in p.detail for p in problems)
+        assert f"rm -r {layout.base}" in problems[0].detail
+    assert Path(scratch, rel).read_bytes() == planted  # never removed: not ours
+
+
+def test_a_world_writable_tier_root_needs_the_sticky_bit(tier_root):
+    root = os.path.join(tier_root, "open")
+    os.mkdir(root)
+    os.chmod(root, 0o777)
+    err, _ = start([root])
+    assert not os.path.exists(os.path.join(root, "kvstream"))  # refused before anything was made there
+    assert re.search(r"writable by every user without the sticky bit \(mode 0777\).*chmod \+t", str(err)), err
+    os.chmod(root, 0o1777)  # as /tmp: only the engine's own kvstream/ is used there
+    pages = PageSet()
+    with make_engine([root]) as engine:
+        assert pages.put(engine, pages.keys(2)) == [True, True]
+        assert pages.checked_get(engine, pages.keys(2)) == [True, True]
+
+
+def _plant_probe_links(tmp: str, target: str, pid: int, seqs: range) -> None:
+    for seq in seqs:
+        os.symlink(target, os.path.join(tmp, f"probe.{pid}.config.{seq}"))
+
+
+def test_a_link_at_the_probe_path_overwrites_nothing(scratch, tier_root):
+    """Links planted at the names the start-up probe would use, to a file only the victim may write:
+    the file keeps every byte (the probe creates its file O_EXCL|O_NOFOLLOW under a random name)."""
+    secret = os.path.join(tier_root, "secret")
+    Path(secret).write_bytes(b"only the victim writes this\n" * 300)
+    os.chmod(secret, 0o600)
+    before = Path(secret).read_bytes()
+    nxt = int(re.fullmatch(r"count\((\d+)\)", repr(tmpfiles._probe_seq)).group(1))  # the next probe's number
+    tmp = TierLayout(scratch, NS.digest).tmp
+    as_user(INTRUDER, lambda: (plant_tree(scratch, {}), _plant_probe_links(tmp, secret, os.getppid(),
+                                                                           range(nxt, nxt + 16))))
+    err, _ = start([scratch])
+    assert Path(secret).read_bytes() == before, "the probe wrote through a link"
+    assert f"uid {INTRUDER}" in str(err)  # and the tree is the other user's: refused
+    assert sorted(os.listdir(tmp)) == sorted(f"probe.{os.getpid()}.config.{s}" for s in range(nxt, nxt + 16))
+
+
+def _precious(directory: str) -> dict[str, bytes]:
+    """A directory of the victim's own files, named as kvstream's leftovers and strays would be."""
+    os.makedirs(directory)
+    files = {tmp_name(NS.digest, 2**22 + 7, "x", 0): b"a", "garbage.tmp": b"b", "notes.txt": b"c"}
+    for name, data in files.items():
+        Path(directory, name).write_bytes(data)
+    return files
+
+
+def _unchanged(directory: str, files: dict[str, bytes]) -> bool:
+    return {n: Path(directory, n).read_bytes() for n in os.listdir(directory)} == files
+
+
+@pytest.mark.parametrize("where", ["tmp", "shard"])
+def test_a_link_at_tmp_or_at_a_shard_deletes_nothing_in_its_target(tier_dirs, tier_root, where):
+    """``kvstream/tmp`` or a shard directory replaced by a link to another directory of the user's: start-up
+    refuses the tier (it follows no link), and check --fix reports the link, never removes through it."""
+    pages = PageSet()
+    keys = pages.keys(3)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        layout = engine.tiers[0].layout
+    precious = os.path.join(tier_root, "precious")
+    files = _precious(precious)
+    link = layout.tmp if where == "tmp" else os.path.join(layout.pages, "zz")
+    if where == "tmp":
+        os.rmdir(link)
+    os.symlink(precious, link)
+    err, _ = start(tier_dirs[:1])
+    assert _unchanged(precious, files), "start-up deleted files through a link"
+    assert re.search(f"{re.escape(link)} .*is a symbolic link.*follows no link", str(err)), err
+    here = os.path.dirname(os.path.dirname(os.path.abspath(kvstream_hicache.__file__)))  # the tree under test
+    run = kvstream_cli("check", "--fix", "--tiers", tier_dirs[0], env={**os.environ, "PYTHONPATH": here})
+    assert run.returncode == 1 and "0 repaired, 1 not repaired" in run.stdout + run.stderr, run
+    assert _unchanged(precious, files)
+    problems = check_tiers(Config.from_sources({"tiers": tier_dirs[:1]}, environ={}),
+                           fix=True)
+    assert [(p.kind, p.path, p.fixed) for p in problems] == [("stray", link, False)]
+    assert _unchanged(precious, files)
+    os.unlink(link)
+    if where == "tmp":
+        os.mkdir(link, 0o700)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.checked_get(engine, keys) == [True] * 3
+
+
+def test_a_link_at_a_page_path_is_never_followed(tier_dirs, tier_root):
+    """A link under a page's name to a valid page of that key outside the tier: never opened, so never
+    served nor indexed (by discovery, a read or start-up), never removed; check reports it."""
+    pages = PageSet()
+    keys = pages.keys(3)
+    outside = os.path.join(tier_root, "outside.kvp")
+    Path(outside).write_bytes(page_file(os.path.join(tier_root, "forge"), keys[2], pages.data(keys[2])))
+    before = Path(outside).read_bytes()
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys[:2]) == [True, True]
+        link = engine.tiers[0].layout.page_path(keys[2])
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(outside, link)
+        assert not engine.contains(keys[2])
+        assert pages.checked_get(engine, keys) == [True, True, False]
+        assert [(p.kind, p.path, p.fixed) for p in engine.check(fix=True)] == [("stray", link, False)]
+        os.unlink(link)
+    os.symlink(outside, link)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert engine.scan["pages"] == 2 and engine.scan["kept"] == 1 and os.path.islink(link)
+        assert pages.checked_get(engine, keys) == [True, True, False]
+        os.unlink(link)
+    assert Path(outside).read_bytes() == before
+
+
+@pytest.fixture
+def shared_tier(tier_root):
+    """A tier directory of group GROUP, 2770, as an operator sets one up for file_mode=shared."""
+    os.chmod(tier_root, 0o755)
+    tier = os.path.join(tier_root, "shared")
+    os.mkdir(tier)
+    os.chown(tier, -1, GROUP)
+    os.chmod(tier, 0o2770)
+    return tier
+
+
+def _write_as_writer(tier: str, key: str, data: bytes, group: int | None) -> None:
+    """Write a page file as a writer would (a temporary file, renamed into place); ``group`` re-groups it."""
+    layout = TierLayout(tier, NS.digest)
+    tmp = os.path.join(layout.tmp, f"{key[:8]}.forge")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)
+    try:
+        os.write(fd, data)
+        if group is not None:
+            os.fchown(fd, -1, group)
+    finally:
+        os.close(fd)
+    os.makedirs(layout.page_dir(key), 0o2770, exist_ok=True)
+    os.rename(tmp, layout.page_path(key))
+
+
+def test_shared_mode_trusts_the_tier_group_and_no_one_else(shared_tier, tier_root, caplog):
+    """file_mode=shared: a page a member of the tier's group writes is trusted (served: members are
+    trusted); a file of another group (a member's own group) is untrusted: never served, never removed,
+    reported by check. The start-up line names the group."""
+    pages = PageSet()
+    keys = pages.keys(3)
+    forge = os.path.join(tier_root, "forge")
+    by_member = page_file(forge, keys[1], pages.data(keys[1]))
+    other_group = page_file(forge, keys[2], pages.data(keys[2]))
+    caplog.set_level("INFO", logger="kvstream")
+    with make_engine([shared_tier], file_mode="shared") as engine:
+        assert pages.put(engine, keys[:1]) == [True]
+    as_user(MEMBER, lambda: (_write_as_writer(shared_tier, keys[1], by_member, None),
+                             _write_as_writer(shared_tier, keys[2], other_group, MEMBER)), groups=(GROUP,))
+    layout = TierLayout(shared_tier, NS.digest)
+    assert os.stat(layout.page_path(keys[1])).st_gid == GROUP  # the setgid directory gave it the tier's group
+    with make_engine([shared_tier], file_mode="shared") as engine:
+        assert engine.scan["pages"] == 2 and engine.scan["kept"] == 1
+        assert pages.checked_get(engine, keys) == [True, True, False]
+        problems = engine.check(fix=True)
+        assert [(p.kind, p.path, p.fixed) for p in problems] == [("untrusted", layout.page_path(keys[2]), False)]
+        assert f"uid {MEMBER}" in problems[0].detail
+        assert os.path.exists(layout.page_path(keys[2]))
+        os.unlink(layout.page_path(keys[2]))
+    assert any(f"and group gid {GROUP}" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_creation_time_in_the_future_never_wins_over_the_own_copy(tier_dirs, shared_tier, tier_root):
+    """A member of the shared tier's group replaces the victim's copy there with other bytes whose header
+    claims a creation time years ahead: after a restart the victim's own copy (its private tier 0) is
+    served, not the newest-looking one; an honest newer version still wins."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    theirs = {k: content(k + "-member", pages.size) for k in keys}
+    future = time.time_ns() + 10 * 365 * 86400 * 10**9
+    forged = page_file(os.path.join(tier_root, "forge"), keys[0], theirs[keys[0]], created_ns=future)
+    tiers = [tier_dirs[0], shared_tier]
+    with make_engine(tiers, file_mode="shared", replicate="all") as engine:
+        assert pages.put(engine, keys) == [True, True]
+    honest = page_file(os.path.join(tier_root, "forge"), keys[1], theirs[keys[1]])  # written after the victim's
+    as_user(MEMBER, lambda: (_write_as_writer(shared_tier, keys[0], forged, None),
+                             _write_as_writer(shared_tier, keys[1], honest, None)), groups=(GROUP,))
+    with make_engine(tiers, file_mode="shared") as engine:
+        found, got = pages.get(engine, keys)
+        assert found == [True, True]
+        assert got[0] == pages.data(keys[0])  # the victim's own bytes, not the forged future copy
+        assert got[1] == theirs[keys[1]]  # a member is trusted: its honest newer version is the newest
+        assert engine.check() == []
+
+
+def test_every_probe_name_is_new(tier_dirs):
+    """Two probes in one process never share a name, and a name cannot be guessed (a random part)."""
+    names = {tmpfiles.probe_name("config") for _ in itertools.repeat(None, 50)}
+    assert len(names) == 50 and all(re.fullmatch(rf"probe\.{os.getpid()}\.config\.\d+\.[0-9a-f]{{8}}", n)
+                                    for n in names)
+
+
+@pytest.fixture
+def mapped_tier(tier_root):
+    """A tier on a FUSE file system that maps every owner to MAPPED (bindfs --force-user), as NFS root
+    squash and some FUSE mounts do: a file the engine creates there comes out owned by MAPPED."""
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
+    src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "mapped")
+    os.mkdir(src, 0o700)
+    os.mkdir(mnt)
+    subprocess.run(["bindfs", f"--force-user={MAPPED}", f"--force-group={MAPPED}", src, mnt], check=True)
+    try:
+        tier = os.path.join(mnt, "tier")
+        os.mkdir(tier, 0o700)
+        yield tier
+    finally:
+        subprocess.run(["fusermount", "-u", mnt], capture_output=True)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
+def test_an_owner_mapping_file_system_is_trusted_for_the_owner_its_files_get(mapped_tier, caplog):
+    """Where the file system maps owners, the start-up probe sees the owner the engine's own files get,
+    trusts that owner on that tier, and says so in the start-up line; pages are stored, served and found
+    again after a restart (nothing of the engine's is taken for another user's)."""
+    pages = PageSet()
+    keys = pages.keys(3)
+    caplog.set_level("INFO", logger="kvstream")
+    with make_engine([mapped_tier]) as engine:
+        assert os.stat(engine.tiers[0].layout.base).st_uid == MAPPED
+        assert pages.put(engine, keys) == [True] * 3
+    line = next(r.getMessage() for r in caplog.records if "pages indexed" in r.getMessage())
+    assert f"trusts {user_name(os.geteuid())} and uid {MAPPED} (its files come out owned by uid {MAPPED} " \
+           "there)" in line, line
+    with make_engine([mapped_tier]) as engine:
+        assert engine.scan["pages"] == 3 and engine.scan["kept"] == 0
+        assert pages.checked_get(engine, keys) == [True] * 3
+        assert engine.check() == []
+
+
+@pytest.mark.parametrize("case", ["group-writable in private mode", "writable by every user"])
+def test_a_directory_others_may_write_is_refused_with_the_fix(tier_dirs, case):
+    """StrictModes: a directory of the tree that a group this engine does not trust, or every user, may
+    write (a tree made for file_mode=shared, then used in private mode; a careless chmod) is refused,
+    naming it and the chmod that fixes it; after the fix the engine starts and finds its pages."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:1], file_mode="shared" if case.startswith("group") else "private") as engine:
+        assert pages.put(engine, keys) == [True, True]
+        layout = engine.tiers[0].layout
+    if case.startswith("writable"):
+        os.chmod(layout.pages, 0o707)
+    err, _ = start(tier_dirs[:1])
+    fix = "chmod -R g-w" if case.startswith("group") else "chmod -R o-w"
+    target = layout.base if case.startswith("group") else layout.pages
+    assert re.search(f"tier directory {re.escape(target)} .*(writable by a group this engine does not trust"
+                     f"|writable by every user).*{fix} {re.escape(target)}", str(err)), err
+    subprocess.run(["chmod", "-R", fix.split()[-1], target], check=True)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.checked_get(engine, keys) == [True, True]
