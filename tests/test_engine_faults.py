@@ -10,6 +10,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -348,6 +349,13 @@ def test_real_enospc_evicts_lru_then_fails_that_tier_only(small_fs, tier_dirs, i
         assert engine.put(keys, pages.src_segments[:2]) == [True, True]  # stored on tier 1
         t0 = engine.stats()["tiers"][0]
         assert t0["healthy"] and t0["write_failures"] >= 2
+        assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
+        # Owed to tier 0 now (background replication): its copies meet the same full file system and
+        # are dropped, never evicting, never leaving a temporary file behind.
+        deadline = time.monotonic() + 60
+        while engine.stats()["replication_pending"]:
+            assert time.monotonic() < deadline, "catch-up to the full tier never ended"
+            time.sleep(0.005)
         assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
         assert os.listdir(engine.tiers[0].layout.tmp) == []
         assert engine.check() == []
