@@ -51,6 +51,7 @@ try:  # run from a checkout without installing the package
 except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from kvstream_hicache.tools import workload as wl
+from kvstream_hicache.tools import serve_cpu
 from kvstream_hicache.tools.console import HelpFormatter, Progress
 
 try:
@@ -66,12 +67,10 @@ except ImportError:  # pragma: no cover - orjson ships with sglang
 
     _loads = json.loads
 
-BACKENDS = ("kvstream", "file")
+BACKENDS = ("kvstream", "file", "nixl", "none")  # none: HiCache (L1 + L2) without an L3 backend
 DEFAULT_SLOS = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds: the deadlines reported in the paper's Fig. 11
 LOOKAHEAD_S = 2.0  # request bodies are built this far ahead of their send time...
 MAX_PREBUILT = 256  # ...but never more than this many at once (a 19K-token body is ~120 KB)
-HEALTH_POLL_S = 2.0
-STOP_GRACE_S = 60.0  # SIGTERM -> SIGKILL
 RUN_DIR_PREFIX = "serve_swebench-"  # the only directories this script creates (and removes) in a tier
 
 
@@ -486,11 +485,14 @@ def split_tiers(spec: str | None) -> list[str]:
 
 
 def launch_command(args, backend: str, port: int) -> list[str]:
-    """The ``sglang.launch_server`` command line for one backend."""
+    """The ``sglang.launch_server`` command line for one backend (``--cpu``: plus the CPU server's flags)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model or "<MODEL>",
            "--host", args.host, "--port", str(port),
-           "--enable-hierarchical-cache", "--page-size", str(args.page_size),
-           "--hicache-storage-backend", backend, "--enable-metrics"]
+           "--enable-hierarchical-cache", "--page-size", str(args.page_size), "--enable-metrics"]
+    if backend != "none":
+        cmd += ["--hicache-storage-backend", backend]
+    if args.cpu:
+        cmd += list(serve_cpu.CPU_ARGS)
     if args.hicache_ratio:
         cmd += ["--hicache-ratio", str(args.hicache_ratio)]
     if args.hicache_size:
@@ -506,85 +508,63 @@ def backend_env(backend: str, run_dirs: Sequence[str]) -> dict[str, str]:
     """The environment variables that point a backend at its (per-run) directories."""
     if backend == "kvstream":
         return {"KVSTREAM_TIERS": os.pathsep.join(run_dirs)}
-    if backend == "file":  # sglang's file backend uses one directory: the fastest tier, as a user would
+    # sglang's file and nixl backends use one directory: the fastest tier, as a user would
+    if backend == "file":
         return {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": run_dirs[0]} if run_dirs else {}
+    if backend == "nixl":
+        return {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": run_dirs[0]} if run_dirs else {}
     return {}
+
+
+def run_dir_tiers(backend: str, tiers: Sequence[str]) -> Sequence[str]:
+    """The tiers a backend's run stores in: kvstream all of them, file and nixl tier 0, none nothing."""
+    return tiers if backend == "kvstream" else tiers[:1] if backend in ("file", "nixl") else ()
 
 
 class Server:
     """An ``sglang.launch_server`` child process in its own process group, with fresh tier directories.
 
     Each run gets new ``serve_swebench-*`` subdirectories in the given tier directories (so runs never
-    read each other's pages); they are removed on exit unless ``keep_data``.
+    read each other's pages); they are removed on exit unless ``keep_data``. The process itself is
+    ``serve_cpu.ServerProcess`` (started, waited for, its whole group stopped), with ``--cpu`` in the
+    CPU server's environment (the shims on PYTHONPATH).
     """
 
     def __init__(self, args, backend: str, port: int, log_dir: str):
         self.args, self.backend, self.port = args, backend, port
         self.url = f"http://{args.host}:{port}"
         self.log_path = os.path.join(log_dir, f"sglang-{backend}.log")
-        self.proc: subprocess.Popen | None = None
+        self.proc: serve_cpu.ServerProcess | None = None
         self.run_dirs: list[str] = []
 
     def __enter__(self) -> "Server":
         stamp = f"{RUN_DIR_PREFIX}{self.backend}-{os.getpid()}-{int(time.time())}"
-        tiers = split_tiers(self.args.tiers)
-        for tier in tiers if self.backend == "kvstream" else tiers[:1]:  # file: one directory, on tier 0
+        for tier in run_dir_tiers(self.backend, split_tiers(self.args.tiers)):
             path = os.path.join(tier, stamp)
             os.makedirs(path)
             self.run_dirs.append(path)
-        env = {**os.environ, **backend_env(self.backend, self.run_dirs)}
+        extra = backend_env(self.backend, self.run_dirs)
+        env = serve_cpu.server_env(**extra) if self.args.cpu else {**os.environ, **extra}
         cmd = launch_command(self.args, self.backend, self.port)
         print(f"[serve] starting sglang ({self.backend}): {shlex.join(cmd)}", file=sys.stderr)
         print(f"[serve] server log: {self.log_path}", file=sys.stderr)
-        log = open(self.log_path, "ab")
+        self.proc = serve_cpu.ServerProcess(cmd, env, self.log_path, url=self.url)
         try:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log.close()
-        try:
-            self._wait_healthy()
+            self.proc.start(self.args.startup_timeout)
         except BaseException:
             self.__exit__(None, None, None)
             raise
+        print(f"[serve] {self.url} is healthy", file=sys.stderr)
         return self
 
-    def _wait_healthy(self):
-        deadline = time.monotonic() + self.args.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sglang exited with code {self.proc.returncode} while starting; "
-                                   f"last lines of {self.log_path}:\n{_tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=10) as resp:
-                    if resp.status == 200:
-                        print(f"[serve] {self.url} is healthy", file=sys.stderr)
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(HEALTH_POLL_S)
-        raise TimeoutError(f"sglang did not become healthy in {self.args.startup_timeout} s; see {self.log_path}")
-
     def __exit__(self, *exc):
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # our own group (start_new_session): the server's children
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc is not None:
+            self.proc.stop()
         if not self.args.keep_data:
             for path in self.run_dirs:
                 if os.path.basename(path).startswith(RUN_DIR_PREFIX):
                     shutil.rmtree(path, ignore_errors=True)
         return False
-
-
-def _tail(path: str, lines: int = 30) -> str:
-    try:
-        with open(path, "rb") as fh:
-            return b"\n".join(fh.read().splitlines()[-lines:]).decode("utf-8", "replace")
-    except OSError:
-        return "(no log)"
 
 
 def _drop_caches():
@@ -620,7 +600,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     srv = p.add_argument_group("server")
-    srv.add_argument("--model", help="model path for sglang.launch_server (not needed with --url)")
+    srv.add_argument("--model", help="model path for sglang.launch_server (not needed with --url or --cpu)")
+    srv.add_argument("--cpu", action="store_true",
+                     help="serve on this CPU: the tiny model of `kvstream serve-cpu` (unless --model), its flags "
+                          "(--device cpu --attention-backend torch_native ...) and shims; --vocab follows the model")
     srv.add_argument("--url", help="attach to a running server instead of starting one")
     srv.add_argument("--tiers", default=os.environ.get("KVSTREAM_TIERS"),
                      help="tier directories, fastest first, separated by ':' (default: $KVSTREAM_TIERS)")
@@ -656,7 +639,8 @@ def parse_args(argv=None):
     wk.add_argument("--max-input", type=int, help="cap prompt length (stay below the model's context length)")
     wk.add_argument("--limit", type=int, help="send only the first N requests")
     wk.add_argument("--rate-factor", type=float, default=1.0, help="speed arrivals up (>1) or down (<1)")
-    wk.add_argument("--vocab", type=int, default=wl.DEFAULT_VOCAB, help="token ids stay below this")
+    wk.add_argument("--vocab", type=int, help=f"token ids stay below this (default {wl.DEFAULT_VOCAB}; --cpu: "
+                                              f"{serve_cpu.VOCAB})")
     out = p.add_argument_group("output")
     out.add_argument("--slo", type=lambda s: [float(x) for x in s.split(",") if x], default=list(DEFAULT_SLOS),
                      help="TTFT deadlines in seconds, comma separated")
@@ -669,13 +653,15 @@ def parse_args(argv=None):
     out.add_argument("--dry-run", action="store_true", help="print the launch command(s) and the workload; no server")
     args = p.parse_args(argv)
     args.backends = [b.strip() for b in args.compare.split(",")] if args.compare else [args.backend]
+    if args.vocab is None:
+        args.vocab = serve_cpu.VOCAB if args.cpu else wl.DEFAULT_VOCAB
     for b in args.backends:
         if b not in BACKENDS:
             p.error(f"--compare: unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
     if args.url and args.compare:
         p.error("--compare starts one server per backend; it cannot be combined with --url")
-    if not (args.url or args.model or args.dry_run):
-        p.error("give --model (to start sglang) or --url (to use a running server)")
+    if not (args.url or args.model or args.cpu or args.dry_run):
+        p.error("give --model or --cpu (to start sglang) or --url (to use a running server)")
     if not args.url and not args.dry_run and "kvstream" in args.backends and not split_tiers(args.tiers):
         p.error("kvstream needs tier directories: --tiers DIR1:DIR2 or KVSTREAM_TIERS")
     return args
@@ -695,11 +681,13 @@ def main(argv=None) -> int:
             print(f"\nwould send it to {args.url}/generate (streaming, open loop)")
         for b in args.backends if not args.url else ():
             tiers = split_tiers(args.tiers)
-            dirs = [os.path.join(t, f"{RUN_DIR_PREFIX}{b}-<pid>-<time>") for t in (tiers if b == "kvstream" else tiers[:1])]
+            dirs = [os.path.join(t, f"{RUN_DIR_PREFIX}{b}-<pid>-<time>") for t in run_dir_tiers(b, tiers)]
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in backend_env(b, dirs).items())
             print(f"\n{b} launch command:\n  {env + ' ' if env else ''}{shlex.join(launch_command(args, b, args.port))}")
         return 0
 
+    if args.cpu and not args.model:
+        args.model = serve_cpu.build_model()
     if threading.current_thread() is threading.main_thread():
         # SIGTERM -> SystemExit, so the server context below still stops the sglang process group
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .errors import ConfigError
-from .layout import ALIGN, DEFAULT_BLOCK, file_size
+from .layout import ALIGN, DEFAULT_BLOCK
 from .router import parse_policy
 
 ENV_PREFIX = "KVSTREAM_"
@@ -28,7 +28,7 @@ IO_ENGINES = ("auto", "uring", "threads")
 FILE_MODES = ("private", "shared")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_CHUNK = 64 << 20  # largest routing block, bytes
-MIN_PAGE_FILE = file_size(1)  # the smallest page file (a 4 KiB header and one 4 KiB block): the least capacity
+MIN_CAPACITY = 1  # capacity counts payload bytes (index.py): the least capacity holds a page of one byte
 # Keys SGLang's `dynamic` backend loader puts in the extra config next to ours.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 
@@ -132,10 +132,9 @@ class Capacity(NamedTuple):
                                   "empty for unlimited")
             text = int(text)
         nbytes = parse_bytes(text, what)
-        if nbytes < MIN_PAGE_FILE:
-            raise ConfigError(f"{what}: {text!r} holds no page (a page file takes at least {MIN_PAGE_FILE} bytes: a "
-                              "4 KiB header and one 4 KiB block); give a size like '200G', or leave it empty for "
-                              "unlimited")
+        if nbytes < MIN_CAPACITY:
+            raise ConfigError(f"{what}: {text!r} holds no page (capacity counts the bytes of the pages stored, at "
+                              f"least {MIN_CAPACITY}); give a size like '200G', or leave it empty for unlimited")
         return cls(nbytes=nbytes)
 
     def __str__(self) -> str:
@@ -412,15 +411,15 @@ def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int) -> No
 
 
 def check_capacities(config: "Config", capacities: list[int | None], page_bytes: int | None) -> None:
-    """Resolved capacities (a share of the file system, e.g. '0.0001%') that cannot hold one page file (of
+    """Resolved capacities (a share of the file system, e.g. '0.0001%') that cannot hold one page (of
     ``page_bytes`` when the caller knows its page size) would make every put on that tier fail quietly:
     refuse them at start-up, naming the setting and the fix.
 
     :raises ConfigError:"""
-    need = file_size(max(page_bytes or 1, 1))
+    need = max(page_bytes or MIN_CAPACITY, MIN_CAPACITY)
     for tier, cap in zip(config.tiers, capacities):
         if cap is not None and cap < need:
             page = f"a page of {page_bytes} bytes" if page_bytes else "the smallest page"
             raise ConfigError(f"{setting_source(config.sources, 'capacity')}: {tier.capacity} of tier {tier.path} "
-                              f"is {cap} bytes, less than one page file ({need} bytes for {page}): give at least "
+                              f"is {cap} bytes, less than one page ({need} bytes for {page}): give at least "
                               f"{need} bytes, or leave it empty for unlimited")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
+from .fds import close_fd
 from .index import Index, PageInfo
 from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
 from .layout import HEADER_SIZE, block_span
@@ -69,4 +70,4 @@ def _read_block(tier: Tier, key: str, span) -> bytes:
     try:
         return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
     finally:
-        os.close(fd)
+        close_fd(fd)

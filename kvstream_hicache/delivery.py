@@ -6,6 +6,8 @@ health. Runs under the read path's lock (reads.py): methods ending ``_under_read
 """
 from __future__ import annotations
 
+import errno
+
 from . import damage
 from .getcall import GetCall, Req
 from .index import Index
@@ -28,7 +30,7 @@ class Delivery:
         page = call.pages[req.p]
         info = page.info
         if res < 0:
-            self.failed_read_under_reads(tier, page.key, -res)
+            self.failed_read_under_reads(tier, page.key, -res, call)
         # Blocks wholly read (a short read means the file is shorter than its header says).
         if res >= req.nbytes:
             complete = req.j1 - req.j0
@@ -66,9 +68,25 @@ class Delivery:
             self.stats.total("duplicate_reads", duplicates)
         return call.route.complete_many(tier, results)
 
-    def failed_read_under_reads(self, tier: int, key: str, err: int) -> None:
+    def failed_read_under_reads(self, tier: int, key: str, err: int, call: GetCall, what: str = "read") -> None:
+        """An open or read of ``key``'s file on ``tier`` failed with ``err``. A copy deleted or replaced
+        under us (an operator, another rank, another node of a shared file system: ENOENT, ESTALE) is
+        forgotten and the key looked up again after the call; anything else is the tier's health (the
+        whole tier went, unmounted, moved away: the index keeps its copies, which may come back with
+        it; rejoining reconciles with what survived)."""
+        if self.tiers[tier].copy_gone(err, key):
+            self.index.remove(key, tier)
+            if err != errno.ESTALE or self.tiers[tier].listed(key):  # (ESTALE: replaced, not deleted)
+                call.relook.add(key)
+            return
         self.stats.add(tier, "errors")
-        self.tiers[tier].fail(err, f"read {key}")
+        self.tiers[tier].fail(err, f"{what} {key}")
+
+    def stale_copy(self, tier: int, key: str) -> None:
+        """Closing a read descriptor of ``key`` on ``tier`` answered ESTALE: the file was replaced or
+        deleted by another node since it was opened; that copy leaves the index."""
+        if self.tiers[tier].copy_gone(errno.ESTALE, key):
+            self.index.remove(key, tier)
 
     def _quarantine_under_reads(self, call: GetCall, tier: int, p: int, j: int, why: str) -> None:
         """A block failed its check (damage.py tells what the copy on disk is)."""

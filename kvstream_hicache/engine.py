@@ -14,8 +14,19 @@ Composition::
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
 (prefetch thread) at once. Reads and writes have separate rings, each behind its own lock; every
 write is done by the engine's writer thread (put waits for it, put_deferred does not); the index has
-its own lock; existence queries only read the index. ``close()`` racing a call on another thread: the
-call either completes or raises EngineClosedError.
+its own lock; existence queries read the index, and look on disk for a key it lacks (discovery).
+``close()`` racing a call on another thread: the call either completes or raises EngineClosedError.
+
+Locks, outermost first (locks.ORDER; a lock is taken only under those above it; docs/design.md
+"Locks" has the full table, the adapters' locks included):
+
+    lock      guards                                           taken under it
+    read      a whole get: pins, read ring and pool, router    write (clear/check), queue, tier, index, leaves
+    write     the writer's step: write ring, pool, jobs        queue, tier, index, leaves
+    queue     WriteQueue: FIFOs, backlog, closing (never I/O)  index, stats
+    tier      health, back-off, probe schedule                 none (probes and rejoins run outside it)
+    index     key -> tiers, LRU, capacity, pins                none
+    leaves    priority, staging, stats, ring, faults            none
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
 the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
@@ -25,9 +36,12 @@ child. The parent is untouched.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +50,7 @@ from .config import Config, check_capacities
 from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
-from .index import Index
+from .index import Index, tiers_in
 from .integrity import (
     Problem, Reason, ScannedPage, check_tier, fix_problem, scan_file, scan_shard, shards, tmp_problems,
 )
@@ -61,6 +75,20 @@ log = logging.getLogger("kvstream")
 SCAN_THREADS = min(8, 2 * (os.cpu_count() or 1))
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSED = "kvstream engine is closed"
+
+
+def _weak(method: Callable, dead):
+    """``method`` as a hook that does not keep its engine alive (returns ``dead`` once the engine is
+    gone). The writer thread reaches the tiers and the read path; a bound method there would keep a
+    dropped engine reachable for ever: never collected, never closed, its rings, descriptors and
+    writer thread leaked, and ``__del__``'s ResourceWarning never given."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        live = ref()
+        return dead if live is None else live(*args)
+
+    return hook
 
 
 class Engine:
@@ -101,7 +129,7 @@ class Engine:
         self._token = tmpfiles.register()
         source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, self._reconcile, source)
+                           self._token, clock, _weak(self._reconcile, ""), source)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
@@ -124,11 +152,11 @@ class Engine:
         share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, share, namespace.digest, self.priority, self._recover,
-                               lambda keys, pages, found: self._replicas.read(keys, pages, found))
+                               config.read_timeout, share, namespace.digest, self.priority, _weak(self._recover, 0),
+                               _weak(self._read_done, None))
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
-                                 ceiling=share, thinned=lambda keys: self._replicas.owe(keys))
+                                 ceiling=share, thinned=_weak(self._thinned, None))
         self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
                                     self._writes.pool, namespace.digest, enabled=config.catchup,
                                     share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
@@ -240,6 +268,37 @@ class Engine:
             if n >= len(keys) or not self._discover([keys[n]], mask):
                 return n
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
+        the index holds on any tier, against the largest tier's capacity (every tier takes every page,
+        so the largest bounds what is held; an unlimited tier counts its file system's size)."""
+        caps = []
+        for tier in self.tiers:
+            if tier.capacity is not None:
+                caps.append(tier.capacity)
+                continue
+            try:
+                st = os.statvfs(tier.root)
+                caps.append(st.f_blocks * st.f_frsize)
+            except OSError:  # a tier that cannot say (gone, ESTALE): it bounds nothing
+                pass
+        return self.index.held_bytes, max(caps, default=0)
+
+    def capacity_limit(self) -> int | None:
+        """The largest tier's configured capacity, or None when some tier is unlimited: no page set
+        larger than this can be held whole."""
+        caps = [tier.capacity for tier in self.tiers]
+        return None if None in caps else max(caps)
+
+    def held(self, key: str) -> bool:
+        """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not)."""
+        return self.index.contains(key)
+
+    def on_gone(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(key)`` whenever a key leaves the index on every tier (evicted, deleted,
+        damaged, vanished). It runs under the index lock: it must not block nor call the engine."""
+        self.index.on_gone = callback
+
     def clear(self) -> None:
         """Remove every page of this namespace from every tier."""
         self._check_open()
@@ -258,8 +317,14 @@ class Engine:
         self._closed = True
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
             return
-        self._reads.drain(CLOSE_DRAIN_S)
-        self._reads.close()
+        left = self._reads.drain(CLOSE_DRAIN_S)
+        if left:  # a hung tier: the kernel holds reads into the ring's buffers, and closing the ring
+            # waits for them, however long; the caller does not (the buffers stay the ring's till then)
+            log.warning("kvstream: close(): %d reads still in flight after %.0f s (a hung tier); the read ring "
+                        "and its buffers are released by a background thread once they end", left, CLOSE_DRAIN_S)
+            threading.Thread(target=self._reads.close, name="kvstream-close", daemon=True).start()
+        else:
+            self._reads.close()
         self._replicas.close()
         self._writes.close()
         tmpfiles.release(self._token)
@@ -420,7 +485,7 @@ class Engine:
         """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
         leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
-        self.index.commit(h.key, k, h.length, h.block, h.crcs, page.file_bytes, reserved=False)
+        self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
     def _rebuild_index(self) -> dict:
         """Scan every tier's page headers (all tiers and shard directories in parallel, so a cold
@@ -475,15 +540,19 @@ class Engine:
                 "tmp_removed": tmp_removed, "kept": len(kept), "seconds": seconds,
                 "rate": (len(entries) + damaged) / seconds if seconds > 0 else 0.0}
 
-    def _reconcile(self, tier: Tier) -> None:
-        """A failed tier rejoined: forget indexed pages whose files did not survive."""
+    def _reconcile(self, tier: Tier) -> str:
+        """A failed tier rejoins: forget indexed pages whose files did not survive. An error while
+        listing leaves the index alone and keeps the tier out (returns why): pages not listed yet are
+        not lost, and forgetting them would lose every copy the tier holds of them."""
         present: set[str] = set()
         try:
-            for shard in os.scandir(tier.layout.pages):
-                if shard.is_dir():
-                    present.update(key_of_page_file(e.name) for e in os.scandir(shard.path))
-        except OSError:
-            pass
+            with os.scandir(tier.layout.pages) as listing:
+                for shard in listing:
+                    if shard.is_dir():
+                        with os.scandir(shard.path) as files:
+                            present.update(key_of_page_file(e.name) for e in files)
+        except OSError as exc:
+            return f"listing its pages: {os.strerror(exc.errno or errno.EIO)}"
         lost = [key for key in self.index.keys(tier.k) if key not in present]
         for key in lost:
             self.index.remove(key, tier.k)
@@ -493,6 +562,15 @@ class Engine:
         replicas = getattr(self, "_replicas", None)  # (a tier may rejoin during the start-up scan)
         if replicas is not None:
             replicas.owe_all()
+        return ""
+
+    # Background replication's hooks in the read and write paths (weak, as _recover: see _weak).
+    def _read_done(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+                   found: Sequence[bool]) -> None:
+        self._replicas.read(keys, pages, found)
+
+    def _thinned(self, keys: list[str]) -> None:
+        self._replicas.owe(keys)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.index)} pages"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .io import OP_READ, OP_WRITE, Vector, byte_view
+from .locks import ranked_lock
 
 __all__ = ["Fault", "FaultPlan", "TierFaultPlan", "FaultyRing"]
 
@@ -53,7 +54,7 @@ class FaultPlan:
 
     def __init__(self):
         self._rules: list[list] = []
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("faults")
         self.released = threading.Condition(self._lock)
         self.generation = 0  # bumped by release(); holds taken before the bump are let go
         self.hits: list[tuple[Fault, int, int, int, int]] = []  # (fault, opcode, fd, offset, length)
@@ -92,7 +93,7 @@ class TierFaultPlan(FaultPlan):
     def __init__(self):
         super().__init__()
         self._tier_rules: list[list] = []
-        self._mutex = threading.Lock()
+        self._mutex = ranked_lock("faults")
 
     def on(self, tier_dir: str, fault: Fault, opcode: int | None = None,
            times: int | None = None) -> "TierFaultPlan":

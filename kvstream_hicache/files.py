@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 from collections.abc import Callable
+
+from .fds import close_fd
 
 log = logging.getLogger("kvstream")
 
@@ -33,9 +34,10 @@ OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
 class ReadFile:
     """A read descriptor shared by the requests of one (tier, page) in one call."""
 
-    __slots__ = ("fd", "refs", "release", "failed")
+    __slots__ = ("fd", "refs", "release", "failed", "tier", "key")
 
-    def __init__(self):
+    def __init__(self, tier: int, key: str):
+        self.tier, self.key = tier, key
         self.fd: int | None = None
         self.refs = 0  # requests in flight on it
         self.release = False  # the call ended: close when the last request is reaped
@@ -45,11 +47,15 @@ class ReadFile:
 class ReadFiles:
     """Every read descriptor the read path holds: opened per (tier, page) of a call, closed when the
     call ends and no request uses it, or earlier when idle while more than READ_FILES_HELD are open.
-    ``files`` arguments are one call's ``{(tier, page): ReadFile}``."""
+    ``files`` arguments are one call's ``{(tier, page): ReadFile}``.
 
-    def __init__(self):
+    :param stale: ``stale(tier, key)``, called when closing a descriptor answered ESTALE: another node
+        of a shared file system replaced or deleted the file since it was opened."""
+
+    def __init__(self, stale: Callable[[int, str], None] = lambda tier, key: None):
         self.open = 0
         self.peak = 0
+        self.stale = stale
 
     def open_file(self, f: ReadFile, files: dict, opener: Callable[[], int]) -> None:
         """``f.fd = opener()``; out of descriptors, the call's idle ones close and it tries once more.
@@ -86,10 +92,8 @@ class ReadFiles:
     def _close(self, f: ReadFile) -> None:
         fd, f.fd = f.fd, None
         self.open -= 1
-        try:
-            os.close(fd)
-        except OSError:  # (a read descriptor: nothing was written through it)
-            pass
+        if close_fd(fd) == errno.ESTALE:  # (a read descriptor: what was read is verified all the same)
+            self.stale(f.tier, f.key)
 
 
 class Shortage:

@@ -8,6 +8,9 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
     pin(keys) ... unpin(keys)                       (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
 
+Bytes are counted as the caller passes them: the engine counts a page's payload, so a capacity holds
+what callers stored (LMCache's adapters count the same), not the 4 KiB header and padding of its file.
+
 The engine's read, write and existence threads call at once. Every method that changes the index,
 and ``keys``, takes the index lock; the one-key queries (``get``, ``holders``, ``contains``,
 ``prefix_len``, ``pages_on``, ``len``) do not: each reads one dict entry or one length, which the
@@ -19,21 +22,22 @@ pinned a page before it was chosen (it is then not chosen) or never finds it.
 """
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+from .locks import ranked_lock
 
 
 class PageInfo:
     """What the index knows of one page. ``tiers`` is a bitmask (bit k = tier k holds a copy)."""
 
-    __slots__ = ("length", "block", "crcs", "file_bytes", "tiers", "pins")
+    __slots__ = ("length", "block", "crcs", "nbytes", "tiers", "pins")
 
-    def __init__(self, length: int, block: int, crcs: tuple[int, ...], file_bytes: int):
+    def __init__(self, length: int, block: int, crcs: tuple[int, ...], nbytes: int):
         self.length = length
         self.block = block
         self.crcs = crcs
-        self.file_bytes = file_bytes
+        self.nbytes = nbytes
         self.tiers = 0
         self.pins = 0
 
@@ -51,12 +55,16 @@ class Index:
     """
 
     def __init__(self, capacities: Sequence[int | None]):
+        # Called, under the index lock, with a key no tier holds any more (evicted, removed, deleted);
+        # it must not block nor call the index (the LMCache adapter queues the key for its accounting).
+        self.on_gone: Callable[[str], None] | None = None
         self.capacities = list(capacities)
         self.n_tiers = len(self.capacities)
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("index")
         self._pages: dict[str, PageInfo] = {}
         self._lru: list[OrderedDict[str, None]] = [OrderedDict() for _ in self.capacities]
         self.used = [0] * self.n_tiers  # committed bytes per tier
+        self.held_bytes = 0  # bytes of the distinct pages held on any tier
         self.reserved = [0] * self.n_tiers  # bytes of writes in progress per tier
         self.evictions = [0] * self.n_tiers
 
@@ -162,7 +170,7 @@ class Index:
             self.reserved[tier] -= nbytes
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: tuple[int, ...],
-               file_bytes: int, *, reserved: bool = True, oldest: bool = False) -> list[int]:
+               nbytes: int, *, reserved: bool = True, oldest: bool = False) -> list[int]:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` least recent). With
         ``reserved`` the bytes move from the reservation to the used count.
 
@@ -172,7 +180,7 @@ class Index:
         """
         with self._lock:
             if reserved:
-                self.reserved[tier] -= file_bytes
+                self.reserved[tier] -= nbytes
             info = self._pages.get(key)
             displaced: list[int] = []
             if info is not None and not info.same_content(length, block, crcs):
@@ -181,11 +189,12 @@ class Index:
                     self._drop_under_index(key, t)
                 info = self._pages.get(key)
             if info is None:
-                info = self._pages[key] = PageInfo(length, block, crcs, file_bytes)
+                info = self._pages[key] = PageInfo(length, block, crcs, nbytes)
+                self.held_bytes += nbytes
             if info.tiers & (1 << tier):
-                self.used[tier] -= info.file_bytes  # re-commit of the same copy: count once
+                self.used[tier] -= info.nbytes  # re-commit of the same copy: count once
             info.tiers |= 1 << tier
-            self.used[tier] += file_bytes
+            self.used[tier] += nbytes
             self._lru[tier][key] = None
             self._lru[tier].move_to_end(key, last=not oldest)
             return displaced
@@ -201,6 +210,7 @@ class Index:
             for lru in self._lru:
                 lru.clear()
             self.used = [0] * self.n_tiers
+            self.held_bytes = 0
 
     # -- internals ------------------------------------------------------------------------------
     def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[str] | None:
@@ -213,7 +223,7 @@ class Index:
             if info.pins:
                 continue
             victims.append(key)
-            freed += info.file_bytes
+            freed += info.nbytes
         if freed < nbytes and not partial:
             return None
         return victims
@@ -224,10 +234,13 @@ class Index:
         if info is None or not info.tiers & bit:
             return False
         info.tiers &= ~bit
-        self.used[tier] -= info.file_bytes
+        self.used[tier] -= info.nbytes
         self._lru[tier].pop(key, None)
         if not info.tiers:
             del self._pages[key]
+            self.held_bytes -= info.nbytes
+            if self.on_gone is not None:
+                self.on_gone(key)
         return True
 
 

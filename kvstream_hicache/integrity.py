@@ -31,6 +31,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from .fds import close_fd
 from .io import crc32c  # SSE4.2, the GIL released for large inputs
 from .probe import check_overlap
 from .layout import (
@@ -143,7 +144,7 @@ class Problem(NamedTuple):
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
     'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file or directory of an owner
     this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
-    'index_stale' (indexed, not on disk, or with other content).
+    'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version).
     """
 
     kind: str
@@ -208,7 +209,7 @@ def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[
         if flags is not None:
             fcntl.fcntl(fd, fcntl.F_SETFL, flags)
     except BaseException:
-        os.close(fd)
+        close_fd(fd)
         raise
     return fd, st
 
@@ -222,7 +223,7 @@ def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, int]
     try:
         data = os.pread(fd, HEADER_SIZE, 0)
     finally:
-        os.close(fd)
+        close_fd(fd)  # (a read: an error from close, e.g. ESTALE, changes nothing read)
     return unpack_header(data), st.st_size
 
 
@@ -238,7 +239,7 @@ def verify_payload(path: str, header: PageHeader, trust: Trust) -> str | None:
             if crc32c(data) != want:
                 return f"block {j} checksum mismatch"
     finally:
-        os.close(fd)
+        close_fd(fd)
     return None
 
 

@@ -23,7 +23,6 @@ import errno as _errno
 import logging
 import operator
 import os
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from ._uring import (
     ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, PageMap, Ring,
     copy, crc32c, forks,
 )
+from .locks import ranked_condition
 
 __all__ = [
     "ALIGN", "HUGE_PAGE_SIZE", "MAX_VECTOR", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring",
@@ -179,7 +179,7 @@ class ThreadRing:
         self.entries = entries
         self._pool = ThreadPoolExecutor(max_workers=threads or min(entries, MAX_THREADS),
                                         thread_name_prefix="kvstream-io")
-        self._cond = threading.Condition()
+        self._cond = ranked_condition("ring")
         self._done: deque[tuple[int, int]] = deque()  # completed, not yet reaped
         self._views: dict[int, memoryview] = {}  # tag -> view pinning the caller's buffer until reaped
         self._closed = False

@@ -10,7 +10,7 @@ from typing import Any
 
 from .lmcache import adapter as _adapter
 
-__all__ = ["KVStreamL2Adapter"]
+__all__ = ["KVStreamL2Adapter", "KVStreamL2AdapterConfig"]
 
 
 def __getattr__(name: str) -> Any:

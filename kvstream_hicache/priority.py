@@ -20,11 +20,11 @@ only its queue lock, which is never held across I/O, so a get never waits for a 
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
 from .index import tiers_in
+from .locks import ranked_lock
 
 STALL_S = 1.0  # reads of a tier that made no progress for this long no longer hold its writes, s
 
@@ -40,7 +40,7 @@ class ReadPriority:
     def __init__(self, n_tiers: int, enabled: bool = True, clock: Callable[[], float] = time.monotonic):
         self.enabled = enabled
         self.clock = clock
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("priority")
         self._reading = [0] * n_tiers
         self._epoch = [0] * n_tiers
         self._progress = [0.0] * n_tiers  # when tier k's reads last started or completed one

@@ -71,8 +71,8 @@ class WritePage:
     """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
 
     __slots__ = ("key", "segments", "length", "block", "file_bytes", "aligned", "crcs", "created", "data",
-                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls", "evict",
-                 "copied", "started")
+                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls", "spare",
+                 "evict", "copied", "started")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -80,6 +80,7 @@ class WritePage:
         self.aligned = all(is_aligned(a, n) for a, n in segments)
         self.targets = targets  # tiers to write (bitmask)
         self.expected = targets  # tiers that should hold it after the put (failed tiers included)
+        self.spare = 0  # tiers replicate=budget skipped: written after all if no tier committed the page
         self.crcs: tuple[int, ...] | None = None  # computed when its first job starts
         self.created = 0
         self.data: list[tuple[int, int, int]] = []  # (address, nbytes, file offset) of the payload

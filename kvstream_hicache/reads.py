@@ -9,7 +9,7 @@ Data flow of ``get`` (one call at a time per read ring)::
           read (up to its flow's request size), into staging buffers or straight into caller memory
           -> submit, reap (inflight.py) -> delivery.py: verify each block's crc32c against the index
           (staged blocks copied into the caller's segments in the same pass; a block that fails:
-          damage.py) -> route.complete(tier, item, ok)
+          damage.py) -> route.complete_many(tier, results)
           -> each tier's window follows its device (flow.py) -> next claims
     until every item is found or failed (or read_timeout passes)
     unpin; staged reads still in flight become *orphans*: they keep their staging buffers and file
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -44,6 +43,7 @@ from .inflight import InFlight
 from .integrity import NotRegularFile
 from .io import MAX_VECTOR, OP_READ
 from .layout import HEADER_SIZE, round_up
+from .locks import ranked_lock
 from .memory import HugePageMap
 from .priority import ReadPriority
 from .segments import Segment
@@ -88,10 +88,10 @@ class ReadPath:
         self.stats = stats
         self.pool = pool
         self.read_timeout = read_timeout
-        self.lock = threading.Lock()
+        self.lock = ranked_lock("read")
         self.huge = HugePageMap()
-        self.files = ReadFiles()
         self.delivery = Delivery(tiers, index, stats, digest)
+        self.files = ReadFiles(self.delivery.stale_copy)
 
     @property
     def orphans(self) -> int:
@@ -266,7 +266,7 @@ class ReadPath:
         was closed while idle), or None."""
         f = call.files.get((tier, p))
         if f is None:
-            f = call.files[(tier, p)] = ReadFile()
+            f = call.files[(tier, p)] = ReadFile(tier, call.pages[p].key)
         if f.fd is None and not f.failed:
             page = call.pages[p]
             f.failed = True  # until the open below succeeds
@@ -278,16 +278,7 @@ class ReadPath:
                     damage.remove_copy(self.tiers[tier], self.index, self.stats, page.key,
                                        f"{exc.strerror} under its name", remove=exc.errno != errno.EISDIR)
                 except OSError as exc:
-                    err = exc.errno or errno.EIO
-                    if self.tiers[tier].fail(err, f"open {page.key}"):
-                        # the whole tier went (unmounted, moved away): its copies may come back with
-                        # it, so the index keeps them; rejoining reconciles with what survived
-                        self.stats.add(tier, "errors")
-                    elif err == errno.ENOENT:  # deleted under us (operator, other rank): forget this copy
-                        self.index.remove(page.key, tier)
-                        call.relook.add(page.key)
-                    else:
-                        self.stats.add(tier, "errors")
+                    self.delivery.failed_read_under_reads(tier, page.key, exc.errno or errno.EIO, call, "open")
         return f if f.fd is not None else None
 
     def _start_under_reads(self, reqs: list[Req]) -> None:
@@ -340,7 +331,7 @@ class ReadPath:
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
             self.stats.total("orphan_reads")  # still tells about the tier's health)
             if res < 0:
-                self.delivery.failed_read_under_reads(tier, call.pages[req.p].key, -res)
+                self.delivery.failed_read_under_reads(tier, call.pages[req.p].key, -res, call)
             self._release_under_reads(req)
             return []
         try:

@@ -38,9 +38,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from .fds import close_fd
 from .index import Index, tiers_in
 from .integrity import HeaderError, block_crcs, unpack_header
-from .layout import HEADER_SIZE
+from .layout import HEADER_SIZE, file_size
+from .locks import ranked_lock
 from .priority import ReadPriority
 from .segments import Payload, Segment
 from .staging import BufferPool
@@ -72,7 +74,9 @@ class Replicator:
         self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, enabled, share, clock
         self.promote_bytes = promote_bytes
         self.all_tiers = (1 << len(tiers)) - 1
-        self._lock = threading.Lock()  # a leaf: nothing is called while it is held
+        self._lock = ranked_lock("replicator")  # under it: the index, the write queue (a copy handed to the
+        # writer), the staging pool; taken under the read and write paths' locks (a get's end, the writer's
+        # callbacks, clear())
         self._work = threading.Condition(self._lock)
         self._owed: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]  # oldest first
         self._copies: dict[str, _Source] = {}  # promoted pages' sources in memory
@@ -123,15 +127,15 @@ class Replicator:
             faster = healthy & ((info.tiers & -info.tiers) - 1)  # tiers above the fastest holder
             if not faster:
                 continue
-            source = None
+            source, size = None, file_size(info.length)
             with self._lock:
-                room = key not in self._copies and self._copy_bytes + info.file_bytes <= self.promote_bytes
+                room = key not in self._copies and self._copy_bytes + size <= self.promote_bytes
                 if room:
-                    self._copy_bytes += info.file_bytes  # counted now: another get sees it
+                    self._copy_bytes += size  # counted now: another get sees it
             if room:
-                source = _Source(self.pool.get(info.file_bytes), info, 0)
+                source = _Source(self.pool.get(size), info, 0)
                 Payload(segments).gather(source.buf.address + HEADER_SIZE)
-                pad = info.file_bytes - HEADER_SIZE - info.length  # the file's padding is zeros
+                pad = size - HEADER_SIZE - info.length  # the file's padding is zeros
                 ctypes.memset(source.buf.address + HEADER_SIZE + info.length, 0, pad)
             with self._lock:
                 if source is not None:
@@ -228,9 +232,9 @@ class Replicator:
         if source is not None and not promoted:  # the page changed since it was read: that copy is stale
             with self._lock:
                 if key not in self._busy and self._copies.pop(key, None) is source:
-                    self._copy_bytes -= source.info.file_bytes
+                    self._copy_bytes -= file_size(source.info.length)
                     self.pool.put(source.buf)
-        if not promoted and not self._room(k, info.file_bytes):
+        if not promoted and not self._room(k, info.length):
             return False  # full: the page stays owed until pages leave the tier
         if not promoted:
             source = self._read_source(key, info)
@@ -287,7 +291,7 @@ class Replicator:
         source = self._copies.get(key)
         if source is not None and key not in self._busy and not any(key in owed for owed in self._owed):
             del self._copies[key]
-            self._copy_bytes -= source.info.file_bytes
+            self._copy_bytes -= file_size(source.info.length)
             self.pool.put(source.buf)
 
     def _room(self, k: int, nbytes: int) -> bool:
@@ -304,13 +308,13 @@ class Replicator:
             if not tier.healthy or self.priority.reading(src):
                 continue
             tried = True
-            buf = self.pool.get(info.file_bytes)
+            buf = self.pool.get(file_size(info.length))
             try:
                 created = self._read_file(tier, key, info, buf)
             except (OSError, HeaderError) as exc:
                 created = None
                 log.debug("kvstream: catch-up of %s: tier %d's copy is unusable (%s)", key, src, exc)
-            self.stats.add(src, "replication_read_bytes", info.file_bytes)
+            self.stats.add(src, "replication_read_bytes", file_size(info.length))
             if created is not None:
                 return _Source(buf, info, created)
             self.pool.put(buf)
@@ -321,9 +325,9 @@ class Replicator:
         its header's ``created`` when it is the indexed version, intact."""
         fd = tier.open_page(key)
         try:
-            n = os.preadv(fd, [memoryview(buf)[:info.file_bytes]], 0)
+            n = os.preadv(fd, [memoryview(buf)[:file_size(info.length)]], 0)
         finally:
-            os.close(fd)
+            close_fd(fd)  # (only read through: a close error loses nothing)
         if n < HEADER_SIZE + info.length:
             return None
         h = unpack_header(memoryview(buf)[:HEADER_SIZE])

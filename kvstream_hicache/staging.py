@@ -13,10 +13,10 @@ benchmarks/bench_ring.py --chunk-mib 1: docs/benchmarks.md "Ring vs fio"). Large
 """
 from __future__ import annotations
 
-import threading
 
 from .io import HUGE_PAGE_SIZE, AlignedBuffer
 from .layout import round_up
+from .locks import ranked_lock
 
 MAX_BYTES = 512 << 20  # default cap on the memory a pool holds, bytes
 SLAB_MIN = 64 << 10  # smallest buffer carved from a huge-page slab, bytes; below it a request has
@@ -39,7 +39,7 @@ class BufferPool:
         self.max_bytes = max_bytes
         self._free: dict[int, list[AlignedBuffer]] = {}
         self._idle = 0
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("staging")
         self._slab_of: dict[int, AlignedBuffer] = {}  # id(piece) -> its slab
         self._pieces: dict[int, int] = {}  # id(slab) -> pieces not yet freed
         self.allocated = 0  # buffers created over the pool's life

@@ -1,4 +1,4 @@
-"""Counters and per-batch figures, exported as plain dicts (issue 3 item 7).
+"""Counters and per-batch figures, exported as plain dicts.
 
 Per tier: bytes and blocks read (every transfer, duplicates included), bytes served (first
 verified arrivals: the tier's share of the data returned), pages read (pages it served at least one
@@ -13,10 +13,11 @@ busy time, and the bound ``D / sum_k b_k`` with ``b_k`` = tier k's bytes / busy 
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
+
+from .locks import ranked_lock
 
 TIER_COUNTERS = (
     "bytes_read", "blocks_read", "requests", "bytes_served", "pages_read", "bytes_written", "pages_written",
@@ -68,7 +69,7 @@ class Stats:
 
     def __init__(self, n_tiers: int):
         self.n_tiers = n_tiers
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("stats")
         self.tiers = [dict.fromkeys(TIER_COUNTERS, 0) for _ in range(n_tiers)]
         self.totals = dict.fromkeys(TOTAL_COUNTERS, 0)
         self.history: deque[dict] = deque(maxlen=HISTORY)

@@ -2,7 +2,7 @@
 
 Health lifecycle::
 
-    healthy --(EIO, EROFS, EACCES, EPERM, ESTALE, ... or its directory vanished)--> failed
+    healthy --(EIO, EROFS, EACCES, EPERM, ENOTCONN, ... or its directory vanished)--> failed
     failed  --(a probe writes, reads and removes a 4 KiB file)--> healthy
              when: the back-off expired (it doubles after each failed probe, from Config.tier_retry
              up to 300 s); or the tier failed because its directory vanished and a look (one stat,
@@ -10,9 +10,16 @@ Health lifecycle::
              last holder of a page; once per batch, and at most every LOOK_S)
 
 A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
-"gone" when ``<tier>/kvstream`` no longer exists on the device it was on at start: an unmounted
-file system leaves the empty mount point behind, and writing there would fill the parent file
-system, so the probe never re-creates ``<tier>/kvstream`` itself.
+"gone" when ``<tier>/kvstream`` no longer exists, or is on another device than before while no file
+system is mounted at the tier's mount point: an unmounted file system leaves the empty mount point
+behind, and writing there would fill the parent file system, so the probe never re-creates
+``<tier>/kvstream`` itself. A file system mounted there again is the tier back, whatever device number
+it got (a network file system's client remounted usually gets a new one).
+
+ENOENT and ESTALE on one page file are that copy's news, not the tier's (:meth:`Tier.copy_gone`): on a
+shared file system another node evicts pages and renames new versions over them, and a descriptor
+(or a cached name) of the replaced file answers ESTALE. The tier fails for them only when its base
+directory does not answer.
 """
 from __future__ import annotations
 
@@ -21,11 +28,12 @@ import itertools
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable
 
+from .fds import close_fd
 from .integrity import open_regular
 from .layout import TierLayout
+from .locks import ranked_lock
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import check_dir, establish, remove
 
@@ -33,7 +41,8 @@ log = logging.getLogger("kvstream")
 
 # errnos that say the tier (not one page) is unusable
 TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENODEV, errno.ENXIO,
-                         errno.ESTALE, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF})
+                         errno.ESTALE, errno.ENOTCONN, errno.ECONNABORTED, errno.ESHUTDOWN, errno.EBADF})
+# (ECONNABORTED: a FUSE mount whose client process died)
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; writes.py's _room_possible_under_writer stops hopeless ones
@@ -56,14 +65,14 @@ class Tier:
     :param retry_s: first back-off after a failure, s.
     :param clock: monotonic clock (injectable for tests).
     :param on_rejoin: ``on_rejoin(tier)`` before a failed tier rejoins (the engine reconciles the
-        index with what survived on it).
+        index with what survived on it); returns why the tier cannot rejoin yet ('' when it can).
     :param source: where the tier list came from (for messages).
     :raises ConfigError: a directory of the tier fails the trust checks (trust.py).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
-                 on_rejoin: Callable[["Tier"], None], source: str = "KVSTREAM_TIERS"):
+                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS"):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -83,12 +92,13 @@ class Tier:
         self._vanished = False  # failed because its directory went: look for it every LOOK_S
         self._next_look = 0.0
         self._next_forced = 0.0  # the next probe a read with no other holder may force
-        self._lock = threading.Lock()  # the health state below; never held across I/O
+        self._lock = ranked_lock("tier")  # the health state below; never held across I/O
         self._probing = False  # a thread probes the failed tier now (outside the lock)
         self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
+        self.mount_point = mount_point(self.layout.base)
         self.trust = establish(self.layout, self.dir_mode, self.shared, source, token)  # who owns what we use
         self._dirs.update((self.layout.tmp, self.layout.pages))
 
@@ -120,8 +130,9 @@ class Tier:
             still_gone = look and self.gone()
             if not still_gone:
                 ok, why = self._probe()
-                if ok:
-                    self.on_rejoin(self)  # before writes may go there: a page committed meanwhile stays indexed
+                if ok:  # before writes may go there: a page committed meanwhile stays indexed
+                    why = self.on_rejoin(self)  # ('' or why not: listing its pages failed half-way)
+                    ok = not why
                 vanished = not ok and self.gone()
         finally:
             with self._lock:
@@ -164,11 +175,29 @@ class Tier:
         return True
 
     def gone(self) -> bool:
-        """``<tier>/kvstream`` is missing, or is now on another device (file system unmounted)."""
+        """``<tier>/kvstream`` is missing, or is on another device and no file system is mounted at
+        the tier's mount point (unmounted: the path is on the file system below now)."""
         try:
-            return os.stat(self.layout.base).st_dev != self.dev
+            dev = os.stat(self.layout.base).st_dev
+            return dev != self.dev and not (self.mount_point != "/" and os.path.ismount(self.mount_point)
+                                            and os.stat(self.mount_point).st_dev == dev)
         except OSError:
             return True
+
+    def copy_gone(self, err: int, key: str) -> bool:
+        """``err`` from ``key``'s page file says this copy is gone (ENOENT: deleted; ESTALE: replaced or
+        deleted by another node of a shared file system), not the tier, whose base still answers."""
+        return err in (errno.ENOENT, errno.ESTALE) and not self.gone()
+
+    def listed(self, key: str) -> bool:
+        """``key``'s page file is in a fresh listing of its directory. After ESTALE this tells a file
+        replaced (a new version renamed in: look it up) from one deleted, and refreshes the client's
+        cached entry of the name (a network file system's client keeps the old file's for about a
+        second), so the lookup opens what the name holds now, not the stale file."""
+        try:
+            return os.path.basename(self.layout.page_path(key)) in os.listdir(self.layout.page_dir(key))
+        except OSError:
+            return False
 
     def _probe(self) -> tuple[bool, str]:
         if self.gone():
@@ -178,6 +207,7 @@ class Tier:
             self._mkdir(self.layout.tmp)
             self._mkdir(self.layout.pages)
             probe_direct(self.layout.tmp, self.token)
+            self.dev = os.stat(self.layout.base).st_dev  # (mounted again: maybe another device number)
         except ProbeFailed as exc:
             return False, "probe read back different bytes" if exc.step == "verify" else f"probe: {exc.strerror}"
         except OSError as exc:
@@ -215,12 +245,15 @@ class Tier:
         block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
         left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
         the caller under fsync=full). :raises OSError: the temporary file is left for :meth:`discard`
-        (a failed fdatasync is never retried: the data is not sealed)."""
+        (a failed fdatasync is never retried: the data is not sealed). An error from close is one too:
+        on a network file system it says the server did not take the data."""
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)
         finally:
-            os.close(fd)
+            err = close_fd(fd)
+        if err:
+            raise OSError(err, f"close: {os.strerror(err)}")
         for _ in range(SPACE_RETRIES):
             try:
                 return self.place(tmp_path, key)
@@ -259,10 +292,7 @@ class Tier:
         """Close (if open) and remove a temporary file; never raises (it runs on error paths). Where it
         cannot go (the tier failed, the tmp directory is gone), start-up cleaning removes the leftover."""
         if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:  # (EIO on close: the data is being thrown away anyway)
-                pass
+            close_fd(fd)  # (an error on close: the data is being thrown away anyway)
         try:
             remove(self.root, tmp_path, self.trust, is_engine_tmp)
         except OSError:
@@ -280,6 +310,8 @@ class Tier:
         try:
             return remove(self.root, self.layout.page_path(key), self.trust)
         except OSError as exc:
+            if self.copy_gone(exc.errno, key):  # (gone: removed concurrently, by another rank or node)
+                return None
             self.fail(exc.errno or errno.EIO, f"remove page {key}")
             return f"could not remove it ({os.strerror(exc.errno or errno.EIO)})"
 
@@ -290,7 +322,7 @@ class Tier:
             try:
                 os.fsync(fd)
             finally:
-                os.close(fd)
+                close_fd(fd)
 
     def _mkdir(self, path: str) -> None:
         """Create ``path`` (and missing parents below ``<tier>/kvstream``) with the tier's mode."""
@@ -311,3 +343,11 @@ class Tier:
 
     def __repr__(self) -> str:
         return f"Tier({self.k}, {self.root!r}, {'healthy' if self.healthy else 'failed'})"
+
+
+def mount_point(path: str) -> str:
+    """The mount point of the file system holding ``path``."""
+    path = os.path.realpath(path)
+    while not os.path.ismount(path):
+        path = os.path.dirname(path)
+    return path

@@ -22,6 +22,7 @@ import socket
 import time
 from typing import NamedTuple
 
+from .fds import close_fd
 from .layout import ALIGN
 
 HOST = socket.gethostname().replace(".", "_") or "host"
@@ -127,11 +128,13 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
         except OSError as exc:
             raise ProbeFailed(exc.errno or errno.EIO, step) from None
         finally:
-            os.close(fd)
+            err = close_fd(fd)
             try:
                 os.unlink(path, dir_fd=dir_fd)
             except FileNotFoundError:
                 pass
+        if err:  # the server refused the write at close (EIO, ENOTCONN): the tier cannot store
+            raise ProbeFailed(err, "close")
         if block[:len(_PROBE_BYTES)] != _PROBE_BYTES:
             raise ProbeFailed(errno.EIO, "verify", "read back different bytes")
     return owner

@@ -33,6 +33,7 @@ from .admission import admit, fit_capacity
 from .errors import EngineClosedError
 from .index import Index, tiers_in
 from .layout import block_size_for, is_valid_key
+from .locks import ranked_lock
 from .puts import PutCall, WritePage
 from .segments import Segment
 from .stats import Stats
@@ -69,7 +70,7 @@ class WriteQueue:
         self.chunk = chunk
         self.settings = settings
         self.bandwidth = bandwidth
-        self.lock = threading.Lock()  # the queues: taken briefly, by callers and the writer
+        self.lock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer
         self.work = threading.Condition(self.lock)  # the writer waits here for work
         self.room = threading.Condition(self.lock)  # deferred puts wait here for backlog room
         self.fifo: list[deque[WritePage]] = [deque() for _ in tiers]  # pages waiting for a job on tier k
@@ -111,6 +112,8 @@ class WriteQueue:
         with self.lock:
             dropped = [(page, k) for queues in (self.fifo, self.copies) for k, fifo in enumerate(queues)
                        for page in fifo]
+            for page in self.pending.values():
+                page.spare = 0  # cancelled, not failed: no tier takes it after all
             for fifo in (*self.fifo, *self.copies):
                 fifo.clear()
         return dropped
@@ -203,18 +206,18 @@ class WriteQueue:
             try:
                 os.stat(self.tiers[k].layout.page_path(key))
                 return True
-            except FileNotFoundError:
-                if not self.tiers[k].fail(errno.ENOENT, f"look up {key}"):
-                    self.index.remove(key, k)  # this file alone is gone (a tier that went keeps its
-                                               # entries, as on a read: its copies may come back with it)
-            except OSError:  # cannot tell (EIO, ESTALE...): the entry stays, the page is written again
-                pass
+            except OSError as exc:
+                if self.tiers[k].copy_gone(exc.errno, key):  # this file alone is gone (deleted, or replaced
+                    self.index.remove(key, k)  # by another node: ESTALE); a tier that went keeps its entries,
+                elif exc.errno == errno.ENOENT:  # as on a read: its copies may come back with it
+                    self.tiers[k].fail(errno.ENOENT, f"look up {key}")
+                # (else cannot tell, EIO...: the entry stays, the page is written again)
         return False
 
     def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:
         """Each new page's target tiers (admission.py), and its bytes queued on them."""
         targets = [page.targets for page in new]
-        for k, n in enumerate(fit_capacity([page.file_bytes for page in new], targets, self.index.capacities)):
+        for k, n in enumerate(fit_capacity([page.length for page in new], targets, self.index.capacities)):
             if n:
                 self.stats.add(k, "skipped_writes", n)
         bandwidth = [self.bandwidth(k) for k in range(len(self.tiers))]
@@ -224,6 +227,7 @@ class WriteQueue:
             page.targets = admit(page.file_bytes, wanted, self.queued, bandwidth, replicate, slack)
             for k in tiers_in(wanted & ~page.targets):  # a skipped replica: not expected, not a failure
                 page.expected &= ~(1 << k)
+                page.spare |= 1 << k
                 self.stats.add(k, "replica_skipped_pages")
                 self.stats.add(k, "replica_skipped_bytes", page.file_bytes)
             for k in tiers_in(page.targets):
@@ -238,7 +242,7 @@ class WriteQueue:
         with self.lock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
             page.left -= 1
-            if page.left:
+            if page.left or self._spare_job_under_queues(page):
                 return
             if self.pending.get(page.key) is page:
                 del self.pending[page.key]
@@ -258,6 +262,25 @@ class WriteQueue:
             call.left -= 1
             if not call.left:
                 self._end_call_under_writer(call)
+
+    def _spare_job_under_queues(self, page: WritePage) -> bool:
+        """Every tier of the page failed it (the home tier's quota, EIO): a healthy tier that
+        replicate=budget skipped writes it after all, before the put answers (promise 4: writes go to
+        the healthy tiers). True when one took it."""
+        if page.committed:
+            return False
+        for k in tiers_in(page.spare):
+            page.spare &= ~(1 << k)
+            if self.tiers[k].healthy:
+                log.info("kvstream: page %s failed on its tiers; written to tier %d, which skipped it", page.key, k)
+                page.targets |= 1 << k
+                page.expected |= 1 << k
+                page.left += 1
+                self.queued[k] += page.file_bytes
+                self.fifo[k].append(page)
+                self.work.notify()
+                return True
+        return False
 
     def _end_call_under_writer(self, call: PutCall) -> None:
         call.sync_dirs(self.tiers)

@@ -41,6 +41,7 @@ from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
 from .layout import HEADER_SIZE, round_up
+from .locks import ranked_lock
 from .priority import ReadPriority
 from .puts import CANCELLED, Job, Write, WritePage
 from .segments import Segment
@@ -86,7 +87,7 @@ class WritePath:
         self.pool = pool
         self.priority = priority
         self.staging_limit = staging_limit
-        self.lock = threading.Lock()  # held by the writer thread while it works, and by exclusive()
+        self.lock = ranked_lock("write")  # held by the writer thread while it works, and by exclusive()
         self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues, thinned)
         self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
@@ -165,7 +166,8 @@ class WritePath:
     def close(self) -> None:
         """Write what is queued, stop the writer, close the ring. Idempotent."""
         self.queue.close()
-        self._thread.join()
+        if self._thread is not threading.current_thread():  # (a dropped engine's __del__ may run here)
+            self._thread.join()
         with self.lock:
             self.io.ring.close()
             self.pool.close()
@@ -315,7 +317,7 @@ class WritePath:
             self.queue.job_over_under_writer(page, k)
             return None
         self._fds.created()
-        victims = self.index.reserve(k, page.file_bytes, evict=page.evict)
+        victims = self.index.reserve(k, page.length, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
             if page.copied is None:  # (a catch-up copy that finds no room counts as dropped, replication.py)
@@ -331,7 +333,7 @@ class WritePath:
             page.users -= 1
             self._release_under_writer(page)
             tier.discard(fd, tmp)
-            self.index.abort(k, page.file_bytes)
+            self.index.abort(k, page.length)
             raise
         request = self.io.flows[k].request if self.priority.enabled else math.inf
         job = Job(page, k, fd, tmp, page.requests(request))
@@ -373,10 +375,10 @@ class WritePath:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
                 page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
-                                       self._evict_under_writer(k, page.file_bytes))
+                                       self._evict_under_writer(k, page.length))
             except OSError as exc:
                 tier.discard(None, job.tmp)
-                self.index.abort(k, page.file_bytes)
+                self.index.abort(k, page.length)
                 self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_job_under_writer(job)
                 return
@@ -384,7 +386,7 @@ class WritePath:
             # index, so it is never served against these checksums; its file is a valid page and stays.
             # A background copy is the tier's least recent page (the first to go when room is needed: it
             # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.file_bytes,
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
                               oldest=not page.evict)
             page.committed.append(k)
             for call, _ in page.calls:
@@ -395,13 +397,13 @@ class WritePath:
             return
         if job.err in SPACE_ERRNOS and page.evict and job.tries < SPACE_RETRIES and \
                 self._room_possible_under_writer(job):
-            if self._evict_under_writer(k, page.file_bytes):
+            if self._evict_under_writer(k, page.length):
                 job.tries += 1
                 job.err = 0
                 job.next = 0  # write it all again
                 return
         tier.discard(job.fd, job.tmp)
-        self.index.abort(k, page.file_bytes)
+        self.index.abort(k, page.length)
         if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):  # (a full
             # tier refusing a catch-up copy: dropped, replication.py)
             self._failed_under_writer(k, job.err, f"write {page.key}")

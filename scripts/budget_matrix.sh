@@ -4,7 +4,7 @@
 set -euo pipefail
 OUT=${OUT:-budget-out/matrix}
 PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
-TR=${TR:-$(dirname "$0")/../../shared/traces/mooncake}
+TR=${TR:-$(dirname "$0")/../data/traces/mooncake}
 mkdir -p "$OUT"
 POL=${POL:-tier0,kvstream,static-auto,static-0.9,replicate-share-0.4,replicate-after-slow,budget:h=window,budget:h=staging,budget:h=home,budget:h=home+quiet,budget:h=home+put,budget:h=0.1,budget:h=0.3,budget:h=1,budget:h=3,budget:h=10,budget:h=home+0.3,budget:h=home+1,budget:h=home+3}
 declare -A W=(

@@ -3,7 +3,7 @@
 #   system packages (scripts/system-deps.sh: as root, or through sudo): liburing-dev, pkg-config, gcc, fio
 #   .venv with CPU torch 2.13.0, the real sglang 0.5.23 (--no-deps) and the few
 #   packages its import chain needs, the peers extra of pyproject.toml (nixl, for kvstream bench's
-#   hicache-nixl contenders), then this package in editable mode.
+#   hicache-nixl contenders), then this package and its tools (kvstream-hicache-tools/) in editable mode.
 # Idempotent: a second run only re-checks. Downloads are cached in ~/.cache/pip,
 # never in the repository.
 set -euo pipefail
@@ -38,6 +38,10 @@ if [ ! -e "$stamp" ]; then
     msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 dill apache-tvm-ffi==0.1.11 \
     sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf prometheus_client \
     cython pytest pytest-benchmark pytest-timeout hypothesis matplotlib
+  # what a real `sglang.launch_server` imports (kvstream serve-cpu, tests/test_sglang_server.py); the same
+  # list as kvstream_hicache/tools/serve_cpu.py SERVER_MODULES. xgrammar brings triton (harmless on a CPU).
+  "$PIP" install -q -c "$CONSTRAINTS" fastapi "uvicorn>=0.51" uvloop setproctitle python-multipart \
+    partial_json_parser zstandard einops watchfiles distro openai==2.8.0 tiktoken jsonschema xgrammar soundfile
   echo "[setup] installing the peers extra into $VENV: $PEERS"
   # shellcheck disable=SC2086  # one requirement per word
   "$PIP" install -q -c "$CONSTRAINTS" $PEERS
@@ -45,4 +49,6 @@ if [ ! -e "$stamp" ]; then
 fi
 echo "[setup] building kvstream_hicache (Cython io_uring extension)"
 "$PIP" install -q --no-build-isolation --no-deps -e . >/dev/null
+# The commands (kvstream, kvsim), bench, simulator and demo: their own distribution, not in a worker's install
+"$PIP" install -q --no-build-isolation --no-deps -e ./kvstream-hicache-tools >/dev/null
 echo "[setup] ready: $VENV"

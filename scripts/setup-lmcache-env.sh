@@ -34,7 +34,8 @@ if [ ! -e "$stamp" ]; then
     prometheus_client py-cpuinfo psutil aiohttp aiofile aiofiles msgspec pyzmq transformers cryptography \
     opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus fastapi uvicorn httptools httpx \
     safetensors blake3 \
-    cython pytest pytest-timeout hypothesis
+    cython pytest pytest-timeout hypothesis \
+    setuptools_scm  # tests/peers: pip prepares the LMCache sdist's metadata (its tests are not in the wheel)
   "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.version.cuda is None, f"CUDA torch {torch.__version__} got in: check scripts/constraints-lmcache.txt"
@@ -50,6 +51,9 @@ if "$VENV/bin/python" -m pip show kvstream-hicache >/dev/null 2>&1 && [ -n "$so"
 else
   echo "[setup-lmcache] building kvstream_hicache (editable) into $VENV"
   "${PIP[@]}" install -q --no-build-isolation --no-deps -e . >/dev/null
+fi
+if ! "$VENV/bin/python" -m pip show kvstream-hicache-tools >/dev/null 2>&1; then  # kvstream, kvsim, bench
+  "${PIP[@]}" install -q --no-build-isolation --no-deps -e ./kvstream-hicache-tools >/dev/null
 fi
 "$VENV/bin/python" -c "import lmcache.v1.distributed.l2_adapters.base, lmcache.lmcache_native, torch; \
 print('[setup-lmcache] ready:', '$VENV', 'lmcache', __import__('importlib.metadata').metadata.version('lmcache'), 'torch', torch.__version__)"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # System packages every environment of this project needs: liburing's headers (the io_uring layer),
 # pkg-config and a C compiler (to build it), fio (benchmark reference), venv and Python headers, bindfs
-# (a FUSE mount that maps owners: the owner-mapping case of tests/test_security_shared_tier.py).
+# (a FUSE mount that maps owners: the owner-mapping case of tests/test_security_shared_tier.py), and
+# GlusterFS (server and FUSE client: the reliability suite's real distributed file system, run as root).
 # On Debian/Ubuntu the missing ones are installed with apt-get: directly as root (containers, where
 # sudo is often not installed), through sudo for a user who has it. Otherwise they are only checked.
 set -euo pipefail
-PKGS=(liburing-dev pkg-config gcc g++ fio python3-venv python3-dev bindfs)
+PKGS=(liburing-dev pkg-config gcc g++ fio python3-venv python3-dev bindfs glusterfs-server glusterfs-client)
 INSTALL_HINT="install liburing-dev pkg-config gcc fio python3-venv python3-dev bindfs (Debian/Ubuntu) /
 liburing-devel pkgconf gcc fio python3-devel bindfs (Fedora/RHEL), or run this as root or as a user with sudo"
 

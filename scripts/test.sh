@@ -12,6 +12,6 @@ export KVSTREAM_REQUIRE_URING=${KVSTREAM_REQUIRE_URING:-${CI:+1}}
 status=0
 echo "== kvstream-hicache: engine, io_uring, sglang, kvsim, bench, examples"
 .venv/bin/python -m pytest -q -m "not lmcache" "$@" || status=$?
-echo "== kvstream-hicache: LMCache adapter (separate venv, real lmcache)"
-.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache*.py "$@" || status=$?
+echo "== kvstream-hicache: LMCache adapter and LMCache's own L2-adapter suites (separate venv, real lmcache)"
+.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache*.py tests/peers "$@" || status=$?
 exit $status

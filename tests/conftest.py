@@ -4,9 +4,16 @@
   io_uring, sglang and LMCache tests must run, and a skip there means a missing install.
 * ``tier_root``: a scratch directory on a file system that supports O_DIRECT (tmpfs on older
   kernels does not), removed afterwards.
+* ``glusterfs``: a real GlusterFS (glusterd, a brick on an ext4 loop image, the volume mounted twice
+  as two nodes' mounts), started once per session and torn down by PID at its end; root only (a skip
+  elsewhere, a failure under KVSTREAM_STRICT=1).
 * Every Engine a test opens ends consistent: ``check() == []`` just before it closes, and it is closed
   by the end of the test (autouse ``engines_end_consistent``). A test that leaves damage on purpose
   says so: ``@pytest.mark.leaves_problems("why")``.
+* The lock order is checked in every test (kvstream_hicache/locks.py): ``KVSTREAM_LOCK_CHECK=1`` is set
+  before kvstream is imported, so every lock the suite builds is a checking one (subprocesses inherit
+  it), and a test during which a thread took a lock out of order fails (autouse ``locks_in_order``),
+  even where the engine turned the error into a miss.
 """
 from __future__ import annotations
 
@@ -17,6 +24,10 @@ import tempfile
 import weakref
 
 import pytest
+
+os.environ.setdefault("KVSTREAM_LOCK_CHECK", "1")  # before any lock is built: see locks_in_order
+
+from helpers import ENGINES, uring_available  # noqa: E402  (after the lock check is on)
 
 STRICT = os.environ.get("KVSTREAM_STRICT") == "1"
 # A disk-backed scratch root: /var/tmp is on disk on Debian/Ubuntu even where /tmp is tmpfs.
@@ -54,8 +65,27 @@ def fd_limit():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+@pytest.fixture(scope="session")
+def glusterfs():
+    """A running GlusterFS: ``.mount('a')`` and ``.mount('b')`` are two nodes' mounts of one volume."""
+    from kvstream_hicache.tools.bench import glusterfs as gfs
+
+    why = gfs.unavailable()
+    if why:
+        pytest.skip(f"GlusterFS unavailable: {why}")
+    fs = gfs.GlusterFS(tempfile.mkdtemp(prefix="kvstream-gfs-", dir=SCRATCH)).start()
+    try:
+        yield fs
+    finally:
+        fs.stop()
+
+
+@pytest.fixture(params=ENGINES)
+def io_engine(request):
+    """Each I/O engine in turn; io_uring refused here is a skip (a failure under KVSTREAM_STRICT=1)."""
+    if request.param == "uring" and not uring_available():
+        pytest.skip("io_uring_setup refused on this host")
+    return request.param
 
 
 @pytest.fixture
@@ -65,6 +95,18 @@ def tier_dirs(tier_root):
     for d in dirs:
         os.makedirs(d)
     return dirs
+
+
+@pytest.fixture(autouse=True)
+def locks_in_order():
+    """Fail the test if any thread took a lock out of kvstream_hicache.locks.ORDER while it ran."""
+    from kvstream_hicache import locks
+
+    seen = len(locks.VIOLATIONS)
+    yield
+    new = locks.VIOLATIONS[seen:]
+    del locks.VIOLATIONS[seen:]
+    assert not new, "locks taken out of order:\n" + "\n".join(new)
 
 
 @pytest.fixture(autouse=True)

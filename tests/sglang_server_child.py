@@ -22,7 +22,7 @@ import sys
 
 from kvstream_hicache.tools import cpu_sglang
 
-from reliability_helpers import HoldWrites, release_on, wait_for_file
+from helpers import HoldWrites, release_on, wait_for_file
 
 PAGE = 16
 PAGES = 6

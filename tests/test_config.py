@@ -225,6 +225,44 @@ def test_discover_flag(tier_dirs):
         cfg({"tiers": tier_dirs[:1], "discover": "maybe"})
 
 
+def _design_settings_table() -> dict[str, tuple[str, str]]:
+    """docs/design.md's settings table: {extra-config key: (variable, default as written)}."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "design.md")
+    with open(path) as f:
+        text = f.read()
+    section = text[text.index("\n## Settings"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[0].startswith("`KVSTREAM_"):
+            key = cells[1].split("`")[1]
+            rows[key] = (cells[0].strip("`"), cells[2])
+    return rows
+
+
+def test_the_design_settings_table_is_settings():
+    """Every setting in docs/design.md's table, none more, each with its variable and its default."""
+    table = _design_settings_table()
+    assert sorted(table) == sorted(SETTINGS)
+    for key, setting in SETTINGS.items():
+        variable, written = table[key]
+        assert variable == env_name(key), key
+        default = setting.default
+        quoted = written.startswith("`") and written.endswith("`")
+        value = written.strip("`")
+        if default is None or default == "":  # no value: the table says what happens instead
+            assert not quoted and value, (key, written)
+        elif isinstance(default, bool):
+            assert quoted and parse_flag(value, key) is default, (key, written)
+        elif isinstance(default, int):
+            assert quoted and parse_bytes(value, key) == default, (key, written)
+        elif isinstance(default, float):
+            assert quoted and float(value) == default, (key, written)
+        else:
+            assert quoted and value == default, (key, written)
+
+
 def test_config_does_no_io():
     """Parsing is pure: the checks that touch the tiers are probe.py's."""
     import inspect

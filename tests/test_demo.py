@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvstream_hicache.tools import demo
@@ -54,6 +55,9 @@ def test_demo_small_on_plain_directories(tier_root, tmp_path):
     assert kv["read_bytes"] == fb["read_bytes"] > 0  # both backends served the same prefixes
     assert sum(kv["tier_read_share"]) == pytest.approx(1.0)
     assert report["tiers"]["kind"] == "given"
+    # the plot's bound is each batch's D / sum(b_k) at the rates it got: no curve can run below it
+    bound, took = np.cumsum(kv["per_request_bound_s"]), np.cumsum(kv["per_request_retrieval_s"])
+    assert bound[-1] > 0 and len(bound) == len(took) and (took >= bound).all()
     assert png.stat().st_size > 1000
     for t in tiers:  # the demo removed its own run directories, and only those
         assert os.path.isdir(t) and os.listdir(t) == []

@@ -17,88 +17,9 @@ import numpy as np
 import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
-from kvstream_hicache.io import AlignedBuffer, Ring
 from kvstream_hicache.tmpfiles import tmp_name
 
-NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
-CHUNK = 64 << 10  # small blocks: several items per page, blocks straddling segments
-ENGINES = ["uring", "threads"]
-
-
-def uring_available() -> bool:
-    try:
-        Ring(8).close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.fixture(params=ENGINES)
-def io_engine(request):
-    if request.param == "uring" and not uring_available():
-        pytest.skip("io_uring_setup refused on this host")
-    return request.param
-
-
-def make_engine(dirs, io_engine="uring", fault_plan=None, clock=None, **settings) -> Engine:
-    explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": CHUNK, **settings}
-    kwargs = {"fault_plan": fault_plan}
-    if clock is not None:
-        kwargs["clock"] = clock
-    return Engine(Config.from_sources(explicit, environ={}), NS, **kwargs)
-
-
-def key(i: int, salt: str = "") -> str:
-    return hashlib.sha256(f"{salt}{i}".encode()).hexdigest()
-
-
-class Pages:
-    """Page payloads and destination buffers, as segment lists over numpy arrays."""
-
-    def __init__(self, n: int, aligned: bool = True, seed: int = 0, size: int = 192 << 10):
-        rng = np.random.default_rng(seed)
-        self.aligned = aligned
-        self._keep: list = []
-        if aligned:
-            half = size // 2  # K and V: two 4096-multiple segments per page
-            self.shapes = [[half, half]] * n
-        else:
-            a, b = size // 5 + 1, size // 3 + 3  # odd lengths: blocks straddle segments
-            self.shapes = [[a, 1, b, size - a - b - 1]] * n
-        self.src = [[self._array(s) for s in shape] for shape in self.shapes]
-        for page in self.src:
-            for a in page:
-                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
-        self.dst = self.fresh()
-
-    def _array(self, nbytes: int) -> np.ndarray:
-        if self.aligned:
-            buf = AlignedBuffer(nbytes)
-            self._keep.append(buf)
-            return np.frombuffer(buf, dtype=np.uint8)
-        raw = np.zeros(nbytes + 1, dtype=np.uint8)
-        self._keep.append(raw)
-        return raw[1:]  # odd address
-
-    def fresh(self) -> list[list[np.ndarray]]:
-        return [[self._array(s) for s in shape] for shape in self.shapes]
-
-    @staticmethod
-    def segments(pages) -> list[list[tuple[int, int]]]:
-        return [[(a.ctypes.data, a.nbytes) for a in page] for page in pages]
-
-    @property
-    def src_segments(self):
-        return self.segments(self.src)
-
-    @property
-    def dst_segments(self):
-        return self.segments(self.dst)
-
-    def equal(self, i: int, dst=None) -> bool:
-        dst = self.dst if dst is None else dst
-        return all(np.array_equal(a, b) for a, b in zip(self.src[i], dst[i]))
-
+from helpers import ARRAY_NS as NS, Pages, key, make_array_engine as make_engine
 
 # -- round trips -------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_tiers", [1, 2, 3])
@@ -171,7 +92,7 @@ def test_page_deleted_from_one_tier_is_read_from_another(tier_dirs, io_engine):
 def test_page_evicted_from_fast_tier_is_read_from_slow(tier_dirs, io_engine):
     pages = Pages(8)
     keys = [key(i) for i in range(8)]
-    page_file = 4096 + sum(pages.shapes[0])
+    page_file = sum(pages.shapes[0])  # capacity counts payload bytes (index.py)
     with make_engine(tier_dirs[:2], io_engine, capacity=[3 * page_file, ""]) as engine:
         assert engine.put(keys[:4], pages.src_segments[:4]) == [True] * 4
         assert engine.put(keys[4:], pages.src_segments[4:]) == [True] * 4

@@ -20,8 +20,7 @@ from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
-from reliability_helpers import FakeClock, flip_byte
+from helpers import FakeClock, Pages, flip_byte, key, make_array_engine as make_engine
 
 SENTINEL = 0xAB
 

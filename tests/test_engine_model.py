@@ -24,8 +24,7 @@ from kvstream_hicache.faults import Fault
 from kvstream_hicache.faults import TierFaultPlan as TierPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 
-from reliability_helpers import FakeClock
-from test_engine import uring_available
+from helpers import FakeClock, uring_available
 
 # The machine deletes page files behind the engine's back and restarts it in between (restart closes a
 # store it damaged on purpose); teardown repairs with check(fix=True) and then requires check() == [].

@@ -79,7 +79,7 @@ def test_orphans_count_against_their_tier_until_reaped(core, data_file):
 
 def test_out_of_descriptors_a_read_closes_its_idle_ones_and_opens_again(tier_root):
     cache = ReadFiles()
-    call = {(0, p): ReadFile() for p in range(3)}
+    call = {(0, p): ReadFile(0, f"k{p}") for p in range(3)}
     path = os.path.join(tier_root, "page")
     open(path, "wb").close()
     for f in list(call.values())[:2]:
@@ -97,7 +97,7 @@ def test_out_of_descriptors_a_read_closes_its_idle_ones_and_opens_again(tier_roo
     assert len(tries) == 2 and call[(0, 1)].fd is None and call[(0, 0)].fd is not None
     assert cache.open == 2 and cache.peak == 2
     with pytest.raises(OSError):  # nothing idle left to close: the open's error
-        cache.open_file(ReadFile(), {(0, 0): call[(0, 0)]}, lambda: (_ for _ in ()).throw(
+        cache.open_file(ReadFile(0, "k"), {(0, 0): call[(0, 0)]}, lambda: (_ for _ in ()).throw(
             OSError(errno.EMFILE, "Too many open files")))
     cache.release(call)  # the call ended: idle ones close, the one in use when its request ends
     assert cache.open == 1
@@ -110,7 +110,7 @@ def test_an_idle_descriptor_closes_early_only_past_the_cap(tier_root, monkeypatc
     cache = ReadFiles()
     path = os.path.join(tier_root, "page")
     open(path, "wb").close()
-    a, b = ReadFile(), ReadFile()
+    a, b = ReadFile(0, "a"), ReadFile(0, "b")
     call = {(0, 0): a, (0, 1): b}
     for f in (a, b):
         cache.open_file(f, call, lambda: os.open(path, os.O_RDONLY))

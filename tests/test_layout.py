@@ -1,6 +1,7 @@
 """The package layout: core, adapters (sglang/, lmcache/), tools/; the import paths users type keep working."""
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import importlib.util
@@ -31,10 +32,10 @@ def test_old_sglang_backend_path_is_the_same_class():
 
 def test_old_lmcache_adapter_path_names_the_same_attribute_without_lmcache():
     """The class itself needs LMCache (tests/test_lmcache_adapter.py loads it through LMCache from the old
-    path); the old module imports without it, and forwards exactly that one name."""
+    path); the old module imports without it, and forwards exactly the adapter and its config class."""
     from kvstream_hicache import lmcache_adapter
 
-    assert lmcache_adapter.__all__ == ["KVStreamL2Adapter"]
+    assert lmcache_adapter.__all__ == ["KVStreamL2Adapter", "KVStreamL2AdapterConfig"]
     with pytest.raises(AttributeError):
         lmcache_adapter.L2Core  # noqa: B018  (only the documented name is re-exported)
 
@@ -264,3 +265,22 @@ def test_docs_give_the_enospc_retry_count():
 
     for doc in (("docs", "design.md"), ("docs", "guarantees.md")):
         assert f"up to {SPACE_RETRIES} times" in _read(*doc), doc
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through helpers.py, sglang_fixtures.py, lmcache_fixtures.py and conftest.py's
+    fixtures, never by importing a test module (which would collect its tests twice)."""
+    tests = os.path.join(ROOT, "tests")
+    offenders = []
+    for name in sorted(os.listdir(tests)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(tests, name)) as f:
+            tree = ast.parse(f.read(), name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{name}: {m}" for m in mods if m.split(".")[0].startswith("test_") or m == "conftest"]
+    assert offenders == []

@@ -10,7 +10,6 @@ Run: ``.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache_adapt
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import time
@@ -19,133 +18,17 @@ import numpy as np
 import pytest
 
 from kvstream_hicache.lmcache import core as l2core, keys as l2keys
-from kvstream_hicache.errors import EngineClosedError
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ
-from kvstream_hicache.layout import HEADER_SIZE, Namespace, TierLayout
+from kvstream_hicache.layout import HEADER_SIZE, Namespace
 
-from reliability_helpers import flip_byte
+from helpers import flip_byte
+from lmcache_fixtures import (  # noqa: F401  (lmc, server_factory: fixtures)
+    WAIT_S, Server, chunk_keys, layout_of, lmc, make_tiers, page_path, random_payloads, server_factory,
+)
 
 # opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
-os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # no telemetry from tests
-
-WAIT_S = 30.0  # upper bound on any wait for a completion (never a sleep), s
-L1_GB = "0.03"
-
-
-@pytest.fixture(scope="module")
-def lmc():
-    """LMCache's MP API, imported lazily (the SGLang venv collects this file without it)."""
-    import torch
-    from lmcache.v1.distributed.api import GroupedObjectKeys, MemoryLayoutDesc, ObjectKey, PrefetchTaskSpec
-    from lmcache.v1.distributed.config import parse_args
-    from lmcache.v1.distributed.storage_manager import StorageManager
-
-    class NS:
-        pass
-
-    ns = NS()
-    ns.torch, ns.ObjectKey, ns.MemoryLayoutDesc = torch, ObjectKey, MemoryLayoutDesc
-    ns.GroupedObjectKeys, ns.PrefetchTaskSpec = GroupedObjectKeys, PrefetchTaskSpec
-    ns.parse_args, ns.StorageManager = parse_args, StorageManager
-    return ns
-
-
-class Server:
-    """One LMCache MP storage manager with our adapter as its only L2 adapter."""
-
-    def __init__(self, lmc, tiers: list[str], module_path: str = "kvstream_hicache.lmcache.adapter", **params):
-        spec = {"type": "plugin", "module_path": module_path,
-                "class_name": "KVStreamL2Adapter",
-                "adapter_params": {"tiers": tiers, "chunk": "4K", **params}}
-        self.lmc = lmc
-        self.sm = lmc.StorageManager(lmc.parse_args(["--l1-size-gb", L1_GB, "--eviction-policy", "LRU",
-                                                     "--l2-adapter", json.dumps(spec)]))
-        (_desc, self.adapter), = self.sm.l2_adapters()
-        self.stores = 0
-
-    @property
-    def engine(self):
-        return self.adapter.engine
-
-    def write_through(self, keys, layout, payloads) -> None:
-        """L1 write -> LMCache stores to L2 through the adapter; waits for the store to complete."""
-        objs = self.sm.reserve_write(keys, layout)
-        assert set(objs) == set(keys)
-        for key, data in zip(keys, payloads):
-            obj = objs[key]
-            assert obj.get_size() == len(data)
-            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
-        self.sm.finish_write(keys)
-        self.stores += 1
-        assert self.adapter.core.wait_completed("store", self.stores, WAIT_S)
-        deleted, _ = self.sm.delete_l1_keys(keys, force=True)  # drop L1: the read must come from L2
-        assert deleted == len(keys)
-
-    def prefetch(self, keys, layout) -> tuple[int, list[bytes | None]]:
-        """Prefetch into L1; returns (L2 hits, per key the L1 bytes or None when not resident)."""
-        lmc = self.lmc
-        handle = self.sm.submit_prefetch_task(lmc.PrefetchTaskSpec([lmc.GroupedObjectKeys(keys, 0, layout)]))
-        assert self.sm.wait_prefetch_status(handle, WAIT_S)
-        result = self.sm.query_prefetch_status(handle)
-        hits = sum(row.popcount() for row in result.l2_hit_cells)
-        out: list[bytes | None] = []
-        for key in keys:
-            with self.sm.read_prefetched_results([key]) as objs:
-                out.append(None if objs is None else bytes(objs[0].byte_array))
-            if objs is not None:  # release the prefetch's read lock (None: the context released it)
-                self.sm.finish_read_prefetched([key])
-        return hits, out
-
-    def close(self) -> None:
-        engine = self.engine
-        self.sm.close()
-        with pytest.raises(EngineClosedError):  # LMCache closed the adapter, the adapter its engine
-            engine.get([], [])
-
-
-@pytest.fixture
-def server_factory(lmc, tier_root):
-    """Servers closed at teardown, before tier_root (requested here for that order) removes their tiers."""
-    servers: list[Server] = []
-
-    def make(tiers, module_path: str = "kvstream_hicache.lmcache.adapter", **params) -> Server:
-        server = Server(lmc, tiers, module_path, **params)
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.close()
-
-
-def make_tiers(root: str, n: int) -> list[str]:
-    dirs = [os.path.join(root, f"tier{i}") for i in range(n)]
-    for d in dirs:
-        os.makedirs(d)
-    return dirs
-
-
-def chunk_keys(lmc, n: int, model: str = "org/model-7b", rank: int = 0, salt: str = "") -> list:
-    return [lmc.ObjectKey(chunk_hash=(1000 + i).to_bytes(8, "big"), model_name=model, kv_rank=rank,
-                          cache_salt=salt) for i in range(n)]
-
-
-def random_payloads(n: int, size: int, seed: int) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
-
-
-def page_path(server: Server, tier: str, key, layout) -> str:
-    ekey = l2keys.engine_key(key, l2keys.layout_tag(layout.shapes, layout.dtypes))
-    return TierLayout(tier, server.engine.namespace.digest).page_path(ekey)
-
-
-def layout_of(lmc, tokens: int, heads_dim: int):
-    """KV_2LTD-like layout [2, tokens, heads*dim] in bfloat16: 4 * tokens * heads_dim bytes."""
-    return lmc.MemoryLayoutDesc(shapes=[lmc.torch.Size([2, tokens, heads_dim])], dtypes=[lmc.torch.bfloat16])
-
 
 # --------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("n_tiers", [2, 3])
@@ -203,11 +86,12 @@ def test_lookup_answers_from_the_index_and_pins(lmc, server_factory, tier_root):
     bits = adapter.query_lookup_and_lock_result(task)
     assert [bits.test(i) for i in range(len(probe))] == [True, True, True, False, False]
     assert adapter.query_lookup_and_lock_result(task) is None  # handed out once
-    task = adapter.submit_lookup_and_lock_task(keys[:1], other_layout)  # same key, other layout: a miss
-    assert not adapter.query_lookup_and_lock_result(task).test(0)
+    task = adapter.submit_lookup_and_lock_task(keys[:1], other_layout)  # the layout is a hint: still a hit
+    assert adapter.query_lookup_and_lock_result(task).test(0)
+    adapter.submit_unlock(keys[:1])
 
     index = server.engine.index
-    ekeys = [l2keys.engine_key(k, l2keys.layout_tag(layout.shapes, layout.dtypes)) for k in keys]
+    ekeys = [l2keys.engine_key(k) for k in keys]
     assert [index.get(k).pins for k in ekeys] == [1, 1, 1]
     adapter.submit_unlock(keys + other)  # unlock of keys never locked: ignored, never raises
     adapter.submit_unlock(keys)  # more unlocks than locks: ignored too
@@ -313,7 +197,7 @@ def test_store_task_completes_only_when_its_pages_are_committed(lmc, server_fact
     lookups hit and the bytes load back."""
     from kvstream_hicache.faults import TierFaultPlan
     from kvstream_hicache.io import OP_WRITE
-    from reliability_helpers import wait_for_fault
+    from helpers import wait_for_fault
 
     tiers = make_tiers(tier_root, 2)
     plan = TierFaultPlan()
@@ -347,7 +231,7 @@ def test_store_tasks_beyond_the_backlog_wait_and_none_is_lost(lmc, server_factor
     loads back."""
     from kvstream_hicache.faults import TierFaultPlan
     from kvstream_hicache.io import OP_WRITE
-    from reliability_helpers import wait_for_fault
+    from helpers import wait_for_fault
 
     tiers = make_tiers(tier_root, 2)
     plan = TierFaultPlan()

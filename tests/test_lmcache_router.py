@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from test_lmcache_adapter import lmc, server_factory  # noqa: F401  (fixtures)
+from lmcache_fixtures import lmc, server_factory  # noqa: F401  (fixtures)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -184,7 +184,7 @@ def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_root, monkeypatch):  # noqa: F811
     from kvstream_hicache.lmcache import core as l2core
-    from test_lmcache_adapter import chunk_keys, random_payloads
+    from lmcache_fixtures import chunk_keys, random_payloads
 
     if not os.path.exists(SGLANG_PYTHON):
         pytest.skip(f"the SGLang venv ({SGLANG_PYTHON}) is missing: run scripts/setup-env.sh")

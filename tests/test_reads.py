@@ -21,9 +21,7 @@ from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 
-from conftest import open_fds
-from test_engine import Pages, io_engine, key, make_engine  # noqa: F401  (fixture re-export)
-from reliability_helpers import flip_byte
+from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds
 
 MIB = 1 << 20
 

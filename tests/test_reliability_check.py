@@ -19,8 +19,7 @@ from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault
-from test_writes import wait_until
+from helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault, wait_until
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
 
@@ -99,7 +98,8 @@ def test_check_cli_and_library_report_and_fix(tier_dirs, tier_root):
         assert pages.checked_get(engine, keys) == [True] * 8
         assert all(engine.index.holders(k) for k in keys)
         # the copies --fix removed are written again from the other tier (background replication)
-        wait_until(lambda: [engine.index.holders(k) for k in keys] == [0b11] * 8, "the removed copies never came back")
+        wait_until(lambda: [engine.index.holders(k) for k in keys] == [0b11] * 8,
+                   what="the removed copies never came back")
         assert pages.checked_get(engine, keys) == [True] * 8
         assert engine.scan["tmp_removed"] == 1  # the sleeper is gone now: its file is a leftover
         assert engine.check() == []
@@ -166,7 +166,7 @@ def test_a_page_unreadable_for_an_error_of_the_moment_is_reported_not_removed(ti
     import errno
 
     from kvstream_hicache import integrity
-    from reliability_helpers import PageSet, make_engine
+    from helpers import PageSet, make_engine
 
     pages = PageSet()
     keys = pages.keys(1)

@@ -17,7 +17,7 @@ import threading
 
 from kvstream_hicache import Namespace, check_tiers
 
-from reliability_helpers import NS, PAGE_BYTES, PageSet, make_engine, rank_content, spawn
+from helpers import NS, PAGE_BYTES, PageSet, make_engine, rank_content, spawn
 
 WAIT_S = 240
 

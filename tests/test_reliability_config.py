@@ -17,7 +17,7 @@ import pytest
 import kvstream_hicache.io as kio
 from kvstream_hicache import Config, ConfigError, Engine, TierError
 
-from reliability_helpers import (  # noqa: F401  (loop_fs: fixture)
+from helpers import (  # noqa: F401  (loop_fs: fixture)
     NS, PageSet, kvstream_cli, loop_devices_usable, loop_fs, make_engine,
 )
 
@@ -142,9 +142,9 @@ BAD = [
      "'static-0.5/0.3/0.2'", "2 tiers", "3 shares"]),
     ({"tiers": "{root}", "capacity": float("nan")}, None, ["extra config 'capacity'", "nan is not a size", "empty for unlimited"]),
     ({"tiers": "{root}", "capacity": [float("inf")]}, None, ["extra config 'capacity'", "inf is not a size"]),
-    ({"tiers": "{root}", "capacity": "0"}, None, ["extra config 'capacity'", "'0' holds no page", "8192 bytes",
+    ({"tiers": "{root}", "capacity": "0"}, None, ["extra config 'capacity'", "'0' holds no page", "at least 1",
                                                    "empty for unlimited"]),
-    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_CAPACITY": "4K"}, ["KVSTREAM_CAPACITY", "'4K' holds no page"]),
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_CAPACITY": "0K"}, ["KVSTREAM_CAPACITY", "'0K' holds no page"]),
     ({"tiers": ["{root}/a\x00b"]}, None, ["extra config 'tiers'", "'{root}/a\\x00b'", "NUL byte",
                                           "correct the tier list"]),
     (None, {"KVSTREAM_TIERS": "{root}\x00"}, ["KVSTREAM_TIERS", "NUL byte"]),
@@ -180,12 +180,13 @@ def test_bad_setting_is_one_clear_message(tier_root, caplog, explicit, environ, 
 
 
 def test_a_capacity_share_smaller_than_one_page_is_refused(tier_root):
-    """A share of the file system is resolved at start-up: one that comes to less than the smallest page
-    file is refused there, naming the setting and the bytes it came to."""
+    """A share of the file system is resolved at start-up: one that comes to less than one page of the
+    caller's size (capacity counts payload bytes) is refused there, naming the setting and the bytes."""
     st = os.statvfs(tier_root)
     share = f"{4096 / (st.f_blocks * st.f_frsize) * 100:.10f}".rstrip("0") + "%"  # about 4 KiB of this disk
-    err = _start({"tiers": [tier_root], "capacity": share})
-    _has_all(str(err), "extra config 'capacity'", share, tier_root, "less than one page file", "8192 bytes")
+    with pytest.raises(ConfigError) as info:
+        Engine(Config.from_sources({"tiers": [tier_root], "capacity": share}, environ={}), NS, page_bytes=8192).close()
+    _has_all(str(info.value), "extra config 'capacity'", share, tier_root, "less than one page", "8192 bytes")
 
 
 def test_tier_path_messages_say_what_is_wrong(tier_root):

@@ -17,7 +17,7 @@ import pytest
 
 from kvstream_hicache import check_tiers
 
-from reliability_helpers import PageSet, make_engine, spawn, tmp_files
+from helpers import PageSet, make_engine, spawn, tmp_files
 
 SIZE = 256 << 10  # payload per page, bytes: a put spends its time writing
 BATCH = 8

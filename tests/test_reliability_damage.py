@@ -21,7 +21,7 @@ from kvstream_hicache import Namespace
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import NS, PageSet, content, flip_byte, gone_or_restored, make_engine, messages
+from helpers import NS, PageSet, content, flip_byte, gone_or_restored, make_engine, messages
 
 N = 4
 VICTIM = 1  # index of the damaged page

@@ -18,7 +18,7 @@ from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import PageSet, TierFaultPlan, loop_fs, make_engine, page_files, tmp_files, \
+from helpers import PageSet, TierFaultPlan, loop_fs, make_engine, page_files, tmp_files, \
     wait_for_fault  # noqa: F401
 
 MIB = 1 << 20

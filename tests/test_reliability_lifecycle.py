@@ -1,5 +1,5 @@
-"""The engine's life cycle under an unkind caller: ``close()`` racing calls on other threads, and
-``fork()`` after the engine is open. A call racing close either completes or raises
+"""The engine's life cycle under an unkind caller: ``close()`` racing calls on other threads,
+``fork()`` after the engine is open, and engines dropped without ``close()``. A call racing close either completes or raises
 EngineClosedError, never a raw ring error; a forked child's calls raise EngineClosedError naming
 fork, without a system call on the parent's rings, and the parent goes on as if nothing happened.
 Both I/O engines (io_uring, threads); real threads, real os.fork().
@@ -10,12 +10,13 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 
 from kvstream_hicache import EngineClosedError
 
-from reliability_helpers import PageSet, make_engine
+from helpers import PageSet, make_engine, open_fds
 
 TRIES = 20
 WAIT_S = 60
@@ -117,3 +118,23 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
         closer.start()
         closer.join(WAIT_S)
         assert not closer.is_alive(), "the parent's close() hung after the fork"
+
+
+def test_dropped_engines_are_closed_with_a_resource_warning(tier_dirs):
+    """30 engines dropped without close(), one page stored by each: each is collected, closed (its
+    rings' descriptors and its writer thread gone) and says so with a ResourceWarning, as any file."""
+    pages = PageSet()
+    fds, threads = open_fds(), threading.active_count()
+    dropped = []
+    with pytest.warns(ResourceWarning) as warned:
+        for i in range(30):
+            engine = make_engine(tier_dirs[:2])
+            dropped.append(weakref.ref(engine))
+            assert pages.put(engine, pages.keys(1, i)) == [True]
+            del engine
+        gc.collect()
+    assert sum(issubclass(w.category, ResourceWarning) and "unclosed" in str(w.message) for w in warned) == 30
+    assert [ref() for ref in dropped] == [None] * 30, "a dropped engine was never collected"
+    assert (open_fds(), threading.active_count()) == (fds, threads)
+    with make_engine(tier_dirs[:2]) as engine:  # what they stored is there
+        assert pages.checked_get(engine, pages.keys(30)) == [True] * 30

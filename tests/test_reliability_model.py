@@ -28,7 +28,7 @@ from kvstream_hicache.integrity import HeaderError, read_header
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 
-from reliability_helpers import (NS, FakeClock, TierFaultPlan, content, flip_byte, get_items, key, make_engine,
+from helpers import (NS, FakeClock, TierFaultPlan, content, flip_byte, get_items, key, make_engine,
                                  put_items)
 
 # The machine damages copies on disk and restarts the engine in between (restart closes a store it

@@ -17,7 +17,7 @@ from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_WRITE, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE, KEY_MAX
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, content, key, make_engine, wait_for_fault
+from helpers import NS, PageSet, TierFaultPlan, content, key, make_engine, wait_for_fault
 
 HOSTILE = ["../x", "../../etc/passwd", "/abs", "/etc/passwd", "a/b", "a\x00b", "\x00", "x" * (KEY_MAX + 1),
            "", ".", "..", "a.b", "a b", "ké", "a\nb", "~", "$HOME", "*", None, 123, b"ab"]

@@ -12,7 +12,7 @@ from kvstream_hicache import check_tiers
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import (
+from helpers import (
     PAGE_BYTES, PageSet, flip_byte, make_engine, page_files, spawn, store_at_once, twin_content,
 )
 

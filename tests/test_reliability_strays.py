@@ -18,14 +18,14 @@ import pytest
 from kvstream_hicache import Config, TierError, check_tiers
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import HERE, PageSet, gone_or_restored, kvstream_cli, loop_devices_usable, make_engine
+from helpers import HERE, PageSet, gone_or_restored, kvstream_cli, loop_devices_usable, make_engine
 
 HANG_S = 60  # a call that has not returned by then is hung (a FIFO opened blocking waits forever)
 
 
 def _start_in_a_child(dirs) -> subprocess.CompletedProcess:
     """Open (and close) an engine on ``dirs`` in a fresh process: a hang there fails the test, not the run."""
-    code = ("import sys; from reliability_helpers import make_engine\n"
+    code = ("import sys; from helpers import make_engine\n"
             "e = make_engine(sys.argv[1:]); print(e.scan); e.close()")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH", "")]))}
     try:

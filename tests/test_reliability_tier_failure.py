@@ -19,8 +19,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tiers import LOOK_S
 
-from reliability_helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages  # noqa: F401
-from test_writes import wait_until
+from helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages, wait_until  # noqa: F401
 
 RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
 
@@ -140,7 +139,7 @@ def test_tier_fails_mid_run_and_rejoins(tier_root, loop_fs, caplog, fault):
         # What it missed while out (and, wiped, what it lost) background replication writes there again
         everything = first + second + third + fourth
         wait_until(lambda: [engine.index.holders(k) for k in everything] == [0b11] * 24,
-                   "the pages tier 0 missed were never written to it again")
+                   what="the pages tier 0 missed were never written to it again")
         assert engine.stats()["tiers"][0]["replication_done"] == 12 + 6 * tier.lossy
         assert pages.checked_get(engine, everything) == [True] * 24
         assert pages.checked_get(engine, everything, policy=SingleTier(0)) == [True] * 24

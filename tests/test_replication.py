@@ -18,8 +18,7 @@ from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import TierLayout
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import NS, PageSet, TierFaultPlan, flip_byte, make_engine, wait_for_fault
-from test_writes import WAIT_S, wait_until
+from helpers import NS, PageSet, TierFaultPlan, flip_byte, make_engine, wait_for_fault, wait_until
 
 
 def served(engine) -> list[int]:
@@ -52,13 +51,13 @@ def test_a_skipped_replica_is_written_later(tier_dirs):
     with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.2) as engine:
         warm = pages.keys(writes.TRUST_BYTES // page + 2)
         assert pages.put(engine, warm) == [True] * len(warm)
-        wait_until(lambda: replicated(engine, warm, 0b11), "the warm-up pages never reached both tiers")
+        wait_until(lambda: replicated(engine, warm, 0b11), what="the warm-up pages never reached both tiers")
         batch = pages.keys(24, 1000)
         assert pages.put(engine, batch) == [True] * 24
         stats = engine.stats()
         skipped = stats["tiers"][1]["replica_skipped_pages"]
         assert skipped > 0 and stats["under_replicated"] == 0 and stats["pages_failed"] == 0
-        wait_until(lambda: replicated(engine, batch, 0b11), "the skipped replicas were never written")
+        wait_until(lambda: replicated(engine, batch, 0b11), what="the skipped replicas were never written")
         stats = engine.stats()["tiers"][1]
         assert stats["replication_done"] == skipped and stats["replication_dropped"] == 0
         assert stats["replication_bytes"] == skipped * page
@@ -90,15 +89,15 @@ def test_a_lost_replica_is_restored_after_the_tier_rejoins(tier_dirs):
     before, during = pages.keys(6), pages.keys(4, 100)
     with make_engine(tier_dirs[:2]) as engine:
         assert pages.put(engine, before) == [True] * 6
-        wait_until(lambda: replicated(engine, before, 0b11), "the first pages never reached both tiers")
+        wait_until(lambda: replicated(engine, before, 0b11), what="the first pages never reached both tiers")
         os.rename(tier_dirs[1], tier_dirs[1] + ".away")
         assert pages.put(engine, during) == [True] * 4  # tier 1 fails on it: tier 0 alone
         assert not engine.tiers[1].healthy and engine.stats()["under_replicated"] == 4
         assert engine.stats()["tiers"][1]["replication_pending"] == 4  # owed, written once it is back
         drop_copies(tier_dirs[1] + ".away", before[:3])  # lost with the tier
         os.rename(tier_dirs[1] + ".away", tier_dirs[1])
-        wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, "tier 1 never rejoined")
-        wait_until(lambda: replicated(engine, before + during, 0b11), "the lost replicas were never restored")
+        wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, what="tier 1 never rejoined")
+        wait_until(lambda: replicated(engine, before + during, 0b11), what="the lost replicas were never restored")
         assert all(on_disk(engine, 1, key) for key in before + during)
         assert engine.stats()["tiers"][1]["replication_done"] == 7
         assert pages.checked_get(engine, before + during, policy=SingleTier(1)) == [True] * 10
@@ -117,7 +116,7 @@ def test_a_page_read_from_a_slower_tier_alone_is_promoted_and_read_from_tier_0_n
         assert pages.put(writer, keys) == [True] * 8
         assert pages.checked_get(reader, keys) == [True] * 8  # discovery: on the shared tier alone
         assert served(reader) == [0, 8 * pages.size]
-        wait_until(lambda: replicated(reader, keys, 0b11), "the shared pages were never promoted")
+        wait_until(lambda: replicated(reader, keys, 0b11), what="the shared pages were never promoted")
         stats = reader.stats()["tiers"][0]
         assert stats["replication_done"] == 8 and stats["replication_promoted"] == 8  # from the read's memory
         assert reader.stats()["tiers"][1]["replication_read_bytes"] == 0  # the shared tier was read once
@@ -142,12 +141,12 @@ def test_catchup_yields_to_a_read_of_its_target_tier(tier_dirs):
                 assert pages.checked_get(engine, keys, policy=SingleTier(k)) == [True] * 4  # from tier 0
             assert engine.stats()["tiers"][1]["quarantined"] == 4  # removed (tier 2's too, by one of the gets)
             wait_until(lambda: all(engine.index.holders(key) == 0b101 for key in keys),
-                       "catch-up never wrote the pages to tier 2")
+                       what="catch-up never wrote the pages to tier 2")
             assert engine.stats()["tiers"][1]["replication_pending"] == 4
             assert not any(on_disk(engine, 1, key) for key in keys)  # nothing went to the tier being read
         finally:
             engine.priority.end(0b010)
-        wait_until(lambda: replicated(engine, keys, 0b111), "catch-up never wrote tier 1 after the read")
+        wait_until(lambda: replicated(engine, keys, 0b111), what="catch-up never wrote tier 1 after the read")
         assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 4
 
 
@@ -160,7 +159,7 @@ def test_catchup_resumes_after_a_restart(tier_dirs):
         assert pages.put(engine, keys) == [True] * 6
     drop_copies(tier_dirs[1], keys)
     with make_engine(tier_dirs[:2]) as engine:
-        wait_until(lambda: replicated(engine, keys, 0b11), "catch-up did not resume after the restart")
+        wait_until(lambda: replicated(engine, keys, 0b11), what="catch-up did not resume after the restart")
         assert engine.stats()["tiers"][1]["replication_done"] == 6
         assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 6
 
@@ -172,13 +171,13 @@ def test_catchup_stops_at_the_tiers_capacity(tier_dirs):
     keys = pages.keys(8)
     with make_engine(tier_dirs[:2], catchup=False) as engine:
         assert pages.put(engine, keys) == [True] * 8
-        file_bytes = engine.index.get(keys[0]).file_bytes
+        nbytes = engine.index.get(keys[0]).nbytes  # what the capacity counts: the payload
     drop_copies(tier_dirs[1], keys)
-    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{3 * file_bytes + 100}") as engine:
-        wait_until(lambda: engine.stats()["tiers"][1]["replication_done"] == 3, "catch-up wrote nothing")
+    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{3 * nbytes + 100}") as engine:
+        wait_until(lambda: engine.stats()["tiers"][1]["replication_done"] == 3, what="catch-up wrote nothing")
         stats = engine.stats()["tiers"][1]
         assert stats["evictions"] == 0 and stats["replication_pending"] == 5
-        assert engine.index.used[1] == 3 * file_bytes
+        assert engine.index.used[1] == 3 * nbytes
         assert sum(on_disk(engine, 1, key) for key in keys) == 3
 
 
@@ -219,11 +218,11 @@ def test_a_page_deleted_while_its_copy_is_written_is_not_brought_back(tier_dirs)
     plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
     with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
         try:
-            wait_for_fault(plan, WAIT_S, "no catch-up write reached tier 1")
+            wait_for_fault(plan, what="no catch-up write reached tier 1")
             assert engine.delete(keys) == 2
         finally:
             plan.clear()
             plan.release()
-        wait_until(lambda: engine.stats()["replication_pending"] == 0, "the copies never ended")
+        wait_until(lambda: engine.stats()["replication_pending"] == 0, what="the copies never ended")
         assert len(engine.index) == 0 and engine.stats()["tiers"][1]["replication_done"] == 0
         assert not any(on_disk(engine, k, key) for k in (0, 1) for key in keys)

@@ -18,25 +18,10 @@ from kvstream_hicache.io import (
     ALIGN, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, open_ring,
 )
 
-from conftest import open_fds
+from helpers import ENGINES, REQUIRE_URING, make_file, make_ring, open_fds, run
 
 KIB = 1024
 MIB = 1024 * KIB
-ENGINES = ["uring", "threads"]
-REQUIRE_URING = os.environ.get("KVSTREAM_REQUIRE_URING") == "1" or os.environ.get("KVSTREAM_STRICT") == "1"
-
-
-def make_ring(engine: str, entries: int = RING_ENTRIES):
-    if engine == "threads":
-        return ThreadRing(entries)
-    try:
-        return Ring(entries)
-    except OSError as exc:
-        if REQUIRE_URING:
-            pytest.fail(f"KVSTREAM_REQUIRE_URING=1 but io_uring_setup was refused: {exc}")
-        pytest.skip(f"io_uring unavailable here: {exc}")
-
-
 @pytest.fixture(params=ENGINES)
 def engine(request):
     return request.param
@@ -49,19 +34,6 @@ def ring(engine):
     r.close()
 
 
-def run(ring, ops) -> dict[int, int]:
-    """Submit a batch and reap all of it: {tag: res}."""
-    ops = list(ops)
-    assert ring.submit(ops) == len(ops)
-    out: dict[int, int] = {}
-    while ring.in_flight:
-        for tag, res in ring.reap(ring.in_flight):
-            assert tag not in out, f"tag {tag} completed twice"
-            out[tag] = res
-    assert set(out) == {op[4] for op in ops}
-    return out
-
-
 def random_buffer(nbytes: int, seed: int) -> AlignedBuffer:
     buf = AlignedBuffer(nbytes)
     np.frombuffer(buf, dtype=np.uint8)[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
@@ -70,11 +42,6 @@ def random_buffer(nbytes: int, seed: int) -> AlignedBuffer:
 
 def open_direct(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
     return os.open(path, flags | os.O_DIRECT, 0o600)
-
-
-def make_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def file_with(directory: str, name: str, data: bytes, flags: int = os.O_RDONLY | os.O_DIRECT) -> int:

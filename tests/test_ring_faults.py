@@ -12,7 +12,7 @@ from kvstream_hicache import io as kio
 from kvstream_hicache.faults import Fault, FaultPlan, FaultyRing
 from kvstream_hicache.io import ALIGN, OP_READ, OP_WRITE, AlignedBuffer, Ring, ThreadRing, open_ring
 
-from test_ring import ENGINES, make_file, make_ring, run  # tests/ is on sys.path (rootdir conftest)
+from helpers import ENGINES, make_file, make_ring, run  # tests/ is on sys.path (rootdir conftest)
 
 
 # -- open_ring ------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from kvstream_hicache.layout import HEADER_SIZE, TierLayout
 from kvstream_hicache.tmpfiles import tmp_name
 from kvstream_hicache.trust import user_name
 
-from reliability_helpers import NS, PageSet, content, kvstream_cli, make_engine
+from helpers import NS, PageSet, content, kvstream_cli, make_engine
 
 INTRUDER = 54321  # uids and a group no account has: the second user and the shared tier's group
 MEMBER = 54322

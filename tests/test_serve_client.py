@@ -10,7 +10,6 @@ only and lives for one test.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import os
@@ -24,21 +23,14 @@ from aiohttp import web  # noqa: E402
 
 from kvstream_hicache.tools import workload as wl  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import load_serve_swebench  # noqa: E402
+
 REST_S = 0.05  # the rest of a stream comes at least this long after the first chunk (see FakeSGLang.hold)
 FIRST_S = {600: 0.30, 1100: 0.10, 1600: 0.20}  # input_length -> delay of the first chunk, seconds
 GATE_S = 30.0  # longest a held stream waits for what it waits for (then the test fails, never hangs)
 
 
-def _load_client():
-    spec = importlib.util.spec_from_file_location("serve_swebench", os.path.join(ROOT, "examples", "serve_swebench.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve_swebench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sv = _load_client()
+sv = load_serve_swebench()
 
 METRICS_BEFORE = """# HELP sglang:storage_prefetch_hit_tokens_total x
 # TYPE sglang:storage_prefetch_hit_tokens_total counter
@@ -321,7 +313,7 @@ def test_compare_starts_stops_each_server_and_reports_speedups(tmp_path, monkeyp
     real_exit = sv.Server.__exit__
     monkeypatch.setattr(sv, "launch_command", fake_command)
     monkeypatch.setattr(sv.Server, "__exit__", spy_exit)
-    monkeypatch.setattr(sv, "HEALTH_POLL_S", 0.2)
+    monkeypatch.setattr(sv.serve_cpu, "HEALTH_POLL_S", 0.2)
     out_json = tmp_path / "cmp.json"
     rc = sv.main(["--model", "fake/model", "--tiers", f"{tiers[0]}:{tiers[1]}", "--compare", "file,kvstream",
                   "--port", str(_free_port()), "--sessions", "2", "--requests", "4", "--mean-input", "1200",

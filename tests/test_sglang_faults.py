@@ -293,9 +293,10 @@ def test_a_capacity_smaller_than_one_page_is_refused_at_attach(tier_dirs):
     from kvstream_hicache.errors import ConfigError
 
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
-    config = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2], capacity="16K"))
+    half = pools.flat_page_nbytes() // 2  # capacity counts payload bytes: half a page holds none
+    config = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2], capacity=half))
     with pytest.raises(ConfigError) as info:
         KVStreamHiCacheStorage(config, pools.host)
     message = str(info.value)
-    assert "extra config 'capacity'" in message and "less than one page file" in message
+    assert "extra config 'capacity'" in message and "less than one page" in message
     assert str(pools.flat_page_nbytes()) in message and "leave it empty for unlimited" in message

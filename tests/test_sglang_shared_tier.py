@@ -12,7 +12,7 @@ import sys
 
 from sglang_fixtures import cpu_sglang  # noqa: F401  (first: skips without sglang; CPU stubs)
 
-from reliability_helpers import HERE, page_files, store_at_once  # noqa: E402
+from helpers import HERE, page_files, store_at_once  # noqa: E402
 
 WAIT_S = 300
 PAGES = 6  # per prompt (sglang_server_child.PAGES)

@@ -11,10 +11,8 @@ import pytest
 
 from kvstream_hicache.tools import workload as wl
 
-# The public Mooncake traces are read from a path, never copied into the repository: beside the checkout
-# (../shared/traces/mooncake, as on the project's machines) or wherever KVSTREAM_TRACES points.
-TRACES = os.environ.get("KVSTREAM_TRACES") or os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "traces", "mooncake")
+# The two public Mooncake traces (Apache-2.0) are part of the repository, so a clone tests them on its own.
+TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces", "mooncake")
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +217,6 @@ def test_mooncake_reader_names_the_bad_line(tmp_path):
         wl.read_mooncake(path)
 
 
-@pytest.mark.skipif(not os.path.isdir(TRACES), reason=f"no Mooncake traces at {TRACES} (set KVSTREAM_TRACES)")
 def test_reads_the_public_mooncake_traces():
     reqs = wl.read_mooncake(os.path.join(TRACES, "synthetic_trace.jsonl"))
     s = wl.summarize(reqs)

@@ -6,6 +6,7 @@ assertions: the tests wait for events (a held op reached the ring, a page commit
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -16,12 +17,11 @@ import pytest
 from kvstream_hicache import admission, files, writes
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
+from kvstream_hicache.layout import file_size
 from kvstream_hicache.priority import STALL_S
 from kvstream_hicache.router import SingleTier
 
-from reliability_helpers import FakeClock, PageSet, TierFaultPlan, make_engine, wait_for_fault
-from conftest import open_fds
-from test_engine import Pages, key
+from helpers import FakeClock, Pages, PageSet, TierFaultPlan, key, make_engine, open_fds, wait_for_fault
 
 WAIT_S = 60.0
 
@@ -85,7 +85,7 @@ def test_writes_to_a_tier_wait_while_a_get_reads_it(tier_dirs):
         writer, result = in_thread(pages.put, engine, new)
         wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), "tier 1 never took the pages")
         assert os.listdir(engine.tiers[0].layout.tmp) == []  # no write to tier 0 even started
-        assert engine.stats()["tiers"][0]["write_queued_bytes"] == 3 * engine.index.get(new[0]).file_bytes
+        assert engine.stats()["tiers"][0]["write_queued_bytes"] == 3 * file_size(engine.index.get(new[0]).length)
         assert writer.is_alive()  # the put waits for every tier that takes its pages
         assert reader.release() == [True] * 4
         writer.join(WAIT_S)
@@ -280,7 +280,7 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             skipped = stats["tiers"][1]["replica_skipped_pages"]
             assert stats["under_replicated"] == 0 and stats["pages_failed"] == 0
             assert skipped == len(alone)
-            assert stats["tiers"][1]["replica_skipped_bytes"] == skipped * engine.index.get(batch[0]).file_bytes
+            assert stats["tiers"][1]["replica_skipped_bytes"] == skipped * file_size(engine.index.get(batch[0]).length)
             assert stats["tiers"][0]["replica_skipped_pages"] == 0  # the home tier takes every page
             if mode == "budget":
                 assert 0 < len(alone) < 24
@@ -347,3 +347,28 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
         assert pages.put(engine, more) == [True] * 4  # the writer lives on
         assert pages.checked_get(engine, more) == [True] * 4
         engine.clear()  # (the failed put may leave a page on one tier only: start the check clean)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO], ids=["quota", "eio"])
+def test_a_home_tier_write_failure_is_written_to_a_tier_that_skipped_it(tier_dirs, err):
+    """replicate=budget, tier 1 measured slower (its writes delayed) so it skips replicas; then every
+    write of tier 0 fails (a quota: ENOSPC; or EIO). Each page whose home write failed is written to
+    tier 1 before the put answers: every page True, on tier 1, read back; the next put too (before:
+    21 of 24 pages False, again on the put after)."""
+    plan = TierFaultPlan()
+    page = 1 << 20
+    warm = writes.TRUST_BYTES // page + 2
+    pages = PageSet(page)
+    plan.on(tier_dirs[1], Fault.delay(0.5), opcode=OP_WRITE)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.5) as engine:
+        assert pages.put(engine, pages.keys(warm)) == [True] * warm
+        assert all(engine._writes._bandwidth_under_queues(k) > 0 for k in range(2))
+        plan.on(tier_dirs[0], Fault.error(err), opcode=OP_WRITE)
+        for start in (1000, 2000):
+            skipped = engine.stats()["tiers"][1]["replica_skipped_pages"]
+            batch = pages.keys(24, start)
+            assert pages.put(engine, batch) == [True] * 24
+            assert all(engine.index.holders(k) & 0b10 for k in batch)
+            assert pages.checked_get(engine, batch) == [True] * 24
+            if start == 1000:  # (after EIO tier 0 is failed: the next put's home is tier 1)
+                assert engine.stats()["tiers"][1]["replica_skipped_pages"] > skipped, "no replica was skipped"

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import parse_flag, parse_number
+from ..locks import ranked_lock
 from ..segments import nbytes
 from .core import DEFAULT_MAX_POOL_PAGES, L2Core, open_engine
-from .keys import engine_key, layout_tag, split_params
+from .keys import ADAPTER_PARAMS, engine_key, split_params
 
 log = logging.getLogger("kvstream")
 
@@ -28,7 +29,7 @@ def __getattr__(name: str) -> Any:
     return classes[name]
 
 
-_LMCACHE_CLASSES = ("KVStreamL2Adapter",)
+_LMCACHE_CLASSES = ("KVStreamL2Adapter", "KVStreamL2AdapterConfig")
 
 
 @functools.cache
@@ -36,7 +37,8 @@ def _lmcache_classes() -> dict[str, type]:
     try:
         from lmcache.lmcache_native import Bitmap
         from lmcache.v1.distributed.internal_api import L2StoreResult
-        from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+        from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
+        from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
         from lmcache.v1.platform import create_event_notifier
     except ImportError as exc:
         raise ImportError(f"kvstream_hicache.lmcache.adapter.KVStreamL2Adapter needs lmcache 0.5.6 ({exc}); "
@@ -46,6 +48,22 @@ def _lmcache_classes() -> dict[str, type]:
         out = Bitmap(len(bits))
         out.batched_set([i for i, bit in enumerate(bits) if bit])
         return out
+
+    class KVStreamL2AdapterConfig(L2AdapterConfigBase):
+        """``adapter_params`` as LMCache's plugin factory hands them over: it finds this class by the
+        ``<class_name>Config`` convention and passes ``from_dict(adapter_params)`` to the adapter."""
+
+        def __init__(self, params: Mapping[str, Any] | None = None):
+            self.params = dict(params or {})
+
+        @classmethod
+        def from_dict(cls, d: dict) -> "KVStreamL2AdapterConfig":
+            return cls(d)
+
+        @classmethod
+        def help(cls) -> str:
+            return ("KVStreamL2Adapter adapter_params: engine settings (tiers, capacity, policy, ...; see "
+                    "docs/design.md) and " + ", ".join(f"{k} ({v})" for k, v in ADAPTER_PARAMS.items()))
 
     class KVStreamL2Adapter(L2AdapterInterface):
         """LMCache L2 adapter over a kvstream engine (see the module docstring).
@@ -62,7 +80,9 @@ def _lmcache_classes() -> dict[str, type]:
 
         def __init__(self, params: Mapping[str, Any] | None = None, l1_memory_desc: Any = None, *,
                      engine: Any = None, environ: Mapping[str, str] | None = None):
-            super().__init__(max_capacity_bytes=0)  # the engine evicts per tier; LMCache must not
+            super().__init__()  # the capacity is the engine's, known once it is open (below)
+            if isinstance(params, KVStreamL2AdapterConfig):
+                params = params.params
             opts, settings = split_params(params)
             # The adapter's own options are checked before the engine opens: a bad one leaves nothing open.
             pool_loads = parse_flag(opts.get("pool_loads", True), "adapter_params 'pool_loads'")
@@ -84,12 +104,16 @@ def _lmcache_classes() -> dict[str, type]:
                 self._release()
                 raise
             in_place = self._register_l1(l1_memory_desc)
-            self._store_keys: dict[int, tuple[list, list[int]]] = {}  # task -> (ObjectKeys, sizes)
-            self._load_keys: dict[int, list] = {}
-            # One lock per direction: a store submit may wait for write_backlog, and a load's result
-            # must not wait behind it.
-            self._store_lock = threading.Lock()
-            self._load_lock = threading.Lock()
+            self._store_keys: dict[int, tuple[list, list[str | None], list[int]]] = {}  # task -> keys
+            # A store submit may wait for write_backlog: nothing else waits behind this lock.
+            self._store_lock = ranked_lock("lmcache.store")
+            # LMCache's byte accounting (base class) follows what the engine holds: a key counts once,
+            # from the store that put it there until delete() or the engine's eviction removes it.
+            self._held: dict[str, tuple[Any, int]] = {}  # engine key -> (ObjectKey, size)
+            self._held_lock = ranked_lock("lmcache.held")
+            self._gone: deque[str] = deque()  # engine keys the index dropped (its lock held: no work there)
+            self.engine.on_gone(self._gone.append)
+            self._max_capacity_bytes = self.engine.usage()[1]
             config = getattr(self.engine, "config", None)
             log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s; %s",
                      config.summary() if config is not None else "engine given",
@@ -111,39 +135,28 @@ def _lmcache_classes() -> dict[str, type]:
         # -- store ------------------------------------------------------------------------------
         def submit_store_task(self, keys: list, objects: list) -> int:
             ekeys, pages = self._map_objects(keys, objects)
-            sizes = [nbytes(p) for p in pages]
+            sizes = [nbytes(p) if p is not None else 0 for p in pages]
             # Submitted and recorded under one lock: a task can complete before submit returns (pages
             # already held), and its pop must still find its keys (the pop waits for this lock).
             with self._store_lock:
-                task_id = self.core.submit_store(ekeys, pages)
-                self._store_keys[task_id] = (list(keys), sizes)
+                task_id = self.core.submit_store(ekeys, pages, hold=list(objects))
+                self._store_keys[task_id] = (list(keys), ekeys, sizes)
             return task_id
 
         def pop_completed_store_tasks(self) -> dict:
             out = {}
-            for task_id, (ok, nbytes) in self.core.pop_stores().items():
+            for task_id, (ok, written, stored) in self.core.pop_stores(pages=True).items():
                 with self._store_lock:
-                    keys, sizes = self._store_keys.pop(task_id, ([], []))
-                if ok and keys:
-                    self._notify_safely(self._notify_keys_stored, keys, sizes)
-                out[task_id] = L2StoreResult(ok, nbytes)
+                    keys, ekeys, sizes = self._store_keys.pop(task_id, ([], [], []))
+                self._account([(k, e, n) for k, e, n, good in zip(keys, ekeys, sizes, stored) if good])
+                out[task_id] = L2StoreResult(ok, written)
             return out
 
         # -- lookup and lock --------------------------------------------------------------------
-        def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: dict) -> int:
-            ekeys: list[str | None] = []
-            tags: dict[int, str | None] = {}
-            for key in keys:
-                try:
-                    group = key.object_group_id
-                    if group not in tags:
-                        desc = (group_layout_descs or {}).get(group)
-                        tags[group] = None if desc is None else layout_tag(desc.shapes, desc.dtypes)
-                    ekeys.append(None if tags[group] is None else engine_key(key, tags[group]))
-                except Exception:
-                    self.core.report_error("lookup key mapping")
-                    ekeys.append(None)
-            # Locks are kept under the ObjectKey: unlock carries no layout to rebuild the engine key.
+        def submit_lookup_and_lock_task(self, keys: list, group_layout_descs: dict | None = None) -> int:
+            # group_layout_descs is a hint (LMCache's base class: "most adapters ignore it"): the key
+            # alone finds the page, and a load checks its size.
+            ekeys = [self._engine_key(key, "lookup key mapping") for key in keys]
             return self.core.submit_lookup(ekeys, lock_keys=keys)
 
         def query_lookup_and_lock_result(self, task_id: int) -> Any:
@@ -156,21 +169,47 @@ def _lmcache_classes() -> dict[str, type]:
         # -- load -------------------------------------------------------------------------------
         def submit_load_task(self, keys: list, objects: list) -> int:
             ekeys, pages = self._map_objects(keys, objects)
-            with self._load_lock:  # as for stores: the result's pop finds the keys
-                task_id = self.core.submit_load(ekeys, pages)
-                self._load_keys[task_id] = list(keys)
-            return task_id
+            keys = list(keys)
+
+            def accessed(found: list[bool]) -> None:  # when the load completes, before its eventfd
+                hit = [k for k, f in zip(keys, found) if f]
+                if hit:
+                    self._notify_safely(self._notify_keys_accessed, hit)
+
+            return self.core.submit_load(ekeys, pages, hold=list(objects), done=accessed)
 
         def query_load_result(self, task_id: int) -> Any:
             found = self.core.pop_load(task_id)
-            if found is None:
-                return None
-            with self._load_lock:
-                keys = self._load_keys.pop(task_id, [])
-            hit = [k for k, f in zip(keys, found) if f]
-            if hit:
-                self._notify_safely(self._notify_keys_accessed, hit)
-            return bitmap(found)
+            return None if found is None else bitmap(found)
+
+        def debug_has_key(self, key: Any) -> bool:
+            """Whether a healthy tier holds ``key`` (no lock taken): the probe LMCache's storage-manager
+            tests call on their mock adapter to wait for a store to land."""
+            ekey = self._engine_key(key, "debug key mapping")
+            return ekey is not None and self.engine.contains(ekey)
+
+        # -- delete and usage -------------------------------------------------------------------
+        def delete(self, keys: list) -> None:
+            """Remove the keys from every tier; ``on_l2_keys_deleted`` fires for those that were held.
+            Never raises (a key that fails stays, and is counted in ``errors``)."""
+            ekeys = [self._engine_key(key, "delete key mapping") for key in keys]
+            try:
+                self.engine.delete([e for e in ekeys if e is not None])
+            except Exception:
+                self.core.report_error("delete")
+            self._account([])
+
+        def get_usage(self) -> Any:
+            """What the tiers hold against the largest tier's capacity (``Engine.usage``), with the
+            base class's per-cache_salt buckets of the keys stored through this adapter."""
+            self._account([])
+            base = super().get_usage()
+            try:
+                used, capacity = self.engine.usage()
+            except Exception:  # closed engine: LMCache's own count
+                return base
+            return AdapterUsage(total_bytes_used=used, total_capacity_bytes=capacity,
+                                bytes_by_cache_salt=base.bytes_by_cache_salt)
 
         # -- housekeeping -----------------------------------------------------------------------
         def report_status(self) -> dict:
@@ -193,6 +232,8 @@ def _lmcache_classes() -> dict[str, type]:
         def _release(self) -> None:
             if self._own_engine:
                 self.engine.close()
+            elif getattr(self, "_gone", None) is not None:
+                self.engine.on_gone(None)
             for efd in self._efds:
                 efd.close()
 
@@ -209,17 +250,46 @@ def _lmcache_classes() -> dict[str, type]:
                 log.warning("kvstream lmcache: could not register the L1 arena (%s); reads are staged", exc)
                 return False
 
+        def _engine_key(self, key: Any, what: str) -> str | None:
+            try:
+                return engine_key(key)
+            except Exception:  # a key we cannot map: a miss for that key, the task goes on
+                self.core.report_error(what)
+                return None
+
+        def _account(self, stored: list[tuple[Any, str | None, int]]) -> None:
+            """Bring LMCache's accounting and listeners in line with the engine: ``stored`` (ObjectKey,
+            engine key, size) were just stored, and every key the engine dropped since (delete,
+            eviction, damage) is gone. A key counts once however often it is stored."""
+            new: list[tuple[Any, int]] = []
+            gone: list[tuple[Any, int]] = []
+            with self._held_lock:
+                for key, ekey, size in stored:
+                    if ekey not in self._held:
+                        self._held[ekey] = (key, size)
+                        new.append((key, size))
+                while self._gone:
+                    ekey = self._gone.popleft()
+                    if ekey in self._held and not self.engine.held(ekey):
+                        gone.append(self._held.pop(ekey))
+            if new:
+                self._notify_safely(self._notify_keys_stored, [k for k, _ in new], [n for _, n in new])
+            if gone:
+                self._notify_safely(self._notify_keys_deleted, [k for k, _ in gone], [n for _, n in gone])
+
         def _map_objects(self, keys: list, objects: list) -> tuple[list[str | None], list]:
             """ObjectKeys + MemoryObjs -> engine keys + one-segment pages of the object's logical
-            bytes (L1 objects are 4096-aligned; the engine stages O_DIRECT reads itself, so the
+            bytes: only ``data_ptr`` and ``get_size()``, which every MemoryObj has, whatever its
+            metadata (L1 objects are 4096-aligned; the engine stages O_DIRECT reads itself, so the
             padding between get_size() and get_physical_size() is never touched)."""
             ekeys: list[str | None] = []
             pages: list = []
             for i, key in enumerate(keys):
                 try:
                     obj = objects[i]
-                    ekeys.append(engine_key(key, layout_tag(obj.get_shapes(), obj.get_dtypes())))
-                    pages.append([(obj.data_ptr, obj.get_size())])
+                    page = [(int(obj.data_ptr), int(obj.get_size()))]
+                    ekeys.append(engine_key(key))
+                    pages.append(page)
                 except Exception:  # a key or buffer we cannot map: that page fails, the task goes on
                     self.core.report_error("key/buffer mapping")
                     ekeys.append(None)
@@ -232,6 +302,8 @@ def _lmcache_classes() -> dict[str, type]:
             except Exception:
                 self.core.report_error("LMCache listener")
 
-    KVStreamL2Adapter.__qualname__ = "KVStreamL2Adapter"  # built in a function; name it as imported
-    KVStreamL2Adapter.__module__ = __name__
-    return {"KVStreamL2Adapter": KVStreamL2Adapter}
+    classes = {"KVStreamL2Adapter": KVStreamL2Adapter, "KVStreamL2AdapterConfig": KVStreamL2AdapterConfig}
+    for name, cls in classes.items():  # built in a function; name them as imported
+        cls.__qualname__ = name
+        cls.__module__ = __name__
+    return classes

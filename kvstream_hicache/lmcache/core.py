@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..locks import ranked_lock
 from ..segments import Segment, copy_payload, nbytes
 from .keys import namespace_fields
 
@@ -61,13 +62,20 @@ def open_engine(engine_params: Mapping[str, Any], namespace_extra: Mapping[str, 
 
 # ------------------------------------------------------------------------------------------ core
 class _Task:
-    __slots__ = ("id", "keys", "pages", "result")
+    """One task. ``hold`` keeps the caller's buffers (LMCache's MemoryObjs) alive until the task
+    completes: the engine reads and writes their memory by address, and a caller that drops them after
+    submitting must not have that memory freed under the I/O. ``done(result)`` runs at completion,
+    before the task's completion is signalled."""
+    __slots__ = ("id", "keys", "pages", "result", "hold", "done")
 
-    def __init__(self, task_id: int, keys: list[str | None], pages: list[Sequence[Segment] | None]):
+    def __init__(self, task_id: int, keys: list[str | None], pages: list[Sequence[Segment] | None],
+                 hold: Any = None, done: Callable[[list[bool]], None] | None = None):
         self.id = task_id
         self.keys = keys
         self.pages = pages
         self.result = [False] * len(keys)
+        self.hold = hold
+        self.done = done
 
 
 class L2Core:
@@ -89,7 +97,7 @@ class L2Core:
         self.max_pool_pages = max(1, int(max_pool_pages))
         self._on_store, self._on_lookup, self._on_load = on_store, on_lookup, on_load
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("lmcache.core")
         self._work = threading.Condition(self._lock)
         self._stores_open = 0  # store tasks submitted and not completed
         self._loads: deque[_Task] = deque()
@@ -107,10 +115,12 @@ class L2Core:
             w.start()
 
     # -- store ----------------------------------------------------------------------------------
-    def submit_store(self, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
-        """Queue a store task in the engine (deferred writes); the caller keeps ``pages`` valid and
-        unchanged until its result is out. Waits while the engine's write backlog is full."""
-        (task,) = self._tasks([(keys, pages)])
+    def submit_store(self, keys: list[str | None], pages: list[Sequence[Segment] | None], hold: Any = None) -> int:
+        """Queue a store task in the engine (deferred writes); ``pages`` stay unchanged until its result
+        is out (``hold``: what keeps their memory alive until then). Waits while the engine's write
+        backlog is full. A task larger than every tier's capacity fails whole before any page is
+        written (a part of it stored would be a failed task whose pages still evict others)."""
+        (task,) = self._tasks([(keys, pages, hold)])
         with self._lock:
             closing = self._closing
             if not closing:
@@ -120,6 +130,8 @@ class L2Core:
             return task.id
         idx = [i for i, (k, p) in enumerate(zip(task.keys, task.pages)) if k is not None and p is not None]
         try:
+            if self._too_large(task, idx):
+                idx = []
             if not idx:
                 self._store_done(task, idx, [])
             else:
@@ -138,11 +150,25 @@ class L2Core:
             self._stores_open -= 1
         self._finish(True, [task])
 
-    def pop_stores(self) -> dict[int, tuple[bool, int]]:
-        """Completed store tasks: ``{id: (ok, bytes written)}``; ok only when every page was stored."""
+    def _too_large(self, task: _Task, idx: list[int]) -> bool:
+        """Whether the task's pages not yet held exceed the largest tier's capacity (never when some
+        tier is unlimited): they could never all be stored, so none is."""
+        limit = self.engine.capacity_limit()
+        if limit is None or sum(nbytes(task.pages[i]) for i in idx) <= limit:
+            return False
+        new = sum(nbytes(task.pages[i]) for i in idx if not self.engine.held(task.keys[i]))
+        if new <= limit:
+            return False
+        log.warning("kvstream lmcache: a store task of %d bytes exceeds every tier's capacity (%d bytes at "
+                    "most); failed, nothing written", new, limit)
+        return True
+
+    def pop_stores(self, pages: bool = False) -> dict[int, tuple]:
+        """Completed store tasks: ``{id: (ok, bytes written)}``; ok only when every page was stored.
+        With ``pages``: ``{id: (ok, bytes written, [stored, per page])}``."""
         with self._lock:
             done, self._stores_done = self._stores_done, {}
-        return done
+        return done if pages else {t: r[:2] for t, r in done.items()}
 
     # -- lookup and lock ------------------------------------------------------------------------
     def submit_lookup(self, keys: Sequence[str | None], lock_keys: Sequence[Any] | None = None) -> int:
@@ -209,9 +235,11 @@ class L2Core:
             self.report_error("unlock")
 
     # -- load -----------------------------------------------------------------------------------
-    def submit_load(self, keys: list[str | None], pages: list[Sequence[Segment] | None]) -> int:
-        """Queue a load task into ``pages`` (kept valid by the caller until its result is out)."""
-        return self._enqueue_loads([(keys, pages)])[0]
+    def submit_load(self, keys: list[str | None], pages: list[Sequence[Segment] | None], hold: Any = None,
+                    done: Callable[[list[bool]], None] | None = None) -> int:
+        """Queue a load task into ``pages`` (``hold`` keeps their memory alive until it completes;
+        ``done(result)`` runs then, on the load worker, before the completion is signalled)."""
+        return self._enqueue_loads([(keys, pages, hold, done)])[0]
 
     def submit_loads(self, tasks: Sequence[tuple[list[str | None], list[Sequence[Segment] | None]]]) -> list[int]:
         """Queue several load tasks at once (the worker sees them together, as when LMCache's
@@ -264,15 +292,16 @@ class L2Core:
         return out
 
     # -- workers --------------------------------------------------------------------------------
-    def _tasks(self, specs: Sequence[tuple[list, list]]) -> list[_Task]:
+    def _tasks(self, specs: Sequence[tuple]) -> list[_Task]:
+        """Tasks from ``(keys, pages[, hold[, done]])``."""
         tasks = []
-        for keys, pages in specs:
+        for keys, pages, *extra in specs:
             keys, pages = list(keys), list(pages)
             if len(pages) != len(keys):  # a caller bug: every page of the task fails, nothing raises
                 log.warning("kvstream lmcache: task with %d keys and %d buffers; failed", len(keys), len(pages))
                 keys = [None] * len(keys)
                 pages = [None] * len(keys)
-            tasks.append(_Task(next(self._ids), keys, pages))
+            tasks.append(_Task(next(self._ids), keys, pages, *extra))
         return tasks
 
     def _enqueue_loads(self, specs: Sequence[tuple[list, list]]) -> list[int]:
@@ -345,7 +374,7 @@ class L2Core:
                 bad = len(task.result) - good
                 if store:
                     written = sum(nbytes(p) for p, r in zip(task.pages, task.result) if r)
-                    self._stores_done[task.id] = (bad == 0, written)
+                    self._stores_done[task.id] = (bad == 0, written, task.result)
                     self.counters["store_tasks"] += 1
                     self.counters["stored_pages"] += good
                     self.counters["store_failed_pages"] += bad
@@ -356,6 +385,12 @@ class L2Core:
                     self.counters["load_failed_pages"] += bad
             self._done.notify_all()
         for task in batch:
+            task.hold = None  # the engine is done with the buffers: the caller's lifetime again
+            if task.done is not None:
+                try:
+                    task.done(task.result)
+                except Exception:
+                    self.report_error("completion callback")
             self._signal(self._on_store if store else self._on_load, task.id)
 
     def _signal(self, callback: Callable[[int], None] | None, task_id: int) -> None:

@@ -1,18 +1,21 @@
 """LMCache keys and settings mapped onto the engine's: keys, namespace, adapter_params. Pure.
 
-An LMCache ``ObjectKey`` (model, kv rank, object group, chunk hash, cache salt) plus the object's layout
-(shapes and dtypes) is hashed to a 64-hex engine key (:func:`engine_key`), so models, ranks, groups, salts
-and layouts never share a page; the engine's :class:`~kvstream_hicache.layout.Namespace`
+An LMCache ``ObjectKey`` (model, kv rank, object group, chunk hash, cache salt) is hashed to a 64-hex
+engine key (:func:`engine_key`), so models, ranks, groups and salts never share a page. The object's
+layout is not part of the key: a lookup carries it only as a hint that callers may leave empty (LMCache's
+base class: "most adapters ignore it"), and a load of a page of another size fails its size check (a
+miss). A deployment that changes the KV dtype under the same model name keeps apart with ``namespace``.
+The engine's :class:`~kvstream_hicache.layout.Namespace`
 (``integration: lmcache-mp`` plus the ``namespace`` adapter parameter) keeps the directory apart from
 SGLang's pages in shared tiers.
 """
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-KEY_SCHEME = "sha256(model@rank@group@hash@salt#layout)/1"  # changes only with a new key format
+KEY_SCHEME = "sha256(model@rank@group@hash@salt)/2"  # changes only with a new key format (/1 had #layout)
 INTEGRATION = "lmcache-mp"
 # adapter_params that belong to the adapter; every other key is an engine setting (config.SETTINGS).
 ADAPTER_PARAMS = {
@@ -23,20 +26,13 @@ ADAPTER_PARAMS = {
 }
 
 
-def layout_tag(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any]) -> str:
-    """Canonical text of an object layout: ``2x16x104:bfloat16`` per tensor, ``;``-joined.
-    The same for a stored ``MemoryObj`` (``get_shapes/get_dtypes``) and a lookup's ``MemoryLayoutDesc``."""
-    return ";".join("x".join(str(int(d)) for d in shape) + ":" + str(dtype).removeprefix("torch.")
-                    for shape, dtype in zip(shapes, dtypes, strict=True))
-
-
-def engine_key(key: Any, layout: str) -> str:
-    """64-hex engine key of an LMCache ``ObjectKey`` under ``layout`` (see :func:`layout_tag`).
+def engine_key(key: Any) -> str:
+    """64-hex engine key of an LMCache ``ObjectKey``.
 
     '@' cannot occur in ``model_name`` or ``cache_salt`` (LMCache rejects it), so the string form is
     unambiguous; sha256 makes it a valid engine key of fixed length whatever the model name."""
     text = (f"{key.model_name}@{key.kv_rank:x}@{key.object_group_id:x}@{key.chunk_hash.hex()}"
-            f"@{key.cache_salt}#{layout}")
+            f"@{key.cache_salt}")
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -35,8 +35,9 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping, Sequence
+
+from ..locks import ranked_lock
 
 PREFIX = "kvstream:"
 RETRIEVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds
@@ -76,7 +77,7 @@ TIER_DOCS = {
 }
 
 _families: dict | None = None
-_families_lock = threading.Lock()
+_families_lock = ranked_lock("metrics")
 
 
 def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank")) -> dict:
@@ -136,7 +137,7 @@ class Exporter:
         self.tier_paths = list(tier_paths)
         self._last_tiers: list[dict] = [{} for _ in tier_paths]
         self._last_totals: dict = {}
-        self._lock = threading.Lock()
+        self._lock = ranked_lock("metrics")
         for k, path in enumerate(self.tier_paths):
             self.fam["tier_info"].labels(**self.labels, tier=str(k), path=path).set(1)
             self.fam["tier_healthy"].labels(**self.labels, tier=str(k)).set(1)

@@ -13,7 +13,9 @@ write pages out of the host pool). This class maps those calls onto one :class:`
   straight from the host pool and stages the rest through aligned buffers;
 * keys are sglang's 64-hex page hashes; the engine's namespace (model, layout, dtype, page geometry,
   TP rank/size for MHA, PP and CP rank/size) keeps pages of different models, layouts and ranks apart;
-  MLA pages are shared by every TP rank, and only the storage-writer rank writes them.
+  MLA pages are shared by every TP rank: sglang backs them up from the storage-writer rank only (its
+  controller skips the others' backups); a rank that is asked to store them anyway stores them (the same
+  bytes), so a True from a set is always a page that ``exists`` finds.
 
 Failure rule: nothing raises into sglang's threads. Any exception in a data-path method becomes the
 method's "nothing happened" answer (False per page, 0 hits, None), one rate-limited warning and a counter.
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from contextlib import suppress
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from ..config import LOADER_KEYS, Config
 from ..layout import ALIGN, Namespace, is_valid_key
+from ..locks import ranked_lock
 from ..segments import Segment
 
 log = logging.getLogger("kvstream.sglang")
@@ -82,17 +84,17 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._refused: str | None = None
         self._reads_in_place = False
         self._closed = False
-        self._lock = threading.Lock()  # attach/close and the adapter's own counters, never held during I/O
+        self._lock = ranked_lock("sglang.adapter")  # attach/close and the adapter's own counters, never held during I/O
         self._segments_per_page = 0
         self._reorder_kv = False
         self._page_bytes = 0
         self._warned: dict[tuple[str, str], list] = {}
         self.counters = {"errors": 0, "legacy_calls": 0, "refused_calls": 0, "invalid_keys": 0,
-                         "skipped_writes": 0, "bad_arguments": 0, "bad_host_indices": 0, "metrics_errors": 0}
+                         "bad_arguments": 0, "bad_host_indices": 0, "metrics_errors": 0}
         self._samples = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [], "backup_bandwidth": []}
         self._exporter = None
         self._last_sync = 0.0
-        self._sync_lock = threading.Lock()  # one snapshot+export at a time, in snapshot order
+        self._sync_lock = ranked_lock("sglang.sync")  # one snapshot+export at a time, in snapshot order
         self._last_stats: dict | None = None
         if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
             self.register_mem_pool_host(mem_pool_host)
@@ -170,8 +172,12 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         return self._guard("batch_set_v1", [False] * _count_of(keys), self._batch_set_v1, keys, host_indices)
 
     # ------------------------------------------------------------------------------------------ legacy
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
-        """Legacy: read one page into the flat page tensor ``target_location``; the tensor, or None."""
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | bool | None:
+        """Legacy: read one page into the flat page tensor ``target_location``; the tensor, or None.
+        With raw addresses (``target_location`` an int or ints, ``target_sizes`` their byte counts, as
+        sglang's Mooncake backend takes them): whether the page was read there."""
+        if _raw(target_location):
+            return self._guard("get", False, self._raw_call, self._get_pages, key, target_location, target_sizes)
         return self._guard("get", None, lambda: self._legacy_get([key], [target_location])[0])
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list:
@@ -179,7 +185,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         return self._guard("batch_get", [None] * _count_of(keys), self._legacy_get, keys, target_locations)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        """Legacy: write one flat page tensor."""
+        """Legacy: write one flat page tensor, or (``value`` None) the bytes at raw addresses
+        ``target_location`` / ``target_sizes`` (sglang's Mooncake form)."""
+        if value is None and _raw(target_location):
+            return self._guard("set", False, self._raw_call, self._put_pages, key, target_location, target_sizes)
         return self._guard("set", False, lambda: all(self._legacy_set([key], [value])))
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
@@ -292,22 +301,13 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         pages = self._pool_pages(keys, host_indices)
         if pages is None:
             return [False] * len(keys)
-        t0 = time.perf_counter()
-        found = self._engine_call(self.engine.get, keys, pages)
-        self._record("prefetch", found, t0)
-        return found
+        return self._get_pages(keys, pages)
 
     def _batch_set_v1(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        if not self.is_writer:  # MLA: pages are shared by all TP ranks; one writer (sglang never calls us here)
-            self._count("skipped_writes", len(keys))
-            return [True] * len(keys)
         pages = self._pool_pages(keys, host_indices)
         if pages is None:
             return [False] * len(keys)
-        t0 = time.perf_counter()
-        stored = self._engine_call(self.engine.put, keys, pages)
-        self._record("backup", stored, t0)
-        return stored
+        return self._put_pages(keys, pages)
 
     def _legacy_get(self, keys: list[str], targets: Any) -> list:
         self._note_legacy()
@@ -318,9 +318,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         landing = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
                    for t in targets]
         pages = [[(t.data_ptr(), t.numel() * t.element_size())] for t in landing]
-        t0 = time.perf_counter()
-        found = self._engine_call(self.engine.get, keys, pages)
-        self._record("prefetch", found, t0)
+        found = self._get_pages(keys, pages)
         out = []
         for target, land, ok in zip(targets, landing, found):
             if ok and land is not target:
@@ -330,21 +328,48 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def _legacy_set(self, keys: list[str], values: Any) -> list[bool]:
         self._note_legacy()
-        if not self.is_writer:
-            self._count("skipped_writes", len(keys))
-            return [True] * len(keys)
         values = list(values) if values is not None else [None] * len(keys)
         present = [i for i, v in enumerate(values) if v is not None]
         flat = {i: values[i].contiguous() for i in present}  # referenced until the engine returns
         stored = [False] * len(keys)
         if present:
-            t0 = time.perf_counter()
             pages = [[(flat[i].data_ptr(), flat[i].numel() * flat[i].element_size())] for i in present]
-            result = self._engine_call(self.engine.put, [keys[i] for i in present], pages)
+            result = self._put_pages([keys[i] for i in present], pages)
             for i, ok in zip(present, result):
                 stored[i] = bool(ok)
-            self._record("backup", result, t0)
         return stored
+
+    def _get_pages(self, keys: Sequence[str], pages: list) -> list[bool]:
+        t0 = time.perf_counter()
+        found = self._engine_call(self.engine.get, keys, pages)
+        self._record("prefetch", found, t0)
+        return found
+
+    def _put_pages(self, keys: Sequence[str], pages: list) -> list[bool]:
+        t0 = time.perf_counter()
+        stored = self._engine_call(self.engine.put, keys, pages)
+        self._record("backup", stored, t0)
+        return stored
+
+    def _raw_call(self, op: Callable, key: str, locations: Any, sizes: Any) -> bool:
+        """One page at raw addresses: a miss unless every segment lies inside the host pool's buffer
+        (the engine reads and writes wherever the addresses point)."""
+        page = list(zip(_ints(locations), _ints(sizes), strict=True))
+        if not page or not self._inside_buffer(page):
+            self._count("bad_arguments")
+            self._warn(op.__name__, "raw", "kvstream: raw addresses outside the host pool's KV buffer; a miss")
+            return False
+        return bool(op([key], [page])[0])
+
+    def _inside_buffer(self, page: Sequence[Segment]) -> bool:
+        """Whether the segments lie inside the host pool's KV buffer (True where the pool has none to
+        tell: its own get_page_buffer_meta is then the only authority)."""
+        buf = getattr(self.mem_pool_host, "kv_buffer", None)
+        if not isinstance(buf, torch.Tensor):
+            return True
+        lo = buf.data_ptr()
+        hi = lo + buf.numel() * buf.element_size()
+        return all(lo <= a and a + n <= hi for a, n in page)
 
     def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment] | None]) -> list[bool]:
         """Run an engine batch on the pages whose keys are valid and whose memory is known; the others are
@@ -400,8 +425,12 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             return None
         segs = list(zip(ptrs, sizes))
         pages: list[list[Segment] | None] = [None] * n
+        unsized = getattr(host, "size", None) is None
         for j, i in enumerate(sel):
             page = segs[j * per:(j + 1) * per]
+            if unsized and not self._inside_buffer(page):
+                self._count("bad_host_indices")
+                continue
             if self._reorder_kv:  # MHA layer_first: k0 v0 k1 v1 ... -> k0 k1 ... v0 v1 ... (the flat page order)
                 page = page[0::2] + page[1::2]
             pages[i] = page
@@ -418,6 +447,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             return None
         idx = idx.reshape(n, host.page_size).to(torch.int64)
+        if getattr(host, "size", None) is None:  # a pool that does not say: its segments are checked instead
+            return (idx.min(dim=1).values >= 0).tolist()
         size = int(host.size)
         ok = (idx.min(dim=1).values >= 0) & (idx.max(dim=1).values < size) & (idx[:, 0] + host.page_size <= size)
         return ok.tolist()
@@ -502,7 +533,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             "model": cfg.model_name or "",
             "attention": "mla" if self.is_mla else "mha",
             "layout": host.layout,
-            "dtype": str(host.dtype).replace("torch.", ""),
+            "dtype": _dtype(host).replace("torch.", ""),
             "page_size": host.page_size,
             "layers": getattr(host, "layer_num", None),
             "segments": list(sizes),
@@ -573,10 +604,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             mode += " (reads of single-tier pages in place)" if self._reads_in_place else \
                 " (reads through huge-page staging: host pool in 4 KiB pages)"
         why = "" if self.zero_copy else f" (host pages not {ALIGN}-aligned: bounce buffers)"
-        writer = "" if self.is_writer else "; reads only (MLA non-writer rank)"
+        writer = "" if self.is_writer else "; MLA non-writer rank (sglang skips its backups)"
         return (f"kvstream: {len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''} [{tiers}]; "
                 f"policy {cfg.policy_spec}; io {io}; layout {host.layout} "
-                f"{'MLA' if self.is_mla else 'MHA'} {str(host.dtype).replace('torch.', '')} page {host.page_size} "
+                f"{'MLA' if self.is_mla else 'MHA'} {_dtype(host).replace('torch.', '')} page {host.page_size} "
                 f"({self._page_bytes / 1024:.0f} KiB); {mode}{why}; fsync {cfg.fsync}; "
                 f"namespace {self.namespace.digest[:12]}; {scan.get('pages', 0)} pages indexed in "
                 f"{scan.get('seconds', 0.0):.2f} s{writer}"
@@ -588,6 +619,25 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             log.info(line)
         else:
             log.debug(line)
+
+
+def _raw(location: Any) -> bool:
+    """Whether ``location`` is a raw address or a list of them (sglang's Mooncake form), not a tensor."""
+    if isinstance(location, (list, tuple)):
+        return bool(location) and all(isinstance(x, int) for x in location)
+    return isinstance(location, int) and not isinstance(location, bool)
+
+
+def _ints(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _dtype(host: Any) -> str:
+    """The host pool's dtype; a pool without the attribute is described by its KV buffer's."""
+    dtype = getattr(host, "dtype", None)
+    if dtype is None:
+        dtype = getattr(getattr(host, "kv_buffer", None), "dtype", None)
+    return str(dtype)
 
 
 def _count_of(keys) -> int:

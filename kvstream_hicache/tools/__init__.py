@@ -9,5 +9,7 @@
   bench/       ``kvstream bench``: reads against the aggregate-bandwidth bound, the testbed
   sim/         ``kvsim``: the performance model and a trace-driven simulator
 
-Nothing outside this package imports from it (tests/test_layout.py checks).
+Nothing outside this package imports from it (tests/test_layout.py checks). It is a distribution of its
+own, kvstream-hicache-tools (kvstream-hicache-tools/ packages this folder): the engine's wheel, which
+SGLang's and LMCache's workers install, leaves it out (tests/test_packaging.py checks).
 """

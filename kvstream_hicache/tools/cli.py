@@ -5,6 +5,7 @@
   kvstream info    [--tiers DIR ...]                      effective configuration and the state of each tier
   kvstream testbed up --profile P | down | status         loop-device tiers for benchmarks (root): throttled,
                                                           RAM-backed (device speed) or the machine's disk
+  kvstream serve-cpu [--port N] [--tiers DIR1:DIR2]       a real sglang server on this CPU: a tiny model, kvstream L3
 
 Tier directories come from ``--tiers`` or ``KVSTREAM_TIERS`` (the engine's configuration rules apply).
 Exit status: 0 success, 1 problems found (check) or a benchmark target failed to run, 2 usage/config error.
@@ -57,7 +58,7 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstream", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", metavar="{bench,check,info,testbed}")
+    sub = p.add_subparsers(dest="command", metavar="{bench,check,info,testbed,serve-cpu}")
 
     from .bench import mixed, runner
 
@@ -84,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--profile", default="testbed2-1:20",
                     help="throttled: testbed2-1:20 | testbed1-1:20; device speed: ram-0.7 (RAM-backed tier 0 "
                          "unthrottled, tier 1 read-limited to 700 MB/s) | testbed2-1:7 (RAM-backed, 1650 / 515 "
-                         "MB/s) | disk+ram-0.7 (tier 0 a directory on this machine's disk); or 'R0/W0,R1/W1' in "
+                         "MB/s) | disk+ram-0.7 (tier 0 a directory on this machine's disk) | dfs (a directory beside "
+                         "GlusterFS on this machine as the shared tier); or 'R0/W0,R1/W1' in "
                          "MB/s, 0 = no limit, each optionally 'ram:R/W', or 'dir' (default: %(default)s)")
     tu.add_argument("--size", default=None,
                     help="image size per tier, or comma list per tier (default 16G on disk, 6G in RAM; sparse)")
@@ -100,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     ts.add_argument("--name", default=None)
     ts.add_argument("--json", action="store_true")
     t.set_defaults(func=_testbed)
+
+    from . import serve_cpu
+
+    sc = sub.add_parser("serve-cpu", help="a real sglang server on this CPU with kvstream as L3 (tiny model)",
+                        description=serve_cpu.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve_cpu.add_arguments(sc)
+    sc.set_defaults(func=serve_cpu.run)
     return p
 
 

@@ -1,6 +1,6 @@
 """``kvstream bench --scenario mixed``: a backup stream and a prefetch stream through the same engine.
 
-Issue 15: do writes cost reads? Each write policy has its own engine over the same tiers (one shared
+Do writes cost reads? Each write policy has its own engine over the same tiers (one shared
 data set, one namespace):
 
   today      replicate=all, read_priority=off: every write in flight at once, whatever is read

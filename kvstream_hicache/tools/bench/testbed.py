@@ -24,6 +24,9 @@ Three kinds of tier (``TierLimit.backing``):
   PFS-like rate. Mounted with ``discard``, so pages deleted from it give their RAM back.
 * ``dir``: a plain directory on the machine's own disk (no loop device, never throttled): what a
   node's local file system does, page cache of the VM host included.
+* ``gluster``: a real distributed file system on this machine (glusterfs.py: glusterd, one brick on
+  an ext4 loop image, the volume mounted through FUSE), never throttled: the shared tier as a network
+  file system serves it (the ``dfs`` profile). Its ``image`` field records the GlusterFS directory.
 
 The state lives in ``/run/kvstream-testbed/<name>.json`` (tmpfs: it disappears at reboot, like the
 loop devices). Commands are built by small pure functions (``*_cmd``) so they can be unit-tested.
@@ -41,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from . import fio as _fio
+from .glusterfs import GlusterError, GlusterFS
 
 BLKIO_ROOT = "/sys/fs/cgroup/blkio"
 STATE_DIR = "/run/kvstream-testbed"
@@ -107,6 +111,13 @@ PROFILES: dict[str, Profile] = {
         "testbed2-1:7",
         (TierLimit(1650 * MB, 730 * MB, "ram"), TierLimit(515 * MB, 400 * MB, "ram")),
         "device speed: paper Testbed-2 (11.6 GB/s NVMe + 3.6 GB/s Lustre) / 7 on RAM-backed tiers",
+        DEVICE_FIO_IODEPTH, RAM_FIO_FILE_BYTES,
+    ),
+    "dfs": Profile(
+        "dfs",
+        (TierLimit(0, 0, "dir"), TierLimit(0, 0, "gluster")),
+        "a directory on the machine's disk beside GlusterFS 10.3 (one brick on an ext4 loop image, a FUSE "
+        "mount) as the shared tier; both unthrottled, the daemons on the same cores as the bench",
         DEVICE_FIO_IODEPTH, RAM_FIO_FILE_BYTES,
     ),
     "disk+ram-0.7": Profile(
@@ -347,6 +358,10 @@ class Testbed:
         out = []
         mounted = _mounts()
         for i, t in enumerate(self.tiers):
+            if t.backing == "gluster":
+                if not mounted.get(t.mount, "").endswith(f":/{_gluster_volume(self.name)}"):
+                    out.append(f"tier{i}: GlusterFS is not mounted on {t.mount}")
+                continue
             if t.backing == "dir":
                 if not os.path.isdir(t.mount):
                     out.append(f"tier{i}: directory {t.mount} is missing")
@@ -402,6 +417,17 @@ def up(profile: Profile, *, name: str = DEFAULT_NAME, sizes: Sequence[int] | Non
     try:
         bed.save()  # recorded first, so that down() can clean up whatever the next steps leave
         for i, backing in enumerate(backings):
+            if backing == "gluster":
+                fs = GlusterFS(paths["dir_tiers"][i] + "-gluster", _gluster_volume(name), sizes[i])
+                bed.tiers.append(Tier(fs.root, "", "", fs.mount("a"), sizes[i], backing))
+                bed.save()
+                try:
+                    fs.start()
+                except GlusterError as exc:
+                    raise TestbedError(f"tier{i}: GlusterFS: {exc}") from None
+                bed.tiers[i].device = fs.loop or ""
+                bed.save()
+                continue
             if backing == "dir":
                 d = paths["dir_tiers"][i]
                 bed.tiers.append(Tier("", "", "", d, 0, backing))
@@ -455,6 +481,11 @@ def down(name: str = DEFAULT_NAME, *, image_dir: str = IMAGE_DIR, ram_image_dir:
     recorded = bed.tiers if bed else []
     # The recorded tiers plus this name's default places: a half-built testbed may have created an
     # image or a directory before recording it.
+    for t in recorded:
+        if t.backing == "gluster":
+            GlusterFS(t.image, _gluster_volume(name)).stop()
+            removed = True
+    recorded = [t for t in recorded if t.backing != "gluster"]
     images = _unique([t.image for t in recorded if t.image]
                      + [p for p in paths["images"] + paths["ram_images"] if os.path.exists(p)])
     dir_tiers = _unique([t.mount for t in recorded if t.backing == "dir"]
@@ -508,6 +539,10 @@ def status(name: str = DEFAULT_NAME) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def _gluster_volume(name: str) -> str:
+    return f"kvs-{name}"
+
+
 def _unique(items: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
 

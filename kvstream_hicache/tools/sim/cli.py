@@ -1,6 +1,6 @@
 """``kvsim``: will a second tier pay for this workload? (see docs/kvsim.md)
 
-    kvsim --trace ../shared/traces/mooncake/conversation_trace.jsonl
+    kvsim --trace data/traces/mooncake/conversation_trace.jsonl
     kvsim --workload swebench --order round-robin --model 70b --memory 40G --json out.json --plot out.png
     kvsim --validate-bench RUN.json [RUN.json ...]      # the model against kvstream bench runs
 """

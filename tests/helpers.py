@@ -1,15 +1,17 @@
-"""Helpers of the reliability tests (tests/test_reliability_*.py): pages with known content, an
-engine factory, a fault plan by tier, real loop-device file systems, and the child processes of
-the crash and multi-process tests.
+"""The tests' helpers, one module (tests import it, never another test module): pages with known
+content (``PageSet``, ``content``) and as numpy arrays (``Pages``), the engine factory, rings, a fake
+clock, ``wait_until``, a fault plan by tier, real loop-device file systems, and the child processes of
+the crash and multi-process tests. Fixtures are in conftest.py.
 
 Page content is a pure function of the key (``content(key, size)``), so a child process, a
 restarted engine and the test itself agree on every byte without passing data around.
 
-Run as a script it is a child process (see ``main``): ``python reliability_helpers.py writer ...``.
+Run as a script it is a child process (see ``main``): ``python helpers.py writer ...``.
 """
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -25,7 +27,7 @@ import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.faults import FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
-from kvstream_hicache.io import AlignedBuffer
+from kvstream_hicache.io import RING_ENTRIES, AlignedBuffer, Ring, ThreadRing
 from kvstream_hicache.layout import round_up
 
 NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "bf16", "page": 16,
@@ -33,6 +35,12 @@ NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "
 CHUNK = 16 << 10  # small routing blocks: several blocks per page, blocks straddling segments
 PAGE_BYTES = 48 << 10  # default payload, bytes (a multiple of 8192: two 4096-aligned halves)
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The engine tests' pages (``Pages``: 192 KiB, in 64 KiB blocks: several items per page, blocks
+# straddling segments): test_engine, test_reads, test_engine_faults build engines with these.
+ARRAY_NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
+ARRAY_CHUNK = 64 << 10
+ENGINES = ["uring", "threads"]  # the I/O engines every ring and engine test runs on
+REQUIRE_URING = os.environ.get("KVSTREAM_REQUIRE_URING") == "1" or os.environ.get("KVSTREAM_STRICT") == "1"
 
 Segment = tuple[int, int]
 
@@ -120,13 +128,109 @@ def get_items(engine: Engine, items: Sequence[tuple[str, int, bool]], policy=Non
     return found, [m.bytes() for m in mem]
 
 
-def make_engine(dirs: Sequence[str], *, clock=None, fault_plan=None, namespace: Namespace = NS,
-                io_engine: str = "auto", **settings) -> Engine:
-    explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": CHUNK, **settings}
+def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fault_plan=None,
+                namespace: Namespace = NS, chunk: int | str = CHUNK, **settings) -> Engine:
+    """The tests' engine: the tiers ``dirs``, settings as a caller passes them (no environment)."""
+    explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": chunk, **settings}
     kwargs = {"fault_plan": fault_plan}
     if clock is not None:
         kwargs["clock"] = clock
     return Engine(Config.from_sources(explicit, environ={}), namespace, **kwargs)
+
+
+make_array_engine = functools.partial(make_engine, namespace=ARRAY_NS, chunk=ARRAY_CHUNK)
+make_array_engine.__doc__ = "make_engine with the defaults of the tests that use ``Pages``."
+
+
+class Pages:
+    """Page payloads (random) and destination buffers, as segment lists over numpy arrays."""
+
+    def __init__(self, n: int, aligned: bool = True, seed: int = 0, size: int = 192 << 10):
+        rng = np.random.default_rng(seed)
+        self.aligned = aligned
+        self._keep: list = []
+        if aligned:
+            half = size // 2  # K and V: two 4096-multiple segments per page
+            self.shapes = [[half, half]] * n
+        else:
+            a, b = size // 5 + 1, size // 3 + 3  # odd lengths: blocks straddle segments
+            self.shapes = [[a, 1, b, size - a - b - 1]] * n
+        self.src = [[self._array(s) for s in shape] for shape in self.shapes]
+        for page in self.src:
+            for a in page:
+                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
+        self.dst = self.fresh()
+
+    def _array(self, nbytes: int) -> np.ndarray:
+        if self.aligned:
+            buf = AlignedBuffer(nbytes)
+            self._keep.append(buf)
+            return np.frombuffer(buf, dtype=np.uint8)
+        raw = np.zeros(nbytes + 1, dtype=np.uint8)
+        self._keep.append(raw)
+        return raw[1:]  # odd address
+
+    def fresh(self) -> list[list[np.ndarray]]:
+        return [[self._array(s) for s in shape] for shape in self.shapes]
+
+    @staticmethod
+    def segments(pages) -> list[list[tuple[int, int]]]:
+        return [[(a.ctypes.data, a.nbytes) for a in page] for page in pages]
+
+    @property
+    def src_segments(self):
+        return self.segments(self.src)
+
+    @property
+    def dst_segments(self):
+        return self.segments(self.dst)
+
+    def equal(self, i: int, dst=None) -> bool:
+        dst = self.dst if dst is None else dst
+        return all(np.array_equal(a, b) for a, b in zip(self.src[i], dst[i]))
+
+
+# -------------------------------------------------------------------------------------- rings
+def uring_available() -> bool:
+    try:
+        Ring(8).close()
+        return True
+    except OSError:
+        return False
+
+
+def make_ring(engine: str, entries: int = RING_ENTRIES):
+    """A ring of I/O engine ``engine``; io_uring refused here is a skip, or a failure where it is required."""
+    if engine == "threads":
+        return ThreadRing(entries)
+    try:
+        return Ring(entries)
+    except OSError as exc:
+        if REQUIRE_URING:
+            pytest.fail(f"KVSTREAM_REQUIRE_URING=1 but io_uring_setup was refused: {exc}")
+        pytest.skip(f"io_uring unavailable here: {exc}")
+
+
+def run(ring, ops) -> dict[int, int]:
+    """Submit a batch and reap all of it: {tag: res}."""
+    ops = list(ops)
+    assert ring.submit(ops) == len(ops)
+    out: dict[int, int] = {}
+    while ring.in_flight:
+        for tag, res in ring.reap(ring.in_flight):
+            assert tag not in out, f"tag {tag} completed twice"
+            out[tag] = res
+    assert set(out) == {op[4] for op in ops}
+    return out
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def make_file(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 class FakeClock:
@@ -154,13 +258,18 @@ def gone_or_restored(engine: Engine, k: int, key: str) -> bool:
         scan_file(tier.layout, engine.namespace.digest, key, payload=True).problem is None
 
 
-def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never reached the ring") -> None:
-    """Wait until ``plan`` has applied a fault (a held op is in flight): polls, since a hold has no
-    completion to wait on."""
+def wait_until(predicate, timeout: float = 60.0, what: str = "the condition never held") -> None:
+    """Poll ``predicate()`` until true (for what has no completion to wait on); fail with ``what`` after
+    ``timeout`` s, a bound on a hang, never a measure of speed."""
     deadline = time.monotonic() + timeout
-    while not plan.hits:
+    while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.005)
+
+
+def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never reached the ring") -> None:
+    """Wait until ``plan`` has applied a fault (a held op is in flight)."""
+    wait_until(lambda: plan.hits, timeout, what)
 
 
 def flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
@@ -308,10 +417,10 @@ def kvstream_cli(*args: str, env: dict | None = None, timeout: float = 120) -> s
 
 
 def spawn(role: str, *args: str, **kw) -> subprocess.Popen:
-    """Start ``python reliability_helpers.py ROLE ARGS...`` (a fresh interpreter of this venv)."""
+    """Start ``python helpers.py ROLE ARGS...`` (a fresh interpreter of this venv)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "reliability_helpers.py"), role, *args],
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "helpers.py"), role, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
@@ -529,3 +638,18 @@ def main(argv: Sequence[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def load_serve_swebench():
+    """examples/serve_swebench.py as a module (its client, /metrics parser and counter deltas): one copy
+    per process, shared by every test that uses it."""
+    import importlib.util
+
+    if "serve_swebench" in sys.modules:
+        return sys.modules["serve_swebench"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("serve_swebench", os.path.join(root, "examples", "serve_swebench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["serve_swebench"] = mod
+    spec.loader.exec_module(mod)
+    return mod

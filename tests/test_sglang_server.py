@@ -1,0 +1,316 @@
+"""A real ``python -m sglang.launch_server`` serving a tiny model on the CPU with kvstream as L3.
+
+The servers are the ones ``kvstream serve-cpu`` starts (kvstream_hicache/tools/serve_cpu.py): the tiny
+random-weight Llama, ``--device cpu --attention-backend torch_native``, HiCache with page size 64 and
+``--hicache-storage-backend kvstream``, the CPU shims on the server's PYTHONPATH. Requests go to the
+native ``/generate`` as token ids, greedy, so two servers must answer one prompt with the same tokens.
+The comparison can fail: this model's greedy tokens depend on the prefix's KV (with the first six pages'
+KV taken from another prompt, as a wrong page served from L3 would be, the tokens differed for each of 7
+prompts tried with transformers), so an L3 hit that answers with the reference's tokens got the right bytes.
+
+Servers are shared, started once per module and in two waves whose start-ups overlap (start-up is most
+of the time here), and each is killed (its whole process group) when the module's fixture ends, also
+when a test fails. Every wait is bounded. Prompts are a few 64-token pages: enough
+to prove a hit, cheap to prefill on two cores. Each test uses its own prompt (a seed), so earlier tests'
+pages and damage never decide a later test's outcome.
+
+  reference   no HiCache: the outputs every other server must reproduce
+  kv          kvstream on [t0, t1], page_first; restarted on the same tiers by the restart test
+  peer        kvstream on [t0b, t1]: a second server sharing tier 1 with ``kv``
+  layer_first kvstream on fresh tiers, --hicache-mem-layout layer_first
+
+On a GPU the same tests run against a GPU server (docs/sglang.md, "the GPU check"):
+``KVSTREAM_SERVE_DEVICE=cuda KVSTREAM_SERVE_MODEL=/models/small pytest tests/test_sglang_server.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from kvstream_hicache.tools import serve_cpu
+from helpers import flip_byte, load_serve_swebench, page_files
+
+sv = load_serve_swebench()  # examples/serve_swebench.py: its /metrics parser and counter deltas
+
+pytestmark = pytest.mark.timeout(900)  # the first test also waits for the first wave
+
+PAGE = serve_cpu.PAGE_TOKENS
+PAGES = 6
+PROMPT_TOKENS = PAGES * PAGE + 17  # a partial last page: sglang stores whole pages only
+OUTPUT_TOKENS = 12
+STARTUP_S = 600.0  # bounded, and generous: a loaded 2-core machine took 280 s for three at once
+REQUEST_S = 120.0
+BACKUP_S = 60.0  # longest the write-through backup of one prompt may take to reach L3
+KV = "kvstream:"
+DEVICE = os.environ.get("KVSTREAM_SERVE_DEVICE", "cpu")
+MODEL = os.environ.get("KVSTREAM_SERVE_MODEL")  # default: the tiny model serve-cpu builds
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, serve_cpu.VOCAB) for _ in range(PROMPT_TOKENS)]  # 0-2: pad, bos, eos
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One real sglang server (``serve_cpu.ServerProcess``) and what the tests ask of it."""
+
+    def __init__(self, name: str, logs: str, model: str, tiers: list[str] | None, layout: str = "page_first"):
+        self.name, self.model, self.tiers, self.layout = name, model, tiers, layout
+        self.log_path = os.path.join(logs, f"{name}.log")
+        self.proc: serve_cpu.ServerProcess | None = None
+        self.ready = False
+
+    def launch(self) -> "Server":
+        port = free_port()
+        # wait_complete: a prefetch is never cut short by sglang's timeout on a loaded machine
+        extra = ["--hicache-storage-prefetch-policy", "wait_complete"] if self.tiers else []
+        cmd = serve_cpu.launch_command(self.model, port=port, backend="kvstream" if self.tiers else None,
+                                       layout=self.layout, device=DEVICE, extra=extra)
+        env = serve_cpu.server_env(device=DEVICE, KVSTREAM_TIERS=os.pathsep.join(self.tiers or []),
+                                   KVSTREAM_TIER_RETRY="0.5")
+        self.proc = serve_cpu.ServerProcess(cmd, env, self.log_path, url=f"http://127.0.0.1:{port}").launch()
+        self.ready = False
+        return self
+
+    def wait(self) -> "Server":
+        if not self.ready:
+            self.proc.wait(STARTUP_S)
+            self.ready = True
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def generate(self, ids: list[int]) -> dict:
+        body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": OUTPUT_TOKENS,
+                                                                 "temperature": 0.0, "ignore_eos": True}})
+        req = urllib.request.Request(self.url + "/generate", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_S) as resp:
+            assert resp.status == 200
+            out = json.load(resp)
+        return {"ids": out["output_ids"], "text": out["text"], "meta": out["meta_info"]}
+
+    def storage_tokens(self, out: dict) -> int:
+        return int((out["meta"].get("cached_tokens_details") or {}).get("storage", 0))
+
+    def flush(self) -> None:
+        """Empty L1 and L2 (POST /flush_cache): the next request's prefix can only come from L3."""
+        req = urllib.request.Request(self.url + "/flush_cache", method="POST")
+        with urllib.request.urlopen(req, timeout=REQUEST_S) as resp:
+            assert resp.status == 200
+
+    def metrics(self) -> dict:
+        got = sv.scrape(self.url)
+        assert got is not None, f"{self.name}: no /metrics"
+        return got
+
+    def store(self, ids: list[int]) -> dict:
+        """Serve ``ids`` and wait until sglang reports its full pages backed up to L3."""
+        before = self.metrics()
+        out = self.generate(ids)
+        deadline = time.monotonic() + BACKUP_S
+        while True:
+            moved = sv.storage_metrics(before, self.metrics())
+            if moved["backuped_tokens"] >= PAGES * PAGE:
+                return out
+            assert time.monotonic() < deadline, f"{self.name}: L3 backup not done in {BACKUP_S}s: {moved}"
+            time.sleep(0.5)
+
+    def from_l3(self, ids: list[int]) -> tuple[dict, dict]:
+        """Flush, serve ``ids`` again; returns the response and what the request moved (counter deltas)."""
+        self.flush()
+        before = self.metrics()
+        out = self.generate(ids)
+        time.sleep(serve_cpu.HEALTH_POLL_S)  # kvstream refreshes its exported stats about once a second
+        return out, sv.storage_metrics(before, self.metrics())
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+
+    def errors_since(self, mark: int) -> list[str]:
+        """Lines of the log after byte ``mark`` that show an exception or error reaching sglang."""
+        text = self.log()[mark:]
+        return [ln for ln in text.splitlines() if "Traceback" in ln or " ERROR " in ln or "Exception" in ln]
+
+
+def outputs(out: dict) -> tuple:
+    return out["ids"], out["text"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    if serve_cpu.missing_packages():
+        pytest.skip("the server's packages are missing (bash scripts/setup-env.sh installs them): "
+                    + " ".join(serve_cpu.missing_packages()))
+    root = tmp_path_factory.mktemp("serve")
+    scratch = os.path.join(os.environ.get("KVSTREAM_TEST_DIR", "/var/tmp"), f"kvstream-serve-test-{os.getpid()}")
+    tiers = {name: os.path.join(scratch, name) for name in ("t0", "t1", "t0b", "lf0", "lf1")}
+    for d in tiers.values():
+        os.makedirs(d)
+    started: list[Server] = []
+    previous = signal.signal(signal.SIGTERM, _terminated)  # teardown below runs on SIGTERM too
+
+    def server(name, tier_names=None, layout="page_first") -> Server:
+        srv = Server(name, str(root), MODEL or serve_cpu.build_model(),
+                     [tiers[t] for t in tier_names] if tier_names else None, layout)
+        started.append(srv)
+        return srv.launch()
+
+    try:
+        yield {"server": server, "tiers": tiers}
+    finally:
+        for srv in started:
+            srv.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+@pytest.fixture(scope="module")
+def servers(env):
+    """The first wave: the reference, the kvstream server and the layer_first one, started together."""
+    wave = {"reference": env["server"]("reference"), "kv": env["server"]("kv", ["t0", "t1"]),
+            "layer_first": env["server"]("layer_first", ["lf0", "lf1"], layout="layer_first")}
+    return {name: srv.wait() for name, srv in wave.items()}
+
+
+@pytest.fixture(scope="module")
+def peer(env):
+    """A second kvstream server sharing tier 1 with ``kv``: launched (not waited for) by its first user."""
+    return env["server"]("peer", ["t0b", "t1"])
+
+
+@pytest.fixture(scope="module")
+def expected(servers):
+    """The reference server's answer to a prompt (memoised): what every kvstream server must say."""
+    memo: dict[int, tuple] = {}
+
+    def get(seed: int) -> tuple:
+        if seed not in memo:
+            memo[seed] = outputs(servers["reference"].generate(prompt(seed)))
+        return memo[seed]
+
+    return get
+
+
+def test_l3_hit_after_flush_gives_the_same_tokens(servers, expected):
+    kv, ids = servers["kv"], prompt(1)
+    cold = kv.store(ids)
+    assert outputs(cold) == expected(1)
+    warm, moved = kv.from_l3(ids)
+    assert kv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
+    assert moved["storage_hit_tokens"] >= PAGES * PAGE, moved  # sglang's own counter
+    assert moved["pages"]["found"] >= PAGES, moved  # kvstream's
+    assert sum(t["served_bytes"] for t in moved["tiers"].values()) > 0, moved
+    assert outputs(warm) == expected(1)
+
+
+def test_layer_first_host_layout(servers, expected):
+    srv, ids = servers["layer_first"], prompt(7)
+    assert outputs(srv.store(ids)) == expected(7)
+    warm, moved = srv.from_l3(ids)
+    assert srv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
+    assert moved["pages"]["found"] >= PAGES, moved
+    assert outputs(warm) == expected(7)
+    srv.stop()  # done with it: its cores go to the servers the later tests start
+
+
+def test_log_and_metrics_show_kvstream(servers):
+    kv = servers["kv"]
+    log = kv.log()
+    assert "[kvstream cpu-shims]" in log and "CPU shims installed" in log  # what the shims replace, said
+    start = [ln for ln in log.splitlines() if "kvstream: 2 tiers [" in ln]
+    assert start and all(d in start[0] for d in kv.tiers), start
+    samples = kv.metrics()
+    paths = {dict(lab).get("path") for (name, lab), _v in samples.items() if name == KV + "tier_info"}
+    assert paths == set(kv.tiers)
+    for family in ("tier_write_bytes_total", "tier_served_bytes_total", "tier_healthy"):
+        tiers = {dict(lab)["tier"] for (name, lab), v in samples.items() if name == KV + family}
+        assert tiers == {"0", "1"}, family
+    assert sum(v for (name, _l), v in samples.items() if name == KV + "tier_write_bytes_total") > 0
+
+
+def test_damaged_tier_is_served_from_the_other(servers, expected):
+    kv, ids = servers["kv"], prompt(2)
+    kv.store(ids)
+    for path in page_files(kv.tiers[0]):
+        flip_byte(path, os.path.getsize(path) // 2)
+    mark = len(kv.log())
+    warm, moved = kv.from_l3(ids)
+    assert kv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
+    assert moved["tiers"]["0"]["corrupted_pages"] >= 1, moved
+    assert moved["tiers"]["1"]["served_bytes"] > 0, moved
+    assert outputs(warm) == expected(2)
+    assert kv.errors_since(mark) == []
+
+
+def test_every_copy_damaged_is_a_miss_and_recomputed(servers, expected):
+    kv, ids = servers["kv"], prompt(3)
+    kv.store(ids)
+    for tier in kv.tiers:
+        for path in page_files(tier):
+            flip_byte(path, os.path.getsize(path) // 2)
+    mark = len(kv.log())
+    warm, moved = kv.from_l3(ids)
+    assert kv.storage_tokens(warm) == 0, warm["meta"]
+    assert outputs(warm) == expected(3)
+    assert kv.errors_since(mark) == []
+
+
+def test_restarted_server_serves_its_first_request_from_l3(servers, expected, peer):
+    kv, ids = servers["kv"], prompt(4)
+    kv.store(ids)
+    kv.stop()
+    kv.launch().wait()  # same tiers, same model: a new process, its L1/L2 empty (the peer starts meanwhile)
+    first = kv.generate(ids)
+    assert kv.storage_tokens(first) == PAGES * PAGE, first["meta"]
+    assert outputs(first) == expected(4)
+
+
+def test_second_server_serves_the_first_servers_prefix_from_shared_tier(servers, expected, peer):
+    kv, ids = servers["kv"], prompt(5)
+    peer.wait()  # serving before kv stores the prompt: it finds pages another server wrote after its start
+    kv.store(ids)
+    first = peer.generate(ids)
+    assert peer.storage_tokens(first) == PAGES * PAGE, first["meta"]
+    assert outputs(first) == expected(5)
+    peer.stop()
+
+
+def test_tier_directory_removed_while_serving(servers, expected):
+    kv = servers["kv"]
+    old, new = prompt(4), prompt(6)  # old: stored by the restart test on both tiers
+    mark = len(kv.log())
+    shutil.rmtree(kv.tiers[0])
+    for seed, ids in ((6, new), (4, old)):
+        out = kv.generate(ids)
+        assert outputs(out) == expected(seed)
+    warm, _moved = kv.from_l3(old)  # tier 1 still holds the old prompt's pages
+    assert kv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
+    assert outputs(warm) == expected(4)
+    assert kv.proc.alive()
+    assert kv.errors_since(mark) == []
