@@ -40,7 +40,7 @@ from .files import OUT_OF_DESCRIPTORS, TMP_FILES_PER_TIER, Shortage
 from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
-from .layout import round_up
+from .layout import HEADER_SIZE, round_up
 from .locks import ranked_lock
 from .priority import ReadPriority
 from .puts import CANCELLED, Job, Write, WritePage
@@ -77,7 +77,7 @@ class WritePath:
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
                  chunk: int, digest: str, priority: ReadPriority, settings: WriteSettings, *,
-                 staging_limit: int, ceiling: int):
+                 staging_limit: int, ceiling: int, thinned: Callable[[list[str]], None] = lambda keys: None):
         n = len(tiers)
         self.io = InFlight(ring, n, max(chunk, WRITE_UNIT), ceiling)  # write window, request size, bandwidth
         self.digest = digest
@@ -88,7 +88,7 @@ class WritePath:
         self.priority = priority
         self.staging_limit = staging_limit
         self.lock = ranked_lock("write")  # held by the writer thread while it works, and by exclusive()
-        self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues)
+        self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues, thinned)
         self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
         self._staged = 0  # staging bytes held by pages with a job in flight
@@ -115,6 +115,27 @@ class WritePath:
         self.queue.wait_for_room(sum(n for segments in pages for _, n in segments))
         self.stats.total("deferred_puts")
         self.queue.accept(keys, pages, mask, done)
+
+    def copy(self, key: str, address: int, info, created: int, tier: int, evict: bool,
+             done: Callable[[bool, float], None]) -> None:
+        """Background replication (replication.py): write the page ``info`` describes, its payload at
+        ``address`` (4096-aligned, padded), to ``tier`` after the tier's foreground FIFO, held back by
+        reads as any write; ``evict``: it may evict LRU pages to make room. ``done(committed, seconds)``
+        runs on the writer thread (seconds: from the job's start on the tier to its end). Not a put: no
+        put counter moves, and the budget does not count it."""
+        page = WritePage(key, [(address, round_up(info.length))], info.length, info.block, 1 << tier)
+        page.crcs, page.created, page.evict, page.copied = info.crcs, created, evict, done
+        page.data = [(address, round_up(info.length), HEADER_SIZE)]
+        page.left = 1
+        self.queue.copy(page, tier)
+
+    def idle(self, k: int) -> bool:
+        """No foreground page waits for a job on tier ``k`` (catch-up never goes ahead of a put)."""
+        return not self.queue.fifo[k]
+
+    def writing(self, key: str) -> bool:
+        """A put is writing ``key`` now."""
+        return key in self.queue.pending
 
     @contextmanager
     def exclusive(self):
@@ -158,7 +179,7 @@ class WritePath:
 
     # -- the writer thread -----------------------------------------------------------------------
     def _has_work_under_queues(self) -> bool:
-        return bool(len(self.io)) or any(self.queue.fifo) or any(self._active)
+        return bool(len(self.io)) or any(self.queue.fifo) or any(self.queue.copies) or any(self._active)
 
     def _run(self) -> None:
         queue = self.queue
@@ -255,9 +276,10 @@ class WritePath:
             if len(self._active[k]) >= TMP_FILES_PER_TIER or self._fds.blocked(now):
                 return None
             with self.queue.lock:
-                if not self.queue.fifo[k]:
+                fifo = self.queue.fifo[k] or self.queue.copies[k]  # catch-up copies only when no put waits
+                if not fifo:
                     return None
-                page = self.queue.fifo[k][0]
+                page = fifo[0]
             if not page.aligned and page.staging is None and self._staged and \
                     self._staged + round_up(page.length) > self.staging_limit:
                 return None  # staging memory is in use by pages in flight: wait for one
@@ -265,7 +287,7 @@ class WritePath:
             if started is False:
                 return None  # out of descriptors: the page stays first in line
             with self.queue.lock:
-                self.queue.fifo[k].popleft()
+                fifo.popleft()
             if started is not None:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
@@ -295,10 +317,11 @@ class WritePath:
             self.queue.job_over_under_writer(page, k)
             return None
         self._fds.created()
-        victims = self.index.reserve(k, page.length)
+        victims = self.index.reserve(k, page.length, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
-            self.stats.add(k, "skipped_writes")
+            if page.copied is None:  # (a catch-up copy that finds no room counts as dropped, replication.py)
+                self.stats.add(k, "skipped_writes")
             log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
             self.queue.job_over_under_writer(page, k)
             return None
@@ -314,6 +337,7 @@ class WritePath:
             raise
         request = self.io.flows[k].request if self.priority.enabled else math.inf
         job = Job(page, k, fd, tmp, page.requests(request))
+        page.started = time.monotonic()
         self._active[k].append(job)
         return job
 
@@ -345,10 +369,13 @@ class WritePath:
     def _finish_job_under_writer(self, job: Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
+        if job.err == 0 and page.copied is not None and not self.index.holders(page.key):
+            job.err = CANCELLED  # a catch-up copy of a page deleted (or cleared) meanwhile: not brought back
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
-                page_dir = tier.commit(fd, job.tmp, page.key, lambda: self._evict_under_writer(k, page.length))
+                page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
+                                       self._evict_under_writer(k, page.length))
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
@@ -357,7 +384,10 @@ class WritePath:
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length)
+            # A background copy is the tier's least recent page (the first to go when room is needed: it
+            # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
+                              oldest=not page.evict)
             page.committed.append(k)
             for call, _ in page.calls:
                 call.dirs.setdefault(k, set()).add(page_dir)
@@ -365,7 +395,8 @@ class WritePath:
             self.stats.add(k, "pages_written")
             self._close_job_under_writer(job)
             return
-        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_under_writer(job):
+        if job.err in SPACE_ERRNOS and page.evict and job.tries < SPACE_RETRIES and \
+                self._room_possible_under_writer(job):
             if self._evict_under_writer(k, page.length):
                 job.tries += 1
                 job.err = 0
@@ -373,7 +404,8 @@ class WritePath:
                 return
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.length)
-        if job.err != CANCELLED:
+        if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):  # (a full
+            # tier refusing a catch-up copy: dropped, replication.py)
             self._failed_under_writer(k, job.err, f"write {page.key}")
         self._close_job_under_writer(job)
 

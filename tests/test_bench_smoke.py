@@ -28,9 +28,13 @@ def test_bench_engine_policies_json_plot_series(tmp_path, tier_dirs):
     doc = _bench(tmp_path, tier_dirs[:2], "kvstream,static-0.5,tier0", "--plot", str(plot), "--series", str(series),
                  "--batch", "32")
     assert doc["bound_gbps"] > 0
-    assert set(doc["policies"]) == {"kvstream", "static-0.5", "tier0"}
+    # the default engine's reads right after the put (catch-up running) are rows of their own
+    assert set(doc["policies"]) == {"kvstream@put", "tier0@put", "kvstream", "static-0.5", "tier0"}
+    catch_up = doc["write"]["catch_up"]
+    assert catch_up["finished"] and catch_up["pending_pages"] == 0 and catch_up["s"] >= 0
+    assert set(catch_up) >= {"after_put", "after_catch_up", "ratio_to_replicated_write", "ratio_to_slowest_alone"}
     for name, p in doc["policies"].items():
-        assert p["batches"] == 2 and p["missing_pages"] == 0
+        assert p["batches"] == 2 and p["missing_pages"] == 0  # (@put: once over the 2 data set batches)
         assert p["throughput_gbps"] > 0 and p["gap"] is not None
         assert len(p["share"]) == 2 and sum(p["share"]) == pytest.approx(1.0)
     assert doc["policies"]["tier0"]["share"] == [1.0, 0.0]
