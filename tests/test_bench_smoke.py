@@ -173,11 +173,12 @@ def test_bench_mixed_scenario(tmp_path, tier_dirs):
                    "--write-batch", "4", "--write-rate", "max", "--no-progress", "--json", str(out), "--keep-data"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert set(doc["policies"]) == {"today", "priority", "budget", "lmcache"}
+    assert set(doc["policies"]) == {"today", "priority", "budget", "kvstream", "lmcache"}
     for name, p in doc["policies"].items():
         assert p["write_bps"] > 0 and p["write_failed_pages"] == 0, name
         assert p["read_p50_s"] > 0 and p["gap"] is not None
     assert doc["policies"]["today"]["write_vs_today"] == 1.0
     assert doc["policies"]["today"]["held_s"] == [0.0, 0.0]  # read_priority=off never holds a write
+    assert doc["policies"]["budget"]["catch_up"] == [0, 0]  # catchup=off: a skipped replica stays skipped
     pages = [len(files) for d in tier_dirs[:2] for _, _, files in os.walk(d) if files]
     assert sum(pages) == 2 * 2 * 8  # only the data set is left: two batches of 8 pages on both tiers
