@@ -384,11 +384,22 @@ class WritePath:
         if not job.in_flight and (job.err or job.next == len(job.ops)):
             self._finish_job_under_writer(job)
 
+    def _copy_wanted_under_writer(self, page: WritePage, k: int) -> bool:
+        """A catch-up copy is committed only while the index still holds the content it copied, tier
+        ``k`` still lacks it and no file has the page's name there. Else, since it was read: deleted
+        or cleared (never brought back), or written there by a put (maybe other content: the copy,
+        renamed over it, would bring an older version back), or another writer's file in place (not
+        ours to replace). A put commits on this thread too, so none comes between this and the rename."""
+        info = self.index.get(page.key)
+        return info is not None and not info.tiers >> k & 1 and \
+            info.same_content(page.length, page.block, page.crcs) and \
+            not os.path.lexists(self.tiers[k].layout.page_path(page.key))
+
     def _finish_job_under_writer(self, job: Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
-        if job.err == 0 and page.copied is not None and not self.index.holders(page.key):
-            job.err = CANCELLED  # a catch-up copy of a page deleted (or cleared) meanwhile: not brought back
+        if job.err == 0 and page.copied is not None and not self._copy_wanted_under_writer(page, k):
+            job.err = CANCELLED
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens

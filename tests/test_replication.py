@@ -18,7 +18,7 @@ from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import TierLayout
 from kvstream_hicache.router import SingleTier
 
-from helpers import NS, PageSet, TierFaultPlan, flip_byte, make_engine, wait_for_fault, wait_until
+from helpers import NS, PageSet, TierFaultPlan, content, flip_byte, make_engine, wait_for_fault, wait_until
 
 
 def served(engine) -> list[int]:
@@ -226,3 +226,29 @@ def test_a_page_deleted_while_its_copy_is_written_is_not_brought_back(tier_dirs)
         wait_until(lambda: engine.stats()["replication_pending"] == 0, what="the copies never ended")
         assert len(engine.index) == 0 and engine.stats()["tiers"][1]["replication_done"] == 0
         assert not any(on_disk(engine, k, key) for k in (0, 1) for key in keys)
+
+
+def test_a_copy_held_while_a_put_writes_the_page_anew_never_replaces_it(tier_dirs):
+    """A catch-up copy to tier 1 is held in the ring; meanwhile the page is deleted and put again with
+    other bytes (both tiers written). The copy, released, must not rename the older bytes over the
+    put's file, nor make the index forget the put's copies: every read returns the new bytes."""
+    old, new = PageSet(), PageSet(data=lambda k: content(k + "/v2"))
+    keys = old.keys(1)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert old.put(engine, keys) == [True]
+    drop_copies(tier_dirs[1], keys)
+    plan = TierFaultPlan()
+    plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE, times=1)  # the copy's write alone
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        try:
+            wait_for_fault(plan, what="no catch-up write reached tier 1")
+            assert engine.delete(keys) == 1
+            assert new.put(engine, keys) == [True]
+            assert engine.index.holders(keys[0]) == 0b11
+        finally:
+            plan.clear()
+            plan.release()
+        wait_until(lambda: engine.stats()["replication_pending"] == 0, what="the copy never ended")
+        assert engine.index.holders(keys[0]) == 0b11 and engine.stats()["tiers"][1]["replication_done"] == 0
+        for k in (0, 1):
+            assert new.checked_get(engine, keys, policy=SingleTier(k)) == [True]
