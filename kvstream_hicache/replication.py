@@ -196,8 +196,11 @@ class Replicator:
 
     # -- the replicator thread ---------------------------------------------------------------------
     def _wake(self) -> None:
+        """The end of a get (priority.py): the thread looks again, only if something is owed (else it
+        would take the GIL from the reader after every batch for nothing)."""
         with self._lock:
-            self._work.notify()
+            if any(self._owed) or max(self._sweep) >= 0:
+                self._work.notify()
 
     def _run(self) -> None:
         while True:
