@@ -481,7 +481,7 @@ def test_headline_leads_with_the_adapter_and_gives_per_round_spreads():
     lines = [x for x in text.splitlines() if x.startswith("| ")]
     assert lines[0].split(" | ")[2].startswith("adapter 1 tier")  # the adapter before the engine
     row = lines[1]  # page sizes largest first: the 8 MiB row, then MLA's
-    assert row.startswith("| llama3-8b P=64 (3 rounds) | 1000 (1000..2000) | 1100 (900..2400); 1.10 (0.90..1.20); 0.050 |")
+    assert row.startswith("| llama3-8b P=64 (3 rounds) | 1000 (1000..2000); 0.050 | 1100 (900..2400); 1.10 (0.90..1.20); 0.050 |")
     # two tiers per round against nixl and against their own one tier (1.10, 1.00, 1.20)
     assert "| 1210 (1080..2400); 1.20 (1.08..1.21); 1.10 (1.00..1.20); 0.050 |" in row
     assert lines[2].startswith("| deepseek-v3 P=64 (MLA) (3 rounds) |")

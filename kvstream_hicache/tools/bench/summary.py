@@ -359,13 +359,14 @@ def headline_markdown(docs: Sequence[dict]) -> str:
         labels = sorted((g for _, g, p in groups if p == prof),
                         key=lambda g: -groups[("sglang", g, prof)][0]["geometry"].get("page_bytes", 0))
         lines += [f"#### {prof}: the SGLang adapter through sglang's host pool, beside the bare engine", "",
-                  "| pages | nixl MB/s | " + " | ".join(f"{h}: MB/s; x nixl; s/GB" if twin is None else
+                  "| pages | nixl: MB/s; s/GB | " + " | ".join(f"{h}: MB/s; x nixl; s/GB" if twin is None else
                                                        f"{h}: MB/s; x nixl; x 1 tier; s/GB"
                                                        for _, twin, h in HEADLINE_COLUMNS) + " | fio both, MB/s |",
                   "|---|" + "---|" * (len(HEADLINE_COLUMNS) + 2)]
         for label in labels:
             runs = groups[("sglang", label, prof)]
-            cells = [spread(round_rates(runs, ref), ".0f")]
+            nixl = device_row(runs, ref, ref)
+            cells = [spread(round_rates(runs, ref), ".0f") + ("; " + _f(nixl["cpu_s_per_gb"], ".3f") if nixl else "")]
             for name, twin, _ in HEADLINE_COLUMNS:
                 row = device_row(runs, name, ref)
                 if row is None:
