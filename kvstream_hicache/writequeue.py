@@ -48,6 +48,7 @@ class WriteSettings(NamedTuple):
     replicate: str
     replicate_slack: float
     write_backlog: int
+    write_timeout: float
 
     @classmethod
     def of(cls, config) -> "WriteSettings":
