@@ -26,7 +26,7 @@ import uuid
 import pytest
 
 from kvstream_hicache.faults import Fault
-from kvstream_hicache.io import OP_READ
+from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import ALIGN, HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
