@@ -81,6 +81,14 @@ def writes_from_caller_memory(path: str) -> bool:
     return fs_type(path) in LOCAL_FS
 
 
+def _punt(ring) -> None:
+    """Every op of ``ring`` (the io_uring one, under a fault wrapper too) goes to the kernel's async
+    workers: submitting never blocks (the thread pool engine never does)."""
+    ring = getattr(ring, "inner", ring)
+    if hasattr(ring, "punt"):
+        ring.punt = True
+
+
 class WritePath:
     """Owns the write ring's in-flight core (each tier's flow, the writes in flight), its staging
     pool, the write queues (``queue``, writequeue.py), and the writer thread.
@@ -116,6 +124,8 @@ class WritePath:
         self._piece = max(ALIGN, min(MAX_REQUEST, (staging_limit - HEADER_SIZE) // ALIGN * ALIGN))  # payload
         # bytes of a staged request at most (the first also carries the header): one fits in the staging memory
         self._zero_copy = [writes_from_caller_memory(tier.root) for tier in tiers]
+        if not all(self._zero_copy):  # a tier may hang: io_uring would issue its writes inline, in the writer's
+            _punt(ring)               # submit, where a FUSE or NFS write waits for its server
         self.write_timeout = settings.write_timeout
         self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
         self._fds = Shortage()

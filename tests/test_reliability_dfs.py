@@ -393,12 +393,17 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
     plan = TierFaultPlan()
     fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
     engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, fault_plan=plan)
+    rescue = None
     try:
         plan.on(a[1], Fault.hold(), opcode=OP_WRITE)
         result: list = []
         writer = threading.Thread(target=lambda: result.append(pages.put(engine, keys)))
         writer.start()
         wait_for_fault(plan)
+        # Were this process to block in the kernel with the GIL held, no finally would run: a child resumes
+        # the brick. (Started first: a fork while the brick is stopped blocks, the child closing its
+        # inherited descriptors of the FUSE mount.)
+        rescue = subprocess.Popen(["sh", "-c", f"sleep {WAIT_S:.0f}; kill -CONT {fs.brick_pid()}"])
         fs.pause_brick()
         plan.clear()
         plan.release()
@@ -413,4 +418,7 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
         _close_while_hung(engine)
     finally:
         _resume(fs, engine)
+        if rescue is not None:
+            rescue.kill()
+            rescue.wait()
     assert not tmp_files(a[1])
