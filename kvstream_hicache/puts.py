@@ -107,11 +107,13 @@ class WritePage:
             pool.put(self.header)
             self.header = None
 
-    def spans(self, request: float) -> list[tuple[int, int]]:
-        """The writes of the page file: ``(bytes, file offset)``, each ``request`` payload bytes (the
-        first also carries the header)."""
+    def spans(self, request: float, staged: bool) -> list[tuple[int, int]]:
+        """The writes of the page file: ``(bytes, file offset)``, each ``request`` payload bytes, the
+        first also carrying the header (staged: ``request`` bytes each, header included, so that
+        staging buffers are of one size: two 1 MiB requests share a huge-page slab, 1 MiB + 4 KiB
+        would take one each)."""
         out = []
-        start, size = 0, request + HEADER_SIZE
+        start, size = 0, request + (0 if staged else HEADER_SIZE)
         while start < self.file_bytes:
             n = int(min(size, self.file_bytes - start))
             out.append((n, start))

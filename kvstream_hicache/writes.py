@@ -44,7 +44,7 @@ from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
 from .flow import MAX_REQUEST
-from .layout import ALIGN, HEADER_SIZE
+from .layout import ALIGN
 from .locks import ranked_lock
 from .priority import ReadPriority
 from .probe import fs_type
@@ -122,8 +122,8 @@ class WritePath:
         self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
-        self._piece = max(ALIGN, min(MAX_REQUEST, (staging_limit - HEADER_SIZE) // ALIGN * ALIGN))  # payload
-        # bytes of a staged request at most (the first also carries the header): one fits in the staging memory
+        self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
+        # at most: one always fits in the staging memory
         self._zero_copy = [writes_from_caller_memory(tier.root) for tier in tiers]
         if not all(self._zero_copy):  # a tier may hang: io_uring would issue its writes inline, in the writer's
             _punt(ring)               # submit, where a FUSE or NFS write waits for its server
@@ -408,7 +408,7 @@ class WritePath:
         staged = not (page.aligned and self._zero_copy[k])
         if staged:  # each request is staged whole: no request may need more than the staging memory
             request = min(request, self._piece)
-        job = Job(page, k, fd, tmp, page.spans(request), staged)
+        job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
         self._active[k].append(job)
         return job
 
