@@ -25,6 +25,7 @@ TIER_COUNTERS = (
     "quarantined", "other_versions", "write_failures", "skipped_writes", "replica_skipped_pages",
     "replica_skipped_bytes", "write_held_s", "replication_done", "replication_bytes", "replication_dropped",
     "replication_promoted", "replication_read_bytes",
+    "write_timeouts", "writes_abandoned",
 )
 TOTAL_COUNTERS = (
     "gets", "pages_requested", "pages_found", "pages_missing", "puts", "pages_put", "pages_stored",
