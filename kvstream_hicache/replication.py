@@ -269,6 +269,12 @@ class Replicator:
                     self.pool.put(source.buf)
         if not promoted and not self._room(k, info.length):
             return False  # full: the page stays owed until pages leave the tier
+        if not promoted and not _fs_room(tier, info.length):  # dropped, as a copy the file system refuses
+            with self._lock:
+                self._owed[k].pop(key, None)
+                self._next[k] = self.clock() + FAILED_BACKOFF_S
+            self.stats.add(k, "replication_dropped")
+            return False
         if not promoted:
             source = self._read_source(key, info)
             if not isinstance(source, _Source):
@@ -369,6 +375,16 @@ class Replicator:
         if block_crcs([(buf.address + HEADER_SIZE, info.length)], info.length, info.block) != info.crcs:
             return None  # damaged: the read path removes it when it meets it
         return h.created_ns
+
+
+def _fs_room(tier: Tier, length: int) -> bool:
+    """The tier's file system has room for the copy and as much again after it: a catch-up copy never
+    takes its last free space (a put would then evict the tier's pages to make room for it)."""
+    try:
+        st = os.statvfs(tier.root)
+    except OSError:
+        return True  # cannot tell: the write finds out (ENOSPC drops it)
+    return st.f_bavail * st.f_frsize >= 2 * file_size(length)
 
 
 class _Source:
