@@ -7,8 +7,11 @@ Each tree measured (this one, and ``--reference DIR``: another checkout, e.g. th
 change) runs in its own fresh interpreter per size, with ``DIR`` first on ``sys.path``; the sizes
 and trees are interleaved round by round, so drift on a shared machine hits both alike. An index of
 ``n`` 64-hex keys (SGLang's and LMCache's form) on one tier is filled through ``Index.commit``; each
-figure is the median over ``--rounds`` rounds of the mean time per call over a few thousand calls,
-on keys drawn at random (so the probes do not walk memory in order). Prints one line per size and
+figure is the median over ``--rounds`` rounds of the mean CPU time (the thread's: a machine shared
+with other work preempts a wall clock) per call over a few thousand calls, on keys drawn at random
+(so the probes do not walk memory in order), each a fresh ``str`` (as a caller's key: not the
+object the index was filled with, whose identity a dict compares first). RSS per page is the
+process's growth while the index is filled (the keys themselves made before), over the pages. Prints one line per size and
 tree, and the per-round ratios (tree / reference).
 """
 from __future__ import annotations
@@ -24,15 +27,20 @@ CHILD = r"""
 import hashlib, json, random, sys, time
 from kvstream_hicache.index import Index
 n, rounds = int(sys.argv[1]), int(sys.argv[2])
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
 keys = [hashlib.sha256(b"idx/%d" % i).hexdigest() for i in range(n)]
+rss0 = rss()
 index = Index([None])
 t0 = time.perf_counter()
 for k in keys:
     index.commit(k, 0, 4096, 4096, (1,), 4096, reserved=False)
 fill = time.perf_counter() - t0
+rss1 = rss()
 rng = random.Random(1)
 missing = [hashlib.sha256(b"missing/%d" % i).hexdigest() for i in range(5000)]
-out = {"fill_us": fill / n * 1e6, "contains_held_us": [], "contains_missing_us": [], "prefix_1000_us": []}
+out = {"fill_us": fill / n * 1e6, "rss_per_page": (rss1 - rss0) / n, "contains_held_us": [], "contains_missing_us": [], "prefix_1000_us": []}
 for _ in range(rounds):
     held = [k.encode().decode() for k in rng.choices(keys, k=20000)]  # fresh str objects, as a caller's
     t = time.thread_time()
@@ -76,7 +84,7 @@ def main() -> None:
         order = list(trees.items())
         for name, tree in (order if i % 2 == 0 else order[::-1]):  # who goes first alternates
             results.setdefault(n, {})[name] = r = measure(tree, n, args.rounds)
-            print(f"{n:>9,} {name:<9} fill {r['fill_us']:6.2f} us/page  " + "  ".join(
+            print(f"{n:>9,} {name:<9} fill {r['fill_us']:6.2f} us/page, RSS {r['rss_per_page']:5.0f} B/page  " + "  ".join(
                 f"{f} {statistics.median(r[f]):7.3f} (spread {min(r[f]):.3f}-{max(r[f]):.3f})" for f in FIGURES),
                 flush=True)
         if "reference" in results[n]:
