@@ -127,6 +127,11 @@ class Index:
         self._len = [[0] * 3 for _ in range(self.n_tiers)]  # pages per tier and list
         # grown in place, never replaced but here: the table reads these columns
         self._table = KeyTable(self._hash, self._key, self._odd, self._tiers, _SUB_BITS)
+        # The existence queries are the table's own methods, without the lock: no Python frame on
+        # SGLang's prefetch path (one costs about what the lookup does).
+        self.holders: Callable[[str], int] = self._table.holders  # the tiers holding a key (bitmask)
+        self.contains: Callable[..., bool] = self._table.contains  # (key, mask=-1): some tier in mask holds it
+        self.prefix_len: Callable[..., int] = self._table.prefix_len  # (keys, mask=-1): leading run held
         self._live = 0
         self.used = [0] * self.n_tiers
         self.held_bytes = 0  # bytes of the distinct pages held on any tier
@@ -139,18 +144,6 @@ class Index:
         with self._lock:
             slot = self._table.find(key)
             return self._info_under_index(slot) if slot >= 0 else None
-
-    def holders(self, key: str) -> int:
-        """The tiers holding ``key`` (a bitmask), without the lock."""
-        return self._table.holders(key)
-
-    def contains(self, key: str, mask: int = -1) -> bool:
-        """True when some tier in ``mask`` holds ``key``."""
-        return self._table.contains(key, mask)
-
-    def prefix_len(self, keys: Iterable[str], mask: int = -1) -> int:
-        """Length of the leading run of ``keys`` held by some tier in ``mask``."""
-        return self._table.prefix_len(keys, mask)
 
     def keys(self, tier: int | None = None) -> list[str]:
         """Every indexed key, or ``tier``'s in eviction order (oldest first)."""
