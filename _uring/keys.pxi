@@ -1,13 +1,14 @@
 # Included by _uring.pyx: KeyTable, the index's key -> slot map (kvstream_hicache/index.py), in C.
 #
 # SGLang's prefetch thread asks contains/prefix_len of every request on its critical path; a probe
-# of the packed index written in Python cost several times a dict lookup. Here a lookup costs less
-# than one: the key's cached str hash picks one of the sub-tables (open addressing, linear probing,
-# entries slot + 1, 0 never used, -1 deleted), and an entry whose hash matches is checked against
-# the key itself, a 64-hex key as its 32 bytes. The columns stay the index's (its ``array``s and
-# ``bytearray``, grown in place); only the sub-tables live here. Every method runs holding the GIL
-# and runs no Python code, so a lookup without the index lock sees one moment of the table: never a
-# sub-table half rebuilt, never a row freed between finding it and reading its tiers.
+# of the packed index written in Python cost several times a dict lookup. Here a lookup costs about
+# what a dict's does (docs/benchmarks.md "Scale"): the key's cached str hash picks one of the
+# sub-tables (open addressing, linear probing, entries slot + 1, 0 never used, -1 deleted), and an
+# entry whose hash matches is checked against the key itself, a 64-hex key as its 32 bytes. The
+# columns stay the index's (its ``array``s and ``bytearray``, grown in place); only the sub-tables
+# live here. Every method holds the GIL and, once it has the key's hash, runs no Python code, so a
+# lookup without the index lock sees one moment of the table: never a sub-table half rebuilt, never
+# a row freed between finding it and reading its tiers.
 
 cdef enum:
     _KEY_BYTES = 32
@@ -15,14 +16,23 @@ cdef enum:
     _ENTRY_GONE = -1
 
 
-cdef unsigned char _HEX[256]  # a character's hex value, or _NOT_HEX: a table, not branches (random
-cdef enum:                    # digits mispredict every other branch, several times the decode's cost)
+# A character's hex value, or _NOT_HEX: decoded by table, not by branches (random digits mispredict
+# every other branch, which cost several times the decode itself).
+cdef enum:
     _NOT_HEX = 0x10
-memset(_HEX, _NOT_HEX, sizeof(_HEX))
-for _c in range(10):
-    _HEX[48 + _c] = _c  # 0-9
-for _c in range(6):
-    _HEX[97 + _c] = 10 + _c  # a-f: lowercase only, the form SGLang and LMCache write
+cdef unsigned char _HEX[256]
+
+
+cdef void _init_hex() noexcept:
+    cdef int c
+    memset(_HEX, _NOT_HEX, sizeof(_HEX))
+    for c in range(10):
+        _HEX[48 + c] = c  # 0-9
+    for c in range(6):
+        _HEX[97 + c] = 10 + c  # a-f: lowercase only, the form SGLang and LMCache write
+
+
+_init_hex()
 
 
 cdef bint _unhex(object key, unsigned char *raw) noexcept:
