@@ -26,8 +26,8 @@ a *slot*, a row across flat ``array`` columns (length, block, bytes counted, wri
 where its CRCs start in one shared CRC array, per tier its LRU links); a 64-hex key (SGLang's and
 LMCache's) is kept as its 32 bytes; keys map to slots through open-addressing sub-tables of slot
 numbers (``_uring.KeyTable``, in C: a lookup costs about what a dict's does), so growing the table
-re-hashes one small sub-table at a time. About 100 bytes a page at one
-tier, 4 KiB pages (docs/benchmarks.md "Scale"). :class:`PageInfo` is a snapshot made on demand.
+re-hashes one small sub-table at a time. About 100 bytes a page at one tier, 4 KiB pages
+(docs/benchmarks.md "Scale"). :class:`PageInfo` is a snapshot made on demand.
 
 Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pages from before the
 restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
@@ -125,7 +125,7 @@ class Index:
         self._tail = [[_NIL] * 3 for _ in range(self.n_tiers)]
         self._count = [0] * self.n_tiers  # pages per tier
         self._len = [[0] * 3 for _ in range(self.n_tiers)]  # pages per tier and list
-        # grown in place, never replaced but here: the table reads these columns
+        # The columns above grow in place and are replaced only here: the key table reads them.
         self._table = KeyTable(self._hash, self._key, self._odd, self._tiers, _SUB_BITS)
         # The existence queries are the table's own methods, without the lock: no Python frame on
         # SGLang's prefetch path (one costs about what the lookup does).
