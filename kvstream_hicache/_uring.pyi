@@ -45,6 +45,7 @@ class Ring:
     entries: int
     cq_entries: int
     features: int
+    punt: bool  # every op via the kernel's async workers (IOSQE_ASYNC): submit never blocks in a file system
     def __init__(self, entries: int = ...) -> None: ...  # entries: RING_ENTRIES
     @property
     def in_flight(self) -> int: ...
