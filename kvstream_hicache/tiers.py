@@ -72,7 +72,7 @@ class Tier:
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
-                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS"):
+                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS", owner: int | None = None):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -99,7 +99,7 @@ class Tier:
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
         self.mount_point = mount_point(self.layout.base)
-        self.trust = establish(self.layout, self.dir_mode, self.shared, source, token)  # who owns what we use
+        self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
         self._dirs.update((self.layout.tmp, self.layout.pages))
 
     # -- health ---------------------------------------------------------------------------------
