@@ -494,17 +494,18 @@ class Engine:
         h = page.header
         self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
-    def _trim(self, k: int, nbytes: int) -> None:
-        """Evict ``nbytes`` of tier ``k``'s least recent pages and remove their files, as the writer
-        does when it makes room, TRIM_BYTES at a time behind the writes in progress (the scan found
-        the tier over its capacity: one lowered since the last run)."""
-        while nbytes > 0 and not self._closed:
+    def _trim(self, k: int) -> None:
+        """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
+        writer does when it makes room, TRIM_BYTES at a time behind the writes in progress (the scan
+        found the tier over its capacity: one lowered since the last run). The excess is measured
+        again at each step: a write may have made room in between, and what it evicted is not
+        evicted for twice (a stale excess would evict pages that fit)."""
+        while not self._closed:
             with self._writes.exclusive():
-                victims = self.index.evict(k, min(nbytes, TRIM_BYTES))
+                victims = self.index.evict_excess(k, TRIM_BYTES)
                 self._writes._evicted_under_writer(k, victims)
             if not victims:
                 return
-            nbytes -= min(nbytes, TRIM_BYTES)
 
     def _reconcile(self, tier: Tier) -> str:
         """A failed tier rejoins: forget indexed pages whose files did not survive. An error while

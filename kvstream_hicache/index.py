@@ -253,6 +253,19 @@ class Index:
         with self._lock:
             return self._evict_under_index(tier, self._victims_under_index(tier, nbytes, partial=True) or [])
 
+    def evict_excess(self, tier: int, limit: int) -> list[str]:
+        """Evict least-recent unpinned pages of ``tier`` until what it holds and has reserved fits its
+        capacity, at most about ``limit`` bytes of them (a trim: the scan found pages beyond a capacity
+        lowered since the last run). The excess is measured under the lock, at this call: writes that
+        made room meanwhile are not evicted for twice."""
+        with self._lock:
+            cap = self.capacities[tier]
+            excess = 0 if cap is None else self.used[tier] + self.reserved[tier] - cap
+            if excess <= 0:
+                return []
+            victims = self._victims_under_index(tier, min(excess, limit), partial=True) or []
+            return self._evict_under_index(tier, victims)
+
     def abort(self, tier: int, nbytes: int) -> None:
         with self._lock:
             self.reserved[tier] -= nbytes

@@ -65,12 +65,12 @@ class BackgroundScan:
     :param rate: page files per second per tier (0: unbounded).
     :param cpu: share of one core per tier thread, (0, 1] (1: unbounded).
     :param level: of the line each tier's scan logs when done (the engine's start-up line's).
-    :param trim: ``trim(k, nbytes)`` evicts and removes ``nbytes`` of tier ``k``'s least recent
-        pages (the engine does it as its writer would, behind writes in progress).
+    :param trim: ``trim(k)`` evicts and removes tier ``k``'s least recent pages beyond its capacity
+        (the engine does it as its writer would, behind writes in progress).
     """
 
     def __init__(self, tiers: Sequence[Tier], index: Index, digest: str, rate: float, cpu: float,
-                 trim: Callable[[int, int], None], level: int = logging.INFO):
+                 trim: Callable[[int], None], level: int = logging.INFO):
         self.index = index
         self.level = level
         self.digest = digest
@@ -197,9 +197,7 @@ class BackgroundScan:
             self._publish()
         self._failed(part)
         self.index.settle(tier.k, added, self.epoch)
-        used, cap = self.index.used[tier.k], tier.capacity
-        if cap is not None and used > cap:
-            self.trim(tier.k, used - cap)
+        self.trim(tier.k)
         part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
         if part.damaged or part.tmp:
             log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "

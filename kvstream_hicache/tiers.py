@@ -27,12 +27,11 @@ import errno
 import itertools
 import logging
 import os
-import shutil
 from collections.abc import Callable
 
 from .fds import close_fd
-from .integrity import open_regular
-from .layout import TierLayout
+from .integrity import open_regular, shard_entries, shards
+from .layout import TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import check_dir, establish, remove
@@ -299,10 +298,32 @@ class Tier:
             pass
 
     def clear(self) -> None:
-        """Remove every page of this namespace from the tier (its page directory tree). The directories
-        known to exist are forgotten, so the next write re-creates what it needs."""
-        shutil.rmtree(self.layout.pages, ignore_errors=True)
-        self._dirs.clear()
+        """Remove this namespace's page files from the tier, as a delete removes one (trust.py: only
+        a file the engine names, of a trusted owner, reached following no link). Another owner's
+        file, a link, a directory and a name kvstream never writes stay, logged (``kvstream check``
+        lists them); so do the shard directories, which the next writes use again."""
+        kept = 0
+        try:
+            names = shards(self.layout)
+        except OSError:  # the namespace directory is a link or a file: nothing of ours is there
+            names = []
+        for shard in names:
+            if not self.healthy:  # a removal failed for an I/O error: the tier is out
+                return
+            try:
+                entries = shard_entries(self.layout, shard)
+            except OSError as exc:
+                self.fail(exc.errno or errno.EIO, f"list {shard} to clear it")
+                return
+            for name, path in entries:
+                key = key_of_page_file(name) if name else None
+                if key is None or os.path.dirname(self.layout.page_path(key)) != os.path.dirname(path) \
+                        or self.unlink_page(key) is not None:
+                    kept += 1
+        if kept:
+            log.warning("kvstream: clear left %d entries of tier %d (%s) in place: not kvstream's page files "
+                        "(another owner's, a link, a directory or a stray; kvstream check lists them)",
+                        kept, self.k, self.layout.pages)
 
     def unlink_page(self, key: str) -> str | None:
         """Remove ``key``'s page file (only a file of a trusted owner, through its directory: trust.py).

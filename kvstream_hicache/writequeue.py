@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections import deque
@@ -191,15 +192,20 @@ class WriteQueue:
         until one does). A put answers True without writing only then: a copy deleted behind the
         engine's back (an operator, another process's eviction) is forgotten and written again."""
         for k in tiers_in(self.index.holders(key) & mask):
+            tier = self.tiers[k]
             try:
-                os.stat(self.tiers[k].layout.page_path(key))
-                return True
+                st = os.stat(tier.layout.page_path(key), follow_symlinks=False)
             except OSError as exc:
-                if self.tiers[k].copy_gone(exc.errno, key):  # this file alone is gone (deleted, or replaced
+                if tier.copy_gone(exc.errno, key):  # this file alone is gone (deleted, or replaced
                     self.index.remove(key, k)  # by another node: ESTALE); a tier that went keeps its entries,
                 elif exc.errno == errno.ENOENT:  # as on a read: its copies may come back with it
-                    self.tiers[k].fail(errno.ENOENT, f"look up {key}")
-                # (else cannot tell, EIO...: the entry stays, the page is written again)
+                    tier.fail(errno.ENOENT, f"look up {key}")
+                continue  # (else cannot tell, EIO...: the entry stays, the page is written again)
+            if stat.S_ISREG(st.st_mode) and tier.trust.owns(st):
+                return True
+            # A link or another owner's file under the name is never read (trust.py), so no copy: the
+            # write renames one of ours over the name.
+            self.index.remove(key, k)
         return False
 
     def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:

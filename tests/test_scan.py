@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from array import array
 
-from kvstream_hicache import check_tiers
+from kvstream_hicache import Engine, check_tiers
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
@@ -110,6 +110,29 @@ def test_capacity_eviction_before_and_after_the_scan(tier_dirs):
         assert [engine.contains(k) for k in old] == [False] * 6 + [True] * 2
         assert pages.checked_get(engine, old[6:] + new) == [True] * 8
         assert engine.check() == []
+
+
+def test_the_trim_never_evicts_what_writes_made_room_for(tier_dirs, monkeypatch):
+    """The scan ends over capacity, and writes evict the excess before its trim runs (the LMCache peer
+    suite's FIFO test caught this under load): the trim measures the excess again, and evicts no page
+    that fits (it evicted as much again, a page just stored among them)."""
+    pages = PageSet()
+    old, new = pages.keys(5), pages.keys(2, start=100)
+    with make_engine(tier_dirs[:1]) as engine:
+        for k in old:  # one put each: their write times order them
+            assert pages.put(engine, [k]) == [True]
+    trim = Engine._trim
+
+    def writes_first(engine, *args):  # the scan found 5 pages against 3; two puts come before the trim
+        assert pages.put(engine, new) == [True, True]  # evict old[0:4]: 3 pages held, the capacity
+        trim(engine, *args)
+
+    monkeypatch.setattr(Engine, "_trim", writes_first)
+    with make_engine(tier_dirs[:1], capacity=str(3 * PAGE_BYTES)) as engine:
+        assert engine.wait_scan(WAIT_S)
+        assert engine.index.keys(0) == old[4:] + new and engine.index.used[0] == 3 * PAGE_BYTES
+        assert pages.checked_get(engine, old[4:] + new) == [True] * 3
+        assert len(page_files(tier_dirs[0])) == 3 and engine.check() == []
 
 
 def test_two_processes_start_on_a_shared_tier_at_once(tier_dirs, tier_root):

@@ -247,6 +247,57 @@ def test_a_link_at_a_page_path_is_never_followed(tier_dirs, tier_root):
     assert Path(outside).read_bytes() == before
 
 
+def test_clear_removes_only_the_engines_own_page_files(tier_dirs, tier_root, caplog):
+    """``clear`` (HiCache's, LMCache's) removes this namespace's page files and nothing else found in its
+    tree: another owner's page file, a directory of the user's files under a shard, a name kvstream never
+    writes and a link (to the user's files elsewhere) all stay, and their owner's files are intact."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    precious = os.path.join(tier_root, "precious")
+    files = _precious(precious)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        layout = engine.tiers[0].layout
+        theirs = layout.page_path(keys[3])
+        os.chown(theirs, INTRUDER, INTRUDER)  # as another user's file comes to be there (a mapping, a chown)
+        shard = layout.page_dir(keys[0])
+        planted = {os.path.join(shard, "notes.txt"): b"n", os.path.join(shard, "mine", "data.bin"): b"d"}
+        for path, data in planted.items():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            Path(path).write_bytes(data)
+        link = os.path.join(shard, "elsewhere")
+        os.symlink(precious, link)
+        engine.clear()
+        assert [engine.contains(k) for k in keys] == [False] * 4
+        assert [os.path.exists(layout.page_path(k)) for k in keys] == [False, False, False, True]
+        assert os.stat(theirs).st_uid == INTRUDER and os.path.islink(link) and _unchanged(precious, files)
+        assert {p: Path(p).read_bytes() for p in planted} == planted
+        assert "clear left 4 entries of tier 0" in caplog.text
+        assert pages.put(engine, keys[:2]) == [True] * 2  # the shards are used again
+        assert pages.checked_get(engine, keys[:2]) == [True] * 2
+        for path in (theirs, link, *planted):  # the suite checks that every engine's tiers end clean
+            os.unlink(path)
+        os.rmdir(os.path.join(shard, "mine"))
+
+
+def test_a_put_of_a_page_whose_file_became_a_link_writes_it_again(tier_dirs, tier_root):
+    """A held page's file replaced by a link (to a valid copy of it outside the tier): a put of that key
+    does not take the link for the copy (a read never follows it): it writes the page again, over the
+    link, and the page is served; the link's target is untouched."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True, True]
+        path = engine.tiers[0].layout.page_path(keys[1])
+        outside = os.path.join(tier_root, "outside.kvp")
+        os.rename(path, outside)
+        before = Path(outside).read_bytes()
+        os.symlink(outside, path)
+        assert pages.put(engine, keys) == [True, True]
+        assert not os.path.islink(path) and Path(outside).read_bytes() == before
+        assert pages.checked_get(engine, keys) == [True, True]
+
+
 @pytest.fixture
 def shared_tier(tier_root):
     """A tier directory of group GROUP, 2770, as an operator sets one up for file_mode=shared."""
