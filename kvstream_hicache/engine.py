@@ -66,7 +66,6 @@ from .writes import WritePath
 
 log = logging.getLogger("kvstream")
 
-TRIM_BYTES = 256 << 20  # a trim (scan end, a capacity lowered) removes this much per hold of the writer's lock
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSED = "kvstream engine is closed"
 
@@ -153,7 +152,7 @@ class Engine:
         # Served from now on: pages of before the restart are found by discovery until the scan has them.
         level = logging.INFO if announce else logging.DEBUG
         self._scan = BackgroundScan(self.tiers, self.index, namespace.digest, config.scan_rate, config.scan_cpu,
-                                    _weak(self._trim, None), level)  # weak: a running scan keeps no engine alive
+                                    self._writes.trim, level)  # the write path's: the scan holds no engine
         self._closed = False
         self._scan.start()
         log.log(level,
@@ -493,19 +492,6 @@ class Engine:
         leaves the index (one version per key) but not the disk: it is a valid page too."""
         h = page.header
         self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
-
-    def _trim(self, k: int) -> None:
-        """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
-        writer does when it makes room, TRIM_BYTES at a time behind the writes in progress (the scan
-        found the tier over its capacity: one lowered since the last run). The excess is measured
-        again at each step: a write may have made room in between, and what it evicted is not
-        evicted for twice (a stale excess would evict pages that fit)."""
-        while not self._closed:
-            with self._writes.exclusive():
-                victims = self.index.evict_excess(k, TRIM_BYTES)
-                self._writes._evicted_under_writer(k, victims)
-            if not victims:
-                return
 
     def _reconcile(self, tier: Tier) -> str:
         """A failed tier rejoins: forget indexed pages whose files did not survive. An error while

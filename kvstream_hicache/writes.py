@@ -56,6 +56,7 @@ WAKE_S = 0.002  # longest wait for a write completion: a tier whose reads ended,
 # tier, is noticed within this (the reads' end also wakes the writer when nothing is in flight)
 TRUST_BYTES = 32 << 20  # replicate=budget judges a tier by its write bandwidth only once this much was
 # written to it undisturbed: a few small writes measure latency (and a stall), not bandwidth
+TRIM_BYTES = 256 << 20  # a trim (scan end, a capacity lowered) removes this much per hold of the writer's lock
 WRITE_UNIT = 1 << 20  # write requests are whole multiples of this (or of the chunk, if larger), bytes: a
 # smaller chunk is a checksum unit, not a reason for more, smaller writes
 
@@ -141,6 +142,23 @@ class WritePath:
                     self._finish_job_under_writer(job)
         for page, k in dropped:
             self.queue.job_over_under_writer(page, k)
+
+    def trim(self, k: int) -> None:
+        """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
+        writer does when it makes room, TRIM_BYTES at a time behind the writes in progress (the
+        start-up scan found the tier over its capacity: one lowered since the last run). The excess is
+        measured again at each step: a write may have made room in between, and what it evicted is not
+        evicted for twice (a stale excess would evict pages that fit).
+
+        The scan calls this on its own thread, which must hold no reference to the engine: were the
+        engine dropped meanwhile, its finalizer (close, which waits for the scan) would run there and
+        wait for itself."""
+        while not self.queue.closing:
+            with self.exclusive():
+                victims = self.index.evict_excess(k, TRIM_BYTES)
+                self._evicted_under_writer(k, victims)
+            if not victims:
+                return
 
     def close(self) -> None:
         """Write what is queued, stop the writer, close the ring. Idempotent."""

@@ -35,6 +35,7 @@ NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "
 CHUNK = 16 << 10  # small routing blocks: several blocks per page, blocks straddling segments
 PAGE_BYTES = 48 << 10  # default payload, bytes (a multiple of 8192: two 4096-aligned halves)
 HERE = os.path.dirname(os.path.abspath(__file__))
+SCAN_WAIT_S = 120  # the longest a start-up scan of a test's few pages may take on a loaded machine
 # The engine tests' pages (``Pages``: 192 KiB, in 64 KiB blocks: several items per page, blocks
 # straddling segments): test_engine, test_reads, test_engine_faults build engines with these.
 ARRAY_NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
@@ -130,12 +131,18 @@ def get_items(engine: Engine, items: Sequence[tuple[str, int, bool]], policy=Non
 
 def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fault_plan=None,
                 namespace: Namespace = NS, chunk: int | str = CHUNK, **settings) -> Engine:
-    """The tests' engine: the tiers ``dirs``, settings as a caller passes them (no environment)."""
+    """The tests' engine: the tiers ``dirs``, settings as a caller passes them (no environment).
+    Its start-up scan is over when it returns, unless the test sets ``scan_rate`` (the scan's own
+    tests): a test that damages or removes files must not race the engine's scan of them."""
     explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": chunk, **settings}
     kwargs = {"fault_plan": fault_plan}
     if clock is not None:
         kwargs["clock"] = clock
-    return Engine(Config.from_sources(explicit, environ={}), namespace, **kwargs)
+    engine = Engine(Config.from_sources(explicit, environ={}), namespace, **kwargs)
+    if "scan_rate" not in settings and not engine.wait_scan(SCAN_WAIT_S):
+        engine.close()
+        raise AssertionError(f"the start-up scan of {dirs} did not end in {SCAN_WAIT_S} s")
+    return engine
 
 
 make_array_engine = functools.partial(make_engine, namespace=ARRAY_NS, chunk=ARRAY_CHUNK)

@@ -462,3 +462,27 @@ def test_device_summary_pairs_each_round_with_the_reference():
     assert row["mbps"] == pytest.approx((1500 + 1800) / 2) and row["x_fio"] == pytest.approx((0.75 + 0.45) / 2)
     text = summary.device_markdown(runs)
     assert "| ram-0.7 (2 runs) | 1100, 0.050 s/GB | - | - | 1650 (1.50x), 0.050 s/GB | - |" in text
+
+
+def test_headline_leads_with_the_adapter_and_gives_per_round_spreads():
+    from kvstream_hicache.tools.bench import summary
+
+    rates = {"hicache-nixl": [1000, 2000, 1000], "sglang-adapter-1tier": [1100, 2400, 900],
+             "sglang-adapter": [1210, 2400, 1080], "kvstream-1tier": [1500, 3000, 1500], "kvstream": [1500, 2700, 1650]}
+    batches = [{"policy": p, "round": k, "t_ret": 1.0, "nbytes": int(r * 1e6)} for p, rs in rates.items()
+               for k, r in enumerate(rs)]
+    policies = {p: {"throughput_gbps": sum(rs) / len(rs) / 1e3, "share": [1.0, 0.0], "cpu_s_per_gb": 0.05,
+                    "memory_peak_bytes": None} for p, rs in rates.items()}
+    doc = {"policies": policies, "batches": batches, "tiers": ["/a", "/b"], "testbed": {"profile": "ram-0.7"},
+           "geometry": {"label": "llama3-8b P=64", "page_bytes": 8 << 20}, "fio": {"read": {"all": 4000}},
+           "loadavg": {"start": [1.0], "end": [2.0]}}
+    mla = {**doc, "geometry": {"label": "deepseek-v3 P=64 (MLA)", "page_bytes": 4497408}}
+    text = summary.headline_markdown([mla, doc])
+    lines = [x for x in text.splitlines() if x.startswith("| ")]
+    assert lines[0].split(" | ")[2].startswith("adapter 1 tier")  # the adapter before the engine
+    row = lines[1]  # page sizes largest first: the 8 MiB row, then MLA's
+    assert row.startswith("| llama3-8b P=64 (3 rounds) | 1000 (1000..2000); 0.050 | 1100 (900..2400); 1.10 (0.90..1.20); 0.050 |")
+    # two tiers per round against nixl and against their own one tier (1.10, 1.00, 1.20)
+    assert "| 1210 (1080..2400); 1.20 (1.08..1.21); 1.10 (1.00..1.20); 0.050 |" in row
+    assert lines[2].startswith("| deepseek-v3 P=64 (MLA) (3 rounds) |")
+    assert summary.spread([]) == "-"

@@ -177,3 +177,26 @@ def test_bench_mixed_scenario(tmp_path, tier_dirs):
     assert doc["policies"]["today"]["held_s"] == [0.0, 0.0]  # read_priority=off never holds a write
     pages = [len(files) for d in tier_dirs[:2] for _, _, files in os.walk(d) if files]
     assert sum(pages) == 2 * 2 * 8  # only the data set is left: two batches of 8 pages on both tiers
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang not installed")
+def test_bench_mla_pages_through_sglang_mla_host_pool(tmp_path, tier_dirs):
+    """DeepSeek's MLA pages (kv_lora_rank 512 + rope 64, one latent chunk per page) are read through
+    sglang's real ``MLATokenToKVPoolHost`` by the adapter on one and two tiers, every page checked."""
+    from kvstream_hicache.tools.bench import geometry
+    from kvstream_hicache.tools.bench.contenders import SglangHost
+
+    g = geometry.from_model("deepseek-v3", 32)
+    host = SglangHost(g, 2)  # (installs the CPU stubs sglang's imports need)
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    assert isinstance(host.host, MLATokenToKVPoolHost)
+    assert host.chunk_bytes == g.segments == (32 * 61 * 576 * 2,)
+    rc = cli.main(["bench", *tier_dirs[:2], "--model", "deepseek-v3", "--page-size", "32", "--batch", "4",
+                   "--batches", "2", "--warmup", "0", "--no-progress", "--verify", "-1", "--write-baseline", "none",
+                   "--policies", "sglang-adapter-1tier,sglang-adapter", "--json", str(tmp_path / "mla.json")])
+    assert rc == 0
+    doc = json.loads((tmp_path / "mla.json").read_text())
+    assert "(MLA)" in doc["geometry"]["label"] and doc["wrong_pages"] == {}
+    for name in ("sglang-adapter-1tier", "sglang-adapter"):
+        assert doc["policies"][name]["missing_pages"] == 0, name

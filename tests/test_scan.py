@@ -5,9 +5,13 @@ Real files, real io_uring; the scan is held back with its own rate limit (``scan
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from array import array
 
 from kvstream_hicache import Engine, check_tiers
+from kvstream_hicache.index import Index
+from kvstream_hicache.writes import WritePath
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
@@ -121,18 +125,40 @@ def test_the_trim_never_evicts_what_writes_made_room_for(tier_dirs, monkeypatch)
     with make_engine(tier_dirs[:1]) as engine:
         for k in old:  # one put each: their write times order them
             assert pages.put(engine, [k]) == [True]
-    trim = Engine._trim
+    trim, engines = WritePath.trim, []
 
-    def writes_first(engine, *args):  # the scan found 5 pages against 3; two puts come before the trim
-        assert pages.put(engine, new) == [True, True]  # evict old[0:4]: 3 pages held, the capacity
-        trim(engine, *args)
+    def writes_first(writes, *args):  # the scan found 5 pages against 3; two puts come before the trim
+        assert pages.put(engines[0], new) == [True, True]  # evict old[0:4]: 3 pages held, the capacity
+        trim(writes, *args)
 
-    monkeypatch.setattr(Engine, "_trim", writes_first)
-    with make_engine(tier_dirs[:1], capacity=str(3 * PAGE_BYTES)) as engine:
-        assert engine.wait_scan(WAIT_S)
+    monkeypatch.setattr(WritePath, "trim", writes_first)
+    with make_engine(tier_dirs[:1], capacity=str(3 * PAGE_BYTES), scan_rate=HELD) as engine:
+        engines.append(engine)
+        _release(engine)
         assert engine.index.keys(0) == old[4:] + new and engine.index.used[0] == 3 * PAGE_BYTES
         assert pages.checked_get(engine, old[4:] + new) == [True] * 3
         assert len(page_files(tier_dirs[0])) == 3 and engine.check() == []
+
+
+def test_the_scan_thread_never_holds_the_engine(tier_dirs, monkeypatch):
+    """The scan's end (its trim) runs on the scan's thread with no reference to the engine: were the
+    engine dropped meanwhile, its finalizer (close, which waits for the scan) would run on that thread
+    and wait for itself (CI hung so, a test's dropped engine finalized there)."""
+    seen, evict = [], Index.evict_excess
+
+    def looking(index, *args):  # who calls, and whether any frame on the way holds an engine
+        frame = sys._getframe(1)
+        while frame is not None:
+            seen.extend(name for name, v in frame.f_locals.items() if isinstance(v, Engine))
+            frame = frame.f_back
+        seen.append(threading.current_thread().name)
+        return evict(index, *args)
+
+    _stored(tier_dirs[:1], 2)
+    monkeypatch.setattr(Index, "evict_excess", looking)
+    with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:
+        _release(engine)
+    assert seen == ["kvstream-scan-0"]
 
 
 def test_two_processes_start_on_a_shared_tier_at_once(tier_dirs, tier_root):

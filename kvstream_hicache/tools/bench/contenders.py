@@ -229,7 +229,9 @@ class LMCacheReads(EngineReads):
 
 # ------------------------------------------------------------------------------------------ sglang
 class SglangHost:
-    """A real sglang host KV pool (page_first) holding one batch, and the controller stand-in."""
+    """A real sglang host KV pool (page_first) holding one batch, and the controller stand-in: sglang's
+    ``MHATokenToKVPoolHost`` (a K and a V chunk per page), or ``MLATokenToKVPoolHost`` for an MLA
+    geometry (one latent chunk per page, ``kv_lora_rank + rope`` per token and layer)."""
 
     def __init__(self, geometry: Geometry, batch_pages: int):
         import warnings
@@ -242,36 +244,43 @@ class SglangHost:
             import sglang.srt.managers.cache_controller  # noqa: F401
             import sglang.srt.mem_cache.memory_pool  # noqa: F401
         self.cpu_sglang = cpu_sglang
-        P, L, H, D = sglang_shape(geometry)
+        P = geometry.page_tokens if geometry.model is not None and geometry.model.mla else sglang_shape(geometry)[0]
         self.page_tokens = P
         self.page_bytes = geometry.page_bytes
         device_tokens = 2 * P  # the device pool is never used: keep it at two pages
-        self.pools = cpu_sglang.make_pools("mha", "page_first", page_size=P, layers=L, heads=H, head_dim=D,
-                                           device_tokens=device_tokens,
-                                           host_ratio=(batch_pages + 1) * P / device_tokens)
+        common = dict(page_size=P, device_tokens=device_tokens, host_ratio=(batch_pages + 1) * P / device_tokens)
+        if geometry.model is not None and geometry.model.mla:
+            m = geometry.model
+            self.pools = cpu_sglang.make_pools("mla", "page_first", layers=m.layers, kv_lora_rank=m.kv_lora_rank,
+                                               rope_dim=m.rope_dim, **common)
+        else:
+            _, L, H, D = sglang_shape(geometry)
+            self.pools = cpu_sglang.make_pools("mha", "page_first", layers=L, heads=H, head_dim=D, **common)
         self.host = self.pools.host
         self.host_indices = self.pools.alloc(batch_pages * P)
         ptrs, sizes = self.host.get_page_buffer_meta(self.host_indices)
-        if list(sizes[:2]) != list(geometry.segments):
-            raise RuntimeError(f"sglang host pool chunks {sizes[:2]} differ from the geometry {geometry.segments}")
-        self.chunk_bytes = (int(sizes[0]), int(sizes[1]))  # K and V chunk of a page
-        self.chunk_ptrs = [(int(ptrs[2 * i]), int(ptrs[2 * i + 1])) for i in range(batch_pages)]
+        per_page = len(geometry.segments)  # chunks per page: K and V (MHA), or one (MLA)
+        if list(sizes[:per_page]) != list(geometry.segments) or len(ptrs) != per_page * batch_pages:
+            raise RuntimeError(f"sglang host pool chunks {sizes[:per_page]} differ from the geometry "
+                               f"{geometry.segments}")
+        self.chunk_bytes = tuple(int(x) for x in sizes[:per_page])  # the chunks of a page, in order
+        self.chunk_ptrs = [tuple(int(x) for x in ptrs[per_page * i:per_page * (i + 1)]) for i in range(batch_pages)]
         from sglang.srt.managers.cache_controller import HiCacheController
 
         self.controller_cls = HiCacheController
-        # One 'page' view per page: K chunk then V chunk are not adjacent in page_first; checks use K's first
-        # block and V's last block, which is what a flat page's first and last blocks hold.
-        self.views = [_PageView(k, v, geometry.segments[0]) for k, v in self.chunk_ptrs]
+        # One 'page' view per page: K chunk then V chunk are not adjacent in page_first; checks use the first
+        # chunk's first block and the last chunk's last block, which is what a flat page's first and last hold.
+        self.views = [_PageView(chunks, self.chunk_bytes) for chunks in self.chunk_ptrs]
 
     def load(self, ds: Dataset, batch: Batch) -> None:
         """Put ``batch``'s page contents into the host pool (what a GPU backup would have left there)."""
         page = np.empty(ds.page_bytes, dtype=np.uint8)
-        k_bytes = ds.geometry.segments[0]
         for i, j in enumerate(batch.pages):
             ds.fill(j, page)
-            k, v = self.chunk_ptrs[i]
-            ctypes.memmove(k, page.ctypes.data, k_bytes)
-            ctypes.memmove(v, page.ctypes.data + k_bytes, ds.page_bytes - k_bytes)
+            at = 0
+            for ptr, size in zip(self.chunk_ptrs[i], self.chunk_bytes):
+                ctypes.memmove(ptr, page.ctypes.data + at, size)
+                at += size
 
     def stand_in(self, backend) -> SimpleNamespace:
         return SimpleNamespace(storage_backend=backend, storage_host_pool=self.host, mem_pool_host=self.host,
@@ -282,22 +291,23 @@ class SglangHost:
 
 
 class _PageView:
-    """Two host chunks (K, V) seen as one page for the check: ``[:n]`` is K's start, ``[-n:]`` V's end."""
+    """A page's host chunks seen as one page for the check: ``[:n]`` is the first chunk's start,
+    ``[-n:]`` the last chunk's end."""
 
-    def __init__(self, k: int, v: int, chunk: int):
-        self.k = np.ctypeslib.as_array((ctypes.c_uint8 * chunk).from_address(k))
-        self.v = np.ctypeslib.as_array((ctypes.c_uint8 * chunk).from_address(v))
+    def __init__(self, ptrs: Sequence[int], sizes: Sequence[int]):
+        self.first = np.ctypeslib.as_array((ctypes.c_uint8 * sizes[0]).from_address(ptrs[0]))
+        self.last = np.ctypeslib.as_array((ctypes.c_uint8 * sizes[-1]).from_address(ptrs[-1]))
 
     def __getitem__(self, s: slice):
         if s.start is None or s.start >= 0:
-            return self.k[s]
-        return self.v[s]
+            return self.first[s]
+        return self.last[s]
 
     def __setitem__(self, s: slice, value) -> None:
         if s.start is None or s.start >= 0:
-            self.k[s] = value
+            self.first[s] = value
         else:
-            self.v[s] = value
+            self.last[s] = value
 
 
 class _Op:

@@ -20,19 +20,25 @@ class Model:
     layers: int
     kv_heads: int = 0  # MHA/GQA: KV heads; 0 for MLA
     head_dim: int = 0  # MHA/GQA
-    kv_dim: int = 0  # MLA: kv_lora_rank + qk_rope_head_dim
+    kv_lora_rank: int = 0  # MLA: the latent's width (0: MHA/GQA)
+    rope_dim: int = 0  # MLA: qk_rope_head_dim
     dtype: str = "bf16"
 
     @property
     def mla(self) -> bool:
-        return self.kv_dim > 0
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_dim(self) -> int:
+        """MLA: values per token and layer (the latent and its rope part, one row)."""
+        return self.kv_lora_rank + self.rope_dim
 
 
 MODELS: dict[str, Model] = {
     "llama3-8b": Model("llama3-8b", layers=32, kv_heads=8, head_dim=128),
     "llama3-70b": Model("llama3-70b", layers=80, kv_heads=8, head_dim=128),
     "qwen2.5-7b": Model("qwen2.5-7b", layers=28, kv_heads=4, head_dim=128),
-    "deepseek-v3": Model("deepseek-v3", layers=61, kv_dim=576),
+    "deepseek-v3": Model("deepseek-v3", layers=61, kv_lora_rank=512, rope_dim=64),
 }
 
 

@@ -104,8 +104,7 @@ class NixlReads(Contender):
         return tuple(out)
 
     def _chunk_sizes(self, n: int) -> list[int]:
-        k, v = self.host.chunk_bytes
-        return [k, v] * n
+        return list(self.host.chunk_bytes) * n  # K and V (MHA), or one chunk (MLA: '_k' only)
 
     def write(self, ds, batch) -> float:
         """Store ``batch`` through ``_page_set_zero_copy`` (NIXL's O_DIRECT writes); returns seconds."""

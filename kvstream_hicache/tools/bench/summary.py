@@ -1,6 +1,7 @@
 """Summarize repeated ``kvstream bench --json`` runs: medians per (testbed, scenario, policy), as
 Markdown tables and two figures per testbed (gap per policy and scenario; gap against the static
-share g, the V of the paper's Figure 21). ``--device``: the device-speed tables instead (per testbed
+share g, the V of the paper's Figure 21). ``--headline``: the SGLang adapter's device-speed table (per
+testbed, a row per page geometry, per-round spreads). ``--device``: the device-speed tables instead (per testbed
 and page size: MB/s, ratios to the peers and to fio's both-tiers-at-once read measured in the same
 runs, CPU seconds per GB, engine memory), and one overview per page size, testbeds as rows.
 
@@ -326,16 +327,74 @@ def device_markdown(docs: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# (policy, its one-tier twin or None, heading): the SGLang adapter first (what a SGLang user runs, into
+# sglang's own host pool), then the bare engine into the bench's huge-page buffer
+HEADLINE_COLUMNS = (("sglang-adapter-1tier", None, "adapter 1 tier"), ("sglang-adapter", "sglang-adapter-1tier",
+                    "adapter 2 tiers"), ("kvstream-1tier", None, "engine 1 tier"), ("kvstream", "kvstream-1tier",
+                    "engine 2 tiers"))
+
+
+def spread(xs: Sequence[float], fmt: str = ".2f") -> str:
+    """``median (min..max)`` of per-round figures, or ``-``."""
+    if not xs:
+        return "-"
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}..{max(xs):{fmt}})"
+
+
+def round_rates(runs: Sequence[dict], name: str) -> list[float]:
+    """MB/s of each of ``name``'s batches over the runs."""
+    return [b["nbytes"] / b["t_ret"] / 1e6 for r in runs for b in r.get("batches", ())
+            if b["policy"] == name and b["t_ret"] > 0 and b["nbytes"]]
+
+
+def headline_markdown(docs: Sequence[dict]) -> str:
+    """The SGLang path's headline: per testbed, one row per page geometry, the adapter (sglang's host
+    pool) before the bare engine. Every figure is over interleaved rounds: the median and, in
+    brackets, the smallest and largest round; ratios are per round (against nixl's batch, or the
+    two-tier contender's one-tier twin, of the same round)."""
+    groups = {k: v for k, v in device_groups(docs).items() if k[0] == "sglang"}
+    ref = DEVICE_REFS["sglang"]
+    lines: list[str] = []
+    for prof in sorted({p for _, _, p in groups}, key=_device_order):
+        labels = sorted((g for _, g, p in groups if p == prof),
+                        key=lambda g: -groups[("sglang", g, prof)][0]["geometry"].get("page_bytes", 0))
+        lines += [f"#### {prof}: the SGLang adapter through sglang's host pool, beside the bare engine", "",
+                  "| pages | nixl: MB/s; s/GB | " + " | ".join(f"{h}: MB/s; x nixl; s/GB" if twin is None else
+                                                       f"{h}: MB/s; x nixl; x 1 tier; s/GB"
+                                                       for _, twin, h in HEADLINE_COLUMNS) + " | fio both, MB/s |",
+                  "|---|" + "---|" * (len(HEADLINE_COLUMNS) + 2)]
+        for label in labels:
+            runs = groups[("sglang", label, prof)]
+            nixl = device_row(runs, ref, ref)
+            cells = [spread(round_rates(runs, ref), ".0f") + ("; " + _f(nixl["cpu_s_per_gb"], ".3f") if nixl else "")]
+            for name, twin, _ in HEADLINE_COLUMNS:
+                row = device_row(runs, name, ref)
+                if row is None:
+                    cells.append("-")
+                    continue
+                parts = [spread(round_rates(runs, name), ".0f"), spread(paired_ratios(runs, name, ref))]
+                if twin is not None:
+                    parts.append(spread(paired_ratios(runs, name, twin)))
+                cells.append("; ".join(parts + [_f(row["cpu_s_per_gb"], ".3f")]))
+            cells.append(_f(_median([_fio_all(r) for r in runs]), ".0f"))
+            rounds = sum(len({b["round"] for b in r.get("batches", ())}) for r in runs)
+            lines.append(f"| {label} ({rounds} rounds) | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="+", help="kvstream bench --json outputs")
     p.add_argument("--device", action="store_true", help="device-speed tables (ratios to peers and fio, CPU s/GB)")
+    p.add_argument("--headline", action="store_true",
+                   help="the SGLang path's headline: per testbed and page geometry, the adapter beside the engine")
     p.add_argument("--md", help="write the Markdown tables here (default: stdout)")
     p.add_argument("--img-dir", help="write the summary figures here")
     p.add_argument("--prefix", default="bench")
     args = p.parse_args(argv)
     docs = load(args.json)
-    text = device_markdown(docs) if args.device else markdown(docs)
+    text = headline_markdown(docs) if args.headline else device_markdown(docs) if args.device else markdown(docs)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)
