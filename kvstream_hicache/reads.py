@@ -37,11 +37,11 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
+from .flow import MAX_REQUEST
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
 from .integrity import NotRegularFile
-from .flow import MAX_REQUEST
 from .io import MAX_VECTOR, OP_READ
 from .layout import HEADER_SIZE, round_up
 from .locks import ranked_lock
