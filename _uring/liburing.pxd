@@ -42,6 +42,7 @@ cdef extern from "<liburing.h>" nogil:
         IORING_FEAT_NODROP
         IORING_FEAT_EXT_ARG
         IORING_ASYNC_CANCEL_ANY
+        IOSQE_ASYNC
 
     uint64_t LIBURING_UDATA_TIMEOUT
 
@@ -58,6 +59,7 @@ cdef extern from "<liburing.h>" nogil:
     void io_uring_prep_writev(io_uring_sqe *sqe, int fd, const iovec *iovecs, unsigned nr_vecs, uint64_t offset)
     void io_uring_prep_cancel64(io_uring_sqe *sqe, uint64_t user_data, int flags)
     void io_uring_sqe_set_data64(io_uring_sqe *sqe, uint64_t data)
+    void io_uring_sqe_set_flags(io_uring_sqe *sqe, unsigned flags)
 
     int io_uring_wait_cqes(io_uring *ring, io_uring_cqe **cqe_ptr, unsigned wait_nr,
                            __kernel_timespec *ts, void *sigmask)

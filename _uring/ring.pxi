@@ -140,6 +140,8 @@ cdef class Ring:
     cdef readonly unsigned features
     cdef int _forks_at_open    # _forks when opened: another value means this is a forked child
     cdef readonly long owner_pid
+    cdef public bint punt      # every op straight to the kernel's async workers (IOSQE_ASYNC): submit never
+    # waits inside a file system (a FUSE or NFS write issued inline blocks there while its server hangs)
 
     def __cinit__(self):
         self._free = -1
@@ -452,6 +454,8 @@ cdef class Ring:
             else:
                 io_uring_prep_write(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
             io_uring_sqe_set_data64(sqe, <uint64_t>slot)
+            if self.punt:
+                io_uring_sqe_set_flags(sqe, IOSQE_ASYNC)
             self._in_kernel += 1
         if io_uring_sq_ready(&self._ring):
             self._submit_sq()

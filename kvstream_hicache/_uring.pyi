@@ -1,7 +1,8 @@
 """Type stub for the Cython extension kvstream_hicache._uring (source: _uring/_uring.pyx, which includes
-_uring/bytes.pxi, _uring/buffers.pxi and _uring/ring.pxi)."""
+_uring/bytes.pxi, _uring/buffers.pxi, _uring/ring.pxi and _uring/keys.pxi)."""
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Tuple, Union
@@ -44,6 +45,7 @@ class Ring:
     entries: int
     cq_entries: int
     features: int
+    punt: bool  # every op via the kernel's async workers (IOSQE_ASYNC): submit never blocks in a file system
     def __init__(self, entries: int = ...) -> None: ...  # entries: RING_ENTRIES
     @property
     def in_flight(self) -> int: ...
@@ -69,3 +71,18 @@ class PageMap:
 def crc32c(buf: Union[Buffer, RawMemory], crc: int = 0) -> int: ...
 def copy(dst_address: int, src_address: int, n: int) -> None: ...
 def _crc32c_software(data: Buffer, crc: int = 0) -> int: ...  # table path, for tests
+
+class KeyTable:
+    """The index's key -> slot map over its columns (see keys.pxi); lookups in C, holding the GIL."""
+    def __init__(self, hashes: array, keys: bytearray, odd: dict[int, str], tiers: array,
+                 sub_bits: int = 10, start: int = 8) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+    def find(self, key: object) -> int: ...
+    def holders(self, key: object) -> int: ...
+    def contains(self, key: object, mask: int = -1) -> bool: ...
+    def prefix_len(self, keys: Iterable[object], mask: int = -1) -> int: ...
+    def insert(self, slot: int) -> None: ...
+    def delete(self, slot: int) -> None: ...
+
+def unhex(key: object) -> bytes | None: ...  # a 64-lowercase-hex str as its 32 bytes, else None

@@ -56,9 +56,13 @@ SETTINGS: dict[str, Setting] = {
                                      "(0660 / 2770; also trusts the tier directory's group)"),
     "log_level": Setting(None, "level of the 'kvstream' logger (DEBUG, INFO, WARNING, ...); unset = inherit"),
     "memory": Setting("64M", "staging memory of the engine, bytes: half for reads in flight (shared by the "
-                             "tiers), half for writes of pages not 4096-aligned in memory; e.g. '64M', '1G'"),
+                             "tiers), half for staged write requests in flight (pages not 4096-aligned in "
+                             "memory, tiers on network file systems); e.g. '64M', '1G'"),
     "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
                                   " (0 = wait forever); a read landing in caller memory is waited for regardless"),
+    "write_timeout": Setting(10.0, "seconds a tier's writes in flight may go without progress before the tier "
+                                   "is failed and the puts answer without its copy (0 = wait forever); a write "
+                                   "from caller memory (a local tier) is waited for regardless"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
     "discover": Setting(True, "look up pages the index lacks on the tiers (written by another process sharing "
                               "the namespace, e.g. MLA's writer rank); off = index only"),
@@ -217,6 +221,7 @@ class Config:
     log_level: str | None = _default("log_level")
     memory: int = _default("memory")
     read_timeout: float = _default("read_timeout")
+    write_timeout: float = _default("write_timeout")
     tier_retry: float = _default("tier_retry")
     discover: bool = _default("discover")
     replicate: str = _default("replicate")
@@ -294,6 +299,8 @@ class Config:
         put("file_mode", _choice(self.file_mode, FILE_MODES, what("file_mode")))
         put("read_timeout", parse_number(self.read_timeout, what("read_timeout"),
                                          hint="; give seconds, e.g. 30, or 0 to wait forever"))
+        put("write_timeout", parse_number(self.write_timeout, what("write_timeout"),
+                                          hint="; give seconds, e.g. 10, or 0 to wait forever"))
         put("tier_retry", parse_number(self.tier_retry, what("tier_retry"), minimum=0.1,
                                        hint="; give seconds before a failed tier is probed again, e.g. 5"))
         put("discover", parse_flag(self.discover, what("discover")))

@@ -114,7 +114,7 @@ class Engine:
             log.setLevel(config.log_level)
         self.config = config
         self.namespace = namespace
-        self.warnings = probe_tiers(config)
+        self.warnings, owners = probe_tiers(config)
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
         capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
@@ -122,7 +122,7 @@ class Engine:
         self._token = tmpfiles.register()
         source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, _weak(self._reconcile, ""), source)
+                           self._token, clock, _weak(self._reconcile, ""), source, owners[k])
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))

@@ -15,9 +15,8 @@ what callers stored (LMCache's adapters count the same), not the 4 KiB header an
 The engine's read, write, existence and scan threads call at once. Every method that changes the
 index, and ``get``/``keys``, takes the index lock, for a bounded step (a sub-table's resize, a chunk
 of a sort); the existence queries (``holders``, ``contains``, ``prefix_len``, ``pages_on``, ``len``)
-do not, so SGLang's prefetch thread never waits behind an eviction or the scan: each element read
-is atomic under the GIL, a row read is checked again against the key's hash afterwards (a row freed
-and reused meanwhile holds another key), and each answer is what was true at some moment of the call.
+do not, so SGLang's prefetch thread never waits behind an eviction or the scan: the key lookups run
+in C (``_uring.KeyTable``) holding the GIL, each key's answer from one moment of the table.
 Methods ending ``_under_index`` run with the lock held.
 Victims are removed from the index *before* the caller deletes their files, so a reader either
 pinned a page before it was chosen (it is then not chosen) or never finds it.
@@ -26,8 +25,9 @@ Packed, not one object per page (a tier of millions of pages, docs/design.md "Th
 a *slot*, a row across flat ``array`` columns (length, block, bytes counted, write time, tiers, pins,
 where its CRCs start in one shared CRC array, per tier its LRU links); a 64-hex key (SGLang's and
 LMCache's) is kept as its 32 bytes; keys map to slots through open-addressing sub-tables of slot
-numbers, so growing the table re-hashes one small sub-table at a time. About 100 bytes a page at one
-tier, 4 KiB pages (docs/benchmarks.md "Scale"). :class:`PageInfo` is a snapshot made on demand.
+numbers (``_uring.KeyTable``, in C: a lookup costs about what a dict's does), so growing the table
+re-hashes one small sub-table at a time. About 100 bytes a page at one tier, 4 KiB pages
+(docs/benchmarks.md "Scale"). :class:`PageInfo` is a snapshot made on demand.
 
 Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pages from before the
 restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
@@ -42,16 +42,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ._uring import KeyTable, unhex
 from .locks import ranked_lock
 
 OLD, SCANNED, HOT = 0, 1, 2
 _LISTS = (OLD, SCANNED, HOT)
 _NONE = 255  # not on a list of this tier
 _NIL = -1  # end of a list
-_EMPTY, _GONE = 0, -1  # sub-table entries: never used, deleted; else slot + 1
 _SUB_BITS = 10  # 1024 sub-tables: a resize re-hashes ~1/1024 of the keys
-_SUB_MASK = (1 << _SUB_BITS) - 1
-_SUB_START = 8
 _KEY_BYTES = 32
 _DROP_BUCKETS = 4095  # mask: removals counted in 4096 buckets of keys (see mark)
 RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since the scan read the file
@@ -83,18 +81,6 @@ class PageInfo:
         return f"PageInfo(length={self.length}, block={self.block}, tiers={self.tiers:#b}, pins={self.pins})"
 
 
-def _encode(key: str) -> bytes | None:
-    """The 32 bytes of a 64-lowercase-hex key, or None (the key is kept as a str)."""
-    if len(key) == 2 * _KEY_BYTES and key == key.lower():
-        try:
-            raw = bytes.fromhex(key)
-        except ValueError:
-            return None
-        if len(raw) == _KEY_BYTES:  # fromhex skips whitespace: "a b..." is not a hex key
-            return raw
-    return None
-
-
 class Index:
     """key -> slot, packed per-slot columns, per tier three LRU lists and byte counts.
 
@@ -118,8 +104,6 @@ class Index:
         self._reset()
 
     def _reset(self) -> None:
-        self._subs = [array("i", bytes(4 * _SUB_START)) for _ in range(1 << _SUB_BITS)]
-        self._sub_filled = [0] * (1 << _SUB_BITS)  # used + deleted entries
         self._hash = array("q")
         self._key = bytearray()
         self._odd: dict[int, str] = {}  # slot -> a key that is not 64-hex
@@ -141,6 +125,13 @@ class Index:
         self._tail = [[_NIL] * 3 for _ in range(self.n_tiers)]
         self._count = [0] * self.n_tiers  # pages per tier
         self._len = [[0] * 3 for _ in range(self.n_tiers)]  # pages per tier and list
+        # The columns above grow in place and are replaced only here: the key table reads them.
+        self._table = KeyTable(self._hash, self._key, self._odd, self._tiers, _SUB_BITS)
+        # The existence queries are the table's own methods, without the lock: no Python frame on
+        # SGLang's prefetch path (one costs about what the lookup does).
+        self.holders: Callable[[str], int] = self._table.holders  # the tiers holding a key (bitmask)
+        self.contains: Callable[..., bool] = self._table.contains  # (key, mask=-1): some tier in mask holds it
+        self.prefix_len: Callable[..., int] = self._table.prefix_len  # (keys, mask=-1): leading run held
         self._live = 0
         self.used = [0] * self.n_tiers
         self.held_bytes = 0  # bytes of the distinct pages held on any tier
@@ -151,30 +142,8 @@ class Index:
 
     def get(self, key: str) -> PageInfo | None:
         with self._lock:
-            slot = self._find(key)
+            slot = self._table.find(key)
             return self._info_under_index(slot) if slot >= 0 else None
-
-    def holders(self, key: str) -> int:
-        """The tiers holding ``key`` (a bitmask), without the lock."""
-        slot = self._find(key)
-        if slot < 0:
-            return 0
-        tiers = self._tiers[slot]
-        # a row freed and reused since _find holds another key, whose hash differs (but for 2**-64)
-        return tiers if self._hash[slot] == hash(key) else 0
-
-    def contains(self, key: str, mask: int = -1) -> bool:
-        """True when some tier in ``mask`` holds ``key``."""
-        return bool(self.holders(key) & mask)
-
-    def prefix_len(self, keys: Iterable[str], mask: int = -1) -> int:
-        """Length of the leading run of ``keys`` held by some tier in ``mask``."""
-        n = 0
-        for key in keys:
-            if not self.holders(key) & mask:
-                break
-            n += 1
-        return n
 
     def keys(self, tier: int | None = None) -> list[str]:
         """Every indexed key, or ``tier``'s in eviction order (oldest first)."""
@@ -198,7 +167,7 @@ class Index:
         out: list[PageInfo | None] = []
         with self._lock:
             for key in keys:
-                slot = self._find(key)
+                slot = self._table.find(key)
                 if slot >= 0:
                     self._pins[slot] += 1
                     out.append(self._info_under_index(slot))
@@ -219,7 +188,7 @@ class Index:
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it; False if not held."""
         with self._lock:
-            slot = self._find(key)
+            slot = self._table.find(key)
             if slot < 0:
                 return False
             for tier in tiers_in(self._tiers[slot]):
@@ -282,7 +251,7 @@ class Index:
         with self._lock:
             if reserved:
                 self.reserved[tier] -= nbytes
-            slot = self._find(key)
+            slot = self._table.find(key)
             displaced: list[int] = []
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
                 held = self._tiers[slot]
@@ -314,7 +283,7 @@ class Index:
                 return -1
             if self._drops[hash(key) & _DROP_BUCKETS] != mark:
                 return RETRY
-            slot = self._find(key)
+            slot = self._table.find(key)
             if slot >= 0 and self._tiers[slot] >> tier & 1:
                 return -1
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
@@ -331,7 +300,7 @@ class Index:
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:
-            slot = self._find(key)
+            slot = self._table.find(key)
             return slot >= 0 and self._drop_under_index(slot, tier)
 
     def clear(self) -> None:
@@ -383,7 +352,7 @@ class Index:
 
     def _new_slot_under_index(self, key: str, length: int, block: int, crcs: Sequence[int], nbytes: int,
                   created_ns: int) -> int:
-        raw = _encode(key)
+        raw = unhex(key)
         n = len(crcs)
         runs = self._crc_free.get(n)
         if runs:
@@ -416,7 +385,7 @@ class Index:
                 self._on[tier].append(_NONE)
         if raw is None:
             self._odd[slot] = key
-        self._insert_under_index(slot, key)
+        self._table.insert(slot)
         self._live += 1
         self.held_bytes += nbytes
         return slot
@@ -442,7 +411,7 @@ class Index:
         self._unlink_under_index(tier, slot)
         self._drops[self._hash[slot] & _DROP_BUCKETS] += 1
         if not self._tiers[slot]:
-            self._delete_under_index(slot)
+            self._table.delete(slot)
             self._live -= 1
             self.held_bytes -= self._nbytes[slot]
             if self.on_gone is not None:
@@ -517,66 +486,6 @@ class Index:
             prev[n] = p
         self._on[tier][slot] = _NONE
         self._len[tier][where] -= 1
-
-    # -- internals: key -> slot ------------------------------------------------------------------
-    def _find(self, key: str) -> int:
-        """The live slot of ``key``, or -1. Safe without the lock: a sub-table being replaced is
-        read whole (the old one), an entry found is checked against the key itself."""
-        h = hash(key)
-        sub = self._subs[h & _SUB_MASK]
-        mask = len(sub) - 1
-        i = (h >> _SUB_BITS) & mask
-        hashes, stored, odd = self._hash, self._key, self._odd
-        while True:
-            e = sub[i]
-            if e == _EMPTY:
-                return -1
-            if e > 0 and hashes[e - 1] == h:  # the hash matches: compare the key itself
-                slot = e - 1
-                name = odd.get(slot) if odd else None
-                if (name if name is not None else stored[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()) == key:
-                    return slot
-            i = (i + 1) & mask
-
-    def _insert_under_index(self, slot: int, key: str) -> None:
-        h = self._hash[slot]
-        s = h & _SUB_MASK
-        sub = self._subs[s]
-        if 2 * (self._sub_filled[s] + 1) > len(sub):
-            sub = self._rehash_under_index(s)
-        mask = len(sub) - 1
-        i = (h >> _SUB_BITS) & mask
-        while sub[i] > 0:  # a deleted entry is reused
-            i = (i + 1) & mask
-        if sub[i] == _EMPTY:
-            self._sub_filled[s] += 1
-        sub[i] = slot + 1
-
-    def _delete_under_index(self, slot: int) -> None:
-        h = self._hash[slot]
-        sub = self._subs[h & _SUB_MASK]
-        mask = len(sub) - 1
-        i = (h >> _SUB_BITS) & mask
-        while sub[i] != slot + 1:
-            i = (i + 1) & mask
-        sub[i] = _GONE
-
-    def _rehash_under_index(self, s: int) -> array:
-        """Rebuild sub-table ``s`` without its deleted entries, doubled when more than a quarter full."""
-        live = [e for e in self._subs[s] if e > 0]
-        size = len(self._subs[s])
-        while 4 * (len(live) + 1) > size:
-            size *= 2
-        sub = array("i", bytes(4 * size))
-        mask = size - 1
-        for e in live:
-            i = (self._hash[e - 1] >> _SUB_BITS) & mask
-            while sub[i]:
-                i = (i + 1) & mask
-            sub[i] = e
-        self._subs[s] = sub
-        self._sub_filled[s] = len(live)
-        return sub
 
 
 def tiers_in(mask: int) -> Iterable[int]:

@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import re
+from typing import NamedTuple
 
 from .config import Capacity, Config, env_name, setting_source
 from .errors import TierError
@@ -26,18 +27,24 @@ PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs"
                        "efivarfs", "rpc_pipefs", "selinuxfs"})
 
 
-def probe_tiers(config: Config) -> list[str]:
+class Probed(NamedTuple):
+    warnings: list[str]  # e.g. two tiers on one file system
+    owners: list[int]  # per tier, the uid its probe's file came out owned by (trust.py trusts it)
+
+
+def probe_tiers(config: Config) -> Probed:
     """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
-    tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. Returns warnings (two
-    tiers on one file system).
+    tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. One O_DIRECT probe per
+    tier: the owner its file comes out with is handed to the tier's start-up (trust.establish).
 
     :raises TierError: naming the tier, the setting and the fix.
     """
     warnings = list(config.warnings)
     check_overlap(config)
     devices: dict[int, str] = {}
+    owners = []
     for tier in config.tiers:
-        probe_tier(tier.path, config.modes[1], config.sources.get("tiers", env_name("tiers")))
+        owners.append(probe_tier(tier.path, config.modes[1], config.sources.get("tiers", env_name("tiers"))))
         dev = os.stat(tier.path).st_dev
         if dev in devices:
             warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "
@@ -45,7 +52,7 @@ def probe_tiers(config: Config) -> list[str]:
         devices.setdefault(dev, tier.path)
     for w in warnings:
         log.warning("kvstream: %s", w)
-    return warnings
+    return Probed(warnings, owners)
 
 
 def check_overlap(config: Config) -> None:
@@ -94,8 +101,9 @@ def resolve_capacity(capacity: Capacity, path: str) -> int | None:
     return int(st.f_blocks * st.f_frsize * capacity.share)
 
 
-def probe_tier(path: str, dir_mode: int, source: str) -> None:
-    """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support."""
+def probe_tier(path: str, dir_mode: int, source: str) -> int:
+    """Raise :class:`TierError` unless ``path`` is a writable directory with O_DIRECT support; return
+    the uid the probe's file came out owned by (a file system may map owners)."""
     try:
         os.stat(path)
     except OSError as exc:
@@ -109,7 +117,7 @@ def probe_tier(path: str, dir_mode: int, source: str) -> None:
     try:
         base_fd, tmp_fd = open_base(path, dir_mode, source)  # made where missing, following no link
         try:
-            probe_direct("", "config", dir_fd=tmp_fd)
+            return probe_direct("", "config", dir_fd=tmp_fd)
         finally:
             close_fd(base_fd)
             close_fd(tmp_fd)

@@ -1,7 +1,7 @@
 """What the write path writes: a put (``PutCall``) and its pages (``WritePage``): a page's sources,
-its checksums and header, the staging copy of a page not 4096-aligned in memory, and the writes
-that fill its file; a page on one tier (``Job``: its temporary file) and one write request of it in
-flight (``Write``). Plain data, used by writes.py and writequeue.py under the writer's lock
+its checksums and header, and the writes that fill its file, from the caller's memory or staged a
+request at a time; a page on one tier (``Job``: its temporary file) and one write request of it in
+flight (``Write``, with its staging copy if any). Plain data, used by writes.py and writequeue.py under the writer's lock
 (``PutCall.signal`` also without it, for a put with nothing to write).
 """
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from .integrity import PageHeader, block_crcs, pack_header
-from .layout import HEADER_SIZE, file_size, is_aligned, round_up
+from .layout import HEADER_SIZE, file_size, is_aligned
+from .io import copy
 from .segments import Payload, Segment
 
 log = logging.getLogger("kvstream")
@@ -70,11 +71,12 @@ class PutCall:
 class WritePage:
     """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
 
-    __slots__ = ("key", "segments", "length", "block", "file_bytes", "aligned", "crcs", "created", "data",
-                 "staging", "header", "users", "targets", "expected", "committed", "left", "calls", "spare")
+    __slots__ = ("key", "segments", "payload", "length", "block", "file_bytes", "aligned", "crcs", "created",
+                 "header", "users", "targets", "expected", "committed", "left", "calls", "spare")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
+        self.payload = Payload(segments)
         self.file_bytes = file_size(length)
         self.aligned = all(is_aligned(a, n) for a, n in segments)
         self.targets = targets  # tiers to write (bitmask)
@@ -82,72 +84,66 @@ class WritePage:
         self.spare = 0  # tiers replicate=budget skipped: written after all if no tier committed the page
         self.crcs: tuple[int, ...] | None = None  # computed when its first job starts
         self.created = 0
-        self.data: list[tuple[int, int, int]] = []  # (address, nbytes, file offset) of the payload
-        self.staging = None  # staging copy (unaligned pages), held while a job of the page is in flight
-        self.header = None
-        self.users = 0  # jobs started and not finished (they hold the staging copy and the header)
+        self.header = None  # the page header, held while a job of the page is in flight
+        self.users = 0  # jobs started and not finished (they hold the header)
         self.committed: list[int] = []
         self.left = 0  # jobs not finished
         self.calls: list[tuple[PutCall, int]] = []  # (put, position of the key in it)
 
-    def prepare(self, pool, digest: str) -> int:
-        """Checksums (once per page), the header, and where the payload is written from: the caller's
-        memory (aligned) or a staging copy from ``pool``, held while a job of the page is in flight.
-        Returns the staging bytes it took."""
-        staged = 0
-        if self.aligned:
-            if self.crcs is None:
-                payload = Payload(self.segments)
-                self.data = [(address, n, HEADER_SIZE + start)
-                             for (address, n), start in zip(self.segments, payload.starts) if n]
-                self.crcs = block_crcs(self.segments, self.length, self.block)
-        elif self.staging is None:
-            staged = round_up(self.length)
-            staging = self.staging = pool.get(staged)
-            Payload(self.segments).gather(staging.address)
-            if staged > self.length:
-                ctypes.memset(staging.address + self.length, 0, staged - self.length)
-            self.data = [(staging.address, staged, HEADER_SIZE)]
-            if self.crcs is None:
-                self.crcs = block_crcs([(staging.address, self.length)], self.length, self.block)
+    def prepare(self, pool, digest: str) -> None:
+        """Checksums (once per page, from the caller's memory) and the header (from ``pool``, held
+        while a job of the page is in flight)."""
+        if self.crcs is None:
+            self.crcs = block_crcs(self.segments, self.length, self.block)
         if self.header is None:
             if not self.created:
                 self.created = time.time_ns()
             self.header = pool.get(HEADER_SIZE)
             pack_header(PageHeader(self.key, digest, self.length, self.block, self.crcs, self.created), self.header)
-        return staged
 
-    def release(self, pool) -> int:
-        """The staging copy and the header go back to ``pool``; returns the staging bytes freed."""
-        freed = 0
-        if self.staging is not None:
-            freed = self.staging.nbytes
-            pool.put(self.staging)
-            self.staging = None
+    def release(self, pool) -> None:
+        """The header goes back to ``pool``."""
         if self.header is not None:
             pool.put(self.header)
             self.header = None
-        return freed
 
-    def requests(self, request: float) -> list[tuple]:
-        """The writes of the page file: ``(buffer, bytes, file offset)``, each ``request`` payload bytes
-        (the first also carries the header), a buffer being one ``(address, length)`` or a list of them
-        (a vectored write where a request spans the header and the payload, or two segments)."""
-        ops: list[tuple] = []
-        pieces: list[tuple[int, int]] = []
-        size = start = 0
-        limit = request + HEADER_SIZE
-        for address, n, _offset in [(self.header.address, HEADER_SIZE, 0), *self.data]:  # contiguous in the file
-            while n:
-                take = int(min(n, limit - size))
-                pieces.append((address, take))
-                size, address, n = size + take, address + take, n - take
-                if size == limit:
-                    ops.append((pieces if len(pieces) > 1 else pieces[0], size, start))
-                    start, pieces, size, limit = start + size, [], 0, request
-        if pieces:
-            ops.append((pieces if len(pieces) > 1 else pieces[0], size, start))
-        return ops
+    def spans(self, request: float, staged: bool) -> list[tuple[int, int]]:
+        """The writes of the page file: ``(bytes, file offset)``, each ``request`` payload bytes, the
+        first also carrying the header (staged: ``request`` bytes each, header included, so that
+        staging buffers are of one size: two 1 MiB requests share a huge-page slab, 1 MiB + 4 KiB
+        would take one each)."""
+        out = []
+        start, size = 0, request + (0 if staged else HEADER_SIZE)
+        while start < self.file_bytes:
+            n = int(min(size, self.file_bytes - start))
+            out.append((n, start))
+            start, size = start + n, request
+        return out
+
+    def memory(self, n: int, start: int):
+        """Where file bytes ``[start, start + n)`` of a page written from the caller's memory (aligned:
+        no padding) lie: one ``(address, length)``, or a list of them (a vectored write spanning the
+        header and the payload, or two segments)."""
+        pieces = []
+        if start < HEADER_SIZE:
+            pieces.append((self.header.address + start, HEADER_SIZE - start))
+        offset = max(start, HEADER_SIZE) - HEADER_SIZE
+        pieces.extend(self.payload.pieces(offset, start + n - HEADER_SIZE - offset))
+        return pieces if len(pieces) > 1 else pieces[0]
+
+    def fill(self, address: int, n: int, start: int) -> None:
+        """Copy file bytes ``[start, start + n)`` into staging memory at ``address``: the header, the
+        payload from the caller's memory, zeros past its end."""
+        end = start + n
+        if start < HEADER_SIZE:
+            copy(address, self.header.address + start, min(end, HEADER_SIZE) - start)
+        lo = max(start, HEADER_SIZE) - HEADER_SIZE  # payload offsets
+        hi = max(lo, min(end - HEADER_SIZE, self.length))
+        if hi > lo:
+            self.payload.gather(address + HEADER_SIZE + lo - start, lo, hi - lo)
+        pad = end - HEADER_SIZE - hi
+        if pad > 0:
+            ctypes.memset(address + n - pad, 0, pad)
 
 
 CANCELLED = -1  # Job.err of a job that clear() cancelled
@@ -157,19 +153,21 @@ class Write:
     """One write request in flight: ``nbytes`` of ``job``'s file. ``epoch``: the tier's read epoch
     when submitted (-1: a read was running), so a completion measures the device only undisturbed."""
 
-    __slots__ = ("job", "tier", "nbytes", "epoch", "t0", "ahead", "orphan")
+    __slots__ = ("job", "tier", "nbytes", "epoch", "staging", "t0", "ahead", "orphan")
 
     def __init__(self, job: "Job", nbytes: int, epoch: int):
         self.job, self.tier, self.nbytes, self.epoch = job, job.tier, nbytes, epoch
+        self.staging = None  # the request's staging copy (a staged job), held until its completion
 
 
 class Job:
-    """One page on one tier: a temporary file and the writes that fill it."""
+    """One page on one tier: a temporary file and the writes that fill it (``ops``: ``(bytes, file
+    offset)``), from the caller's memory or, ``staged``, each from a staging copy of its own."""
 
-    __slots__ = ("page", "tier", "fd", "tmp", "ops", "next", "in_flight", "err", "tries")
+    __slots__ = ("page", "tier", "fd", "tmp", "ops", "staged", "next", "in_flight", "err", "tries")
 
-    def __init__(self, page: WritePage, tier: int, fd: int, tmp: str, ops: list[tuple]):
-        self.page, self.tier, self.fd, self.tmp, self.ops = page, tier, fd, tmp, ops
+    def __init__(self, page: WritePage, tier: int, fd: int, tmp: str, ops: list[tuple[int, int]], staged: bool):
+        self.page, self.tier, self.fd, self.tmp, self.ops, self.staged = page, tier, fd, tmp, ops, staged
         self.next = 0  # ops[next:] not yet submitted
         self.in_flight = 0
         self.err = 0

@@ -24,6 +24,7 @@ TIER_COUNTERS = (
     "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
     "quarantined", "other_versions", "write_failures", "skipped_writes", "replica_skipped_pages",
     "replica_skipped_bytes", "write_held_s",
+    "write_timeouts", "writes_abandoned",
 )
 TOTAL_COUNTERS = (
     "gets", "pages_requested", "pages_found", "pages_missing", "puts", "pages_put", "pages_stored",

@@ -40,8 +40,9 @@ log = logging.getLogger("kvstream")
 
 # errnos that say the tier (not one page) is unusable
 TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENODEV, errno.ENXIO,
-                         errno.ESTALE, errno.ENOTCONN, errno.ECONNABORTED, errno.ESHUTDOWN, errno.EBADF})
-# (ECONNABORTED: a FUSE mount whose client process died)
+                         errno.ESTALE, errno.ENOTCONN, errno.ECONNABORTED, errno.ESHUTDOWN, errno.EBADF,
+                         errno.ETIMEDOUT})
+# (ECONNABORTED: a FUSE mount whose client process died; ETIMEDOUT: a hung tier, writes.py)
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; writes.py's _room_possible_under_writer stops hopeless ones
@@ -71,7 +72,7 @@ class Tier:
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
-                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS"):
+                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS", owner: int | None = None):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -98,7 +99,7 @@ class Tier:
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
         self.mount_point = mount_point(self.layout.base)
-        self.trust = establish(self.layout, self.dir_mode, self.shared, source, token)  # who owns what we use
+        self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
         self._dirs.update((self.layout.tmp, self.layout.pages))
 
     # -- health ---------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class Tier:
         page) is unusable, or its directory vanished. Returns True when the tier is now failed."""
         if err not in TIER_ERRNOS and not (err == errno.ENOENT and self.gone()):
             return False
-        vanished = self.gone()  # (I/O: before the lock)
+        vanished = err != errno.ETIMEDOUT and self.gone()  # (I/O: before the lock; none on a hung tier)
         with self._lock:
             self.last_error = f"{what}: {os.strerror(err)}"
             self._errors += 1

@@ -241,27 +241,30 @@ def _tier_dir(root: str, path: str, parent_fd: int, dir_mode: int, source: str) 
                         "keeps its pages in): move or remove it, or choose another directory") from None
 
 
-def _trust(root: str, base_fd: int, tmp_fd: int, shared: bool, tag: str) -> Trust:
-    """This user, the owner the probe's file comes out with in ``tmp``, and (shared) the tier's group:
-    the root's, or in a root every user may write (sticky), that of the engine's own ``kvstream/``."""
-    uids = frozenset({os.geteuid(), probe_direct("", tag, dir_fd=tmp_fd)})
+def _trust(root: str, base_fd: int, tmp_fd: int, shared: bool, tag: str, owner: int | None = None) -> Trust:
+    """This user, the owner the probe's file comes out with in ``tmp`` (``owner``: already probed),
+    and (shared) the tier's group: the root's, or in a root every user may write (sticky), that of
+    the engine's own ``kvstream/``."""
+    uids = frozenset({os.geteuid(), probe_direct("", tag, dir_fd=tmp_fd) if owner is None else owner})
     if not shared:
         return Trust(uids)
     root_st = os.stat(root)
     return Trust(uids, (os.fstat(base_fd) if root_st.st_mode & stat.S_IWOTH else root_st).st_gid)
 
 
-def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag: str) -> Trust:
+def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag: str,
+              owner: int | None = None) -> Trust:
     """Start-up of one tier: its directories (``kvstream/``, ``tmp/``, the namespace) created where
     missing through descriptors, the trusted owners learnt (the O_DIRECT probe in ``tmp``, named with
-    ``tag``), and every directory the engine uses checked (:func:`dir_findings`, shards included).
+    ``tag``; or ``owner``, what the engine's start-up probe of the tier found: one probe, not two),
+    and every directory the engine uses checked (:func:`dir_findings`, shards included).
 
     :raises ConfigError: a directory fails the checks (naming it, its owner and mode, and the fix).
     :raises TierError: a file is in the way of ``kvstream/`` or ``tmp/``.
     :raises OSError: the tier cannot be written (the probe, a mkdir)."""
     base_fd, tmp_fd = open_base(layout.root, dir_mode, source)
     try:
-        trust = _trust(layout.root, base_fd, tmp_fd, shared, tag)
+        trust = _trust(layout.root, base_fd, tmp_fd, shared, tag, owner)
         for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
             raise dir_error(path, st, why, trust, source)
         close_fd(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))

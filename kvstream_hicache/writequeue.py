@@ -49,6 +49,7 @@ class WriteSettings(NamedTuple):
     replicate: str
     replicate_slack: float
     write_backlog: int
+    write_timeout: float
 
     @classmethod
     def of(cls, config) -> "WriteSettings":

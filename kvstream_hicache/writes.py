@@ -10,9 +10,12 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
     flight are within its window (flow.py: the window and request size follow the device):
         start the next job: reserve capacity (LRU victims deleted first), open a temporary file
             (at most TMP_FILES_PER_TIER per tier, files.py: a put of any size holds a bounded
-            number of descriptors), checksums (once per page) and the header; a page not 4096-aligned in
-            memory is copied into staging (the write half of ``memory``) while a job of it is in flight
-        submit its header and payload in requests of the flow's size (inflight.py)
+            number of descriptors), checksums (once per page) and the header
+        submit its header and payload in requests of the flow's size (inflight.py): from the caller's
+            memory (aligned pages, local tiers), else each request from a staging copy of its own (the
+            write half of ``memory`` bounds those in flight, whatever the page size: back-pressure)
+        a tier with writes in flight and no completion for write_timeout: failed, its queued pages skip
+            it, its staged jobs abandoned (their writes read only staging; files removed when they end)
         on completion: Tier.commit ([fdatasync] -> rename into place) -> index commit; ENOSPC ->
             evict LRU on that tier and rewrite (or rename again), up to SPACE_RETRIES times
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
@@ -40,9 +43,11 @@ from .files import OUT_OF_DESCRIPTORS, TMP_FILES_PER_TIER, Shortage
 from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
-from .layout import round_up
+from .flow import MAX_REQUEST
+from .layout import ALIGN
 from .locks import ranked_lock
 from .priority import ReadPriority
+from .probe import fs_type
 from .puts import CANCELLED, Job, Write, WritePage
 from .segments import Segment
 from .staging import BufferPool
@@ -56,9 +61,33 @@ WAKE_S = 0.002  # longest wait for a write completion: a tier whose reads ended,
 # tier, is noticed within this (the reads' end also wakes the writer when nothing is in flight)
 TRUST_BYTES = 32 << 20  # replicate=budget judges a tier by its write bandwidth only once this much was
 # written to it undisturbed: a few small writes measure latency (and a stall), not bandwidth
+ORPHAN_POLL_S = 0.1  # with only abandoned writes in flight (a hung tier), the writer looks for their end this
+# often, s (their files go when they end)
 TRIM_BYTES = 256 << 20  # a trim (scan end, a capacity lowered) removes this much per hold of the writer's lock
 WRITE_UNIT = 1 << 20  # write requests are whole multiples of this (or of the chunk, if larger), bytes: a
 # smaller chunk is a checksum unit, not a reason for more, smaller writes
+
+
+# File systems whose writes end in this machine's block layer or memory: a request there completes or
+# fails (the block layer times a request out: 30 s for NVMe and SCSI), so a page 4096-aligned in memory
+# is written from the caller's memory and waited for. On any other (NFS, FUSE, SMB, Lustre, GPFS, ...)
+# a request may hang as long as a server does: its writes are staged, so that a put can give up on
+# them at write_timeout without the kernel reading the caller's memory after the put returned.
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "nilfs2", "zfs",
+                      "tmpfs", "ramfs"})
+
+
+def writes_from_caller_memory(path: str) -> bool:
+    """Whether aligned pages are written to the tier at ``path`` from the caller's memory (zero-copy)."""
+    return fs_type(path) in LOCAL_FS
+
+
+def _punt(ring) -> None:
+    """Every op of ``ring`` (the io_uring one, under a fault wrapper too) goes to the kernel's async
+    workers: submitting never blocks (the thread pool engine never does)."""
+    ring = getattr(ring, "inner", ring)
+    if hasattr(ring, "punt"):
+        ring.punt = True
 
 
 class WritePath:
@@ -66,7 +95,7 @@ class WritePath:
     pool, the write queues (``queue``, writequeue.py), and the writer thread.
 
     :param priority: tells which tiers a read uses now (writes there wait).
-    :param staging_limit: staging memory for pages not 4096-aligned in memory, bytes.
+    :param staging_limit: staging memory for the staged write requests in flight, bytes.
     :param ceiling: most bytes one tier may keep in flight (its window's ceiling).
     :param settings: the queue's (writequeue.py): replicate, replicate_slack, write_backlog.
 
@@ -92,7 +121,14 @@ class WritePath:
         self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues)
         self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
-        self._staged = 0  # staging bytes held by pages with a job in flight
+        self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
+        self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
+        # at most: one always fits in the staging memory
+        self._zero_copy = [writes_from_caller_memory(tier.root) for tier in tiers]
+        if not all(self._zero_copy):  # a tier may hang: io_uring would issue its writes inline, in the writer's
+            _punt(ring)               # submit, where a FUSE or NFS write waits for its server
+        self.write_timeout = settings.write_timeout
+        self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
         self._fds = Shortage()
         self._held_since: list[float | None] = [None] * n
         self._busy_seen = [0.0] * n
@@ -161,13 +197,27 @@ class WritePath:
                 return
 
     def close(self) -> None:
-        """Write what is queued, stop the writer, close the ring. Idempotent."""
+        """Write what is queued, stop the writer, close the ring (in a background thread while a hung
+        tier holds abandoned writes: closing a ring waits for the kernel). Idempotent."""
         self.queue.close()
         if self._thread is not threading.current_thread():  # (a dropped engine's __del__ may run here)
             self._thread.join()
         with self.lock:
-            self.io.ring.close()
-            self.pool.close()
+            if not self.io.orphans:
+                self._close_ring()
+                return
+            log.warning("kvstream: close(): %d abandoned writes still in flight (a hung tier); the write ring "
+                        "and its buffers are released by a background thread once they end", self.io.orphans)
+            threading.Thread(target=self._close_ring, name="kvstream-close", daemon=True).start()
+
+    def _close_ring(self) -> None:
+        self.io.ring.close()  # (drains: the abandoned writes' buffers are free after it)
+        for write in self.io.abandon():
+            self._unstage_under_writer(write)
+            write.job.in_flight -= 1
+            if not write.job.in_flight:
+                self.tiers[write.tier].discard(write.job.fd, write.job.tmp)
+        self.pool.close()
 
     def _bandwidth_under_queues(self, k: int) -> float:
         """Tier k's write bandwidth (bytes/s, undisturbed by reads), or 0 until TRUST_BYTES were
@@ -175,17 +225,27 @@ class WritePath:
         return self.io.flows[k].rate if self.measured[k] >= TRUST_BYTES else 0.0
 
     # -- the writer thread -----------------------------------------------------------------------
+    def _has_live_writes(self) -> bool:
+        """Writes in flight other than abandoned ones."""
+        return len(self.io) > self.io.orphans
+
     def _has_work_under_queues(self) -> bool:
-        return bool(len(self.io)) or any(self.queue.fifo) or any(self._active)
+        return self._has_live_writes() or any(self.queue.fifo) or any(self._active)
 
     def _run(self) -> None:
         queue = self.queue
         while True:
             with queue.lock:
                 queue.work.wait_for(lambda: (self._has_work_under_queues() and not queue.exclusive) or
-                                    (queue.closing and not self._has_work_under_queues()))
+                                    (queue.closing and not self._has_work_under_queues()),
+                                    ORPHAN_POLL_S if self.io.orphans else None)
                 if not self._has_work_under_queues():
-                    return
+                    if queue.closing:
+                        return
+                    if not self.io.orphans:
+                        continue
+                elif queue.exclusive:
+                    continue
                 wakes = queue.wakes
             with self.lock:
                 try:
@@ -211,7 +271,9 @@ class WritePath:
             for write, res in done:
                 self._complete_under_writer(write, res, now)
             self._account_busy_under_writer()
-            return None
+            self._check_hung_under_writer(now)
+            # only abandoned writes left (a hung tier): look again after a while, not at once
+            return None if done or self._has_live_writes() else ORPHAN_POLL_S
         timeout = until
         retry = self._fds.retry_at - time.monotonic()
         if retry > 0:
@@ -250,18 +312,37 @@ class WritePath:
                     job = self._next_job_under_writer(k, now)
                     if job is None:
                         break
-                    buf, n, offset = job.ops[job.next]
+                    n, offset = job.ops[job.next]
+                    if job.staged and self._staged and self._staged + n > self.staging_limit:
+                        break  # back-pressure: staging is full of writes in flight; one ends first
                     job.next += 1
                     job.in_flight += 1
                     write = Write(job, n, -1 if self.priority.reading(k) else self.priority.epoch(k))
                     writes.append(write)
+                    buf = self._stage_under_writer(write, offset) if job.staged else job.page.memory(n, offset)
                     self.io.add(write, OP_WRITE, job.fd, buf, offset, now)
+                    if not self.io.bytes[k] - write.nbytes - self.io.orphaned[k]:
+                        self._progress[k] = now  # the tier was idle: its hang clock starts here
             self.io.submit()
         except BaseException:  # none of the batch is in flight (InFlight.submit): the jobs take it back
             for write in writes:
                 write.job.next -= 1
                 write.job.in_flight -= 1
+                self._unstage_under_writer(write)
             raise
+
+    def _stage_under_writer(self, write: Write, offset: int) -> tuple[int, int]:
+        """A staging copy of the write's file bytes (held by the write until its completion)."""
+        staging = write.staging = self.pool.get(write.nbytes)
+        self._staged += staging.nbytes
+        write.job.page.fill(staging.address, write.nbytes, offset)
+        return staging.address, write.nbytes
+
+    def _unstage_under_writer(self, write: Write) -> None:
+        if write.staging is not None:
+            self._staged -= write.staging.nbytes
+            self.pool.put(write.staging)
+            write.staging = None
 
     def _next_job_under_writer(self, k: int, now: float) -> Job | None:
         """The job of tier ``k`` with a write left to submit: a started one, else the next page of
@@ -276,9 +357,6 @@ class WritePath:
                 if not self.queue.fifo[k]:
                     return None
                 page = self.queue.fifo[k][0]
-            if not page.aligned and page.staging is None and self._staged and \
-                    self._staged + round_up(page.length) > self.staging_limit:
-                return None  # staging memory is in use by pages in flight: wait for one
             started = self._start_job_under_writer(page, k)
             if started is False:
                 return None  # out of descriptors: the page stays first in line
@@ -288,14 +366,10 @@ class WritePath:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
 
-    def _prepare_under_writer(self, page: WritePage) -> None:
-        self._staged += page.prepare(self.pool, self.digest)
-
     def _release_under_writer(self, page: WritePage) -> None:
-        """No job of the page in flight: its staging copy and header go back (a later job of another
-        tier copies again from the caller's memory, which stays valid until the page is done)."""
+        """No job of the page in flight: its header goes back."""
         if not page.users:
-            self._staged -= page.release(self.pool)
+            page.release(self.pool)
 
     def _start_job_under_writer(self, page: WritePage, k: int) -> Job | None | bool:
         """A job for ``page`` on tier ``k``, ready to submit; None when the page cannot go there (the
@@ -323,7 +397,7 @@ class WritePath:
         self._evicted_under_writer(k, victims)
         page.users += 1
         try:
-            self._prepare_under_writer(page)
+            page.prepare(self.pool, self.digest)
         except BaseException:
             page.users -= 1
             self._release_under_writer(page)
@@ -331,7 +405,10 @@ class WritePath:
             self.index.abort(k, page.length)
             raise
         request = self.io.flows[k].request if self.priority.enabled else math.inf
-        job = Job(page, k, fd, tmp, page.requests(request))
+        staged = not (page.aligned and self._zero_copy[k])
+        if staged:  # each request is staged whole: no request may need more than the staging memory
+            request = min(request, self._piece)
+        job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
         self._active[k].append(job)
         return job
 
@@ -343,9 +420,58 @@ class WritePath:
         self.queue.job_over_under_writer(page, k)
         return None
 
+    # -- a hung tier ------------------------------------------------------------------------------
+    def _check_hung_under_writer(self, now: float) -> None:
+        if self.write_timeout <= 0:
+            return
+        for k in range(len(self.tiers)):
+            if self.io.bytes[k] > self.io.orphaned[k] and now - self._progress[k] > self.write_timeout:
+                self._progress[k] = now  # (what is waited for, writes from caller memory, is looked at again later)
+                self._hung_under_writer(k)
+
+    def _hung_under_writer(self, k: int) -> None:
+        """Tier ``k``'s writes in flight made no progress for write_timeout: the tier fails (no I/O on
+        it: it may hang), its queued pages skip it, and its staged jobs are abandoned: the pages end
+        with the tiers that committed them (or a tier that replicate=budget skipped writes them), the
+        puts answer. An abandoned write reads only its staging copy; its file goes when it ends. A job
+        writing from the caller's memory (a local tier) is waited for: the kernel may read that memory
+        until its requests complete."""
+        self.stats.add(k, "write_timeouts")
+        self.stats.add(k, "errors")
+        self.tiers[k].fail(errno.ETIMEDOUT, f"writes made no progress for {self.write_timeout:g} s (write_timeout)")
+        with self.queue.lock:
+            dropped = list(self.queue.fifo[k])
+            self.queue.fifo[k].clear()
+        for page in dropped:
+            self.queue.job_over_under_writer(page, k)
+        for job in list(self._active[k]):
+            if job.in_flight and not job.staged:
+                continue
+            job.err = errno.ETIMEDOUT
+            self.stats.add(k, "writes_abandoned")
+            self.index.abort(k, job.page.length)
+            self.io.orphan([w for w in self.io.requests() if w.job is job])
+            self._leave_job_under_writer(job)
+            if not job.in_flight:
+                self._discard_abandoned_under_writer(job)
+
+    def _discard_abandoned_under_writer(self, job: Job) -> None:
+        """An abandoned job with no write left in flight: its file goes, in a thread of its own (closing
+        or unlinking on a hung tier blocks until the tier answers; the writer must not wait for it)."""
+        self._fds.closed()
+        threading.Thread(target=self.tiers[job.tier].discard, args=(job.fd, job.tmp),
+                         name="kvstream-discard", daemon=True).start()
+
     # -- completions -----------------------------------------------------------------------------
     def _complete_under_writer(self, write: Write, res: int, now: float) -> None:
         job, want, k = write.job, write.nbytes, write.tier
+        self._unstage_under_writer(write)
+        self._progress[k] = now
+        if write.orphan:  # its job was abandoned (a hung tier): its file goes once no write of it is left
+            job.in_flight -= 1
+            if not job.in_flight:
+                self._discard_abandoned_under_writer(job)
+            return
         # A write measures the tier's bandwidth only if no read started on the tier meanwhile:
         # writes held back or slowed by reads must not lower it.
         if write.epoch >= 0 and write.epoch == self.priority.epoch(k) and not self.priority.reading(k):
@@ -397,8 +523,12 @@ class WritePath:
 
     def _close_job_under_writer(self, job: Job) -> None:
         """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""
-        self._active[job.tier].remove(job)
         self._fds.closed()
+        self._leave_job_under_writer(job)
+
+    def _leave_job_under_writer(self, job: Job) -> None:
+        """The job is over for its page (committed, failed or abandoned)."""
+        self._active[job.tier].remove(job)
         job.page.users -= 1
         self._release_under_writer(job.page)
         self.queue.job_over_under_writer(job.page, job.tier)

@@ -1,8 +1,8 @@
 """Scale bench: a tier of many small pages. Start-up to the first served request, the background scan's
 duration and rate, RSS per indexed page, and get/contains latency, at each page count.
 
-    python scripts/scale_bench.py [--pages 10000,100000,1000000] [--dir /var/tmp] [--page-bytes 4096]
-                                  [--scan-rate 0] [--scan-cpu 1] [--json OUT]
+    python scripts/scale_bench.py [--pages 10000,100000,1000000] [--dir /var/tmp | --glusterfs]
+                                  [--page-bytes 4096] [--scan-rate 0] [--scan-cpu 1] [--json OUT]
 
 For each count it fills one tier directory with that many page files of ``--page-bytes`` (written
 straight in the engine's file format, header and CRCs by integrity.pack_header, so that 1M pages take
@@ -20,6 +20,10 @@ a fresh interpreter each time (clean RSS):
 Runs the same measurement against another tree with ``--reference DIR`` (e.g. the main checkout
 before the change), which must hold an importable ``kvstream_hicache``: its ``Engine()`` may scan in
 the foreground (then the scan time is the start-up time). The tier directories are removed at the end.
+
+``--glusterfs`` puts the tier on a GlusterFS started for the run (tools/bench/glusterfs.py: one
+glusterd, a brick on an ext4 loop image, a FUSE mount; root only; it holds the machine's glusterd
+lock, and everything it started is stopped and removed at the end).
 """
 from __future__ import annotations
 
@@ -149,6 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", default="10000,100000,1000000")
     ap.add_argument("--dir", default="/var/tmp")
+    ap.add_argument("--glusterfs", action="store_true", help="the tier on a GlusterFS started for the run")
     ap.add_argument("--page-bytes", type=int, default=4096)
     ap.add_argument("--scan-rate", type=float, default=0.0)
     ap.add_argument("--scan-cpu", type=float, default=1.0)
@@ -160,6 +165,22 @@ def main() -> None:
         root, n = args.child[0], int(args.child[1])
         print(json.dumps(measure(root, n, args.page_bytes, args.scan_rate, args.scan_cpu, int(args.child[2]))))
         return
+    if args.glusterfs:
+        from kvstream_hicache.tools.bench.glusterfs import GlusterFS
+
+        work = tempfile.mkdtemp(prefix="kvstream-scale-gfs-", dir=args.dir)
+        fs = GlusterFS(work, brick_bytes=4 << 30).start()
+        try:
+            args.dir = fs.mount("a")
+            run(args)
+        finally:
+            fs.stop()
+            shutil.rmtree(work, ignore_errors=True)
+    else:
+        run(args)
+
+
+def run(args) -> None:
     rows = []
     for n in (int(x) for x in args.pages.split(",")):
         root = tempfile.mkdtemp(prefix=f"kvstream-scale-{n}-", dir=args.dir)

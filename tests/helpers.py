@@ -1,5 +1,5 @@
 """The tests' helpers, one module (tests import it, never another test module): pages with known
-content (``PageSet``, ``content``) and as numpy arrays (``Pages``), the engine factory, rings, a fake
+content (``PageSet``, ``content``; ``Pages``: some held as numpy arrays), the engine factory, rings, a fake
 clock, ``wait_until``, a fault plan by tier, real loop-device file systems, and the child processes of
 the crash and multi-process tests. Fixtures are in conftest.py.
 
@@ -40,6 +40,7 @@ SCAN_WAIT_S = 120  # the longest a start-up scan of a test's few pages may take 
 # straddling segments): test_engine, test_reads, test_engine_faults build engines with these.
 ARRAY_NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
 ARRAY_CHUNK = 64 << 10
+ARRAY_PAGE = 192 << 10
 ENGINES = ["uring", "threads"]  # the I/O engines every ring and engine test runs on
 REQUIRE_URING = os.environ.get("KVSTREAM_REQUIRE_URING") == "1" or os.environ.get("KVSTREAM_STRICT") == "1"
 
@@ -61,7 +62,8 @@ def content(k: str, size: int = PAGE_BYTES) -> bytes:
 
 class _Memory:
     """Caller memory for one page: 4096-aligned (the zero-copy write path) or at an odd address
-    (the staging path), cut into segments as a host KV pool would be."""
+    (the staging path), cut into segments as a host KV pool would be: K and V halves, or odd
+    lengths (one of a single byte) so that blocks straddle segments."""
 
     def __init__(self, size: int, aligned: bool):
         self.size = size
@@ -71,32 +73,47 @@ class _Memory:
         else:
             self._buf = np.zeros(size + 1, dtype=np.uint8)
             self.array = self._buf[1:]  # odd address
-        base = self.array.ctypes.data
         if aligned and size % 8192 == 0:
             half = size // 2  # K and V
-            self.segments = [(base, half), (base + half, half)]
-        elif size > 3:
-            a, b = size // 3 + 1, size // 2 + 1  # odd cuts: blocks straddle segments
-            self.segments = [(base, a), (base + a, b - a), (base + b, size - b)]
+            self.shape = [half, half]
+        elif size > 16:
+            a, b = size // 5 + 1, size // 3 + 3
+            self.shape = [a, 1, b, size - a - b - 1]
         else:
-            self.segments = [(base, size)]
+            self.shape = [size]
+        starts = np.cumsum([0] + self.shape[:-1])
+        self.arrays = [self.array[o:o + n] for o, n in zip(starts, self.shape)]
+        self.segments = [(a.ctypes.data, a.nbytes) for a in self.arrays]
 
     def bytes(self) -> bytes:
         return self.array.tobytes()
 
 
 class PageSet:
-    """Pages of one size whose content is ``content(key, size)``; puts and checked gets."""
+    """Pages of one size whose content is ``content(key, size)`` (or ``data(key)``); puts and checked
+    gets through fresh caller memory, and, with ``held``, that many numbered pages (``keys(held)``)
+    kept in caller memory: ``src`` (their content) and ``dst`` (zeroed), per page a list of numpy
+    arrays, one per segment."""
 
-    def __init__(self, size: int = PAGE_BYTES, aligned: bool = True, salt: str = "p", data=None):
+    def __init__(self, size: int = PAGE_BYTES, aligned: bool = True, salt: str = "p", data=None, held: int = 0):
         self.size, self.aligned, self.salt = size, aligned, salt
         self._data = data  # key -> payload, overriding content(key, size)
+        self._src = [self._memory(k) for k in self.keys(held)]
+        self.src = [m.arrays for m in self._src]
+        self.shapes = [m.shape for m in self._src]
+        self.dst = self.fresh()
 
     def keys(self, n: int, start: int = 0) -> list[str]:
         return [key(i, self.salt) for i in range(start, start + n)]
 
     def data(self, k: str) -> bytes:
         return self._data(k) if self._data is not None else content(k, self.size)
+
+    def _memory(self, k: str | None = None) -> _Memory:
+        m = _Memory(self.size, self.aligned)
+        if k is not None:
+            m.array[:] = np.frombuffer(self.data(k), dtype=np.uint8)
+        return m
 
     def put(self, engine: Engine, keys: Sequence[str]) -> list[bool]:
         return put_items(engine, [(k, self.data(k), self.aligned) for k in keys])
@@ -111,6 +128,35 @@ class PageSet:
             if ok:
                 assert data == self.data(k), f"page {k[:12]} served with wrong bytes"
         return found
+
+    # the held pages, for tests that pass their own keys and memory to the engine
+    def fresh(self) -> list[list[np.ndarray]]:
+        """New zeroed memory for every held page."""
+        return [self._memory().arrays for _ in self._src]
+
+    @property
+    def src_segments(self) -> list[list[Segment]]:
+        return segments_of(self.src)
+
+    @property
+    def dst_segments(self) -> list[list[Segment]]:
+        return segments_of(self.dst)
+
+    def equal(self, i: int, dst=None) -> bool:
+        """Held page ``i`` arrived whole in ``dst`` (default: ``self.dst``)."""
+        dst = self.dst if dst is None else dst
+        return all(np.array_equal(a, b) for a, b in zip(self.src[i], dst[i]))
+
+
+def segments_of(pages: Sequence[Sequence[np.ndarray]]) -> list[list[Segment]]:
+    """The ``(address, nbytes)`` segments of pages given as lists of arrays."""
+    return [[(a.ctypes.data, a.nbytes) for a in page] for page in pages]
+
+
+def Pages(n: int, aligned: bool = True, seed: int = 0, size: int = ARRAY_PAGE) -> PageSet:  # noqa: N802
+    """The engine tests' pages: ``n`` held pages of a PageSet, ARRAY_PAGE bytes by default (the
+    ARRAY_CHUNK blocks of :func:`make_array_engine`); ``seed`` picks the content."""
+    return PageSet(size, aligned, salt=f"held{seed}", held=n)
 
 
 def put_items(engine: Engine, items: Sequence[tuple[str, bytes, bool]]) -> list[bool]:
@@ -147,54 +193,6 @@ def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fau
 
 make_array_engine = functools.partial(make_engine, namespace=ARRAY_NS, chunk=ARRAY_CHUNK)
 make_array_engine.__doc__ = "make_engine with the defaults of the tests that use ``Pages``."
-
-
-class Pages:
-    """Page payloads (random) and destination buffers, as segment lists over numpy arrays."""
-
-    def __init__(self, n: int, aligned: bool = True, seed: int = 0, size: int = 192 << 10):
-        rng = np.random.default_rng(seed)
-        self.aligned = aligned
-        self._keep: list = []
-        if aligned:
-            half = size // 2  # K and V: two 4096-multiple segments per page
-            self.shapes = [[half, half]] * n
-        else:
-            a, b = size // 5 + 1, size // 3 + 3  # odd lengths: blocks straddle segments
-            self.shapes = [[a, 1, b, size - a - b - 1]] * n
-        self.src = [[self._array(s) for s in shape] for shape in self.shapes]
-        for page in self.src:
-            for a in page:
-                a[:] = rng.integers(0, 256, a.size, dtype=np.uint8)
-        self.dst = self.fresh()
-
-    def _array(self, nbytes: int) -> np.ndarray:
-        if self.aligned:
-            buf = AlignedBuffer(nbytes)
-            self._keep.append(buf)
-            return np.frombuffer(buf, dtype=np.uint8)
-        raw = np.zeros(nbytes + 1, dtype=np.uint8)
-        self._keep.append(raw)
-        return raw[1:]  # odd address
-
-    def fresh(self) -> list[list[np.ndarray]]:
-        return [[self._array(s) for s in shape] for shape in self.shapes]
-
-    @staticmethod
-    def segments(pages) -> list[list[tuple[int, int]]]:
-        return [[(a.ctypes.data, a.nbytes) for a in page] for page in pages]
-
-    @property
-    def src_segments(self):
-        return self.segments(self.src)
-
-    @property
-    def dst_segments(self):
-        return self.segments(self.dst)
-
-    def equal(self, i: int, dst=None) -> bool:
-        dst = self.dst if dst is None else dst
-        return all(np.array_equal(a, b) for a, b in zip(self.src[i], dst[i]))
 
 
 # -------------------------------------------------------------------------------------- rings

@@ -145,7 +145,7 @@ def test_probe_not_a_directory(tier_root):
 
 
 def test_probe_same_file_system_warns(tier_dirs):
-    warnings = probe_tiers(cfg({"tiers": tier_dirs[:2]}))
+    warnings = probe_tiers(cfg({"tiers": tier_dirs[:2]})).warnings
     assert any("same file system" in w for w in warnings)
     assert os.path.isdir(os.path.join(tier_dirs[0], "kvstream", "tmp"))
     assert oct(os.stat(os.path.join(tier_dirs[0], "kvstream")).st_mode & 0o777) == "0o700"
@@ -162,6 +162,27 @@ def test_probe_without_o_direct(tier_dirs):
     with mock.patch("kvstream_hicache.config.os.open", side_effect=no_direct):
         with pytest.raises(TierError, match="does not support O_DIRECT.*ext4"):
             probe_tier(tier_dirs[0], 0o700, "KVSTREAM_TIERS")
+
+
+def test_an_engine_start_probes_each_tier_once(tier_dirs):
+    """One O_DIRECT probe file per tier at start (the configuration check's); the tier's trust
+    learns the owner from it rather than writing a second one (each costs a round trip or more on
+    a network file system)."""
+    from kvstream_hicache import Engine, Namespace
+    from kvstream_hicache.tmpfiles import PROBE_PREFIX
+
+    real_open = os.open
+    probes = []
+
+    def counting(path, flags, *args, **kw):
+        if flags & os.O_DIRECT and flags & os.O_CREAT and os.path.basename(path).startswith(PROBE_PREFIX):
+            probes.append(path)
+        return real_open(path, flags, *args, **kw)
+
+    with mock.patch("kvstream_hicache.tmpfiles.os.open", side_effect=counting):
+        engine = Engine(cfg({"tiers": tier_dirs[:2]}), Namespace({"model": "probe-once"}), announce=False)
+    engine.close()
+    assert len(probes) == 2, probes
 
 
 def test_probe_unwritable(tier_dirs):

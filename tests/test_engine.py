@@ -18,7 +18,7 @@ import pytest
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.tmpfiles import tmp_name
 
-from helpers import ARRAY_NS as NS, Pages, key, make_array_engine as make_engine
+from helpers import ARRAY_NS as NS, Pages, key, make_array_engine as make_engine, segments_of
 
 # -- round trips -------------------------------------------------------------------------------
 @pytest.mark.parametrize("n_tiers", [1, 2, 3])
@@ -249,7 +249,7 @@ def test_concurrent_batches_from_three_threads(tier_dirs, io_engine):
                     continue
                 dst = pages.fresh()
                 sel = [dst[i] for i in idx]
-                ok = engine.get([keys[i] for i in idx], Pages.segments(sel))
+                ok = engine.get([keys[i] for i in idx], segments_of(sel))
                 if not all(ok) or not all(
                         all(np.array_equal(a, b) for a, b in zip(pages.src[i], sel[n])) for n, i in enumerate(idx)):
                     errors.append(f"get {r}: {ok}")

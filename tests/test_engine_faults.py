@@ -19,7 +19,7 @@ from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from helpers import FakeClock, Pages, flip_byte, key, make_array_engine as make_engine
+from helpers import FakeClock, Pages, flip_byte, key, make_array_engine as make_engine, segments_of
 
 SENTINEL = 0xAB
 
@@ -237,7 +237,7 @@ def test_many_batches_with_random_read_faults_never_serve_wrong_bytes(tier_dirs)
     with engine:
         for _ in range(8):
             dst = pages.fresh()
-            ok = engine.get(keys, Pages.segments(dst))
+            ok = engine.get(keys, segments_of(dst))
             assert all(pages.equal(i, dst) for i in range(6) if ok[i])
         assert engine.stats()["tiers"][0]["corrupted"] + engine.stats()["tiers"][1]["corrupted"] > 0
 

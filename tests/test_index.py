@@ -224,3 +224,88 @@ def test_a_copy_that_left_the_index_after_the_scan_read_it_is_read_again():
     assert index.remove("a", 0)  # ...a read finds it damaged and deletes it
     assert scanned(index, "a", mark=mark) == RETRY and index.get("a") is None
     assert scanned(index, "a") >= 0  # read again (here: still there)
+
+
+class SameHash(str):
+    """A key whose hash every other one shares: each lookup walks a probe chain of keys alike."""
+
+    def __hash__(self):
+        return 12345
+
+
+def test_keys_of_one_hash_are_told_apart_by_the_key_itself():
+    index = Index([None])
+    keys = [SameHash(f"{i:064x}") for i in range(40)] + [SameHash(f"odd-{i}") for i in range(10)]
+    for k in keys:
+        add(index, k, 0)
+    for k in keys[::3]:  # deleted entries stay in the chain: lookups probe past them
+        index.remove(k, 0)
+    kept = [k for i, k in enumerate(keys) if i % 3]
+    assert all(index.contains(k) for k in kept) and not any(index.contains(k) for k in keys[::3])
+    assert index.prefix_len(kept) == len(kept) and index.prefix_len(keys) == 0
+    assert not index.contains(SameHash("f" * 64)) and not index.contains(SameHash("odd-99"))
+    assert index.keys(0) == kept
+
+
+def test_a_key_is_kept_as_32_bytes_exactly_when_it_is_64_lowercase_hex():
+    from kvstream_hicache._uring import unhex
+
+    good = "0123456789abcdef" * 4
+    assert unhex(good) == bytes.fromhex(good)
+    for other in ("0123456789ABCDEF" * 4, good[:-1], good + "0", good[:-1] + "g", good[:-2] + " 0",
+                  good[:-1] + "\u00e9", good[:-1] + "\u0660", "", 1234, b"00" * 32):
+        assert unhex(other) is None, other
+    index = Index([None])
+    assert not index.contains(1234) and index.prefix_len([good, 1234]) == 0  # never raises on a non-str
+
+
+def test_existence_queries_run_no_python_code_per_key():
+    """SGLang's prefetch thread asks batch_exists/prefix_len on its critical path: a lookup is C
+    (_uring.KeyTable), as fast as a dict's, not a probe written in Python (several times slower)."""
+    import sys
+
+    index = Index([None])
+    keys = [f"{i:064x}" for i in range(1000)]
+    for k in keys:
+        index.commit(k, 0, 90, 4096, CRCS, 100, reserved=False)
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        n = index.prefix_len(keys)
+        held = [index.contains(k) for k in keys[:100]] + [index.holders(k) for k in keys[:100]]
+    finally:
+        sys.setprofile(None)
+    assert n == 1000 and all(held)
+    frames = [c for c in calls if c != "<listcomp>"]
+    assert not frames, frames[:10]  # the lookups are C from the call on
+
+
+def test_lookups_without_the_lock_see_every_held_key_while_the_table_changes():
+    """A reader never takes the index lock; writers grow, shrink and reuse rows meanwhile."""
+    index = Index([None])
+    stable = [f"{i:064x}" for i in range(500)]
+    for k in stable:
+        index.commit(k, 0, 90, 4096, CRCS, 100, reserved=False)
+    churn = [f"{i:063x}z" if i % 2 else f"{i + 10**6:064x}" for i in range(3000)]  # odd and hex keys
+    done = threading.Event()
+    wrong = []
+
+    def read():
+        while not done.is_set():
+            if index.prefix_len(stable) != len(stable) or not all(index.holders(k) == 1 for k in stable[::7]):
+                wrong.append("a held key was missed")
+            if index.contains("never-held"):
+                wrong.append("a key never held was found")
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(3):
+            for k in churn:
+                index.commit(k, 0, 90, 4096, CRCS, 100, reserved=False)
+            for k in churn:
+                index.remove(k, 0)
+    finally:
+        done.set()
+        reader.join()
+    assert not wrong and len(index) == len(stable)

@@ -21,7 +21,7 @@ from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 
-from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds
+from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds, segments_of
 
 MIB = 1 << 20
 
@@ -271,6 +271,6 @@ def test_registered_memory_takes_reads_in_place_from_the_first_call(tier_dirs, i
         assert engine.get(keys, pages.dst_segments) == [True, True]
         assert engine.last_batch["direct_bytes"] < 8 * MIB  # not known yet: the first page at least staged
         dst = pages.fresh()
-        assert all(engine.register_memory(a, n) == bool(HUGE_PAGE_SIZE) for page in Pages.segments(dst) for a, n in page)
-        assert engine.get(keys, Pages.segments(dst)) == [True, True] and all(pages.equal(i, dst) for i in range(2))
+        assert all(engine.register_memory(a, n) == bool(HUGE_PAGE_SIZE) for page in segments_of(dst) for a, n in page)
+        assert engine.get(keys, segments_of(dst)) == [True, True] and all(pages.equal(i, dst) for i in range(2))
         assert engine.last_batch["direct_bytes"] == (8 * MIB if HUGE_PAGE_SIZE else 0)

@@ -26,13 +26,13 @@ import uuid
 import pytest
 
 from kvstream_hicache.faults import Fault
-from kvstream_hicache.io import OP_READ
+from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import ALIGN, HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
-    HERE, PAGE_BYTES, FakeClock, FaultPlan, PageSet, flip_byte, kvstream_cli, make_engine, page_files,
-    twin_content, wait_for_fault,
+    HERE, PAGE_BYTES, FakeClock, FaultPlan, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, page_files,
+    tmp_files, twin_content, wait_for_fault,
 )
 
 N = 8
@@ -328,6 +328,25 @@ def test_a_rejoin_whose_listing_fails_half_way_forgets_nothing(glusterfs, tier_d
         assert engine.stats()["tiers"][1]["bytes_served"] - served == len(keys) * PAGE_BYTES
 
 
+def _close_while_hung(engine) -> None:
+    """close() returns although the brick is stopped (the ring is left to a background thread)."""
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join(WAIT_S)
+    assert not closer.is_alive(), "close() waited for a hung tier"
+
+
+def _resume(fs, engine) -> None:
+    """The brick resumes (the ping timeout back to its default); the background close then ends."""
+    fs.pause_brick(False)
+    fs.cli("volume", "reset", fs.volume, "network.ping-timeout")
+    engine.close()
+    deadline = time.monotonic() + WAIT_S
+    while any(t.name == "kvstream-close" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the background close never ended after the tier came back"
+        time.sleep(0.05)
+
+
 @pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
 def test_close_returns_while_a_hung_tier_holds_reads(dfs):
     """The brick stops (SIGSTOP; the clients' ping timeout raised so that GlusterFS does not give up
@@ -354,15 +373,52 @@ def test_close_returns_while_a_hung_tier_holds_reads(dfs):
         reader.join(WAIT_S)
         assert not reader.is_alive() and result[0][0] == [False]
         assert engine.stats()["orphan_reads_in_flight"] > 0
-        closer = threading.Thread(target=engine.close)
-        closer.start()
-        closer.join(WAIT_S)
-        assert not closer.is_alive(), "close() waited for a hung tier"
+        _close_while_hung(engine)
     finally:
-        fs.pause_brick(False)
-        fs.cli("volume", "reset", fs.volume, "network.ping-timeout")
-        engine.close()
-    deadline = time.monotonic() + WAIT_S
-    while any(t.name == "kvstream-close" for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "the background close never ended after the tier came back"
-        time.sleep(0.05)
+        _resume(fs, engine)
+
+
+@pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
+def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
+    """A put of a 16 MiB page (4096-aligned: zero-copy to the local tier 0) to both tiers. Its first
+    writes to the shared tier are held in the ring (the file is open), the brick stops (SIGSTOP; the
+    clients' ping timeout raised), and the writes that follow hang in the kernel. Past write_timeout
+    tier 1 is failed and the put answers True from tier 0 (before: it blocked as long as the brick).
+    The writes to the FUSE tier were staged copies, so nothing reads the caller's memory after the
+    put returned; close() returns with them still hung. The brick resumes: the background close
+    ends and the abandoned temporary file goes."""
+    fs, a, b, node = dfs
+    pages = PageSet(16 << 20)
+    keys = pages.keys(1)
+    plan = TierFaultPlan()
+    fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
+    engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, fault_plan=plan)
+    rescue = None
+    try:
+        plan.on(a[1], Fault.hold(), opcode=OP_WRITE)
+        result: list = []
+        writer = threading.Thread(target=lambda: result.append(pages.put(engine, keys)))
+        writer.start()
+        wait_for_fault(plan)
+        # Were this process to block in the kernel with the GIL held, no finally would run: a child resumes
+        # the brick. (Started first: a fork while the brick is stopped blocks, the child closing its
+        # inherited descriptors of the FUSE mount.)
+        rescue = subprocess.Popen(["sh", "-c", f"sleep {WAIT_S:.0f}; kill -CONT {fs.brick_pid()}"])
+        fs.pause_brick()
+        plan.clear()
+        plan.release()
+        writer.join(WAIT_S)
+        assert not writer.is_alive(), "the put waited for a hung tier"
+        assert result == [[True]]
+        row = engine.stats()["tiers"][1]
+        assert not row["healthy"] and row["write_timeouts"] == 1 and row["writes_abandoned"] == 1
+        left = list(engine._writes.io.requests())
+        assert left and all(w.orphan and w.staging is not None for w in left)
+        assert pages.checked_get(engine, keys, SingleTier(0)) == [True]
+        _close_while_hung(engine)
+    finally:
+        _resume(fs, engine)
+        if rescue is not None:
+            rescue.kill()
+            rescue.wait()
+    assert not tmp_files(a[1])

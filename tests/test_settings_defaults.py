@@ -35,5 +35,5 @@ def test_the_write_settings_slice_names_settings_and_takes_them_from_config(tier
     assert set(WriteSettings._fields) <= SETTINGS.keys()
     assert not WriteSettings._field_defaults
     config = Config.from_sources({"tiers": [tier_root], "replicate": "all", "replicate_slack": 2.5,
-                                  "write_backlog": "1G"}, environ={})
-    assert WriteSettings.of(config) == ("all", 2.5, 1 << 30)
+                                  "write_backlog": "1G", "write_timeout": "2.5"}, environ={})
+    assert WriteSettings.of(config) == ("all", 2.5, 1 << 30, 2.5)

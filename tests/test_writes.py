@@ -21,7 +21,9 @@ from kvstream_hicache.layout import file_size
 from kvstream_hicache.priority import STALL_S
 from kvstream_hicache.router import SingleTier
 
-from helpers import FakeClock, Pages, PageSet, TierFaultPlan, key, make_engine, open_fds, wait_for_fault
+from helpers import (
+    FakeClock, Pages, PageSet, TierFaultPlan, key, make_engine, open_fds, page_files, tmp_files, wait_for_fault,
+)
 
 WAIT_S = 60.0
 
@@ -325,16 +327,16 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
     keys = pages.keys(4)
     with make_engine(tier_dirs[:2]) as engine:
         path = engine._writes
-        real = path._prepare_under_writer
+        real = path._stage_under_writer
         calls = []
 
-        def prepare(page):
-            calls.append(page.key)
+        def stage(write, offset):
+            calls.append(write.job.page.key)
             if len(calls) == 2:
                 raise MemoryError("staging memory (a bug or a real shortage)")
-            return real(page)
+            return real(write, offset)
 
-        monkeypatch.setattr(path, "_prepare_under_writer", prepare)
+        monkeypatch.setattr(path, "_stage_under_writer", stage)
         out = []
         t = threading.Thread(target=lambda: out.append(pages.put(engine, keys)), daemon=True)
         t.start()
@@ -342,7 +344,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
         assert not t.is_alive(), "the put never returned: the writer is stuck"
         assert len(out[0]) == 4 and not all(out[0])
         assert "write path error" in caplog.text
-        monkeypatch.setattr(path, "_prepare_under_writer", real)
+        monkeypatch.setattr(path, "_stage_under_writer", real)
         more = pages.keys(4, start=4)
         assert pages.put(engine, more) == [True] * 4  # the writer lives on
         assert pages.checked_get(engine, more) == [True] * 4
@@ -372,3 +374,85 @@ def test_a_home_tier_write_failure_is_written_to_a_tier_that_skipped_it(tier_dir
             assert pages.checked_get(engine, batch) == [True] * 24
             if start == 1000:  # (after EIO tier 0 is failed: the next put's home is tier 1)
                 assert engine.stats()["tiers"][1]["replica_skipped_pages"] > skipped, "no replica was skipped"
+
+
+# ------------------------------------------------------------------------- bounded write staging (issue 22 item 4)
+@pytest.mark.parametrize("tiers", [1, 2])
+def test_a_page_larger_than_write_staging_is_staged_a_request_at_a_time(tier_dirs, tiers):
+    """One 40 MiB page 1 byte off 4096 alignment in caller memory, memory=8M (4 MiB for writes): it is
+    written a staged request at a time (back-pressure), never staged whole: the write pool's peak stays
+    within its half of memory plus one request (before: the whole page, 40 MiB). Read back byte-exact."""
+    pages = PageSet(40 << 20, aligned=False)
+    keys = pages.keys(1)
+    with make_engine(tier_dirs[:tiers], memory="8M", replicate="all") as engine:
+        assert pages.put(engine, keys) == [True]
+        peak = engine.stats()["memory"]["write_peak_bytes"]
+        assert peak <= (4 << 20) + engine._writes.io.flows[0].request + 4096, f"write staging peaked at {peak >> 20} MiB"
+        assert engine.index.holders(keys[0]) == (1 << tiers) - 1
+        assert pages.checked_get(engine, keys) == [True]
+        for k in range(tiers):
+            assert pages.checked_get(engine, keys, SingleTier(k)) == [True]
+
+
+def test_many_unaligned_pages_stay_within_write_staging(tier_dirs):
+    """8 unaligned 6 MiB pages in one put, memory=8M: staging in flight stays bounded (the pages
+    wait for it; before: the first page staged whole), every page stored and read back."""
+    pages = PageSet(6 << 20, aligned=False)
+    keys = pages.keys(8)
+    with make_engine(tier_dirs[:2], memory="8M", replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * 8
+        peak = engine.stats()["memory"]["write_peak_bytes"]
+        assert peak <= (4 << 20) + engine._writes.io.flows[0].request + 4096, f"write staging peaked at {peak >> 20} MiB"
+        assert pages.checked_get(engine, keys) == [True] * 8
+
+
+# --------------------------------------------------------------------------- a hung tier (issue 22 item 6)
+def test_a_put_answers_at_write_timeout_when_a_tier_hangs(tier_dirs):
+    """Tier 1's writes never complete (held in the ring: a hung tier). Past write_timeout the tier is
+    failed and the put answers: every page True from tier 0 (before: the put blocked as long as the
+    tier). The writes left on the ring read only engine staging (these pages are not aligned, so each
+    request is a staged copy), never the caller's memory after the put returned. When the held writes
+    end, their temporary files go; the tier holds no page; the pages read back from tier 0."""
+    plan = TierFaultPlan()
+    pages = PageSet(3 << 20, aligned=False)
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.5, tier_retry=600) as engine, \
+            releasing(plan):
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+        t, out = in_thread(pages.put, engine, keys)
+        t.join(WAIT_S)
+        assert not t.is_alive(), "the put waited for a hung tier"
+        assert out == [[True] * 4]
+        row = engine.stats()["tiers"][1]
+        assert not row["healthy"] and row["write_timeouts"] == 1 and row["writes_abandoned"] >= 1
+        left = list(engine._writes.io.requests())
+        assert left and all(w.orphan and w.staging is not None for w in left)
+        assert all(engine.index.holders(k) == 0b01 for k in keys)
+        plan.clear()
+        plan.release()
+        wait_until(lambda: not tmp_files(tier_dirs[1]), "an abandoned write's temporary file stayed")
+        assert page_files(tier_dirs[1]) == []
+        assert pages.checked_get(engine, keys) == [True] * 4
+        assert pages.put(engine, pages.keys(2, start=4)) == [True] * 2  # the writer goes on (tier 0)
+
+
+def test_close_returns_while_a_hung_tier_holds_abandoned_writes(tier_dirs):
+    """close() with abandoned writes still held by a hung tier returns (the ring is closed by a
+    background thread, which removes their files once they end)."""
+    plan = TierFaultPlan()
+    pages = PageSet(1 << 20, aligned=False)
+    engine = make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.5, tier_retry=600)
+    try:
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+        assert pages.put(engine, pages.keys(2)) == [True, True]
+        closer = threading.Thread(target=engine.close)
+        closer.start()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), "close() waited for a hung tier"
+    finally:
+        plan.clear()
+        plan.release()
+        engine.close()
+    wait_until(lambda: not any(t.name == "kvstream-close" for t in threading.enumerate()),
+               "the background close never ended")
+    assert not tmp_files(tier_dirs[1])

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Put throughput and CPU of one source tree against another, in the same run (issue 22 item 4).
+
+Each round runs one child process per tree (interleaved: drift on a shared machine hits both alike):
+an engine on two tiers under ``--dir`` (replicate=all), one put of ``--pages`` pages of
+``--page-mib`` MiB from one buffer, 4096-aligned or 1 byte off (``--unaligned``: the staged path).
+Reports per tree the median GB/s, CPU s/GB (the whole process: the writer thread and io_uring's
+workers included) and the write pool's peak (``stats()["memory"]["write_peak_bytes"]``), and the
+per-round ratios of the second tree to the first.
+
+    python benchmarks/bench_put.py --trees /work/main,. --unaligned --page-mib 4 --pages 64
+    python benchmarks/bench_put.py --trees /work/main,. --unaligned --page-mib 384 --pages 1 --rounds 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def child(tree: str, args) -> dict:
+    """One put in a fresh process importing ``tree``'s kvstream_hicache."""
+    code = f"""
+import json, os, resource, sys, time
+sys.path.insert(0, {os.path.abspath(tree)!r})
+import numpy as np
+from kvstream_hicache import Config, Engine, Namespace
+from kvstream_hicache.io import AlignedBuffer
+page, n, root = {args.page_mib << 20}, {args.pages}, {args.root!r}
+dirs = [os.path.join(root, f"t{{k}}") for k in range(2)]
+for d in dirs:
+    os.makedirs(d)
+engine = Engine(Config.from_sources({{"tiers": dirs, "replicate": "all", "memory": {args.memory!r}}}, environ={{}}),
+                Namespace({{"model": "bench-put", "page": 1}}))
+buf = AlignedBuffer(page * n + 4096)
+arr = np.frombuffer(buf, dtype=np.uint8)
+arr[:] = 7
+base = arr.ctypes.data + {1 if args.unaligned else 0}
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+ok = engine.put([f"k{{i:06d}}" for i in range(n)], [[(base + i * page, page)] for i in range(n)])
+t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+assert all(ok), ok
+gb = page * n / 1e9
+peak = engine.stats()["memory"]["write_peak_bytes"]
+engine.close()
+print(json.dumps({{"gbps": gb / (t1 - t0), "cpu_s_per_gb": (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / gb,
+                  "write_peak_mib": peak / 2**20}}))
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(args.root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", required=True, help="two source trees, comma-separated: reference,candidate")
+    ap.add_argument("--unaligned", action="store_true", help="pages 1 byte off 4096 alignment (staged writes)")
+    ap.add_argument("--page-mib", type=int, default=4)
+    ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--memory", default="64M")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default="/dev/shm", help="where the two tiers go (O_DIRECT-capable)")
+    args = ap.parse_args()
+    trees = args.trees.split(",")
+    runs: dict[str, list[dict]] = {t: [] for t in trees}
+    for _ in range(args.rounds):
+        for tree in trees:
+            args.root = tempfile.mkdtemp(prefix="bench-put-", dir=args.dir)
+            runs[tree].append(child(tree, args))
+    for tree in trees:
+        rows = runs[tree]
+        print(f"{tree}: {statistics.median(r['gbps'] for r in rows):.3f} GB/s, "
+              f"{statistics.median(r['cpu_s_per_gb'] for r in rows):.2f} CPU s/GB, "
+              f"write staging peak {max(r['write_peak_mib'] for r in rows):.0f} MiB")
+    ref, new = runs[trees[0]], runs[trees[1]]
+    print("per-round ratios (candidate / reference): GB/s", [round(b["gbps"] / a["gbps"], 2) for a, b in zip(ref, new)],
+          "CPU s/GB", [round(b["cpu_s_per_gb"] / a["cpu_s_per_gb"], 2) for a, b in zip(ref, new)])
+
+
+if __name__ == "__main__":
+    main()
