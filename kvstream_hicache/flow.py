@@ -7,7 +7,8 @@ each tier has a :class:`TierFlow` that follows its device from what its own read
 * **Request size** follows the tier's throughput: about :data:`REQUEST_TIME_S` of its bandwidth,
   in whole blocks, between :data:`MIN_REQUEST` (or one block) and :data:`MAX_REQUEST`. A fast tier gets few large requests
   (little CPU per byte); a slow one keeps small requests, so what it has in flight when a batch
-  ends (and the fast tier takes over) stays small.
+  ends (and the fast tier takes over) stays small. (Blocks no other tier can deliver have no such
+  tail: the read path sends them in requests up to MAX_REQUEST whatever this size, reads.py.)
 * **Window** (bytes in flight) follows the latency, as TCP Vegas does: while a request's latency
   per byte stays close to the device's unloaded latency (that of requests sent to it while it was
   idle, as the first of every batch is), the device is not queueing yet and the window grows by a

@@ -37,6 +37,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
+from .flow import MAX_REQUEST
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -171,7 +172,7 @@ class ReadPath:
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = max(page.info.block for page in call.pages)
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
-            self._set_depths_under_reads(route, unit)
+            self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
         deadline = time.monotonic() + self.read_timeout if self.read_timeout > 0 else None
         claims = route.start()
@@ -199,7 +200,7 @@ class ReadPath:
             for req, res in self.io.reap(1, left):
                 claims += self._complete_under_reads(req, res)
             if adaptive:
-                self._set_depths_under_reads(route, unit)
+                self._set_depths_under_reads(call, unit)
             claims += route.refill()  # a grown window, or a tier that turned overdue
         # Completions already there (no wait) are taken while the call is active: an error among them
         # fails its tier now, not when a later call reaps it as an orphan; buffers come back sooner.
@@ -236,8 +237,8 @@ class ReadPath:
                 continue
             blocks.sort()
             page = call.pages[p]
-            cap = min(max(1, self.io.flows[tier].request // page.info.block), MAX_VECTOR)  # (a staged
-            # request is one buffer per block, a vectored op)
+            cap = min(max(1, self._request_bytes(tier, page.single) // page.info.block), MAX_VECTOR)  # (a
+            # staged request is one buffer per block, a vectored op)
             start = 0
             for end in range(1, len(blocks) + 1):
                 if end < len(blocks) and blocks[end][0] == blocks[end - 1][0] + 1 and end - start < cap:
@@ -345,14 +346,23 @@ class ReadPath:
         req.bufs = None if req.bufs is None else []
 
     # -- flow ----------------------------------------------------------------------------------
-    def _set_depths_under_reads(self, route, unit: int) -> None:
+    def _request_bytes(self, tier: int, single: bool) -> int:
+        """Most bytes one request of ``tier`` carries. Blocks only one tier can deliver go out in
+        requests up to MAX_REQUEST whatever the tier's rate: the flow keeps requests small so that
+        what a tier has in flight when the batch ends is little for another tier to wait on, and
+        for these no other tier could take over; fewer, larger requests cost less CPU per byte."""
+        return MAX_REQUEST if single else self.io.flows[tier].request
+
+    def _set_depths_under_reads(self, call: GetCall, unit: int) -> None:
         """Each tier's window, less what earlier calls still have in flight on it, in items. A tier
         claims what one of its requests carries (at least the policy's m), but no more than a share
-        of the batch that leaves every tier a few claims: a small batch is still split."""
+        of the batch that leaves every tier a few claims: a small batch is still split (a batch that
+        one tier alone can deliver is not: nothing to share)."""
+        route = call.route
         flows = self.io.flows
-        share = route.n // (2 * len(flows))
+        share = route.n if call.single else route.n // (2 * len(flows))
         for k, flow in enumerate(flows):
-            claim = max(route.m, min(flow.request // unit, share))
+            claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share))
             route.set_depth(k, max(0, flow.window - self.io.orphaned[k]) // unit, claim)
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:

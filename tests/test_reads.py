@@ -59,6 +59,24 @@ def test_single_holder_reads_land_in_caller_memory_in_merged_requests(tier_dirs,
         assert engine._reads.pool.allocated == 0
 
 
+@pytest.mark.parametrize("memory", ["huge", "small"])
+def test_pages_one_tier_alone_holds_go_out_whole_whatever_the_flows_request_size(tier_dirs, io_engine, memory):
+    """The flow keeps a tier's requests near 1 ms of its rate so that little is left in flight for
+    another tier to wait on when the batch ends; for blocks no other tier can deliver that does not
+    apply, and a page goes out in one request (up to MAX_REQUEST), in place or staged."""
+    engine, pages, keys = stored(tier_dirs[:1], 4, io_engine, chunk="1M", size=8 * MIB)
+    with engine:
+        flow = engine._reads.io.flows[0]
+        flow.window, flow.request = 64 * MIB, MIB  # a tier its flow sizes to 1 MiB requests
+        if memory == "small":  # host-pool memory in 4 KiB pages: staged
+            engine._reads.huge.huge = lambda address, nbytes: False
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        assert all(pages.equal(i) for i in range(4))
+        assert engine.last_batch["items"] == 32
+        assert engine.last_batch["requests"] == 4  # one per page (1 MiB requests: 32)
+        assert (engine.last_batch["direct_bytes"] == 0) == (memory == "small" or not HUGE_PAGE_SIZE)
+
+
 def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):
     engine, pages, keys = stored(tier_dirs[:2], 6, io_engine)
     with engine:

@@ -452,11 +452,13 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             return None
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             return None
-        idx = idx.reshape(n, host.page_size).to(torch.int64)
+        # In numpy: torch's reductions wake its OpenMP pool, which on a busy host cost several ms of a
+        # call (and spinning CPU) for a few thousand indices; numpy does them in this thread.
+        idx = idx.reshape(n, host.page_size).to(torch.int64).cpu().numpy()
         if getattr(host, "size", None) is None:  # a pool that does not say: its segments are checked instead
-            return (idx.min(dim=1).values >= 0).tolist()
+            return (idx.min(axis=1) >= 0).tolist()
         size = int(host.size)
-        ok = (idx.min(dim=1).values >= 0) & (idx.max(dim=1).values < size) & (idx[:, 0] + host.page_size <= size)
+        ok = (idx.min(axis=1) >= 0) & (idx.max(axis=1) < size) & (idx[:, 0] + host.page_size <= size)
         return ok.tolist()
 
     def _note_legacy(self) -> None:

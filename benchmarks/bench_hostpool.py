@@ -1,0 +1,113 @@
+"""One tier, through sglang's real host pool: kvstream's SGLang adapter against sglang's HiCacheNixl.
+
+What a SGLang user's prefetch costs (issue 27): ``HiCacheController._page_get_zero_copy`` into sglang's
+real MHA page_first host pool (as SGLang allocates it on the CPU: an anonymous shared mapping in 4 KiB
+pages, or hugetlb pages with ``SGLANG_HUGEPAGE_SIZE=2MB``), llama3-8b pages of PAGE_TOKENS tokens,
+BATCH_PAGES pages per call, each contender on its own directory of DIR. Modes, read in rotated order
+every round: ``nixl`` (HiCacheNixl, POSIX plugin, O_DIRECT, zero copy) and any other name: kvstream's
+adapter as it is (docs/benchmarks.md gives the two-line variants ``oldreq`` and ``inplace`` measured
+for issue 27). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
+per-round ratio to the first mode, and the main thread's user/system time inside ``Engine.get``.
+Environment: ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
+touches ``path`` before the timed rounds (for ``perf record -p``).
+
+usage: python benchmarks/bench_hostpool.py DIR PAGE_TOKENS BATCH_PAGES ROUNDS [MODE ...]
+(run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool")
+"""
+import ctypes, gc, os, sys, time, statistics, shutil
+import numpy as np
+from kvstream_hicache.tools.bench.geometry import from_model
+from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
+from kvstream_hicache.tools.bench.nixl import NixlReads
+
+d, ptok, npages, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+modes = sys.argv[5:] or ["nixl", "adapter"]
+g = from_model("llama3-8b", ptok)
+host = SglangHost(g, npages)
+rng = np.random.default_rng(1)
+for k, v in host.chunk_ptrs:
+    for a, n in ((k, host.chunk_bytes[0]), (v, host.chunk_bytes[1])):
+        src = rng.integers(0, 255, n, dtype=np.uint8)
+        ctypes.memmove(a, src.ctypes.data, n)
+STAGE = {}
+if os.environ.get('STAGES'):
+    from kvstream_hicache import inflight, delivery, reads, getcall
+    def wrap(cls, name):
+        f = getattr(cls, name)
+        def w(*a, **k):
+            t0 = time.thread_time()
+            try:
+                return f(*a, **k)
+            finally:
+                STAGE[name] = STAGE.get(name, 0.0) + time.thread_time() - t0
+        setattr(cls, name, w)
+    for cls, name in ((inflight.InFlight, 'submit'), (inflight.InFlight, 'reap'), (delivery.Delivery, 'deliver_under_reads'),
+                      (getcall.GetCall, 'plan'), (reads.ReadPath, '_file_under_reads'), (reads.ReadPath, '_end_call_under_reads'),
+                      (reads.ReadPath, 'get')):
+        wrap(cls, name)
+keys = [f"hostpool-{ptok}-{i}" for i in range(npages)]
+class B: pass
+batch = B(); batch.keys = keys; batch.index = 0
+cons = {}
+ENG = {m: [0.0, 0.0] for m in modes}
+THR = {m: 0.0 for m in modes}
+for m in modes:
+    sub = os.path.join(d, f"hostpool-{m}"); shutil.rmtree(sub, ignore_errors=True); os.makedirs(sub)
+    if m == "nixl":
+        c = NixlReads("hicache-nixl", host, [sub], "llama3-8b", tiers=[0], n_tiers=1)
+        ok = host.controller_cls._page_set_zero_copy(c.ctl, keys, host.host_indices)
+    else:
+        c = AdapterReads(host, [sub], "llama3-8b", name=m)
+        ok = host.controller_cls._page_set_zero_copy(c.ctl, keys, host.host_indices)
+    assert ok, m
+    cons[m] = c
+    if m != "nixl":
+        eng = c.engine; orig = eng.get
+        def timed(*a, _orig=orig, _m=m, **k):
+            import resource
+            r0 = resource.getrusage(resource.RUSAGE_THREAD)
+            try:
+                return _orig(*a, **k)
+            finally:
+                r1 = resource.getrusage(resource.RUSAGE_THREAD)
+                ENG[_m][0] += r1.ru_utime - r0.ru_utime; ENG[_m][1] += r1.ru_stime - r0.ru_stime
+        eng.get = timed
+os.sync()
+for c in cons.values():  # warm-up
+    host.controller_cls._page_get_zero_copy(c.ctl, _Op(), keys, host.host_indices)
+gc.freeze()
+STAGE.clear()
+for m in modes: ENG[m] = [0.0, 0.0]
+if os.environ.get('READY'):
+    open(os.environ['READY'], 'w').close(); time.sleep(1.5)
+res = {m: [] for m in modes}
+import cProfile
+prof = cProfile.Profile() if os.environ.get('CPROF') else None
+prof and prof.enable()
+nbytes = npages * g.page_bytes
+for r in range(rounds):
+    order = modes[r % len(modes):] + modes[:r % len(modes)]
+    for m in order:
+        c = cons[m]
+        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
+        n = host.controller_cls._page_get_zero_copy(c.ctl, _Op(), keys, host.host_indices)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        THR[m] += time.thread_time() - h0
+        assert n == npages, (m, n)
+        last = getattr(getattr(c, "engine", None), "last_batch", None) or {}
+        res[m].append((nbytes / dt / 1e6, dc / (nbytes / 1e9), last.get("direct_bytes"), last.get("requests")))
+prof and (prof.disable(), prof.dump_stats(os.environ['CPROF']))
+ref = res[modes[0]]
+for m in modes:
+    mbs = [x[0] for x in res[m]]; cpu = [x[1] for x in res[m]]
+    ratio = [a[0] / b[0] for a, b in zip(res[m], ref)]
+    print(f"{m:10s} page {g.page_bytes>>10} KiB: MB/s med {statistics.median(mbs):6.0f} [{min(mbs):.0f}-{max(mbs):.0f}]"
+          f"  CPU s/GB med {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]  x{modes[0]} med {statistics.median(ratio):.2f}"
+          f" [{min(ratio):.2f}-{max(ratio):.2f}]  direct {res[m][-1][2]} reqs {res[m][-1][3]}")
+GB = rounds * nbytes / 1e9
+if STAGE:
+    print("stages (thread CPU s/GB, one engine mode):", {k: round(v / GB, 3) for k, v in STAGE.items()})
+for m in modes:
+    print(f"{m:10s} per GB: main thread {THR[m]/GB:.3f}  engine.get user {ENG[m][0]/GB:.3f} sys {ENG[m][1]/GB:.3f}")
+for c in cons.values():
+    c.close()
