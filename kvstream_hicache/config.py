@@ -71,6 +71,11 @@ SETTINGS: dict[str, Setting] = {
                                    "or than replicate_slack)"),
     "replicate_slack": Setting(1.0, "replicate=budget: a replica is written when its tier drains it within "
                                     "max(the home copy's drain time, this many seconds)"),
+    "catchup": Setting(True, "background replication: a replica a page lacks (skipped by replicate=budget, lost "
+                             "to a failure, damage or eviction) is written later from a copy that exists, and a "
+                             "page read from a slower tier alone is copied to the faster ones; off = never"),
+    "catchup_share": Setting(0.75, "catch-up writes take at most this share (0 < share <= 1) of a tier's write "
+                                   "time, and only while no get reads the tier and no put waits for it"),
     "read_priority": Setting(True, "writes to a tier wait while a get reads from it (on), or go out whatever is "
                                    "read (off: the behaviour before read priority, every write in flight at once)"),
     "write_backlog": Setting("2G", "deferred writes (the LMCache path): bytes of pages queued and not yet "
@@ -226,6 +231,8 @@ class Config:
     discover: bool = _default("discover")
     replicate: str = _default("replicate")
     replicate_slack: float = _default("replicate_slack")
+    catchup: bool = _default("catchup")
+    catchup_share: float = _default("catchup_share")
     read_priority: bool = _default("read_priority")
     write_backlog: int = _default("write_backlog")
     scan_rate: float = _default("scan_rate")
@@ -307,6 +314,13 @@ class Config:
         put("replicate", _choice(self.replicate, REPLICATE_MODES, what("replicate")))
         put("replicate_slack", parse_number(self.replicate_slack, what("replicate_slack"),
                                             hint="; give seconds, e.g. 1 (the default)"))
+        put("catchup", parse_flag(self.catchup, what("catchup")))
+        share = parse_number(self.catchup_share, what("catchup_share"),
+                             hint="; give a share of the tier's write time, e.g. 0.75 (the default)")
+        if not 0 < share <= 1:
+            raise ConfigError(f"{what('catchup_share')}: must be above 0 and at most 1, got {self.catchup_share!r}; "
+                              "give e.g. 0.75 (the default), or catchup=off to turn background replication off")
+        put("catchup_share", share)
         put("read_priority", parse_flag(self.read_priority, what("read_priority")))
         put("write_backlog", parse_bytes(self.write_backlog, what("write_backlog")))
         put("scan_rate", parse_number(self.scan_rate, what("scan_rate"),
@@ -343,7 +357,9 @@ class Config:
         replicate = self.replicate if self.replicate == "all" else f"budget (slack {self.replicate_slack:g} s)"
         return (f"tiers: {tiers}; policy {self.policy_spec}; chunk {self.chunk >> 10} KiB; memory "
                 f"{self.memory >> 20} MiB; fsync {self.fsync}; io {self.io_engine}; files {self.file_mode}; "
-                f"replicate {replicate}; read priority {'on' if self.read_priority else 'off'}")
+                f"replicate {replicate}; catch-up "
+                f"{f'on (share {self.catchup_share:g})' if self.catchup else 'off'}; "
+                f"read priority {'on' if self.read_priority else 'off'}")
 
 
 def setting_source(sources: Mapping[str, str], key: str) -> str:

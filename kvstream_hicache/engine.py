@@ -8,6 +8,7 @@ Composition::
       reads    ReadPath       read ring + staging pool + router (reads.py, router.py)
       writes   WritePath      write ring + staging pool + writer thread (writes.py), per-tier queues (writequeue.py)
       priority ReadPriority   which tiers a read uses now: writes there wait (priority.py)
+      replicas Replicator     what each tier is owed, written later from a copy (replication.py)
       stats    Stats          counters, per-batch bound (stats.py)
 
 Threads: SGLang calls get (prefetch I/O thread), put (backup thread) and contains/prefix_len
@@ -54,6 +55,7 @@ from .io import RING_ENTRIES, ThreadRing, forks, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
 from .reads import ReadPath
+from .replication import PROMOTE_SHARE, Replicator
 from .router import Policy, parse_policy
 from .scan import BackgroundScan
 from .segments import Segment
@@ -144,15 +146,20 @@ class Engine:
         share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                               config.read_timeout, share, namespace.digest, self.priority, _weak(self._recover, 0))
+                               config.read_timeout, share, namespace.digest, self.priority, _weak(self._recover, 0),
+                               _weak(self._read_done, None))
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
-                                 ceiling=share)
+                                 ceiling=share, thinned=_weak(self._thinned, None))
+        self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
+                                    self._writes.pool, namespace.digest, enabled=config.catchup,
+                                    share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         # Served from now on: pages of before the restart are found by discovery until the scan has them.
         level = logging.INFO if announce else logging.DEBUG
         self._scan = BackgroundScan(self.tiers, self.index, namespace.digest, config.scan_rate, config.scan_cpu,
-                                    self._writes.trim, level)  # the write path's: the scan holds no engine
+                                    self._writes.trim, level,  # the write path's: the scan holds no engine
+                                    self._replicas.owe_all)  # catch-up resumes after a restart (nor does it)
         self._closed = False
         self._scan.start()
         log.log(level,
@@ -296,6 +303,7 @@ class Engine:
         self._check_open()
         with self._reads.lock, self._writes.exclusive():
             self._writes.cancel_under_writer()  # a put in progress reports its pages False
+            self._replicas.clear()
             self.index.clear()
             for tier in self.tiers:
                 tier.clear()
@@ -317,6 +325,7 @@ class Engine:
             threading.Thread(target=self._reads.close, name="kvstream-close", daemon=True).start()
         else:
             self._reads.close()
+        self._replicas.close()
         self._writes.close()
         tmpfiles.release(self._token)
 
@@ -368,8 +377,9 @@ class Engine:
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
                        write_queued_bytes=writes.queue.queued[k], write_bandwidth=writes.io.flows[k].rate,
-                       write_window=writes.io.flows[k].window)
+                       write_window=writes.io.flows[k].window, replication_pending=self._replicas.pending(k))
         out["write_backlog_bytes"] = writes.queue.backlog
+        out["replication_pending"] = sum(row["replication_pending"] for row in out["tiers"])
         reads, writes = self._reads.pool, writes.pool
         out["memory"] = {"limit_bytes": self.config.memory,
                          "read_bytes": reads.held_bytes, "read_peak_bytes": reads.peak_bytes,
@@ -510,8 +520,20 @@ class Engine:
         for key in lost:
             self.index.remove(key, tier.k)
         if lost:
-            log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten", tier.k, len(lost))
+            log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten (and written "
+                        "there again by background replication)", tier.k, len(lost))
+        scan = getattr(self, "_scan", None)  # (a tier rejoining during the scan: owed at its end)
+        if scan is not None and scan.done:
+            self._replicas.owe_all()
         return ""
+
+    # Background replication's hooks in the read and write paths (weak, as _recover: see _weak).
+    def _read_done(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
+                   found: Sequence[bool]) -> None:
+        self._replicas.read(keys, pages, found)
+
+    def _thinned(self, keys: list[str]) -> None:
+        self._replicas.owe(keys)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.index)} pages"

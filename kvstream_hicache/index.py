@@ -53,6 +53,7 @@ _SUB_BITS = 10  # 1024 sub-tables: a resize re-hashes ~1/1024 of the keys
 _KEY_BYTES = 32
 _DROP_BUCKETS = 4095  # mask: removals counted in 4096 buckets of keys (see mark)
 RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since the scan read the file
+SWEEP_SLOTS = 1 << 16  # slots lacking/count_lacking look at per lock hold: a 256 KiB copy, well under 1 ms
 SETTLE_CHUNK = 2_000  # slots moved per lock hold while sorting the old pages (settle): a few ms
 MAX_TIERS = 32  # bits of the tiers column
 
@@ -145,6 +146,11 @@ class Index:
             slot = self._table.find(key)
             return self._info_under_index(slot) if slot >= 0 else None
 
+    def slot(self, key: str) -> int:
+        """The row of ``key`` (-1: not indexed), without the lock: where a walk of the index by slot
+        (:meth:`lacking`) meets it."""
+        return self._table.find(key)
+
     def keys(self, tier: int | None = None) -> list[str]:
         """Every indexed key, or ``tier``'s in eviction order (oldest first)."""
         with self._lock:
@@ -154,6 +160,33 @@ class Index:
 
     def pages_on(self, tier: int) -> int:
         return self._count[tier]
+
+    def lacking(self, tier: int, start: int, limit: int) -> tuple[list[str], int]:
+        """Keys of pages some tier holds and ``tier`` lacks, from slot ``start`` on: at most ``limit``,
+        from at most SWEEP_SLOTS slots (one bounded lock hold), and the slot to go on from (-1: the
+        end). Background replication walks the index with it (replication.py): no list of every key."""
+        with self._lock:
+            n = len(self._tiers)
+            end = min(n, start + SWEEP_SLOTS)
+            held = np.frombuffer(self._tiers[start:end], dtype=np.uint32)  # (a copy: the column may grow)
+            found = np.flatnonzero((held != 0) & ((held >> tier) & 1 == 0))[:limit]
+            keys = [self._key_of_under_index(start + i) for i in found.tolist()]
+            if len(found) == limit > 0:
+                return keys, start + int(found[-1]) + 1
+            return keys, end if end < n else -1
+
+    def count_lacking(self, tier: int, start: int = 0) -> int:
+        """How many pages some tier holds and ``tier`` lacks, from slot ``start`` on (as :meth:`lacking`
+        would list them; SWEEP_SLOTS slots per lock hold)."""
+        count = 0
+        while True:
+            with self._lock:
+                n = len(self._tiers)
+                if start >= n:
+                    return count
+                held = np.frombuffer(self._tiers[start:start + SWEEP_SLOTS], dtype=np.uint32)
+                count += int(np.count_nonzero((held != 0) & ((held >> tier) & 1 == 0)))
+            start += SWEEP_SLOTS
 
     def old_pages(self, tier: int) -> tuple[int, int]:
         """(pages on ``tier`` whose LRU place is their write time, pages found by the scan and not
@@ -197,12 +230,12 @@ class Index:
             return True
 
     # -- writes ---------------------------------------------------------------------------------
-    def reserve(self, tier: int, nbytes: int) -> list[str] | None:
-        """Make room for ``nbytes`` on ``tier`` within its capacity.
+    def reserve(self, tier: int, nbytes: int, evict: bool = True) -> list[str] | None:
+        """Make room for ``nbytes`` on ``tier`` within its capacity (by evicting only if ``evict``).
 
         :returns: keys evicted from the index for this (delete their files on ``tier``), or None
-            when the room cannot be made (too many pinned pages or a page larger than the tier);
-            nothing is evicted then.
+            when the room cannot be made (too many pinned pages, a page larger than the tier, or no
+            room without eviction); nothing is evicted then.
         """
         with self._lock:
             cap = self.capacities[tier]
@@ -210,6 +243,8 @@ class Index:
                 self.reserved[tier] += nbytes
                 return []
             excess = self.used[tier] + self.reserved[tier] + nbytes - cap
+            if excess > 0 and not evict:
+                return None
             victims = self._victims_under_index(tier, excess) if excess > 0 else []
             if victims is None:
                 return None
@@ -240,9 +275,10 @@ class Index:
             self.reserved[tier] -= nbytes
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
-               nbytes: int, *, reserved: bool = True) -> list[int]:
-        """Record that ``tier`` holds ``key`` (most recent). With ``reserved`` the bytes move from
-        the reservation to the used count.
+               nbytes: int, *, reserved: bool = True, oldest: bool = False) -> list[int]:
+        """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
+        catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
+        used count.
 
         :returns: tiers whose copy the index forgot because it describes other content (one key
             holds one content in the index); normally empty. Their files stay: another writer's
@@ -261,7 +297,7 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
-            self._hold_under_index(slot, tier, HOT)
+            self._hold_under_index(slot, tier, OLD if oldest else HOT, first=oldest)
             return displaced
 
     def mark(self, key: str) -> int:
@@ -390,8 +426,9 @@ class Index:
         self.held_bytes += nbytes
         return slot
 
-    def _hold_under_index(self, slot: int, tier: int, where: int) -> None:
-        """``tier`` holds the page of ``slot``: counted once, on list ``where`` (at its end)."""
+    def _hold_under_index(self, slot: int, tier: int, where: int, first: bool = False) -> None:
+        """``tier`` holds the page of ``slot``: counted once, on list ``where`` (at its end, or with
+        ``first`` at its head: the next to go)."""
         if self._tiers[slot] >> tier & 1:
             self.used[tier] -= self._nbytes[slot]  # re-commit of the same copy: count once
             self._unlink_under_index(tier, slot)
@@ -399,7 +436,7 @@ class Index:
             self._count[tier] += 1
         self._tiers[slot] |= 1 << tier
         self.used[tier] += self._nbytes[slot]
-        self._append_under_index(tier, where, slot)
+        self._append_under_index(tier, where, slot, first)
 
     def _drop_under_index(self, slot: int, tier: int) -> bool:
         bit = 1 << tier
@@ -457,16 +494,18 @@ class Index:
                 yield slot
                 slot = following
 
-    def _append_under_index(self, tier: int, where: int, slot: int) -> None:
-        tail = self._tail[tier]
-        last = tail[where]
-        self._prev[tier][slot] = last
-        self._next[tier][slot] = _NIL
-        if last == _NIL:
-            self._head[tier][where] = slot
+    def _append_under_index(self, tier: int, where: int, slot: int, first: bool = False) -> None:
+        """Link ``slot`` at the end of list ``where`` (with ``first``, at its head)."""
+        ends, other = (self._head[tier], self._tail[tier]) if first else (self._tail[tier], self._head[tier])
+        before, after = (self._next[tier], self._prev[tier]) if first else (self._prev[tier], self._next[tier])
+        end = ends[where]
+        before[slot] = end
+        after[slot] = _NIL
+        if end == _NIL:
+            other[where] = slot
         else:
-            self._next[tier][last] = slot
-        tail[where] = slot
+            after[end] = slot
+        ends[where] = slot
         self._on[tier][slot] = where
         self._len[tier][where] += 1
 

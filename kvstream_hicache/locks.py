@@ -26,6 +26,7 @@ ORDER = (
     "lmcache.held",  # LMCache L2 adapter: the keys LMCache's byte accounting counts (asks the index under it)
     "read",  # ReadPath: the read ring, its pool, a whole get (also clear/check, with write)
     "write",  # WritePath: the write ring, its pool, jobs in flight (the writer thread's step)
+    "replicator",  # Replicator: pages owed per tier, promoted sources (hands a copy to the queue under it)
     "queue",  # WriteQueue: the per-tier FIFOs, backlog, closing flag (callers and the writer, briefly)
     "lmcache.core",  # LMCache core: tasks, results, pins (a put's done callback runs under write/queue)
     "tier",  # Tier: health state, back-off, probes (a rejoin reconciles the index under it)

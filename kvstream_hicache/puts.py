@@ -72,7 +72,8 @@ class WritePage:
     """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
 
     __slots__ = ("key", "segments", "payload", "length", "block", "file_bytes", "aligned", "crcs", "created",
-                 "header", "users", "targets", "expected", "committed", "left", "calls", "spare")
+                 "header", "users", "targets", "expected", "committed", "left", "calls", "spare", "evict", "copied",
+                 "started")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -89,6 +90,10 @@ class WritePage:
         self.committed: list[int] = []
         self.left = 0  # jobs not finished
         self.calls: list[tuple[PutCall, int]] = []  # (put, position of the key in it)
+        self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
+        self.copied: Callable[[bool, float], None] | None = None  # a catch-up copy (replication.py): its
+        # callback, told whether it committed and how long its job took from its start
+        self.started = 0.0  # when its (last) job started, monotonic s
 
     def prepare(self, pool, digest: str) -> None:
         """Checksums (once per page, from the caller's memory) and the header (from ``pool``, held

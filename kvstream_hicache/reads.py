@@ -66,6 +66,9 @@ class ReadPath:
         (``relook``: keys whose indexed copies were gone or another writer's version); it probes the
         failed tiers that hold them, indexes what the tiers hold of ``relook``, and returns the tiers
         usable now (the second chance).
+    :param after_get: the engine's ``after_get(keys, pages, found)`` (replication.py), called before a
+        get returns: ``pages`` hold the caller's verified copies of the pages ``found``; a page that
+        lacks a tier is owed to it.
 
     Lock: ``lock``, one call at a time (``get``, ``drain``, ``close`` take it): methods ending
     ``_under_reads`` run with it held.
@@ -73,9 +76,12 @@ class ReadPath:
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
                  read_timeout: float, ceiling: int, digest: str, priority: ReadPriority,
-                 recover: Callable[[list[str], set[str], int], int]):
+                 recover: Callable[[list[str], set[str], int], int],
+                 after_get: Callable[[Sequence[str], Sequence[Sequence[Segment]], list[bool]], None]
+                 = lambda keys, pages, found: None):
         self.io = InFlight(ring, len(tiers), block, ceiling)
         self.recover = recover
+        self.after_get = after_get
         self.priority = priority
         self.closed = False
         self.tiers = tiers
@@ -112,6 +118,7 @@ class ReadPath:
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
+        self.after_get(keys, pages, found)
         record_get(self.stats, calls, len(keys), sum(found), time.perf_counter() - t0, busy, policy, self.io.flows)
         return found
 

@@ -12,6 +12,9 @@ tier, walks that tier's shard directories and:
 - at the end, sorts the pages it found by write time (``Index.settle``: the LRU order of before the
   restart) and trims a tier over its capacity (one lowered since the last run).
 
+When every tier is scanned, ``done()`` runs (the engine's: background replication then owes each
+tier the pages it lacks, replication.py; only then is it known what a tier lacks).
+
 Its cost is bounded, for a shared file system many servers restart against at once: at most
 ``scan_rate`` page files a second per tier (each an open, one 4 KiB read, a close), and at most
 ``scan_cpu`` of a core per tier thread (it sleeps to stay within both). It takes no lock a request
@@ -67,16 +70,20 @@ class BackgroundScan:
     :param level: of the line each tier's scan logs when done (the engine's start-up line's).
     :param trim: ``trim(k)`` evicts and removes tier ``k``'s least recent pages beyond its capacity
         (the engine does it as its writer would, behind writes in progress).
+    :param done: called once, on the last scan thread, when every tier's scan has ended (also one
+        that stopped early), with no lock held.
     """
 
     def __init__(self, tiers: Sequence[Tier], index: Index, digest: str, rate: float, cpu: float,
-                 trim: Callable[[int], None], level: int = logging.INFO):
+                 trim: Callable[[int], None], level: int = logging.INFO,
+                 done: Callable[[], None] = lambda: None):
         self.index = index
         self.level = level
         self.digest = digest
         self.rate = rate
         self.cpu = cpu
         self.trim = trim
+        self.on_done = done
         self.epoch = index.epoch
         self.parts = [TierScan(t) for t in tiers]
         self._stop = threading.Event()
@@ -147,8 +154,14 @@ class BackgroundScan:
             part.done = True
             with self._lock:
                 self._left -= 1
-                if not self._left:
-                    self._done.set()
+                last = not self._left
+            if last:
+                try:
+                    if not self._stop.is_set():
+                        self.on_done()
+                except Exception:  # (as above)
+                    log.exception("kvstream: the end of the background scan")
+                self._done.set()  # (after on_done: who waits for the scan finds catch-up's work owed)
             self._publish(force=True)
 
     def _scan_tier(self, part: TierScan) -> None:

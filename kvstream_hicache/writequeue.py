@@ -65,7 +65,7 @@ class WriteQueue:
     """
 
     def __init__(self, tiers: list[Tier], index: Index, stats: Stats, chunk: int, settings: WriteSettings,
-                 bandwidth: Callable[[int], float]):
+                 bandwidth: Callable[[int], float], thinned: Callable[[list[str]], None] = lambda keys: None):
         self.tiers = tiers
         self.index = index
         self.stats = stats
@@ -76,6 +76,8 @@ class WriteQueue:
         self.work = threading.Condition(self.lock)  # the writer waits here for work
         self.room = threading.Condition(self.lock)  # deferred puts wait here for backlog room
         self.fifo: list[deque[WritePage]] = [deque() for _ in tiers]  # pages waiting for a job on tier k
+        self.copies: list[deque[WritePage]] = [deque() for _ in tiers]  # catch-up copies: after the FIFO
+        self.thinned = thinned  # pages a put left on fewer tiers than there are (replication.py owes them)
         self.pending: dict[str, WritePage] = {}  # key -> the page being written
         self.queued = [0] * len(tiers)  # bytes accepted for tier k and not yet written (P_k), file bytes
         self.backlog = 0  # bytes of pages accepted and not done
@@ -107,14 +109,24 @@ class WriteQueue:
             self.room.notify_all()
 
     def drop_all(self) -> list[tuple[WritePage, int]]:
-        """clear(): empty every FIFO; returns the (page, tier) dropped (each still to end)."""
+        """clear(): empty every FIFO (catch-up copies too); returns the (page, tier) dropped (each still
+        to end)."""
         with self.lock:
-            dropped = [(page, k) for k, fifo in enumerate(self.fifo) for page in fifo]
+            dropped = [(page, k) for queues in (self.fifo, self.copies) for k, fifo in enumerate(queues)
+                       for page in fifo]
             for page in self.pending.values():
                 page.spare = 0  # cancelled, not failed: no tier takes it after all
-            for fifo in self.fifo:
+            for fifo in (*self.fifo, *self.copies):
                 fifo.clear()
         return dropped
+
+    def copy(self, page: WritePage, tier: int) -> None:
+        """A catch-up copy (WritePath.copy) joins the tier's copies: written after its FIFO."""
+        with self.lock:
+            if self.closing:
+                raise EngineClosedError("kvstream engine is closed")
+            self.copies[tier].append(page)
+            self.work.notify()
 
     # -- accept ----------------------------------------------------------------------------------
     def accept(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
@@ -231,6 +243,9 @@ class WriteQueue:
     # -- the end of a page, and of a put (the writer, under WritePath.lock) ------------------------
     def job_over_under_writer(self, page: WritePage, k: int) -> None:
         """One tier of the page is done (written, failed or skipped); the last one ends the page."""
+        if page.copied is not None:  # a catch-up copy: no put waits, nothing was counted for it
+            page.copied(bool(page.committed), time.monotonic() - page.started if page.started else 0.0)
+            return
         with self.lock:  # (callers add to queued and backlog under it too)
             self.queued[k] -= page.file_bytes
             page.left -= 1
@@ -247,6 +262,8 @@ class WriteQueue:
                 self.stats.total("under_replicated")
         else:
             self.stats.total("pages_failed")
+        if ok and len(page.committed) < len(self.tiers):
+            self.thinned([page.key])  # a skipped or failed replica: background replication owes it
         for call, i in page.calls:
             call.results[i] = ok
             call.left -= 1

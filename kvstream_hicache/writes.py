@@ -44,7 +44,7 @@ from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
 from .flow import MAX_REQUEST
-from .layout import ALIGN
+from .layout import ALIGN, round_up
 from .locks import ranked_lock
 from .priority import ReadPriority
 from .probe import fs_type
@@ -107,7 +107,7 @@ class WritePath:
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
                  chunk: int, digest: str, priority: ReadPriority, settings: WriteSettings, *,
-                 staging_limit: int, ceiling: int):
+                 staging_limit: int, ceiling: int, thinned: Callable[[list[str]], None] = lambda keys: None):
         n = len(tiers)
         self.io = InFlight(ring, n, max(chunk, WRITE_UNIT), ceiling)  # write window, request size, bandwidth
         self.digest = digest
@@ -118,7 +118,7 @@ class WritePath:
         self.priority = priority
         self.staging_limit = staging_limit
         self.lock = ranked_lock("write")  # held by the writer thread while it works, and by exclusive()
-        self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues)
+        self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues, thinned)
         self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
@@ -152,6 +152,26 @@ class WritePath:
         self.queue.wait_for_room(sum(n for segments in pages for _, n in segments))
         self.stats.total("deferred_puts")
         self.queue.accept(keys, pages, mask, done)
+
+    def copy(self, key: str, address: int, info, created: int, tier: int, evict: bool,
+             done: Callable[[bool, float], None]) -> None:
+        """Background replication (replication.py): write the page ``info`` describes, its payload at
+        ``address`` (4096-aligned, padded), to ``tier`` after the tier's foreground FIFO, held back by
+        reads as any write; ``evict``: it may evict LRU pages to make room. ``done(committed, seconds)``
+        runs on the writer thread (seconds: from the job's start on the tier to its end). Not a put: no
+        put counter moves, and the budget does not count it."""
+        page = WritePage(key, [(address, round_up(info.length))], info.length, info.block, 1 << tier)
+        page.crcs, page.created, page.evict, page.copied = info.crcs, created, evict, done
+        page.left = 1
+        self.queue.copy(page, tier)
+
+    def idle(self, k: int) -> bool:
+        """No foreground page waits for a job on tier ``k`` (catch-up never goes ahead of a put)."""
+        return not self.queue.fifo[k]
+
+    def writing(self, key: str) -> bool:
+        """A put is writing ``key`` now."""
+        return key in self.queue.pending
 
     @contextmanager
     def exclusive(self):
@@ -230,7 +250,7 @@ class WritePath:
         return len(self.io) > self.io.orphans
 
     def _has_work_under_queues(self) -> bool:
-        return self._has_live_writes() or any(self.queue.fifo) or any(self._active)
+        return self._has_live_writes() or any(self.queue.fifo) or any(self.queue.copies) or any(self._active)
 
     def _run(self) -> None:
         queue = self.queue
@@ -354,14 +374,15 @@ class WritePath:
             if len(self._active[k]) >= TMP_FILES_PER_TIER or self._fds.blocked(now):
                 return None
             with self.queue.lock:
-                if not self.queue.fifo[k]:
+                fifo = self.queue.fifo[k] or self.queue.copies[k]  # catch-up copies only when no put waits
+                if not fifo:
                     return None
-                page = self.queue.fifo[k][0]
+                page = fifo[0]
             started = self._start_job_under_writer(page, k)
             if started is False:
                 return None  # out of descriptors: the page stays first in line
             with self.queue.lock:
-                self.queue.fifo[k].popleft()
+                fifo.popleft()
             if started is not None:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
@@ -387,10 +408,11 @@ class WritePath:
             self.queue.job_over_under_writer(page, k)
             return None
         self._fds.created()
-        victims = self.index.reserve(k, page.length)
+        victims = self.index.reserve(k, page.length, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
-            self.stats.add(k, "skipped_writes")
+            if page.copied is None:  # (a catch-up copy that finds no room counts as dropped, replication.py)
+                self.stats.add(k, "skipped_writes")
             log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
             self.queue.job_over_under_writer(page, k)
             return None
@@ -409,6 +431,7 @@ class WritePath:
         if staged:  # each request is staged whole: no request may need more than the staging memory
             request = min(request, self._piece)
         job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
+        page.started = time.monotonic()
         self._active[k].append(job)
         return job
 
@@ -486,13 +509,27 @@ class WritePath:
         if not job.in_flight and (job.err or job.next == len(job.ops)):
             self._finish_job_under_writer(job)
 
+    def _copy_wanted_under_writer(self, page: WritePage, k: int) -> bool:
+        """A catch-up copy is committed only while the index still holds the content it copied, tier
+        ``k`` still lacks it and no file has the page's name there. Else, since it was read: deleted
+        or cleared (never brought back), or written there by a put (maybe other content: the copy,
+        renamed over it, would bring an older version back), or another writer's file in place (not
+        ours to replace). A put commits on this thread too, so none comes between this and the rename."""
+        info = self.index.get(page.key)
+        return info is not None and not info.tiers >> k & 1 and \
+            info.same_content(page.length, page.block, page.crcs) and \
+            not os.path.lexists(self.tiers[k].layout.page_path(page.key))
+
     def _finish_job_under_writer(self, job: Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
+        if job.err == 0 and page.copied is not None and not self._copy_wanted_under_writer(page, k):
+            job.err = CANCELLED
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
-                page_dir = tier.commit(fd, job.tmp, page.key, lambda: self._evict_under_writer(k, page.length))
+                page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
+                                       self._evict_under_writer(k, page.length))
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
@@ -501,7 +538,10 @@ class WritePath:
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length)
+            # A background copy is the tier's least recent page (the first to go when room is needed: it
+            # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
+                              oldest=not page.evict)
             page.committed.append(k)
             for call, _ in page.calls:
                 call.dirs.setdefault(k, set()).add(page_dir)
@@ -509,7 +549,8 @@ class WritePath:
             self.stats.add(k, "pages_written")
             self._close_job_under_writer(job)
             return
-        if job.err in SPACE_ERRNOS and job.tries < SPACE_RETRIES and self._room_possible_under_writer(job):
+        if job.err in SPACE_ERRNOS and page.evict and job.tries < SPACE_RETRIES and \
+                self._room_possible_under_writer(job):
             if self._evict_under_writer(k, page.length):
                 job.tries += 1
                 job.err = 0
@@ -517,7 +558,8 @@ class WritePath:
                 return
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.length)
-        if job.err != CANCELLED:
+        if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):  # (a full
+            # tier refusing a catch-up copy: dropped, replication.py)
             self._failed_under_writer(k, job.err, f"write {page.key}")
         self._close_job_under_writer(job)
 

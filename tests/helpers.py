@@ -251,6 +251,18 @@ class FakeClock:
         self.now += seconds
 
 
+def gone_or_restored(engine: Engine, k: int, key: str) -> bool:
+    """The copy of ``key`` that tier ``k`` had is gone (removed as damaged, a stray), or background
+    replication has already written a fresh one there: indexed and intact, header and every block."""
+    from kvstream_hicache.integrity import scan_file
+
+    tier = engine.tiers[k]
+    if not os.path.lexists(tier.layout.page_path(key)):
+        return True
+    return bool(engine.index.holders(key) >> k & 1) and \
+        scan_file(tier.layout, engine.namespace.digest, key, payload=True).problem is None
+
+
 def wait_until(predicate, timeout: float = 60.0, what: str = "the condition never held") -> None:
     """Poll ``predicate()`` until true (for what has no completion to wait on); fail with ``what`` after
     ``timeout`` s, a bound on a hang, never a measure of speed."""
@@ -480,7 +492,8 @@ def _mla(tiers: str, role: str, rounds: int, out: str, go: str, capacity: str) -
     pages = PageSet(PAGE_BYTES, aligned=True, salt="mla")
     keys = pages.keys(rounds * 4)
     dirs = tiers.split(os.pathsep)
-    settings = {"capacity": capacity}
+    # the reader is an MLA non-writer rank: its adapter turns catch-up off (a write; the writer does it)
+    settings = {"capacity": capacity, **({} if role == "writer" else {"catchup": False})}
     bad, seen, reads = [], [], 0
     deadline = time.monotonic() + 120
     while not os.path.exists(go):

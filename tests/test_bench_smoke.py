@@ -28,9 +28,13 @@ def test_bench_engine_policies_json_plot_series(tmp_path, tier_dirs):
     doc = _bench(tmp_path, tier_dirs[:2], "kvstream,static-0.5,tier0", "--plot", str(plot), "--series", str(series),
                  "--batch", "32")
     assert doc["bound_gbps"] > 0
-    assert set(doc["policies"]) == {"kvstream", "static-0.5", "tier0"}
+    # the default engine's reads right after the put (catch-up running) are rows of their own
+    assert set(doc["policies"]) == {"kvstream@put", "tier0@put", "kvstream", "static-0.5", "tier0"}
+    catch_up = doc["write"]["catch_up"]
+    assert catch_up["finished"] and catch_up["pending_pages"] == 0 and catch_up["s"] >= 0
+    assert set(catch_up) >= {"after_put", "after_catch_up", "ratio_to_replicated_write", "ratio_to_slowest_alone"}
     for name, p in doc["policies"].items():
-        assert p["batches"] == 2 and p["missing_pages"] == 0
+        assert p["batches"] == 2 and p["missing_pages"] == 0  # (@put: once over the 2 data set batches)
         assert p["throughput_gbps"] > 0 and p["gap"] is not None
         assert len(p["share"]) == 2 and sum(p["share"]) == pytest.approx(1.0)
     assert doc["policies"]["tier0"]["share"] == [1.0, 0.0]
@@ -169,12 +173,13 @@ def test_bench_mixed_scenario(tmp_path, tier_dirs):
                    "--write-batch", "4", "--write-rate", "max", "--no-progress", "--json", str(out), "--keep-data"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert set(doc["policies"]) == {"today", "priority", "budget", "lmcache"}
+    assert set(doc["policies"]) == {"today", "priority", "budget", "kvstream", "lmcache"}
     for name, p in doc["policies"].items():
         assert p["write_bps"] > 0 and p["write_failed_pages"] == 0, name
         assert p["read_p50_s"] > 0 and p["gap"] is not None
     assert doc["policies"]["today"]["write_vs_today"] == 1.0
     assert doc["policies"]["today"]["held_s"] == [0.0, 0.0]  # read_priority=off never holds a write
+    assert doc["policies"]["budget"]["catch_up"] == [0, 0]  # catchup=off: a skipped replica stays skipped
     pages = [len(files) for d in tier_dirs[:2] for _, _, files in os.walk(d) if files]
     assert sum(pages) == 2 * 2 * 8  # only the data set is left: two batches of 8 pages on both tiers
 

@@ -10,6 +10,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +20,8 @@ from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from helpers import FakeClock, Pages, flip_byte, key, make_array_engine as make_engine, segments_of
+from helpers import (FakeClock, Pages, flip_byte, gone_or_restored, key, make_array_engine as make_engine, segments_of,
+                     wait_until)
 
 SENTINEL = 0xAB
 
@@ -88,8 +90,9 @@ def test_corrupted_block_is_served_from_the_other_tier_and_quarantined(tier_dirs
         assert all(pages.equal(i) for i in range(4))
         t0 = engine.stats()["tiers"][0]
         assert t0["corrupted"] == 1 and t0["quarantined"] == 1 and t0["replica_retries"] >= 1
-        assert not os.path.exists(engine.tiers[0].layout.page_path(keys[2]))
-        assert engine.index.holders(keys[2]) == 0b10
+        assert gone_or_restored(engine, 0, keys[2])  # removed; a fresh copy may be back (catch-up)
+        wait_until(lambda: engine.index.holders(keys[2]) == 0b11, what="tier 0's copy was never written again")
+        assert gone_or_restored(engine, 0, keys[2]) and engine.stats()["tiers"][0]["replication_done"] == 1
         assert engine.check() == []
 
 
@@ -187,8 +190,12 @@ def test_tier_directory_removed_then_recreated(tier_dirs, io_engine):
         clock.now += 1000
         assert engine.put([key(1, "x")], Pages(1, seed=10).src_segments) == [True]
         assert engine.stats()["tiers"][0]["healthy"]
-        assert engine.index.holders(keys[0]) == 0b10  # lost pages forgotten on rejoin
         assert engine.index.holders(key(1, "x")) == 0b11
+        # the lost pages are forgotten on rejoin and written there again, with the page put while the
+        # tier was out (background replication: 5 copies)
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in [*keys, key(0, "x")]),
+                   what="the lost pages were never written to tier 0 again")
+        assert engine.stats()["tiers"][0]["replication_done"] == 5
         assert engine.check() == []
 
 
@@ -347,6 +354,13 @@ def test_real_enospc_evicts_lru_then_fails_that_tier_only(small_fs, tier_dirs, i
         assert engine.put(keys, pages.src_segments[:2]) == [True, True]  # stored on tier 1
         t0 = engine.stats()["tiers"][0]
         assert t0["healthy"] and t0["write_failures"] >= 2
+        assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
+        # Owed to tier 0 now (background replication): its copies meet the same full file system and
+        # are dropped, never evicting, never leaving a temporary file behind.
+        deadline = time.monotonic() + 60
+        while engine.stats()["replication_pending"]:
+            assert time.monotonic() < deadline, "catch-up to the full tier never ended"
+            time.sleep(0.005)
         assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
         assert os.listdir(engine.tiers[0].layout.tmp) == []
         assert engine.check() == []

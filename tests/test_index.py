@@ -226,6 +226,45 @@ def test_a_copy_that_left_the_index_after_the_scan_read_it_is_read_again():
     assert scanned(index, "a") >= 0  # read again (here: still there)
 
 
+def test_a_background_copy_is_the_least_recent_and_reserve_without_eviction_refuses():
+    """commit(oldest=True) (a catch-up copy, replication.py) goes first when room is needed, before
+    the pages of before the restart too; reserve(evict=False) never evicts."""
+    index = Index([300])
+    index.add_scanned("old", 0, 90, 4096, CRCS, 100, 5, index.epoch, index.mark("old"))
+    add(index, "hot", 0)
+    assert index.reserve(0, 100) == []
+    index.commit("copy", 0, 90, 4096, CRCS, 100, oldest=True)
+    assert index.keys(0) == ["copy", "old", "hot"]
+    assert index.reserve(0, 100, evict=False) is None and len(index) == 3
+    assert add(index, "new", 0) == ["copy"]
+
+
+def test_lacking_walks_the_pages_a_tier_lacks_by_slot_in_bounded_steps(monkeypatch):
+    """Background replication's sweep: the keys some tier holds and tier k lacks, ``limit`` at a time,
+    SWEEP_SLOTS slots per step, to the end (-1); count_lacking agrees from any slot."""
+    from kvstream_hicache import index as index_module
+
+    monkeypatch.setattr(index_module, "SWEEP_SLOTS", 4)
+    index = Index([None, None])
+    keys = [f"{i:064x}" for i in range(10)] + ["odd-key"]
+    for i, key in enumerate(keys):
+        add(index, key, 0 if i % 3 else 1)  # every third page on tier 1 alone
+    add(index, keys[1], 1)  # on both
+    index.remove(keys[4], 0)  # gone: held nowhere
+    lacking1 = [k for k in keys if index.holders(k) == 0b01]
+    lacking0 = [k for k in keys if index.holders(k) == 0b10]
+    for tier, want in ((1, lacking1), (0, lacking0)):
+        assert index.count_lacking(tier) == len(want)
+        got, at, steps = [], 0, 0
+        while at >= 0:
+            batch, nxt = index.lacking(tier, at, 2)
+            assert len(batch) <= 2 and (nxt > at or nxt == -1)
+            assert index.count_lacking(tier, at) == len(want) - len(got)
+            got += batch
+            at, steps = nxt, steps + 1
+        assert got == want and steps >= 3
+
+
 class SameHash(str):
     """A key whose hash every other one shares: each lookup walks a probe chain of keys alike."""
 

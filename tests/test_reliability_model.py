@@ -29,7 +29,7 @@ from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 
 from helpers import (NS, FakeClock, TierFaultPlan, content, flip_byte, get_items, key, make_engine,
-                                 put_items)
+                                 put_items, wait_until)
 
 # The machine damages copies on disk and restarts the engine in between (restart closes a store it
 # damaged on purpose); the_store_agrees_with_its_disk allows exactly those problems, and teardown requires
@@ -94,6 +94,17 @@ class StoreModel(RuleBasedStateMachine):
         self.plan.on(self.dirs[t], f, opcode=opcode)
         return t
 
+    def _disarm(self) -> None:
+        """End the step's fault: clear it, then wait for every write job in flight at that moment to
+        end. A background replication copy (replication.py) the step started under the fault ends
+        under it, in this step: a tier it fails, a corrupt copy it commits, are this step's doing,
+        not a later step's, whose put would otherwise meet a tier failed behind its back."""
+        self.plan.clear()
+        jobs = self.engine._writes._active
+        started = [job for tier_jobs in list(jobs) for job in list(tier_jobs)]
+        wait_until(lambda: not any(job in tier_jobs for tier_jobs in jobs for job in started), 30,
+                   "a write job of the step never ended")
+
     # -- operations ----------------------------------------------------------------------------
     @rule(picks=key_lists, fault=faults)
     def put(self, picks, fault):
@@ -103,7 +114,7 @@ class StoreModel(RuleBasedStateMachine):
         try:
             stored = put_items(self.engine, [(k, DATA[k], ALIGNED[k]) for k in keys])
         finally:
-            self.plan.clear()
+            self._disarm()
         writable = [t for t in range(N_TIERS) if t not in self.away and t != faulted]
         for k, ok in zip(keys, stored):
             if ok:
@@ -122,7 +133,7 @@ class StoreModel(RuleBasedStateMachine):
         try:
             found, got = get_items(self.engine, [(k, len(DATA[k]), ALIGNED[k]) for k in keys])
         finally:
-            self.plan.clear()
+            self._disarm()
         for k, ok, data in zip(keys, found, got):
             if ok:
                 assert k in self.model, f"{k[:8]} found but never acknowledged"

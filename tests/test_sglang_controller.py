@@ -117,11 +117,13 @@ def test_mla_pages_are_shared_and_only_the_writer_writes(plugin_loaded, tier_dir
     tokens = cpu_sglang.random_tokens(4 * PAGE, seed=41)
     src = cpu_sglang.fill_random(pools, len(tokens), seed=41)
     rank0 = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), tp_rank=0, tp_size=2)
+    assert rank0.storage.engine.config.catchup  # the writer rank: it catches up for every rank
     assert rank0.backup(tokens, src) == len(tokens)
     rank0.close()
     rank1 = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), tp_rank=1, tp_size=2)
     backend = rank1.storage
     assert not backend.is_writer
+    assert not backend.engine.config.catchup  # its catch-up would be a second writer of rank 0's pages
     other = cpu_sglang.random_tokens(2 * PAGE, seed=42)
     other_keys = cpu_sglang.page_keys(other, PAGE)
     idx = cpu_sglang.fill_random(pools, len(other), seed=42)

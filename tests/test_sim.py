@@ -291,8 +291,8 @@ def test_kvsim_command_writes_json_and_plot(tmp_path, capsys):
                "--capacities", "1M,4M,64M", "--validate-lru", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert set(res["policies"]) == {"kvstream", "budget:h=home+1", "tier0", "tier1", "static-auto", "static-0.5",
-                                    "replicate-share-0.4", "replicate-after-slow"}
+    assert set(res["policies"]) == {"kvstream", "replicate-all", "budget-no-catch-up", "tier0", "tier1", "static-auto",
+                                    "static-0.5", "replicate-share-0.4", "replicate-after-slow"}
     assert res["policies"]["kvstream"]["gap"] < 0.05
     assert res["policies"]["static-auto"]["g"] == pytest.approx(0.75)
     assert res["capacity_sweep"]["eq2_bytes"] == pytest.approx(res["capacity_sweep"]["lru_bytes"])

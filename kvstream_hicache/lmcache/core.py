@@ -370,6 +370,9 @@ class L2Core:
     def _finish(self, store: bool, batch: list[_Task]) -> None:
         with self._lock:
             for task in batch:
+                # The engine is done with the buffers: the caller's lifetime again, before a waiter
+                # learns the task is done (it may drop its objects and expect them gone at once).
+                task.hold = None
                 good = sum(task.result)
                 bad = len(task.result) - good
                 if store:
@@ -385,7 +388,6 @@ class L2Core:
                     self.counters["load_failed_pages"] += bad
             self._done.notify_all()
         for task in batch:
-            task.hold = None  # the engine is done with the buffers: the caller's lifetime again
             if task.done is not None:
                 try:
                     task.done(task.result)

@@ -19,6 +19,10 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_evictions_total``           counter    pages evicted from the tier (capacity)
 ``kvstream:tier_replica_skips_total``       counter    new pages whose replica the tier skipped (replicate=budget)
 ``kvstream:tier_replica_skip_bytes_total``  counter    bytes of those replicas
+``kvstream:tier_replication_done_total``    counter    replicas background replication wrote to the tier (catch-up)
+``kvstream:tier_replication_bytes_total``   counter    bytes of those replicas
+``kvstream:tier_replication_dropped_total`` counter    owed replicas given up (no valid copy left, a write that failed)
+``kvstream:tier_replication_pending``       gauge      pages the tier lacks that background replication owes it
 ``kvstream:tier_healthy``                   gauge      1 while the tier is in service, 0 while failed
 ``kvstream:pages_total{result}``            counter    pages requested by reads: found / missing
 ``kvstream:under_replicated_pages_total``   counter    pages stored on fewer tiers than configured
@@ -50,6 +54,9 @@ TIER_COUNTERS = {
     "evictions": "tier_evictions",
     "replica_skipped_pages": "tier_replica_skips",
     "replica_skipped_bytes": "tier_replica_skip_bytes",
+    "replication_done": "tier_replication_done",
+    "replication_bytes": "tier_replication_bytes",
+    "replication_dropped": "tier_replication_dropped",
 }
 TIER_DOCS = {
     "tier_read_bytes": "Bytes read from the tier (duplicate reads near the routing meeting point included).",
@@ -62,6 +69,11 @@ TIER_DOCS = {
     "tier_replica_skips": "New pages whose replica this tier skipped: its writes would have drained after the "
                           "home copy's and the slack (replicate=budget); not a failure.",
     "tier_replica_skip_bytes": "Bytes of the replicas this tier skipped (replicate=budget).",
+    "tier_replication_done": "Replicas background replication wrote to the tier later (skipped, lost or promoted "
+                             "pages), from a copy on another tier or a read's memory.",
+    "tier_replication_bytes": "Bytes of the replicas background replication wrote to the tier.",
+    "tier_replication_dropped": "Replicas owed to the tier that were given up: no valid copy could be read, or "
+                                "the write failed (a full tier, an error).",
 }
 
 _families: dict | None = None
@@ -86,6 +98,9 @@ def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank")) -> 
         fam["tier_read_share"] = Gauge(PREFIX + "tier_read_share",
                                        "Fraction of all bytes served to sglang that this tier served (since start).",
                                        tier, multiprocess_mode="mostrecent")
+        fam["tier_replication_pending"] = Gauge(PREFIX + "tier_replication_pending",
+                                                "Pages the tier lacks that background replication owes it.",
+                                                tier, multiprocess_mode="mostrecent")
         fam["tier_healthy"] = Gauge(PREFIX + "tier_healthy", "1 while the tier is in service, 0 while failed.",
                                     tier, multiprocess_mode="mostrecent")
         fam["tier_info"] = Gauge(PREFIX + "tier_info", "Tier position -> directory (value 1).", tier + ["path"],
@@ -138,6 +153,8 @@ class Exporter:
                     if delta > 0:
                         self.fam[dst].labels(**lbl).inc(delta)
                 self.fam["tier_read_share"].labels(**lbl).set(float(tier.get("read_share", 0.0)))
+                if "replication_pending" in tier:
+                    self.fam["tier_replication_pending"].labels(**lbl).set(tier["replication_pending"])
                 if "healthy" in tier:
                     self.fam["tier_healthy"].labels(**lbl).set(1 if tier["healthy"] else 0)
                 self._last_tiers[k] = dict(tier)

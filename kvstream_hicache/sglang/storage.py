@@ -15,7 +15,8 @@ write pages out of the host pool). This class maps those calls onto one :class:`
   TP rank/size for MHA, PP and CP rank/size) keeps pages of different models, layouts and ranks apart;
   MLA pages are shared by every TP rank: sglang backs them up from the storage-writer rank only (its
   controller skips the others' backups); a rank that is asked to store them anyway stores them (the same
-  bytes), so a True from a set is always a page that ``exists`` finds.
+  bytes), so a True from a set is always a page that ``exists`` finds. Background replication (a write
+  too) runs on the writer rank only: the others' engines have ``catchup`` off.
 
 Failure rule: nothing raises into sglang's threads. Any exception in a data-path method becomes the
 method's "nothing happened" answer (False per page, 0 hits, None), one rate-limited warning and a counter.
@@ -25,6 +26,7 @@ where sglang expects a backend to refuse to start.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -76,6 +78,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self.enable_metrics = bool(storage_config.enable_storage_metrics)
         extra = dict(storage_config.extra_config or {})
         self.config = Config.from_sources(extra, os.environ, ignore=SGLANG_KEYS)
+        if self.is_mla and not self.is_writer:
+            # Every rank reads the shared MLA pages and sglang writes them from the writer rank only;
+            # catch-up is a write too, so the writer rank's engine does it (replication.py).
+            self.config = dataclasses.replace(self.config, catchup=False)
         self.mem_pool_host = None
         self.engine = None
         self.namespace: Namespace | None = None
@@ -606,7 +612,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             mode += " (reads of single-tier pages in place)" if self._reads_in_place else \
                 " (reads through huge-page staging: host pool in 4 KiB pages)"
         why = "" if self.zero_copy else f" (host pages not {ALIGN}-aligned: bounce buffers)"
-        writer = "" if self.is_writer else "; MLA non-writer rank (sglang skips its backups)"
+        writer = "" if self.is_writer else "; MLA non-writer rank (sglang skips its backups; no catch-up)"
         return (f"kvstream: {len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''} [{tiers}]; "
                 f"policy {cfg.policy_spec}; io {io}; layout {host.layout} "
                 f"{'MLA' if self.is_mla else 'MHA'} {_dtype(host).replace('torch.', '')} page {host.page_size} "

@@ -168,11 +168,13 @@ def _config(tiers: Sequence[str] | None):
 def _check(args) -> int:
     from ..integrity import check_tiers
 
-    problems = check_tiers(_config(args.tiers), fix=args.fix)
+    cfg = _config(args.tiers)
+    problems = check_tiers(cfg, fix=args.fix)
     left = [p for p in problems if not p.fixed]
     if args.json:
         print(json.dumps([_problem_dict(p) for p in problems], indent=1))
     else:
+        print(_replicas_line(_under_replicated(_tier_dirs(cfg))))
         for p in problems:
             print(_problem_line(p))
         if not problems:
@@ -205,7 +207,8 @@ def _problem_line(p) -> str:
 def _info(args) -> int:
     cfg = _config(args.tiers)
     settings = _settings(cfg)
-    doc = {"config": settings, "tiers": [_tier_status(d) for d in _tier_dirs(cfg)], "warnings": list(cfg.warnings)}
+    doc = {"config": settings, "tiers": [_tier_status(d) for d in _tier_dirs(cfg)], "warnings": list(cfg.warnings),
+           "under_replicated": _under_replicated(_tier_dirs(cfg))}
     from .bench import testbed as tb
 
     st = tb.status()
@@ -237,6 +240,7 @@ def _info(args) -> int:
               f"{state}; {scan['files']} files in {scan['seconds']:.1f} s ({scan['rate']:,.0f}/s), "
               f"{scan['indexed']} pages indexed, {scan['damaged_removed']} damaged and {scan['tmp_removed']} "
               f"leftovers removed; eviction {scan['eviction']}")
+    print(_replicas_line(doc["under_replicated"]))
     if "testbed" in doc:
         print(f"testbed: {doc['testbed']['profile']} at {', '.join(doc['testbed']['dirs'])} (kvstream testbed status)")
     return 0 if all(t["ok"] for t in doc["tiers"]) else 1
@@ -263,12 +267,38 @@ def _settings(cfg) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _page_names(path: str) -> set[tuple[str, str]]:
+    """(namespace digest, page file name) of every page file under one tier directory."""
+    from ..layout import PAGE_SUFFIX, ROOT_DIR, is_digest
+
+    base = os.path.join(path, ROOT_DIR)
+    digests = [d for d in (os.listdir(base) if os.path.isdir(base) else []) if is_digest(d)]
+    return {(d, n) for d in digests for _, _, names in os.walk(os.path.join(base, d)) for n in names
+            if n.endswith(PAGE_SUFFIX)}
+
+
+def _under_replicated(dirs: Sequence[str]) -> dict:
+    """Pages some tier lacks, per tier (what background replication still owes, or skipped with it off)."""
+    held = [_page_names(d) if os.path.isdir(d) else set() for d in dirs]
+    every = set().union(*held) if held else set()
+    lacking = [len(every - h) for h in held]
+    return {"pages": len(every - set.intersection(*held)) if held else 0, "lacking_per_tier": lacking}
+
+
+def _replicas_line(u: dict) -> str:
+    if not u["pages"]:
+        return "replicas: every page is on every tier"
+    return (f"under-replicated: {u['pages']} page(s) lack a tier (" + ", ".join(
+        f"tier{k} lacks {n}" for k, n in enumerate(u["lacking_per_tier"]) if n) + "); a running engine writes "
+        "them (background replication, KVSTREAM_CATCHUP) while the tiers have room")
+
+
 def _tier_dirs(cfg) -> list[str]:
     return [t.path for t in cfg.tiers]
 
 
 def _tier_status(path: str) -> dict:
-    from ..layout import PAGE_SUFFIX, ROOT_DIR, is_digest
+    from ..layout import ROOT_DIR, is_digest
 
     out: dict = {"dir": path, "ok": False}
     if not os.path.isdir(path):
@@ -286,10 +316,8 @@ def _tier_status(path: str) -> dict:
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, out["fstype"], out["device"] = mnt, fstype, dev
     base = os.path.join(path, ROOT_DIR)
-    digests = [d for d in (os.listdir(base) if os.path.isdir(base) else []) if is_digest(d)]
-    out["namespaces"] = len(digests)
-    out["pages"] = sum(n.endswith(PAGE_SUFFIX) for d in digests for _, _, names in os.walk(os.path.join(base, d))
-                       for n in names)
+    out["namespaces"] = sum(is_digest(d) for d in (os.listdir(base) if os.path.isdir(base) else []))
+    out["pages"] = len(_page_names(path))
     out["ok"] = True
     return out
 

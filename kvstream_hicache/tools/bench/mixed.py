@@ -5,8 +5,11 @@ data set, one namespace):
 
   today      replicate=all, read_priority=off: every write in flight at once, whatever is read
   priority   replicate=all, read_priority=on: writes to a tier wait while a get reads it
-  budget     replicate=budget, read_priority=on: and a slower tier skips replicas it cannot drain
-  lmcache    as budget, through the LMCache adapter's machinery (L2Core): the backup stream is store
+  budget     replicate=budget, read_priority=on, catchup=off: and a slower tier skips replicas it
+             cannot drain, for good
+  kvstream   the defaults: budget, and background replication writes the skipped replicas later
+             (replication.py), competing with the mixed reads as the engine schedules it
+  lmcache    as kvstream, through the LMCache adapter's machinery (L2Core): the backup stream is store
              tasks (deferred writes, M2: queued in the engine, completed when committed), the
              prefetch stream load tasks (8 per batch, pooled)
 
@@ -24,8 +27,8 @@ Every round, for each policy in turn (the order rotates, so drift hits all alike
 Per policy: the mixed reads' gap to the quiet bound (sum T_mixed / sum D / sum_k b_k(quiet) - 1: what
 the writes cost the reads), their in-batch gap (routing against the bandwidth the tiers had), read
 p50/p90 (mixed and quiet), the backup stream's throughput and its ratio to ``today``'s, the pages
-in flight of a put (``write_queued_bytes`` sampled at each read: the backlog), time writes were held
-and replica skips. ``--write-rate auto`` (default) paces the backup stream at half the slowest tier's
+in flight of a put (``write_queued_bytes`` sampled at each read: the backlog), time writes were held,
+replica skips and the replicas catch-up wrote during the phases (``catch_up``). ``--write-rate auto`` (default) paces the backup stream at half the slowest tier's
 write bandwidth, measured when the data set is written: a rate the tiers can sustain, so that the
 comparison is of what writes cost reads, not of which policy writes more.
 """
@@ -49,9 +52,11 @@ from .dataset import Dataset, check, page_segments, page_views, poison
 POLICIES = {  # name: (engine settings, path)
     "today": ({"replicate": "all", "read_priority": "off"}, "sglang"),
     "priority": ({"replicate": "all", "read_priority": "on"}, "sglang"),
-    "budget": ({"replicate": "budget", "read_priority": "on"}, "sglang"),
-    "lmcache": ({"replicate": "budget", "read_priority": "on"}, "lmcache"),
+    "budget": ({"replicate": "budget", "read_priority": "on", "catchup": "off"}, "sglang"),
+    "kvstream": ({"replicate": "budget", "read_priority": "on", "catchup": "on"}, "sglang"),
+    "lmcache": ({"replicate": "budget", "read_priority": "on", "catchup": "on"}, "lmcache"),
 }
+SETTLE_S = 120.0  # the data set's catch-up (a first engine with catch-up on) is waited for at most this long
 LOAD_TASKS = 8  # lmcache path: load tasks per prefetch batch (LMCache keeps up to 8 requests in flight)
 DEFAULT_WRITE_BATCH = 16  # pages per backup put
 AUTO_RATE_SHARE = 0.5  # --write-rate auto: this share of the slowest tier's write bandwidth
@@ -203,6 +208,10 @@ def run(args, log=print) -> dict:
                 raise RuntimeError("writing the data set failed")
         pages.clear()  # numpy views pin the buffer: gone before it closes
         t_write = time.perf_counter() - t0
+        # Every phase starts from the data set on every tier: the replicas a budget skipped are written
+        # now (else that engine's catch-up would write while another policy's phase reads)
+        while first.stats()["replication_pending"] and time.perf_counter() - t0 < t_write + SETTLE_S:
+            time.sleep(0.05)
         s1 = first.stats()
         write_bps = [(b["bytes_written"] - a["bytes_written"]) / (b["write_busy_s"] - a["write_busy_s"])
                      if b["write_busy_s"] > a["write_busy_s"] else 0.0 for a, b in zip(s0["tiers"], s1["tiers"])]
@@ -313,13 +322,14 @@ def _phase(path: Path, name: str, r: int, ds: Dataset, segs, views, src, rate, a
     drop(engine, backup.keys)
     stored = s1["pages_stored"] - s0["pages_stored"]
     skipped = [b["replica_skipped_pages"] - a["replica_skipped_pages"] for a, b in zip(s0["tiers"], s1["tiers"])]
+    caught_up = [b["replication_done"] - a["replication_done"] for a, b in zip(s0["tiers"], s1["tiers"])]
     return {
         "round": r - args.warmup, "quiet_s": quiet_s, "quiet_bytes": len(batch.keys) * ds.page_bytes,
         "quiet_tier_bps": b_quiet, "reads": reads,
         "write_bytes": stored * ds.page_bytes, "write_s": backup.t1 - backup.t0,
         "write_bps": stored * ds.page_bytes / (backup.t1 - backup.t0),
         "write_failed_pages": s1["pages_failed"] - s0["pages_failed"], "put_s": backup.put_s,
-        "queued_bytes": queued, "new_pages": len(backup.keys), "replica_skips": skipped,
+        "queued_bytes": queued, "new_pages": len(backup.keys), "replica_skips": skipped, "catch_up": caught_up,
         "backpressure_s": s1["backpressure_s"] - s0["backpressure_s"],
         "held_s": [b["write_held_s"] - a["write_held_s"] for a, b in zip(s0["tiers"], s1["tiers"])],
         "n_tiers": n_tiers,
@@ -359,6 +369,7 @@ def summarize(recs: list[dict], b_quiet: list[float]) -> dict:
         "queued_max_bytes": max(q for r in recs for q in r["queued_bytes"]),
         "held_s": [sum(r["held_s"][k] for r in recs) for k in range(n_tiers)],
         "replica_skips": skips,
+        "catch_up": [sum(r["catch_up"][k] for r in recs) for k in range(n_tiers)],
         "replica_skip_share": sum(skips) / (new * (n_tiers - 1)) if new and n_tiers > 1 else 0.0,
     }
 
@@ -378,7 +389,8 @@ def print_table(doc: dict, log=print) -> None:
         + ("unpaced" if rate is None else f"{rate / 1e6:.0f} MB/s") + f" in puts of {doc['write_batch']} pages")
     head = (f"{'policy':<10s} {'gap':>7s} {'median':>7s} {'quiet':>7s} {'in-batch':>8s} {'p50 s':>6s} {'p90 s':>6s} "
             f"{'quiet p50':>9s} {'x quiet':>7s} "
-            f"{'write MB/s':>10s} {'x today':>7s} {'put p50':>7s} {'queued MiB':>10s} {'held s':>12s} {'skips':>12s}")
+            f"{'write MB/s':>10s} {'x today':>7s} {'put p50':>7s} {'queued MiB':>10s} {'held s':>12s} {'skips':>12s} "
+            f"{'catch-up':>9s}")
     log(head)
     log("-" * len(head))
     for name, p in doc["policies"].items():
@@ -390,8 +402,10 @@ def print_table(doc: dict, log=print) -> None:
             f"{p['write_bps'] / 1e6:10.0f} {'-' if x is None else f'{x:.2f}':>7s} "
             f"{p['put_p50_s']:7.3f} {p['queued_max_bytes'] / 2**20:10.0f} "
             f"{'/'.join(f'{h:.1f}' for h in p['held_s']):>12s} "
-            f"{'/'.join(str(s) for s in p['replica_skips'])} ({p['replica_skip_share']:.0%})")
+            f"{'/'.join(str(s) for s in p['replica_skips'])} ({p['replica_skip_share']:.0%}) "
+            f"{'/'.join(str(c) for c in p['catch_up']):>9s}")
     bound = " + ".join(f"{b / 1e9:.2f}" for b in doc["quiet_tier_bps"])
     log(f"gap: mixed reads against D / sum_k b_k, b_k the median of every quiet read ({bound} GB/s; all phases, "
         f"median of the phases); quiet: the quiet reads against the same bound; in-batch: mixed reads against "
-        f"their own b_k (median); load {doc['host']['load'][0]:.1f}")
+        f"their own b_k (median); catch-up: replicas background replication wrote per tier during the "
+        f"phases; load {doc['host']['load'][0]:.1f}")

@@ -63,6 +63,17 @@ def print_table(doc: dict, log: Callable[[str], None] = print) -> None:
     if w.get("ratio_to_slowest_alone"):
         log(f"replicated write: {w['replicated_s']:.2f} s = {w['ratio_to_slowest_alone']:.3f}x the slowest tier alone "
             f"({', '.join(f'{k} {v:.2f} s' for k, v in w['single_tier'].items())})")
+    c = w.get("catch_up")
+    if c:
+        reads = "; ".join(f"{label}: kvstream {c[when]['gbps']:.3f} GB/s = {c[when]['ratio_to_tier0']:.2f}x tier0, "
+                          f"gap {_pct(c[when]['gap'])}" for when, label in
+                          (("after_put", "right after the put"), ("after_catch_up", "after the catch-up"))
+                          if when in c)
+        log(f"catch-up: {sum(c['pages'])} replicas in {c['s']:.2f} s after the put "
+            f"({c['ratio_to_replicated_write']:.2f}x the put"
+            + (f", {c['ratio_to_slowest_alone']:.2f}x the slowest tier alone" if c.get("ratio_to_slowest_alone")
+               else "") + ")" + ("" if c["finished"] else f", NOT finished: {c['pending_pages']} pages owed")
+            + (f"; {reads}" if reads else ""))
     if doc.get("wrong_pages"):
         log(f"WRONG DATA: {doc['wrong_pages']}")
 

@@ -55,6 +55,10 @@ WORK_DIR = "kvstream-bench"  # per-tier subdirectory the bench owns (and removes
 BATCH_PAGES = 128  # sglang's STORAGE_BATCH_SIZE: pages per storage call
 DEFAULT_DATA_BATCHES = 4  # distinct batches written; rounds cycle over them
 DEVICE_FIO_IODEPTH = 32  # --fio run on plain directories: enough requests in flight for a real device
+AFTER_PUT = "@put"  # suffix of the rows read right after the put, while the catch-up runs
+AFTER_PUT_POLICIES = ("kvstream", "tier0")  # read once over the data set then (tier0: the ratio's reference)
+CATCH_UP_WAIT_S = 120.0  # the catch-up is waited for at least this long (or 20x the put's time), s
+CATCH_UP_POLL_S = 0.01
 
 
 class UsageError(ValueError):
@@ -196,6 +200,19 @@ def run(args: argparse.Namespace, log=print) -> dict:
         src = AlignedBuffer(args.batch * geom.page_bytes)
         stack.callback(src.close)
         writes = _write_phase(engine, ds, src, log)
+        watch = _CatchUpWatch(engine, max(CATCH_UP_WAIT_S, 20 * writes["replicated_s"])) if config.catchup else None
+        dest = AlignedBuffer(args.batch * geom.page_bytes)
+        stack.callback(dest.close)
+        dest_views = page_views(dest, geom.page_bytes, args.batch)
+        stack.callback(dest_views.clear)  # numpy views pin the buffer: released before dest.close()
+        after_put: list[gap.BatchRecord] = []
+        if config.catchup:  # reads while the catch-up runs, then the catch-up's own time (before the baselines
+            # write: they would compete with it)
+            after_put, _ = _read_phase(_once(args, ds), ds, [
+                EngineReads(f"{spec}{AFTER_PUT}", engine, parse_policy(spec), dest, dest_views, geom, args.batch)
+                for spec in AFTER_PUT_POLICIES], drift.make("quiet", testbed=bed, dirs=dirs, bs=geom.page_bytes),
+                recorder, log)
+            writes["catch_up"] = watch.result(writes["replicated_s"], log)
         writes["single_tier"] = _write_baselines(args, bed, dirs, namespace, engine_extra, ds, src, log)
         src.close()  # a batch of memory back before the reads
         slowest = max(writes["single_tier"].values(), default=None)
@@ -203,12 +220,10 @@ def run(args: argparse.Namespace, log=print) -> dict:
         if slowest:
             log(f"  replicated write {writes['replicated_s']:.2f} s = {writes['ratio_to_slowest_alone']:.3f}x "
                 f"the slowest tier alone ({slowest:.2f} s)")
+            if "catch_up" in writes:
+                writes["catch_up"]["ratio_to_slowest_alone"] = writes["catch_up"]["s"] / slowest
 
         # -- contenders --------------------------------------------------------------------------
-        dest = AlignedBuffer(args.batch * geom.page_bytes)
-        stack.callback(dest.close)
-        dest_views = page_views(dest, geom.page_bytes, args.batch)
-        stack.callback(dest_views.clear)  # numpy views pin the buffer: released before dest.close()
         contenders = []
         ctx = peers.Context(dirs, geom, args.batch, engine_extra, namespace, dest, dest_views, args.drop_caches)
         stack.callback(ctx.close)  # after every contender (closed before it: the stack unwinds in reverse)
@@ -230,6 +245,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
             fio_run["before"] = _fio_reads(args, bed, dirs, geom, log)
         scenario.prepare()
         records, wrong = _read_phase(args, ds, contenders, scenario, recorder, log)
+        records = after_put + records
         if args.fio == "run":
             fio_run["after"] = _fio_reads(args, bed, dirs, geom, log)
     load["end"] = _loadavg()
@@ -344,6 +360,44 @@ def _baseline_tiers(spec: str, bed, n_tiers: int) -> list[int]:
     if not 0 <= k < n_tiers:
         raise UsageError(f"--write-baseline {k}: there are {n_tiers} tiers")
     return [k]
+
+
+def _once(args, ds: Dataset) -> argparse.Namespace:
+    """The read phase's settings for one untimed-warm-up-free pass over the data set."""
+    return argparse.Namespace(**{**vars(args), "warmup": 0, "batches": ds.n_batches})
+
+
+class _CatchUpWatch:
+    """From the end of the put: when background replication first owes nothing (polled every
+    CATCH_UP_POLL_S in a thread, so the reads right after the put do not hide the moment)."""
+
+    def __init__(self, engine, limit: float):
+        import threading
+
+        self.engine, self.limit, self.t0, self.took = engine, limit, time.perf_counter(), None
+        self._thread = threading.Thread(target=self._watch, name="bench-catch-up", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while time.perf_counter() - self.t0 < self.limit:
+            if not self.engine.stats()["replication_pending"]:
+                self.took = time.perf_counter() - self.t0
+                return
+            time.sleep(CATCH_UP_POLL_S)
+
+    def result(self, write_s: float, log) -> dict:
+        self._thread.join()
+        stats = self.engine.stats()
+        took = self.took if self.took is not None else time.perf_counter() - self.t0
+        out = {"s": took, "finished": self.took is not None, "pending_pages": stats["replication_pending"],
+               "pages": [t["replication_done"] for t in stats["tiers"]],
+               "bytes": [t["replication_bytes"] for t in stats["tiers"]],
+               "skipped_pages": [t["replica_skipped_pages"] for t in stats["tiers"]],
+               "ratio_to_replicated_write": took / write_s if write_s else None}
+        log(f"  catch-up: {sum(out['pages'])} replicas ({sum(out['bytes']) / 2**30:.2f} GiB) written in {took:.2f} s "
+            f"after the put ({out['ratio_to_replicated_write']:.2f}x the put's time)"
+            + ("" if out["finished"] else f"; NOT finished after {self.limit:.0f} s: {out['pending_pages']} owed"))
+        return out
 
 
 def _write_baselines(args, bed, dirs, namespace, engine_extra, ds: Dataset, src, log) -> dict[str, float]:
@@ -484,7 +538,9 @@ def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, cont
               recorder_usable: bool, fio_run: dict, load: dict) -> dict:
     n_tiers = len(roots)
     policies = {}
-    for spec in specs:
+    after_put = [f"{spec}{AFTER_PUT}" for spec in AFTER_PUT_POLICIES if any(r.policy == spec + AFTER_PUT
+                                                                          for r in records)]
+    for spec in after_put + specs:
         recs = [r for r in records if r.policy == spec]
         policies[spec] = gap.summarize(recs, n_tiers)
     for c in contenders:
@@ -505,6 +561,14 @@ def _document(args, geom, ds, bed, roots, specs, records, writes, scenario, cont
                 p[f"median_speedup_vs_{name}"] = p["median_gbps"] / r["median_gbps"]
         if fio_all and p.get("throughput_gbps"):
             p["fraction_of_fio"] = p["throughput_gbps"] * 1e3 / fio_all
+    catch_up = writes.get("catch_up")
+    if catch_up is not None:  # the default engine's reads right after the put and after its catch-up
+        for when, kv, t0 in (("after_put", "kvstream" + AFTER_PUT, "tier0" + AFTER_PUT),
+                             ("after_catch_up", "kvstream", "tier0")):
+            a, b = policies.get(kv) or {}, policies.get(t0) or {}
+            if a.get("throughput_gbps") and b.get("throughput_gbps"):
+                catch_up[when] = {"gbps": a["throughput_gbps"], "gap": a["gap"],
+                                  "ratio_to_tier0": a["throughput_gbps"] / b["throughput_gbps"]}
     doc = {
         "version": 1,
         "command": "kvstream bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),

@@ -101,7 +101,7 @@ def _gb(x: float) -> str:
 
 def table(results: dict) -> str:
     """The per-policy table."""
-    rows = [("policy", "gap", "retr s", "bound s", "share t0", "dup GB", "write GB", "WA", "skip t1", "off-path",
+    rows = [("policy", "gap", "retr s", "bound s", "share t0", "dup GB", "write GB", "WA", "skip/caught t1", "off-path",
              "stall s", "util", "TTFT mean", "p50", "p90")]
     for name, r in results["policies"].items():
         rows.append((
@@ -119,11 +119,14 @@ def table(results: dict) -> str:
 
 
 def _skip(r: dict) -> str:
-    """Share of tier 1's replicas skipped (budget policies), else '-'."""
+    """Share of tier 1's replicas skipped at put time (budget policies), else '-'; with catch-up, the
+    share of those written later after a '/'."""
     sk = r.get("replica_skipped_bytes") or []
     if len(sk) < 2 or not sk[1]:
         return "-"
-    return f"{100 * sk[1] / (sk[1] + r['write_bytes'][1]):.0f}%"
+    caught = (r.get("replica_caught_up_bytes") or [0.0, 0.0])[1]
+    text = f"{100 * sk[1] / (sk[1] + r['write_bytes'][1] - caught):.0f}%"
+    return text + (f"/{100 * caught / sk[1]:.0f}%" if r.get("catchup_done_s") is not None else "")
 
 
 def plot(results: dict, path: str) -> None:
@@ -261,11 +264,11 @@ def run(args: argparse.Namespace) -> dict:
     share_auto = None
     logs: dict = {}
     runs: dict = {}
-    for p in sorted(policies, key=lambda p: p.kind != "kvstream"):
+    for p in sorted(policies, key=lambda p: _base(p) != "kvstream"):
         if p.auto_g and share_auto is None:
             share_auto = _auto_share(logs, tiers, prep)
         runs[p.name], log = run_policy(p, prep, cfg, mean_share=share_auto)
-        logs.setdefault(p.kind, log)
+        logs.setdefault(_base(p), log)
     results["policies"] = {name: runs[name] for name in names}  # in the order asked for
     base = logs.get("kvstream")
     if base is not None and n_tiers == 2:
@@ -276,6 +279,11 @@ def run(args: argparse.Namespace) -> dict:
     results["capacity_sweep"] = capacity_sweep(stream, cfg.bytes_per_token, caps, lru=args.validate_lru)
     results["runtime_s"] = {"load": t_load - t0, "stream": t_stream - t_load, "total": time.perf_counter() - t0}
     return results
+
+
+def _base(p) -> str:
+    """A policy's name without its options ('kvstream:m=4' -> 'kvstream')."""
+    return p.name.split(":")[0]
 
 
 def _auto_share(logs: dict, tiers, prep) -> float:

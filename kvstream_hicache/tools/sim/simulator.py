@@ -24,7 +24,13 @@ Serving model (one tensor-parallel rank stands for all: the ranks step in lockst
 
 Policies (``parse_sim_policy``)
 -------------------------------
-``kvstream[:m=2,depth=4]``  full replication, completion-driven routing (the router's CompletionDriven)
+``kvstream[:m=2,depth=4,h=H]``  the engine's default: replicas within budget (``budget:h=home+1``) with
+                            catch-up (background replication: a skipped replica is written later, in the
+                            tier's read-free time once its foreground writes drained, at the engine's
+                            ``catchup_share`` of its write bandwidth; ``writeq.CatchUpQueue``);
+                            completion-driven routing among the holders (the router's CompletionDriven)
+``replicate-all[:m=2,depth=4]``  full replication (``replicate=all``), completion-driven routing
+``budget-no-catch-up``      ``budget:h=home+1`` without catch-up (``catchup=off``)
 ``static-G`` / ``static-auto``  a fixed share G of each step's demand from tier 0 (Eq. 5 exactly);
                             ``auto`` = the demand-weighted mean share ``phi`` of the bandwidth series.
                             Writes: each chunk on one tier (amplification 1).
@@ -68,19 +74,22 @@ from typing import Sequence
 
 import numpy as np
 
+from ...config import SETTINGS
 from ...router import CompletionDriven, Policy, SingleTier, StaticSplit
 from . import model
 from .bandwidth import Series
 from .batch import simulate
 from .trace import BlockStream
-from .writeq import WriteQueue
+from .writeq import CatchUpQueue, WriteQueue
 
 __all__ = ["SimConfig", "Prepared", "prepare", "SimPolicy", "parse_sim_policy", "run_policy", "static_sweep",
            "capacity_sweep", "mean_share", "rate_for_load", "service_estimate", "placement_key", "DEFAULT_POLICIES"]
 
 MIN_BPS = 1e6  # a stalled tier still trickles 1 MB/s: keeps static times finite (and very long)
-DEFAULT_POLICIES = ("kvstream", "budget:h=home+1", "tier0", "tier1", "static-auto", "static-0.5",
-                    "replicate-share-0.4", "replicate-after-slow")  # budget:h=home+1: the engine's default rule
+DEFAULT_POLICIES = ("kvstream", "replicate-all", "budget-no-catch-up", "tier0", "tier1", "static-auto", "static-0.5",
+                    "replicate-share-0.4", "replicate-after-slow")  # kvstream: the engine's defaults
+ENGINE_HORIZON = "home+1"  # replicate=budget with replicate_slack 1 s (the engine's default rule)
+CATCHUP_SHARE = float(SETTINGS["catchup_share"].default)  # the engine's catch-up pacing
 
 
 @dataclass
@@ -176,7 +185,7 @@ class SimPolicy:
     """A kvsim policy: how a step is routed and where writes go."""
 
     name: str
-    kind: str  # "kvstream" | "static" | "single" | "share" | "after-slow" | "budget"
+    kind: str  # "all" | "static" | "single" | "share" | "after-slow" | "budget"
     g: float = 0.75  # tier-0 share (static) or placement split (share, after-slow)
     f: float = 0.0  # replicated share (share)
     slow: float = 0.7  # slow threshold (after-slow)
@@ -185,6 +194,7 @@ class SimPolicy:
     depth: int | None = None
     auto_g: bool = False
     horizon: str = "window"  # budget: window | home | max | staging | seconds
+    catchup: bool = False  # budget: skipped replicas are written later (the engine's background replication)
 
 
 BUDGET_HORIZONS = ("window", "home", "staging", "put", "tier-idle", "quiet", "fwd", "spill")
@@ -209,10 +219,14 @@ def parse_sim_policy(spec: str) -> SimPolicy:
     if not match:
         raise ValueError(f"bad policy {spec!r}")
     base, opts = match["base"], match["opts"]
-    if base == "kvstream":
-        o = _opts(opts, spec, {"m", "depth"})
-        return SimPolicy(spec, "kvstream", m=int(o["m"]) if "m" in o else None,
-                         depth=int(o["depth"]) if "depth" in o else None)
+    if base in ("kvstream", "replicate-all"):
+        o = _opts(opts, spec, {"m", "depth", "h"} if base == "kvstream" else {"m", "depth"})
+        return SimPolicy(spec, "budget" if base == "kvstream" else "all", m=int(o["m"]) if "m" in o else None,
+                         depth=int(o["depth"]) if "depth" in o else None,
+                         horizon=_horizon(o.get("h", ENGINE_HORIZON)), catchup=base == "kvstream")
+    if base == "budget-no-catch-up":
+        _opts(opts, spec, set())
+        return SimPolicy(spec, "budget", horizon=ENGINE_HORIZON)
     if base.startswith("static-"):
         o = _opts(opts, spec, {"m", "depth"})
         value = base[len("static-"):]
@@ -239,20 +253,24 @@ def parse_sim_policy(spec: str) -> SimPolicy:
                          g=0.75 if g == "auto" else float(g), auto_g=g == "auto")
     if base == "budget":
         o = _opts(opts, spec, {"h"})
-        h = o.get("h", "window")
-        for part in h.split("+"):
-            if part not in BUDGET_HORIZONS:
-                try:
-                    if float(part) < 0:
-                        raise ValueError
-                except ValueError:
-                    raise ValueError(f"budget horizon: '+'-joined parts among {', '.join(BUDGET_HORIZONS)} or "
-                                     f"seconds >= 0, got {h!r}") from None
-        return SimPolicy(spec, "budget", horizon=h)
+        return SimPolicy(spec, "budget", horizon=_horizon(o.get("h", "window")))
     raise ValueError(
-        f"unknown policy {spec!r}: use kvstream[:m=M], static-G, static-auto, tierK, replicate-share-F[:g=G], "
+        f"unknown policy {spec!r}: use kvstream[:m=M], replicate-all[:m=M], budget-no-catch-up, static-G, static-auto, tierK, replicate-share-F[:g=G], "
         f"replicate-after-slow[:g=G,slow=S], budget[:h=window|home|max|staging|SECONDS]"
     )
+
+
+def _horizon(h: str) -> str:
+    """A budget horizon as written ('home+1'), checked."""
+    for part in h.split("+"):
+        if part not in BUDGET_HORIZONS:
+            try:
+                if float(part) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(f"budget horizon: '+'-joined parts among {', '.join(BUDGET_HORIZONS)} or "
+                                 f"seconds >= 0, got {h!r}") from None
+    return h
 
 
 def placement_key(block_ids: np.ndarray) -> np.ndarray:
@@ -361,7 +379,8 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
 
     n = len(prep.arrival_s)
     ttft = np.zeros(n)
-    wq = WriteQueue(n_tiers, cfg.write_model, cfg.staging_bytes)
+    wq = (CatchUpQueue(n_tiers, cfg.write_model, cfg.staging_bytes, CATCHUP_SHARE, mask) if p.catchup
+          else WriteQueue(n_tiers, cfg.write_model, cfg.staging_bytes))
     delivered = [0.0] * n_tiers
     moved = [0.0] * n_tiers
     written = [0.0] * n_tiers
@@ -464,7 +483,7 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
         wa, wb = int(prep.write_start[i]), int(prep.write_start[j])
         blocks = prep.write_block[wa:wb]
         wbytes = prep.write_block_bytes[wa:wb]
-        if p.kind == "kvstream":
+        if p.kind == "all":
             place = np.full(len(blocks), full, dtype=np.int64)
         elif p.kind == "single":
             place = np.full(len(blocks), 1 << p.tier, dtype=np.int64)
@@ -476,6 +495,8 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
                                   put_at - last_put if last_put is not None else np.inf, wq.quiet_for(put_at),
                                   t_fwd, skipped, skipped_pages)
             last_put = put_at
+            if p.catchup:
+                wq.owe(blocks, wbytes, place)
         else:
             place = _placement(prep.write_u[wa:wb], g, p.f if p.kind == "share" else 0.0)
             if p.kind == "after-slow" and any(slow_now):
@@ -504,6 +525,8 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
         t = end + decode
         i = j
 
+    caught = getattr(wq, "caught_up", [0.0] * n_tiers)
+    written = [w + c for w, c in zip(written, caught)]
     unique_w = float(prep.write_bytes.sum())
     total_delivered = sum(delivered)
     span = t - (float(prep.arrival_s[0]) if n else 0.0)
@@ -522,6 +545,9 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
         "write_amplification": sum(written) / unique_w if unique_w else 0.0,
         "replica_skipped_bytes": skipped,
         "replica_skipped_pages": skipped_pages,
+        "replica_caught_up_bytes": caught,  # skipped replicas written later (catch-up), included in write_bytes
+        "replica_owed_bytes": [wq.owed(k) for k in range(n_tiers)] if p.catchup else [0.0] * n_tiers,
+        "catchup_done_s": wq.done_at if p.catchup else None,
         "writes_off_path": off_path_ok / off_path_n if off_path_n else 1.0,
         "write_stall_s": t_wr_sum,
         "inflight_delay_s": inflight_sum,  # sum over steps of the longest in-flight write wait

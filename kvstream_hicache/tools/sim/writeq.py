@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["WriteQueue", "WRITE_MODELS"]
+__all__ = ["WriteQueue", "CatchUpQueue", "WRITE_MODELS"]
 
 WRITE_MODELS = ("legacy", "deferred", "sync")
 _EPS = 1e-6  # bytes
@@ -193,3 +193,56 @@ class WriteQueue:
             self._occ = 0.0
             self._pending = [0.0] * self.n
         return last_done
+
+
+class CatchUpQueue(WriteQueue):
+    """A WriteQueue with the engine's background replication (kvstream_hicache/replication.py): a
+    replica the budget skipped is owed to its tier and written there later, in the tier's write
+    windows (read priority decides them, as for every write), only once the tier's foreground writes
+    are drained (never ahead of a put), at ``share`` of its write bandwidth; a written replica joins
+    ``holders`` (the blocks' tier masks), so later reads can route to it. The copy's read from the
+    source tier is not modelled (tier 0 reads several times faster than tier 1 writes)."""
+
+    def __init__(self, n_tiers: int, mode: str, staging_bytes: float, share: float, holders: np.ndarray):
+        super().__init__(n_tiers, mode, staging_bytes)
+        self.share, self.holders = share, holders
+        self._owed: list[deque] = [deque() for _ in range(n_tiers)]  # per tier FIFO of [block, bytes left]
+        self.caught_up = [0.0] * n_tiers  # bytes of replicas written by catch-up
+        self.caught_up_pages = [0] * n_tiers
+        self.done_at = 0.0  # when the last owed replica was written
+
+    def owe(self, blocks: Sequence[int], sizes: Sequence[float], masks: Sequence[int]) -> None:
+        """A put's pages: each tier not in its mask is owed the page."""
+        for block, size, mask in zip(np.asarray(blocks).tolist(), np.asarray(sizes, dtype=float).tolist(),
+                                     np.asarray(masks).tolist()):
+            for k in range(self.n):
+                if not mask >> k & 1 and size > 0:
+                    self._owed[k].append([block, size])
+
+    def owed(self, k: int) -> float:
+        return sum(left for _, left in self._owed[k])
+
+    def advance(self, rates: Sequence[float], windows: Sequence[tuple[float, float]], now: float = 0.0) -> None:
+        before = list(self._pending)
+        super().advance(rates, windows, now)
+        for k in range(self.n):
+            a, b = windows[k]
+            owed = self._owed[k]
+            if b <= a or not owed or self._pending[k] > _EPS:
+                continue  # no window, nothing owed, or a put's pages still wait: they go first
+            used = (before[k] - self._pending[k]) / rates[k]  # the window's time the put's pages took
+            budget = (b - a - used) * rates[k] * self.share
+            spent = 0.0
+            while owed and budget > _EPS:
+                head = owed[0]
+                done = min(head[1], budget)
+                head[1] -= done
+                budget -= done
+                spent += done
+                if head[1] <= _EPS:
+                    owed.popleft()
+                    self.holders[head[0]] |= 1 << k
+                    self.caught_up_pages[k] += 1
+            self.caught_up[k] += spent
+            if spent and not owed:
+                self.done_at = now + a + used + spent / (rates[k] * self.share)

@@ -1,0 +1,396 @@
+"""Background replication: replicas a page lacks are written later, from a copy that exists.
+
+A page can hold fewer copies than there are tiers: ``replicate=budget`` skipped a slow tier's replica
+so that a put need not wait for it, a tier failed and came back without its files, a copy was
+damaged and removed, or a tier evicted it. Reads then have fewer tiers to route between, for ever.
+(An evicted copy is not owed back: the tier chose to keep hotter pages. It returns when it is read
+again, as a promotion, or at the next start if the tier has room then.)
+The :class:`Replicator` owes such a page to each tier that lacks it and writes it there later::
+
+    owe(key)                 the tiers that lack it (every tier, failed ones too: written when back)
+    read(keys, pages, found) after a get: every page it asked for that lacks a tier is owed (a copy
+                             the read removed as damaged, a stray); a page found only on slower tiers
+                             (another node's page on the shared tier, a page tier 0 evicted) is
+                             promoted: owed to the faster tiers first, the caller's copy kept in
+                             memory as the source (at most 1/PROMOTE_SHARE of `memory`)
+    the replicator thread, per tier k, while
+        tier k is healthy, no get reads from it (nor from the source tier), its write FIFO is empty
+        (foreground puts first), its last catch-up job ended long enough ago (pacing: a job that took
+        t keeps the tier's next one back for t * (1 - share) / share, so catch-up takes at most
+        ``share`` of the tier's write time), and it has room within its capacity:
+      read the page from a holder (O_DIRECT, the whole file), check its header and every block CRC
+      against the index, and hand it to the writer (WritePath.copy), which writes it as any job,
+      after the tier's foreground FIFO, held back by reads, without evicting (a promoted page just
+      read may evict the tier's least recent pages, as a put would)
+
+Nothing of this survives a restart, and nothing needs to: the background start-up scan indexes what
+each tier holds, and when it has read every tier (only then is it known what a tier lacks) the engine
+owes every page that lacks a tier again (:meth:`owe_all`; also when a failed tier rejoins). That is a
+sweep of the index per tier, SWEEP_BATCH pages at a time as the tier takes them (``Index.lacking``):
+no list of every page is made, and a tier without room holds one batch. A tier without room
+stops its catch-up (the page stays owed, ``pending``) until pages leave it; a copy it does take enters
+its LRU as the least recent page (writes.py), so it never costs a page the tier chose to keep.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from .fds import close_fd
+from .index import Index, tiers_in
+from .integrity import HeaderError, block_crcs, unpack_header
+from .layout import HEADER_SIZE, file_size
+from .locks import ranked_lock
+from .priority import ReadPriority
+from .segments import Payload, Segment
+from .staging import BufferPool
+from .stats import Stats
+from .tiers import Tier
+
+log = logging.getLogger("kvstream")
+
+IDLE_S = 0.25  # longest wait of the replicator thread with work it cannot start now (held, paced, full), s
+FAILED_BACKOFF_S = 1.0  # a catch-up write that failed on a tier (no room, an error): its catch-up waits, s
+PROMOTE_SHARE = 4  # promoted pages kept in memory as sources: at most 1/this of the `memory` setting
+SWEEP_BATCH = 256  # pages the sweep of the index (owe_all) owes a tier at a time
+
+
+class Replicator:
+    """What each tier is owed, and the thread that writes it (module docstring).
+
+    :param writes: the engine's WritePath: ``copy()`` writes a page from memory, ``idle(k)`` says the
+        tier's foreground FIFO is empty.
+    :param pool: buffers for source copies (the write half of ``memory``).
+    :param enabled: setting ``catchup``: off, nothing is owed and the thread does not run.
+    :param share: setting ``catchup_share``: the most of a tier's write time catch-up takes.
+    :param promote_bytes: memory promoted pages may hold as their sources, bytes.
+    """
+
+    def __init__(self, tiers: list[Tier], index: Index, writes, priority: ReadPriority, stats: Stats,
+                 pool: BufferPool, digest: str, *, enabled: bool = True, share: float = 0.5,
+                 promote_bytes: int = 16 << 20, clock: Callable[[], float] = time.monotonic):
+        self.tiers, self.index, self.writes, self.priority, self.stats = tiers, index, writes, priority, stats
+        self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, enabled, share, clock
+        self.promote_bytes = promote_bytes
+        self.all_tiers = (1 << len(tiers)) - 1
+        self._lock = ranked_lock("replicator")  # under it: the index, the write queue (a copy handed to the
+        # writer), the staging pool; taken under the read and write paths' locks (a get's end, the writer's
+        # callbacks, clear())
+        self._work = threading.Condition(self._lock)
+        self._owed: list[OrderedDict[str, None]] = [OrderedDict() for _ in tiers]  # oldest first
+        self._copies: dict[str, _Source] = {}  # promoted pages' sources in memory
+        self._copy_bytes = 0
+        self._busy: list[str | None] = [None] * len(tiers)  # the page of the tier's job with the writer
+        self._next = [0.0] * len(tiers)  # pacing: the tier's next job not before this
+        self._sweep = [-1] * len(tiers)  # owe_all: the index slot the tier's sweep goes on from (-1: none)
+        self._closing = False
+        self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
+        self._thread = None
+        if enabled:
+            priority.listen(self._wake)
+            self._thread = threading.Thread(target=self._run, name="kvstream-replicator", daemon=True)
+            self._thread.start()
+
+    # -- what is owed ----------------------------------------------------------------------------
+    def owe(self, keys: Iterable[str]) -> None:
+        """Each key is owed to the tiers the index says lack it (none if it is held nowhere)."""
+        if not self.enabled:
+            return
+        woke = False
+        with self._lock:
+            sweeping = max(self._sweep) >= 0
+            for key in keys:
+                holders = self.index.holders(key)
+                if holders:
+                    slot = self.index.slot(key) if sweeping else -1
+                    for k in tiers_in(self.all_tiers & ~holders):
+                        if 0 <= self._sweep[k] <= slot:
+                            continue  # the tier's sweep reaches it
+                        self._owed[k][key] = None
+                        woke = True
+            if woke:
+                self._work.notify()
+
+    def owe_all(self) -> None:
+        """Every indexed page that lacks a tier is owed to it (the start-up scan done, a tier rejoined):
+        each tier's sweep of the index starts again from its first slot."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._sweep = [0] * len(self.tiers)
+            for owed in self._owed:  # the sweeps owe them again, but promoted pages: they stay first
+                for key in [key for key in owed if key not in self._copies]:
+                    del owed[key]
+            self._work.notify()
+
+    def read(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: Sequence[bool]) -> None:
+        """A get asked for ``keys`` and read ``found`` into ``pages`` (called before it returns, while
+        the caller's memory holds the verified pages). Each page that lacks a tier is owed to it (a copy
+        the read removed as damaged, a stray, a replica skipped or lost); one that lacks a tier faster
+        than its fastest holder is promoted: owed there ahead of the rest, with the caller's copy as
+        its source while memory allows."""
+        if not self.enabled:
+            return
+        healthy = sum(1 << t.k for t in self.tiers if t.healthy)
+        for key, segments, ok in zip(keys, pages, found):
+            info = self.index.get(key) if ok else None
+            if info is None or not info.tiers:
+                continue
+            faster = healthy & ((info.tiers & -info.tiers) - 1)  # tiers above the fastest holder
+            if not faster:
+                continue
+            source, size = None, file_size(info.length)
+            with self._lock:
+                room = key not in self._copies and self._copy_bytes + size <= self.promote_bytes
+                if room:
+                    self._copy_bytes += size  # counted now: another get sees it
+            if room:
+                source = _Source(self.pool.get(size), info, 0)
+                Payload(segments).gather(source.buf.address + HEADER_SIZE)
+                pad = size - HEADER_SIZE - info.length  # the file's padding is zeros
+                ctypes.memset(source.buf.address + HEADER_SIZE + info.length, 0, pad)
+            with self._lock:
+                if source is not None:
+                    self._copies[key] = source
+                for k in tiers_in(faster):
+                    self._owed[k][key] = None
+                    self._owed[k].move_to_end(key, last=False)
+                self._work.notify()
+        self.owe(keys)  # (after the promoted copies are in place: their jobs must find them)
+
+    def pending(self, k: int) -> int:
+        """Pages owed to tier ``k`` (a job with the writer included, and those its sweep has yet to reach)."""
+        with self._lock:
+            owed, at = len(self._owed[k]), self._sweep[k]
+            if at < 0:
+                return owed
+            # promoted pages are owed ahead of the sweep: those it has yet to reach are counted once
+            owed -= sum(1 for key in self._owed[k] if key in self._copies and self.index.slot(key) >= at)
+        return owed + self.index.count_lacking(k, at)
+
+    def clear(self) -> None:
+        """Engine.clear(): nothing is owed any more (a job with the writer is cancelled by it)."""
+        with self._lock:
+            self._epoch += 1
+            self._sweep = [-1] * len(self.tiers)
+            for owed in self._owed:
+                owed.clear()
+            copies, self._copies, self._copy_bytes = self._copies, {}, 0
+            for key in self._busy:  # a job with the writer may still read its source: freed when it ends
+                copies.pop(key, None)
+        for source in copies.values():
+            self.pool.put(source.buf)
+
+    def close(self) -> None:
+        """Stop the thread; a job with the writer completes there (WritePath.close writes it)."""
+        with self._lock:
+            self._closing = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # -- the replicator thread ---------------------------------------------------------------------
+    def _wake(self) -> None:
+        """The end of a get (priority.py): the thread looks again, only if something is owed (else it
+        would take the GIL from the reader after every batch for nothing)."""
+        with self._lock:
+            if any(self._owed) or max(self._sweep) >= 0:
+                self._work.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            started = False
+            for k in range(len(self.tiers)):
+                try:
+                    started |= self._start(k)
+                except Exception:  # a bug must not stop catch-up for good, nor reach a caller
+                    log.exception("kvstream: background replication to tier %d failed", k)
+            with self._lock:
+                if not started and not self._closing:
+                    self._work.wait(self._idle_wait())
+
+    def _idle_wait(self) -> float | None:
+        """How long the thread may sleep: until a paced tier may go again, IDLE_S with work it cannot
+        start now (reads, puts, a full tier: the end of a get and a finished job wake it sooner), no
+        limit with nothing owed (owe() wakes it)."""
+        if not any(self._owed) and max(self._sweep) < 0:
+            return None
+        now = self.clock()
+        paced = [t - now for t, owed, busy in zip(self._next, self._owed, self._busy)
+                 if owed and busy is None and t > now]
+        return min([IDLE_S, *paced])
+
+    def _start(self, k: int) -> bool:
+        """Hand tier ``k``'s next owed page to the writer if the tier may take it now; True if one went."""
+        tier = self.tiers[k]
+        if self._busy[k] is not None or not tier.healthy or self.clock() < self._next[k] or self.priority.reading(k) \
+                or not self.writes.idle(k):
+            return False
+        with self._lock:
+            owed = self._owed[k]
+            if not owed and self._sweep[k] >= 0:  # the next pages of the tier's sweep
+                keys, self._sweep[k] = self.index.lacking(k, self._sweep[k], SWEEP_BATCH)
+                owed.update(dict.fromkeys(keys))
+                if not owed:
+                    return self._sweep[k] >= 0  # (nothing lacking in that stretch: on with the next at once)
+            while owed:
+                key = next(iter(owed))
+                info = self.index.get(key)
+                if info is None or info.tiers >> k & 1 or self.writes.writing(key):
+                    del owed[key]  # held there now, gone, or a put is writing it (it owes it back if it fails)
+                    self._drop_copy_locked(key)
+                    continue
+                break
+            else:
+                return self._sweep[k] >= 0
+            source = self._copies.get(key)
+            epoch = self._epoch
+        if os.path.lexists(tier.layout.page_path(key)):
+            # A file of that name the index does not list: another writer's version of the page, or a
+            # stray; neither is ours to replace (the read path and check() deal with them).
+            with self._lock:
+                self._owed[k].pop(key, None)
+                self._drop_copy_locked(key)
+            return True  # (looked at one: the thread comes back at once)
+        promoted = source is not None and source.info.epoch == info.epoch and \
+            source.info.same_content(info.length, info.block, info.crcs)
+        if source is not None and not promoted:  # the page changed since it was read: that copy is stale
+            with self._lock:
+                if key not in self._busy and self._copies.pop(key, None) is source:
+                    self._copy_bytes -= file_size(source.info.length)
+                    self.pool.put(source.buf)
+        if not promoted and not self._room(k, info.length):
+            return False  # full: the page stays owed until pages leave the tier
+        if not promoted and not _fs_room(tier, info.length):  # dropped, as a copy the file system refuses
+            with self._lock:
+                self._owed[k].pop(key, None)
+                self._next[k] = self.clock() + FAILED_BACKOFF_S
+            self.stats.add(k, "replication_dropped")
+            return False
+        if not promoted:
+            source = self._read_source(key, info)
+            if not isinstance(source, _Source):
+                if source:  # holders were read and none had a valid copy: dropped
+                    with self._lock:
+                        self._owed[k].pop(key, None)
+                    self.stats.add(k, "replication_dropped")
+                return False  # (else no holder can be read now: later)
+        self._busy[k] = key
+
+        def done(ok: bool, took: float) -> None:
+            self._finished(k, key, source, promoted, ok, took, epoch)
+
+        with self._lock:  # (clear() since this began: the copy would bring a cleared page back)
+            if epoch != self._epoch:  # (clear() freed the promoted copies but this one: it was busy)
+                self._busy[k] = None
+                if not promoted or key not in self._busy:
+                    self.pool.put(source.buf)
+                return False
+            # A page just read is the most recent of all: it may evict the tier's least recent pages.
+            self.writes.copy(key, source.buf.address + HEADER_SIZE, info, source.created, k, promoted, done)
+        return True
+
+    def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, took: float,
+                  epoch: int) -> None:
+        """The writer's callback (its thread): account, pace the tier, free the source if no tier needs
+        it. ``took``: the job's time from its start on the tier (not its wait behind puts and reads)."""
+        now = self.clock()
+        with self._lock:
+            self._busy[k] = None
+            free = not promoted
+            if epoch == self._epoch:
+                self._owed[k].pop(key, None)
+                # Pacing: catch-up takes at most `share` of the tier's write time.
+                self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
+                if promoted:
+                    self._drop_copy_locked(key)
+            elif promoted and key not in self._busy:  # cleared meanwhile: clear() left this copy to us
+                free = True
+            self._work.notify()
+        if free:
+            self.pool.put(source.buf)
+        if ok:
+            self.stats.add(k, "replication_done")
+            self.stats.add(k, "replication_bytes", source.info.length)
+            if promoted:
+                self.stats.add(k, "replication_promoted")
+        else:
+            self.stats.add(k, "replication_dropped")
+
+    def _drop_copy_locked(self, key: str) -> None:
+        """A promoted page's source leaves memory once no tier is owed the page."""
+        source = self._copies.get(key)
+        if source is not None and key not in self._busy and not any(key in owed for owed in self._owed):
+            del self._copies[key]
+            self._copy_bytes -= file_size(source.info.length)
+            self.pool.put(source.buf)
+
+    def _room(self, k: int, nbytes: int) -> bool:
+        cap = self.index.capacities[k]
+        return cap is None or self.index.used[k] + self.index.reserved[k] + nbytes <= cap
+
+    def _read_source(self, key: str, info) -> "_Source | bool":
+        """The page file read whole (O_DIRECT) from a holder with no read in flight, its header and
+        every block checked against the index. False when no holder could be read now (reads in
+        flight, failed tiers), True when the holders were read and none had a valid copy."""
+        tried = False
+        for src in tiers_in(info.tiers):
+            tier = self.tiers[src]
+            if not tier.healthy or self.priority.reading(src):
+                continue
+            tried = True
+            buf = self.pool.get(file_size(info.length))
+            try:
+                created = self._read_file(tier, key, info, buf)
+            except (OSError, HeaderError) as exc:
+                created = None
+                log.debug("kvstream: catch-up of %s: tier %d's copy is unusable (%s)", key, src, exc)
+            self.stats.add(src, "replication_read_bytes", file_size(info.length))
+            if created is not None:
+                return _Source(buf, info, created)
+            self.pool.put(buf)
+        return tried
+
+    def _read_file(self, tier: Tier, key: str, info, buf) -> int | None:
+        """Read the page file into ``buf`` (opened as a read opens it: a regular file the tier trusts);
+        its header's ``created`` when it is the indexed version, intact."""
+        fd = tier.open_page(key)
+        try:
+            n = os.preadv(fd, [memoryview(buf)[:file_size(info.length)]], 0)
+        finally:
+            close_fd(fd)  # (only read through: a close error loses nothing)
+        if n < HEADER_SIZE + info.length:
+            return None
+        h = unpack_header(memoryview(buf)[:HEADER_SIZE])
+        if h.key != key or h.digest != self.digest or not info.same_content(h.length, h.block, h.crcs):
+            return None  # another writer's version: the read path deals with it
+        if block_crcs([(buf.address + HEADER_SIZE, info.length)], info.length, info.block) != info.crcs:
+            return None  # damaged: the read path removes it when it meets it
+        return h.created_ns
+
+
+def _fs_room(tier: Tier, length: int) -> bool:
+    """The tier's file system has room for the copy and as much again after it: a catch-up copy never
+    takes its last free space (a put would then evict the tier's pages to make room for it)."""
+    try:
+        st = os.statvfs(tier.root)
+    except OSError:
+        return True  # cannot tell: the write finds out (ENOSPC drops it)
+    return st.f_bavail * st.f_frsize >= 2 * file_size(length)
+
+
+class _Source:
+    """A page's bytes in memory, a file image (payload at HEADER_SIZE), the source of its copies."""
+
+    __slots__ = ("buf", "info", "created")
+
+    def __init__(self, buf, info, created: int):
+        self.buf, self.info, self.created = buf, info, created

@@ -1,0 +1,254 @@
+"""Background replication (replication.py): replicas a page lacks are written later from a copy that
+exists, by the engine's writer, behind reads and puts, within the tier's capacity.
+
+Real engine, real files with O_DIRECT, real io_uring; a slow tier is a ring fault (delayed writes).
+Nothing here asserts on time: each test waits, with a bounded timeout, for the state it expects.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvstream_hicache import writes
+from kvstream_hicache.config import ConfigError
+from kvstream_hicache.faults import Fault
+from kvstream_hicache.io import OP_WRITE
+from kvstream_hicache.layout import TierLayout
+from kvstream_hicache.router import SingleTier
+
+from helpers import NS, PageSet, TierFaultPlan, content, flip_byte, make_engine, wait_for_fault, wait_until
+
+
+def served(engine) -> list[int]:
+    return [t["bytes_served"] for t in engine.last_batch["tiers"]]
+
+
+def on_disk(engine, k: int, key: str) -> bool:
+    return os.path.exists(engine.tiers[k].layout.page_path(key))
+
+
+def replicated(engine, keys, mask: int) -> bool:
+    return all(engine.index.holders(key) == mask for key in keys) and engine.stats()["replication_pending"] == 0
+
+
+def drop_copies(tier_dir: str, keys) -> None:
+    """Replicas lost while no engine used the tier (a disk replaced, an operator's cleanup)."""
+    layout = TierLayout(tier_dir, NS.digest)
+    for key in keys:
+        os.unlink(layout.page_path(key))
+
+
+def test_a_skipped_replica_is_written_later(tier_dirs):
+    """replicate=budget on a tier much slower to write: a large put leaves some pages on tier 0
+    alone (skipped, as before: not under-replicated, no page failed); catch-up then writes every
+    skipped replica to tier 1 from tier 0's copy, and each page reads back from tier 1 alone."""
+    plan = TierFaultPlan()
+    page = 1 << 20
+    pages = PageSet(page)
+    plan.on(tier_dirs[1], Fault.delay(0.2), opcode=OP_WRITE)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.2) as engine:
+        warm = pages.keys(writes.TRUST_BYTES // page + 2)
+        assert pages.put(engine, warm) == [True] * len(warm)
+        wait_until(lambda: replicated(engine, warm, 0b11), what="the warm-up pages never reached both tiers")
+        batch = pages.keys(24, 1000)
+        assert pages.put(engine, batch) == [True] * 24
+        stats = engine.stats()
+        skipped = stats["tiers"][1]["replica_skipped_pages"]
+        assert skipped > 0 and stats["under_replicated"] == 0 and stats["pages_failed"] == 0
+        wait_until(lambda: replicated(engine, batch, 0b11), what="the skipped replicas were never written")
+        stats = engine.stats()["tiers"][1]
+        assert stats["replication_done"] == skipped and stats["replication_dropped"] == 0
+        assert stats["replication_bytes"] == skipped * page
+        plan.clear()
+        assert pages.checked_get(engine, batch, policy=SingleTier(1)) == [True] * 24
+        assert served(engine) == [0, 24 * page]  # every page now has tier 1's copy
+
+
+def test_catchup_off_leaves_a_skipped_replica_skipped(tier_dirs):
+    """catchup=off: the skipped replicas stay skipped (the behaviour before)."""
+    plan = TierFaultPlan()
+    page = 1 << 20
+    pages = PageSet(page)
+    plan.on(tier_dirs[1], Fault.delay(0.2), opcode=OP_WRITE)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.2, catchup=False) as engine:
+        warm = pages.keys(writes.TRUST_BYTES // page + 2)
+        pages.put(engine, warm)
+        batch = pages.keys(24, 1000)
+        pages.put(engine, batch)
+        alone = [k for k in batch if engine.index.holders(k) == 0b01]
+        assert alone and engine.stats()["tiers"][1]["replication_done"] == 0
+        assert engine.stats()["replication_pending"] == 0  # nothing is owed with catch-up off
+
+
+def test_a_lost_replica_is_restored_after_the_tier_rejoins(tier_dirs):
+    """Tier 1 vanishes (moved away) and comes back without some of its files; pages put meanwhile
+    went to tier 0 alone. After the rejoin both kinds are written to tier 1 again."""
+    pages = PageSet()
+    before, during = pages.keys(6), pages.keys(4, 100)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, before) == [True] * 6
+        wait_until(lambda: replicated(engine, before, 0b11), what="the first pages never reached both tiers")
+        os.rename(tier_dirs[1], tier_dirs[1] + ".away")
+        assert pages.put(engine, during) == [True] * 4  # tier 1 fails on it: tier 0 alone
+        assert not engine.tiers[1].healthy and engine.stats()["under_replicated"] == 4
+        assert engine.stats()["tiers"][1]["replication_pending"] == 4  # owed, written once it is back
+        drop_copies(tier_dirs[1] + ".away", before[:3])  # lost with the tier
+        os.rename(tier_dirs[1] + ".away", tier_dirs[1])
+        wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, what="tier 1 never rejoined")
+        wait_until(lambda: replicated(engine, before + during, 0b11), what="the lost replicas were never restored")
+        assert all(on_disk(engine, 1, key) for key in before + during)
+        assert engine.stats()["tiers"][1]["replication_done"] == 7
+        assert pages.checked_get(engine, before + during, policy=SingleTier(1)) == [True] * 10
+
+
+def test_a_page_read_from_a_slower_tier_alone_is_promoted_and_read_from_tier_0_next_time(tier_root):
+    """Two servers share tier 1 (each has its own tier 0): the second one's first read of the first
+    one's pages comes from the shared tier alone; they are then copied to its tier 0 from the read's
+    own memory (no second read of the shared tier), and its next read is served by both tiers."""
+    a0, b0, shared = (os.path.join(tier_root, name) for name in ("a0", "b0", "shared"))
+    for d in (a0, b0, shared):
+        os.makedirs(d)
+    pages = PageSet()
+    keys = pages.keys(8)
+    with make_engine([a0, shared]) as writer, make_engine([b0, shared]) as reader:
+        assert pages.put(writer, keys) == [True] * 8
+        assert pages.checked_get(reader, keys) == [True] * 8  # discovery: on the shared tier alone
+        assert served(reader) == [0, 8 * pages.size]
+        wait_until(lambda: replicated(reader, keys, 0b11), what="the shared pages were never promoted")
+        stats = reader.stats()["tiers"][0]
+        assert stats["replication_done"] == 8 and stats["replication_promoted"] == 8  # from the read's memory
+        assert reader.stats()["tiers"][1]["replication_read_bytes"] == 0  # the shared tier was read once
+        assert pages.checked_get(reader, keys, policy=SingleTier(0)) == [True] * 8
+        assert served(reader) == [8 * pages.size, 0]  # tier 0 holds them all now
+
+
+def test_catchup_yields_to_a_read_of_its_target_tier(tier_dirs):
+    """Copies damaged on tiers 1 and 2 are removed when a read meets them, and owed back there.
+    While a get reads tier 1 (the read path's priority, held here), catch-up writes them to tier 2
+    only; once the read ends, tier 1 gets them too."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        for key in keys:
+            for k in (1, 2):
+                flip_byte(engine.tiers[k].layout.page_path(key), 4096 + 7)
+        engine.priority.begin(0b010)  # a get reading tier 1 (as ReadPath tells it)
+        try:
+            for k in (1, 2):
+                assert pages.checked_get(engine, keys, policy=SingleTier(k)) == [True] * 4  # from tier 0
+            assert engine.stats()["tiers"][1]["quarantined"] == 4  # removed (tier 2's too, by one of the gets)
+            wait_until(lambda: all(engine.index.holders(key) == 0b101 for key in keys),
+                       what="catch-up never wrote the pages to tier 2")
+            assert engine.stats()["tiers"][1]["replication_pending"] == 4
+            assert not any(on_disk(engine, 1, key) for key in keys)  # nothing went to the tier being read
+        finally:
+            engine.priority.end(0b010)
+        wait_until(lambda: replicated(engine, keys, 0b111), what="catch-up never wrote tier 1 after the read")
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 4
+
+
+def test_catchup_resumes_after_a_restart(tier_dirs):
+    """What is under-replicated when an engine starts (replicas lost, or owed when the last engine
+    closed: the queue is not kept) is found by the start-up scan and written."""
+    pages = PageSet()
+    keys = pages.keys(6)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert pages.put(engine, keys) == [True] * 6
+    drop_copies(tier_dirs[1], keys)
+    with make_engine(tier_dirs[:2]) as engine:
+        wait_until(lambda: replicated(engine, keys, 0b11), what="catch-up did not resume after the restart")
+        assert engine.stats()["tiers"][1]["replication_done"] == 6
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 6
+
+
+def test_catchup_stops_at_the_tiers_capacity(tier_dirs):
+    """Tier 1 can hold 3 of the 8 pages it lacks: catch-up writes 3 and stops; it evicts nothing
+    and the other 5 stay owed (pending)."""
+    pages = PageSet()
+    keys = pages.keys(8)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert pages.put(engine, keys) == [True] * 8
+        nbytes = engine.index.get(keys[0]).nbytes  # what the capacity counts: the payload
+    drop_copies(tier_dirs[1], keys)
+    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{3 * nbytes + 100}") as engine:
+        wait_until(lambda: engine.stats()["tiers"][1]["replication_done"] == 3, what="catch-up wrote nothing")
+        stats = engine.stats()["tiers"][1]
+        assert stats["evictions"] == 0 and stats["replication_pending"] == 5
+        assert engine.index.used[1] == 3 * nbytes
+        assert sum(on_disk(engine, 1, key) for key in keys) == 3
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-1", "x"])
+def test_a_bad_catchup_share_is_one_clear_message(tier_dirs, share):
+    with pytest.raises(ConfigError, match=r"catchup_share.*e\.g\. 0\.75"):  # the setting, the value, the fix
+        make_engine(tier_dirs[:1], catchup_share=share)
+
+
+
+def test_info_and_check_show_under_replicated_pages(tier_dirs, capsys):
+    from kvstream_hicache.tools import cli
+
+    pages = PageSet()
+    keys = pages.keys(5)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert pages.put(engine, keys) == [True] * 5
+    capsys.readouterr()
+    assert cli.main(["info", "--tiers", *tier_dirs[:2]]) == 0
+    assert "replicas: every page is on every tier" in capsys.readouterr().out
+    drop_copies(tier_dirs[1], keys[:2])
+    assert cli.main(["check", "--tiers", *tier_dirs[:2]]) == 0  # not a problem: a page that lacks a tier
+    out = capsys.readouterr().out
+    assert "under-replicated: 2 page(s) lack a tier (tier1 lacks 2)" in out and "no problems found" in out
+    assert cli.main(["info", "--json", "--tiers", *tier_dirs[:2]]) == 0
+    assert json.loads(capsys.readouterr().out)["under_replicated"] == {"pages": 2, "lacking_per_tier": [0, 2]}
+
+
+def test_a_page_deleted_while_its_copy_is_written_is_not_brought_back(tier_dirs):
+    """Engine.delete while a catch-up copy of the page is in flight (its write held in the ring): the
+    copy is discarded, nothing of the page is left on any tier."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+    drop_copies(tier_dirs[1], keys)
+    plan = TierFaultPlan()
+    plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        try:
+            wait_for_fault(plan, what="no catch-up write reached tier 1")
+            assert engine.delete(keys) == 2
+        finally:
+            plan.clear()
+            plan.release()
+        wait_until(lambda: engine.stats()["replication_pending"] == 0, what="the copies never ended")
+        assert len(engine.index) == 0 and engine.stats()["tiers"][1]["replication_done"] == 0
+        assert not any(on_disk(engine, k, key) for k in (0, 1) for key in keys)
+
+
+def test_a_copy_held_while_a_put_writes_the_page_anew_never_replaces_it(tier_dirs):
+    """A catch-up copy to tier 1 is held in the ring; meanwhile the page is deleted and put again with
+    other bytes (both tiers written). The copy, released, must not rename the older bytes over the
+    put's file, nor make the index forget the put's copies: every read returns the new bytes."""
+    old, new = PageSet(), PageSet(data=lambda k: content(k + "/v2"))
+    keys = old.keys(1)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert old.put(engine, keys) == [True]
+    drop_copies(tier_dirs[1], keys)
+    plan = TierFaultPlan()
+    plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE, times=1)  # the copy's write alone
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        try:
+            wait_for_fault(plan, what="no catch-up write reached tier 1")
+            assert engine.delete(keys) == 1
+            assert new.put(engine, keys) == [True]
+            assert engine.index.holders(keys[0]) == 0b11
+        finally:
+            plan.clear()
+            plan.release()
+        wait_until(lambda: engine.stats()["replication_pending"] == 0, what="the copy never ended")
+        assert engine.index.holders(keys[0]) == 0b11 and engine.stats()["tiers"][1]["replication_done"] == 0
+        for k in (0, 1):
+            assert new.checked_get(engine, keys, policy=SingleTier(k)) == [True]
