@@ -15,12 +15,13 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
             memory (aligned pages, local tiers), else each request from a staging copy of its own (the
             write half of ``memory`` bounds those in flight, whatever the page size: back-pressure)
         a tier with writes in flight and no completion for write_timeout: failed, its queued pages skip
-            it, its staged jobs abandoned (their writes read only staging; files removed when they end)
+            it, its jobs abandoned (their files never renamed into place, removed when their writes end)
         on completion: Tier.commit ([fdatasync] -> rename into place) -> index commit; ENOSPC ->
             evict LRU on that tier and rewrite (or rename again), up to SPACE_RETRIES times
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
     page directories, then the caller returns (``put``) or its callback runs (``put_deferred``).
-    The caller's memory is never read after that.
+    The caller's memory is never read after that (but by a hung tier's abandoned writes, whose
+    files are never renamed into place: see _hung_under_writer).
 
 Read priority holds new writes back, never the ones in flight: when a get starts on a tier, what the
 tier had in flight (its window) finishes first. ``put_deferred`` is the paper's M2 (the LMCache
@@ -68,11 +69,10 @@ WRITE_UNIT = 1 << 20  # write requests are whole multiples of this (or of the ch
 # smaller chunk is a checksum unit, not a reason for more, smaller writes
 
 
-# File systems whose writes end in this machine's block layer or memory: a request there completes or
-# fails (the block layer times a request out: 30 s for NVMe and SCSI), so a page 4096-aligned in memory
-# is written from the caller's memory and waited for. On any other (NFS, FUSE, SMB, Lustre, GPFS, ...)
-# a request may hang as long as a server does: its writes are staged, so that a put can give up on
-# them at write_timeout without the kernel reading the caller's memory after the put returned.
+# File systems whose writes end in this machine's block layer or memory: a page 4096-aligned in memory
+# is written from the caller's memory. On any other (NFS, FUSE, SMB, Lustre, GPFS, ...) a request may
+# hang as long as a server does, which is where a put gives up on a tier at write_timeout: its writes
+# are staged, so that the requests left behind there read only engine memory.
 LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "nilfs2", "zfs",
                       "tmpfs", "ramfs"})
 
@@ -449,16 +449,17 @@ class WritePath:
             return
         for k in range(len(self.tiers)):
             if self.io.bytes[k] > self.io.orphaned[k] and now - self._progress[k] > self.write_timeout:
-                self._progress[k] = now  # (what is waited for, writes from caller memory, is looked at again later)
+                self._progress[k] = now
                 self._hung_under_writer(k)
 
     def _hung_under_writer(self, k: int) -> None:
         """Tier ``k``'s writes in flight made no progress for write_timeout: the tier fails (no I/O on
-        it: it may hang), its queued pages skip it, and its staged jobs are abandoned: the pages end
-        with the tiers that committed them (or a tier that replicate=budget skipped writes them), the
-        puts answer. An abandoned write reads only its staging copy; its file goes when it ends. A job
-        writing from the caller's memory (a local tier) is waited for: the kernel may read that memory
-        until its requests complete."""
+        it: it may hang), its queued pages skip it, and its jobs are abandoned: the pages end with the
+        tiers that committed them (or a tier that replicate=budget skipped writes them), the puts
+        answer. An abandoned job's file is never renamed into place, and goes when its last write
+        ends. Such a write may still read its source after the put returned: its staging copy, or on
+        a local tier the caller's memory (the kernel holds the request; nothing can call it back),
+        whose bytes then go only to that file, never served."""
         self.stats.add(k, "write_timeouts")
         self.stats.add(k, "errors")
         self.tiers[k].fail(errno.ETIMEDOUT, f"writes made no progress for {self.write_timeout:g} s (write_timeout)")
@@ -468,8 +469,6 @@ class WritePath:
         for page in dropped:
             self.queue.job_over_under_writer(page, k)
         for job in list(self._active[k]):
-            if job.in_flight and not job.staged:
-                continue
             job.err = errno.ETIMEDOUT
             self.stats.add(k, "writes_abandoned")
             self.index.abort(k, job.page.length)

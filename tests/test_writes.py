@@ -407,14 +407,16 @@ def test_many_unaligned_pages_stay_within_write_staging(tier_dirs):
 
 
 # --------------------------------------------------------------------------- a hung tier (issue 22 item 6)
-def test_a_put_answers_at_write_timeout_when_a_tier_hangs(tier_dirs):
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "zero_copy"])
+def test_a_put_answers_at_write_timeout_when_a_tier_hangs(tier_dirs, aligned):
     """Tier 1's writes never complete (held in the ring: a hung tier). Past write_timeout the tier is
     failed and the put answers: every page True from tier 0 (before: the put blocked as long as the
-    tier). The writes left on the ring read only engine staging (these pages are not aligned, so each
-    request is a staged copy), never the caller's memory after the put returned. When the held writes
-    end, their temporary files go; the tier holds no page; the pages read back from tier 0."""
+    tier; pages written from the caller's memory on a local tier, as long as the tier too). The writes
+    left on the ring are the abandoned jobs' (staged copies, or zero-copy writes whose bytes go only
+    to files never renamed into place). When the held writes end, their temporary files go; the tier
+    holds no page; the pages read back from tier 0."""
     plan = TierFaultPlan()
-    pages = PageSet(3 << 20, aligned=False)
+    pages = PageSet(3 << 20, aligned=aligned)
     keys = pages.keys(4)
     with make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.5, tier_retry=600) as engine, \
             releasing(plan):
@@ -426,7 +428,7 @@ def test_a_put_answers_at_write_timeout_when_a_tier_hangs(tier_dirs):
         row = engine.stats()["tiers"][1]
         assert not row["healthy"] and row["write_timeouts"] == 1 and row["writes_abandoned"] >= 1
         left = list(engine._writes.io.requests())
-        assert left and all(w.orphan and w.staging is not None for w in left)
+        assert left and all(w.orphan and (w.staging is not None) == (not aligned) for w in left)
         assert all(engine.index.holders(k) == 0b01 for k in keys)
         plan.clear()
         plan.release()
