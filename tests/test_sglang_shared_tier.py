@@ -45,6 +45,8 @@ def test_two_servers_sharing_a_tier_keep_and_find_each_others_pages(tier_root):
         # after its start (discovery finds them): check() sees them, nothing is damaged
         assert {p["kind"] for p in result["problems"]} <= {"index_missing", "index_stale"}, result["problems"]
     assert met == PAGES, "each common page on the shared tier is one server's version: the other met it"
-    # nothing deleted: each private tier holds its server's two prompts, the shared one all three
-    assert len(page_files(dirs["private0"])) == len(page_files(dirs["private1"])) == 2 * PAGES
+    # nothing deleted: each private tier holds its server's two prompts (and the other's, where catch-up
+    # promoted them there after they were read from the shared tier: issue 23), the shared one all three
+    for who in range(2):
+        assert 2 * PAGES <= len(page_files(dirs[f"private{who}"])) <= 3 * PAGES, who
     assert len(page_files(dirs["shared"])) == 3 * PAGES
