@@ -238,11 +238,10 @@ class Index:
             room without eviction); nothing is evicted then.
         """
         with self._lock:
-            cap = self.capacities[tier]
-            if cap is None:
+            excess = self._excess_under_index(tier, nbytes)
+            if excess is None:
                 self.reserved[tier] += nbytes
                 return []
-            excess = self.used[tier] + self.reserved[tier] + nbytes - cap
             if excess > 0 and not evict:
                 return None
             victims = self._victims_under_index(tier, excess) if excess > 0 else []
@@ -263,12 +262,10 @@ class Index:
         lowered since the last run). The excess is measured under the lock, at this call: writes that
         made room meanwhile are not evicted for twice."""
         with self._lock:
-            cap = self.capacities[tier]
-            excess = 0 if cap is None else self.used[tier] + self.reserved[tier] - cap
-            if excess <= 0:
+            excess = self._excess_under_index(tier, 0)
+            if excess is None or excess <= 0:
                 return []
-            victims = self._victims_under_index(tier, min(excess, limit), partial=True) or []
-            return self._evict_under_index(tier, victims)
+            return self._evict_under_index(tier, self._victims_under_index(tier, min(excess, limit), partial=True))
 
     def abort(self, tier: int, nbytes: int) -> None:
         with self._lock:
@@ -463,6 +460,12 @@ class Index:
         self._free.append(slot)
 
     # -- internals: eviction --------------------------------------------------------------------
+    def _excess_under_index(self, tier: int, nbytes: int) -> int | None:
+        """Bytes by which ``tier`` would exceed its capacity, with what it holds, what writes in
+        progress reserved and ``nbytes`` more (<= 0: it fits); None when it has no capacity limit."""
+        cap = self.capacities[tier]
+        return None if cap is None else self.used[tier] + self.reserved[tier] + nbytes - cap
+
     def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[int] | None:
         victims: list[int] = []
         freed = 0

@@ -316,10 +316,9 @@ class Tier:
             except OSError as exc:
                 self.fail(exc.errno or errno.EIO, f"list {shard} to clear it")
                 return
-            for name, path in entries:
+            for name, _ in entries:
                 key = key_of_page_file(name) if name else None
-                if key is None or os.path.dirname(self.layout.page_path(key)) != os.path.dirname(path) \
-                        or self.unlink_page(key) is not None:
+                if key is None or key[:2] != shard or self.unlink_page(key) is not None:  # (misplaced: stays)
                     kept += 1
         if kept:
             log.warning("kvstream: clear left %d entries of tier %d (%s) in place: not kvstream's page files "
