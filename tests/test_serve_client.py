@@ -284,14 +284,6 @@ web.run_app(app, host="127.0.0.1", port=port, print=None)
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_compare_starts_stops_each_server_and_reports_speedups(tmp_path, monkeypatch, capsys):
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SERVER)
@@ -316,7 +308,7 @@ def test_compare_starts_stops_each_server_and_reports_speedups(tmp_path, monkeyp
     monkeypatch.setattr(sv.serve_cpu, "HEALTH_POLL_S", 0.2)
     out_json = tmp_path / "cmp.json"
     rc = sv.main(["--model", "fake/model", "--tiers", f"{tiers[0]}:{tiers[1]}", "--compare", "file,kvstream",
-                  "--port", str(_free_port()), "--sessions", "2", "--requests", "4", "--mean-input", "1200",
+                  "--port", str(sv.serve_cpu.free_port()), "--sessions", "2", "--requests", "4", "--mean-input", "1200",
                   "--mean-output", "4", "--rate", "20", "--no-progress", "--metrics-settle", "0",
                   "--startup-timeout", "60", "--json", str(out_json), "--log-dir", str(tmp_path / "logs")])
     assert rc == 0
@@ -329,3 +321,30 @@ def test_compare_starts_stops_each_server_and_reports_speedups(tmp_path, monkeyp
     assert set(report["speedup_kvstream_over_file"]) == {"mean", "p50", "p90"}
     assert "metrics none" in capsys.readouterr().out  # no /metrics on this server: said, not fatal
     assert sorted(os.listdir(tmp_path / "logs")) == ["sglang-file.log", "sglang-kvstream.log"]
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        low = int(fh.read().split()[0])
+    port = sv.serve_cpu.free_port()
+    assert 0 < port < low  # a port bind(0) would hand out is taken by any process's next connection
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free: nothing holds it
+
+
+def test_a_server_that_cannot_bind_its_port_is_reported_at_once(tmp_path, monkeypatch):
+    """uvicorn logs the bind failure and then waits: the start-up wait says so and stops the server
+    instead of polling /health until its timeout (a CI run waited 600 s)."""
+    monkeypatch.setattr(sv.serve_cpu, "HEALTH_POLL_S", 0.1)
+    log = tmp_path / "server.log"
+    log.write_text("an earlier launch: [Errno 98] address already in use\n")  # not this launch's
+    code = ("import sys, time; print('started', flush=True); time.sleep(1.0); "
+            "print(\"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): "
+            "address already in use\", flush=True); time.sleep(120)")
+    proc = sv.serve_cpu.ServerProcess([sys.executable, "-c", code], dict(os.environ), str(log),
+                                      url="http://127.0.0.1:1")
+    with pytest.raises(sv.serve_cpu.PortInUse, match="in use by another process"):
+        proc.start(timeout=60)
+    assert proc.proc is None  # stopped: its whole process group is gone

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 
 import pytest
 
@@ -208,6 +209,32 @@ def test_prometheus_metrics(plugin_loaded, tier_dirs, drivers):
         assert REGISTRY.get_sample_value("kvstream:tier_healthy", dict(labels, tier=str(k))) == 1
     assert REGISTRY.get_sample_value("kvstream:retrieval_seconds_count", labels) >= 1
     assert REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="found")) >= 4
+
+
+def test_prometheus_metrics_reach_the_registry_without_another_call(plugin_loaded, tier_dirs, drivers, monkeypatch):
+    """A batch whose sync fell inside the interval is exported later by itself: an idle sglang server
+    (--sleep-on-idle) polls get_stats no more, and a scrape after a burst must not read stale pages."""
+    from prometheus_client import REGISTRY
+
+    from kvstream_hicache.sglang import storage
+
+    monkeypatch.setattr(storage, "METRICS_INTERVAL_S", 3.0)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    labels = drv.storage._exporter.labels
+
+    def found() -> float:
+        return REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="found")) or 0.0
+
+    start = found()
+    round_trip(drv, pools, n_pages=4, seed=511)  # its first sync runs at once
+    round_trip(drv, pools, n_pages=4, seed=512)  # within the interval: skipped, owed
+    deadline = time.monotonic() + 30.0
+    while found() < start + 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert found() >= start + 8, (start, found())
+    drv.storage.close()
+    assert drv.storage._trailing is None
 
 
 def test_prometheus_multiprocess_mode(tmp_path):

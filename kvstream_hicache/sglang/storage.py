@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from contextlib import suppress
 from collections.abc import Callable, Sequence
@@ -102,6 +103,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._last_sync = 0.0
         self._sync_lock = ranked_lock("sglang.sync")  # one snapshot+export at a time, in snapshot order
         self._last_stats: dict | None = None
+        self._trailing: threading.Timer | None = None  # the sync owed after a skipped one (_arm_trailing_sync)
         if mem_pool_host is not None and not isinstance(mem_pool_host, dict):
             self.register_mem_pool_host(mem_pool_host)
 
@@ -238,6 +240,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 return
             self._closed = True
             engine, self.engine = self.engine, None
+            trailing, self._trailing = self._trailing, None
+        if trailing is not None:
+            trailing.cancel()
         if engine is not None:
             try:
                 engine.close()
@@ -496,10 +501,12 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         # an older snapshot exported after a newer one would count the difference twice. A thread that
         # finds a sync running skips its own (the running one is at most this fresh); flush waits.
         if not self._sync_lock.acquire(blocking=force):
+            self._arm_trailing_sync(METRICS_INTERVAL_S)  # the running one may have missed this call's counts
             return
         try:
             now = time.monotonic()
             if not force and self._last_stats is not None and now - self._last_sync < METRICS_INTERVAL_S:
+                self._arm_trailing_sync(METRICS_INTERVAL_S - (now - self._last_sync))
                 return
             self._last_sync = now
             if self.engine is None:
@@ -510,6 +517,27 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 self._exporter.sync(stats, self.counters)
         finally:
             self._sync_lock.release()
+
+    def _arm_trailing_sync(self, delay: float) -> None:
+        """Run a skipped sync ``delay`` seconds later (one owed at a time). sglang polls get_stats only
+        while it schedules work (an idle server sleeps: --sleep-on-idle), so without it the last batch's
+        counters would reach /metrics only with the next request (a scrape after a burst read stale pages)."""
+        with self._lock:
+            if self._closed or self._trailing is not None or self._exporter is None:
+                return
+            timer = self._trailing = threading.Timer(delay, self._trailing_sync)
+            timer.daemon = True
+            timer.name = "kvstream-metrics"
+        timer.start()
+
+    def _trailing_sync(self) -> None:
+        with self._lock:
+            self._trailing = None
+        try:
+            self._maybe_sync(True)
+        except Exception as exc:  # a timer thread: report, count, never raise
+            self._count("metrics_errors")
+            self._warn("metrics", type(exc).__name__, f"kvstream: exporting metrics failed ({exc})")
 
     def _get_stats(self):
         from sglang.srt.observability.metrics_collector import StorageMetrics

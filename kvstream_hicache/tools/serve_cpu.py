@@ -23,9 +23,11 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -178,6 +180,35 @@ def server_env(env: Mapping[str, str] | None = None, *, device: str = "cpu", **e
     return env
 
 
+class PortInUse(RuntimeError):
+    """The server could not bind its HTTP port (another process holds it): start it on another port."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, below the kernel's ephemeral range when it can be.
+
+    An ephemeral port (what ``bind(port 0)`` hands out) is free only until the next outgoing connection
+    or listener of any process takes it; a server that starts for half a minute before it binds its HTTP
+    port lost that race in CI (sglang's own processes and a second server open such sockets while it
+    starts). Below the range only listeners that asked for the port take it. Still a check, not a
+    reservation: :class:`ServerProcess` reports a port taken meanwhile as :class:`PortInUse`.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = [random.randrange(10000, low - 2000) for _ in range(64)] if low > 12000 else []
+    for port in candidates + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
+
+
 class ServerProcess:
     """One ``sglang.launch_server`` in its own process group: started, waited for (bounded), stopped.
 
@@ -188,6 +219,7 @@ class ServerProcess:
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], log_path: str, *, url: str):
         self.cmd, self.env, self.log_path, self.url = list(cmd), dict(env), log_path, url
         self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where this launch's lines begin in the (appended) log
 
     def start(self, timeout: float = 300.0) -> "ServerProcess":
         """Launch and wait until healthy; stopped again (and the error raised) if it never gets there."""
@@ -195,6 +227,7 @@ class ServerProcess:
 
     def launch(self) -> "ServerProcess":
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         return self
@@ -219,9 +252,20 @@ class ServerProcess:
                         return
             except (urllib.error.URLError, OSError):
                 pass
+            if self._port_taken():  # uvicorn logs it and then waits: without this, the whole timeout
+                raise PortInUse(f"sglang could not bind {self.url}: the port is in use by another process; "
+                                f"start it on another port. Last lines of {self.log_path}:\n{self.tail()}")
             time.sleep(HEALTH_POLL_S)
         raise TimeoutError(f"sglang did not become healthy in {timeout:.0f} s; last lines of {self.log_path}:\n"
                            f"{self.tail()}")
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(self._log_start)
+                return b"address already in use" in fh.read().lower()
+        except OSError:
+            return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
