@@ -6,7 +6,8 @@ Composition::
       tiers    [Tier]         health, paths, commit (tiers.py)
       index    Index          key -> tiers, LRU, capacity, pins (index.py, pure)
       reads    ReadPath       read ring + staging pool + router (reads.py, router.py)
-      writes   WritePath      write ring + staging pool + writer thread (writes.py), per-tier queues (writequeue.py)
+      writes   WritePath      write ring + staging pool + writer thread (writes.py), per-tier queues (writequeue.py),
+                              a page on a tier from temp file to commit (jobs.py)
       priority ReadPriority   which tiers a read uses now: writes there wait (priority.py)
       replicas Replicator     what each tier is owed, written later from a copy (replication.py)
       stats    Stats          counters, per-batch bound (stats.py)
@@ -21,11 +22,13 @@ Locks, outermost first (locks.ORDER; a lock is taken only under those above it; 
 "Locks" has the full table, the adapters' locks included):
 
     lock      guards                                           taken under it
-    read      a whole get: pins, read ring and pool, router    write (clear/check), queue, tier, index, leaves
-    write     the writer's step: write ring, pool, jobs        queue, tier, index, leaves
+    read      a whole get: pins, read ring and pool, router    write (clear/check), replicator, queue, tier, index, leaves
+    write     the writer's step: write ring, pool, jobs        replicator, queue, tier, index, leaves
+    replicator  pages owed per tier, promoted sources          queue, index, staging
     queue     WriteQueue: FIFOs, backlog, closing (never I/O)  index, stats
     tier      health, back-off, probe schedule                 none (probes and rejoins run outside it)
     index     key -> tiers, LRU, capacity, pins                none
+    scan      tier scans left, the progress file               none
     leaves    priority, staging, stats, ring, faults            none
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with

@@ -29,7 +29,7 @@ ORDER = (
     "replicator",  # Replicator: pages owed per tier, promoted sources (hands a copy to the queue under it)
     "queue",  # WriteQueue: the per-tier FIFOs, backlog, closing flag (callers and the writer, briefly)
     "lmcache.core",  # LMCache core: tasks, results, pins (a put's done callback runs under write/queue)
-    "tier",  # Tier: health state, back-off, probes (a rejoin reconciles the index under it)
+    "tier",  # Tier: health state, back-off, probe schedule (takes nothing under it: probes and rejoins run outside)
     "index",  # Index: key -> tiers, LRU, capacity, pins
     "priority",  # ReadPriority: readers per tier (listeners are called with it released)
     "scan",  # BackgroundScan: tiers left to scan, its progress file (scan.py; takes nothing under it)

@@ -1,7 +1,7 @@
 """What the write path writes: a put (``PutCall``) and its pages (``WritePage``): a page's sources,
 its checksums and header, and the writes that fill its file, from the caller's memory or staged a
 request at a time; a page on one tier (``Job``: its temporary file) and one write request of it in
-flight (``Write``, with its staging copy if any). Plain data, used by writes.py and writequeue.py under the writer's lock
+flight (``Write``, with its staging copy if any). Plain data, used by writes.py, jobs.py and writequeue.py under the writer's lock
 (``PutCall.signal`` also without it, for a put with nothing to write).
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ owes every page that lacks a tier again (:meth:`owe_all`; also when a failed tie
 sweep of the index per tier, SWEEP_BATCH pages at a time as the tier takes them (``Index.lacking``):
 no list of every page is made, and a tier without room holds one batch. A tier without room
 stops its catch-up (the page stays owed, ``pending``) until pages leave it; a copy it does take enters
-its LRU as the least recent page (writes.py), so it never costs a page the tier chose to keep.
+its LRU as the least recent page (jobs.py), so it never costs a page the tier chose to keep.
 """
 from __future__ import annotations
 

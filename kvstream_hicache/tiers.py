@@ -45,7 +45,7 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 # (ECONNABORTED: a FUSE mount whose client process died; ETIMEDOUT: a hung tier, writes.py)
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
-# jobs of a batch compete for the room each eviction makes; writes.py's _room_possible_under_writer stops hopeless ones
+# jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off

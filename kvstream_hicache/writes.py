@@ -8,16 +8,15 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
         target tier's FIFO
     the writer thread, per tier, while the tier has no read in flight (priority.py) and its bytes in
     flight are within its window (flow.py: the window and request size follow the device):
-        start the next job: reserve capacity (LRU victims deleted first), open a temporary file
-            (at most TMP_FILES_PER_TIER per tier, files.py: a put of any size holds a bounded
-            number of descriptors), checksums (once per page) and the header
+        start the next job (jobs.py: a temporary file, at most TMP_FILES_PER_TIER per tier, so a
+            put of any size holds a bounded number of descriptors; room; checksums and header)
         submit its header and payload in requests of the flow's size (inflight.py): from the caller's
             memory (aligned pages, local tiers), else each request from a staging copy of its own (the
             write half of ``memory`` bounds those in flight, whatever the page size: back-pressure)
         a tier with writes in flight and no completion for write_timeout: failed, its queued pages skip
             it, its jobs abandoned (their files never renamed into place, removed when their writes end)
-        on completion: Tier.commit ([fdatasync] -> rename into place) -> index commit; ENOSPC ->
-            evict LRU on that tier and rewrite (or rename again), up to SPACE_RETRIES times
+        when a job's writes are done: jobs.py commits it (rename into place, index; ENOSPC: evict
+            and write again, up to SPACE_RETRIES times)
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
     page directories, then the caller returns (``put``) or its callback runs (``put_deferred``).
     The caller's memory is never read after that (but by a hung tier's abandoned writes, whose
@@ -34,16 +33,16 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
-from .files import OUT_OF_DESCRIPTORS, TMP_FILES_PER_TIER, Shortage
+from .files import TMP_FILES_PER_TIER
 from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
+from .jobs import Jobs
 from .flow import MAX_REQUEST
 from .layout import ALIGN, round_up
 from .locks import ranked_lock
@@ -53,7 +52,7 @@ from .puts import CANCELLED, Job, Write, WritePage
 from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
-from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
+from .tiers import Tier
 from .writequeue import WriteQueue, WriteSettings
 
 log = logging.getLogger("kvstream")
@@ -110,7 +109,6 @@ class WritePath:
                  staging_limit: int, ceiling: int, thinned: Callable[[list[str]], None] = lambda keys: None):
         n = len(tiers)
         self.io = InFlight(ring, n, max(chunk, WRITE_UNIT), ceiling)  # write window, request size, bandwidth
-        self.digest = digest
         self.tiers = tiers
         self.index = index
         self.stats = stats
@@ -119,7 +117,7 @@ class WritePath:
         self.staging_limit = staging_limit
         self.lock = ranked_lock("write")  # held by the writer thread while it works, and by exclusive()
         self.queue = WriteQueue(tiers, index, stats, chunk, settings, self._bandwidth_under_queues, thinned)
-        self._active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not finished, per tier
+        self.jobs = Jobs(tiers, index, stats, pool, self.queue, digest)  # each page on each tier (jobs.py)
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
         self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
@@ -129,7 +127,6 @@ class WritePath:
             _punt(ring)               # submit, where a FUSE or NFS write waits for its server
         self.write_timeout = settings.write_timeout
         self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
-        self._fds = Shortage()
         self._held_since: list[float | None] = [None] * n
         self._busy_seen = [0.0] * n
         priority.listen(self.queue.wake)
@@ -191,11 +188,11 @@ class WritePath:
         """clear(): drop every queued job and discard the ones in flight (their pages report False).
         Called inside :meth:`exclusive`."""
         dropped = self.queue.drop_all()
-        for jobs in self._active:
+        for jobs in self.jobs.active:
             for job in list(jobs):
                 job.err = CANCELLED
                 if not job.in_flight:  # (held back between two of its writes) nothing will reap it
-                    self._finish_job_under_writer(job)
+                    self.jobs.finish_under_writer(job)
         for page, k in dropped:
             self.queue.job_over_under_writer(page, k)
 
@@ -212,7 +209,7 @@ class WritePath:
         while not self.queue.closing:
             with self.exclusive():
                 victims = self.index.evict_excess(k, TRIM_BYTES)
-                self._evicted_under_writer(k, victims)
+                self.jobs.evicted_under_writer(k, victims)
             if not victims:
                 return
 
@@ -250,7 +247,7 @@ class WritePath:
         return len(self.io) > self.io.orphans
 
     def _has_work_under_queues(self) -> bool:
-        return self._has_live_writes() or any(self.queue.fifo) or any(self.queue.copies) or any(self._active)
+        return self._has_live_writes() or any(self.queue.fifo) or any(self.queue.copies) or any(self.jobs.active)
 
     def _run(self) -> None:
         queue = self.queue
@@ -295,7 +292,7 @@ class WritePath:
             # only abandoned writes left (a hung tier): look again after a while, not at once
             return None if done or self._has_live_writes() else ORPHAN_POLL_S
         timeout = until
-        retry = self._fds.retry_at - time.monotonic()
+        retry = self.jobs.fds.retry_at - time.monotonic()
         if retry > 0:
             timeout = retry if timeout is None else min(timeout, retry)
         return 0.0 if timeout is None else max(timeout, 1e-3)
@@ -304,7 +301,7 @@ class WritePath:
         """Time each tier's queued writes spent waiting for its reads (stats ``write_held_s``)."""
         now = time.monotonic()
         for k in range(len(self.tiers)):
-            waiting = held >> k & 1 and bool(self.queue.fifo[k] or self._active[k])
+            waiting = held >> k & 1 and bool(self.queue.fifo[k] or self.jobs.active[k])
             since = self._held_since[k]
             if waiting and since is None:
                 self._held_since[k] = now
@@ -367,18 +364,23 @@ class WritePath:
     def _next_job_under_writer(self, k: int, now: float) -> Job | None:
         """The job of tier ``k`` with a write left to submit: a started one, else the next page of
         its FIFO (None: none, or none can start now: descriptors, staging memory)."""
-        for job in self._active[k]:
+        jobs = self.jobs
+        for job in jobs.active[k]:
             if job.err == 0 and job.next < len(job.ops):
                 return job
         while True:
-            if len(self._active[k]) >= TMP_FILES_PER_TIER or self._fds.blocked(now):
+            if len(jobs.active[k]) >= TMP_FILES_PER_TIER or jobs.fds.blocked(now):
                 return None
             with self.queue.lock:
                 fifo = self.queue.fifo[k] or self.queue.copies[k]  # catch-up copies only when no put waits
                 if not fifo:
                     return None
                 page = fifo[0]
-            started = self._start_job_under_writer(page, k)
+            request = self.io.flows[k].request if self.priority.enabled else math.inf
+            staged = not (page.aligned and self._zero_copy[k])
+            if staged:  # each request is staged whole: no request may need more than the staging memory
+                request = min(request, self._piece)
+            started = jobs.start_under_writer(page, k, request, staged)
             if started is False:
                 return None  # out of descriptors: the page stays first in line
             with self.queue.lock:
@@ -386,62 +388,6 @@ class WritePath:
             if started is not None:
                 return started
             # the page could not go to this tier (failed tier, capacity, error): next one
-
-    def _release_under_writer(self, page: WritePage) -> None:
-        """No job of the page in flight: its header goes back."""
-        if not page.users:
-            page.release(self.pool)
-
-    def _start_job_under_writer(self, page: WritePage, k: int) -> Job | None | bool:
-        """A job for ``page`` on tier ``k``, ready to submit; None when the page cannot go there (the
-        reason is counted); False when no descriptor is free (try again later)."""
-        tier = self.tiers[k]
-        if not tier.healthy:  # failed since the put was accepted: the page misses it (under-replicated)
-            self.queue.job_over_under_writer(page, k)
-            return None
-        try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
-            fd, tmp = tier.create_tmp()
-        except OSError as exc:
-            if exc.errno in OUT_OF_DESCRIPTORS:
-                return self._out_of_descriptors_under_writer(page, k)
-            self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
-            self.queue.job_over_under_writer(page, k)
-            return None
-        self._fds.created()
-        victims = self.index.reserve(k, page.length, evict=page.evict)
-        if victims is None:
-            tier.discard(fd, tmp)
-            if page.copied is None:  # (a catch-up copy that finds no room counts as dropped, replication.py)
-                self.stats.add(k, "skipped_writes")
-            log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
-            self.queue.job_over_under_writer(page, k)
-            return None
-        self._evicted_under_writer(k, victims)
-        page.users += 1
-        try:
-            page.prepare(self.pool, self.digest)
-        except BaseException:
-            page.users -= 1
-            self._release_under_writer(page)
-            tier.discard(fd, tmp)
-            self.index.abort(k, page.length)
-            raise
-        request = self.io.flows[k].request if self.priority.enabled else math.inf
-        staged = not (page.aligned and self._zero_copy[k])
-        if staged:  # each request is staged whole: no request may need more than the staging memory
-            request = min(request, self._piece)
-        job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
-        page.started = time.monotonic()
-        self._active[k].append(job)
-        return job
-
-    def _out_of_descriptors_under_writer(self, page: WritePage, k: int) -> bool | None:
-        """EMFILE/ENFILE (files.py): False to try again later, or None: this (page, tier) fails."""
-        if self._fds.hit(any(self._active), time.monotonic()):
-            return False
-        self.stats.add(k, "write_failures")
-        self.queue.job_over_under_writer(page, k)
-        return None
 
     # -- a hung tier ------------------------------------------------------------------------------
     def _check_hung_under_writer(self, now: float) -> None:
@@ -468,21 +414,14 @@ class WritePath:
             self.queue.fifo[k].clear()
         for page in dropped:
             self.queue.job_over_under_writer(page, k)
-        for job in list(self._active[k]):
+        for job in list(self.jobs.active[k]):
             job.err = errno.ETIMEDOUT
             self.stats.add(k, "writes_abandoned")
             self.index.abort(k, job.page.length)
             self.io.orphan([w for w in self.io.requests() if w.job is job])
-            self._leave_job_under_writer(job)
+            self.jobs.leave_under_writer(job)
             if not job.in_flight:
-                self._discard_abandoned_under_writer(job)
-
-    def _discard_abandoned_under_writer(self, job: Job) -> None:
-        """An abandoned job with no write left in flight: its file goes, in a thread of its own (closing
-        or unlinking on a hung tier blocks until the tier answers; the writer must not wait for it)."""
-        self._fds.closed()
-        threading.Thread(target=self.tiers[job.tier].discard, args=(job.fd, job.tmp),
-                         name="kvstream-discard", daemon=True).start()
+                self.jobs.discard_abandoned_under_writer(job)
 
     # -- completions -----------------------------------------------------------------------------
     def _complete_under_writer(self, write: Write, res: int, now: float) -> None:
@@ -492,7 +431,7 @@ class WritePath:
         if write.orphan:  # its job was abandoned (a hung tier): its file goes once no write of it is left
             job.in_flight -= 1
             if not job.in_flight:
-                self._discard_abandoned_under_writer(job)
+                self.jobs.discard_abandoned_under_writer(job)
             return
         # A write measures the tier's bandwidth only if no read started on the tier meanwhile:
         # writes held back or slowed by reads must not lower it.
@@ -504,75 +443,9 @@ class WritePath:
             self.io.measure(write, res, now, False)
         job.in_flight -= 1
         if res != want and not job.err:
-            job.err = -res if res < 0 else self._short_write_errno_under_writer(job)
+            job.err = -res if res < 0 else self.jobs.short_write_errno_under_writer(job)
         if not job.in_flight and (job.err or job.next == len(job.ops)):
-            self._finish_job_under_writer(job)
-
-    def _copy_wanted_under_writer(self, page: WritePage, k: int) -> bool:
-        """A catch-up copy is committed only while the index still holds the content it copied, tier
-        ``k`` still lacks it and no file has the page's name there. Else, since it was read: deleted
-        or cleared (never brought back), or written there by a put (maybe other content: the copy,
-        renamed over it, would bring an older version back), or another writer's file in place (not
-        ours to replace). A put commits on this thread too, so none comes between this and the rename."""
-        info = self.index.get(page.key)
-        return info is not None and not info.tiers >> k & 1 and \
-            info.same_content(page.length, page.block, page.crcs) and \
-            not os.path.lexists(self.tiers[k].layout.page_path(page.key))
-
-    def _finish_job_under_writer(self, job: Job) -> None:
-        page, k = job.page, job.tier
-        tier = self.tiers[k]
-        if job.err == 0 and page.copied is not None and not self._copy_wanted_under_writer(page, k):
-            job.err = CANCELLED
-        if job.err == 0:
-            try:
-                fd, job.fd = job.fd, None  # commit closes it, whatever happens
-                page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
-                                       self._evict_under_writer(k, page.length))
-            except OSError as exc:
-                tier.discard(None, job.tmp)
-                self.index.abort(k, page.length)
-                self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
-                self._close_job_under_writer(job)
-                return
-            # A copy of other content on another tier (a failed tier's, another writer's) leaves the
-            # index, so it is never served against these checksums; its file is a valid page and stays.
-            # A background copy is the tier's least recent page (the first to go when room is needed: it
-            # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
-            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
-                              oldest=not page.evict)
-            page.committed.append(k)
-            for call, _ in page.calls:
-                call.dirs.setdefault(k, set()).add(page_dir)
-            self.stats.add(k, "bytes_written", page.length)
-            self.stats.add(k, "pages_written")
-            self._close_job_under_writer(job)
-            return
-        if job.err in SPACE_ERRNOS and page.evict and job.tries < SPACE_RETRIES and \
-                self._room_possible_under_writer(job):
-            if self._evict_under_writer(k, page.length):
-                job.tries += 1
-                job.err = 0
-                job.next = 0  # write it all again
-                return
-        tier.discard(job.fd, job.tmp)
-        self.index.abort(k, page.length)
-        if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):  # (a full
-            # tier refusing a catch-up copy: dropped, replication.py)
-            self._failed_under_writer(k, job.err, f"write {page.key}")
-        self._close_job_under_writer(job)
-
-    def _close_job_under_writer(self, job: Job) -> None:
-        """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""
-        self._fds.closed()
-        self._leave_job_under_writer(job)
-
-    def _leave_job_under_writer(self, job: Job) -> None:
-        """The job is over for its page (committed, failed or abandoned)."""
-        self._active[job.tier].remove(job)
-        job.page.users -= 1
-        self._release_under_writer(job.page)
-        self.queue.job_over_under_writer(job.page, job.tier)
+            self.jobs.finish_under_writer(job)
 
     def _abandon_under_writer(self) -> None:
         """After an unexpected error: wait for the writes in flight (they read caller memory), then
@@ -580,41 +453,7 @@ class WritePath:
         while self.io.ring.in_flight:
             self.io.reap(1, None)
         self.io.abandon()  # (recorded but never completed: nothing will reap them now)
-        for jobs in self._active:
+        for jobs in self.jobs.active:
             for job in jobs:
                 job.in_flight = 0
         self.cancel_under_writer()
-
-    # -- errors ----------------------------------------------------------------------------------
-    def _evict_under_writer(self, k: int, nbytes: int) -> bool:
-        """Evict LRU pages of tier ``k`` to make room for ``nbytes``; False: nothing left to evict."""
-        victims = self.index.evict(k, nbytes)
-        self._evicted_under_writer(k, victims)
-        return bool(victims)
-
-    def _room_possible_under_writer(self, job: Job) -> bool:
-        """Could evicting every page of this namespace on the tier make room for the job? If not
-        (a page larger than the file system, or one full of other data), evicting would only
-        throw pages away: the write fails for this tier and nothing is evicted."""
-        free = self.tiers[job.tier].free_bytes(job.fd)  # (what the job already holds is reused)
-        return free is None or free + self.index.used[job.tier] >= job.page.file_bytes  # (None: cannot
-        # tell: try eviction)
-
-    def _short_write_errno_under_writer(self, job: Job) -> int:
-        """A write that stopped early: the ring reports the bytes done, not the error that
-        followed. A nearly full file system means ENOSPC (evict and retry), else EIO."""
-        free = self.tiers[job.tier].free_bytes()
-        return errno.ENOSPC if free is not None and free < 2 * job.page.file_bytes else errno.EIO
-
-    def _evicted_under_writer(self, k: int, victims: list[str]) -> None:
-        for key in victims:
-            self.tiers[k].unlink_page(key)
-        if victims:
-            self.stats.add(k, "evictions", len(victims))
-
-    def _failed_under_writer(self, k: int, err: int, what: str) -> None:
-        self.stats.add(k, "write_failures")
-        self.stats.add(k, "errors")
-        if not self.tiers[k].fail(err, what) and err not in SPACE_ERRNOS:
-            log.warning("kvstream: tier %d: %s failed: %s", k, what, os.strerror(err))
-

@@ -100,7 +100,7 @@ class StoreModel(RuleBasedStateMachine):
         under it, in this step: a tier it fails, a corrupt copy it commits, are this step's doing,
         not a later step's, whose put would otherwise meet a tier failed behind its back."""
         self.plan.clear()
-        jobs = self.engine._writes._active
+        jobs = self.engine._writes.jobs.active
         started = [job for tier_jobs in list(jobs) for job in list(tier_jobs)]
         wait_until(lambda: not any(job in tier_jobs for tier_jobs in jobs for job in started), 30,
                    "a write job of the step never ended")

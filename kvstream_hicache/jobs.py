@@ -1,0 +1,203 @@
+"""A page on one tier (a ``Job``), from its temporary file to its commit: the write path's jobs.
+
+    start: the tier still in service -> a temporary file (a descriptor: at most TMP_FILES_PER_TIER per
+        tier, files.py; EMFILE waits) -> room (LRU victims evicted, their files removed) -> checksums
+        and header (once per page)
+    (writes.py submits the job's requests and reaps them; a failed or short write sets ``job.err``)
+    finish: a catch-up copy still wanted? -> Tier.commit ([fdatasync] -> rename into place) -> the
+        index; ENOSPC -> evict LRU on that tier and write it all again, up to SPACE_RETRIES times, while
+        evicting can make room at all; any other error fails the tier (tiers.py decides for how long)
+    a job over (committed, failed, cancelled or abandoned) tells the queue (writequeue.py), which
+    ends the page and its put when every tier it targets is over.
+
+Every method runs on the writer's side, under WritePath.lock (hence ``_under_writer``).
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+from .files import OUT_OF_DESCRIPTORS, Shortage
+from .index import Index
+from .puts import CANCELLED, Job, WritePage
+from .staging import BufferPool
+from .stats import Stats
+from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
+from .writequeue import WriteQueue
+
+log = logging.getLogger("kvstream")
+
+
+class Jobs:
+    """The jobs started and not over, per tier (``active``), and what starts and ends them.
+
+    :param digest: the namespace digest every page header carries.
+    """
+
+    def __init__(self, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, queue: WriteQueue,
+                 digest: str):
+        self.tiers, self.index, self.stats, self.pool, self.queue, self.digest = \
+            tiers, index, stats, pool, queue, digest
+        self.active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not over, per tier
+        self.fds = Shortage()  # temporary files open, and the EMFILE back-off (files.py)
+
+    def _release_under_writer(self, page: WritePage) -> None:
+        """No job of the page in flight: its header goes back."""
+        if not page.users:
+            page.release(self.pool)
+
+    def start_under_writer(self, page: WritePage, k: int, request: float, staged: bool) -> Job | None | bool:
+        """A job for ``page`` on tier ``k``, ready to submit in requests of at most ``request`` bytes,
+        each from a staging copy if ``staged``; None when the page cannot go there (the reason is
+        counted); False when no descriptor is free (try again later)."""
+        tier = self.tiers[k]
+        if not tier.healthy:  # failed since the put was accepted: the page misses it (under-replicated)
+            self.queue.job_over_under_writer(page, k)
+            return None
+        try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
+            fd, tmp = tier.create_tmp()
+        except OSError as exc:
+            if exc.errno in OUT_OF_DESCRIPTORS:
+                return self._out_of_descriptors_under_writer(page, k)
+            self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
+            self.queue.job_over_under_writer(page, k)
+            return None
+        self.fds.created()
+        victims = self.index.reserve(k, page.length, evict=page.evict)
+        if victims is None:
+            tier.discard(fd, tmp)
+            if page.copied is None:  # (a catch-up copy that finds no room counts as dropped, replication.py)
+                self.stats.add(k, "skipped_writes")
+            log.debug("kvstream: tier %d cannot make room for page %s (capacity, pinned pages)", k, page.key)
+            self.queue.job_over_under_writer(page, k)
+            return None
+        self.evicted_under_writer(k, victims)
+        page.users += 1
+        try:
+            page.prepare(self.pool, self.digest)
+        except BaseException:
+            page.users -= 1
+            self._release_under_writer(page)
+            tier.discard(fd, tmp)
+            self.index.abort(k, page.length)
+            raise
+        job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
+        page.started = time.monotonic()
+        self.active[k].append(job)
+        return job
+
+    def _out_of_descriptors_under_writer(self, page: WritePage, k: int) -> bool | None:
+        """EMFILE/ENFILE (files.py): False to try again later, or None: this (page, tier) fails."""
+        if self.fds.hit(any(self.active), time.monotonic()):
+            return False
+        self.stats.add(k, "write_failures")
+        self.queue.job_over_under_writer(page, k)
+        return None
+
+    def discard_abandoned_under_writer(self, job: Job) -> None:
+        """An abandoned job with no write left in flight: its file goes, in a thread of its own (closing
+        or unlinking on a hung tier blocks until the tier answers; the writer must not wait for it)."""
+        self.fds.closed()
+        threading.Thread(target=self.tiers[job.tier].discard, args=(job.fd, job.tmp),
+                         name="kvstream-discard", daemon=True).start()
+
+    def _wanted_under_writer(self, page: WritePage, k: int) -> bool:
+        """A catch-up copy is committed only while the index still holds the content it copied, tier
+        ``k`` still lacks it and no file has the page's name there. Else, since it was read: deleted
+        or cleared (never brought back), or written there by a put (maybe other content: the copy,
+        renamed over it, would bring an older version back), or another writer's file in place (not
+        ours to replace). A put commits on this thread too, so none comes between this and the rename."""
+        info = self.index.get(page.key)
+        return info is not None and not info.tiers >> k & 1 and \
+            info.same_content(page.length, page.block, page.crcs) and \
+            not os.path.lexists(self.tiers[k].layout.page_path(page.key))
+
+    def finish_under_writer(self, job: Job) -> None:
+        page, k = job.page, job.tier
+        tier = self.tiers[k]
+        if job.err == 0 and page.copied is not None and not self._wanted_under_writer(page, k):
+            job.err = CANCELLED
+        if job.err == 0:
+            try:
+                fd, job.fd = job.fd, None  # commit closes it, whatever happens
+                page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
+                                       self._evict_under_writer(k, page.length))
+            except OSError as exc:
+                tier.discard(None, job.tmp)
+                self.index.abort(k, page.length)
+                self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
+                self._close_under_writer(job)
+                return
+            # A copy of other content on another tier (a failed tier's, another writer's) leaves the
+            # index, so it is never served against these checksums; its file is a valid page and stays.
+            # A background copy is the tier's least recent page (the first to go when room is needed: it
+            # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
+            self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
+                              oldest=not page.evict)
+            page.committed.append(k)
+            for call, _ in page.calls:
+                call.dirs.setdefault(k, set()).add(page_dir)
+            self.stats.add(k, "bytes_written", page.length)
+            self.stats.add(k, "pages_written")
+            self._close_under_writer(job)
+            return
+        if job.err in SPACE_ERRNOS and page.evict and job.tries < SPACE_RETRIES and \
+                self._room_possible_under_writer(job):
+            if self._evict_under_writer(k, page.length):
+                job.tries += 1
+                job.err = 0
+                job.next = 0  # write it all again
+                return
+        tier.discard(job.fd, job.tmp)
+        self.index.abort(k, page.length)
+        if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):  # (a full
+            # tier refusing a catch-up copy: dropped, replication.py)
+            self._failed_under_writer(k, job.err, f"write {page.key}")
+        self._close_under_writer(job)
+
+    def _close_under_writer(self, job: Job) -> None:
+        """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""
+        self.fds.closed()
+        self.leave_under_writer(job)
+
+    def leave_under_writer(self, job: Job) -> None:
+        """The job is over for its page (committed, failed or abandoned)."""
+        self.active[job.tier].remove(job)
+        job.page.users -= 1
+        self._release_under_writer(job.page)
+        self.queue.job_over_under_writer(job.page, job.tier)
+
+    def _evict_under_writer(self, k: int, nbytes: int) -> bool:
+        """Evict LRU pages of tier ``k`` to make room for ``nbytes``; False: nothing left to evict."""
+        victims = self.index.evict(k, nbytes)
+        self.evicted_under_writer(k, victims)
+        return bool(victims)
+
+    def _room_possible_under_writer(self, job: Job) -> bool:
+        """Could evicting every page of this namespace on the tier make room for the job? If not
+        (a page larger than the file system, or one full of other data), evicting would only
+        throw pages away: the write fails for this tier and nothing is evicted."""
+        free = self.tiers[job.tier].free_bytes(job.fd)  # (what the job already holds is reused)
+        return free is None or free + self.index.used[job.tier] >= job.page.file_bytes  # (None: cannot
+        # tell: try eviction)
+
+    def short_write_errno_under_writer(self, job: Job) -> int:
+        """A write that stopped early: the ring reports the bytes done, not the error that
+        followed. A nearly full file system means ENOSPC (evict and retry), else EIO."""
+        free = self.tiers[job.tier].free_bytes()
+        return errno.ENOSPC if free is not None and free < 2 * job.page.file_bytes else errno.EIO
+
+    def evicted_under_writer(self, k: int, victims: list[str]) -> None:
+        for key in victims:
+            self.tiers[k].unlink_page(key)
+        if victims:
+            self.stats.add(k, "evictions", len(victims))
+
+    def _failed_under_writer(self, k: int, err: int, what: str) -> None:
+        self.stats.add(k, "write_failures")
+        self.stats.add(k, "errors")
+        if not self.tiers[k].fail(err, what) and err not in SPACE_ERRNOS:
+            log.warning("kvstream: tier %d: %s failed: %s", k, what, os.strerror(err))
