@@ -61,8 +61,8 @@ SETTINGS: dict[str, Setting] = {
     "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
                                   " (0 = wait forever); a read landing in caller memory is waited for regardless"),
     "write_timeout": Setting(10.0, "seconds a tier's writes in flight may go without progress before the tier "
-                                   "is failed and the puts answer without its copy (0 = wait forever); a write "
-                                   "from caller memory (a local tier) is waited for regardless"),
+                                   "is failed and the puts answer without its copy (0 = wait forever); its writes "
+                                   "are abandoned, their files never committed"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
     "discover": Setting(True, "look up pages the index lacks on the tiers (written by another process sharing "
                               "the namespace, e.g. MLA's writer rank); off = index only"),

@@ -52,7 +52,7 @@ from .config import Config, check_capacities
 from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
-from .index import Index, tiers_in
+from .index import Index
 from .integrity import Problem, Reason, ScannedPage, check_tier, scan_file
 from .io import RING_ENTRIES, ThreadRing, forks, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
@@ -155,8 +155,8 @@ class Engine:
                                  namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
                                  ceiling=share, thinned=_weak(self._thinned, None))
         self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
-                                    self._writes.pool, namespace.digest, enabled=config.catchup,
-                                    share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
+                                    self._writes.pool, namespace.digest, catchup=config.catchup,
+                                    catchup_share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         # Served from now on: pages of before the restart are found by discovery until the scan has them.
         level = logging.INFO if announce else logging.DEBUG
@@ -177,7 +177,9 @@ class Engine:
         :param pages: per key, the payload as ``(address, nbytes)`` segments of caller memory;
             4096-aligned segments are written zero-copy, others through one staging copy.
         :returns: per key, True when >= 1 tier holds a verified copy (already held: True, no I/O).
-            Returns only when every byte has been read out of the caller's memory.
+            Returns when every byte has been read out of the caller's memory, but for the writes
+            of a tier that hung (``write_timeout``): abandoned, they may still read it, into a
+            file that is never committed (docs/guarantees.md).
         :raises ValueError: ``keys`` and ``pages`` differ in length (a caller bug).
         """
         self._check_open()

@@ -8,7 +8,7 @@ device as one segment per page, so the block layer splits it at the device's seg
 and copying them over (checksum in the same pass) ran at 8.0 GB/s for 0.087 s/GB; reading straight
 into huge-page memory ran at 7.2 GB/s for 0.043 s/GB. Measured again through the SGLang adapter
 into sglang's real host pool (its own shared mapping in 4 KiB pages, 8 MiB pages in 8 MiB requests;
-issue 27, docs/benchmarks.md "Reads into SGLang's host pool"): in place read 0.81x staged on a RAM tier and
+docs/benchmarks.md "Reads into SGLang's host pool"): in place read 0.81x staged on a RAM tier and
 0.64x on this machine's disk (virtio-blk splits each request at its segment limit), for the same CPU
 per GB (the pinning of 4 KiB pages costs what the copy saves). So a read lands in caller memory only
 where that memory is huge-page backed (THP or hugetlbfs), which the kernel reports per mapping in

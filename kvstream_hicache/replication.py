@@ -66,16 +66,19 @@ class Replicator:
     :param writes: the engine's WritePath: ``copy()`` writes a page from memory, ``idle(k)`` says the
         tier's foreground FIFO is empty.
     :param pool: buffers for source copies (the write half of ``memory``).
-    :param enabled: setting ``catchup``: off, nothing is owed and the thread does not run.
-    :param share: setting ``catchup_share``: the most of a tier's write time catch-up takes.
+    :param catchup: the setting: off, nothing is owed and the thread does not run.
+    :param catchup_share: the setting: the most of a tier's write time catch-up takes.
+
+    Lock: ``_lock`` (rank ``replicator``, condition ``_work``): methods ending ``_under_replicator``
+    run with it held.
     :param promote_bytes: memory promoted pages may hold as their sources, bytes.
     """
 
     def __init__(self, tiers: list[Tier], index: Index, writes, priority: ReadPriority, stats: Stats,
-                 pool: BufferPool, digest: str, *, enabled: bool = True, share: float = 0.5,
+                 pool: BufferPool, digest: str, *, catchup: bool, catchup_share: float,
                  promote_bytes: int = 16 << 20, clock: Callable[[], float] = time.monotonic):
         self.tiers, self.index, self.writes, self.priority, self.stats = tiers, index, writes, priority, stats
-        self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, enabled, share, clock
+        self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, catchup, catchup_share, clock
         self.promote_bytes = promote_bytes
         self.all_tiers = (1 << len(tiers)) - 1
         self._lock = ranked_lock("replicator")  # under it: the index, the write queue (a copy handed to the
@@ -91,7 +94,7 @@ class Replicator:
         self._closing = False
         self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
         self._thread = None
-        if enabled:
+        if catchup:
             priority.listen(self._wake)
             self._thread = threading.Thread(target=self._run, name="kvstream-replicator", daemon=True)
             self._thread.start()
@@ -215,9 +218,9 @@ class Replicator:
                     log.exception("kvstream: background replication to tier %d failed", k)
             with self._lock:
                 if not started and not self._closing:
-                    self._work.wait(self._idle_wait())
+                    self._work.wait(self._idle_wait_under_replicator())
 
-    def _idle_wait(self) -> float | None:
+    def _idle_wait_under_replicator(self) -> float | None:
         """How long the thread may sleep: until a paced tier may go again, IDLE_S with work it cannot
         start now (reads, puts, a full tier: the end of a get and a finished job wake it sooner), no
         limit with nothing owed (owe() wakes it)."""
@@ -246,7 +249,7 @@ class Replicator:
                 info = self.index.get(key)
                 if info is None or info.tiers >> k & 1 or self.writes.writing(key):
                     del owed[key]  # held there now, gone, or a put is writing it (it owes it back if it fails)
-                    self._drop_copy_locked(key)
+                    self._drop_copy_under_replicator(key)
                     continue
                 break
             else:
@@ -258,7 +261,7 @@ class Replicator:
             # stray; neither is ours to replace (the read path and check() deal with them).
             with self._lock:
                 self._owed[k].pop(key, None)
-                self._drop_copy_locked(key)
+                self._drop_copy_under_replicator(key)
             return True  # (looked at one: the thread comes back at once)
         promoted = source is not None and source.info.epoch == info.epoch and \
             source.info.same_content(info.length, info.block, info.crcs)
@@ -311,7 +314,7 @@ class Replicator:
                 # Pacing: catch-up takes at most `share` of the tier's write time.
                 self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
                 if promoted:
-                    self._drop_copy_locked(key)
+                    self._drop_copy_under_replicator(key)
             elif promoted and key not in self._busy:  # cleared meanwhile: clear() left this copy to us
                 free = True
             self._work.notify()
@@ -325,7 +328,7 @@ class Replicator:
         else:
             self.stats.add(k, "replication_dropped")
 
-    def _drop_copy_locked(self, key: str) -> None:
+    def _drop_copy_under_replicator(self, key: str) -> None:
         """A promoted page's source leaves memory once no tier is owed the page."""
         source = self._copies.get(key)
         if source is not None and key not in self._busy and not any(key in owed for owed in self._owed):

@@ -260,6 +260,15 @@ def test_readme_and_design_name_every_core_module():
         assert package in layout and package in module_map
 
 
+@pytest.mark.parametrize("module", ["reads.py", "writes.py"])
+def test_each_path_holds_one_policy_in_a_small_room(module):
+    """The read and write paths are where most later work lands: each keeps its path's policy and hands
+    whole concepts to rooms of their own (inflight, files, getcall, delivery, damage; writequeue, jobs,
+    puts, admission). A path past this size has grown a second concept: give it its own module."""
+    lines = _read("kvstream_hicache", module).count("\n")
+    assert lines < 480, f"kvstream_hicache/{module}: {lines} lines"
+
+
 def test_docs_give_the_enospc_retry_count():
     from kvstream_hicache.tiers import SPACE_RETRIES
 
