@@ -11,7 +11,7 @@ export KVSTREAM_STRICT=${KVSTREAM_STRICT:-${CI:+1}}
 export KVSTREAM_REQUIRE_URING=${KVSTREAM_REQUIRE_URING:-${CI:+1}}
 status=0
 echo "== kvstream-hicache: engine, io_uring, sglang, kvsim, bench, examples"
-.venv/bin/python -m pytest -q -m "not lmcache" "$@" || status=$?
+.venv/bin/python -m pytest -q --durations=10 -m "not lmcache" "$@" || status=$?
 echo "== kvstream-hicache: LMCache adapter and LMCache's own L2-adapter suites (separate venv, real lmcache)"
 .venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache*.py tests/peers "$@" || status=$?
 exit $status

@@ -18,8 +18,9 @@ from kvstream_hicache import check_tiers
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tiers import LOOK_S
+from kvstream_hicache.tmpfiles import TMP_SUFFIX
 
-from helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages, wait_until  # noqa: F401
+from helpers import FakeClock, PageSet, flip_byte, loop_fs, make_engine, messages, page_files, wait_until  # noqa: F401
 
 RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
 
@@ -242,3 +243,64 @@ def test_a_failed_tier_that_stays_broken_is_probed_once_per_batch(tier_root):
         assert pages.checked_get(engine, keys) == [True] * 4  # back: probed, rejoined, served
         assert len(probes) == 3
         assert engine.check() == []
+
+
+def _close_fails_on(monkeypatch, module, root: str, err: int) -> list[str]:
+    """``close`` of descriptors of files under ``root`` reports ``err`` through ``module``'s close_fd (as
+    a network file system's close does: the descriptor is freed all the same); returns the paths."""
+    import kvstream_hicache.fds as fds
+
+    seen: list[str] = []
+
+    def close_fd(fd: int) -> int:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        done = fds.close_fd(fd)
+        if path.startswith(root + os.sep):
+            seen.append(path)
+            return err
+        return done
+
+    monkeypatch.setattr(module, "close_fd", close_fd)
+    return seen
+
+
+def test_a_close_error_on_a_written_page_fails_that_write_only(tier_dirs, monkeypatch):
+    """EIO from close on tier 1 (its server did not take the data): tier 1's copy is not committed
+    (no page file there, its temporary file removed), the put answers True from tier 0, nothing raises."""
+    import errno
+
+    import kvstream_hicache.tiers as tiers_module
+
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:2], replicate="all", tier_retry=600) as engine:
+        seen = _close_fails_on(monkeypatch, tiers_module, tier_dirs[1], errno.EIO)
+        assert pages.put(engine, keys) == [True] * 4
+        assert seen, "no close on tier 1 went through the commit"
+        monkeypatch.undo()
+        stats = engine.stats()["tiers"]
+        assert stats[1]["write_failures"] >= 1 and stats[0]["pages_written"] == 4
+        assert page_files(tier_dirs[1]) == []
+        assert not [f for _d, _s, fs in os.walk(tier_dirs[1]) for f in fs if f.endswith(TMP_SUFFIX)]
+        assert pages.checked_get(engine, keys) == [True] * 4
+
+
+def test_a_close_error_on_a_read_descriptor_never_leaves_get(tier_dirs, monkeypatch):
+    """EIO from close of read descriptors (a read's clean-up): the get returns, every page verified."""
+    import errno
+
+    import kvstream_hicache.files as files_module
+
+    pages = PageSet()
+    keys = pages.keys(6)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 6
+        seen = _close_fails_on(monkeypatch, files_module, tier_dirs[0], errno.EIO)
+        assert pages.checked_get(engine, keys) == [True] * 6
+        assert seen, "no read descriptor of tier 0 was closed"
+        monkeypatch.undo()
+        assert pages.checked_get(engine, keys) == [True] * 6
+
