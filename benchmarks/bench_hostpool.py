@@ -5,8 +5,9 @@ real MHA page_first host pool (as SGLang allocates it on the CPU: an anonymous s
 pages, or hugetlb pages with ``SGLANG_HUGEPAGE_SIZE=2MB``), llama3-8b pages of PAGE_TOKENS tokens,
 BATCH_PAGES pages per call, each contender on its own directory of DIR. Modes, read in rotated order
 every round: ``nixl`` (HiCacheNixl, POSIX plugin, O_DIRECT, zero copy) and any other name: kvstream's
-adapter as it is (docs/benchmarks.md gives the two-line variants ``oldreq`` and ``inplace`` measured
-for issue 27). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
+adapter as the tree under test has it. The name only labels the row: docs/benchmarks.md's ``oldreq``
+and ``inplace`` rows were measured on a copy of the tree with the two-line change that section
+describes, its path first on PYTHONPATH, under that name. Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode, and the main thread's user/system time inside ``Engine.get``.
 Environment: ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
 touches ``path`` before the timed rounds (for ``perf record -p``).
