@@ -68,10 +68,10 @@ class Replicator:
     :param pool: buffers for source copies (the write half of ``memory``).
     :param catchup: the setting: off, nothing is owed and the thread does not run.
     :param catchup_share: the setting: the most of a tier's write time catch-up takes.
+    :param promote_bytes: memory promoted pages may hold as their sources, bytes.
 
     Lock: ``_lock`` (rank ``replicator``, condition ``_work``): methods ending ``_under_replicator``
     run with it held.
-    :param promote_bytes: memory promoted pages may hold as their sources, bytes.
     """
 
     def __init__(self, tiers: list[Tier], index: Index, writes, priority: ReadPriority, stats: Stats,

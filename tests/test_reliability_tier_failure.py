@@ -303,4 +303,3 @@ def test_a_close_error_on_a_read_descriptor_never_leaves_get(tier_dirs, monkeypa
         assert seen, "no read descriptor of tier 0 was closed"
         monkeypatch.undo()
         assert pages.checked_get(engine, keys) == [True] * 6
-
