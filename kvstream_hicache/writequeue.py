@@ -98,14 +98,21 @@ class WriteQueue:
     def wake(self) -> None:
         """A tier's last read ended (priority listener) or new work came: the writer looks again."""
         with self.lock:
-            self.wakes += 1
-            self.work.notify()
+            self.wake_under_queues()
+
+    def wake_under_queues(self) -> None:
+        """Every wake-up of the writer: counted, so that one that comes while the writer is in a step
+        (not waiting: a notify alone would be lost) cuts its next wait short. Without the count a put
+        accepted during a step that found nothing to do waited until some later wake-up, for ever if
+        none came (WritePath._run)."""
+        self.wakes += 1
+        self.work.notify()
 
     def close(self) -> None:
         """No put is accepted from now on; the writer writes what is queued and stops."""
         with self.lock:
             self.closing = True
-            self.work.notify_all()
+            self.wake_under_queues()
             self.room.notify_all()
 
     def drop_all(self) -> list[tuple[WritePage, int]]:
@@ -126,7 +133,7 @@ class WriteQueue:
             if self.closing:
                 raise EngineClosedError("kvstream engine is closed")
             self.copies[tier].append(page)
-            self.work.notify()
+            self.wake_under_queues()
 
     # -- accept ----------------------------------------------------------------------------------
     def accept(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
@@ -198,7 +205,7 @@ class WriteQueue:
                 page.left += 1
         call.pages = [p for p in call.pages if p.targets]
         if call.left:
-            self.work.notify()
+            self.wake_under_queues()
 
     def _still_held(self, key: str, mask: int) -> bool:
         """Whether a usable tier the index lists for ``key`` still has its file (one stat per tier
@@ -285,7 +292,7 @@ class WriteQueue:
                 page.left += 1
                 self.queued[k] += page.file_bytes
                 self.fifo[k].append(page)
-                self.work.notify()
+                self.wake_under_queues()
                 return True
         return False
 

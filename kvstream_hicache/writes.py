@@ -182,7 +182,7 @@ class WritePath:
         finally:
             with queue.lock:
                 queue.exclusive -= 1
-                queue.work.notify_all()
+                queue.wake_under_queues()
 
     def cancel_under_writer(self) -> None:
         """clear(): drop every queued job and discard the ones in flight (their pages report False).

@@ -135,6 +135,54 @@ def test_read_priority_off_writes_whatever_is_read(tier_dirs):
 
 
 # ---------------------------------------------------------------------------------- deferred (M2)
+@pytest.mark.parametrize("late", ["put", "close"])
+def test_work_that_comes_while_the_writer_is_in_a_step_is_not_slept_through(tier_dirs, monkeypatch, late):
+    """A put accepted (or close() called) after the writer's step looked at the queues, before the
+    writer waits again. The step here starts nothing and asks for a wait with no limit, as a step
+    does when what is queued cannot start (its tier failed meanwhile, a catch-up copy dropped):
+    the writer must still write what came (and stop). Before, that notify came while nobody waited
+    and was lost, and the writer slept with no limit: the put never answered (a CI run's model test
+    hung 300 s in a put), close() never returned."""
+    src = Pages(2, seed=7)
+    keys = [key(i, "late") for i in range(2)]
+    done: list = []
+    both = threading.Event()
+
+    def record(ok):
+        done.append(ok)
+        if len(done) == 2:
+            both.set()
+
+    engine = make_engine(tier_dirs[:2])
+    path = engine._writes
+    real = path._step_under_writer
+    armed = [True]
+
+    def step():
+        if not armed[0]:
+            return real()
+        armed[0] = False  # this step found nothing it could start; then the work comes
+        if late == "put":
+            engine.put_deferred(keys[1:], [src.src_segments[1]], record)
+        else:
+            path.queue.close()
+        return 0.0
+
+    monkeypatch.setattr(path, "_step_under_writer", step)
+    try:
+        engine.put_deferred(keys[:1], [src.src_segments[0]], record)
+        if late == "put":
+            assert both.wait(WAIT_S), "the put accepted during the writer's step was never written"
+            assert done == [[True], [True]] and engine.get(keys, src.dst_segments) == [True, True]
+        else:
+            path._thread.join(WAIT_S)
+            assert not path._thread.is_alive(), "the writer slept through close()"
+            assert done == [[True]]  # what was queued was written before it stopped
+        assert not armed[0]
+    finally:
+        engine.close()
+
+
 def test_deferred_put_completes_only_when_committed(tier_dirs):
     """put_deferred returns at once; until its pages are committed the callback has not run and the
     page is not found; then the callback reports them, and they are found and read back."""
