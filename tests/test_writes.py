@@ -410,7 +410,10 @@ def test_a_home_tier_write_failure_is_written_to_a_tier_that_skipped_it(tier_dir
     warm = writes.TRUST_BYTES // page + 2
     pages = PageSet(page)
     plan.on(tier_dirs[1], Fault.delay(0.5), opcode=OP_WRITE)
-    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.5) as engine:
+    # memory=16M: a tier's write window is at most 4 MiB, so tier 1 measures at most 8 MiB/s whatever
+    # its window grew to, and skips unless tier 0 wrote slower than that (with the default 64M it
+    # measured up to 32 MiB/s: where the disk was slow it took every replica, and nothing was tested)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.5, memory="16M") as engine:
         assert pages.put(engine, pages.keys(warm)) == [True] * warm
         assert all(engine._writes._bandwidth_under_queues(k) > 0 for k in range(2))
         plan.on(tier_dirs[0], Fault.error(err), opcode=OP_WRITE)
