@@ -259,8 +259,16 @@ def gone_or_restored(engine: Engine, k: int, key: str) -> bool:
     tier = engine.tiers[k]
     if not os.path.lexists(tier.layout.page_path(key)):
         return True
-    return bool(engine.index.holders(key) >> k & 1) and \
-        scan_file(tier.layout, engine.namespace.digest, key, payload=True).problem is None
+    if scan_file(tier.layout, engine.namespace.digest, key, payload=True).problem is not None:
+        return False
+    # An intact file: a fresh copy. Catch-up renames it into place and then indexes it (jobs.py), so
+    # it may be looked at in between: it must be indexed within a bound.
+    deadline = time.monotonic() + 10.0
+    while not engine.index.holders(key) >> k & 1:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def wait_until(predicate, timeout: float = 60.0, what: str = "the condition never held") -> None:
