@@ -5,9 +5,12 @@ real MHA page_first host pool (as SGLang allocates it on the CPU: an anonymous s
 pages, or hugetlb pages with ``SGLANG_HUGEPAGE_SIZE=2MB``), llama3-8b pages of PAGE_TOKENS tokens,
 BATCH_PAGES pages per call, each contender on its own directory of DIR. Modes, read in rotated order
 every round: ``nixl`` (HiCacheNixl, POSIX plugin, O_DIRECT, zero copy) and any other name: kvstream's
-adapter as the tree under test has it. The name only labels the row: docs/benchmarks.md's ``oldreq``
-and ``inplace`` rows were measured on a copy of the tree with the two-line change that section
-describes, its path first on PYTHONPATH, under that name. Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
+adapter as the tree under test has it, changed in the same process by what the name contains (so an
+A/B shares every round): ``inplace`` reads single-holder pages straight into the 4 KiB-page pool
+(the huge-page test answers yes), ``claim=window`` restores the claim rule before claims were capped
+at half the tier's window (a claim of up to a whole window), ``mem<SIZE>`` sets ``memory`` (e.g.
+``adapter-mem256M``); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
+from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode, and the main thread's user/system time inside ``Engine.get``.
 Environment: ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
 touches ``path`` before the timed rounds (for ``perf record -p``).
@@ -15,7 +18,7 @@ touches ``path`` before the timed rounds (for ``perf record -p``).
 usage: python benchmarks/bench_hostpool.py DIR PAGE_TOKENS BATCH_PAGES ROUNDS [MODE ...]
 (run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool")
 """
-import ctypes, gc, os, sys, time, statistics, shutil
+import ctypes, gc, os, sys, time, statistics, shutil, types
 import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
@@ -46,6 +49,13 @@ if os.environ.get('STAGES'):
                       (getcall.GetCall, 'plan'), (reads.ReadPath, '_file_under_reads'), (reads.ReadPath, '_end_call_under_reads'),
                       (reads.ReadPath, 'get')):
         wrap(cls, name)
+def claims_up_to_the_window(self, call, unit):
+    """ReadPath._set_depths_under_reads before claims were capped at half the window (for A/B)."""
+    route, flows = call.route, self.io.flows
+    share = route.n if call.single else route.n // (2 * len(flows))
+    for k, flow in enumerate(flows):
+        claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share))
+        route.set_depth(k, max(0, flow.window - self.io.orphaned[k]) // unit, claim)
 keys = [f"hostpool-{ptok}-{i}" for i in range(npages)]
 class B: pass
 batch = B(); batch.keys = keys; batch.index = 0
@@ -58,8 +68,13 @@ for m in modes:
         c = NixlReads("hicache-nixl", host, [sub], "llama3-8b", tiers=[0], n_tiers=1)
         ok = host.controller_cls._page_set_zero_copy(c.ctl, keys, host.host_indices)
     else:
-        c = AdapterReads(host, [sub], "llama3-8b", name=m)
+        extra = {"memory": m.split("mem", 1)[1]} if "mem" in m else None
+        c = AdapterReads(host, [sub], "llama3-8b", extra, name=m)
         ok = host.controller_cls._page_set_zero_copy(c.ctl, keys, host.host_indices)
+        if "inplace" in m:
+            c.engine._reads.huge.huge = lambda address, nbytes: True
+        if "claim=window" in m:
+            c.engine._reads._set_depths_under_reads = types.MethodType(claims_up_to_the_window, c.engine._reads)
     assert ok, m
     cons[m] = c
     if m != "nixl":
@@ -110,5 +125,8 @@ if STAGE:
     print("stages (thread CPU s/GB, one engine mode):", {k: round(v / GB, 3) for k, v in STAGE.items()})
 for m in modes:
     print(f"{m:10s} per GB: main thread {THR[m]/GB:.3f}  engine.get user {ENG[m][0]/GB:.3f} sys {ENG[m][1]/GB:.3f}")
+for m, c in cons.items():
+    if m != "nixl":
+        print(f"{m:10s} flow at the end: {c.engine._reads.io.flows}")
 for c in cons.values():
     c.close()

@@ -20,6 +20,7 @@ from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
+from kvstream_hicache.router import CompletionDriven
 
 from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds, segments_of
 
@@ -75,6 +76,41 @@ def test_pages_one_tier_alone_holds_go_out_whole_whatever_the_flows_request_size
         assert engine.last_batch["items"] == 32
         assert engine.last_batch["requests"] == 4  # one per page (1 MiB requests: 32)
         assert (engine.last_batch["direct_bytes"] == 0) == (memory == "small" or not HUGE_PAGE_SIZE)
+
+
+class _Watched(CompletionDriven):
+    """The default policy, recording for each claim how many items its tier still had in flight."""
+
+    def start(self, n_tiers, holders):
+        route = super().start(n_tiers, holders)
+        record = route._record
+
+        def watched(tier, items, steal):
+            self.in_flight.append(len(route._flight[tier]))
+            return record(tier, items, steal)
+
+        route._record = watched
+        return route
+
+
+def test_a_tier_claims_again_while_its_reads_are_in_flight(tier_dirs, io_engine):
+    """A claim needs room for all of it. Claims as large as a tier's window (single-holder pages
+    claim what an 8 MiB request carries) let it claim again only once every read in flight had
+    completed, so the device sat idle through each round of completions: 2 MiB pages read at 0.6x
+    nixl's rate. Claims are at most half the window, so the next claim goes out while reads are in
+    flight (in the old rule none did)."""
+    engine, pages, keys = stored(tier_dirs[:1], 16, io_engine, chunk="1M", size=2 * MIB)
+    with engine:
+        flow = engine._reads.io.flows[0]
+        flow.window = flow.ceiling = 6 * MIB  # 6 blocks in flight at most; a page one tier holds
+        engine._reads.huge.huge = lambda address, nbytes: False  # would claim 8 (host-pool memory)
+        policy = _Watched()
+        object.__setattr__(policy, "in_flight", [])
+        assert engine.get(keys, pages.dst_segments, policy=policy) == [True] * 16
+        assert all(pages.equal(i) for i in range(16))
+        assert engine.last_batch["items"] == 32
+        later = policy.in_flight[1:]  # the first claim finds nothing in flight, by definition
+        assert later and sum(n > 0 for n in later) >= len(later) // 2, policy.in_flight
 
 
 def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):
