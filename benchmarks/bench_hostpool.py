@@ -8,17 +8,19 @@ every round: ``nixl`` (HiCacheNixl, POSIX plugin, O_DIRECT, zero copy) and any o
 adapter as the tree under test has it, changed in the same process by what the name contains (so an
 A/B shares every round): ``inplace`` reads single-holder pages straight into the 4 KiB-page pool
 (the huge-page test answers yes), ``claim=window`` restores the claim rule before claims were capped
-at half the tier's window (a claim of up to a whole window), ``mem<SIZE>`` sets ``memory`` (e.g.
-``adapter-mem256M``); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
+at half the tier's window (a claim of up to a whole window), ``deep`` holds each tier's window at its
+ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` sets ``memory`` (e.g.
+``adapter-mem256M-deep``); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode, and the main thread's user/system time inside ``Engine.get``.
-Environment: ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
+Environment: ``FRESH=1`` writes ROUNDS + 1 sets of pages and reads each once (pages never read before,
+as a prefix written long ago; otherwise every round reads the same pages), ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
 touches ``path`` before the timed rounds (for ``perf record -p``).
 
 usage: python benchmarks/bench_hostpool.py DIR PAGE_TOKENS BATCH_PAGES ROUNDS [MODE ...]
 (run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool")
 """
-import ctypes, gc, os, sys, time, statistics, shutil, types
+import ctypes, gc, os, re, sys, time, statistics, shutil, types
 import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
@@ -49,6 +51,15 @@ if os.environ.get('STAGES'):
                       (getcall.GetCall, 'plan'), (reads.ReadPath, '_file_under_reads'), (reads.ReadPath, '_end_call_under_reads'),
                       (reads.ReadPath, 'get')):
         wrap(cls, name)
+# The variants change one engine's read path, found as it is built (a tool never reaches into an
+# engine's parts through the engine: tests/test_facade.py).
+from kvstream_hicache.reads import ReadPath
+READ_PATHS = []
+_read_path_init = ReadPath.__init__
+def _recorded_init(self, *a, **k):
+    _read_path_init(self, *a, **k)
+    READ_PATHS.append(self)
+ReadPath.__init__ = _recorded_init
 def claims_up_to_the_window(self, call, unit):
     """ReadPath._set_depths_under_reads before claims were capped at half the window (for A/B)."""
     route, flows = call.route, self.io.flows
@@ -56,25 +67,36 @@ def claims_up_to_the_window(self, call, unit):
     for k, flow in enumerate(flows):
         claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share))
         route.set_depth(k, max(0, flow.window - self.io.orphaned[k]) // unit, claim)
-keys = [f"hostpool-{ptok}-{i}" for i in range(npages)]
-class B: pass
-batch = B(); batch.keys = keys; batch.index = 0
+# FRESH=1: every round reads pages never read before (written up front, like a prefix written long
+# ago); otherwise every round reads the same pages again
+sets = rounds + 1 if os.environ.get("FRESH") else 1
+key_sets = [[f"hostpool-{ptok}-{r}-{i}" for i in range(npages)] for r in range(sets)]
+keys = key_sets[0]
 cons = {}
+rps = {}
 ENG = {m: [0.0, 0.0] for m in modes}
 THR = {m: 0.0 for m in modes}
 for m in modes:
     sub = os.path.join(d, f"hostpool-{m}"); shutil.rmtree(sub, ignore_errors=True); os.makedirs(sub)
     if m == "nixl":
         c = NixlReads("hicache-nixl", host, [sub], "llama3-8b", tiers=[0], n_tiers=1)
-        ok = host.controller_cls._page_set_zero_copy(c.ctl, keys, host.host_indices)
+        ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
     else:
-        extra = {"memory": m.split("mem", 1)[1]} if "mem" in m else None
+        mem = re.search(r"mem(\d+[KMG]?)", m)
+        extra = {"memory": mem.group(1)} if mem else None
         c = AdapterReads(host, [sub], "llama3-8b", extra, name=m)
-        ok = host.controller_cls._page_set_zero_copy(c.ctl, keys, host.host_indices)
+        rp = rps[m] = READ_PATHS[-1]  # the read path of the engine this adapter just opened
+        ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
         if "inplace" in m:
-            c.engine._reads.huge.huge = lambda address, nbytes: True
+            rp.huge.huge = lambda address, nbytes: True
+        if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
+            for flow in rp.io.flows:
+                def completed(*a, _flow=flow, _completed=flow.completed, **k):
+                    _completed(*a, **k)
+                    _flow.window = _flow.ceiling
+                flow.completed, flow.window = completed, flow.ceiling
         if "claim=window" in m:
-            c.engine._reads._set_depths_under_reads = types.MethodType(claims_up_to_the_window, c.engine._reads)
+            rp._set_depths_under_reads = types.MethodType(claims_up_to_the_window, rp)
     assert ok, m
     cons[m] = c
     if m != "nixl":
@@ -106,7 +128,7 @@ for r in range(rounds):
     for m in order:
         c = cons[m]
         t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
-        n = host.controller_cls._page_get_zero_copy(c.ctl, _Op(), keys, host.host_indices)
+        n = host.controller_cls._page_get_zero_copy(c.ctl, _Op(), key_sets[(r + 1) % sets], host.host_indices)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         THR[m] += time.thread_time() - h0
         assert n == npages, (m, n)
@@ -127,6 +149,6 @@ for m in modes:
     print(f"{m:10s} per GB: main thread {THR[m]/GB:.3f}  engine.get user {ENG[m][0]/GB:.3f} sys {ENG[m][1]/GB:.3f}")
 for m, c in cons.items():
     if m != "nixl":
-        print(f"{m:10s} flow at the end: {c.engine._reads.io.flows}")
+        print(f"{m:10s} flow at the end: {rps[m].io.flows}")
 for c in cons.values():
     c.close()
