@@ -369,7 +369,7 @@ class ReadPath:
         when a batch ends, and here no other tier could take over. A device that serves a deeper
         queue faster (this machine's virtual disk; a loop device, whose worker then never waits for
         the next request) gains: 0.51-1.15x nixl -> 0.94-1.34x into sglang's host pool on a RAM
-        tier, 0.66-0.90x -> 0.88-0.96x on the disk (docs/benchmarks.md)."""
+        tier, 0.66-0.90x -> 0.84-0.96x on the disk (docs/benchmarks.md)."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
