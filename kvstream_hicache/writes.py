@@ -273,8 +273,19 @@ class WritePath:
                     continue
             if idle is not None:  # nothing in flight: queued jobs wait for reads to end or stall
                 with queue.lock:  # (or for descriptors); a wake-up since the step cuts it short
-                    if queue.wakes == wakes and not queue.exclusive:
+                    quiet = queue.wakes == wakes and not queue.exclusive
+                    # Closing, and what is queued could start only on an outside event (a failed
+                    # tier's rejoin: no read holds it, no descriptor retry is due): nothing will come,
+                    # so it fails rather than hold close() for ever (a fresh-clone CI run hung 300 s
+                    # in close() after the model test's tier 0 vanished with writes queued for it).
+                    stuck = quiet and queue.closing and not idle
+                    if quiet and not stuck:
                         queue.work.wait(idle or None)
+                if stuck:
+                    log.warning("kvstream: close(): writes queued for tiers that cannot take them now are "
+                                "reported failed")
+                    with self.lock:
+                        self._abandon_under_writer()
 
     def _step_under_writer(self) -> float | None:
         """Start and submit what each tier may take now, then reap what completes within WAKE_S.
