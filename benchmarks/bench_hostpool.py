@@ -1,32 +1,40 @@
-"""One tier, through sglang's real host pool: kvstream's SGLang adapter against sglang's HiCacheNixl.
+"""Through sglang's real host pool: kvstream's SGLang adapter, on one tier or two, against sglang's HiCacheNixl.
 
 What a SGLang user's prefetch costs (issue 27): ``HiCacheController._page_get_zero_copy`` into sglang's
 real MHA page_first host pool (as SGLang allocates it on the CPU: an anonymous shared mapping in 4 KiB
 pages, or hugetlb pages with ``SGLANG_HUGEPAGE_SIZE=2MB``), llama3-8b pages of PAGE_TOKENS tokens,
-BATCH_PAGES pages per call, each contender on its own directory of DIR. Modes, read in rotated order
+BATCH_PAGES pages per call, each contender on its own directory of each tier (DIR, or DIR0,DIR1 for two
+tiers: ``nixl`` and a mode whose name contains ``1tier`` use DIR0 alone, every other mode all of them,
+so ``adapter-1tier adapter`` compares one tier and two in the same rounds). Modes, read in rotated order
 every round: ``nixl`` (HiCacheNixl, POSIX plugin, O_DIRECT, zero copy) and any other name: kvstream's
 adapter as the tree under test has it, changed in the same process by what the name contains (so an
 A/B shares every round): ``inplace`` reads single-holder pages straight into the 4 KiB-page pool
 (the huge-page test answers yes), ``claim=window`` restores the claim rule before claims were capped
 at half the tier's window (a claim of up to a whole window), ``deep`` holds each tier's window at its
 ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` sets ``memory`` (e.g.
-``adapter-mem256M-deep``); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
+``adapter-mem256M-deep``), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
+requests (``fastest_deep``), ``vegas`` gives a call one tier alone serves that tier's flow window (the
+rule before it kept the ceiling), ``single<N>M`` caps that depth at N MiB (``singlewin<N>M``: at
+the larger of N MiB and the flow window); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
-per-round ratio to the first mode, and the main thread's user/system time inside ``Engine.get``.
+per-round ratio to the first mode (and to the first ``1tier`` mode, when there is one and it is not the
+first), and the main thread's user/system time inside ``Engine.get``.
 Environment: ``FRESH=1`` writes ROUNDS + 1 sets of pages and reads each once (pages never read before,
 as a prefix written long ago; otherwise every round reads the same pages), ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
 touches ``path`` before the timed rounds (for ``perf record -p``).
 
-usage: python benchmarks/bench_hostpool.py DIR PAGE_TOKENS BATCH_PAGES ROUNDS [MODE ...]
-(run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool")
+usage: python benchmarks/bench_hostpool.py DIR[,DIR1] PAGE_TOKENS BATCH_PAGES ROUNDS [MODE ...]
+(run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool";
+with a testbed's throttled tier, from a shell inside its blkio group: echo $$ > /sys/fs/cgroup/blkio/kvstream-NAME/cgroup.procs)
 """
 import ctypes, gc, os, re, sys, time, statistics, shutil, types
 import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
 from kvstream_hicache.tools.bench.nixl import NixlReads
+from kvstream_hicache.flow import MIN_REQUESTS
 
-d, ptok, npages, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dirs, ptok, npages, rounds = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 modes = sys.argv[5:] or ["nixl", "adapter"]
 g = from_model("llama3-8b", ptok)
 host = SglangHost(g, npages)
@@ -67,6 +75,42 @@ def claims_up_to_the_window(self, call, unit):
     for k, flow in enumerate(flows):
         claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share))
         route.set_depth(k, max(0, flow.window - self.io.orphaned[k]) // unit, claim)
+def fastest_deep(self, call, unit):
+    """A rule tried and not taken (issue 27, two tiers on a RAM tier): in a call more than one tier
+    can serve, the fastest tier (by measured rate) keeps its window's ceiling in flight and sends
+    requests up to MAX_REQUEST, as a call one tier alone serves does; the others keep their windows."""
+    from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS
+    route, flows = call.route, self.io.flows
+    if call.single:
+        return ReadPath._set_depths_under_reads(self, call, unit)
+    share = route.n // (2 * len(flows))
+    fast = max(range(len(flows)), key=lambda k: flows[k].rate)
+    for k, flow in enumerate(flows):
+        window, req = flow.window, flow.request
+        if k == fast and flow.rate:
+            window, req = flow.ceiling, MAX_REQUEST
+        depth = max(0, window - self.io.orphaned[k]) // unit
+        claim = max(route.m, min(req // unit, share, depth // MIN_REQUESTS))
+        route.set_depth(k, depth, claim)
+def capped_single(self, call, unit, cap, grow):
+    """A call one tier alone serves keeps ``cap`` bytes in flight on it instead of its ceiling (with
+    ``grow``, its flow window where that is larger), never more than the ceiling."""
+    route, flows = call.route, self.io.flows
+    if not call.single:
+        return ReadPath._set_depths_under_reads(self, call, unit)
+    for k, flow in enumerate(flows):
+        depth = max(0, min(flow.ceiling, max(cap, flow.window) if grow else cap) - self.io.orphaned[k]) // unit
+        claim = max(route.m, min(self._request_bytes(k, True) // unit, route.n, depth // MIN_REQUESTS))
+        route.set_depth(k, depth, claim)
+def vegas_window(self, call, unit):
+    """ReadPath._set_depths_under_reads before a single holder kept its ceiling in flight: every
+    call keeps each tier's flow window (for A/B)."""
+    route, flows = call.route, self.io.flows
+    share = route.n if call.single else route.n // (2 * len(flows))
+    for k, flow in enumerate(flows):
+        depth = max(0, flow.window - self.io.orphaned[k]) // unit
+        claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
+        route.set_depth(k, depth, claim)
 # FRESH=1: every round reads pages never read before (written up front, like a prefix written long
 # ago); otherwise every round reads the same pages again
 sets = rounds + 1 if os.environ.get("FRESH") else 1
@@ -77,14 +121,17 @@ rps = {}
 ENG = {m: [0.0, 0.0] for m in modes}
 THR = {m: 0.0 for m in modes}
 for m in modes:
-    sub = os.path.join(d, f"hostpool-{m}"); shutil.rmtree(sub, ignore_errors=True); os.makedirs(sub)
+    subs = [os.path.join(d, f"hostpool-{m}") for d in (dirs[:1] if m == "nixl" or "1tier" in m else dirs)]
+    for sub in subs:
+        shutil.rmtree(sub, ignore_errors=True); os.makedirs(sub)
+    sub = subs[0]
     if m == "nixl":
         c = NixlReads("hicache-nixl", host, [sub], "llama3-8b", tiers=[0], n_tiers=1)
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
     else:
         mem = re.search(r"mem(\d+[KMG]?)", m)
         extra = {"memory": mem.group(1)} if mem else None
-        c = AdapterReads(host, [sub], "llama3-8b", extra, name=m)
+        c = AdapterReads(host, subs, "llama3-8b", extra, name=m)
         rp = rps[m] = READ_PATHS[-1]  # the read path of the engine this adapter just opened
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
         if "inplace" in m:
@@ -95,6 +142,15 @@ for m in modes:
                     _completed(*a, **k)
                     _flow.window = _flow.ceiling
                 flow.completed, flow.window = completed, flow.ceiling
+        if "fastdeep" in m:
+            rp._set_depths_under_reads = types.MethodType(fastest_deep, rp)
+        cap = re.search(r"single(win)?(\d+)M", m)
+        if cap:  # a call one tier alone serves keeps at most this much in flight (not the ceiling)
+            rp._set_depths_under_reads = types.MethodType(
+                lambda self, call, unit, _cap=int(cap.group(2)) << 20, _win=bool(cap.group(1)):
+                capped_single(self, call, unit, _cap, _win), rp)
+        if "vegas" in m:
+            rp._set_depths_under_reads = types.MethodType(vegas_window, rp)
         if "claim=window" in m:
             rp._set_depths_under_reads = types.MethodType(claims_up_to_the_window, rp)
     assert ok, m
@@ -135,13 +191,15 @@ for r in range(rounds):
         last = getattr(getattr(c, "engine", None), "last_batch", None) or {}
         res[m].append((nbytes / dt / 1e6, dc / (nbytes / 1e9), last.get("direct_bytes"), last.get("requests")))
 prof and (prof.disable(), prof.dump_stats(os.environ['CPROF']))
-ref = res[modes[0]]
+def per_round(m, ref):
+    ratio = [a[0] / b[0] for a, b in zip(res[m], res[ref])]
+    return f"x{ref} med {statistics.median(ratio):.2f} [{min(ratio):.2f}-{max(ratio):.2f}]"
+one = next((m for m in modes[1:] if "1tier" in m), None)
 for m in modes:
     mbs = [x[0] for x in res[m]]; cpu = [x[1] for x in res[m]]
-    ratio = [a[0] / b[0] for a, b in zip(res[m], ref)]
     print(f"{m:10s} page {g.page_bytes>>10} KiB: MB/s med {statistics.median(mbs):6.0f} [{min(mbs):.0f}-{max(mbs):.0f}]"
-          f"  CPU s/GB med {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]  x{modes[0]} med {statistics.median(ratio):.2f}"
-          f" [{min(ratio):.2f}-{max(ratio):.2f}]  direct {res[m][-1][2]} reqs {res[m][-1][3]}")
+          f"  CPU s/GB med {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]  {per_round(m, modes[0])}"
+          + (f"  {per_round(m, one)}" if one else "") + f"  direct {res[m][-1][2]} reqs {res[m][-1][3]}")
 GB = rounds * nbytes / 1e9
 if STAGE:
     print("stages (thread CPU s/GB, one engine mode):", {k: round(v / GB, 3) for k, v in STAGE.items()})

@@ -69,6 +69,7 @@ class GetCall:
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
         self.single = False  # every page has one usable holder (plan)
+        self.in_place = False  # ... and every page can be read into caller memory (plan)
 
     def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, huge: HugePageMap) -> None:
         """The call's pages and items (page, block): each key the index holds on a usable tier whose
@@ -99,6 +100,7 @@ class GetCall:
         self.arrived = bytearray(len(self.items))
         self.page_tiers = [0] * len(self.pages)
         self.single = all(page.single for page in self.pages)  # one usable holder for every page
+        self.in_place = self.single and all(page.in_place for page in self.pages)  # no staging at all
 
     def pages_done(self) -> list[bool]:
         """Per page, whether every block arrived."""

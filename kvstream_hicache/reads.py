@@ -54,6 +54,12 @@ from .tiers import Tier
 
 log = logging.getLogger("kvstream")
 
+# Most a staged call of one holder keeps in flight on its tier: two of the largest requests, one in
+# service and one queued behind it (the device never waits for us), and little enough that a staged
+# block is still in the CPU's cache when it lands and is copied out (_set_depths_under_reads).
+STAGED_DEPTH = MIN_REQUESTS * MAX_REQUEST
+
+
 class ReadPath:
     """Owns the read ring's in-flight core (each tier's flow, the reads in flight, orphans included),
     its staging pool and its descriptors.
@@ -363,18 +369,28 @@ class ReadPath:
         round of completions (measured: 2 MiB single-holder pages, 8 MiB claims in a 6 MiB window,
         read at 0.6x nixl; with claims of half the window 1.0-1.2x).
 
-        A call whose every page one tier alone holds keeps the tier's whole budget in flight (its
-        window's ceiling), as nixl keeps a whole batch: the flow's window is kept near the point
-        where latency starts to climb so that little is left in flight for another tier to wait on
-        when a batch ends, and here no other tier could take over. A device that serves a deeper
-        queue faster (this machine's virtual disk; a loop device, whose worker then never waits for
-        the next request) gains: 0.51-1.15x nixl -> 0.94-1.34x into sglang's host pool on a RAM
-        tier, 0.66-0.90x -> 0.84-0.96x on the disk (docs/benchmarks.md)."""
+        A call whose every page one tier alone holds has no other tier to take over, so its depth
+        is not held to the flow's window (kept near the point where latency starts to climb, so
+        that little is left in flight for another tier to wait on when a batch ends): a device that
+        serves a deeper queue faster (this machine's virtual disk; a loop device, whose worker then
+        never waits for the next request) gains. Read in place, the call keeps the tier's whole
+        budget in flight (its window's ceiling), as nixl keeps a whole batch (0.51-1.15x -> 0.94-1.34x
+        nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the disk). Staged, it keeps STAGED_DEPTH:
+        a staged block is copied out and checked when it lands, and while no more than that is in
+        flight it is still in the CPU's cache then; with the whole 32 MiB budget (this machine's L3)
+        it is not. Into sglang's 4 KiB-page host pool on a RAM tier, 16 MiB read 1.10-1.36x the 32 MiB
+        depth at 2-8 MiB pages with 25-35% less CPU per GB; on the disk 0.91-1.04x; read in place, a
+        16 MiB depth gained nothing (docs/benchmarks.md, "A staged single holder keeps 16 MiB")."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
         for k, flow in enumerate(flows):
-            window = flow.ceiling if call.single else flow.window
+            if not call.single:
+                window = flow.window
+            elif call.in_place:
+                window = flow.ceiling
+            else:
+                window = min(flow.ceiling, STAGED_DEPTH)
             depth = max(0, window - self.io.orphaned[k]) // unit
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
             route.set_depth(k, depth, claim)
