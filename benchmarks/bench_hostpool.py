@@ -14,8 +14,9 @@ at half the tier's window (a claim of up to a whole window), ``deep`` holds each
 ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` sets ``memory`` (e.g.
 ``adapter-mem256M-deep``), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
 requests (``fastest_deep``), ``vegas`` gives a call one tier alone serves that tier's flow window (the
-rule before it kept the ceiling), ``single<N>M`` caps that depth at N MiB (``singlewin<N>M``: at
-the larger of N MiB and the flow window); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
+rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
+or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
+call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode (and to the first ``1tier`` mode, when there is one and it is not the
 first), and the main thread's user/system time inside ``Engine.get``.
@@ -93,7 +94,7 @@ def fastest_deep(self, call, unit):
         claim = max(route.m, min(req // unit, share, depth // MIN_REQUESTS))
         route.set_depth(k, depth, claim)
 def capped_single(self, call, unit, cap, grow):
-    """A call one tier alone serves keeps ``cap`` bytes in flight on it instead of its ceiling (with
+    """A call one tier alone serves keeps ``cap`` bytes in flight on it, staged or in place (with
     ``grow``, its flow window where that is larger), never more than the ceiling."""
     route, flows = call.route, self.io.flows
     if not call.single:
@@ -145,7 +146,7 @@ for m in modes:
         if "fastdeep" in m:
             rp._set_depths_under_reads = types.MethodType(fastest_deep, rp)
         cap = re.search(r"single(win)?(\d+)M", m)
-        if cap:  # a call one tier alone serves keeps at most this much in flight (not the ceiling)
+        if cap:  # a call one tier alone serves keeps this much in flight
             rp._set_depths_under_reads = types.MethodType(
                 lambda self, call, unit, _cap=int(cap.group(2)) << 20, _win=bool(cap.group(1)):
                 capped_single(self, call, unit, _cap, _win), rp)
