@@ -54,9 +54,9 @@ from .tiers import Tier
 
 log = logging.getLogger("kvstream")
 
-# Most a staged call of one holder keeps in flight on its tier: two of the largest requests, one in
-# service and one queued behind it (the device never waits for us), and little enough that a staged
-# block is still in the CPU's cache when it lands and is copied out (_set_depths_under_reads).
+# Least a staged call of one holder keeps in flight on its tier (it keeps half the tier's budget, at
+# least this): two of the largest requests, one in service and one queued behind it, so the device
+# never waits for us (_set_depths_under_reads).
 STAGED_DEPTH = MIN_REQUESTS * MAX_REQUEST
 
 
@@ -375,12 +375,16 @@ class ReadPath:
         serves a deeper queue faster (this machine's virtual disk; a loop device, whose worker then
         never waits for the next request) gains. Read in place, the call keeps the tier's whole
         budget in flight (its window's ceiling), as nixl keeps a whole batch (0.51-1.15x -> 0.94-1.34x
-        nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the disk). Staged, it keeps STAGED_DEPTH:
-        a staged block is copied out and checked when it lands, and while no more than that is in
-        flight it is still in the CPU's cache then; with the whole 32 MiB budget (this machine's L3)
-        it is not. Into sglang's 4 KiB-page host pool on a RAM tier, 16 MiB read 1.10-1.36x the 32 MiB
-        depth at 2-8 MiB pages with 25-35% less CPU per GB; on the disk 0.91-1.04x; read in place, a
-        16 MiB depth gained nothing (docs/benchmarks.md, "A staged single holder keeps 16 MiB")."""
+        nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the disk). Staged, it keeps half the budget,
+        and at least STAGED_DEPTH (16 MiB either way by default): a staged block is copied out and
+        checked when it lands, and on a tier whose data the CPU copies in (a loop device, a network
+        file system's socket buffers) it is then still in the CPU's cache while no more than that is
+        in flight; with the whole 32 MiB budget (this machine's L3) it is not. Into sglang's 4 KiB-page
+        host pool on a RAM tier, 16 MiB read 1.10-1.36x the 32 MiB depth at 2-8 MiB pages with 25-35%
+        less CPU per GB; on the disk, whose data arrives by DMA, 0.99-1.02x. A device that gains from
+        a deeper queue gets it from a larger ``memory`` (the disk: 128 MiB in flight, 1.05-1.12x).
+        Read in place, 16 MiB gained nothing (docs/benchmarks.md, "A staged single holder keeps
+        16 MiB")."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
@@ -390,7 +394,7 @@ class ReadPath:
             elif call.in_place:
                 window = flow.ceiling
             else:
-                window = min(flow.ceiling, STAGED_DEPTH)
+                window = min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
             depth = max(0, window - self.io.orphaned[k]) // unit
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
             route.set_depth(k, depth, claim)

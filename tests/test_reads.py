@@ -21,7 +21,6 @@ from kvstream_hicache.flow import MAX_REQUEST
 from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
-from kvstream_hicache.reads import STAGED_DEPTH
 from kvstream_hicache.router import CompletionDriven
 
 from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds, segments_of
@@ -121,9 +120,10 @@ def test_a_tier_that_alone_holds_a_call_queues_past_its_window(tier_dirs, io_eng
     left in flight for another tier at the end of a batch; when one tier alone holds every page of
     a call there is no other tier, and it queues deeper. Read in place it keeps its whole budget
     (the window's ceiling) in flight, as nixl keeps a whole batch (a deeper queue read 0.51-1.15x ->
-    0.94-1.34x nixl); staged it keeps STAGED_DEPTH, two of the largest requests, so that what lands
-    is still in the CPU's cache when it is copied out (the whole 32 MiB budget read 0.74-0.87x that
-    on a RAM tier, into sglang's host pool). With a second holder the window still bounds each tier."""
+    0.94-1.34x nixl); staged it keeps half of it (at least STAGED_DEPTH, two of the largest
+    requests), so that what lands is still in the CPU's cache when it is copied out (the whole 32 MiB
+    budget read 0.74-0.87x 16 MiB on a RAM tier, into sglang's host pool). With a second holder the
+    window still bounds each tier."""
     engine, pages, keys = stored(tier_dirs[:holders], 32, io_engine, chunk="1M", size=2 * MIB)
     with engine:
         for flow in engine._reads.io.flows:
@@ -138,10 +138,10 @@ def test_a_tier_that_alone_holds_a_call_queues_past_its_window(tier_dirs, io_eng
         most = max(policy.in_flight)  # items (1 MiB blocks) a tier had in flight when it claimed more
         if holders == 2:
             assert most <= 1, policy.in_flight  # claims of 1 item in a window of 2
-        elif in_place:
-            assert most > STAGED_DEPTH // MIB, policy.in_flight  # past the staged depth, up to 48 MiB
-        else:  # past the 2 MiB window, within 16 MiB: claims of 8 MiB with room for all of them
-            assert 2 < most <= (STAGED_DEPTH - MAX_REQUEST) // MIB, policy.in_flight
+        elif in_place:  # past half the budget, up to all 48 MiB of it
+            assert most > (24 * MIB - MAX_REQUEST) // MIB, policy.in_flight
+        else:  # past the 2 MiB window, within half the budget (24 MiB): claims of 8 MiB with room for them
+            assert 2 < most <= (24 * MIB - MAX_REQUEST) // MIB, policy.in_flight
 
 
 def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):
