@@ -33,7 +33,7 @@ import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
 from kvstream_hicache.tools.bench.nixl import NixlReads
-from kvstream_hicache.flow import MIN_REQUESTS
+from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS
 
 dirs, ptok, npages, rounds = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 modes = sys.argv[5:] or ["nixl", "adapter"]
@@ -80,7 +80,6 @@ def fastest_deep(self, call, unit):
     """A rule tried and not taken (issue 27, two tiers on a RAM tier): in a call more than one tier
     can serve, the fastest tier (by measured rate) keeps its window's ceiling in flight and sends
     requests up to MAX_REQUEST, as a call one tier alone serves does; the others keep their windows."""
-    from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS
     route, flows = call.route, self.io.flows
     if call.single:
         return ReadPath._set_depths_under_reads(self, call, unit)
@@ -93,25 +92,16 @@ def fastest_deep(self, call, unit):
         depth = max(0, window - self.io.orphaned[k]) // unit
         claim = max(route.m, min(req // unit, share, depth // MIN_REQUESTS))
         route.set_depth(k, depth, claim)
-def capped_single(self, call, unit, cap, grow):
+def capped_single(self, call, flow, cap, grow):
     """A call one tier alone serves keeps ``cap`` bytes in flight on it, staged or in place (with
     ``grow``, its flow window where that is larger), never more than the ceiling."""
-    route, flows = call.route, self.io.flows
     if not call.single:
-        return ReadPath._set_depths_under_reads(self, call, unit)
-    for k, flow in enumerate(flows):
-        depth = max(0, min(flow.ceiling, max(cap, flow.window) if grow else cap) - self.io.orphaned[k]) // unit
-        claim = max(route.m, min(self._request_bytes(k, True) // unit, route.n, depth // MIN_REQUESTS))
-        route.set_depth(k, depth, claim)
-def vegas_window(self, call, unit):
-    """ReadPath._set_depths_under_reads before a single holder kept its ceiling in flight: every
-    call keeps each tier's flow window (for A/B)."""
-    route, flows = call.route, self.io.flows
-    share = route.n if call.single else route.n // (2 * len(flows))
-    for k, flow in enumerate(flows):
-        depth = max(0, flow.window - self.io.orphaned[k]) // unit
-        claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
-        route.set_depth(k, depth, claim)
+        return flow.window
+    return min(flow.ceiling, max(cap, flow.window) if grow else cap)
+def vegas_window(self, call, flow):
+    """ReadPath._queue_bytes before a single holder queued deeper: every call keeps each tier's flow
+    window (for A/B)."""
+    return flow.window
 # FRESH=1: every round reads pages never read before (written up front, like a prefix written long
 # ago); otherwise every round reads the same pages again
 sets = rounds + 1 if os.environ.get("FRESH") else 1
@@ -147,11 +137,11 @@ for m in modes:
             rp._set_depths_under_reads = types.MethodType(fastest_deep, rp)
         cap = re.search(r"single(win)?(\d+)M", m)
         if cap:  # a call one tier alone serves keeps this much in flight
-            rp._set_depths_under_reads = types.MethodType(
-                lambda self, call, unit, _cap=int(cap.group(2)) << 20, _win=bool(cap.group(1)):
-                capped_single(self, call, unit, _cap, _win), rp)
+            rp._queue_bytes = types.MethodType(
+                lambda self, call, flow, _cap=int(cap.group(2)) << 20, _win=bool(cap.group(1)):
+                capped_single(self, call, flow, _cap, _win), rp)
         if "vegas" in m:
-            rp._set_depths_under_reads = types.MethodType(vegas_window, rp)
+            rp._queue_bytes = types.MethodType(vegas_window, rp)
         if "claim=window" in m:
             rp._set_depths_under_reads = types.MethodType(claims_up_to_the_window, rp)
     assert ok, m

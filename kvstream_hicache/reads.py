@@ -37,7 +37,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .flow import MAX_REQUEST, MIN_REQUESTS
+from .flow import MAX_REQUEST, MIN_REQUESTS, TierFlow
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -56,7 +56,7 @@ log = logging.getLogger("kvstream")
 
 # Least a staged call of one holder keeps in flight on its tier (it keeps half the tier's budget, at
 # least this): two of the largest requests, one in service and one queued behind it, so the device
-# never waits for us (_set_depths_under_reads).
+# never waits for us (_queue_bytes).
 STAGED_DEPTH = MIN_REQUESTS * MAX_REQUEST
 
 
@@ -369,35 +369,39 @@ class ReadPath:
         round of completions (measured: 2 MiB single-holder pages, 8 MiB claims in a 6 MiB window,
         read at 0.6x nixl; with claims of half the window 1.0-1.2x).
 
-        A call whose every page one tier alone holds has no other tier to take over, so its depth
-        is not held to the flow's window (kept near the point where latency starts to climb, so
-        that little is left in flight for another tier to wait on when a batch ends): a device that
-        serves a deeper queue faster (this machine's virtual disk; a loop device, whose worker then
-        never waits for the next request) gains. Read in place, the call keeps the tier's whole
-        budget in flight (its window's ceiling), as nixl keeps a whole batch (0.51-1.15x -> 0.94-1.34x
-        nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the disk). Staged, it keeps half the budget,
-        and at least STAGED_DEPTH (16 MiB either way by default): a staged block is copied out and
-        checked when it lands, and on a tier whose data the CPU copies in (a loop device, a network
-        file system's socket buffers) it is then still in the CPU's cache while no more than that is
-        in flight; with the whole 32 MiB budget (this machine's L3) it is not. Into sglang's 4 KiB-page
-        host pool on a RAM tier, 16 MiB read 1.10-1.36x the 32 MiB depth at 2-8 MiB pages with 25-35%
-        less CPU per GB; on the disk, whose data arrives by DMA, 0.99-1.02x. A device that gains from
-        a deeper queue gets it from a larger ``memory`` (the disk: 128 MiB in flight, 1.05-1.12x).
-        Read in place, 16 MiB gained nothing (docs/benchmarks.md, "A staged single holder keeps
-        16 MiB")."""
+        How much each tier keeps in flight: ``_queue_bytes``."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
         for k, flow in enumerate(flows):
-            if not call.single:
-                window = flow.window
-            elif call.in_place:
-                window = flow.ceiling
-            else:
-                window = min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
-            depth = max(0, window - self.io.orphaned[k]) // unit
+            depth = max(0, self._queue_bytes(call, flow) - self.io.orphaned[k]) // unit
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
             route.set_depth(k, depth, claim)
+
+    def _queue_bytes(self, call: GetCall, flow: TierFlow) -> int:
+        """Bytes a tier keeps in flight for ``call`` (before what earlier calls still hold there).
+
+        A call that another tier could also serve keeps the flow's window, which stays near the
+        point where latency starts to climb, so that little is left in flight for another tier to
+        wait on when a batch ends. A call whose every page one tier alone holds has no other tier
+        to take over, and queues deeper: a device that serves a deeper queue faster (this machine's
+        virtual disk; a loop device, whose worker then never waits for the next request) gains.
+        Read in place, it keeps the tier's whole budget (the window's ceiling), as nixl keeps a
+        whole batch (0.51-1.15x -> 0.94-1.34x nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the
+        disk). Staged, it keeps half the budget, and at least STAGED_DEPTH (16 MiB either way by
+        default): a staged block is copied out and checked when it lands, and on a tier whose data
+        the CPU copies in (a loop device, a network file system's socket buffers) it is then still
+        in the CPU's cache while no more than that is in flight; with the whole 32 MiB budget (this
+        machine's L3) it is not. Into sglang's 4 KiB-page host pool on a RAM tier, 16 MiB read
+        1.10-1.36x the 32 MiB depth at 2-8 MiB pages with 25-35% less CPU per GB; on the disk, whose
+        data arrives by DMA, the same. A device that gains from a deeper queue gets it from a larger
+        ``memory`` (the disk: 128 MiB in flight, 1.02-1.22x). Read in place, 16 MiB gained nothing
+        (docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
+        if not call.single:
+            return flow.window
+        if call.in_place:
+            return flow.ceiling
+        return min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:
         """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
