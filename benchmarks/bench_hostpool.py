@@ -5,7 +5,7 @@ real MHA page_first host pool (as SGLang allocates it on the CPU: an anonymous s
 pages, or hugetlb pages with ``SGLANG_HUGEPAGE_SIZE=2MB``), llama3-8b pages of PAGE_TOKENS tokens,
 BATCH_PAGES pages per call, each contender on its own directory of each tier (DIR, or DIR0,DIR1 for two
 tiers: ``nixl`` and a mode whose name contains ``1tier`` use DIR0 alone, every other mode all of them,
-so ``adapter-1tier adapter`` compares one tier and two in the same rounds). Modes, read in rotated order
+so ``adapter-1tier adapter`` compares one tier and two in the same rounds). Modes, read in an order shuffled
 every round: ``nixl`` (HiCacheNixl, POSIX plugin, O_DIRECT, zero copy) and any other name: kvstream's
 adapter as the tree under test has it, changed in the same process by what the name contains (so an
 A/B shares every round): ``inplace`` reads single-holder pages straight into the 4 KiB-page pool
@@ -16,7 +16,9 @@ ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` se
 requests (``fastest_deep``), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
-call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
+call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03), ``oldunit`` counts
+windows in whole blocks even for pages smaller than a block (the rule before 2026-12-03's second
+change: a 2 MiB window of 256 KiB pages held 2 of them); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode (and to the first ``1tier`` mode, when there is one and it is not the
 first), and the main thread's user/system time inside ``Engine.get``.
@@ -28,7 +30,7 @@ usage: python benchmarks/bench_hostpool.py DIR[,DIR1] PAGE_TOKENS BATCH_PAGES RO
 (run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool";
 with a testbed's throttled tier, from a shell inside its blkio group: echo $$ > /sys/fs/cgroup/blkio/kvstream-NAME/cgroup.procs)
 """
-import ctypes, gc, os, re, sys, time, statistics, shutil, types
+import ctypes, gc, os, random, re, sys, time, statistics, shutil, types
 import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
@@ -140,6 +142,8 @@ for m in modes:
             rp._queue_bytes = types.MethodType(
                 lambda self, call, flow, _cap=int(cap.group(2)) << 20, _win=bool(cap.group(1)):
                 capped_single(self, call, flow, _cap, _win), rp)
+        if "oldunit" in m:  # windows counted in whole blocks, even for pages smaller than one
+            rp._item_bytes = lambda call: max(page.info.block for page in call.pages)
         if "vegas" in m:
             rp._queue_bytes = types.MethodType(vegas_window, rp)
         if "claim=window" in m:
@@ -171,7 +175,9 @@ prof = cProfile.Profile() if os.environ.get('CPROF') else None
 prof and prof.enable()
 nbytes = npages * g.page_bytes
 for r in range(rounds):
-    order = modes[r % len(modes):] + modes[:r % len(modes)]
+    order = modes[:]
+    random.Random(r).shuffle(order)  # (not a rotation: a mode that always followed one that leaves a
+    # throttled tier idle would always find that tier's burst credit unspent: docs/benchmarks.md)
     for m in order:
         c = cons[m]
         t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()

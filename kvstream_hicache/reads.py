@@ -176,7 +176,7 @@ class ReadPath:
     def _run_under_reads(self, call: GetCall, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
-        unit = max(page.info.block for page in call.pages)
+        unit = self._item_bytes(call)
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
@@ -352,6 +352,13 @@ class ReadPath:
         req.bufs = None if req.bufs is None else []
 
     # -- flow ----------------------------------------------------------------------------------
+    @staticmethod
+    def _item_bytes(call: GetCall) -> int:
+        """Most bytes one item of ``call`` carries (a block, or a page smaller than one): windows and
+        depths are bytes, and this counts them in items. (Counted in 1 MiB blocks, a 2 MiB window of
+        256 KiB pages held 512 KiB: docs/benchmarks.md, "Two tiers against one".)"""
+        return max(min(page.info.block, page.info.length) for page in call.pages)
+
     def _request_bytes(self, tier: int, single: bool) -> int:
         """Most bytes one request of ``tier`` carries. Blocks only one tier can deliver go out in
         requests up to MAX_REQUEST whatever the tier's rate: the flow keeps requests small so that

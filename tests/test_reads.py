@@ -26,6 +26,7 @@ from kvstream_hicache.router import CompletionDriven
 from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds, segments_of
 
 MIB = 1 << 20
+KIB = 1 << 10
 
 
 def stored(dirs, n, io_engine="uring", plan=None, aligned=True, size=4 * MIB, **settings):
@@ -142,6 +143,24 @@ def test_a_tier_that_alone_holds_a_call_queues_past_its_window(tier_dirs, io_eng
             assert most > (24 * MIB - MAX_REQUEST) // MIB, policy.in_flight
         else:  # past the 2 MiB window, within half the budget (24 MiB): claims of 8 MiB with room for them
             assert 2 < most <= (24 * MIB - MAX_REQUEST) // MIB, policy.in_flight
+
+
+def test_windows_count_the_bytes_pages_smaller_than_a_block_carry(tier_dirs, io_engine):
+    """A window is bytes; a tier's depth in items is the window over the most bytes one item
+    carries. A page smaller than a block is one item of its own size: counted in whole 1 MiB
+    blocks, a 2 MiB window of 256 KiB pages held 2 of them (512 KiB in flight, claims of one page),
+    and two tiers read 0.85x one tier into sglang's host pool (0.95x counted in bytes)."""
+    engine, pages, keys = stored(tier_dirs[:2], 64, io_engine, chunk="1M", size=256 * KIB)
+    with engine:
+        for flow in engine._reads.io.flows:
+            flow.window = 2 * MIB  # a device whose latency climbs at once ...
+            flow.completed = lambda *a, **k: None  # ... and stays so for this call
+        policy = _Watched()
+        object.__setattr__(policy, "in_flight", [])
+        assert engine.get(keys, pages.dst_segments, policy=policy) == [True] * 64
+        assert all(pages.equal(i) for i in range(64))
+        # 8 pages in a window, claims of half of it (4): a tier claims with up to 4 in flight
+        assert 1 < max(policy.in_flight) <= 4, policy.in_flight
 
 
 def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):
