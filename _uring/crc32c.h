@@ -264,7 +264,10 @@ static void kv_crc32c_init(void) {
     kv_crc32c_zeros(kv_crc32c_long, KV_CRC32C_LONG);
     kv_crc32c_zeros(kv_crc32c_short, KV_CRC32C_SHORT);
     __builtin_cpu_init();
-    kv_crc32c_have_hw = __builtin_cpu_supports("sse4.2");
+    /* __builtin_cpu_supports returns the feature's bit of GCC's mask (e.g. 256), not 1: normalised,
+       since kv_crc32c_hardware() indexes the names with it (an AMD EPYC without AVX-512 read past
+       the tuple at import and crashed). */
+    kv_crc32c_have_hw = __builtin_cpu_supports("sse4.2") != 0;
     kv_fold_init();
     kv_crc32c_have_fold = kv_crc32c_have_hw && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
