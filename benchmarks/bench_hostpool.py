@@ -30,11 +30,12 @@ usage: python benchmarks/bench_hostpool.py DIR[,DIR1] PAGE_TOKENS BATCH_PAGES RO
 (run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool";
 with a testbed's throttled tier, from a shell inside its blkio group: echo $$ > /sys/fs/cgroup/blkio/kvstream-NAME/cgroup.procs)
 """
-import ctypes, gc, os, random, re, sys, time, statistics, shutil, types
+import ctypes, gc, os, re, sys, time, statistics, shutil, types
 import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
 from kvstream_hicache.tools.bench.nixl import NixlReads
+from kvstream_hicache.tools.bench.drift import round_order
 from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS
 
 dirs, ptok, npages, rounds = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -175,10 +176,7 @@ prof = cProfile.Profile() if os.environ.get('CPROF') else None
 prof and prof.enable()
 nbytes = npages * g.page_bytes
 for r in range(rounds):
-    order = modes[:]
-    random.Random(r).shuffle(order)  # (not a rotation: a mode that always followed one that leaves a
-    # throttled tier idle would always find that tier's burst credit unspent: docs/benchmarks.md)
-    for m in order:
+    for m in round_order(modes, r):  # shuffled, as kvstream bench does
         c = cons[m]
         t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
         n = host.controller_cls._page_get_zero_copy(c.ctl, _Op(), key_sets[(r + 1) % sets], host.host_indices)

@@ -310,6 +310,19 @@ def test_emulated_write_interference_runs_a_writer_and_lowers_tier0_reads(tmp_pa
     assert bed.calls == [(0, 290 * MB), (0, 580 * MB)]  # the writer only
 
 
+def test_round_order_reads_every_policy_once_and_changes_who_goes_before_whom():
+    """A rotation kept each policy behind the same one every round (a two-tier policy behind its one-tier
+    twin always found a throttled tier's burst credit unspent): the shuffled order must not."""
+    names = ["nixl", "kvstream-1tier", "kvstream", "sglang-adapter-1tier", "sglang-adapter"]
+    orders = [drift.round_order(names, r, seed=0) for r in range(12)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders == [drift.round_order(names, r, seed=0) for r in range(12)]  # reproducible from the seed
+    assert orders != [drift.round_order(names, r, seed=1) for r in range(12)]
+    before = {n: {o[o.index(n) - 1] for o in orders if o.index(n) > 0} for n in names}
+    assert all(len(b) >= 2 for b in before.values()), before
+    assert len({o[0] for o in orders}) >= 3  # and each meets the round's start at different times
+
+
 def test_exposure_is_the_share_of_time_with_the_drift_on():
     events = [{"t": 1.0, "on": True}, {"t": 3.0, "on": False}, {"t": 5.0, "on": True}]
     assert drift.exposure(events, 0.0, 4.0) == pytest.approx(0.5)

@@ -214,6 +214,18 @@ def make(name: str, *, testbed, dirs: list[str], bs: int, tier: int | None = Non
     raise ValueError(f"unknown scenario {name!r}: use one of {', '.join(SCENARIOS)}")
 
 
+def round_order(items: Sequence, r: int, seed: int = 0) -> list:
+    """The order in which round ``r`` reads ``items`` (policies): shuffled from the run's seed and the
+    round, so each item meets drift at every place in the round, and follows a different item from
+    round to round. A rotation kept each item behind the same one: a two-tier policy that always
+    followed its one-tier twin always found a throttled tier 1 idle, its blk-throttle burst credit
+    unspent (the first 64 MB of a "0.7 GB/s" tier at 3-4 GB/s; docs/benchmarks.md, "Two tiers against
+    one")."""
+    out = list(items)
+    random.Random(seed * 1_000_003 + r).shuffle(out)
+    return out
+
+
 def exposure(events: Sequence[dict], t0: float, t1: float) -> float:
     """Share of [t0, t1] during which the drift was on, from a scenario's events."""
     if t1 <= t0:

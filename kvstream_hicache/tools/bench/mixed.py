@@ -13,7 +13,7 @@ data set, one namespace):
              tasks (deferred writes, M2: queued in the engine, completed when committed), the
              prefetch stream load tasks (8 per batch, pooled)
 
-Every round, for each policy in turn (the order rotates, so drift hits all alike):
+Every round, for each policy in turn (the order shuffled every round: drift.round_order):
 
   1. a quiet read: one batch of the data set, nothing else running; it measures each tier's read
      bandwidth b_k when nothing competes, which bounds the mixed reads below;
@@ -47,6 +47,7 @@ from contextlib import ExitStack
 from ...config import Config
 from ...layout import Namespace
 from ..console import Progress
+from . import drift
 from .dataset import Dataset, check, page_segments, page_views, poison
 
 POLICIES = {  # name: (engine settings, path)
@@ -235,8 +236,7 @@ def run(args, log=print) -> dict:
         shown = 0
         try:
             for r in range(rounds):
-                for j in range(len(names)):
-                    name = names[(r + j) % len(names)]
+                for name in drift.round_order(names, r, args.seed):
                     rec = _phase(paths[name], name, r, ds, read_segs, views, src, rate, args)
                     if r >= args.warmup:
                         records[name].append(rec)

@@ -15,8 +15,8 @@ and hicache-nixl-sharded (sglang's NIXL backend on tier 0 / hash-sharded over al
 install .[peers]); in the LMCache venv (.venv-lmcache/bin/kvstream bench) lmcache-fs-native,
 lmcache-fs-native-odirect (LMCache's fs_native L2 adapter on tier 0), lmcache-kvstream and
 lmcache-kvstream-1tier (kvstream's L2 adapter built by LMCache's factory, all tiers / tier 0).
-Each round reads one batch under every policy, in an order rotated every round, so drift hits all
-policies alike. Every policy's row has its CPU seconds per GB read (getrusage of the process around
+Each round reads one batch under every policy, in an order shuffled every round (drift.round_order),
+so drift hits all policies alike. Every policy's row has its CPU seconds per GB read (getrusage of the process around
 each read) and the staging memory peak of the engine it reads through.
 
 The bound of a batch is D / sum_k b_k with b_k tier k's bandwidth in that batch (bytes / busy time
@@ -480,8 +480,7 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
             timed = r >= args.warmup
             batch = ds.batches[r % ds.n_batches]
             positions = list(range(len(batch.pages))) if args.verify < 0 else ds.sample(batch, args.verify)
-            for j in range(n):
-                c = contenders[(r + j) % n]  # rotate the order every round
+            for c in drift.round_order(contenders, r, args.seed):
                 c.before_phase()
                 poison(c.views, positions)
                 recorder.reset()

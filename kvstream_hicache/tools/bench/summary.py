@@ -226,7 +226,7 @@ def device_groups(docs: Sequence[dict]) -> dict[tuple[str, str, str], list[dict]
 
 def paired_ratios(runs: Sequence[dict], name: str, ref: str) -> list[float]:
     """Per round of every run, ``name``'s batch rate over ``ref``'s in the same round: the two read
-    one after the other (the order rotates), so machine load that drifts over minutes hits both."""
+    one after the other (in an order shuffled every round), so machine load that drifts over minutes hits both."""
     out = []
     for r in runs:
         rates: dict[tuple[str, int], float] = {}
