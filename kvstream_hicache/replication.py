@@ -4,7 +4,9 @@ A page can hold fewer copies than there are tiers: ``replicate=budget`` skipped 
 so that a put need not wait for it, a tier failed and came back without its files, a copy was
 damaged and removed, or a tier evicted it. Reads then have fewer tiers to route between, for ever.
 (An evicted copy is not owed back: the tier chose to keep hotter pages. It returns when it is read
-again, as a promotion, or at the next start if the tier has room then.)
+again, as a promotion, or at the next start if the tier has room then; a sweep (below) still under way
+when the tier evicts it owes it, since a sweep owes what lacks a tier when it gets there: written
+only into room the tier has, as its least recent page.)
 The :class:`Replicator` owes such a page to each tier that lacks it and writes it there later::
 
     owe(key)                 the tiers that lack it (every tier, failed ones too: written when back)
