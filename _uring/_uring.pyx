@@ -4,9 +4,9 @@
 One extension module, ``kvstream_hicache._uring``, built from this file and the three it includes
 (one concept each; they share C-level helpers, so they are one module, not four)::
 
-    bytes.pxi     raw ``(address, length)`` memory, ``crc32c`` (crc32c.h: VPCLMULQDQ folding, else SSE4.2),
-                  ``copy``, and ``PageMap``: a page's payload in caller segments, its blocks checked
-                  (and copied in from staging) with the GIL released
+    bytes.pxi     raw ``(address, length)`` memory, ``crc32c`` (crc32c.h: VPCLMULQDQ folding with AVX-512
+                  or AVX2, else SSE4.2), ``copy``, and ``PageMap``: a page's payload in caller
+                  segments, its blocks checked (and copied in from staging) with the GIL released
     buffers.pxi   ``AlignedBuffer``: aligned memory, huge-page backed from 2 MiB up; ``ALIGN``
     ring.pxi      ``Ring``: one io_uring, batched submit/reap of ``(opcode, fd, buf, offset, tag)``
     keys.pxi      ``KeyTable``: the index's key -> slot map, existence queries at a dict's speed
@@ -37,7 +37,7 @@ from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject, PyObject_Hash, Py_SIZE
 from cpython.unicode cimport PyUnicode_1BYTE_DATA, PyUnicode_1BYTE_KIND, PyUnicode_GET_LENGTH, PyUnicode_KIND
 from libc.errno cimport EAGAIN, EBUSY, EINTR, EINVAL, ETIME, errno
-from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free
 from libc.string cimport memcmp, memcpy, memset, strerror
 

@@ -6,13 +6,13 @@
 cdef extern from "crc32c.h" nogil:
     void kv_crc32c_init()
     uint32_t kv_crc32c(uint32_t crc, const void *buf, size_t n)
-    uint32_t kv_crc32c_sw(uint32_t crc, const void *buf, size_t n)
+    int64_t kv_crc32c_by(int impl, uint32_t crc, void *dst, const void *src, size_t n)
     uint32_t kv_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t n)
     int kv_crc32c_hardware()
 
 kv_crc32c_init()  # tables and the CPU check, once, under the import lock
 
-CRC32C_IMPL = ("table", "sse4.2-3way", "vpclmulqdq-fold")[kv_crc32c_hardware()]
+CRC32C_IMPL = ("table", "sse4.2-3way", "vpclmulqdq-fold", "vpclmulqdq-avx2-fold")[kv_crc32c_hardware()]
 
 cdef size_t NOGIL_MIN_BYTES = 1 << 16  # crc32c/copy release the GIL only above this, bytes: below it the
                                        # GIL hand-off costs more than the work
@@ -58,9 +58,14 @@ def crc32c(buf, uint32_t crc=0):
     return crc
 
 
-def _crc32c_software(const unsigned char[::1] data, uint32_t crc=0):
-    """The byte-table path that non-x86 hosts use, exposed so x86 tests can check it too."""
-    return kv_crc32c_sw(crc, &data[0] if data.shape[0] else NULL, <size_t>data.shape[0])
+def _crc32c_by(int impl, const unsigned char[::1] data, uint32_t crc=0, uintptr_t dst=0):
+    """CRC-32C of ``data`` through one implementation (its index in CRC32C_IMPL's names: 0 the table
+    that non-x86 hosts use, 1 the 3-way loop, 2 and 3 the folds), copying ``data`` to the address
+    ``dst`` too if not 0; None where this CPU lacks it (or a fold is given under 256 bytes). For the
+    tests: every path the CPU has is checked, not only the one in use."""
+    cdef int64_t r = kv_crc32c_by(impl, crc, <void *>dst, &data[0] if data.shape[0] else NULL,
+                                  <size_t>data.shape[0])
+    return None if r < 0 else r
 
 
 def copy(uintptr_t dst_address, uintptr_t src_address, Py_ssize_t n):

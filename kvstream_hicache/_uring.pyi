@@ -13,7 +13,7 @@ ALIGN: int  # O_DIRECT block, bytes (4096): the one definition (kvstream_hicache
 HUGE_PAGE_SIZE: int  # transparent huge page size, bytes (AlignedBuffers this large are huge-page backed); 0 without THP
 OP_READ: int
 OP_WRITE: int
-CRC32C_IMPL: str  # "vpclmulqdq-fold", "sse4.2-3way" or "table": the fastest the CPU has
+CRC32C_IMPL: str  # "vpclmulqdq-fold" (AVX-512), "vpclmulqdq-avx2-fold", "sse4.2-3way" or "table": the fastest the CPU has
 RING_ENTRIES: int  # submission-queue entries of a Ring by default (256)
 
 RawMemory = Tuple[int, int]  # (address, length): caller keeps the memory alive until reaped
@@ -70,7 +70,7 @@ class PageMap:
 
 def crc32c(buf: Union[Buffer, RawMemory], crc: int = 0) -> int: ...
 def copy(dst_address: int, src_address: int, n: int) -> None: ...
-def _crc32c_software(data: Buffer, crc: int = 0) -> int: ...  # table path, for tests
+def _crc32c_by(impl: int, data: Buffer, crc: int = 0, dst: int = 0) -> int | None: ...  # one path, for tests
 
 class KeyTable:
     """The index's key -> slot map over its columns (see keys.pxi); lookups in C, holding the GIL."""

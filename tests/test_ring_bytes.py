@@ -72,26 +72,48 @@ def test_crc32c_backend_is_the_fastest_this_cpu_has():
     flags = _cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= flags:
         assert CRC32C_IMPL == "vpclmulqdq-fold"
+    elif {"avx2", "vpclmulqdq", "pclmulqdq", "sse4_2"} <= flags:  # AMD Zen 3, as on this project's CI
+        assert CRC32C_IMPL == "vpclmulqdq-avx2-fold"
     elif "sse4_2" in flags:
         assert CRC32C_IMPL == "sse4.2-3way"
     else:
         assert CRC32C_IMPL == "table"
 
 
-@pytest.mark.parametrize("length", [256, 257, 300, 511, 512, 4095, 65536 + 17, (1 << 20) + 100])
+def crc_paths() -> list[int]:
+    """The CRC32C implementations this CPU has (indices into the names CRC32C_IMPL is one of)."""
+    from kvstream_hicache._uring import _crc32c_by
+
+    return [impl for impl in range(4) if _crc32c_by(impl, bytes(256)) is not None]
+
+
+def test_the_crc32c_path_in_use_is_one_the_tests_check():
+    names = ("table", "sse4.2-3way", "vpclmulqdq-fold", "vpclmulqdq-avx2-fold")
+    assert names.index(CRC32C_IMPL) in crc_paths() and 0 in crc_paths()
+
+
+@pytest.mark.parametrize("length", [256, 257, 287, 288, 300, 383, 384, 415, 511, 512, 4095, 65536 + 17,
+                                    (1 << 20) + 100])
 @pytest.mark.parametrize("offset", [0, 1, 7, 63])
 def test_crc32c_every_path_agrees_with_the_reference(length, offset):
-    """Lengths around the folding loop's 256- and 64-byte steps and unaligned starts, continued
-    from a non-zero CRC; and the fused copy leaves an exact copy with the same CRC."""
-    from kvstream_hicache._uring import PageMap
+    """Every implementation the CPU has, at lengths around the folding loops' steps (AVX-512: 256 and
+    64 bytes; AVX2: 128 and 32) and unaligned starts, continued from a non-zero CRC; and each one's
+    copy (fused in the folds) leaves an exact copy with the same CRC, as PageMap's does."""
+    from kvstream_hicache._uring import PageMap, _crc32c_by
 
     data = random.Random(length * 64 + offset).randbytes(length + offset)[offset:]
+    want = crc32c_ref(data)
     assert crc32c(data, 0x1234) == crc32c_ref(data, 0x1234)
     src = AlignedBuffer(length + 64)
     dst = AlignedBuffer(length + 64)
     try:
         memoryview(src)[offset:offset + length] = data
-        want = crc32c_ref(data)
+        for impl in crc_paths():
+            assert _crc32c_by(impl, data, 0x1234) == crc32c_ref(data, 0x1234), impl
+            memoryview(dst)[:] = bytes(length + 64)
+            assert _crc32c_by(impl, data, 0, dst.address + offset) == want, impl
+            assert bytes(memoryview(dst)[offset:offset + length]) == data, impl
+        memoryview(dst)[:] = bytes(length + 64)
         pm = PageMap([(dst.address + offset, length)], length, length, [want])
         assert pm.check(0, 1, [src.address + offset]) == 0
         assert bytes(memoryview(dst)[offset:offset + length]) == data
@@ -106,36 +128,31 @@ def test_crc32c_every_path_agrees_with_the_reference(length, offset):
 def test_fused_copy_is_exact_whatever_the_alignments_and_writes_nothing_past_the_end(length, src_offset,
                                                                                       dst_offset):
     """A copy of 64 KiB or more into a 64-byte aligned destination streams (non-temporal stores,
-    crc32c.h); shorter or unaligned ones store as before. Either way: an exact copy, the right CRC,
-    and the bytes on both sides of the destination untouched."""
-    from kvstream_hicache._uring import PageMap
+    crc32c.h); shorter or unaligned ones store as before. Either way, in every fold the CPU has: an
+    exact copy, the right CRC, and the bytes on both sides of the destination untouched."""
+    from kvstream_hicache._uring import PageMap, _crc32c_by
 
     data = random.Random(length + src_offset).randbytes(length)
     src = AlignedBuffer(length + 128)
     dst = AlignedBuffer(length + 256)
     try:
         memoryview(src)[src_offset:src_offset + length] = data
-        memoryview(dst)[:] = b"\xa5" * (length + 256)
-        pm = PageMap([(dst.address + dst_offset, length)], length, length, [crc32c_ref(data)])
-        assert pm.check(0, 1, [src.address + src_offset]) == 0
-        view = bytes(memoryview(dst))
-        assert view[dst_offset:dst_offset + length] == data
-        assert view[:dst_offset] == b"\xa5" * dst_offset
-        assert view[dst_offset + length:] == b"\xa5" * (256 - dst_offset)
+        for impl in [None] + [impl for impl in crc_paths() if impl >= 2]:  # None: PageMap, the path in use
+            memoryview(dst)[:] = b"\xa5" * (length + 256)
+            if impl is None:
+                pm = PageMap([(dst.address + dst_offset, length)], length, length, [crc32c_ref(data)])
+                assert pm.check(0, 1, [src.address + src_offset]) == 0
+            else:
+                assert _crc32c_by(impl, data, 0, dst.address + dst_offset) == crc32c_ref(data), impl
+            view = bytes(memoryview(dst))
+            assert view[dst_offset:dst_offset + length] == data, impl
+            assert view[:dst_offset] == b"\xa5" * dst_offset, impl
+            assert view[dst_offset + length:] == b"\xa5" * (256 - dst_offset), impl
         wrong = PageMap([(dst.address + dst_offset, length)], length, length, [crc32c_ref(data) ^ 1])
         assert wrong.check(0, 1, [src.address + src_offset]) == 1  # a wrong CRC is still caught
     finally:
         src.close()
         dst.close()
-
-
-@pytest.mark.parametrize("length", [0, 1, 9, 4096, 24577])
-def test_crc32c_software_path_agrees(length):
-    from kvstream_hicache._uring import _crc32c_software
-
-    data = os.urandom(length)
-    assert _crc32c_software(data) == crc32c(data) == crc32c_ref(data)
-    assert _crc32c_software(data, 0x12345678) == crc32c_ref(data, 0x12345678)
 
 
 # Lengths around the 3-way block sizes (3 x 256 and 3 x 8192 bytes) and the 8-byte word edges.
@@ -145,9 +162,13 @@ EDGE_LENGTHS = [1, 7, 8, 9, 63, 767, 768, 769, 1536 + 5, 24575, 24576, 24577, 3 
 @pytest.mark.parametrize("length", EDGE_LENGTHS)
 def test_crc32c_matches_reference_at_block_edges(length):
     data = np.random.default_rng(length).integers(0, 256, length + 8, dtype=np.uint8).tobytes()
+    from kvstream_hicache._uring import _crc32c_by
+
     for start in (0, 1, 5):  # unaligned starts exercise the byte-wise prologue
         chunk = data[start:start + length]
         assert crc32c(chunk) == crc32c_ref(chunk)
+        for impl in crc_paths():  # the table and the 3-way loop at every length, the folds from 256 bytes
+            assert _crc32c_by(impl, chunk) in (crc32c_ref(chunk), None), impl
 
 
 @settings(max_examples=60, deadline=None)
