@@ -321,6 +321,35 @@ KV_FOLD2_TARGET static uint32_t kv_crc32c_fold2(uint32_t crc, unsigned char *dst
     while (len--) c = _mm_crc32_u8((uint32_t)c, *src++);
     return ~(uint32_t)c;
 }
+
+/* Copy + CRC where the CPU has no VPCLMULQDQ (Intel Cascade Lake, AMD Zen 2). A copy that streams (as
+ * in the folds: at least KV_STREAM_MIN bytes into 64-byte aligned memory) goes KV_COPY_CHUNK bytes at a
+ * time: copied with non-temporal stores, then the 3-way loop reads that source chunk again from L1/L2,
+ * so memory is read once and the destination never. Measured on an EPYC without AVX-512 (Zen 3, 1 MiB
+ * blocks from DRAM, CPU time): 0.12-0.13 s/GB against 0.16-0.17 for a memcpy followed by the 3-way loop
+ * over the copy (a 128-bit PCLMULQDQ fold, tried: 0.11-0.17). */
+#define KV_COPY_CHUNK 8192
+
+__attribute__((target("sse4.2"))) static uint32_t kv_crc32c_copy_hw(uint32_t crc, unsigned char *dst,
+                                                                      const unsigned char *src, size_t len) {
+    if (len < KV_STREAM_MIN || ((uintptr_t)dst & 63) != 0) {
+        memcpy(dst, src, len);
+        return kv_crc32c_hw(crc, dst, len);
+    }
+    while (len) {
+        size_t n = len < KV_COPY_CHUNK ? len : KV_COPY_CHUNK, i = 0;
+        for (; i + 64 <= n; i += 64)
+            for (int q = 0; q < 4; q++)
+                _mm_stream_si128((__m128i *)(dst + i + 16 * q), _mm_loadu_si128((const __m128i *)(src + i + 16 * q)));
+        memcpy(dst + i, src + i, n - i);
+        crc = kv_crc32c_hw(crc, src, n);
+        src += n;
+        dst += n;
+        len -= n;
+    }
+    _mm_sfence();
+    return crc;
+}
 #endif
 
 static void kv_crc32c_init(void) {
@@ -361,6 +390,7 @@ static uint32_t kv_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t 
 #ifdef KV_CRC32C_X86
     if (kv_crc32c_have_fold && len >= KV_FOLD_MIN) return kv_crc32c_fold(crc, dst, src, len);
     if (kv_crc32c_have_fold2 && len >= KV_FOLD_MIN) return kv_crc32c_fold2(crc, dst, src, len);
+    if (kv_crc32c_have_hw) return kv_crc32c_copy_hw(crc, dst, src, len);
 #endif
     memcpy(dst, src, len);
     return kv_crc32c(crc, dst, len);
@@ -370,12 +400,13 @@ static uint32_t kv_crc32c_copy(uint32_t crc, void *dst, const void *src, size_t 
  * copying the bytes to dst as well where dst is not NULL; -1 where this CPU lacks it, or a fold is
  * asked for fewer than KV_FOLD_MIN bytes. Every path the CPU has gets checked, not only the fastest. */
 static int64_t kv_crc32c_by(int impl, uint32_t crc, void *dst, const void *src, size_t len) {
-    if (impl == 0 || impl == 1) {
+    if (impl == 0) {
         if (dst) memcpy(dst, src, len);
-        if (impl == 0) return kv_crc32c_sw(crc, src, len);
+        return kv_crc32c_sw(crc, src, len);
     }
 #ifdef KV_CRC32C_X86
-    if (impl == 1 && kv_crc32c_have_hw) return kv_crc32c_hw(crc, src, len);
+    if (impl == 1 && kv_crc32c_have_hw)
+        return dst ? kv_crc32c_copy_hw(crc, dst, src, len) : kv_crc32c_hw(crc, src, len);
     if (len >= KV_FOLD_MIN && impl == 2 && kv_crc32c_have_fold) return kv_crc32c_fold(crc, dst, src, len);
     if (len >= KV_FOLD_MIN && impl == 3 && kv_crc32c_have_fold2) return kv_crc32c_fold2(crc, dst, src, len);
 #endif
