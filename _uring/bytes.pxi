@@ -12,7 +12,8 @@ cdef extern from "crc32c.h" nogil:
 
 kv_crc32c_init()  # tables and the CPU check, once, under the import lock
 
-CRC32C_IMPL = ("table", "sse4.2-3way", "vpclmulqdq-fold", "vpclmulqdq-avx2-fold")[kv_crc32c_hardware()]
+CRC32C_IMPLS = ("table", "sse4.2-3way", "vpclmulqdq-fold", "vpclmulqdq-avx2-fold")  # kv_crc32c_hardware()'s order
+CRC32C_IMPL = CRC32C_IMPLS[kv_crc32c_hardware()]
 
 cdef size_t NOGIL_MIN_BYTES = 1 << 16  # crc32c/copy release the GIL only above this, bytes: below it the
                                        # GIL hand-off costs more than the work
@@ -59,7 +60,7 @@ def crc32c(buf, uint32_t crc=0):
 
 
 def _crc32c_by(int impl, const unsigned char[::1] data, uint32_t crc=0, uintptr_t dst=0):
-    """CRC-32C of ``data`` through one implementation (its index in CRC32C_IMPL's names: 0 the table
+    """CRC-32C of ``data`` through one implementation (its index in CRC32C_IMPLS: 0 the table
     that non-x86 hosts use, 1 the 3-way loop, 2 and 3 the folds), copying ``data`` to the address
     ``dst`` too if not 0; None where this CPU lacks it (or a fold is given under 256 bytes). For the
     tests: every path the CPU has is checked, not only the one in use."""

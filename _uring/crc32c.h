@@ -179,6 +179,29 @@ KV_FOLD_TARGET static inline __m128i kv_fold128(__m128i x, int i, __m128i next) 
  * an sfence, so they are visible before anything the caller does after it. */
 #define KV_STREAM_MIN (64 << 10)
 
+static inline int kv_streams(const unsigned char *dst, size_t len) {
+    return dst && len >= KV_STREAM_MIN && ((uintptr_t)dst & 63) == 0;
+}
+
+/* The end of either fold: its folded state z (16 bytes) through the crc32 instruction, then the len
+ * bytes left at src (fewer than one vector), copied to dst too if not NULL; an sfence after a streamed
+ * copy. */
+__attribute__((target("sse4.2"))) static inline uint32_t kv_fold_end(__m128i z, unsigned char *dst,
+                                                                     const unsigned char *src, size_t len,
+                                                                     int stream) {
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(z)); /* the state as 16 message bytes */
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(z, 1));
+    if (dst && len) memcpy(dst, src, len);
+    if (stream) _mm_sfence();
+    while (len >= 8) {
+        c = _mm_crc32_u64(c, kv_load64(src));
+        src += 8;
+        len -= 8;
+    }
+    while (len--) c = _mm_crc32_u8((uint32_t)c, *src++);
+    return ~(uint32_t)c;
+}
+
 KV_FOLD_TARGET static inline void kv_store64(unsigned char *dst, __m512i a, int stream) {
     if (stream)
         _mm512_stream_si512((void *)dst, a);
@@ -199,7 +222,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
                                               size_t len) {
     const __m512i k256 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fold_k[0]));
     const __m512i k64 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)kv_fold_k[1]));
-    const int stream = dst && len >= KV_STREAM_MIN && ((uintptr_t)dst & 63) == 0;
+    const int stream = kv_streams(dst, len);
     __m512i x0 = _mm512_loadu_si512(src), x1 = _mm512_loadu_si512(src + 64);
     __m512i x2 = _mm512_loadu_si512(src + 128), x3 = _mm512_loadu_si512(src + 192);
     if (dst) {
@@ -240,17 +263,7 @@ KV_FOLD_TARGET static uint32_t kv_crc32c_fold(uint32_t crc, unsigned char *dst, 
     z = kv_fold128(_mm512_extracti32x4_epi32(x3, 0), 2, z);
     z = kv_fold128(_mm512_extracti32x4_epi32(x3, 1), 3, z);
     z = kv_fold128(_mm512_extracti32x4_epi32(x3, 2), 4, z);
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(z)); /* the state as 16 message bytes */
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(z, 1));
-    if (dst && len) memcpy(dst, src, len);
-    if (stream) _mm_sfence();
-    while (len >= 8) {
-        c = _mm_crc32_u64(c, kv_load64(src));
-        src += 8;
-        len -= 8;
-    }
-    while (len--) c = _mm_crc32_u8((uint32_t)c, *src++);
-    return ~(uint32_t)c;
+    return kv_fold_end(z, dst, src, len, stream);
 }
 
 /* The same folding with 256-bit vectors, for CPUs with VPCLMULQDQ and AVX2 but no AVX-512 (AMD Zen 3,
@@ -282,7 +295,7 @@ KV_FOLD2_TARGET static uint32_t kv_crc32c_fold2(uint32_t crc, unsigned char *dst
                                                 size_t len) {
     const __m256i k128 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fold_k[5]));
     const __m256i k32 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv_fold_k[3]));
-    const int stream = dst && len >= KV_STREAM_MIN && ((uintptr_t)dst & 63) == 0;
+    const int stream = kv_streams(dst, len);
     __m256i x[4];
     for (int i = 0; i < 4; i++) x[i] = kv_load_store32(dst ? dst + 32 * i : NULL, src + 32 * i, stream);
     x[0] = _mm256_xor_si256(x[0], _mm256_zextsi128_si256(_mm_cvtsi32_si128((int)~crc))); /* the initial CRC */
@@ -309,17 +322,7 @@ KV_FOLD2_TARGET static uint32_t kv_crc32c_fold2(uint32_t crc, unsigned char *dst
     const __m128i lo = _mm256_castsi256_si128(x[3]);
     __m128i z = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(lo, k16, 0x00), _mm_clmulepi64_si128(lo, k16, 0x11)),
                               _mm256_extracti128_si256(x[3], 1));
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(z)); /* the state as 16 message bytes */
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(z, 1));
-    if (dst && len) memcpy(dst, src, len);
-    if (stream) _mm_sfence();
-    while (len >= 8) {
-        c = _mm_crc32_u64(c, kv_load64(src));
-        src += 8;
-        len -= 8;
-    }
-    while (len--) c = _mm_crc32_u8((uint32_t)c, *src++);
-    return ~(uint32_t)c;
+    return kv_fold_end(z, dst, src, len, stream);
 }
 
 /* Copy + CRC where the CPU has no VPCLMULQDQ (Intel Cascade Lake, AMD Zen 2). A copy that streams (as
@@ -332,7 +335,7 @@ KV_FOLD2_TARGET static uint32_t kv_crc32c_fold2(uint32_t crc, unsigned char *dst
 
 __attribute__((target("sse4.2"))) static uint32_t kv_crc32c_copy_hw(uint32_t crc, unsigned char *dst,
                                                                       const unsigned char *src, size_t len) {
-    if (len < KV_STREAM_MIN || ((uintptr_t)dst & 63) != 0) {
+    if (!kv_streams(dst, len)) {
         memcpy(dst, src, len);
         return kv_crc32c_hw(crc, dst, len);
     }

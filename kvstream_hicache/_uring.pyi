@@ -13,7 +13,8 @@ ALIGN: int  # O_DIRECT block, bytes (4096): the one definition (kvstream_hicache
 HUGE_PAGE_SIZE: int  # transparent huge page size, bytes (AlignedBuffers this large are huge-page backed); 0 without THP
 OP_READ: int
 OP_WRITE: int
-CRC32C_IMPL: str  # "vpclmulqdq-fold" (AVX-512), "vpclmulqdq-avx2-fold", "sse4.2-3way" or "table": the fastest the CPU has
+CRC32C_IMPLS: tuple[str, ...]  # the implementations' names, numbered as _crc32c_by numbers them
+CRC32C_IMPL: str  # the fastest the CPU has: "vpclmulqdq-fold" (AVX-512), "vpclmulqdq-avx2-fold", "sse4.2-3way", "table"
 RING_ENTRIES: int  # submission-queue entries of a Ring by default (256)
 
 RawMemory = Tuple[int, int]  # (address, length): caller keeps the memory alive until reaped
