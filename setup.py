@@ -38,9 +38,9 @@ def _extensions():
     static = _static_liburing(libs)
     ext = Extension(
         "kvstream_hicache._uring",
-        sources=["_uring/_uring.pyx"],  # includes bytes.pxi, buffers.pxi, ring.pxi, keys.pxi: one module
+        sources=["_uring/_uring.pyx"],  # includes bytes.pxi, buffers.pxi, ring.pxi, keys.pxi, files.pxi: one module
         depends=["_uring/crc32c.h", "_uring/liburing.pxd", "_uring/bytes.pxi", "_uring/buffers.pxi",
-                 "_uring/ring.pxi", "_uring/keys.pxi"],  # rebuild on change; shipped in the sdist
+                 "_uring/ring.pxi", "_uring/keys.pxi", "_uring/files.pxi"],  # rebuild on change; shipped in the sdist
         include_dirs=[f[2:] for f in cflags if f.startswith("-I")] + ["_uring"],
         library_dirs=[f[2:] for f in libs if f.startswith("-L")],
         libraries=[f[2:] for f in libs if f.startswith("-l") and not (static and f == "-luring")],

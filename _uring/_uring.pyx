@@ -1,8 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """io_uring for batches of file reads and writes, plus the byte helpers the engine needs.
 
-One extension module, ``kvstream_hicache._uring``, built from this file and the three it includes
-(one concept each; they share C-level helpers, so they are one module, not four)::
+One extension module, ``kvstream_hicache._uring``, built from this file and the four it includes
+(one concept each; they share C-level helpers, so they are one module, not five)::
 
     bytes.pxi     raw ``(address, length)`` memory, ``crc32c`` (crc32c.h: VPCLMULQDQ folding with AVX-512
                   or AVX2, else SSE4.2), ``copy``, and ``PageMap``: a page's payload in caller
@@ -10,6 +10,7 @@ One extension module, ``kvstream_hicache._uring``, built from this file and the 
     buffers.pxi   ``AlignedBuffer``: aligned memory, huge-page backed from 2 MiB up; ``ALIGN``
     ring.pxi      ``Ring``: one io_uring, batched submit/reap of ``(opcode, fd, buf, offset, tag)``
     keys.pxi      ``KeyTable``: the index's key -> slot map, existence queries at a dict's speed
+    files.pxi     ``open_owned``: a page file opened for the ring's reads, its checks in one call
 
 ``Ring`` takes a batch of ``(opcode, fd, buf, offset, tag)`` per ``submit`` (one io_uring_submit
 per batch) and hands back ``(tag, res)`` pairs from ``reap``, waiting with the GIL released.
@@ -51,3 +52,4 @@ include "bytes.pxi"
 include "buffers.pxi"
 include "ring.pxi"
 include "keys.pxi"
+include "files.pxi"

@@ -1,9 +1,9 @@
 """Type stub for the Cython extension kvstream_hicache._uring (source: _uring/_uring.pyx, which includes
-_uring/bytes.pxi, _uring/buffers.pxi, _uring/ring.pxi and _uring/keys.pxi)."""
+_uring/bytes.pxi, _uring/buffers.pxi, _uring/ring.pxi, _uring/keys.pxi and _uring/files.pxi)."""
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Set as AbstractSet
 from types import TracebackType
 from typing import Tuple, Union
 
@@ -87,3 +87,4 @@ class KeyTable:
     def delete(self, slot: int) -> None: ...
 
 def unhex(key: object) -> bytes | None: ...  # a 64-lowercase-hex str as its 32 bytes, else None
+def open_owned(path: bytes, flags: int, uids: AbstractSet[int], gid: int = -1) -> int: ...  # fd, or -1: use integrity.open_regular

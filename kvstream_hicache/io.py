@@ -31,14 +31,14 @@ from typing import Iterable
 # The extension is required: a missing build is an install error, not something to paper over.
 from ._uring import (
     ALIGN, CRC32C_IMPL, HUGE_PAGE_SIZE, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, PageMap, Ring,
-    copy, crc32c, forks,
+    copy, crc32c, forks, open_owned,
 )
 from .locks import ranked_condition
 
 __all__ = [
     "ALIGN", "HUGE_PAGE_SIZE", "MAX_VECTOR", "OP_READ", "OP_WRITE", "RING_ENTRIES", "AlignedBuffer", "Ring",
     "ThreadRing",
-    "open_ring", "byte_view", "Vector", "crc32c", "copy", "CRC32C_IMPL", "ENGINES", "PageMap", "forks",
+    "open_owned", "open_ring", "byte_view", "Vector", "crc32c", "copy", "CRC32C_IMPL", "ENGINES", "PageMap", "forks",
 ]
 
 log = logging.getLogger("kvstream")

@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable
 
 from .fds import close_fd
-from .integrity import open_regular, shard_entries, shards
+from .integrity import open_direct, shard_entries, shards
 from .layout import TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
@@ -219,7 +219,7 @@ class Tier:
         """O_DIRECT read descriptor of ``key``'s page.
         :raises NotRegularFile: a FIFO, directory, ... under the page's name (integrity.open_regular).
         :raises OSError: e.g. ENOENT."""
-        return open_regular(self.layout.page_path(key), os.O_DIRECT, trust=self.trust)[0]
+        return open_direct(self.layout.page_path(key), self.trust)
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError:"""

@@ -1,6 +1,8 @@
 """Page header, checksums, temp-file ownership, and check_tiers on real files."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import struct
 import time
@@ -10,9 +12,12 @@ import pytest
 
 from kvstream_hicache.config import Config
 from kvstream_hicache.errors import InvalidKeyError
+from kvstream_hicache.io import open_owned
 from kvstream_hicache.integrity import (
-    HeaderError, PageHeader, block_crcs, check_tiers, crc32c, pack_header, read_header, unpack_header,
+    HeaderError, NotRegularFile, PageHeader, UntrustedFile, block_crcs, check_tiers, crc32c, open_direct,
+    open_regular, pack_header, read_header, unpack_header,
 )
+from kvstream_hicache.trust import Trust
 from kvstream_hicache.layout import (
     HEADER_SIZE, MAX_BLOCKS, Namespace, TierLayout, block_size_for, block_span, file_size, is_valid_key, round_up,
     validate_key,
@@ -191,3 +196,55 @@ def test_a_problem_says_its_reason_as_an_enum_and_its_detail_for_people(tmp_path
     unreadable = bad._replace(reason=Reason.UNREADABLE)
     assert not fix_problem(unreadable).fixed and os.path.exists(layout.page_path("ab"))
     assert fix_problem(bad).fixed and not os.path.exists(layout.page_path("ab"))
+
+
+def _opened(open_, path, trust):
+    """What opening ``path`` gave: the descriptor's access flags (then closed), or the error's type and errno."""
+    try:
+        fd = open_(path, trust)
+    except OSError as exc:
+        return type(exc), exc.errno
+    try:
+        return "fd", fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_ACCMODE | os.O_DIRECT | os.O_NONBLOCK)
+    finally:
+        os.close(fd)
+
+
+def test_the_read_paths_open_in_one_call_agrees_with_open_regular_on_every_kind_of_entry(tmp_path):
+    """open_direct (the read path's: open, fstat, owner and F_SETFL in one C call) and open_regular
+    (the rules, in Python) answer the same for each thing a page's name can hold, for each kind of
+    trust; only a trusted regular file opens, O_DIRECT and blocking (io_uring would answer a
+    non-blocking one EAGAIN), and nothing else is left open."""
+    page = tmp_path / "page"
+    page.write_bytes(b"x" * 8192)
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # opened blocking, this would hang until a writer came
+    (tmp_path / "link").symlink_to(page)
+    st = os.stat(page)
+    other = max(st.st_uid, 1) + 54321  # a uid that owns nothing here
+    trusts = {"owner": Trust(frozenset({st.st_uid})), "group": Trust(frozenset({other}), st.st_gid),
+              "stranger": Trust(frozenset({other})), "stranger, other group": Trust(frozenset({other}), st.st_gid + 1)}
+    before = len(os.listdir("/proc/self/fd"))
+    seen = {}
+    for name in ("page", "dir", "fifo", "link", "missing"):
+        for label, trust in trusts.items():
+            path = str(tmp_path / name)
+            fast = _opened(open_direct, path, trust)
+            slow = _opened(lambda p, t: open_regular(p, os.O_DIRECT, trust=t)[0], path, trust)
+            assert fast == slow, (name, label)
+            seen[name, label] = fast
+    # the one call alone (open_direct's fallback would hide a fast path that refused too much)
+    for name in ("page", "dir", "fifo", "link", "missing"):
+        for label, trust in trusts.items():
+            fd = open_owned(os.fsencode(tmp_path / name), os.O_DIRECT, trust.uids,
+                            -1 if trust.gid is None else trust.gid)
+            assert (fd >= 0) == (name == "page" and label in ("owner", "group")), (name, label)
+            if fd >= 0:
+                assert fcntl.fcntl(fd, fcntl.F_GETFL) & (os.O_DIRECT | os.O_NONBLOCK) == os.O_DIRECT
+                os.close(fd)
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert seen["page", "owner"] == seen["page", "group"] == ("fd", os.O_RDONLY | os.O_DIRECT)
+    assert seen["page", "stranger"] == seen["page", "stranger, other group"] == (UntrustedFile, errno.EINVAL)
+    assert seen["dir", "owner"] == (NotRegularFile, errno.EISDIR)
+    assert seen["fifo", "owner"] == seen["link", "owner"] == (NotRegularFile, errno.EINVAL)
+    assert seen["missing", "owner"] == (FileNotFoundError, errno.ENOENT)
