@@ -10,10 +10,14 @@ cdef enum:
     CQ_PER_SQ = 4                   # CQ slots per SQ slot: callers may keep several batches in flight
     MAX_ENTRIES = 32768             # kernel limit on SQ entries
     IOV_MAX_VECS = 1024             # UIO_MAXIOV: ranges per vectored op
+    MAX_FIXED = 4096                # registered-memory slots per ring (the kernel allows 16384), each
+                                    # at most FIXED_PIECE: 4 TiB of host pool in all
+    OP_READV_FIXED = 60             # IORING_OP_READV_FIXED (Linux 6.15; liburing 2.3 predates it)
 RING_ENTRIES = C_RING_ENTRIES
 MAX_VECTOR = IOV_MAX_VECS  # most (address, length) ranges in one vectored op (both I/O engines)
 
 cdef size_t MAX_SQE_BYTES = 1 << 30  # largest transfer per SQE (length field is 32-bit, kernel caps ~2 GiB)
+cdef size_t FIXED_PIECE = 1 << 30  # largest registered buffer the kernel takes (io_buffer_validate), bytes
 cdef uint64_t CANCEL_UDATA = <uint64_t>-2  # user_data of close()'s cancel-everything SQE
 
 
@@ -118,6 +122,13 @@ cdef class Ring:
     A Ring belongs to the process that opened it: in a forked child ``submit``/``reap`` raise
     RuntimeError and ``close`` (or garbage collection) drops the object without a system call on the
     ring, which the parent still uses.
+
+    Registered memory (``register_memory``): the kernel pins it once, for the ring's life, as fixed
+    buffers; a read whose memory lies in one of them is sent as READ_FIXED (READV_FIXED for a
+    vectored one, where the kernel has it: ``readv_fixed``) and skips pinning its pages, which for
+    memory in 4 KiB pages costs more than the read itself (docs/benchmarks.md). Any other read is
+    sent as before. The memory must stay mapped while registered: a read lands in the pages pinned
+    at registration, whatever the address maps to later.
     """
     cdef io_uring _ring
     cdef bint _open
@@ -140,6 +151,13 @@ cdef class Ring:
     cdef readonly unsigned features
     cdef int _forks_at_open    # _forks when opened: another value means this is a forked child
     cdef readonly long owner_pid
+    cdef uintptr_t *_fixed_lo  # registered pieces [lo, hi), piece i in kernel slot i
+    cdef uintptr_t *_fixed_hi
+    cdef int _nfixed           # pieces registered (0 with no table)
+    cdef int _fixed_last       # the piece the last lookup found (reads of one pool hit the same one)
+    cdef readonly size_t fixed_bytes   # bytes registered
+    cdef readonly unsigned long long fixed_ops  # ops sent as READ_FIXED / READV_FIXED
+    cdef readonly bint readv_fixed     # the kernel has READV_FIXED
     cdef public bint punt      # every op straight to the kernel's async workers (IOSQE_ASYNC): submit never
     # waits inside a file system (a FUSE or NFS write issued inline blocks there while its server hangs)
 
@@ -170,6 +188,10 @@ cdef class Ring:
         self.entries = params.sq_entries
         self.cq_entries = params.cq_entries
         self.features = params.features
+        cdef io_uring_probe *probe = io_uring_get_probe_ring(&self._ring)
+        if probe != NULL:
+            self.readv_fixed = io_uring_opcode_supported(probe, OP_READV_FIXED)
+            io_uring_free_probe(probe)
 
     def __dealloc__(self):
         if self._open and self._forks_at_open != _forks:
@@ -284,6 +306,68 @@ cdef class Ring:
         self._in_flight -= len(out)
         return out
 
+    def register_memory(self, uintptr_t address, size_t nbytes):
+        """Register ``[address, address + nbytes)`` as fixed buffers (pieces of up to 1 GiB, the
+        kernel's limit), pinned until ``unregister_memory`` or ``close``; returns the bytes registered:
+        0 when the range overlaps memory registered before (nothing new is pinned).
+        :raises OSError: the kernel refused (ENOMEM: the RLIMIT_MEMLOCK of a user without
+            CAP_IPC_LOCK; EINVAL: a kernel before 5.19, without sparse tables; EFAULT: not mapped),
+            or ENOSPC: the ring's MAX_FIXED pieces are used. Nothing is registered then."""
+        self._check_open()
+        cdef int i, ret
+        cdef int pieces = <int>((nbytes + FIXED_PIECE - 1) // FIXED_PIECE)
+        cdef uintptr_t end = address + nbytes
+        if nbytes == 0:
+            return 0
+        for i in range(self._nfixed):
+            if self._fixed_lo[i] < end and address < self._fixed_hi[i]:
+                return 0
+        if self._nfixed + pieces > MAX_FIXED:
+            raise _oserror(28, f"register {nbytes} bytes: the ring's {MAX_FIXED} registered pieces are used")  # ENOSPC
+        if self._fixed_lo == NULL:
+            ret = io_uring_register_buffers_sparse(&self._ring, MAX_FIXED)
+            if ret < 0:
+                raise _oserror(-ret, "io_uring_register_buffers_sparse")
+            self._fixed_lo = <uintptr_t *>PyMem_Malloc(MAX_FIXED * sizeof(uintptr_t))
+            self._fixed_hi = <uintptr_t *>PyMem_Malloc(MAX_FIXED * sizeof(uintptr_t))
+            if self._fixed_lo == NULL or self._fixed_hi == NULL:
+                io_uring_unregister_buffers(&self._ring)
+                PyMem_Free(self._fixed_lo)
+                PyMem_Free(self._fixed_hi)
+                self._fixed_lo = self._fixed_hi = NULL
+                raise MemoryError()
+        cdef iovec *iov = <iovec *>PyMem_Malloc(pieces * sizeof(iovec))
+        if iov == NULL:
+            raise MemoryError()
+        for i in range(pieces):
+            iov[i].iov_base = <void *>(address + i * FIXED_PIECE)
+            iov[i].iov_len = min(FIXED_PIECE, nbytes - i * FIXED_PIECE)
+        try:
+            with nogil:  # pins every page: a second per 30 GB or so
+                ret = io_uring_register_buffers_update_tag(&self._ring, <unsigned>self._nfixed, iov,
+                                                           <const unsigned long long *>NULL, <unsigned>pieces)
+            if ret < 0:
+                raise _oserror(-ret, f"register {nbytes} bytes at {address:#x} with io_uring")
+            for i in range(pieces):
+                self._fixed_lo[self._nfixed + i] = <uintptr_t>iov[i].iov_base
+                self._fixed_hi[self._nfixed + i] = <uintptr_t>iov[i].iov_base + iov[i].iov_len
+        finally:
+            PyMem_Free(iov)
+        self._nfixed += pieces
+        self.fixed_bytes += nbytes
+        return nbytes
+
+    def unregister_memory(self):
+        """Unpin every registered range (reads in flight keep what they use until they complete)."""
+        self._check_open()
+        if self._fixed_lo != NULL:
+            io_uring_unregister_buffers(&self._ring)
+        self._forget_fixed()
+
+    def fixed(self, uintptr_t address, size_t nbytes) -> int:
+        """The registered piece that holds all of ``[address, address + nbytes)``, or -1."""
+        return self._fixed(address, nbytes)
+
     def close(self):
         """Cancel what has not started, wait for everything in flight, free the ring. Idempotent."""
         if not self._open:
@@ -303,6 +387,33 @@ cdef class Ring:
             raise RuntimeError(f"this Ring was opened in process {self.owner_pid}, of which this process is a "
                                "fork: a ring cannot be shared across fork(); open a new Ring in this process")
         return 0
+
+    cdef int _fixed(self, uintptr_t address, size_t nbytes) noexcept:
+        cdef int i = self._fixed_last
+        cdef uintptr_t end = address + nbytes
+        if i < self._nfixed and self._fixed_lo[i] <= address and end <= self._fixed_hi[i]:
+            return i
+        for i in range(self._nfixed):
+            if self._fixed_lo[i] <= address and end <= self._fixed_hi[i]:
+                self._fixed_last = i
+                return i
+        return -1
+
+    cdef int _fixed_vec(self, iovec *iov, unsigned n) noexcept:
+        """The registered piece that holds every range of a vectored op, or -1."""
+        cdef int k = self._fixed(<uintptr_t>iov[0].iov_base, iov[0].iov_len)
+        cdef unsigned i
+        for i in range(1, n):
+            if k < 0 or self._fixed(<uintptr_t>iov[i].iov_base, iov[i].iov_len) != k:
+                return -1
+        return k
+
+    cdef void _forget_fixed(self) noexcept:
+        PyMem_Free(self._fixed_lo)
+        PyMem_Free(self._fixed_hi)
+        self._fixed_lo = self._fixed_hi = NULL
+        self._nfixed = self._fixed_last = 0
+        self.fixed_bytes = 0
 
     cdef inline Req *_req(self, int slot) noexcept:
         return &self._blocks[slot >> SLOT_SHIFT][slot & (SLOT_BLOCK - 1)]
@@ -428,6 +539,7 @@ cdef class Ring:
         cdef int slot
         cdef unsigned nvec
         cdef size_t nbytes
+        cdef int fixed
         while self._bl_len:
             sqe = io_uring_get_sqe(&self._ring)
             if sqe == NULL:  # SQ full: submit and continue
@@ -447,10 +559,21 @@ cdef class Ring:
                 nvec = _iov_remainder(req)
                 if req.opcode == OP_READ:
                     io_uring_prep_readv(sqe, req.fd, req.iov + req.iovcnt, nvec, req.offset + req.done)
+                    fixed = self._fixed_vec(req.iov + req.iovcnt, nvec) if self.readv_fixed and self._nfixed else -1
+                    if fixed >= 0:
+                        sqe.opcode = OP_READV_FIXED
+                        sqe.buf_index = <uint16_t>fixed
+                        self.fixed_ops += 1
                 else:
                     io_uring_prep_writev(sqe, req.fd, req.iov + req.iovcnt, nvec, req.offset + req.done)
             elif req.opcode == OP_READ:
-                io_uring_prep_read(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
+                fixed = self._fixed(<uintptr_t>(req.base + req.done), nbytes) if self._nfixed else -1
+                if fixed >= 0:
+                    io_uring_prep_read_fixed(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done,
+                                             fixed)
+                    self.fixed_ops += 1
+                else:
+                    io_uring_prep_read(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
             else:
                 io_uring_prep_write(sqe, req.fd, req.base + req.done, <unsigned>nbytes, req.offset + req.done)
             io_uring_sqe_set_data64(sqe, <uint64_t>slot)
@@ -545,3 +668,4 @@ cdef class Ring:
         self._nblocks = 0
         PyMem_Free(self._backlog)
         self._backlog = NULL
+        self._forget_fixed()  # (the kernel unpinned them when the ring closed)

@@ -12,7 +12,8 @@ A/B shares every round): ``inplace`` reads single-holder pages straight into the
 (the huge-page test answers yes), ``claim=window`` restores the claim rule before claims were capped
 at half the tier's window (a claim of up to a whole window), ``deep`` holds each tier's window at its
 ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` sets ``memory`` (e.g.
-``adapter-mem256M-deep``), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
+``adapter-mem256M-deep``), ``noreg`` sets ``register_memory=off`` (the pool is not registered with the
+read ring, so reads into its 4 KiB pages are staged: the rule before 2026-12-05), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
 requests (``fastest_deep``), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
@@ -124,12 +125,15 @@ for m in modes:
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
     else:
         mem = re.search(r"mem(\d+[KMG]?)", m)
-        extra = {"memory": mem.group(1)} if mem else None
+        extra = {"memory": mem.group(1)} if mem else {}
+        if "noreg" in m:  # the host pool not registered with the read ring: staged (the rule before 2026-12-05)
+            extra["register_memory"] = False
+        extra = extra or None
         c = AdapterReads(host, subs, "llama3-8b", extra, name=m)
         rp = rps[m] = READ_PATHS[-1]  # the read path of the engine this adapter just opened
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
         if "inplace" in m:
-            rp.huge.huge = lambda address, nbytes: True
+            rp.memory.takes = lambda segments: True
         if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
             for flow in rp.io.flows:
                 def completed(*a, _flow=flow, _completed=flow.completed, **k):

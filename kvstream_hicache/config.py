@@ -78,6 +78,10 @@ SETTINGS: dict[str, Setting] = {
                                    "time, and only while no get reads the tier and no put waits for it"),
     "read_priority": Setting(True, "writes to a tier wait while a get reads from it (on), or go out whatever is "
                                    "read (off: the behaviour before read priority, every write in flight at once)"),
+    "register_memory": Setting(True, "memory an adapter reads pages into (SGLang's host pool, LMCache's buffer) is "
+                                     "registered with the read ring once (io_uring fixed buffers: pinned for the "
+                                     "engine's life), so reads land in it directly without pinning it per read; off "
+                                     "= reads into memory in 4 KiB pages are staged and copied"),
     "write_backlog": Setting("2G", "deferred writes (the LMCache path): bytes of pages queued and not yet "
                                    "committed; a store beyond it waits (back-pressure), e.g. '2G'"),
     "scan_rate": Setting(2000.0, "the background start-up scan reads at most this many page files a second per "
@@ -234,6 +238,7 @@ class Config:
     catchup: bool = _default("catchup")
     catchup_share: float = _default("catchup_share")
     read_priority: bool = _default("read_priority")
+    register_memory: bool = _default("register_memory")
     write_backlog: int = _default("write_backlog")
     scan_rate: float = _default("scan_rate")
     scan_cpu: float = _default("scan_cpu")
@@ -322,6 +327,7 @@ class Config:
                               "give e.g. 0.75 (the default), or catchup=off to turn background replication off")
         put("catchup_share", share)
         put("read_priority", parse_flag(self.read_priority, what("read_priority")))
+        put("register_memory", parse_flag(self.register_memory, what("register_memory")))
         put("write_backlog", parse_bytes(self.write_backlog, what("write_backlog")))
         put("scan_rate", parse_number(self.scan_rate, what("scan_rate"),
                                       hint="; give page files a second per tier, e.g. 2000, or 0 for no limit"))

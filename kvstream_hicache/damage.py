@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 from .fds import close_fd
 from .index import Index, PageInfo
@@ -24,11 +25,12 @@ log = logging.getLogger("kvstream")
 
 
 def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, info: PageInfo, j: int,
-                 why: str) -> bool:
+                 why: str, in_transfer: Callable[[], None] = lambda: None) -> bool:
     """Block ``j`` of ``key`` from ``tier`` failed its ``why`` check ('checksum', 'truncated'). Returns
     True when the indexed copy is gone from the index (damaged and removed, vanished, or another
     writer's version): the page is worth looking up again on the tiers, where no indexed copy is left
-    (a copy the index does not list: one the start-up scan has not reached yet, or another process's)."""
+    (a copy the index does not list: one the start-up scan has not reached yet, or another process's).
+    ``in_transfer`` is called when the copy on disk is intact (the fault was the transfer's)."""
     span = block_span(info.length, info.block, j)
     try:
         data = _read_block(tier, key, span)
@@ -40,6 +42,7 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     if not differs:
         log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
                     "intact on disk; read from a replica", j, key, tier.k, why)
+        in_transfer()
         return False
     problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
     if problem is not None and problem.reason is Reason.UNREADABLE:

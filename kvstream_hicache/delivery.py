@@ -11,6 +11,7 @@ import errno
 from . import damage
 from .getcall import GetCall, Req
 from .index import Index
+from .memory import CallerMemory
 from .stats import Stats
 from .tiers import Tier
 
@@ -18,11 +19,12 @@ from .tiers import Tier
 class Delivery:
     """Verifies and hands over what the read ring delivered, for a read path's ``tiers``."""
 
-    def __init__(self, tiers: list[Tier], index: Index, stats: Stats, digest: str):
+    def __init__(self, tiers: list[Tier], index: Index, stats: Stats, digest: str, memory: CallerMemory):
         self.tiers = tiers
         self.index = index
         self.stats = stats
         self.digest = digest
+        self.memory = memory  # told when a read in place failed in transfer (memory.py)
 
     def deliver_under_reads(self, req: Req, res: int) -> list:
         """Verify (and, from staging, copy in) the blocks that arrived; tell the router."""
@@ -62,7 +64,7 @@ class Delivery:
                     self.stats.add(tier, "corrupted")
                     if (tier, req.p) not in call.bad:
                         self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
-                                                "checksum" if i < complete else "truncated")
+                                                     "checksum" if i < complete else "truncated", req.bufs is None)
             results.append((item, ok))
         if duplicates:
             self.stats.total("duplicate_reads", duplicates)
@@ -88,9 +90,11 @@ class Delivery:
         if self.tiers[tier].copy_gone(errno.ESTALE, key):
             self.index.remove(key, tier)
 
-    def _quarantine_under_reads(self, call: GetCall, tier: int, p: int, j: int, why: str) -> None:
+    def _quarantine_under_reads(self, call: GetCall, tier: int, p: int, j: int, why: str, in_place: bool) -> None:
         """A block failed its check (damage.py tells what the copy on disk is)."""
         page = call.pages[p]
         call.bad.add((tier, p))
-        if damage.block_failed(self.tiers[tier], self.index, self.stats, self.digest, page.key, page.info, j, why):
+        in_transfer = (lambda: self.memory.fault(page.key)) if in_place else (lambda: None)
+        if damage.block_failed(self.tiers[tier], self.index, self.stats, self.digest, page.key, page.info, j, why,
+                               in_transfer):
             call.relook.add(page.key)

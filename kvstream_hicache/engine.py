@@ -150,7 +150,7 @@ class Engine:
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                config.read_timeout, share, namespace.digest, self.priority, _weak(self._recover, 0),
-                               _weak(self._read_done, None))
+                               _weak(self._read_done, None), register_memory=config.register_memory)
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                  namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
                                  ceiling=share, thinned=_weak(self._thinned, None))
@@ -245,14 +245,15 @@ class Engine:
         return held
 
     def register_memory(self, address: int, nbytes: int) -> bool:
-        """Say where pages will be read into (a host pool, a destination buffer): the engine learns
-        now, off the read path, whether that memory is huge-page backed, so reads of pages one tier
-        alone holds land in it directly from the first call (memory.py). Without it the first reads
-        into new memory are staged while the engine learns it in the background. Returns whether it
-        is (such reads then land in place where a page's pieces are also 4096-aligned)."""
+        """Say where pages will be read into (a host pool, a destination buffer), memory that stays
+        mapped while the engine is open. With ``register_memory`` on (the default) the read ring pins
+        it now (io_uring fixed buffers), so reads of pages one tier alone holds land in it directly and
+        pin nothing; the engine also learns now, off the read path, whether it is huge-page backed
+        (memory.py). Without it, reads into memory of 4 KiB pages are staged, and the first reads into
+        new memory are staged while the engine learns it in the background. Returns whether reads
+        land in it (where a page's pieces are also 4096-aligned)."""
         self._check_open()
-        self._reads.huge.refresh()
-        return self._reads.huge.huge(address, nbytes)
+        return self._reads.register_memory(address, nbytes)
 
     def contains(self, key: str) -> bool:
         """True when a healthy tier holds ``key``: the index, and for a key it lacks, one header

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from .files import ReadFile
 from .index import PageInfo
 from .io import MAX_VECTOR, PageMap
-from .layout import ALIGN, is_aligned, is_valid_key
-from .memory import HugePageMap
+from .layout import ALIGN, is_valid_key
+from .memory import CallerMemory
 from .segments import Segment
 from .stats import Stats, batch_figures
 
@@ -23,13 +23,12 @@ class ReadPage:
 
     __slots__ = ("key", "info", "map", "in_place", "single")
 
-    def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment], holders: int, huge: HugePageMap):
+    def __init__(self, key: str, info: PageInfo, segments: Sequence[Segment], holders: int, memory: CallerMemory):
         self.key, self.info = key, info
         self.map = PageMap(segments, info.length, info.block, info.crcs)
         # O_DIRECT can target the caller's memory as it is, and does better there than through
-        # staging: huge pages (memory.py)
-        self.in_place = info.length % ALIGN == 0 and len(segments) <= MAX_VECTOR and \
-            all(is_aligned(a, n) and huge.huge(a, n) for a, n in segments)
+        # staging: huge pages, or memory registered with the ring (memory.py)
+        self.in_place = info.length % ALIGN == 0 and len(segments) <= MAX_VECTOR and memory.takes(segments)
         self.single = holders & (holders - 1) == 0  # one usable holder: nobody can race for it
 
 
@@ -71,7 +70,7 @@ class GetCall:
         self.single = False  # every page has one usable holder (plan)
         self.in_place = False  # ... and every page can be read into caller memory (plan)
 
-    def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, huge: HugePageMap) -> None:
+    def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, memory: CallerMemory) -> None:
         """The call's pages and items (page, block): each key the index holds on a usable tier whose
         size matches the caller's buffer (``infos``: the pinned index entries)."""
         if len(pages) != len(keys):
@@ -92,7 +91,7 @@ class GetCall:
             if not holders:
                 continue
             p = len(self.pages)
-            self.pages.append(ReadPage(key, info, segments, holders, huge))
+            self.pages.append(ReadPage(key, info, segments, holders, memory))
             self.page_of.append(i)
             for j in range(len(info.crcs)):
                 self.items.append((p, j))

@@ -1,4 +1,4 @@
-"""Caller memory: is a range backed by huge pages? (Whether a read may land in it directly.)
+"""Caller memory: may a read land in it directly, or must it be staged and copied?
 
 An O_DIRECT read into memory of 4 KiB pages pins every page for every request and goes to the
 device as one segment per page, so the block layer splits it at the device's segment limit (a
@@ -10,11 +10,20 @@ into huge-page memory ran at 7.2 GB/s for 0.043 s/GB. Measured again through the
 into sglang's real host pool (its own shared mapping in 4 KiB pages, 8 MiB pages in 8 MiB requests;
 docs/benchmarks.md "Reads into SGLang's host pool"): in place read 0.81x staged on a RAM tier and
 0.64x on this machine's disk (virtio-blk splits each request at its segment limit), for the same CPU
-per GB (the pinning of 4 KiB pages costs what the copy saves). So a read lands in caller memory only
-where that memory is huge-page backed (THP or hugetlbfs), which the kernel reports per mapping in
-/proc/self/smaps.
+per GB (the pinning of 4 KiB pages costs what the copy saves).
 
-The answer is cached per mapping. Reading smaps walks the page tables of every mapping (63 ms for a
+So a read lands in caller memory where that memory is
+
+* huge-page backed (THP or hugetlbfs), which the kernel reports per mapping in /proc/self/smaps
+  (:class:`HugePageMap`), or
+* registered with the read ring (:class:`CallerMemory`, ``Engine.register_memory``: the adapters
+  register SGLang's host pool and LMCache's buffer): the kernel pinned it once, so a read into it
+  pins nothing (READ_FIXED; a page of several pieces, e.g. page_first's K and V, needs READV_FIXED,
+  Linux 6.15). In place then costs 0.005 s/GB of kernel time where staging costs the copy (0.07
+  s/GB with the checksum) and a plain read into 4 KiB pages 0.03-0.07 s/GB of pinning
+  (docs/benchmarks.md, "Reads into registered memory").
+
+The answer for huge pages is cached per mapping. Reading smaps walks the page tables of every mapping (63 ms for a
 process with sglang loaded and a 2 GiB pool, seconds for a 100 GB host pool), so it never runs on the
 read path: an address outside every mapping the table knows, or a table older than
 :data:`REFRESH_S` (the kernel may collapse or split huge pages), starts one read in a background
@@ -23,9 +32,16 @@ thread, and until it lands the answer is "not huge" (the read is staged: always 
 from __future__ import annotations
 
 import bisect
+import errno
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+from .layout import is_aligned
+from .segments import Segment
+
+log = logging.getLogger("kvstream")
 
 REFRESH_S = 600.0  # the kernel's answer is re-read in the background at least this often, s
 HUGE = 2 << 20  # a page at least this large counts as huge, bytes
@@ -112,3 +128,64 @@ class HugePageMap:
             huge.append(page >= HUGE or (rss > 0 and 2 * pmd >= rss))
         self._table = (starts, ends, huge)
         self._read_at = self.clock()
+
+
+class CallerMemory:
+    """Which caller memory a read may land in directly (see the module docstring): the read path's
+    one question about memory, asked per page (``takes``). Used under the read path's lock.
+
+    :param ring: the read ring: registration needs a ``Ring`` (the thread-pool engine and the
+        fault-injecting wrapper have none, and never read into registered memory).
+    :param register: the ``register_memory`` setting.
+    """
+
+    def __init__(self, ring, register: bool):
+        self.huge = HugePageMap()
+        self.ring = ring if register and hasattr(ring, "register_memory") else None
+
+    def register(self, address: int, nbytes: int) -> bool:
+        """Pin ``[address, address + nbytes)`` with the read ring (it must stay mapped while the engine
+        is open); returns whether reads of pages of any number of pieces may land in it. A refusal (the
+        memlock limit of a user without CAP_IPC_LOCK, a kernel before 5.19) leaves it to the huge-page
+        test, with one log line."""
+        ring = self.ring
+        if ring is not None and ring.fixed(address, nbytes) < 0:
+            t0 = time.perf_counter()
+            try:
+                ring.register_memory(address, nbytes)
+                log.debug("kvstream: %d MiB of caller memory registered with io_uring in %.2f s: reads into it "
+                          "pin nothing%s", nbytes >> 20, time.perf_counter() - t0,
+                          "" if ring.readv_fixed else " (pages of one piece; a page of several is staged "
+                                                      "before Linux 6.15)")
+            except OSError as exc:
+                hint = " (raise the memlock limit: ulimit -l, LimitMEMLOCK=, or run with CAP_IPC_LOCK)" \
+                    if exc.errno == errno.ENOMEM else ""
+                log.warning("kvstream: could not register %d MiB of caller memory with io_uring: %s%s; reads "
+                            "into it are staged unless it is huge-page backed (register_memory=off silences "
+                            "this)", nbytes >> 20, exc.strerror, hint)
+        self.huge.refresh()
+        registered = ring is not None and ring.fixed(address, nbytes) >= 0
+        return (registered and ring.readv_fixed) or self.huge.huge(address, nbytes)
+
+    def takes(self, segments: Sequence[Segment]) -> bool:
+        """Whether a read of a page whose payload is ``segments`` may land in them: each 4096-aligned,
+        and all huge-page backed, or all in one registered piece (several pieces only where the kernel
+        reads a vector into fixed buffers)."""
+        if not all(is_aligned(a, n) for a, n in segments):
+            return False
+        ring = self.ring
+        if ring is not None and ring.fixed_bytes and (len(segments) == 1 or ring.readv_fixed):
+            piece = ring.fixed(*segments[0])
+            if piece >= 0 and all(ring.fixed(a, n) == piece for a, n in segments[1:]):
+                return True
+        return all(self.huge.huge(a, n) for a, n in segments)
+
+    def fault(self, key: str) -> None:
+        """A read into registered memory failed its check: that memory may have been unmapped and
+        mapped again (a read lands in the pages pinned at registration, wherever the address points
+        now). Every registration is dropped: reads are staged from now on (always correct)."""
+        if self.ring is not None and self.ring.fixed_bytes:
+            log.warning("kvstream: a read of page %s into registered memory failed its check; if that memory "
+                        "was freed and mapped again, register it again (Engine.register_memory). Reads into "
+                        "it are staged from now on", key)
+            self.ring.unregister_memory()

@@ -45,7 +45,7 @@ from .integrity import NotRegularFile
 from .io import MAX_VECTOR, OP_READ
 from .layout import HEADER_SIZE, round_up
 from .locks import ranked_lock
-from .memory import HugePageMap
+from .memory import CallerMemory
 from .priority import ReadPriority
 from .segments import Segment
 from .staging import BufferPool
@@ -75,8 +75,9 @@ class ReadPath:
     :param after_get: the engine's ``after_get(keys, pages, found)`` (replication.py), called before a
         get returns: ``pages`` hold the caller's verified copies of the pages ``found``; a page that
         lacks a tier is owed to it.
+    :param register_memory: the setting: ``register_memory`` pins caller memory with the ring.
 
-    Lock: ``lock``, one call at a time (``get``, ``drain``, ``close`` take it): methods ending
+    Lock: ``lock``, one call at a time (``get``, ``drain``, ``close``, ``register_memory`` take it): methods ending
     ``_under_reads`` run with it held.
     """
 
@@ -84,7 +85,7 @@ class ReadPath:
                  read_timeout: float, ceiling: int, digest: str, priority: ReadPriority,
                  recover: Callable[[list[str], set[str], int], int],
                  after_get: Callable[[Sequence[str], Sequence[Sequence[Segment]], list[bool]], None]
-                 = lambda keys, pages, found: None):
+                 = lambda keys, pages, found: None, *, register_memory: bool):
         self.io = InFlight(ring, len(tiers), block, ceiling)
         self.recover = recover
         self.after_get = after_get
@@ -96,14 +97,21 @@ class ReadPath:
         self.pool = pool
         self.read_timeout = read_timeout
         self.lock = ranked_lock("read")
-        self.huge = HugePageMap()
-        self.delivery = Delivery(tiers, index, stats, digest)
+        self.memory = CallerMemory(ring, register_memory)
+        self.delivery = Delivery(tiers, index, stats, digest, self.memory)
         self.files = ReadFiles(self.delivery.stale_copy)
 
     @property
     def orphans(self) -> int:
         """Reads of finished calls still in flight (engine-owned buffers)."""
         return self.io.orphans
+
+    def register_memory(self, address: int, nbytes: int) -> bool:
+        """See Engine.register_memory (memory.py: CallerMemory.register)."""
+        with self.lock:
+            if self.closed:
+                raise EngineClosedError("kvstream engine is closed")
+            return self.memory.register(address, nbytes)
 
     # -- get -----------------------------------------------------------------------------------
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], policy, mask: int) -> list[bool]:
@@ -134,7 +142,7 @@ class ReadPath:
         infos = self.index.pin(keys)
         call = GetCall(len(self.tiers))
         try:
-            call.plan(keys, pages, infos, mask, self.stats, self.huge)
+            call.plan(keys, pages, infos, mask, self.stats, self.memory)
             if call.items:
                 self._run_under_reads(call, policy, mask)
             for p, ok in enumerate(call.pages_done()):

@@ -72,8 +72,8 @@ def _lmcache_classes() -> dict[str, type]:
             ``policy``, ... as ``KVSTREAM_*``; explicit wins over the variable) and the adapter's own
             (:data:`~kvstream_hicache.lmcache.keys.ADAPTER_PARAMS`).
         :param l1_memory_desc: LMCache's L1 arena: registered with the engine so that reads of chunks
-            one tier alone holds land in L1 directly from the first load when the arena is huge-page
-            backed (:meth:`Engine.register_memory`); every other read is staged and copied.
+            one tier alone holds land in L1 directly from the first load (:meth:`Engine.register_memory`:
+            pinned once with the read ring, or huge-page backed); every other read is staged and copied.
         :param engine: an engine to use instead of opening one (tests, embedding); not closed here.
         :raises KVStreamError: bad setting or unusable tier (LMCache then fails to start the server).
         """

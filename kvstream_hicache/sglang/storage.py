@@ -586,8 +586,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         return fields
 
     def _register_pool(self, host) -> bool:
-        """Tell the engine where pages are read into (the pool's KV buffer), so it knows from the first
-        call whether that memory takes reads in place (huge pages); returns whether it does."""
+        """Tell the engine where pages are read into (the pool's KV buffer): it registers it with its
+        read ring (memory.py), so reads land in it in place from the first call; returns whether they do."""
         buf = getattr(host, "kv_buffer", None)
         if not isinstance(buf, torch.Tensor) or not buf.numel():
             return False
@@ -636,9 +636,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         scan = getattr(engine, "scan", None) or {}
         host = self.mem_pool_host
         mode = "zero-copy" if self.zero_copy else "staged"
-        if self.zero_copy:  # where a read lands: the host pool itself only if it is huge-page backed
+        if self.zero_copy:  # where a read lands: the host pool itself once registered, or on huge pages
             mode += " (reads of single-tier pages in place)" if self._reads_in_place else \
-                " (reads through huge-page staging: host pool in 4 KiB pages)"
+                " (reads through huge-page staging: host pool in 4 KiB pages, not registered)"
         why = "" if self.zero_copy else f" (host pages not {ALIGN}-aligned: bounce buffers)"
         writer = "" if self.is_writer else "; MLA non-writer rank (sglang skips its backups; no catch-up)"
         return (f"kvstream: {len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''} [{tiers}]; "

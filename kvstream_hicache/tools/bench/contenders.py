@@ -40,6 +40,7 @@ KVSTREAM_1TIER = "kvstream-1tier"
 HICACHE_FILE = "hicache-file"
 SGLANG_ADAPTER = "sglang-adapter"
 SGLANG_ADAPTER_1TIER = "sglang-adapter-1tier"
+SGLANG_ADAPTER_1TIER_STAGED = "sglang-adapter-1tier-staged"  # register_memory=off: the rule before 2026-12-05
 LMCACHE_ADAPTER = "lmcache-adapter"
 
 
@@ -390,7 +391,8 @@ class AdapterReads(Contender):
     """``KVStreamHiCacheStorage.batch_get_v1`` into the host pool, via ``_page_get_zero_copy``.
 
     :param tiers: its tier directories: the bench's (``sglang-adapter``), or tier 0's alone
-        (``sglang-adapter-1tier``, kvstream as a one-tier SGLang user runs it).
+        (``sglang-adapter-1tier``, kvstream as a one-tier SGLang user runs it; ``-staged``: with
+        ``register_memory=off``, so reads into the host pool's 4 KiB pages are staged and copied).
     :param n_tiers: the bench's tier count (default: ``len(tiers)``).
     """
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .contenders import HICACHE_FILE, KVSTREAM_1TIER, LMCACHE_ADAPTER, SGLANG_ADAPTER, SGLANG_ADAPTER_1TIER, \
-    AdapterReads, Contender, HiCacheFileReads, OneTierReads, SglangHost
+    SGLANG_ADAPTER_1TIER_STAGED, AdapterReads, Contender, HiCacheFileReads, OneTierReads, SglangHost
 from .lmcache_l2 import FS_NATIVE_ODIRECT, L2_CONTENDERS, LMCACHE_KVSTREAM
 from .nixl import NIXL, NIXL_SHARDED
 
-SGLANG_PEERS = (HICACHE_FILE, SGLANG_ADAPTER, SGLANG_ADAPTER_1TIER, NIXL, NIXL_SHARDED)
+SGLANG_PEERS = (HICACHE_FILE, SGLANG_ADAPTER, SGLANG_ADAPTER_1TIER, SGLANG_ADAPTER_1TIER_STAGED, NIXL, NIXL_SHARDED)
 LMCACHE_PEERS = L2_CONTENDERS
 OWN_COPY = SGLANG_PEERS + LMCACHE_PEERS + (KVSTREAM_1TIER,)  # write their own copy of the data set
 NOT_POLICIES = OWN_COPY + (LMCACHE_ADAPTER,)  # every other name is a routing policy of the bench engine
@@ -27,6 +27,7 @@ NOT_POLICIES = OWN_COPY + (LMCACHE_ADAPTER,)  # every other name is a routing po
 REFERENCES = ("tier0", HICACHE_FILE, NIXL, FS_NATIVE_ODIRECT)
 
 _NEEDS = {HICACHE_FILE: ("sglang",), SGLANG_ADAPTER: ("sglang",), SGLANG_ADAPTER_1TIER: ("sglang",),
+          SGLANG_ADAPTER_1TIER_STAGED: ("sglang",),
           NIXL: ("sglang", "nixl"),
           NIXL_SHARDED: ("sglang", "nixl"), **{name: ("lmcache",) for name in LMCACHE_PEERS}}
 _HOW = {
@@ -108,9 +109,10 @@ def build(spec: str, ctx: Context) -> Contender:
         return HiCacheFileReads(ctx.sglang_host(), own[0], ctx.model_name, drop=ctx.drop_caches)
     if spec == SGLANG_ADAPTER:
         return AdapterReads(ctx.sglang_host(), ctx.dirs, ctx.model_name, ctx.settings)
-    if spec == SGLANG_ADAPTER_1TIER:
+    if spec in (SGLANG_ADAPTER_1TIER, SGLANG_ADAPTER_1TIER_STAGED):
         os.makedirs(own[0], exist_ok=True)
-        return AdapterReads(ctx.sglang_host(), own[:1], ctx.model_name, ctx.settings, name=spec, n_tiers=n)
+        settings = {**ctx.settings, "register_memory": False} if spec == SGLANG_ADAPTER_1TIER_STAGED else ctx.settings
+        return AdapterReads(ctx.sglang_host(), own[:1], ctx.model_name, settings, name=spec, n_tiers=n)
     if spec in (NIXL, NIXL_SHARDED):
         from .nixl import NixlReads
 

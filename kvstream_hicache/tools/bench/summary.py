@@ -196,7 +196,9 @@ def plots(docs: Sequence[dict], img_dir: str, prefix: str = "bench") -> list[str
 DEVICE_COLUMNS = {  # overview columns per environment: (policy, heading)
     "sglang": (("hicache-nixl", "nixl (1 dir)"), ("hicache-nixl-sharded", "nixl sharded"),
                ("hicache-file", "sglang file"), ("kvstream-1tier", "kvstream 1 tier"), ("kvstream", "kvstream 2 tiers"),
-               ("sglang-adapter-1tier", "kvstream adapter 1 tier"), ("sglang-adapter", "kvstream adapter 2 tiers")),
+               ("sglang-adapter-1tier", "kvstream adapter 1 tier"),
+               ("sglang-adapter-1tier-staged", "kvstream adapter 1 tier, staged"),
+               ("sglang-adapter", "kvstream adapter 2 tiers")),
     "lmcache": (("lmcache-fs-native-odirect", "fs_native O_DIRECT"), ("lmcache-fs-native", "fs_native buffered"),
                 ("lmcache-kvstream-1tier", "kvstream adapter 1 tier"), ("lmcache-kvstream", "kvstream adapter 2 tiers")),
 }
@@ -329,7 +331,9 @@ def device_markdown(docs: Sequence[dict]) -> str:
 
 # (policy, its one-tier twin or None, heading): the SGLang adapter first (what a SGLang user runs, into
 # sglang's own host pool), then the bare engine into the bench's huge-page buffer
-HEADLINE_COLUMNS = (("sglang-adapter-1tier", None, "adapter 1 tier"), ("sglang-adapter", "sglang-adapter-1tier",
+HEADLINE_COLUMNS = (("sglang-adapter-1tier", None, "adapter 1 tier"),
+                    ("sglang-adapter-1tier-staged", None, "adapter 1 tier, staged"),
+                    ("sglang-adapter", "sglang-adapter-1tier",
                     "adapter 2 tiers"), ("kvstream-1tier", None, "engine 1 tier"), ("kvstream", "kvstream-1tier",
                     "engine 2 tiers"))
 

@@ -1,0 +1,156 @@
+"""Reads into registered memory: caller memory in 4 KiB pages (as SGLang allocates its host pool: a
+shared anonymous mapping) that the engine registered with its read ring (io_uring fixed buffers) takes
+reads in place, sent as READ_FIXED / READV_FIXED, pinning nothing per read; without registration it is
+staged. Memory that was unmapped and mapped again after it was registered is never served from stale
+pins: the check fails, the copy on disk is kept, registrations are dropped and the next read is staged.
+Real io_uring, real files with O_DIRECT; no timing assertions.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import mmap
+import os
+
+import pytest
+
+from kvstream_hicache._uring import OP_READ, Ring
+
+from helpers import Pages, key, make_array_engine as make_engine, uring_available
+
+pytestmark = pytest.mark.skipif(not uring_available(), reason="io_uring_setup refused on this host")
+
+MIB = 1 << 20
+PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
+MAP_FIXED = 0x10
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class SmallPages:
+    """A shared anonymous mapping in 4 KiB pages, as sglang's host pool (``remap`` maps it again at the
+    same address: new, zeroed memory where the old pages were)."""
+
+    def __init__(self, nbytes: int, address: int | None = None):
+        self.nbytes = nbytes
+        flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | (MAP_FIXED if address else 0)
+        self.address = libc.mmap(address, nbytes, PROT_RW, flags, -1, 0)
+        assert self.address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        libc.madvise(self.address, nbytes, mmap.MADV_NOHUGEPAGE)
+        ctypes.memset(self.address, 0, nbytes)  # (faulted in, as sglang's MAP_POPULATE)
+
+    def bytes(self, offset: int = 0, n: int | None = None) -> bytes:
+        return ctypes.string_at(self.address + offset, self.nbytes - offset if n is None else n)
+
+    def remap(self) -> None:
+        assert libc.munmap(self.address, self.nbytes) == 0
+        again = SmallPages(self.nbytes, self.address)
+        assert again.address == self.address
+
+    def close(self) -> None:
+        libc.munmap(self.address, self.nbytes)
+
+
+def page_first(memory: SmallPages, sizes: list[int], n: int) -> list[list[tuple[int, int]]]:
+    """``n`` pages of two pieces each (sglang's page_first K and V chunks) laid out in ``memory``."""
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [[(memory.address + offsets[2 * i], sizes[2 * i]), (memory.address + offsets[2 * i + 1], sizes[2 * i + 1])]
+            for i in range(n)]
+
+
+def stored(dirs, n, **settings):
+    pages = Pages(n, size=4 * MIB)  # two 2 MiB pieces a page
+    keys = [key(i, "registered") for i in range(n)]
+    engine = make_engine(dirs, "uring", **settings)
+    assert engine.put(keys, pages.src_segments) == [True] * n
+    sizes = [s for shape in pages.shapes for s in shape]
+    return engine, pages, keys, sizes
+
+
+def test_the_ring_sends_reads_into_registered_memory_as_fixed_and_others_as_before(tmp_path):
+    data = os.urandom(4 * MIB)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    memory = SmallPages(16 * MIB)
+    other = SmallPages(MIB)
+    ring = Ring()
+    try:
+        a = memory.address
+        assert ring.fixed(a, 4096) == -1 and ring.fixed_bytes == 0
+        assert ring.register_memory(a, 16 * MIB) == 16 * MIB
+        assert ring.register_memory(a + 4096, 4096) == 0  # (overlaps: nothing new pinned)
+        assert ring.fixed(a, 16 * MIB) == 0 and ring.fixed(a, 16 * MIB + 1) == -1 and ring.fixed(a - 4096, 4096) == -1
+        vector = [(a + 2 * MIB, MIB // 2), (a + 8 * MIB, MIB // 2)]  # one file range into two pieces of memory
+        ring.submit([(OP_READ, fd, (a, MIB), 0, 1), (OP_READ, fd, vector, MIB, 2),
+                     (OP_READ, fd, (other.address, MIB), 2 * MIB, 3)])
+        assert sorted(ring.reap(3)) == [(1, MIB), (2, MIB), (3, MIB)]
+        assert ring.fixed_ops == (2 if ring.readv_fixed else 1)  # not the read into unregistered memory
+        assert memory.bytes(0, MIB) == data[:MIB]
+        assert memory.bytes(2 * MIB, MIB // 2) + memory.bytes(8 * MIB, MIB // 2) == data[MIB:2 * MIB]
+        assert other.bytes() == data[2 * MIB:3 * MIB]
+        ring.unregister_memory()
+        assert ring.fixed_bytes == 0 and ring.fixed(a, 4096) == -1
+        ring.submit([(OP_READ, fd, (a + MIB, MIB), 3 * MIB, 4)])
+        assert ring.reap(1) == [(4, MIB)] and ring.fixed_ops == (2 if ring.readv_fixed else 1)
+        assert memory.bytes(MIB, MIB) == data[3 * MIB:]
+        assert ring.register_memory(a, 16 * MIB) == 16 * MIB  # (again, after unregistering)
+    finally:
+        ring.close()
+        os.close(fd)
+        memory.close()
+        other.close()
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_registered_memory_in_small_pages_takes_reads_in_place(tier_dirs, register):
+    """sglang's host pool (4 KiB pages, pages of a K and a V piece) registered: every byte lands in
+    place through the fixed buffers; with register_memory=off the same memory is staged."""
+    engine, pages, keys, sizes = stored(tier_dirs[:1], 4, register_memory=register)
+    memory = SmallPages(sum(sizes))
+    try:
+        with engine:
+            segments = page_first(memory, sizes, 4)
+            assert engine.register_memory(memory.address, memory.nbytes) == register
+            ring = engine._reads.io.ring
+            before = ring.fixed_ops
+            assert engine.get(keys, segments) == [True] * 4
+            assert memory.bytes() == b"".join(a.tobytes() for page in pages.src for a in page)
+            in_place = register and ring.readv_fixed  # (pages of two pieces: READV_FIXED, Linux 6.15)
+            assert engine.last_batch["direct_bytes"] == (16 * MIB if in_place else 0)
+            assert (ring.fixed_ops > before) == in_place
+            assert ring.fixed_bytes == (memory.nbytes if register else 0)
+    finally:
+        memory.close()
+
+
+def test_memory_mapped_again_after_registration_is_never_served_stale_pins(tier_dirs, caplog):
+    """A read into registered memory lands in the pages pinned at registration. Memory unmapped and
+    mapped again at the same address (a caller that broke the contract) then never receives it: the
+    check of what the caller's memory holds fails, the copy on disk is intact and kept, every
+    registration is dropped, and the next read is staged and served."""
+    engine, pages, keys, sizes = stored(tier_dirs[:1], 2)
+    memory = SmallPages(sum(sizes))
+    try:
+        with engine:
+            if not engine._reads.io.ring.readv_fixed:
+                pytest.skip("the kernel lacks READV_FIXED (Linux 6.15): pages of two pieces are staged")
+            segments = page_first(memory, sizes, 2)
+            assert engine.register_memory(memory.address, memory.nbytes)
+            memory.remap()
+            with caplog.at_level(logging.WARNING, logger="kvstream"):
+                found = engine.get(keys, segments)
+            assert found.count(False) >= 1  # (the page that failed is a miss: nobody else holds it)
+            assert "into registered memory failed its check" in caplog.text
+            assert engine._reads.io.ring.fixed_bytes == 0
+            assert all(engine.index.holders(k) == 1 for k in keys)  # intact copies stay indexed, on disk
+            assert engine.get(keys, segments) == [True, True]
+            assert engine.last_batch["direct_bytes"] == 0  # staged
+            assert memory.bytes() == b"".join(a.tobytes() for page in pages.src for a in page)
+    finally:
+        memory.close()
