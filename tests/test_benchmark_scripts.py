@@ -25,7 +25,7 @@ def test_bench_hostpool_one_tier_and_two_with_every_variant(tier_dirs):
     the script applies in the same process."""
     modes = ["nixl", "adapter-1tier", "adapter", "adapter-claim=window", "adapter-deep", "adapter-fastdeep",
              "adapter-vegas", "adapter-1tier-single16M", "adapter-inplace", "adapter-mem32M",
-             "adapter-oldunit"]
+             "adapter-oldunit", "adapter-1tier-noreg"]
     out = script("bench_hostpool.py", ",".join(tier_dirs[:2]), "2", "4", "2", *modes)
     for mode in modes:
         row = next(line for line in out.splitlines() if line.startswith(mode + " ") and "MB/s med" in line)
@@ -33,6 +33,17 @@ def test_bench_hostpool_one_tier_and_two_with_every_variant(tier_dirs):
     for tier in tier_dirs[:2]:
         assert os.path.isdir(os.path.join(tier, "hostpool-adapter"))
     assert not os.path.exists(os.path.join(tier_dirs[1], "hostpool-adapter-1tier"))  # one tier: DIR0 alone
+
+
+def test_bench_fixed_reads_registered_memory_as_fixed_and_the_rest_not(tier_root):
+    path = os.path.join(tier_root, "fixed.dat")
+    with open(path, "wb") as f:
+        f.write(os.urandom(4 << 20))
+    out = script("bench_fixed.py", path, "1024", "2", "1")
+    rows = {line.split()[0]: line for line in out.splitlines() if "MB/s med" in line}
+    assert sorted(rows) == ["plain", "registered", "staged"]
+    assert rows["registered"].endswith("fixed ops 8")  # 4 reads a round, a warm-up round and one timed
+    assert rows["plain"].endswith("fixed ops 0") and rows["staged"].endswith("fixed ops 0")
 
 
 def test_bench_put_compares_two_trees(tier_root):
