@@ -21,7 +21,8 @@ So a read lands in caller memory where that memory is
   pins nothing (READ_FIXED; a page of several pieces, e.g. page_first's K and V, needs READV_FIXED,
   Linux 6.15). In place then costs 0.005 s/GB of kernel time where staging costs the copy (0.07
   s/GB with the checksum) and a plain read into 4 KiB pages 0.03-0.07 s/GB of pinning
-  (docs/benchmarks.md, "Reads into registered memory").
+  (docs/benchmarks.md, "Reads into registered memory"). The kernel keeps 16 bytes per 4 KiB page
+  registered (0.4% of the memory) and pins it for the engine's life.
 
 The answer for huge pages is cached per mapping. Reading smaps walks the page tables of every mapping (63 ms for a
 process with sglang loaded and a 2 GiB pool, seconds for a 100 GB host pool), so it never runs on the

@@ -12,6 +12,7 @@ import itertools
 import logging
 import mmap
 import os
+import resource
 
 import pytest
 
@@ -20,6 +21,14 @@ from kvstream_hicache._uring import OP_READ, Ring
 from helpers import Pages, key, make_array_engine as make_engine, uring_available
 
 pytestmark = pytest.mark.skipif(not uring_available(), reason="io_uring_setup refused on this host")
+
+
+def lockable(nbytes: int) -> None:
+    """Skip unless this user may pin ``nbytes`` (root may; another user up to its memlock limit, which
+    the kernel charges registered buffers to: the refusal itself is tested below, as root too)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and soft < 2 * nbytes:
+        pytest.skip(f"the memlock limit ({soft} bytes) is below what this test pins: run as root or raise ulimit -l")
 
 MIB = 1 << 20
 PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -76,6 +85,7 @@ def test_the_ring_sends_reads_into_registered_memory_as_fixed_and_others_as_befo
     data = os.urandom(4 * MIB)
     path = tmp_path / "f"
     path.write_bytes(data)
+    lockable(16 * MIB)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     memory = SmallPages(16 * MIB)
     other = SmallPages(MIB)
@@ -111,6 +121,7 @@ def test_the_ring_sends_reads_into_registered_memory_as_fixed_and_others_as_befo
 def test_registered_memory_in_small_pages_takes_reads_in_place(tier_dirs, register):
     """sglang's host pool (4 KiB pages, pages of a K and a V piece) registered: every byte lands in
     place through the fixed buffers; with register_memory=off the same memory is staged."""
+    lockable(16 * MIB)
     engine, pages, keys, sizes = stored(tier_dirs[:1], 4, register_memory=register)
     memory = SmallPages(sum(sizes))
     try:
@@ -134,6 +145,7 @@ def test_memory_mapped_again_after_registration_is_never_served_stale_pins(tier_
     mapped again at the same address (a caller that broke the contract) then never receives it: the
     check of what the caller's memory holds fails, the copy on disk is intact and kept, every
     registration is dropped, and the next read is staged and served."""
+    lockable(8 * MIB)
     engine, pages, keys, sizes = stored(tier_dirs[:1], 2)
     memory = SmallPages(sum(sizes))
     try:
@@ -151,6 +163,28 @@ def test_memory_mapped_again_after_registration_is_never_served_stale_pins(tier_
             assert all(engine.index.holders(k) == 1 for k in keys)  # intact copies stay indexed, on disk
             assert engine.get(keys, segments) == [True, True]
             assert engine.last_batch["direct_bytes"] == 0  # staged
+            assert memory.bytes() == b"".join(a.tobytes() for page in pages.src for a in page)
+    finally:
+        memory.close()
+
+
+def test_memory_the_kernel_refuses_to_register_is_staged_with_one_warning(tier_dirs, caplog):
+    """A registration the kernel refuses (here: memory not mapped, EFAULT; for a user without
+    CAP_IPC_LOCK, a memlock limit below the pool, ENOMEM) is one warning, and reads are staged: the
+    attach goes on, nothing is pinned."""
+    engine, pages, keys, sizes = stored(tier_dirs[:1], 2)
+    memory = SmallPages(sum(sizes))
+    gone = SmallPages(MIB)
+    gone.close()  # (an address range with nothing mapped)
+    try:
+        with engine:
+            with caplog.at_level(logging.WARNING, logger="kvstream"):
+                assert engine.register_memory(gone.address, MIB) is False
+            assert "could not register 1 MiB of caller memory with io_uring" in caplog.text
+            assert engine._reads.io.ring.fixed_bytes == 0
+            segments = page_first(memory, sizes, 2)
+            assert engine.get(keys, segments) == [True, True]
+            assert engine.last_batch["direct_bytes"] == 0  # (4 KiB pages, not registered: staged)
             assert memory.bytes() == b"".join(a.tobytes() for page in pages.src for a in page)
     finally:
         memory.close()
