@@ -319,6 +319,8 @@ cdef class Ring:
         cdef uintptr_t end = address + nbytes
         if nbytes == 0:
             return 0
+        if nbytes > <size_t>MAX_FIXED * FIXED_PIECE or end < address:
+            raise _oserror(EINVAL, f"register {nbytes} bytes at {address:#x}: more than a ring registers")
         for i in range(self._nfixed):
             if self._fixed_lo[i] < end and address < self._fixed_hi[i]:
                 return 0
@@ -346,6 +348,13 @@ cdef class Ring:
             with nogil:  # pins every page: a second per 30 GB or so
                 ret = io_uring_register_buffers_update_tag(&self._ring, <unsigned>self._nfixed, iov,
                                                            <const unsigned long long *>NULL, <unsigned>pieces)
+            if 0 <= ret < pieces:  # the kernel stopped part way (the memlock limit, memory not mapped)
+                for i in range(pieces):
+                    iov[i].iov_base = NULL  # (an empty entry clears its slot)
+                    iov[i].iov_len = 0
+                io_uring_register_buffers_update_tag(&self._ring, <unsigned>self._nfixed, iov,
+                                                     <const unsigned long long *>NULL, <unsigned>ret)
+                ret = -12  # ENOMEM: what a memlock limit answers
             if ret < 0:
                 raise _oserror(-ret, f"register {nbytes} bytes at {address:#x} with io_uring")
             for i in range(pieces):
@@ -358,15 +367,37 @@ cdef class Ring:
         return nbytes
 
     def unregister_memory(self):
-        """Unpin every registered range (reads in flight keep what they use until they complete)."""
+        """No read goes out as fixed from now on, and every registered range is unpinned (reads in
+        flight keep what they use until they complete; a kernel before 6.13 waits for them, with
+        the GIL released). :raises OSError: the kernel refused to unpin (e.g. EINTR): nothing is
+        sent as fixed all the same, and a later ``register_memory`` may fail with EBUSY."""
         self._check_open()
-        if self._fixed_lo != NULL:
-            io_uring_unregister_buffers(&self._ring)
+        cdef int ret = 0
+        cdef bint table = self._fixed_lo != NULL
         self._forget_fixed()
+        if table:
+            with nogil:
+                ret = io_uring_unregister_buffers(&self._ring)
+        if ret < 0:
+            raise _oserror(-ret, "io_uring_unregister_buffers")
 
     def fixed(self, uintptr_t address, size_t nbytes) -> int:
         """The registered piece that holds all of ``[address, address + nbytes)``, or -1."""
         return self._fixed(address, nbytes)
+
+    def covers(self, uintptr_t address, size_t nbytes) -> bool:
+        """Whether registered pieces hold every byte of ``[address, address + nbytes)`` (one piece or
+        several: a registration of more than 1 GiB is several)."""
+        cdef uintptr_t end = address + nbytes
+        cdef int i
+        while address < end:
+            for i in range(self._nfixed):
+                if self._fixed_lo[i] <= address < self._fixed_hi[i]:
+                    address = self._fixed_hi[i]
+                    break
+            else:
+                return False
+        return True
 
     def close(self):
         """Cancel what has not started, wait for everything in flight, free the ring. Idempotent."""
@@ -401,6 +432,8 @@ cdef class Ring:
 
     cdef int _fixed_vec(self, iovec *iov, unsigned n) noexcept:
         """The registered piece that holds every range of a vectored op, or -1."""
+        if n == 0:
+            return -1
         cdef int k = self._fixed(<uintptr_t>iov[0].iov_base, iov[0].iov_len)
         cdef unsigned i
         for i in range(1, n):
@@ -654,7 +687,8 @@ cdef class Ring:
                     self._drain()
                 except BaseException:
                     break
-        io_uring_queue_exit(&self._ring)
+        io_uring_queue_exit(&self._ring)  # (unpins the registered memory)
+        self._forget_fixed()
         self._open = False
         self._done = []
         self._in_flight = 0

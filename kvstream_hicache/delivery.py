@@ -94,7 +94,9 @@ class Delivery:
         """A block failed its check (damage.py tells what the copy on disk is)."""
         page = call.pages[p]
         call.bad.add((tier, p))
-        in_transfer = (lambda: self.memory.fault(page.key)) if in_place else (lambda: None)
+        # (a checksum, not a short read, in place: the bytes the caller's memory holds were checked)
+        segments = page.map.ranges(0, page.info.length) if in_place and why == "checksum" else None
+        in_transfer = (lambda: self.memory.fault(page.key, segments)) if segments else (lambda: None)
         if damage.block_failed(self.tiers[tier], self.index, self.stats, self.digest, page.key, page.info, j, why,
                                in_transfer):
             call.relook.add(page.key)

@@ -39,8 +39,9 @@ ORDER = (
     "faults",  # fault plans (tests): rules and holds
     "metrics",  # Prometheus families and the exporter's last snapshot
 )
-# Not ranked: memory.HugePages._reading, a flag more than a lock (taken without waiting by the thread
-# that starts a refresh, released by the refresh thread): it is never waited for, so it closes no cycle.
+# Not ranked: memory.HugePageMap._reading, a flag more than a lock (taken without waiting by the thread
+# that starts a refresh, released by the refresh thread; waited for only by refresh(), which callers run
+# holding no lock: ReadPath.register_memory), so it closes no cycle.
 RANK = {name: rank for rank, name in enumerate(ORDER)}
 CHECK_ENV = "KVSTREAM_LOCK_CHECK"
 

@@ -148,9 +148,9 @@ class CallerMemory:
         """Pin ``[address, address + nbytes)`` with the read ring (it must stay mapped while the engine
         is open); returns whether reads of pages of any number of pieces may land in it. A refusal (the
         memlock limit of a user without CAP_IPC_LOCK, a kernel before 5.19) leaves it to the huge-page
-        test, with one log line."""
+        test (whose map the caller refreshed), with one log line."""
         ring = self.ring
-        if ring is not None and ring.fixed(address, nbytes) < 0:
+        if ring is not None and not ring.covers(address, nbytes):
             t0 = time.perf_counter()
             try:
                 ring.register_memory(address, nbytes)
@@ -164,8 +164,7 @@ class CallerMemory:
                 log.warning("kvstream: could not register %d MiB of caller memory with io_uring: %s%s; reads "
                             "into it are staged unless it is huge-page backed (register_memory=off silences "
                             "this)", nbytes >> 20, exc.strerror, hint)
-        self.huge.refresh()
-        registered = ring is not None and ring.fixed(address, nbytes) >= 0
+        registered = ring is not None and ring.covers(address, nbytes)
         return (registered and ring.readv_fixed) or self.huge.huge(address, nbytes)
 
     def takes(self, segments: Sequence[Segment]) -> bool:
@@ -181,12 +180,18 @@ class CallerMemory:
                 return True
         return all(self.huge.huge(a, n) for a, n in segments)
 
-    def fault(self, key: str) -> None:
-        """A read into registered memory failed its check: that memory may have been unmapped and
-        mapped again (a read lands in the pages pinned at registration, wherever the address points
-        now). Every registration is dropped: reads are staged from now on (always correct)."""
-        if self.ring is not None and self.ring.fixed_bytes:
-            log.warning("kvstream: a read of page %s into registered memory failed its check; if that memory "
-                        "was freed and mapped again, register it again (Engine.register_memory). Reads into "
-                        "it are staged from now on", key)
-            self.ring.unregister_memory()
+    def fault(self, key: str, segments: Sequence[Segment]) -> None:
+        """A read in place of page ``key`` into ``segments`` failed its checksum while the copy on disk
+        is intact. In registered memory that means it may have been unmapped and mapped again (a read
+        lands in the pages pinned at registration, wherever the address points now): every
+        registration is dropped, and reads are staged from now on (always correct)."""
+        ring = self.ring
+        if ring is None or not ring.fixed_bytes or any(ring.fixed(a, n) < 0 for a, n in segments):
+            return
+        log.warning("kvstream: a read of page %s into registered memory failed its check; if that memory was "
+                    "freed and mapped again, register it again (Engine.register_memory). Reads into it are "
+                    "staged from now on", key)
+        try:
+            ring.unregister_memory()
+        except OSError as exc:  # (nothing is sent as fixed any more all the same)
+            log.warning("kvstream: could not unpin the registered memory: %s", exc.strerror)

@@ -20,11 +20,10 @@ Data flow of ``get`` (one call at a time per read ring)::
 
 Where a read lands. Into an engine-owned staging buffer, copied into the caller's segments on its
 first verified arrival (checksum and copy in one pass), or straight into the caller's pages: only a
-block that one usable tier alone holds (nobody can race for it), and only where the memory suits
-O_DIRECT (4096-aligned and huge-page backed, memory.py). The call waits for reads in place however
-long the device takes (returning earlier would let them land in memory the caller reuses); with no
-other holder there is nobody to take over anyway. Every block another tier could deliver is staged,
-so a stalled tier never holds a call: its reads land in staging after the call returned.
+block one usable tier alone holds (nobody can race for it), where the memory suits O_DIRECT
+(4096-aligned; registered with the ring or huge-page backed: memory.py). The call waits for reads in
+place however long the device takes (returning earlier would let them land in memory the caller
+reuses). Every block another tier could deliver is staged: a stalled tier never holds a call.
 """
 from __future__ import annotations
 
@@ -74,11 +73,10 @@ class ReadPath:
         usable now (the second chance).
     :param after_get: the engine's ``after_get(keys, pages, found)`` (replication.py), called before a
         get returns: ``pages`` hold the caller's verified copies of the pages ``found``; a page that
-        lacks a tier is owed to it.
-    :param register_memory: the setting: ``register_memory`` pins caller memory with the ring.
+        lacks a tier is owed to it. ``register_memory``: the setting (memory.py).
 
-    Lock: ``lock``, one call at a time (``get``, ``drain``, ``close``, ``register_memory`` take it): methods ending
-    ``_under_reads`` run with it held.
+    Lock: ``lock``, one call at a time (``get``, ``drain``, ``close``, ``register_memory`` take it):
+    methods ending ``_under_reads`` run with it held.
     """
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool, block: int,
@@ -107,11 +105,10 @@ class ReadPath:
         return self.io.orphans
 
     def register_memory(self, address: int, nbytes: int) -> bool:
-        """See Engine.register_memory (memory.py: CallerMemory.register)."""
+        """See Engine.register_memory (memory.py). False once closed."""
+        self.memory.huge.refresh()  # (outside the lock: reading smaps of a large pool takes seconds)
         with self.lock:
-            if self.closed:
-                raise EngineClosedError("kvstream engine is closed")
-            return self.memory.register(address, nbytes)
+            return not self.closed and self.memory.register(address, nbytes)
 
     # -- get -----------------------------------------------------------------------------------
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], policy, mask: int) -> list[bool]:
@@ -160,10 +157,8 @@ class ReadPath:
     def _second_chance_under_reads(self, call: GetCall, keys: Sequence[str], found: list[bool],
                               mask: int) -> tuple[list[int], int]:
         """Pages the call missed that the engine's ``recover`` can give a new holder: a failed tier that
-        holds them and answers a probe now (it may be the only copy left: the other tiers' copies were
-        damaged, or never there), or a copy on disk the index did not list (another writer's version
-        in place of the indexed one, or a copy elsewhere when the indexed ones vanished). (positions,
-        new mask)"""
+        holds them and answers a probe now (maybe the only copy left), or a copy on disk the index did
+        not list (another writer's version, or a copy elsewhere). (positions, new mask)"""
         missed = [i for i, ok in enumerate(found) if not ok]
         failed_holders = 0
         for i in missed:
@@ -404,14 +399,12 @@ class ReadPath:
         Read in place, it keeps the tier's whole budget (the window's ceiling), as nixl keeps a
         whole batch (0.51-1.15x -> 0.94-1.34x nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the
         disk). Staged, it keeps half the budget, and at least STAGED_DEPTH (16 MiB either way by
-        default): a staged block is copied out and checked when it lands, and on a tier whose data
-        the CPU copies in (a loop device, a network file system's socket buffers) it is then still
-        in the CPU's cache while no more than that is in flight; with the whole 32 MiB budget (this
-        machine's L3) it is not. Into sglang's 4 KiB-page host pool on a RAM tier, 16 MiB read
-        1.10-1.36x the 32 MiB depth at 2-8 MiB pages with 25-35% less CPU per GB; on the disk, whose
-        data arrives by DMA, the same. A device that gains from a deeper queue gets it from a larger
-        ``memory`` (the disk: 128 MiB in flight, 1.02-1.22x). Read in place, 16 MiB gained nothing
-        (docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
+        default): a staged block is copied out and checked when it lands, then still in the CPU's
+        cache (32 MiB in flight, this machine's L3, is not): into sglang's 4 KiB-page host pool, 16
+        MiB read 1.10-1.36x the 32 MiB depth at 2-8 MiB pages with 25-35% less CPU per GB. A device
+        that gains from a deeper queue gets it from a larger ``memory`` (the disk: 128 MiB in flight,
+        1.02-1.22x). Read in place, 16 MiB gained nothing (docs/benchmarks.md, "A staged single
+        holder keeps half its budget in flight")."""
         if not call.single:
             return flow.window
         if call.in_place:

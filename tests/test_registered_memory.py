@@ -117,6 +117,48 @@ def test_the_ring_sends_reads_into_registered_memory_as_fixed_and_others_as_befo
         other.close()
 
 
+def test_more_than_a_gib_is_registered_in_pieces_and_a_read_across_two_goes_out_plain(tmp_path):
+    """The kernel takes fixed buffers of at most 1 GiB: a larger range is several pieces. Reads within
+    a piece go out fixed, a read across two pieces goes out as a plain read (correct, pinned per read)."""
+    lockable(1 << 30)
+    data = os.urandom(2 * MIB)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY | os.O_DIRECT)
+    memory = SmallPages((1 << 30) + 4 * MIB)
+    ring = Ring()
+    try:
+        a, cut = memory.address, memory.address + (1 << 30)
+        assert ring.register_memory(a, memory.nbytes) == memory.nbytes
+        assert ring.covers(a, memory.nbytes) and not ring.covers(a - 4096, 8192)
+        assert ring.fixed(a, memory.nbytes) == -1 and ring.fixed(a, 1 << 30) == 0 and ring.fixed(cut, 4 * MIB) == 1
+        ring.submit([(OP_READ, fd, (cut - MIB, 2 * MIB), 0, 1), (OP_READ, fd, (cut + MIB, MIB), 0, 2)])
+        assert sorted(ring.reap(2)) == [(1, 2 * MIB), (2, MIB)] and ring.fixed_ops == 1  # (the second alone)
+        assert memory.bytes(cut - MIB - a, 2 * MIB) == data and memory.bytes(cut + MIB - a, MIB) == data[:MIB]
+    finally:
+        ring.close()
+        os.close(fd)
+        memory.close()
+
+
+def test_a_registration_the_kernel_takes_only_in_part_registers_nothing():
+    """Registering stops part way at the first piece the kernel refuses (here: a 1 GiB piece, then
+    memory not mapped): the pieces it took are cleared again and the whole call fails, so no read is
+    ever sent as fixed into a slot that holds nothing."""
+    lockable(1 << 30)
+    memory = SmallPages((1 << 30) + 2 * MIB)
+    libc.munmap(memory.address + (1 << 30), 2 * MIB)  # the second piece: not mapped
+    ring = Ring()
+    try:
+        with pytest.raises(OSError):
+            ring.register_memory(memory.address, memory.nbytes)
+        assert ring.fixed_bytes == 0 and ring.fixed(memory.address, 4096) == -1
+        assert ring.register_memory(memory.address, 1 << 30) == 1 << 30  # (the slots were cleared)
+        assert ring.fixed(memory.address, 4096) == 0
+    finally:
+        ring.close()
+        libc.munmap(memory.address, 1 << 30)
+
+
 @pytest.mark.parametrize("register", [True, False])
 def test_registered_memory_in_small_pages_takes_reads_in_place(tier_dirs, register):
     """sglang's host pool (4 KiB pages, pages of a K and a V piece) registered: every byte lands in
