@@ -34,6 +34,7 @@ import urllib.request
 
 import pytest
 
+from kvstream_hicache._uring import Ring
 from kvstream_hicache.tools import serve_cpu
 from helpers import flip_byte, load_serve_swebench, page_files
 
@@ -174,7 +175,7 @@ def env(tmp_path_factory):
                     + " ".join(serve_cpu.missing_packages()))
     root = tmp_path_factory.mktemp("serve")
     scratch = os.path.join(os.environ.get("KVSTREAM_TEST_DIR", "/var/tmp"), f"kvstream-serve-test-{os.getpid()}")
-    tiers = {name: os.path.join(scratch, name) for name in ("t0", "t1", "t0b", "lf0", "lf1")}
+    tiers = {name: os.path.join(scratch, name) for name in ("t0", "t1", "t0b", "lf0", "lf1", "one")}
     for d in tiers.values():
         os.makedirs(d)
     started: list[Server] = []
@@ -246,6 +247,26 @@ def test_layer_first_host_layout(servers, expected):
     assert moved["pages"]["found"] >= PAGES, moved
     assert outputs(warm) == expected(7)
     srv.stop()  # done with it: its cores go to the servers the later tests start
+
+
+def test_one_tier_reads_land_in_the_registered_host_pool(env, servers, expected):
+    """One tier: every page has one holder, so a prefetch reads straight into sglang's own host pool (4
+    KiB pages, registered with the read ring at attach: READV_FIXED for page_first's K and V pieces),
+    and the tokens are the reference's."""
+    with Ring() as ring:
+        vectored = ring.readv_fixed  # (Linux 6.15)
+    srv, ids = env["server"]("one", ["one"]).wait(), prompt(8)
+    try:
+        line = next(ln for ln in srv.log().splitlines() if "kvstream: 1 tier [" in ln)
+        assert ("reads of single-tier pages in place" in line) == vectored, line
+        assert outputs(srv.store(ids)) == expected(8)
+        warm, moved = srv.from_l3(ids)
+        assert srv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
+        assert moved["pages"]["found"] >= PAGES, moved
+        assert outputs(warm) == expected(8)
+        assert "failed its check" not in srv.log() and not srv.errors_since(0)
+    finally:
+        srv.stop()  # (its cores go to the servers the later tests start)
 
 
 def test_log_and_metrics_show_kvstream(servers):
