@@ -37,7 +37,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject, PyObject_Hash, Py_SIZE
 from cpython.unicode cimport PyUnicode_1BYTE_DATA, PyUnicode_1BYTE_KIND, PyUnicode_GET_LENGTH, PyUnicode_KIND
-from libc.errno cimport EAGAIN, EBUSY, EINTR, EINVAL, ETIME, errno
+from libc.errno cimport EAGAIN, EBUSY, EINTR, EINVAL, ENOMEM, ENOSPC, ETIME, errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free
 from libc.string cimport memcmp, memcpy, memset, strerror

@@ -325,7 +325,7 @@ cdef class Ring:
             if self._fixed_lo[i] < end and address < self._fixed_hi[i]:
                 return 0
         if self._nfixed + pieces > MAX_FIXED:
-            raise _oserror(28, f"register {nbytes} bytes: the ring's {MAX_FIXED} registered pieces are used")  # ENOSPC
+            raise _oserror(ENOSPC, f"register {nbytes} bytes: the ring's {MAX_FIXED} registered pieces are used")
         if self._fixed_lo == NULL:
             ret = io_uring_register_buffers_sparse(&self._ring, MAX_FIXED)
             if ret < 0:
@@ -354,7 +354,7 @@ cdef class Ring:
                     iov[i].iov_len = 0
                 io_uring_register_buffers_update_tag(&self._ring, <unsigned>self._nfixed, iov,
                                                      <const unsigned long long *>NULL, <unsigned>ret)
-                ret = -12  # ENOMEM: what a memlock limit answers
+                ret = -ENOMEM  # what a memlock limit answers
             if ret < 0:
                 raise _oserror(-ret, f"register {nbytes} bytes at {address:#x} with io_uring")
             for i in range(pieces):
@@ -391,12 +391,10 @@ cdef class Ring:
         cdef uintptr_t end = address + nbytes
         cdef int i
         while address < end:
-            for i in range(self._nfixed):
-                if self._fixed_lo[i] <= address < self._fixed_hi[i]:
-                    address = self._fixed_hi[i]
-                    break
-            else:
+            i = self._fixed(address, 1)  # the piece holding the next byte
+            if i < 0:
                 return False
+            address = self._fixed_hi[i]
         return True
 
     def close(self):

@@ -128,7 +128,6 @@ for m in modes:
         extra = {"memory": mem.group(1)} if mem else {}
         if "noreg" in m:  # the host pool not registered with the read ring: staged (the rule before 2026-12-05)
             extra["register_memory"] = False
-        extra = extra or None
         c = AdapterReads(host, subs, "llama3-8b", extra, name=m)
         rp = rps[m] = READ_PATHS[-1]  # the read path of the engine this adapter just opened
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])

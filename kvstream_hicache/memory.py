@@ -174,24 +174,29 @@ class CallerMemory:
         if not all(is_aligned(a, n) for a, n in segments):
             return False
         ring = self.ring
-        if ring is not None and ring.fixed_bytes and (len(segments) == 1 or ring.readv_fixed):
-            piece = ring.fixed(*segments[0])
-            if piece >= 0 and all(ring.fixed(a, n) == piece for a, n in segments[1:]):
-                return True
+        if ring is not None and (len(segments) == 1 or ring.readv_fixed) and self._piece(segments) >= 0:
+            return True
         return all(self.huge.huge(a, n) for a, n in segments)
+
+    def _piece(self, segments: Sequence[Segment]) -> int:
+        """The registered piece that holds every segment (what one fixed read can target), or -1."""
+        ring = self.ring
+        if ring is None or not ring.fixed_bytes or not segments:
+            return -1
+        piece = ring.fixed(*segments[0])
+        return piece if all(ring.fixed(a, n) == piece for a, n in segments[1:]) else -1
 
     def fault(self, key: str, segments: Sequence[Segment]) -> None:
         """A read in place of page ``key`` into ``segments`` failed its checksum while the copy on disk
         is intact. In registered memory that means it may have been unmapped and mapped again (a read
         lands in the pages pinned at registration, wherever the address points now): every
         registration is dropped, and reads are staged from now on (always correct)."""
-        ring = self.ring
-        if ring is None or not ring.fixed_bytes or any(ring.fixed(a, n) < 0 for a, n in segments):
+        if self._piece(segments) < 0:  # (read plain, or not registered: nothing stale to drop)
             return
         log.warning("kvstream: a read of page %s into registered memory failed its check; if that memory was "
                     "freed and mapped again, register it again (Engine.register_memory). Reads into it are "
                     "staged from now on", key)
         try:
-            ring.unregister_memory()
+            self.ring.unregister_memory()
         except OSError as exc:  # (nothing is sent as fixed any more all the same)
             log.warning("kvstream: could not unpin the registered memory: %s", exc.strerror)
