@@ -174,16 +174,25 @@ for m in modes: ENG[m] = [0.0, 0.0]
 if os.environ.get('READY'):
     open(os.environ['READY'], 'w').close(); time.sleep(1.5)
 res = {m: [] for m in modes}
+MACH = {m: [] for m in modes}  # per round, machine-wide busy CPU seconds during the call
 import cProfile
 prof = cProfile.Profile() if os.environ.get('CPROF') else None
 prof and prof.enable()
 nbytes = npages * g.page_bytes
+HZ = os.sysconf("SC_CLK_TCK")
+def machine_busy():
+    """Seconds of CPU every CPU of the machine spent busy (all processes and kernel threads: a loop
+    device's worker, io_uring's io-wq), from /proc/stat's first line (everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v[:8]) - v[3] - v[4]) / HZ  # user nice system idle iowait irq softirq steal
 for r in range(rounds):
     for m in round_order(modes, r):  # shuffled, as kvstream bench does
         c = cons[m]
-        t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
+        t0, c0, h0, b0 = time.perf_counter(), time.process_time(), time.thread_time(), machine_busy()
         n = host.controller_cls._page_get_zero_copy(c.ctl, _Op(), key_sets[(r + 1) % sets], host.host_indices)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        MACH[m].append(machine_busy() - b0)
         THR[m] += time.thread_time() - h0
         assert n == npages, (m, n)
         last = getattr(getattr(c, "engine", None), "last_batch", None) or {}
@@ -198,6 +207,10 @@ for m in modes:
     print(f"{m:10s} page {g.page_bytes>>10} KiB: MB/s med {statistics.median(mbs):6.0f} [{min(mbs):.0f}-{max(mbs):.0f}]"
           f"  CPU s/GB med {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]  {per_round(m, modes[0])}"
           + (f"  {per_round(m, one)}" if one else "") + f"  direct {res[m][-1][2]} reqs {res[m][-1][3]}")
+for m in modes:  # the machine's CPU, kernel workers included: the bound where every CPU is busy
+    wall = sum(nbytes / (x[0] * 1e6) for x in res[m])  # (/proc/stat counts in ticks: totals, not per round)
+    print(f"{m:10s} machine CPU s/GB {sum(MACH[m]) / (rounds * nbytes / 1e9):.3f}"
+          f"  busy CPUs {sum(MACH[m]) / wall:.2f} of {os.cpu_count()}")
 GB = rounds * nbytes / 1e9
 if STAGE:
     print("stages (thread CPU s/GB, one engine mode):", {k: round(v / GB, 3) for k, v in STAGE.items()})

@@ -124,6 +124,11 @@ class TierFaultPlan(FaultPlan):
 
 
 _POLL_S = 0.005  # FaultyRing wait slice when held/delayed completions and real I/O are both pending, s
+# The read ring's registered memory (memory.py) is the wrapped ring's own: a read into it passes
+# through the plan like any other, and the wrapped ring sends it as a fixed read. A wrapped engine
+# that registers nothing (the thread pool) has none of these names, wrapped or not.
+_REGISTRATION = frozenset({"register_memory", "unregister_memory", "fixed", "covers", "fixed_bytes", "fixed_ops",
+                           "readv_fixed"})
 
 
 class FaultyRing:
@@ -146,6 +151,11 @@ class FaultyRing:
     @property
     def in_flight(self) -> int:
         return self.inner.in_flight + len(self._errored) + len(self._withheld)
+
+    def __getattr__(self, name: str):
+        if name in _REGISTRATION:
+            return getattr(self.inner, name)
+        raise AttributeError(f"'FaultyRing' object has no attribute '{name}'")
 
     @property
     def closed(self) -> bool:

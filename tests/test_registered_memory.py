@@ -8,15 +8,18 @@ Real io_uring, real files with O_DIRECT; no timing assertions.
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import logging
 import mmap
 import os
 import resource
+import threading
 
 import pytest
 
 from kvstream_hicache._uring import OP_READ, Ring
+from kvstream_hicache.faults import Fault, TierFaultPlan
 
 from helpers import Pages, key, make_array_engine as make_engine, uring_available
 
@@ -228,5 +231,59 @@ def test_memory_the_kernel_refuses_to_register_is_staged_with_one_warning(tier_d
             assert engine.get(keys, segments) == [True, True]
             assert engine.last_batch["direct_bytes"] == 0  # (4 KiB pages, not registered: staged)
             assert memory.bytes() == b"".join(a.tobytes() for page in pages.src for a in page)
+    finally:
+        memory.close()
+
+
+@pytest.mark.parametrize("fault", ["error", "hold", "corrupt"])
+def test_faults_reach_reads_into_registered_memory(tier_dirs, caplog, fault):
+    """The fault plan reaches the fixed reads (the wrapper passes the registration to the ring it
+    wraps, which sends them fixed). A read that fails (EIO) costs its page at most, and the
+    registration stays; a held read targets the caller's memory, so the call waits for it past
+    read_timeout and it lands verified; a read corrupted in transfer fails its check while the copy
+    on disk is intact: its page is a miss, the copy is kept, every registration is dropped (a check
+    that fails in registered memory may be stale pins) and later reads are staged."""
+    lockable(8 * MIB)
+    plan = TierFaultPlan()
+    engine, pages, keys, sizes = stored(tier_dirs[:1], 2, fault_plan=plan, read_timeout=0.05)
+    memory = SmallPages(sum(sizes))
+    want = [b"".join(a.tobytes() for a in page) for page in pages.src]
+    try:
+        with engine:
+            ring = engine._reads.io.ring
+            if not ring.readv_fixed:
+                pytest.skip("the kernel lacks READV_FIXED (Linux 6.15): pages of two pieces are staged")
+            segments = page_first(memory, sizes, 2)
+            assert engine.register_memory(memory.address, memory.nbytes)
+            before = ring.fixed_ops
+            with caplog.at_level(logging.WARNING, logger="kvstream"):
+                if fault == "hold":
+                    plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ)
+                    result: list = []
+                    t = threading.Thread(target=lambda: result.append(engine.get(keys, segments)))
+                    t.start()
+                    t.join(0.5)  # ten times read_timeout: still waiting for the reads into the caller's memory
+                    assert t.is_alive() and not result
+                    plan.clear()
+                    plan.release()
+                    t.join(30)
+                    (found,) = result
+                    assert found[0] and engine.stats()["read_timeouts"] == 1
+                else:
+                    plan.on(tier_dirs[0], Fault.error(errno.EIO) if fault == "error" else Fault.corrupt(),
+                            opcode=OP_READ, times=1)
+                    found = engine.get(keys, segments)
+                    assert found.count(False) == 1  # the page whose read failed: nobody else holds it
+                    assert engine.stats()["tiers"][0]["errors" if fault == "error" else "corrupted"] == 1
+            assert plan.hits and ring.fixed_ops > before  # the faulted reads went out fixed
+            for i, ok in enumerate(found):
+                assert not ok or memory.bytes(sum(sizes[:2 * i]), len(want[i])) == want[i]
+            stale = fault == "corrupt"
+            assert ("into registered memory failed its check" in caplog.text) == stale
+            assert ring.fixed_bytes == (0 if stale else memory.nbytes)
+            assert all(engine.index.holders(k) == 1 for k in keys)  # no copy on disk was lost
+            assert engine.get(keys, segments) == [True, True]
+            assert engine.last_batch["direct_bytes"] == (0 if stale else 8 * MIB)
+            assert memory.bytes() == b"".join(want)
     finally:
         memory.close()
