@@ -14,7 +14,8 @@ at half the tier's window (a claim of up to a whole window), ``deep`` holds each
 ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` sets ``memory`` (e.g.
 ``adapter-mem256M-deep``), ``noreg`` sets ``register_memory=off`` (the pool is not registered with the
 read ring, so reads into its 4 KiB pages are staged: the rule before 2026-12-05), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
-requests (``fastest_deep``), ``vegas`` gives a call one tier alone serves that tier's flow window (the
+requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a two-tier call to one
+block in flight (``slow_capped``: what the second tier's share costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
 call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03), ``oldunit`` counts
@@ -22,7 +23,9 @@ windows in whole blocks even for pages smaller than a block (the rule before 202
 change: a 2 MiB window of 256 KiB pages held 2 of them); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode (and to the first ``1tier`` mode, when there is one and it is not the
-first), and the main thread's user/system time inside ``Engine.get``.
+first), with two or more ``1tier`` modes the per-round ratio to the faster of them in that round, the
+machine's CPU s/GB and busy CPUs (/proc/stat: kernel workers included, e.g. a loop device's, which
+copy every byte of a RAM tier), and the main thread's user/system time inside ``Engine.get``.
 Environment: ``FRESH=1`` writes ROUNDS + 1 sets of pages and reads each once (pages never read before,
 as a prefix written long ago; otherwise every round reads the same pages), ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
 touches ``path`` before the timed rounds (for ``perf record -p``).
@@ -96,6 +99,17 @@ def fastest_deep(self, call, unit):
         depth = max(0, window - self.io.orphaned[k]) // unit
         claim = max(route.m, min(req // unit, share, depth // MIN_REQUESTS))
         route.set_depth(k, depth, claim)
+def slow_capped(self, call, unit):
+    """An experiment (issue 27, two tiers on a RAM tier): in a call more than one tier can serve, every
+    tier but the fastest (by measured rate) keeps at most one claim of one block in flight: the slow
+    tier is used as little as the router allows, to see what the second tier costs."""
+    ReadPath._set_depths_under_reads(self, call, unit)
+    flows = self.io.flows
+    if not call.single and len(flows) > 1:
+        fast = max(range(len(flows)), key=lambda k: flows[k].rate)
+        for k in range(len(flows)):
+            if k != fast:
+                call.route.set_depth(k, 1, 1)
 def capped_single(self, call, flow, cap, grow):
     """A call one tier alone serves keeps ``cap`` bytes in flight on it, staged or in place (with
     ``grow``, its flow window where that is larger), never more than the ceiling."""
@@ -139,6 +153,8 @@ for m in modes:
                     _completed(*a, **k)
                     _flow.window = _flow.ceiling
                 flow.completed, flow.window = completed, flow.ceiling
+        if "slowcap" in m:
+            rp._set_depths_under_reads = types.MethodType(slow_capped, rp)
         if "fastdeep" in m:
             rp._set_depths_under_reads = types.MethodType(fastest_deep, rp)
         cap = re.search(r"single(win)?(\d+)M", m)
@@ -207,6 +223,12 @@ for m in modes:
     print(f"{m:10s} page {g.page_bytes>>10} KiB: MB/s med {statistics.median(mbs):6.0f} [{min(mbs):.0f}-{max(mbs):.0f}]"
           f"  CPU s/GB med {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]  {per_round(m, modes[0])}"
           + (f"  {per_round(m, one)}" if one else "") + f"  direct {res[m][-1][2]} reqs {res[m][-1][3]}")
+ones = [m for m in modes if "1tier" in m]
+for m in modes if len(ones) > 1 else ():  # each mode against the best one-tier mode of the same round
+    ratio = [res[m][r][0] / max(res[o][r][0] for o in ones) for r in range(rounds)]
+    print(f"{m:10s} x best 1tier of the round med {statistics.median(ratio):.2f} "
+          f"[{min(ratio):.2f}-{max(ratio):.2f}], quartiles {statistics.quantiles(ratio, n=4)[0]:.2f}"
+          f"-{statistics.quantiles(ratio, n=4)[2]:.2f}")
 for m in modes:  # the machine's CPU, kernel workers included: the bound where every CPU is busy
     wall = sum(nbytes / (x[0] * 1e6) for x in res[m])  # (/proc/stat counts in ticks: totals, not per round)
     print(f"{m:10s} machine CPU s/GB {sum(MACH[m]) / (rounds * nbytes / 1e9):.3f}"
