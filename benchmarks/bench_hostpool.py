@@ -226,9 +226,9 @@ for m in modes:
 ones = [m for m in modes if "1tier" in m]
 for m in modes if len(ones) > 1 else ():  # each mode against the best one-tier mode of the same round
     ratio = [res[m][r][0] / max(res[o][r][0] for o in ones) for r in range(rounds)]
+    q = statistics.quantiles(ratio, n=4) if rounds > 1 else ratio * 3
     print(f"{m:10s} x best 1tier of the round med {statistics.median(ratio):.2f} "
-          f"[{min(ratio):.2f}-{max(ratio):.2f}], quartiles {statistics.quantiles(ratio, n=4)[0]:.2f}"
-          f"-{statistics.quantiles(ratio, n=4)[2]:.2f}")
+          f"[{min(ratio):.2f}-{max(ratio):.2f}], quartiles {q[0]:.2f}-{q[2]:.2f}")
 for m in modes:  # the machine's CPU, kernel workers included: the bound where every CPU is busy
     wall = sum(nbytes / (x[0] * 1e6) for x in res[m])  # (/proc/stat counts in ticks: totals, not per round)
     print(f"{m:10s} machine CPU s/GB {sum(MACH[m]) / (rounds * nbytes / 1e9):.3f}"
