@@ -292,7 +292,8 @@ def _sum(samples: dict, name: str, **match) -> float:
 KV = "kvstream:"  # kvstream's metric families (kvstream_hicache/sglang/metrics.py)
 TIER_FAMILIES = {"read_bytes": KV + "tier_read_bytes_total", "served_bytes": KV + "tier_served_bytes_total",
                  "write_bytes": KV + "tier_write_bytes_total", "fallbacks": KV + "tier_fallbacks_total",
-                 "corrupted_pages": KV + "tier_corrupted_pages_total", "errors": KV + "tier_errors_total"}
+                 "corrupted_pages": KV + "tier_corrupted_pages_total", "errors": KV + "tier_errors_total",
+                 "in_place_bytes": KV + "tier_read_in_place_bytes_total"}
 
 
 def storage_metrics(before: dict | None, after: dict | None) -> dict | None:
@@ -300,7 +301,8 @@ def storage_metrics(before: dict | None, after: dict | None) -> dict | None:
 
     sglang: storage-hit tokens found by the prefetch query, tokens prefetched from storage, tokens
     backed up, cached prompt tokens by source. kvstream (kvstream_hicache/sglang/metrics.py): per tier bytes
-    read, served (first arrivals: the tier's read share) and written, fallbacks, corrupted pages; read
+    read, served (first arrivals: the tier's read share), read in place (no staging copy) and written,
+    fallbacks, corrupted pages; read
     batches' total time against their aggregate-bandwidth bound. Counters are summed over ranks; any
     family the server does not export is simply absent (zero).
     """

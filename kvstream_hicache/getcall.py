@@ -64,7 +64,7 @@ class GetCall:
         self.read = [0] * n_tiers  # bytes transferred per tier
         self.served = [0] * n_tiers  # first-arrival bytes per tier
         self.requests = 0
-        self.direct_bytes = 0  # bytes read straight into caller memory (no staging copy)
+        self.direct = [0] * n_tiers  # bytes read straight into caller memory (no staging copy), per tier
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
         self.single = False  # every page has one usable holder (plan)
@@ -117,12 +117,15 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
     n_tiers = len(busy)
     read = [sum(c.read[k] for c in calls) for k in range(n_tiers)]
     served_by = [sum(c.served[k] for c in calls) for k in range(n_tiers)]
+    in_place = [sum(c.direct[k] for c in calls) for k in range(n_tiers)]
     served = sum(served_by)
     for k in range(n_tiers):
         if read[k]:
             stats.add(k, "bytes_read", read[k])
         if served_by[k]:
             stats.add(k, "bytes_served", served_by[k])
+        if in_place[k]:
+            stats.add(k, "bytes_in_place", in_place[k])
         stats.add(k, "read_busy_s", busy[k])
     stats.total("gets")
     stats.total("pages_requested", n_keys)
@@ -130,7 +133,7 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
     stats.total("pages_missing", n_keys - n_found)
     batch = batch_figures(elapsed, served, read, busy, served_by)
     batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
-                 requests=sum(c.requests for c in calls), direct_bytes=sum(c.direct_bytes for c in calls),
+                 requests=sum(c.requests for c in calls), direct_bytes=sum(map(sum, (c.direct for c in calls))),
                  policy=getattr(policy, "name", str(policy)),
                  duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
                  retries=sum(getattr(c.route, "retries", 0) for c in calls),

@@ -335,7 +335,7 @@ class ReadPath:
         if res > 0:
             call.read[tier] += res
             if req.bufs is None:
-                call.direct_bytes += res
+                call.direct[tier] += res
         self.stats.add(tier, "blocks_read", req.j1 - req.j0)
         self.stats.add(tier, "requests")
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error

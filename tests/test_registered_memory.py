@@ -179,6 +179,7 @@ def test_registered_memory_in_small_pages_takes_reads_in_place(tier_dirs, regist
             assert memory.bytes() == b"".join(a.tobytes() for page in pages.src for a in page)
             in_place = register and ring.readv_fixed  # (pages of two pieces: READV_FIXED, Linux 6.15)
             assert engine.last_batch["direct_bytes"] == (16 * MIB if in_place else 0)
+            assert engine.stats()["tiers"][0]["bytes_in_place"] == (16 * MIB if in_place else 0)
             assert (ring.fixed_ops > before) == in_place
             assert ring.fixed_bytes == (memory.nbytes if register else 0)
     finally:

@@ -263,6 +263,8 @@ def test_one_tier_reads_land_in_the_registered_host_pool(env, servers, expected)
         warm, moved = srv.from_l3(ids)
         assert srv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]
         assert moved["pages"]["found"] >= PAGES, moved
+        tier = moved["tiers"]["0"]  # (kvstream:tier_read_in_place_bytes_total: every byte, or none, in place)
+        assert tier["served_bytes"] > 0 and tier["in_place_bytes"] == (tier["served_bytes"] if vectored else 0), moved
         assert outputs(warm) == expected(8)
         assert "failed its check" not in srv.log() and not srv.errors_since(0)
     finally:

@@ -11,6 +11,7 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ==========================================  =========  ==================================================
 ``kvstream:tier_read_bytes_total``          counter    bytes read from the tier (duplicate reads included)
 ``kvstream:tier_served_bytes_total``        counter    bytes the tier delivered first (its share of the data)
+``kvstream:tier_read_in_place_bytes_total`` counter    bytes read from the tier straight into the host pool (no copy)
 ``kvstream:tier_write_bytes_total``         counter    bytes written to the tier
 ``kvstream:tier_read_share``                gauge      fraction of all served bytes served by the tier
 ``kvstream:tier_fallbacks_total``           counter    reads of pages this tier failed, retried on a replica
@@ -47,6 +48,7 @@ GAP_BUCKETS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)  # time / bound - 
 TIER_COUNTERS = {
     "bytes_read": "tier_read_bytes",
     "bytes_served": "tier_served_bytes",
+    "bytes_in_place": "tier_read_in_place_bytes",
     "bytes_written": "tier_write_bytes",
     "replica_retries": "tier_fallbacks",
     "corrupted": "tier_corrupted_pages",
@@ -61,6 +63,9 @@ TIER_COUNTERS = {
 TIER_DOCS = {
     "tier_read_bytes": "Bytes read from the tier (duplicate reads near the routing meeting point included).",
     "tier_served_bytes": "Bytes the tier delivered first: its share of the data returned to sglang.",
+    "tier_read_in_place_bytes": "Bytes read from the tier straight into sglang's host pool (registered with the "
+                                "read ring, or on huge pages): no staging copy. The rest of its served bytes "
+                                "were staged and copied.",
     "tier_write_bytes": "Bytes written to the tier.",
     "tier_fallbacks": "Page reads this tier failed that were retried on another replica.",
     "tier_corrupted_pages": "Copies on the tier that failed header or checksum verification.",
