@@ -232,7 +232,7 @@ class _FakeRing:
         self.closed = True
 
 
-def test_span_recorder_measures_first_submission_to_last_completion(tmp_path):
+def test_span_recorder_measures_first_submission_to_last_completion_or_return(tmp_path):
     now = [0.0]
     rec_ = SpanRecorder([str(tmp_path), str(tmp_path)], clock=lambda: now[0], tier_of_fd=lambda fd: fd)
     ring = TimedRing(_FakeRing(), rec_)
@@ -243,8 +243,11 @@ def test_span_recorder_measures_first_submission_to_last_completion(tmp_path):
     ring.reap()
     spans, nbytes = rec_.spans()
     assert spans == (0.5, 0.5) and nbytes == (100, 100)  # the write is not counted
-    ring.submit([(OP_READ, 0, None, 0, 4)])  # in flight when the batch ends: an orphan
-    rec_.reset()
+    ring.submit([(OP_READ, 0, None, 0, 4)])  # in flight when the batch returns ...
+    now[0] = 2.0
+    rec_.returned()  # ... so tier 0 was busy with the batch until it returned
+    assert rec_.spans() == ((1.0, 0.5), (100, 100))
+    rec_.reset()  # (and that read is an orphan of the batch from now on)
     now[0] = 3.0
     ring.reap()
     assert rec_.spans() == ((None, None), (0, 0))

@@ -488,6 +488,7 @@ def _read_phase(args, ds: Dataset, contenders, scenario, recorder: SpanRecorder,
                 t0 = clock()
                 out = c.read(batch)
                 t_ret = clock() - t0
+                recorder.returned()
                 out.extra["cpu_s"] = round(_cpu_s() - cpu0, 5)
                 memory = c.memory()
                 if memory is not None:
