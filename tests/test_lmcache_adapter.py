@@ -9,6 +9,7 @@ Run: ``.venv-lmcache/bin/python -m pytest -q -m lmcache tests/test_lmcache_adapt
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -54,6 +55,53 @@ def test_round_trip_through_l1_and_l2(lmc, server_factory, tier_root, n_tiers, h
     assert status["load_failed_pages"] == 0
     assert engine.stats()["pages"] == len(keys)
     assert engine.check() == []
+
+
+def test_loads_land_in_lmcache_l1_in_place_on_one_tier(lmc, server_factory, tier_root):
+    """LMCache's L1 arena, as its StorageManager builds it, is registered with the engine's read ring
+    when LMCache creates the adapter, so a chunk one tier alone holds loads straight into L1: every
+    byte served is read in place (no staging copy), and the bytes are exact."""
+    server = server_factory(make_tiers(tier_root, 1))
+    engine = server.engine
+    assert engine._reads.io.ring.fixed_bytes > 0  # (the arena, pinned once)
+    layout = layout_of(lmc, 16, 128)
+    keys = chunk_keys(lmc, 4)
+    payloads = random_payloads(len(keys), 8192, seed=5)
+    server.write_through(keys, layout, payloads)
+    assert server.prefetch(keys, layout) == (len(keys), payloads)
+    tier = engine.stats()["tiers"][0]
+    assert tier["bytes_served"] == tier["bytes_in_place"] == len(keys) * 8192
+    assert engine.check() == []
+
+
+@pytest.mark.parametrize("shared,stable,registered", [
+    (True, None, "all"),  # LMCache's POSIX-shm arena: no stable size named, allocated whole
+    (False, "half", "half"),  # a lazy arena: the prefix pinned so far
+    (False, None, "none"),  # a lazy arena not grown yet: its final size is not allocated
+], ids=["shm-arena", "lazy-prefix", "lazy-empty"])
+def test_the_l1_range_registered_is_the_one_that_stays(tier_root, shared, stable, registered):
+    """What the adapter registers of the L1 arena LMCache describes (``L1MemoryDesc``): the stable
+    range where LMCache names one; else the whole arena only if it is shared memory, never a private
+    arena that may still grow (pinning it would allocate all of it at start)."""
+    import mmap
+
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+
+    from kvstream_hicache.lmcache.adapter import KVStreamL2Adapter, _shared_mapping
+
+    size = 8 << 20
+    arena = mmap.mmap(-1, size, flags=(mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS)
+    ptr = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+    assert _shared_mapping(ptr) == shared
+    desc = L1MemoryDesc(ptr=ptr, size=size, align_bytes=4096,
+                        stable_registration_size=size // 2 if stable == "half" else None)
+    adapter = KVStreamL2Adapter({"tiers": make_tiers(tier_root, 1)}, desc)
+    try:
+        fixed = adapter.engine._reads.io.ring.fixed_bytes
+        assert fixed == {"all": size, "half": size // 2, "none": 0}[registered]
+    finally:
+        adapter.close()
+        arena.close()
 
 
 def test_old_module_path_loads_the_same_adapter(lmc, server_factory, tier_root):

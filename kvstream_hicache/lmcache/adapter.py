@@ -20,6 +20,20 @@ from .keys import ADAPTER_PARAMS, engine_key, split_params
 log = logging.getLogger("kvstream")
 
 
+def _shared_mapping(address: int) -> bool:
+    """Whether ``address`` lies in a shared mapping of this process (/proc/self/maps: ``rw-s``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                span, perms = line.split(None, 2)[:2]
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                if lo <= address < hi:
+                    return perms.endswith("s")
+    except OSError:  # (no procfs: not registered, reads are staged)
+        pass
+    return False
+
+
 def __getattr__(name: str) -> Any:
     """``KVStreamL2Adapter`` is built on first access: importing this module needs no LMCache."""
     classes = _lmcache_classes() if name in _LMCACHE_CLASSES else None
@@ -239,13 +253,19 @@ def _lmcache_classes() -> dict[str, type]:
 
         # -- helpers ----------------------------------------------------------------------------
         def _register_l1(self, desc: Any) -> bool:
-            """Tell the engine where loads land (a lazy arena: the part pinned so far). Only a speed-up:
-            a failure is logged and reads are staged."""
+            """Tell the engine where loads land: the range LMCache says stays mapped and pinned (a lazy
+            arena: the part pinned so far), or, where it names none, the whole arena if it is a shared
+            mapping (LMCache's POSIX-shm arena, allocated whole at start; LMCache's own RawBlock adapter
+            skips it, but Linux registers shared memory). A private arena without a stable range (a
+            lazy one not grown yet) is not registered: pinning its final size would allocate all of it
+            now. Only a speed-up: a failure is logged and reads are staged."""
             if desc is None:
                 return False
             try:
-                size = getattr(desc, "stable_registration_size", None) or desc.size
-                return bool(self.engine.register_memory(int(desc.ptr), int(size)))
+                size = getattr(desc, "stable_registration_size", None)
+                if not size and _shared_mapping(int(desc.ptr)):
+                    size = desc.size
+                return bool(size) and bool(self.engine.register_memory(int(desc.ptr), int(size)))
             except Exception as exc:
                 log.warning("kvstream lmcache: could not register the L1 arena (%s); reads are staged", exc)
                 return False
