@@ -55,7 +55,10 @@ class Delivery:
             elif i < complete and not bad >> i & 1:
                 ok = True
                 call.arrived[item] = 1
-                call.served[tier] += min(info.block, info.length - (req.j0 + i) * info.block)
+                served = min(info.block, info.length - (req.j0 + i) * info.block)
+                call.served[tier] += served
+                if req.bufs is None:  # landed and verified in the caller's memory: no copy
+                    call.direct[tier] += served
                 call.page_tiers[req.p] |= 1 << tier
             else:
                 ok = False

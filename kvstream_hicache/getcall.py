@@ -64,7 +64,7 @@ class GetCall:
         self.read = [0] * n_tiers  # bytes transferred per tier
         self.served = [0] * n_tiers  # first-arrival bytes per tier
         self.requests = 0
-        self.direct = [0] * n_tiers  # bytes read straight into caller memory (no staging copy), per tier
+        self.direct = [0] * n_tiers  # per tier, of ``served``: read straight into caller memory (no copy)
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
         self.single = False  # every page has one usable holder (plan)

@@ -135,8 +135,8 @@ class CallerMemory:
     """Which caller memory a read may land in directly (see the module docstring): the read path's
     one question about memory, asked per page (``takes``). Used under the read path's lock.
 
-    :param ring: the read ring: registration needs a ``Ring`` (the thread-pool engine and the
-        fault-injecting wrapper have none, and never read into registered memory).
+    :param ring: the read ring: registration needs a ``Ring`` (the thread-pool engine has none, and
+        never reads into registered memory; the fault-injecting wrapper passes it to the ring it wraps).
     :param register: the ``register_memory`` setting.
     """
 

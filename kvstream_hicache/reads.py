@@ -334,8 +334,6 @@ class ReadPath:
             call.direct_in_flight -= 1
         if res > 0:
             call.read[tier] += res
-            if req.bufs is None:
-                call.direct[tier] += res
         self.stats.add(tier, "blocks_read", req.j1 - req.j0)
         self.stats.add(tier, "requests")
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error

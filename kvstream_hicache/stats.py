@@ -1,8 +1,8 @@
 """Counters and per-batch figures, exported as plain dicts.
 
 Per tier: bytes and blocks read (every transfer, duplicates included), bytes served (first
-verified arrivals: the tier's share of the data returned), bytes read in place (straight into the
-caller's memory, no staging copy: memory.py), pages read (pages it served at least one
+verified arrivals: the tier's share of the data returned), bytes in place (of those, the ones read
+straight into the caller's memory, no staging copy: memory.py), pages read (pages it served at least one
 block of), bytes/pages written, read and write busy time
 (time with at least one op of that tier in flight), errors, reads retried on another replica
 after this tier failed them, corrupted copies found, copies found to be another writer's version
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from .locks import ranked_lock
 
 TIER_COUNTERS = (
-    "bytes_read", "blocks_read", "requests", "bytes_served", "bytes_in_place", "pages_read", "bytes_written", "pages_written",
-    "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
+    "bytes_read", "blocks_read", "requests", "bytes_served", "bytes_in_place", "pages_read", "bytes_written",
+    "pages_written", "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
     "quarantined", "other_versions", "write_failures", "skipped_writes", "replica_skipped_pages",
     "replica_skipped_bytes", "write_held_s", "replication_done", "replication_bytes", "replication_dropped",
     "replication_promoted", "replication_read_bytes",

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -196,6 +197,16 @@ make_array_engine.__doc__ = "make_engine with the defaults of the tests that use
 
 
 # -------------------------------------------------------------------------------------- rings
+def lockable(nbytes: int) -> None:
+    """Skip unless this user may pin ``nbytes`` with io_uring (root may; another user up to its memlock
+    limit, which the kernel charges registered buffers to: test_registered_memory.py tests the refusal)."""
+    import pytest
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and soft < 2 * nbytes:
+        pytest.skip(f"the memlock limit ({soft} bytes) is below what this test pins: run as root or raise ulimit -l")
+
+
 def uring_available() -> bool:
     try:
         Ring(8).close()

@@ -23,9 +23,9 @@ from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE, Namespace
 
-from helpers import flip_byte
+from helpers import flip_byte, lockable, uring_available
 from lmcache_fixtures import (  # noqa: F401  (lmc, server_factory: fixtures)
-    WAIT_S, Server, chunk_keys, layout_of, lmc, make_tiers, page_path, random_payloads, server_factory,
+    L1_GB, WAIT_S, Server, chunk_keys, layout_of, lmc, make_tiers, page_path, random_payloads, server_factory,
 )
 
 # opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
@@ -61,6 +61,9 @@ def test_loads_land_in_lmcache_l1_in_place_on_one_tier(lmc, server_factory, tier
     """LMCache's L1 arena, as its StorageManager builds it, is registered with the engine's read ring
     when LMCache creates the adapter, so a chunk one tier alone holds loads straight into L1: every
     byte served is read in place (no staging copy), and the bytes are exact."""
+    if not uring_available():
+        pytest.skip("io_uring_setup refused on this host: no registered memory")
+    lockable(int(float(L1_GB) * 2**30))
     server = server_factory(make_tiers(tier_root, 1))
     engine = server.engine
     assert engine._reads.io.ring.fixed_bytes > 0  # (the arena, pinned once)
@@ -85,14 +88,18 @@ def test_the_l1_range_registered_is_the_one_that_stays(tier_root, shared, stable
     arena that may still grow (pinning it would allocate all of it at start)."""
     import mmap
 
+    if not uring_available():
+        pytest.skip("io_uring_setup refused on this host: no registered memory")
+
     from lmcache.v1.distributed.internal_api import L1MemoryDesc
 
     from kvstream_hicache.lmcache.adapter import KVStreamL2Adapter, _shared_mapping
 
     size = 8 << 20
+    lockable(size)
     arena = mmap.mmap(-1, size, flags=(mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | mmap.MAP_ANONYMOUS)
     ptr = ctypes.addressof(ctypes.c_char.from_buffer(arena))
-    assert _shared_mapping(ptr) == shared
+    assert _shared_mapping(ptr, size) == shared
     desc = L1MemoryDesc(ptr=ptr, size=size, align_bytes=4096,
                         stable_registration_size=size // 2 if stable == "half" else None)
     adapter = KVStreamL2Adapter({"tiers": make_tiers(tier_root, 1)}, desc)
@@ -102,6 +109,28 @@ def test_the_l1_range_registered_is_the_one_that_stays(tier_root, shared, stable
     finally:
         adapter.close()
         arena.close()
+
+
+def test_shared_mapping_means_the_whole_range():
+    """A range counts as shared memory only if shared mappings cover all of it: a shared first page
+    followed by private memory is not (its private tail would be allocated and pinned)."""
+    import mmap
+
+    from kvstream_hicache.lmcache.adapter import _shared_mapping
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    rw, private = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    base = libc.mmap(None, 3 * page, rw, private, -1, 0)
+    try:  # page 0 shared, pages 1-2 private
+        assert libc.mmap(base, page, rw, mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | 0x10, -1, 0) == base  # MAP_FIXED
+        assert _shared_mapping(base, page) and not _shared_mapping(base, 2 * page)
+        assert not _shared_mapping(base + page, page)
+    finally:
+        libc.munmap(base, 3 * page)
 
 
 def test_old_module_path_loads_the_same_adapter(lmc, server_factory, tier_root):

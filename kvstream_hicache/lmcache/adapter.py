@@ -20,15 +20,22 @@ from .keys import ADAPTER_PARAMS, engine_key, split_params
 log = logging.getLogger("kvstream")
 
 
-def _shared_mapping(address: int) -> bool:
-    """Whether ``address`` lies in a shared mapping of this process (/proc/self/maps: ``rw-s``)."""
+def _shared_mapping(address: int, nbytes: int) -> bool:
+    """Whether ``[address, address + nbytes)`` lies wholly in shared mappings of this process
+    (/proc/self/maps, in address order: ``rw-s`` ones, one after another with no gap)."""
+    end = address + nbytes
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 span, perms = line.split(None, 2)[:2]
                 lo, hi = (int(x, 16) for x in span.split("-"))
-                if lo <= address < hi:
-                    return perms.endswith("s")
+                if hi <= address:
+                    continue
+                if lo > address or not perms.endswith("s"):
+                    return False  # a gap, or private memory, before the end
+                address = hi
+                if address >= end:
+                    return True
     except OSError:  # (no procfs: not registered, reads are staged)
         pass
     return False
@@ -263,7 +270,7 @@ def _lmcache_classes() -> dict[str, type]:
                 return False
             try:
                 size = getattr(desc, "stable_registration_size", None)
-                if not size and _shared_mapping(int(desc.ptr)):
+                if not size and _shared_mapping(int(desc.ptr), int(desc.size)):
                     size = desc.size
                 return bool(size) and bool(self.engine.register_memory(int(desc.ptr), int(size)))
             except Exception as exc:

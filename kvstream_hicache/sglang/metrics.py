@@ -146,6 +146,8 @@ class Exporter:
         for k, path in enumerate(self.tier_paths):
             self.fam["tier_info"].labels(**self.labels, tier=str(k), path=path).set(1)
             self.fam["tier_healthy"].labels(**self.labels, tier=str(k)).set(1)
+            for name in TIER_COUNTERS.values():  # a series from the start: 0 is an answer (nothing in place)
+                self.fam[name].labels(**self.labels, tier=str(k))
 
     def sync(self, stats: Mapping, adapter_counters: Mapping | None = None) -> None:
         """Export the engine's cumulative ``stats()`` dict."""

@@ -67,12 +67,14 @@ class SpanRecorder:
             return [None if f is None or l is None else (f - t0, l - t0) for f, l in zip(self.first, self.last)]
 
     def returned(self) -> None:
-        """The batch returned: a tier with reads of it still in flight was busy with it until now."""
+        """The batch returned: a tier with reads of it still in flight was busy with it until now. Closes
+        the window: what completes later (an orphan) no longer moves a span."""
         now = self._clock()
         with self._lock:
             for k, window in self._pending.values():
                 if window == self._window and self.first[k] is not None:
                     self.last[k] = now
+            self._window += 1
 
     def submitted(self, ring_id: int, ops: Sequence[tuple]) -> None:
         if not self.usable:
@@ -116,8 +118,9 @@ class TimedRing:
 
     def submit(self, ops) -> int:
         ops = list(ops)
-        self._recorder.submitted(id(self), ops)
-        return self.inner.submit(ops)
+        n = self.inner.submit(ops)  # (recorded once submitted: ops a refused submit never sent do not count)
+        self._recorder.submitted(id(self), ops[:n] if isinstance(n, int) else ops)
+        return n
 
     def reap(self, min_complete: int = 1, timeout: float | None = None):
         out = self.inner.reap(min_complete, timeout)
