@@ -274,6 +274,8 @@ def test_faults_reach_reads_into_registered_memory(tier_dirs, caplog, fault):
                     assert found.count(False) == 1  # the page whose read failed: nobody else holds it
                     assert engine.stats()["tiers"][0]["errors" if fault == "error" else "corrupted"] == 1
             assert plan.hits and ring.fixed_ops > before  # the faulted reads went out fixed
+            tier = engine.stats()["tiers"][0]  # what was served was read in place; a failed block is neither
+            assert tier["bytes_in_place"] == tier["bytes_served"] >= sum(found) * 4 * MIB
             for i, ok in enumerate(found):
                 assert not ok or memory.bytes(sum(sizes[:2 * i]), len(want[i])) == want[i]
             stale = fault == "corrupt"
