@@ -133,7 +133,7 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
     stats.total("pages_missing", n_keys - n_found)
     batch = batch_figures(elapsed, served, read, busy, served_by)
     batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
-                 requests=sum(c.requests for c in calls), direct_bytes=sum(map(sum, (c.direct for c in calls))),
+                 requests=sum(c.requests for c in calls), direct_bytes=sum(in_place),
                  policy=getattr(policy, "name", str(policy)),
                  duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
                  retries=sum(getattr(c.route, "retries", 0) for c in calls),

@@ -119,7 +119,7 @@ class TimedRing:
     def submit(self, ops) -> int:
         ops = list(ops)
         n = self.inner.submit(ops)  # (recorded once submitted: ops a refused submit never sent do not count)
-        self._recorder.submitted(id(self), ops[:n] if isinstance(n, int) else ops)
+        self._recorder.submitted(id(self), ops[:n])
         return n
 
     def reap(self, min_complete: int = 1, timeout: float | None = None):
