@@ -301,6 +301,13 @@ class ReadPath:
                 target = [(b.address, b.nbytes) for b in req.bufs]
             self.io.add(req, OP_READ, req.file.fd, target[0] if len(target) == 1 else target,  # (one: a plain read)
                         HEADER_SIZE + req.j0 * page.info.block, now)
+        call = reqs[0].call
+        started = 0
+        for req in reqs:
+            started |= 1 << req.tier
+        if started & ~call.reading:  # a tier's first read of the call holds its writes (priority.py)
+            self.priority.begin(started & ~call.reading)  # before the read is on the ring: no write
+            call.reading |= started  # starts between the two (the call's end releases the tiers)
         try:
             self.io.submit()
         except BaseException:
@@ -308,17 +315,11 @@ class ReadPath:
                 self.files.drop(req.file)
                 self._release_under_reads(req)
             raise
-        call = reqs[0].call
-        started = 0
         for req in reqs:
-            started |= 1 << req.tier
             call.in_flight += 1
             call.requests += 1
             if req.bufs is None:
                 call.direct_in_flight += 1
-        if started & ~call.reading:  # a tier's first read of the call (priority.py)
-            self.priority.begin(started & ~call.reading)
-            call.reading |= started
 
     # -- completions ---------------------------------------------------------------------------
     def _complete_under_reads(self, req: Req, res: int, timely: bool = True) -> list:

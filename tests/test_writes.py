@@ -18,7 +18,7 @@ from kvstream_hicache import admission, files, writes
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import file_size
-from kvstream_hicache.priority import STALL_S
+from kvstream_hicache.priority import STALL_S, ReadPriority
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
@@ -97,6 +97,33 @@ def test_writes_to_a_tier_wait_while_a_get_reads_it(tier_dirs):
         assert stats["tiers"][0]["write_held_s"] > 0 and stats["tiers"][1]["write_held_s"] == 0
         assert stats["under_replicated"] == 0
         assert pages.checked_get(engine, new) == [True] * 3
+
+
+def test_a_read_holds_its_tiers_writes_from_before_it_reaches_the_ring(tier_dirs, monkeypatch):
+    """A get's tier counts as read from before its first read is submitted. Before, the read path
+    told read priority after the submission: a write that came in between (here: the reader thread
+    slowed between the two; on a loaded machine, descheduled) started on the tier the read was
+    using (a CI run's "tier 1 never took the pages": tier 0 had taken them too)."""
+    begin = ReadPriority.begin
+
+    def slow_begin(self, mask):
+        time.sleep(0.3)
+        begin(self, mask)
+
+    monkeypatch.setattr(ReadPriority, "begin", slow_begin)
+    plan = TierFaultPlan()
+    pages = PageSet()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=FakeClock()) as engine, releasing(plan):
+        stored, new = pages.keys(2), pages.keys(2, 100)
+        assert pages.put(engine, stored) == [True] * 2
+        reader = Held(engine, pages, stored, plan, tier_dirs[0])  # returns once the read is on the ring
+        writer, result = in_thread(pages.put, engine, new)
+        wait_until(lambda: all(engine.index.holders(k) & 0b10 for k in new), "tier 1 never took the pages")
+        assert [engine.index.holders(k) for k in new] == [0b10] * 2  # tier 0's writes wait for the get
+        assert writer.is_alive()
+        assert reader.release() == [True] * 2
+        writer.join(WAIT_S)
+        assert result == [[True] * 2] and [engine.index.holders(k) for k in new] == [0b11] * 2
 
 
 def test_a_stalled_read_does_not_hold_writes_forever(tier_dirs):
