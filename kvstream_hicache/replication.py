@@ -143,11 +143,14 @@ class Replicator:
             return
         healthy = sum(1 << t.k for t in self.tiers if t.healthy)
         for key, segments, ok in zip(keys, pages, found):
-            info = self.index.get(key) if ok else None
-            if info is None or not info.tiers:
+            # (the holders first: no lock, no entry built, for every page read; the entry only for a
+            # page to promote, and its holders again from it)
+            holders = self.index.holders(key) if ok else 0
+            if not holders or not healthy & ((holders & -holders) - 1):
                 continue
-            faster = healthy & ((info.tiers & -info.tiers) - 1)  # tiers above the fastest holder
-            if not faster:
+            info = self.index.get(key)
+            faster = healthy & ((info.tiers & -info.tiers) - 1) if info is not None and info.tiers else 0
+            if not faster:  # tiers above the fastest holder
                 continue
             source, size = None, file_size(info.length)
             with self._lock:
