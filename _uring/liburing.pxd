@@ -43,6 +43,7 @@ cdef extern from "<liburing.h>" nogil:
         IORING_SETUP_CQSIZE
         IORING_SETUP_CLAMP
         IORING_SETUP_COOP_TASKRUN
+        IORING_SETUP_TASKRUN_FLAG
         IORING_FEAT_NODROP
         IORING_FEAT_EXT_ARG
         IORING_ASYNC_CANCEL_ANY

@@ -116,8 +116,17 @@ cdef class Ring:
     on Linux 5.11+). Nothing is shared between Ring objects: a read ring and a write ring never
     wait on each other.
 
-    No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN (fio sets them): they tie the ring to the thread
-    that first submits, and callers may share a ring between threads under a lock.
+    Cooperative completions (``cooperative``, the default; Linux 5.19+, else none): the kernel posts
+    a completion when the submitting thread next enters the kernel (a submit, a reap, any system
+    call or interrupt; a thread asleep in an interruptible wait is woken for it) instead of
+    interrupting that thread with an IPI for every completion. A loop that submits and reaps enters
+    the kernel anyway; on this VM the interrupts cost the read path 8-12% of its CPU per GB and
+    7-15% of its speed at 256 KiB pages (docs/benchmarks.md, "Cooperative completions"). A thread
+    reaping what another submitted waits until that one next enters the kernel (a timer tick while
+    it computes; until its system call returns while one blocks, as without the flag). IORING_SETUP_TASKRUN_FLAG lets a reap that
+    does not wait see completions the kernel holds back. No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN
+    (fio sets them): they tie the ring to the thread that first submits, and callers may share a
+    ring between threads under a lock.
 
     A Ring belongs to the process that opened it: in a forked child ``submit``/``reap`` raise
     RuntimeError and ``close`` (or garbage collection) drops the object without a system call on the
@@ -158,6 +167,7 @@ cdef class Ring:
     cdef readonly size_t fixed_bytes   # bytes registered
     cdef readonly unsigned long long fixed_ops  # ops sent as READ_FIXED / READV_FIXED
     cdef readonly bint readv_fixed     # the kernel has READV_FIXED
+    cdef readonly bint cooperative  # set up with IORING_SETUP_COOP_TASKRUN (the kernel took it)
     cdef public bint punt      # every op straight to the kernel's async workers (IOSQE_ASYNC): submit never
     # waits inside a file system (a FUSE or NFS write issued inline blocks there while its server hangs)
 
@@ -166,23 +176,31 @@ cdef class Ring:
         self._tags = set()
         self._done = []
 
-    def __init__(self, unsigned entries=C_RING_ENTRIES):
+    def __init__(self, unsigned entries=C_RING_ENTRIES, bint cooperative=True):
         cdef io_uring_params params
         cdef int ret
+        cdef unsigned coop = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG if cooperative else 0
         if entries < 1 or entries > MAX_ENTRIES:
             raise ValueError(f"entries must be in 1..{MAX_ENTRIES}, got {entries}")
         if self._open:
             raise RuntimeError("Ring already initialized")
         memset(&params, 0, sizeof(params))
-        params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP
+        params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP | coop
         params.cq_entries = entries * CQ_PER_SQ
         ret = io_uring_queue_init_params(entries, &self._ring, &params)
+        if ret == -EINVAL and coop:  # kernels before 5.19 lack COOP_TASKRUN: completions interrupt
+            coop = 0
+            memset(&params, 0, sizeof(params))
+            params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP
+            params.cq_entries = entries * CQ_PER_SQ
+            ret = io_uring_queue_init_params(entries, &self._ring, &params)
         if ret == -EINVAL:  # kernels before 5.6 lack CQSIZE/CLAMP: take the default 2x CQ
             memset(&params, 0, sizeof(params))
             ret = io_uring_queue_init_params(entries, &self._ring, &params)
         if ret < 0:
             raise _oserror(-ret, f"io_uring_setup(entries={entries}) refused")
         self._open = True  # set only once the ring exists
+        self.cooperative = coop != 0
         self._forks_at_open = _forks
         self.owner_pid = _os.getpid()
         self.entries = params.sq_entries

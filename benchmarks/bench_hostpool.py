@@ -18,7 +18,8 @@ requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a t
 block in flight (``slow_capped``: what the second tier's share costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
-call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03), ``oldunit`` counts
+call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03), ``nocoop`` opens the engine's rings without
+COOP_TASKRUN (every completion interrupts the submitting thread: the rule before 2026-12-05), ``oldunit`` counts
 windows in whole blocks even for pages smaller than a block (the rule before 2026-12-03's second
 change: a 2 MiB window of 256 KiB pages held 2 of them); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
@@ -34,13 +35,15 @@ usage: python benchmarks/bench_hostpool.py DIR[,DIR1] PAGE_TOKENS BATCH_PAGES RO
 (run as root from the repository root, under the bench lock: docs/benchmarks.md "Reads into the host pool";
 with a testbed's throttled tier, from a shell inside its blkio group: echo $$ > /sys/fs/cgroup/blkio/kvstream-NAME/cgroup.procs)
 """
-import ctypes, gc, os, re, sys, time, statistics, shutil, types
+import ctypes, functools, gc, os, re, sys, time, statistics, shutil, types
 import numpy as np
 from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
 from kvstream_hicache.tools.bench.nixl import NixlReads
 from kvstream_hicache.tools.bench.drift import round_order
 from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS
+from kvstream_hicache import io as kio
+RING = kio.Ring
 
 dirs, ptok, npages, rounds = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 modes = sys.argv[5:] or ["nixl", "adapter"]
@@ -142,8 +145,14 @@ for m in modes:
         extra = {"memory": mem.group(1)} if mem else {}
         if "noreg" in m:  # the host pool not registered with the read ring: staged (the rule before 2026-12-05)
             extra["register_memory"] = False
-        c = AdapterReads(host, subs, "llama3-8b", extra, name=m)
+        if "nocoop" in m:  # its rings without COOP_TASKRUN: each completion interrupts the submitting
+            kio.Ring = functools.partial(kio.Ring, cooperative=False)  # thread (the rule before 2026-12-05)
+        try:
+            c = AdapterReads(host, subs, "llama3-8b", extra, name=m)
+        finally:
+            kio.Ring = RING
         rp = rps[m] = READ_PATHS[-1]  # the read path of the engine this adapter just opened
+        assert getattr(rp.io.ring, "cooperative", False) in (False, "nocoop" not in m), m
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
         if "inplace" in m:
             rp.memory.takes = lambda segments: True

@@ -47,7 +47,8 @@ class Ring:
     cq_entries: int
     features: int
     punt: bool  # every op via the kernel's async workers (IOSQE_ASYNC): submit never blocks in a file system
-    def __init__(self, entries: int = ...) -> None: ...  # entries: RING_ENTRIES
+    cooperative: bool  # completions wait for the submitter's next kernel entry, no IPI (COOP_TASKRUN)
+    def __init__(self, entries: int = ..., cooperative: bool = True) -> None: ...  # entries: RING_ENTRIES
     @property
     def in_flight(self) -> int: ...
     @property

@@ -215,12 +215,13 @@ def uring_available() -> bool:
         return False
 
 
-def make_ring(engine: str, entries: int = RING_ENTRIES):
-    """A ring of I/O engine ``engine``; io_uring refused here is a skip, or a failure where it is required."""
+def make_ring(engine: str, entries: int = RING_ENTRIES, **kwargs):
+    """A ring of I/O engine ``engine`` (``kwargs``: Ring's); io_uring refused here is a skip, or a
+    failure where it is required."""
     if engine == "threads":
         return ThreadRing(entries)
     try:
-        return Ring(entries)
+        return Ring(entries, **kwargs)
     except OSError as exc:
         if REQUIRE_URING:
             pytest.fail(f"KVSTREAM_REQUIRE_URING=1 but io_uring_setup was refused: {exc}")

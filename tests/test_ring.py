@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import gc
 import os
+import re
 import weakref
 
 import numpy as np
@@ -473,6 +474,54 @@ def test_submit_while_another_thread_waits_in_reap(uring, tier_root):
         assert uring.reap(1) == [(1, 4)]
     finally:
         os.close(fd)
+        os.close(r)
+        os.close(w)
+
+
+def test_completions_are_cooperative_where_the_kernel_has_it():
+    """The default ring takes COOP_TASKRUN (Linux 5.19+: every kernel CI runs on); it can be refused."""
+    with make_ring("uring") as ring, make_ring("uring", cooperative=False) as plain:
+        major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+        assert ring.cooperative == ((major, minor) >= (5, 19))
+        assert not plain.cooperative
+
+
+@pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "interrupting"])
+@pytest.mark.parametrize("submitter", ["asleep", "computing"])
+def test_a_thread_reaps_what_another_submitted(tier_root, cooperative, submitter):
+    """One thread submits, another reaps (the read path's orphans, reaped by the next get of whatever
+    thread). A cooperative ring posts a completion when its submitter next enters the kernel: one
+    asleep in an interruptible wait (a lock, an event) is woken for it, one computing in Python
+    enters at its next interrupt or GIL hand-off. The completion must arrive either way (30 s is
+    not a bound on the time, only a limit on a hang)."""
+    import threading
+
+    r, w = os.pipe()  # a pipe read completes later, through the submitter's task work
+    stop = threading.Event()
+    submitted = threading.Event()
+    ring = make_ring("uring", cooperative=cooperative)
+
+    def submit_then(work):
+        ring.submit([(OP_READ, r, bytearray(4), 0, 1)])
+        submitted.set()
+        work()
+
+    def compute():
+        n = 0
+        while not stop.is_set():
+            n += sum(range(100))
+
+    thread = threading.Thread(target=submit_then, args=(stop.wait if submitter == "asleep" else compute,))
+    try:
+        thread.start()
+        assert submitted.wait(30)
+        os.write(w, b"done")
+        got = ring.reap(1, timeout=30)
+        assert got == [(1, 4)]
+    finally:
+        stop.set()
+        thread.join()
+        ring.close()
         os.close(r)
         os.close(w)
 
