@@ -123,10 +123,13 @@ cdef class Ring:
     the kernel anyway; on this VM the interrupts cost the read path 8-12% of its CPU per GB and
     7-15% of its speed at 256 KiB pages (docs/benchmarks.md, "Cooperative completions"). A thread
     reaping what another submitted waits until that one next enters the kernel (a timer tick while
-    it computes; until its system call returns while one blocks, as without the flag). IORING_SETUP_TASKRUN_FLAG lets a reap that
-    does not wait see completions the kernel holds back. No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN
-    (fio sets them): they tie the ring to the thread that first submits, and callers may share a
-    ring between threads under a lock.
+    it computes; until its system call returns while one blocks uninterruptibly, as without the
+    flag; on a nohz_full CPU, where a thread spinning in user space gets no tick, until its next
+    system call: there, open rings with ``cooperative=False``, e.g. through Engine's ``ring_factory``).
+    IORING_SETUP_TASKRUN_FLAG lets a reap that does not wait see the completions the kernel holds
+    back for the calling thread. No IORING_SETUP_SINGLE_ISSUER/DEFER_TASKRUN (fio sets them): they
+    tie the ring to the thread that first submits, and callers may share a ring between threads
+    under a lock.
 
     A Ring belongs to the process that opened it: in a forked child ``submit``/``reap`` raise
     RuntimeError and ``close`` (or garbage collection) drops the object without a system call on the

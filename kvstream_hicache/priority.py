@@ -2,7 +2,8 @@
 
 Writes never cost reads (the paper's M2, here per tier): while a ``get`` reads from tier k, the write
 path starts no new write on tier k; what it had in flight there finishes (at most its write window,
-flow.py), and queued writes go out the moment the tier has no read left. A tier counts as read from
+flow.py: with the writes the writer's current step decided on before the read began), and queued
+writes go out the moment the tier has no read left. A tier counts as read from
 for the whole of a ``get`` that routes items to it, from just before its first submission (a write
 started between the submission and ``begin`` would run beside the read) until the call returns, not
 only while a request is in flight: between a completion and the claims it brings the

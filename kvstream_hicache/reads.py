@@ -146,12 +146,14 @@ class ReadPath:
                 if ok:
                     found[pos[call.page_of[p]]] = True
         finally:
-            self.index.unpin(infos)
-            if call.direct_in_flight:  # an error cut the call short: reads into caller memory land first
-                self._settle_direct_under_reads(call)
-            self._end_call_under_reads(call)
-            if call.reading:
-                self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
+            try:
+                self.index.unpin(infos)
+                if call.direct_in_flight:  # an error cut the call short: reads into caller memory land first
+                    self._settle_direct_under_reads(call)
+                self._end_call_under_reads(call)
+            finally:  # (whatever the clean-up raised: a tier left read from would hold its writes)
+                if call.reading:
+                    self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
 
     def _second_chance_under_reads(self, call: GetCall, keys: Sequence[str], found: list[bool],
@@ -302,12 +304,10 @@ class ReadPath:
             self.io.add(req, OP_READ, req.file.fd, target[0] if len(target) == 1 else target,  # (one: a plain read)
                         HEADER_SIZE + req.j0 * page.info.block, now)
         call = reqs[0].call
-        started = 0
-        for req in reqs:
-            started |= 1 << req.tier
-        if started & ~call.reading:  # a tier's first read of the call holds its writes (priority.py)
-            self.priority.begin(started & ~call.reading)  # before the read is on the ring: no write
-            call.reading |= started  # starts between the two (the call's end releases the tiers)
+        first = sum({1 << req.tier for req in reqs}) & ~call.reading  # tiers this call reads from anew
+        if first:  # they hold their writes (priority.py) from before the read is on the ring: no write
+            self.priority.begin(first)  # starts between the two (the call's end releases them)
+            call.reading |= first
         try:
             self.io.submit()
         except BaseException:

@@ -482,13 +482,14 @@ def test_completions_are_cooperative_where_the_kernel_has_it():
     """The default ring takes COOP_TASKRUN (Linux 5.19+: every kernel CI runs on); it can be refused."""
     with make_ring("uring") as ring, make_ring("uring", cooperative=False) as plain:
         major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
-        assert ring.cooperative == ((major, minor) >= (5, 19))
+        if (major, minor) >= (5, 19):  # (an older version string may carry it backported)
+            assert ring.cooperative
         assert not plain.cooperative
 
 
 @pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "interrupting"])
 @pytest.mark.parametrize("submitter", ["asleep", "computing"])
-def test_a_thread_reaps_what_another_submitted(tier_root, cooperative, submitter):
+def test_a_thread_reaps_what_another_submitted(cooperative, submitter):
     """One thread submits, another reaps (the read path's orphans, reaped by the next get of whatever
     thread). A cooperative ring posts a completion when its submitter next enters the kernel: one
     asleep in an interruptible wait (a lock, an event) is woken for it, one computing in Python

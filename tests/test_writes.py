@@ -126,6 +126,32 @@ def test_a_read_holds_its_tiers_writes_from_before_it_reaches_the_ring(tier_dirs
         assert result == [[True] * 2] and [engine.index.holders(k) for k in new] == [0b11] * 2
 
 
+def test_a_get_whose_clean_up_raises_still_lets_its_tiers_writes_go(tier_dirs, monkeypatch):
+    """The end of a get releases its tiers' read priority whatever its clean-up raised: before, an
+    error in unpinning or ending the call skipped it, and the tiers it read held their writes until
+    the stall clock let them go (here: only when the test moves its clock)."""
+    plan = TierFaultPlan()
+    pages = PageSet()
+    clock = FakeClock()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=clock) as engine, releasing(plan):
+        stored, new = pages.keys(2), pages.keys(2, 100)
+        assert pages.put(engine, stored) == [True] * 2
+        unpin = engine.index.unpin
+
+        def failing_unpin(infos):
+            unpin(infos)
+            raise RuntimeError("clean-up failed")
+
+        monkeypatch.setattr(engine.index, "unpin", failing_unpin)
+        with pytest.raises(RuntimeError, match="clean-up failed"):
+            pages.checked_get(engine, stored)
+        monkeypatch.setattr(engine.index, "unpin", unpin)
+        writer, result = in_thread(pages.put, engine, new)
+        writer.join(WAIT_S)
+        clock.advance(STALL_S + 0.1)  # (were the writes still held, they go now: the engine closes)
+        assert result == [[True] * 2] and [engine.index.holders(k) for k in new] == [0b11] * 2
+
+
 def test_a_stalled_read_does_not_hold_writes_forever(tier_dirs):
     """Reads of tier 0 that make no progress for STALL_S (a hung device, read_timeout=0) stop holding
     its writes: the put completes on both tiers while the get is still stuck."""
