@@ -63,6 +63,7 @@ def remove_copy(tier: Tier, index: Index, stats: Stats, key: str, why: str, remo
     directory, a link or another user's file stays: kvstream never removes one; ``check`` reports it)."""
     index.remove(key, tier.k)
     kept = tier.unlink_page(key) if remove else "a directory"
+    index.file_removed(key, tier.k)
     log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
                 key, tier.k, why, "removed" if kept is None else f"left in place ({kept})")
     stats.add(tier.k, "quarantined")

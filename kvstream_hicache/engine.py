@@ -242,6 +242,7 @@ class Engine:
                 for tier in self.tiers:
                     if holders >> tier.k & 1 and self.index.remove(key, tier.k):
                         tier.unlink_page(key)
+                        self.index.file_removed(key, tier.k)
         return held
 
     def register_memory(self, address: int, nbytes: int) -> bool:

@@ -336,6 +336,17 @@ class Index:
             slot = self._table.find(key)
             return slot >= 0 and self._drop_under_index(slot, tier)
 
+    def file_removed(self, key: str, tier: int) -> None:
+        """``key``'s file on ``tier`` was removed after its copy left the index (delete, eviction,
+        damage). A scan that read the file between the two must not index it: a copy it indexed
+        meanwhile leaves again, and one it read before and indexes after is read again (the drop
+        count moves, :meth:`mark`), and is gone."""
+        with self._lock:
+            self._drops[hash(key) & _DROP_BUCKETS] += 1
+            slot = self._table.find(key)
+            if slot >= 0 and self._tiers[slot] >> tier & 1 and self._on[tier][slot] == SCANNED:
+                self._drop_under_index(slot, tier)
+
     def clear(self) -> None:
         with self._lock:
             self.epoch += 1

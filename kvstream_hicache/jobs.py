@@ -193,6 +193,7 @@ class Jobs:
     def evicted_under_writer(self, k: int, victims: list[str]) -> None:
         for key in victims:
             self.tiers[k].unlink_page(key)
+            self.index.file_removed(key, k)
         if victims:
             self.stats.add(k, "evictions", len(victims))
 

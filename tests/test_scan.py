@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+
+import pytest
 from array import array
 
 from kvstream_hicache import Engine, check_tiers
@@ -230,3 +232,41 @@ def test_a_damaged_copy_the_scan_found_first_falls_back_to_a_copy_it_has_not_rea
         assert pages.checked_get(engine, keys[:1]) == [True]
         assert not os.path.exists(path) and engine.index.holders(keys[0]) == 0b01
         _release(engine)
+
+
+@pytest.mark.parametrize("scan_ends", ["before the unlink", "after it"])
+def test_a_page_deleted_while_the_scan_reads_its_file_stays_deleted(tier_dirs, monkeypatch, scan_ends):
+    """A removal drops a copy from the index, then removes its file. A start-up scan that reads the
+    file between the two must not index it again: whether it indexes it before the unlink (its copy
+    leaves again) or after (it reads the file again, and it is gone). Before, the scan indexed it:
+    LMCache's own suite found a key its adapter had deleted (a lookup hit, the listener told of no
+    delete) while the scan of a fresh adapter was still running."""
+    pages = PageSet()
+    with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:
+        keys = pages.keys(2)
+        assert pages.put(engine, keys) == [True] * 2
+        tier, scan = engine.tiers[0], engine._scan
+        unlink = tier.unlink_page
+        later = []
+
+        def scan_in_between(key):
+            path = tier.layout.page_path(key)
+            visit = lambda: scan._visit(scan.parts[0], key[:2], os.path.basename(path), path, array("i"))
+            if scan_ends == "before the unlink":
+                visit()
+                return unlink(key)
+            # the scan reads the file now and indexes what it read once the file is gone
+            real_add = engine.index.add_scanned
+            monkeypatch.setattr(engine.index, "add_scanned", lambda *a: later.append(a) or -1)
+            visit()
+            monkeypatch.setattr(engine.index, "add_scanned", real_add)
+            return unlink(key)
+
+        monkeypatch.setattr(tier, "unlink_page", scan_in_between)
+        assert engine.delete(keys[:1]) == 1
+        for args in later:
+            engine.index.add_scanned(*args)
+        assert engine.index.holders(keys[0]) == 0 and not engine.contains(keys[0])
+        assert engine.index.holders(keys[1]) == 0b1  # the other page stays
+        _release(engine)
+        assert engine.check() == []
