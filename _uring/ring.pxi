@@ -181,29 +181,28 @@ cdef class Ring:
 
     def __init__(self, unsigned entries=C_RING_ENTRIES, bint cooperative=True):
         cdef io_uring_params params
-        cdef int ret
-        cdef unsigned coop = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG if cooperative else 0
+        cdef int ret = -EINVAL
+        cdef unsigned flags = 0
+        cdef unsigned sized = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP
+        cdef unsigned coop = IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG
         if entries < 1 or entries > MAX_ENTRIES:
             raise ValueError(f"entries must be in 1..{MAX_ENTRIES}, got {entries}")
         if self._open:
             raise RuntimeError("Ring already initialized")
-        memset(&params, 0, sizeof(params))
-        params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP | coop
-        params.cq_entries = entries * CQ_PER_SQ
-        ret = io_uring_queue_init_params(entries, &self._ring, &params)
-        if ret == -EINVAL and coop:  # kernels before 5.19 lack COOP_TASKRUN: completions interrupt
-            coop = 0
+        # The newest setup the kernel takes: COOP_TASKRUN from 5.19 (before, completions interrupt),
+        # CQSIZE/CLAMP from 5.6 (before, the default 2x CQ).
+        for flags in ((sized | coop) if cooperative else sized, sized, 0):
             memset(&params, 0, sizeof(params))
-            params.flags = IORING_SETUP_CQSIZE | IORING_SETUP_CLAMP
-            params.cq_entries = entries * CQ_PER_SQ
+            params.flags = flags
+            if flags & IORING_SETUP_CQSIZE:
+                params.cq_entries = entries * CQ_PER_SQ
             ret = io_uring_queue_init_params(entries, &self._ring, &params)
-        if ret == -EINVAL:  # kernels before 5.6 lack CQSIZE/CLAMP: take the default 2x CQ
-            memset(&params, 0, sizeof(params))
-            ret = io_uring_queue_init_params(entries, &self._ring, &params)
+            if ret != -EINVAL:
+                break
         if ret < 0:
             raise _oserror(-ret, f"io_uring_setup(entries={entries}) refused")
         self._open = True  # set only once the ring exists
-        self.cooperative = coop != 0
+        self.cooperative = flags & IORING_SETUP_COOP_TASKRUN != 0
         self._forks_at_open = _forks
         self.owner_pid = _os.getpid()
         self.entries = params.sq_entries

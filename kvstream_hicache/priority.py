@@ -3,12 +3,11 @@
 Writes never cost reads (the paper's M2, here per tier): while a ``get`` reads from tier k, the write
 path starts no new write on tier k; what it had in flight there finishes (at most its write window,
 flow.py: with the writes the writer's current step decided on before the read began), and queued
-writes go out the moment the tier has no read left. A tier counts as read from
-for the whole of a ``get`` that routes items to it, from just before its first submission (a write
-started between the submission and ``begin`` would run beside the read) until the call returns, not
-only while a request is in flight: between a completion and the claims it brings the
-tier's in-flight count drops to zero for an instant, and a write slipped in there would sit in the
-device queue ahead of the next read. Orphans (staged reads still in flight after their call
+writes go out the moment the tier has no read left. A tier counts as read from for the whole of a
+``get`` that routes items to it, from just before its first submission (a write started between the
+submission and ``begin`` would run beside the read) until the call returns, not only while a request
+is in flight: between a completion and the claims it brings the tier's in-flight count drops to zero
+for an instant, and a write slipped in there would sit in the device queue ahead of the next read. Orphans (staged reads still in flight after their call
 returned) do not hold writes back: nobody waits for them, and they are reaped only by the next
 ``get``, so counting them would idle the tier's writes between calls, the window writes exist for.
 Nor does a read that stalled: a tier whose reads made no progress for :data:`STALL_S` lets its

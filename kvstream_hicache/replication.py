@@ -62,6 +62,11 @@ PROMOTE_SHARE = 4  # promoted pages kept in memory as sources: at most 1/this of
 SWEEP_BATCH = 256  # pages the sweep of the index (owe_all) owes a tier at a time
 
 
+def _above_fastest(healthy: int, holders: int) -> int:
+    """The healthy tiers faster than the fastest of ``holders`` (bitmasks; tier 0 is the fastest)."""
+    return healthy & ((holders & -holders) - 1) if holders else 0
+
+
 class Replicator:
     """What each tier is owed, and the thread that writes it (module docstring).
 
@@ -145,12 +150,11 @@ class Replicator:
         for key, segments, ok in zip(keys, pages, found):
             # (the holders first: no lock, no entry built, for every page read; the entry only for a
             # page to promote, and its holders again from it)
-            holders = self.index.holders(key) if ok else 0
-            if not holders or not healthy & ((holders & -holders) - 1):
+            if not ok or not _above_fastest(healthy, self.index.holders(key)):
                 continue
             info = self.index.get(key)
-            faster = healthy & ((info.tiers & -info.tiers) - 1) if info is not None and info.tiers else 0
-            if not faster:  # tiers above the fastest holder
+            faster = _above_fastest(healthy, info.tiers) if info is not None else 0
+            if not faster:
                 continue
             source, size = None, file_size(info.length)
             with self._lock:
