@@ -171,6 +171,7 @@ cdef class Ring:
     cdef readonly unsigned long long fixed_ops  # ops sent as READ_FIXED / READV_FIXED
     cdef readonly bint readv_fixed     # the kernel has READV_FIXED
     cdef readonly bint cooperative  # set up with IORING_SETUP_COOP_TASKRUN (the kernel took it)
+    cdef readonly object submit_error  # the last io_uring_submit error a submit left to a later flush, or None
     cdef public bint punt      # every op straight to the kernel's async workers (IOSQE_ASYNC): submit never
     # waits inside a file system (a FUSE or NFS write issued inline blocks there while its server hangs)
 
@@ -252,6 +253,11 @@ cdef class Ring:
         the file range is contiguous, the memory need not be).
         The batch is validated first: on ValueError/TypeError/BufferError nothing is submitted.
         One io_uring_submit per call, more only when the batch outgrows the submission queue.
+        Once accepted, the ops are in flight whatever io_uring_submit answers: one it refused stays in
+        the submission queue (or the backlog) and goes to the kernel at the next flush, which every
+        ``reap`` does first, so a lasting error surfaces there (``submit_error`` keeps the last one).
+        Raising here instead would tell the caller the batch is not in flight, and it would free or
+        reuse memory that a later io_uring_enter still hands the kernel.
         """
         self._check_open()
         if self._waiting and not self.features & IORING_FEAT_EXT_ARG:
@@ -269,7 +275,10 @@ cdef class Ring:
                 accepted -= 1
             raise
         self._in_flight += accepted
-        self._flush()
+        try:
+            self._flush()
+        except OSError as exc:  # (a hard error: EAGAIN, EBUSY and EINTR never raise)
+            self.submit_error = exc
         return accepted
 
     def reap(self, Py_ssize_t min_complete=1, timeout=None):

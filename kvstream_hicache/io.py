@@ -2,7 +2,7 @@
 
 Every engine has the same batch interface (see ``kvstream_hicache._uring.Ring``)::
 
-    ring.submit([(OP_READ, fd, buf, offset, tag), ...]) -> int     # ops accepted
+    ring.submit([(OP_READ, fd, buf, offset, tag), ...]) -> int     # ops accepted (raises: none was)
     ring.reap(min_complete=1, timeout=None) -> [(tag, res), ...]   # res: bytes done, or -errno
     ring.in_flight                                                 # submitted, not yet reaped
     ring.close()                                                   # idempotent; drains first

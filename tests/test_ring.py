@@ -487,6 +487,49 @@ def test_completions_are_cooperative_where_the_kernel_has_it():
         assert not plain.cooperative
 
 
+def _io_uring_fds() -> set[int]:
+    """This process's io_uring descriptors."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[io_uring]":
+                fds.add(int(name))
+        except OSError:  # (the listing's own descriptor, gone by now)
+            pass
+    return fds
+
+
+def test_a_batch_io_uring_submit_refused_stays_in_flight(direct_dir):
+    """io_uring_submit failing hard once submit has accepted a batch (here the ring's descriptor is
+    closed under it, as a library closing descriptors it does not own would: EBADF) does not make
+    submit raise: a caller told the batch failed frees its memory, and the ops, still queued on the
+    ring, would reach the kernel at the next io_uring_enter and land in it (the old behaviour: the
+    submit raised and the op completed later anyway). The op stays in flight, the error surfaces at
+    reap while it lasts, and once the ring works again the op lands in the caller's buffer."""
+    before = _io_uring_fds()
+    ring = make_ring("uring")
+    (ring_fd,) = _io_uring_fds() - before
+    data = np.random.default_rng(3).integers(0, 256, 4 * ALIGN, dtype=np.uint8).tobytes()
+    fd = file_with(direct_dir, "page", data)
+    buf = AlignedBuffer(len(data))
+    saved = os.dup(ring_fd)
+    try:
+        os.close(ring_fd)
+        assert ring.submit([(OP_READ, fd, buf, 0, 7)]) == 1
+        assert ring.in_flight == 1 and ring.submit_error.errno == errno.EBADF
+        with pytest.raises(OSError) as refused:
+            ring.reap(1, 1.0)
+        assert refused.value.errno == errno.EBADF and ring.in_flight == 1
+        os.dup2(saved, ring_fd)  # the ring works again: the queued op goes out at the next flush
+        assert ring.reap(1, 10.0) == [(7, len(data))]
+        assert bytes(buf) == data
+    finally:
+        os.dup2(saved, ring_fd)
+        os.close(saved)
+        ring.close()
+        os.close(fd)
+
+
 @pytest.mark.parametrize("cooperative", [True, False], ids=["cooperative", "interrupting"])
 @pytest.mark.parametrize("submitter", ["asleep", "computing"])
 def test_a_thread_reaps_what_another_submitted(cooperative, submitter):
