@@ -297,7 +297,7 @@ def test_store_task_completes_only_when_its_pages_are_committed(lmc, server_fact
     assert server.adapter.core.wait_completed("store", 1, WAIT_S)
     assert server.adapter.report_status()["stored_pages"] == 4
     assert lookup(server, keys, layout) == [True] * 4
-    assert server.sm.delete_l1_keys(keys, force=True)[0] == len(keys)
+    server.drop_l1(keys)
     assert server.prefetch(keys, layout) == (len(keys), payloads)
     assert server.engine.check() == []
 
@@ -342,7 +342,7 @@ def test_store_tasks_beyond_the_backlog_wait_and_none_is_lost(lmc, server_factor
     status = server.adapter.report_status()
     assert status["store_failed_pages"] == 0 and status["stored_pages"] == 6 and status["queued_stores"] == 0
     for keys, data in zip(batches, payloads):
-        assert server.sm.delete_l1_keys(keys, force=True)[0] == len(keys)
+        server.drop_l1(keys)
         assert server.prefetch(keys, layout) == (len(keys), data)
 
 
