@@ -15,7 +15,8 @@ ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` se
 ``adapter-mem256M-deep``), ``noreg`` sets ``register_memory=off`` (the pool is not registered with the
 read ring, so reads into its 4 KiB pages are staged: the rule before 2026-12-05), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
 requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a two-tier call to one
-block in flight (``slow_capped``: what the second tier's share costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
+block in flight (``slow_capped``: what the second tier's share costs), ``fastinplace`` reads the fastest
+tier's first claims of a two-tier call in place (``fastest_in_place``: what staging replicated pages costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
 call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03), ``nocoop`` opens the engine's rings without
@@ -113,6 +114,28 @@ def slow_capped(self, call, unit):
         for k in range(len(flows)):
             if k != fast:
                 call.route.set_depth(k, 1, 1)
+def fastest_in_place(rp):
+    """A rule tried and not taken (issue 27, two tiers at 256 KiB on a RAM tier): in a call more than
+    one tier can serve, the fastest tier (by measured rate) reads the blocks it claims first (not
+    steals) straight into caller memory where the memory takes it, as a single holder's are, and no
+    tier re-reads what that tier has in flight: what staging every replicated page costs, measured.
+    Not a usable rule: the call then waits for those reads however long a stalled fastest tier takes
+    (guarantees.md: a stalled tier never holds a call)."""
+    flows, requests, may_steal = rp.io.flows, rp._requests_under_reads, rp._may_steal_under_reads
+    fastest = lambda: max(range(len(flows)), key=lambda k: flows[k].rate)
+    def requests_in_place(call, claims):
+        fast = fastest()
+        stolen = {item for tier, items, steal in claims if steal for item in items}
+        reqs, failed = requests(call, claims)
+        for req in reqs:
+            page = call.pages[req.p]
+            if req.bufs and req.tier == fast and page.in_place and not stolen.intersection(req.items):
+                for b in req.bufs:
+                    rp.pool.put(b)
+                req.bufs = None
+        return reqs, failed
+    rp._requests_under_reads = requests_in_place
+    rp._may_steal_under_reads = lambda tier, owner: owner != fastest() and may_steal(tier, owner)
 def capped_single(self, call, flow, cap, grow):
     """A call one tier alone serves keeps ``cap`` bytes in flight on it, staged or in place (with
     ``grow``, its flow window where that is larger), never more than the ceiling."""
@@ -162,6 +185,8 @@ for m in modes:
                     _completed(*a, **k)
                     _flow.window = _flow.ceiling
                 flow.completed, flow.window = completed, flow.ceiling
+        if "fastinplace" in m:
+            fastest_in_place(rp)
         if "slowcap" in m:
             rp._set_depths_under_reads = types.MethodType(slow_capped, rp)
         if "fastdeep" in m:

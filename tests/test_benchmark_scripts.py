@@ -25,7 +25,7 @@ def test_bench_hostpool_one_tier_and_two_with_every_variant(tier_dirs):
     the script applies in the same process."""
     modes = ["nixl", "adapter-1tier", "adapter", "adapter-claim=window", "adapter-deep", "adapter-fastdeep",
              "adapter-vegas", "adapter-1tier-single16M", "adapter-inplace", "adapter-mem32M",
-             "adapter-oldunit", "adapter-1tier-noreg", "adapter-slowcap", "adapter-nocoop"]
+             "adapter-oldunit", "adapter-1tier-noreg", "adapter-slowcap", "adapter-nocoop", "adapter-fastinplace"]
     out = script("bench_hostpool.py", ",".join(tier_dirs[:2]), "2", "4", "2", *modes)
     for mode in modes:
         rows = [line for line in out.splitlines() if line.startswith(mode + " ")]
@@ -33,6 +33,10 @@ def test_bench_hostpool_one_tier_and_two_with_every_variant(tier_dirs):
         assert "xnixl med" in row and "xadapter-1tier med" in row
         assert any("machine CPU s/GB" in line and "busy CPUs" in line for line in rows)
         assert any("x best 1tier of the round med" in line for line in rows)  # (two 1tier modes)
+    direct = {mode: line.split(" direct ")[1].split()[0] for line in out.splitlines() for mode in modes
+              if line.startswith(mode + " ") and "MB/s med" in line}
+    assert direct["adapter"] == "0"  # two tiers: every page staged
+    assert (direct["adapter-fastinplace"] != "0") == (direct["adapter-1tier"] != "0")  # in place where one tier is
     for tier in tier_dirs[:2]:
         assert os.path.isdir(os.path.join(tier, "hostpool-adapter"))
     assert not os.path.exists(os.path.join(tier_dirs[1], "hostpool-adapter-1tier"))  # one tier: DIR0 alone
