@@ -122,20 +122,21 @@ def fastest_in_place(rp):
     Not a usable rule: the call then waits for those reads however long a stalled fastest tier takes
     (guarantees.md: a stalled tier never holds a call)."""
     flows, requests, may_steal = rp.io.flows, rp._requests_under_reads, rp._may_steal_under_reads
-    fastest = lambda: max(range(len(flows)), key=lambda k: flows[k].rate)
-    def requests_in_place(call, claims):
-        fast = fastest()
+    now = {"call": None, "fast": 0}  # the call being read (one at a time) and its fastest tier, fixed
+    def requests_in_place(call, claims):  # at its first requests
+        if now["call"] is not call:
+            now.update(call=call, fast=max(range(len(flows)), key=lambda k: flows[k].rate))
         stolen = {item for tier, items, steal in claims if steal for item in items}
         reqs, failed = requests(call, claims)
         for req in reqs:
             page = call.pages[req.p]
-            if req.bufs and req.tier == fast and page.in_place and not stolen.intersection(req.items):
+            if req.bufs and req.tier == now["fast"] and page.in_place and not stolen.intersection(req.items):
                 for b in req.bufs:
                     rp.pool.put(b)
                 req.bufs = None
         return reqs, failed
     rp._requests_under_reads = requests_in_place
-    rp._may_steal_under_reads = lambda tier, owner: owner != fastest() and may_steal(tier, owner)
+    rp._may_steal_under_reads = lambda tier, owner: owner != now["fast"] and may_steal(tier, owner)
 def capped_single(self, call, flow, cap, grow):
     """A call one tier alone serves keeps ``cap`` bytes in flight on it, staged or in place (with
     ``grow``, its flow window where that is larger), never more than the ceiling."""
