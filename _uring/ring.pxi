@@ -43,7 +43,7 @@ _os.register_at_fork(after_in_child=_forked_child)
 
 cdef inline object _oserror(int err, str what):
     """The one place a C error code becomes a Python exception."""
-    return OSError(err, f"{what}: {strerror(err).decode()}")
+    return OSError(err, f"{what}: {strerror(err).decode(errors='replace')}")  # (any locale's text)
 
 
 ctypedef struct Req:
@@ -277,7 +277,7 @@ cdef class Ring:
         self._in_flight += accepted
         try:
             self._flush()
-        except OSError as exc:  # (a hard error: EAGAIN, EBUSY and EINTR never raise)
+        except Exception as exc:  # (a hard error, or building its exception: EAGAIN, EBUSY, EINTR never raise)
             self.submit_error = exc
         return accepted
 

@@ -48,7 +48,7 @@ class Ring:
     features: int
     punt: bool  # every op via the kernel's async workers (IOSQE_ASYNC): submit never blocks in a file system
     cooperative: bool  # completions wait for the submitter's next kernel entry, no IPI (COOP_TASKRUN)
-    submit_error: OSError | None  # the last io_uring_submit error a submit left to a later flush (ring.pxi)
+    submit_error: Exception | None  # the last io_uring_submit error a submit left to a later flush (ring.pxi)
     def __init__(self, entries: int = ..., cooperative: bool = True) -> None: ...  # entries: RING_ENTRIES
     @property
     def in_flight(self) -> int: ...

@@ -23,6 +23,7 @@ import errno as _errno
 import logging
 import operator
 import os
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -196,7 +197,11 @@ class ThreadRing:
         return self._closed
 
     def submit(self, ops: Iterable[tuple]) -> int:
-        """Queue a batch; the whole batch is validated before any op starts."""
+        """Queue a batch; the whole batch is validated before any op starts. Like ``Ring.submit``,
+        raises only when it accepted nothing: an op the pool refuses (no thread could be started,
+        the interpreter is shutting down; the op may be queued all the same) runs here, at once,
+        and whichever of the two comes first does it (a caller told the batch failed would free
+        memory an op still reads or fills)."""
         self._check_open()
         batch = []
         tags = set()
@@ -215,7 +220,11 @@ class ThreadRing:
             for opcode, fd, view, offset, tag in batch:
                 self._views[tag] = view
         for op in batch:
-            self._pool.submit(self._run, *op)
+            once = threading.Lock()  # taken by whichever runs the op
+            try:
+                self._pool.submit(self._run, once, *op)
+            except Exception:
+                self._run(once, *op)
         return len(batch)
 
     def reap(self, min_complete: int = 1, timeout: float | None = None) -> list[tuple[int, int]]:
@@ -273,7 +282,9 @@ class ThreadRing:
             raise RuntimeError(f"this ThreadRing was opened in process {self.owner_pid}, of which this process is a "
                                "fork (its threads are not here): open a new one in this process")
 
-    def _run(self, opcode: int, fd: int, view: memoryview, offset: int, tag: int) -> None:
+    def _run(self, once: threading.Lock, opcode: int, fd: int, view: memoryview, offset: int, tag: int) -> None:
+        if not once.acquire(blocking=False):  # (run by submit already: the pool refused it, then ran it)
+            return
         res = _transfer(opcode, fd, view, offset)
         with self._cond:
             self._done.append((tag, res))

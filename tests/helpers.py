@@ -241,6 +241,24 @@ def run(ring, ops) -> dict[int, int]:
     return out
 
 
+def io_uring_fds() -> set[int]:
+    """This process's io_uring descriptors."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[io_uring]":
+                fds.add(int(name))
+        except OSError:  # (the listing's own descriptor, gone by now)
+            pass
+    return fds
+
+
+def sq_tail(fd: int) -> int:
+    """How many SQEs the io_uring behind ``fd`` has been given (its fdinfo's SqTail)."""
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("SqTail:"))
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

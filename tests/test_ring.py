@@ -9,6 +9,7 @@ import errno
 import gc
 import os
 import re
+import time
 import weakref
 
 import numpy as np
@@ -19,7 +20,7 @@ from kvstream_hicache.io import (
     ALIGN, MAX_VECTOR, OP_READ, OP_WRITE, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, open_ring,
 )
 
-from helpers import ENGINES, REQUIRE_URING, make_file, make_ring, open_fds, run
+from helpers import ENGINES, REQUIRE_URING, io_uring_fds, make_file, make_ring, open_fds, run
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -487,18 +488,6 @@ def test_completions_are_cooperative_where_the_kernel_has_it():
         assert not plain.cooperative
 
 
-def _io_uring_fds() -> set[int]:
-    """This process's io_uring descriptors."""
-    fds = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[io_uring]":
-                fds.add(int(name))
-        except OSError:  # (the listing's own descriptor, gone by now)
-            pass
-    return fds
-
-
 def test_a_batch_io_uring_submit_refused_stays_in_flight(direct_dir):
     """io_uring_submit failing hard once submit has accepted a batch (here the ring's descriptor is
     closed under it, as a library closing descriptors it does not own would: EBADF) does not make
@@ -506,9 +495,9 @@ def test_a_batch_io_uring_submit_refused_stays_in_flight(direct_dir):
     ring, would reach the kernel at the next io_uring_enter and land in it (the old behaviour: the
     submit raised and the op completed later anyway). The op stays in flight, the error surfaces at
     reap while it lasts, and once the ring works again the op lands in the caller's buffer."""
-    before = _io_uring_fds()
+    before = io_uring_fds()
     ring = make_ring("uring")
-    (ring_fd,) = _io_uring_fds() - before
+    (ring_fd,) = io_uring_fds() - before
     data = np.random.default_rng(3).integers(0, 256, 4 * ALIGN, dtype=np.uint8).tobytes()
     fd = file_with(direct_dir, "page", data)
     buf = AlignedBuffer(len(data))
@@ -526,6 +515,42 @@ def test_a_batch_io_uring_submit_refused_stays_in_flight(direct_dir):
     finally:
         os.dup2(saved, ring_fd)
         os.close(saved)
+        ring.close()
+        os.close(fd)
+
+
+@pytest.mark.parametrize("queued", [True, False], ids=["queued then refused", "refused"])
+def test_a_batch_the_thread_pool_refuses_still_runs_each_op_once(direct_dir, monkeypatch, queued):
+    """ThreadRing, the same contract: the pool refusing an op after submit accepted the batch (no
+    thread could be started, when the work item is queued all the same; the interpreter shutting
+    down, when it is not) does not make submit raise. The op runs on the submitting thread, and
+    once only. (Before: submit raised, and the queued op ran later into freed memory.)"""
+    ring = make_ring("threads")
+    data = np.random.default_rng(4).integers(0, 256, 2 * ALIGN, dtype=np.uint8).tobytes()
+    fd = file_with(direct_dir, "page", data)
+    bufs = [AlignedBuffer(len(data)) for _ in range(3)]
+    pool_submit = ring._pool.submit
+    calls = []
+
+    def refusing(fn, *args):
+        calls.append(args)
+        if len(calls) == 2:  # the batch's second op
+            if queued:
+                pool_submit(fn, *args)
+            raise RuntimeError("can't start new thread")
+        return pool_submit(fn, *args)
+
+    monkeypatch.setattr(ring._pool, "submit", refusing)
+    try:
+        assert ring.submit([(OP_READ, fd, buf, 0, tag) for tag, buf in enumerate(bufs)]) == 3
+        done = []
+        while len(done) < 3:
+            done += ring.reap(1, 10.0)
+        assert sorted(done) == [(tag, len(data)) for tag in range(3)] and ring.in_flight == 0
+        assert all(bytes(buf) == data for buf in bufs)
+        time.sleep(0.05)
+        assert ring.reap(0, 0) == []  # the queued copy of the refused op did not run a second time
+    finally:
         ring.close()
         os.close(fd)
 
