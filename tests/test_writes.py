@@ -22,7 +22,7 @@ from kvstream_hicache.priority import STALL_S, ReadPriority
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
-    FakeClock, Pages, PageSet, TierFaultPlan, key, make_engine, open_fds, page_files, tmp_files, wait_for_fault,
+    FakeClock, PageSet, Pages, TierFaultPlan, io_uring_fds, key, make_engine, open_fds, page_files, sq_tail, tmp_files, wait_for_fault,
 )
 
 WAIT_S = 60.0
@@ -395,6 +395,33 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             else:
                 assert skipped == 0
             assert pages.checked_get(engine, batch) == [True] * 24
+
+
+def test_a_write_ring_that_breaks_fails_its_puts_and_holds_no_caller(tier_dirs):
+    """The write ring's descriptor replaced under the engine (a library that closes or dup2s over
+    descriptors it does not own): every io_uring call on it fails from then on (EOPNOTSUPP). The
+    writer's recovery from a failed step waited for the writes in flight by reaping, which raised
+    again and ended the writer thread: that put, and every later one, waited for ever. Now the write
+    path closes the broken ring (what the kernel never took never runs), fails what is pending, and
+    later puts fail at once; reads, on their own ring, go on."""
+    pages = PageSet(8192)
+    before = io_uring_fds()
+    with make_engine(tier_dirs[:2], replicate="all", catchup=False) as engine:  # (no replica owed: no
+        rings = io_uring_fds() - before                                         # catch-up read on a ring)
+        stored = pages.keys(2)
+        assert pages.put(engine, stored) == [True, True]
+        (write_ring,) = [fd for fd in rings if sq_tail(fd) > 0]  # (nothing was read yet)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, write_ring)  # (not a close: the number stays ours, so no other file takes it)
+        os.close(null)
+        result = {}
+        putter = threading.Thread(target=lambda: result.setdefault("put", pages.put(engine, pages.keys(2, 100))))
+        putter.start()
+        putter.join(30)
+        assert not putter.is_alive(), "a put waited for ever on the broken write ring"
+        assert result["put"] == [False, False]
+        assert pages.put(engine, pages.keys(1, 200)) == [False]
+        assert pages.checked_get(engine, stored) == [True, True]
 
 
 # ---------------------------------------------------------------------- open files (issue 16 item 7)
