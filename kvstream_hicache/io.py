@@ -23,7 +23,6 @@ import errno as _errno
 import logging
 import operator
 import os
-import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -220,7 +219,7 @@ class ThreadRing:
             for opcode, fd, view, offset, tag in batch:
                 self._views[tag] = view
         for op in batch:
-            once = threading.Lock()  # taken by whichever runs the op
+            once: list[bool] = []  # marked (under the ring's condition) by whichever runs the op
             try:
                 self._pool.submit(self._run, once, *op)
             except Exception:
@@ -282,9 +281,11 @@ class ThreadRing:
             raise RuntimeError(f"this ThreadRing was opened in process {self.owner_pid}, of which this process is a "
                                "fork (its threads are not here): open a new one in this process")
 
-    def _run(self, once: threading.Lock, opcode: int, fd: int, view: memoryview, offset: int, tag: int) -> None:
-        if not once.acquire(blocking=False):  # (run by submit already: the pool refused it, then ran it)
-            return
+    def _run(self, once: list[bool], opcode: int, fd: int, view: memoryview, offset: int, tag: int) -> None:
+        with self._cond:
+            if once:  # (run by submit already: the pool refused it, then ran it)
+                return
+            once.append(True)
         res = _transfer(opcode, fd, view, offset)
         with self._cond:
             self._done.append((tag, res))
