@@ -268,7 +268,10 @@ class WritePath:
                 try:
                     idle = self._step_under_writer()
                 except Exception:  # a bug must not hang every caller: fail what is pending, live on
-                    log.exception("kvstream: write path error; the pages being written are reported failed")
+                    if self.io.ring.closed:  # (closed after it broke, logged then: one line per step now)
+                        log.warning("kvstream: the write ring is closed; the pages being written are reported failed")
+                    else:
+                        log.exception("kvstream: write path error; the pages being written are reported failed")
                     self._abandon_under_writer()
                     continue
             if idle is not None:  # nothing in flight: queued jobs wait for reads to end or stall

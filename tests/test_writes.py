@@ -397,7 +397,7 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             assert pages.checked_get(engine, batch) == [True] * 24
 
 
-def test_a_write_ring_that_breaks_fails_its_puts_and_holds_no_caller(tier_dirs):
+def test_a_write_ring_that_breaks_fails_its_puts_and_holds_no_caller(tier_dirs, caplog):
     """The write ring's descriptor replaced under the engine (a library that closes or dup2s over
     descriptors it does not own): every io_uring call on it fails from then on (EOPNOTSUPP). The
     writer's recovery from a failed step waited for the writes in flight by reaping, which raised
@@ -420,7 +420,11 @@ def test_a_write_ring_that_breaks_fails_its_puts_and_holds_no_caller(tier_dirs):
         putter.join(30)
         assert not putter.is_alive(), "a put waited for ever on the broken write ring"
         assert result["put"] == [False, False]
+        assert [r.exc_info is not None for r in caplog.records if "write ring" in r.getMessage()] == [True]
+        caplog.clear()
         assert pages.put(engine, pages.keys(1, 200)) == [False]
+        closed = [r for r in caplog.records if "write ring is closed" in r.getMessage()]
+        assert closed and all(r.exc_info is None for r in caplog.records)  # (a line, no traceback, once closed)
         assert pages.checked_get(engine, stored) == [True, True]
 
 
