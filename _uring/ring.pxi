@@ -685,10 +685,12 @@ cdef class Ring:
 
     cdef void _close(self) noexcept:
         """Cancel, drain, exit. The kernel may write into pinned buffers until their CQE arrives,
-        so no buffer is released before that; ops never handed to the kernel are just dropped."""
+        so no buffer is released before that; ops never handed to the kernel (the backlog, and SQEs
+        it did not take) are just dropped."""
         cdef io_uring_sqe *sqe
         cdef io_uring_cqe *cqe = NULL
         cdef int ret
+        cdef unsigned unsent
         self._closing = True
         while self._bl_len:
             self._release(self._backlog_pop_tail())
@@ -704,6 +706,14 @@ cdef class Ring:
                 io_uring_sqe_set_data64(sqe, CANCEL_UDATA)
             while self._in_kernel:
                 io_uring_submit(&self._ring)  # also retries SQEs a busy kernel refused earlier
+                # Wait only for what the kernel took: an SQE it never took (refused, or the ring's
+                # descriptor reaches another ring now) never runs once the ring exits, and no CQE
+                # would come for it. The SQ is consumed in order, and the cancel SQE is its last.
+                unsent = io_uring_sq_ready(&self._ring)
+                if unsent and sqe != NULL:
+                    unsent -= 1
+                if self._in_kernel <= <Py_ssize_t>unsent:
+                    break
                 with nogil:
                     ret = io_uring_wait_cqes(&self._ring, &cqe, 1, <__kernel_timespec *>NULL, <void *>NULL)
                 if ret < 0 and ret != -EINTR and ret != -ETIME:

@@ -9,6 +9,7 @@ import errno
 import gc
 import os
 import re
+import threading
 import time
 import weakref
 
@@ -517,6 +518,35 @@ def test_a_batch_io_uring_submit_refused_stays_in_flight(direct_dir):
         os.close(saved)
         ring.close()
         os.close(fd)
+
+
+def test_close_does_not_wait_for_what_the_kernel_never_took():
+    """A ring whose descriptor now reaches another ring (dup2 over it): its io_uring_submit takes
+    nothing (the other ring's queue is empty) and a wait there never ends, as with a kernel that
+    refuses every submit. close() waited for the queued op for ever; it waits only for what the
+    kernel took, and returns (the op, never taken, never runs)."""
+    before = io_uring_fds()
+    ring = make_ring("uring")
+    (ring_fd,) = io_uring_fds() - before
+    other = make_ring("uring")
+    (other_fd,) = io_uring_fds() - before - {ring_fd}
+    r, w = os.pipe()
+    saved = os.dup(ring_fd)
+    buf = AlignedBuffer(ALIGN)
+    try:
+        os.dup2(other_fd, ring_fd)
+        assert ring.submit([(OP_READ, r, buf, 0, 1)]) == 1  # taken by no ring
+        closer = threading.Thread(target=ring.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close() waited for an op the kernel never took"
+        os.write(w, b"x" * 16)
+        assert other.reap(0, 0) == [] and bytes(buf) == bytes(ALIGN)  # nobody ran it
+    finally:
+        other.close()
+        os.close(saved)
+        os.close(r)
+        os.close(w)
 
 
 @pytest.mark.parametrize("queued", [True, False], ids=["queued then refused", "refused"])
