@@ -464,10 +464,8 @@ class WritePath:
     def _abandon_under_writer(self) -> None:
         """After an unexpected error: wait for the writes in flight (they read caller memory), then
         discard every job and fail every page still pending, so that no caller waits forever. A ring
-        that cannot even be waited on is broken (its descriptor closed under it, say): it is closed,
-        which waits for what the kernel took and drops what it never took, and from then on every
-        write fails at once (the writer thread lives on: an error here used to end it, and every put
-        waited for ever)."""
+        that cannot even be waited on (its descriptor closed under it) is closed: every write fails
+        at once from then on, and the writer lives on (an error here used to end it)."""
         try:
             while self.io.ring.in_flight:
                 self.io.reap(1, None)
