@@ -132,12 +132,16 @@ class Engine:
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
         rings = []
+        choice = config.io_engine
+
+        def open_one():  # (the paths open another one where theirs failed: inflight.py)
+            ring = ring_factory(entries=RING_ENTRIES, engine=choice)
+            return FaultyRing(ring, fault_plan) if fault_plan is not None else ring
+
         try:
-            choice = config.io_engine
             for _ in range(2):
-                ring = ring_factory(entries=RING_ENTRIES, engine=choice)
-                rings.append(FaultyRing(ring, fault_plan) if fault_plan is not None else ring)
-                if choice == "auto" and isinstance(ring, ThreadRing):
+                rings.append(open_one())
+                if choice == "auto" and isinstance(getattr(rings[-1], "inner", rings[-1]), ThreadRing):
                     choice = "threads"  # io_uring refused: the write ring follows without a second log line
         except OSError as exc:
             for ring in rings:
@@ -150,10 +154,10 @@ class Engine:
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)
         self._reads = ReadPath(rings[0], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
                                config.read_timeout, share, namespace.digest, self.priority, _weak(self._recover, 0),
-                               _weak(self._read_done, None), register_memory=config.register_memory)
+                               _weak(self._read_done, None), reopen=open_one, register_memory=config.register_memory)
         self._writes = WritePath(rings[1], self.tiers, self.index, self._stats, BufferPool(half), config.chunk,
-                                 namespace.digest, self.priority, WriteSettings.of(config), staging_limit=half,
-                                 ceiling=share, thinned=_weak(self._thinned, None))
+                                 namespace.digest, self.priority, WriteSettings.of(config), reopen=open_one,
+                                 staging_limit=half, ceiling=share, thinned=_weak(self._thinned, None))
         self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
                                     self._writes.pool, namespace.digest, catchup=config.catchup,
                                     catchup_share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)

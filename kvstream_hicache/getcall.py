@@ -1,14 +1,14 @@
 """The state of one get() on the read path: its plan (pages and blocks from the index entries), its
-requests in flight, what arrived, and the figures a finished get records (stats.py). Used under the
-read path's lock (reads.py).
+requests in flight, what arrived, which missed pages get a second call, and the figures a finished
+get records (stats.py). Used under the read path's lock (reads.py).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .files import ReadFile
-from .index import PageInfo
+from .index import Index, PageInfo
 from .io import MAX_VECTOR, PageMap
 from .layout import ALIGN, is_valid_key
 from .memory import CallerMemory
@@ -108,6 +108,29 @@ class GetCall:
             if not arrived:
                 done[p] = False
         return done
+
+    def second_chance(self, keys: Sequence[str], found: list[bool], mask: int, index: Index,
+                      recover: Callable[[list[str], set[str], int], int]) -> tuple[list[int], int]:
+        """Pages this call missed that the engine's ``recover`` can give a new holder: a failed tier
+        that holds them and answers a probe now (maybe the only copy left), or a copy on disk the index
+        did not list (another writer's version, or a copy elsewhere). (positions to read again, the
+        tiers usable now)"""
+        missed = [i for i, ok in enumerate(found) if not ok]
+        failed_holders = 0
+        for i in missed:
+            info = index.get(keys[i])
+            if info is not None:
+                failed_holders |= info.tiers & ~mask
+        if not missed or not (failed_holders or self.relook):
+            return [], mask
+        now = recover([keys[i] for i in missed], self.relook, mask)
+        rejoined = now & ~mask
+        retry = []
+        for i in missed:
+            info = index.get(keys[i])
+            if info is not None and info.tiers & now and (info.tiers & rejoined or keys[i] in self.relook):
+                retry.append(i)
+        return retry, now
 
 
 

@@ -10,6 +10,12 @@ undoes its own part (descriptors, buffers) in its ``except``. ``reap`` hands bac
 with the accounting already done; the path decides what the completion tells the tier's flow
 (``measure``) and what it means for its pages.
 
+A failed ring (reads and writes): a ``reap`` that raised OSError marks it ``failed`` (the kernel
+refused io_uring_enter: a passing shortage, EAGAIN/EBUSY, or its descriptor closed under it); the
+path then calls ``replace``, which closes it (what the kernel took is cancelled and waited for; what
+it never took never runs), gives up every request and goes on with a new ring from ``reopen``, so
+one bad moment does not end the path's I/O for the life of the engine.
+
 Orphans (reads only): a request whose call returned while it was in flight stays here, with its
 buffers and descriptor, until reaped; its bytes count against its tier's window for later calls.
 
@@ -19,10 +25,14 @@ writer's ``WritePath.lock``).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Callable
 
 from .flow import TierFlow
 from .stats import BusyClock
+
+log = logging.getLogger("kvstream")
 
 
 class InFlight:
@@ -30,10 +40,14 @@ class InFlight:
 
     :param unit: the flows' request unit, bytes (the routing block for reads, WRITE_UNIT for writes).
     :param ceiling: most bytes one tier may keep in flight (its window's ceiling).
+    :param reopen: opens a ring like ``ring`` (``replace``); ``name``: the path's, for the log.
     """
 
-    def __init__(self, ring, n_tiers: int, unit: int, ceiling: int):
+    def __init__(self, ring, n_tiers: int, unit: int, ceiling: int, reopen: Callable[[], object], name: str):
         self.ring = ring
+        self.reopen = reopen
+        self.name = name
+        self.failed: OSError | None = None  # what the last reap raised, until ``replace``
         self.flows = [TierFlow(unit, ceiling) for _ in range(n_tiers)]
         self.busy = BusyClock(n_tiers)
         self.bytes = [0] * n_tiers  # bytes in flight per tier (orphans included)
@@ -76,7 +90,12 @@ class InFlight:
     def reap(self, min_complete: int, timeout: float | None) -> list[tuple[object, int]]:
         """Completions, ``(request, res)``, each out of the accounting (res: bytes, or -errno)."""
         done = []
-        for tag, res in self.ring.reap(min_complete, timeout):
+        try:
+            reaped = self.ring.reap(min_complete, timeout)
+        except OSError as exc:
+            self.failed = exc
+            raise
+        for tag, res in reaped:
             req = self._reqs.pop(tag, None)
             if req is not None:  # (None: abandon() already gave it up)
                 self._forget(req)
@@ -130,4 +149,21 @@ class InFlight:
         self.bytes = [0] * len(self.bytes)
         self.orphaned = [0] * len(self.bytes)
         self.orphans = 0
+        return reqs
+
+    def replace(self) -> list:
+        """After a failed ``reap``: close the ring (nothing it took lands after this), give up every
+        request (returned, for the path to release) and open a new ring. If none opens, the closed
+        ring stays (``ring.closed``: the path's I/O ends there), logged as an error."""
+        why, self.failed = self.failed or "an error", None
+        self.ring.close()
+        reqs = self.abandon()
+        try:
+            self.ring = self.reopen()
+        except OSError as exc:
+            log.error("kvstream: the %s ring failed (%s) and no new one opens (%s): %s end here", self.name, why,
+                      exc, self.name + "s")
+        else:
+            log.warning("kvstream: the %s ring failed (%s); %d requests on it are given up, and %ss go on on a new "
+                        "ring", self.name, why, len(reqs), self.name)
         return reqs

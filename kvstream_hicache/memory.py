@@ -143,6 +143,7 @@ class CallerMemory:
     def __init__(self, ring, register: bool):
         self.huge = HugePageMap()
         self.ring = ring if register and hasattr(ring, "register_memory") else None
+        self.spans: list[Segment] = []  # what was registered (the same again with a new ring: rebind)
 
     def register(self, address: int, nbytes: int) -> bool:
         """Pin ``[address, address + nbytes)`` with the read ring (it must stay mapped while the engine
@@ -153,7 +154,8 @@ class CallerMemory:
         if ring is not None and not ring.covers(address, nbytes):
             t0 = time.perf_counter()
             try:
-                ring.register_memory(address, nbytes)
+                if ring.register_memory(address, nbytes):  # (0: it overlaps memory registered before)
+                    self.spans.append((address, nbytes))
                 log.debug("kvstream: %d MiB of caller memory registered with io_uring in %.2f s: reads into it "
                           "pin nothing%s", nbytes >> 20, time.perf_counter() - t0,
                           "" if ring.readv_fixed else " (pages of one piece; a page of several is staged "
@@ -166,6 +168,16 @@ class CallerMemory:
                             "this)", nbytes >> 20, exc.strerror, hint)
         registered = ring is not None and ring.covers(address, nbytes)
         return (registered and ring.readv_fixed) or self.huge.huge(address, nbytes)
+
+    def rebind(self, ring) -> None:
+        """The read ring was replaced (its old one failed: inflight.py): register the same memory with
+        the new one (it stays mapped while the engine is open: ``Engine.register_memory``)."""
+        if self.ring is None or ring.closed:
+            return
+        self.ring = ring
+        spans, self.spans = self.spans, []
+        for address, nbytes in spans:
+            self.register(address, nbytes)
 
     def takes(self, segments: Sequence[Segment]) -> bool:
         """Whether a read of a page whose payload is ``segments`` may land in them: each 4096-aligned,
@@ -196,6 +208,7 @@ class CallerMemory:
         log.warning("kvstream: a read of page %s into registered memory failed its check; if that memory was "
                     "freed and mapped again, register it again (Engine.register_memory). Reads into it are "
                     "staged from now on", key)
+        self.spans = []
         try:
             self.ring.unregister_memory()
         except OSError as exc:  # (nothing is sent as fixed any more all the same)

@@ -27,6 +27,18 @@ PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs"
                        "efivarfs", "rpc_pipefs", "selinuxfs"})
 
 
+# File systems whose writes end in this machine's block layer or memory: a page 4096-aligned in memory
+# is written from the caller's memory. On any other (NFS, FUSE, SMB, Lustre, GPFS, ...) a request may
+# hang as long as a server does, which is where a put gives up on a tier at write_timeout: its writes
+# are staged, so that the requests left behind there read only engine memory.
+LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "nilfs2", "zfs",
+                      "tmpfs", "ramfs"})
+
+
+def local_fs(path: str) -> bool:
+    """Whether the tier at ``path`` is on a LOCAL_FS: its aligned pages are written from the caller's memory."""
+    return fs_type(path) in LOCAL_FS
+
 class Probed(NamedTuple):
     warnings: list[str]  # e.g. two tiers on one file system
     owners: list[int]  # per tier, the uid its probe's file came out owned by (trust.py trusts it)

@@ -67,13 +67,12 @@ class ReadPath:
     :param block: the routing block, bytes.
     :param ceiling: most bytes one tier may keep in flight (the pool's share per tier).
     :param priority: told which tiers each call reads from (writes there wait: priority.py).
-    :param recover: the engine's ``recover(missed, relook, mask)``: a call missed ``missed``
-        (``relook``: keys whose indexed copies were gone or another writer's version); it probes the
-        failed tiers that hold them, indexes what the tiers hold of ``relook``, and returns the tiers
-        usable now (the second chance).
+    :param recover: the engine's ``recover(missed, relook, mask)`` (the second chance): ``relook``,
+        keys whose indexed copies were gone or another writer's version; returns the tiers usable now.
     :param after_get: the engine's ``after_get(keys, pages, found)`` (replication.py), called before a
         get returns: ``pages`` hold the caller's verified copies of the pages ``found``; a page that
-        lacks a tier is owed to it. ``register_memory``: the setting (memory.py).
+        lacks a tier is owed to it. ``reopen``: opens a new ring (inflight.py). ``register_memory``: the
+        setting (memory.py).
 
     Lock: ``lock``, one call at a time (``get``, ``drain``, ``close``, ``register_memory`` take it):
     methods ending ``_under_reads`` run with it held.
@@ -83,8 +82,8 @@ class ReadPath:
                  read_timeout: float, ceiling: int, digest: str, priority: ReadPriority,
                  recover: Callable[[list[str], set[str], int], int],
                  after_get: Callable[[Sequence[str], Sequence[Sequence[Segment]], list[bool]], None]
-                 = lambda keys, pages, found: None, *, register_memory: bool):
-        self.io = InFlight(ring, len(tiers), block, ceiling)
+                 = lambda keys, pages, found: None, *, reopen: Callable[[], object], register_memory: bool):
+        self.io = InFlight(ring, len(tiers), block, ceiling, reopen, "read")
         self.recover = recover
         self.after_get = after_get
         self.priority = priority
@@ -118,14 +117,18 @@ class ReadPath:
         with self.lock:
             if self.closed:  # close() ran while this call waited for the lock
                 raise EngineClosedError("kvstream engine is closed")
-            self._reap_under_reads(0, 0)
-            busy0 = self.io.busy.snapshot()
-            calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found)]
-            retry, mask = self._second_chance_under_reads(calls[0], keys, found, mask)
-            if retry:
-                calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry], policy,
-                                                    mask, retry, found))
-            busy = [b - a for a, b in zip(busy0, self.io.busy.snapshot())]
+            try:
+                self._reap_under_reads(0, 0)
+                busy0 = self.io.busy.snapshot()
+                calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found)]
+                retry, mask = calls[0].second_chance(keys, found, mask, self.index, self.recover)
+                if retry:
+                    calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry],
+                                                        policy, mask, retry, found))
+                busy = [b - a for a, b in zip(busy0, self.io.busy.snapshot())]
+            finally:
+                if self.io.failed:  # (the call raises; the next one reads on a new ring)
+                    self._replace_ring_under_reads()
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
@@ -155,28 +158,6 @@ class ReadPath:
                 if call.reading:
                     self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
-
-    def _second_chance_under_reads(self, call: GetCall, keys: Sequence[str], found: list[bool],
-                              mask: int) -> tuple[list[int], int]:
-        """Pages the call missed that the engine's ``recover`` can give a new holder: a failed tier that
-        holds them and answers a probe now (maybe the only copy left), or a copy on disk the index did
-        not list (another writer's version, or a copy elsewhere). (positions, new mask)"""
-        missed = [i for i, ok in enumerate(found) if not ok]
-        failed_holders = 0
-        for i in missed:
-            info = self.index.get(keys[i])
-            if info is not None:
-                failed_holders |= info.tiers & ~mask
-        if not missed or not (failed_holders or call.relook):
-            return [], mask
-        now = self.recover([keys[i] for i in missed], call.relook, mask)
-        rejoined = now & ~mask
-        retry = []
-        for i in missed:
-            info = self.index.get(keys[i])
-            if info is not None and info.tiers & now and (info.tiers & rejoined or keys[i] in call.relook):
-                retry.append(i)
-        return retry, now
 
     def _run_under_reads(self, call: GetCall, policy, mask: int) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
@@ -362,23 +343,18 @@ class ReadPath:
         return max(min(page.info.block, page.info.length) for page in call.pages)
 
     def _request_bytes(self, tier: int, single: bool) -> int:
-        """Most bytes one request of ``tier`` carries. Blocks only one tier can deliver go out in
-        requests up to MAX_REQUEST whatever the tier's rate: the flow keeps requests small so that
-        what a tier has in flight when the batch ends is little for another tier to wait on, and
-        for these no other tier could take over; fewer, larger requests cost less CPU per byte."""
+        """Most bytes one request of ``tier`` carries: the flow's size (small, so that little is left for
+        another tier to wait on when the batch ends), or MAX_REQUEST for blocks one tier alone can
+        deliver (no other tier could take over; fewer, larger requests cost less CPU per byte)."""
         return MAX_REQUEST if single else self.io.flows[tier].request
 
     def _set_depths_under_reads(self, call: GetCall, unit: int) -> None:
         """Each tier's window, less what earlier calls still have in flight on it, in items. A tier
         claims what one of its requests carries (at least the policy's m), but no more than a share
-        of the batch that leaves every tier a few claims (a small batch is still split; a batch that
-        one tier alone can deliver is not: nothing to share), and no more than a MIN_REQUESTS-th of
-        its window: a claim needs room for all of it, so a claim as large as the window would let
-        the tier claim again only once its window is empty, and the device would wait for every
-        round of completions (measured: 2 MiB single-holder pages, 8 MiB claims in a 6 MiB window,
-        read at 0.6x nixl; with claims of half the window 1.0-1.2x).
-
-        How much each tier keeps in flight: ``_queue_bytes``."""
+        of the batch that leaves every tier a few claims (a batch that one tier alone can deliver is
+        not split), and no more than a MIN_REQUESTS-th of its window: a claim as large as the window
+        would let the device wait for every round of completions (2 MiB pages: 0.6x nixl; half the
+        window: 1.0-1.2x). How much each tier keeps in flight: ``_queue_bytes``."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
@@ -390,20 +366,13 @@ class ReadPath:
     def _queue_bytes(self, call: GetCall, flow: TierFlow) -> int:
         """Bytes a tier keeps in flight for ``call`` (before what earlier calls still hold there).
 
-        A call that another tier could also serve keeps the flow's window, which stays near the
-        point where latency starts to climb, so that little is left in flight for another tier to
-        wait on when a batch ends. A call whose every page one tier alone holds has no other tier
-        to take over, and queues deeper: a device that serves a deeper queue faster (this machine's
-        virtual disk; a loop device, whose worker then never waits for the next request) gains.
-        Read in place, it keeps the tier's whole budget (the window's ceiling), as nixl keeps a
-        whole batch (0.51-1.15x -> 0.94-1.34x nixl on a RAM tier, 0.66-0.90x -> 0.84-0.96x on the
-        disk). Staged, it keeps half the budget, and at least STAGED_DEPTH (16 MiB either way by
-        default): a staged block is copied out and checked when it lands, then still in the CPU's
-        cache (32 MiB in flight, this machine's L3, is not): into sglang's 4 KiB-page host pool, 16
-        MiB read 1.10-1.36x the 32 MiB depth at 2-8 MiB pages with 25-35% less CPU per GB. A device
-        that gains from a deeper queue gets it from a larger ``memory`` (the disk: 128 MiB in flight,
-        1.02-1.22x). Read in place, 16 MiB gained nothing (docs/benchmarks.md, "A staged single
-        holder keeps half its budget in flight")."""
+        A call that another tier could also serve keeps the flow's window, near the point where
+        latency starts to climb, so that little is left for another tier to wait on when a batch
+        ends. A call whose every page one tier alone holds has no other tier to take over, and
+        queues deeper (a device that serves a deeper queue faster gains): read in place, the tier's
+        whole budget, as nixl keeps a whole batch; staged, half of it and at least STAGED_DEPTH, so
+        that a staged block is copied out and checked while still in the CPU's cache (the figures:
+        docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
         if not call.single:
             return flow.window
         if call.in_place:
@@ -428,23 +397,36 @@ class ReadPath:
 
     def _settle_direct_under_reads(self, call: GetCall) -> None:
         """After an error inside a call: its reads into caller memory must still land before it
-        returns. If even waiting fails (the ring is broken), the ring is closed, which cancels what
-        the kernel holds and waits for it, and the read path is closed (calls raise EngineClosedError)."""
+        returns. Where the ring failed (then, or while waiting here), replacing it lands or cancels them."""
         try:
-            self._wait_direct_under_reads(call, timed_out=True)
-        except BaseException:
-            log.exception("kvstream: could not wait for reads into caller memory; closing the read path")
-            self.closed = True
-            self.io.ring.close()
+            if not self.io.failed:
+                self._wait_direct_under_reads(call, timed_out=True)
+        finally:
+            if call.direct_in_flight:
+                self._replace_ring_under_reads()
+
+    def _replace_ring_under_reads(self) -> None:
+        """Replace the failed ring (inflight.py), the caller memory registered with the new one. If none
+        opens, the read path closes (calls raise EngineClosedError)."""
+        self.stats.total("ring_failures")
+        self._give_up_under_reads(self.io.replace())
+        self.closed = self.io.ring.closed
+        self.memory.rebind(self.io.ring)
+
+    def _give_up_under_reads(self, reqs: list[Req]) -> None:
+        """Release requests the ring will never complete: an active call misses their blocks."""
+        for req in reqs:
+            req.call.in_flight -= req.call.active
+            req.call.direct_in_flight -= req.call.active and req.bufs is None
+            self.files.drop(req.file)
+            self._release_under_reads(req)
 
     def _end_call_under_reads(self, call: GetCall) -> None:
         call.active = False
         if call.in_flight:
             self.io.orphan(req for req in self.io.requests() if req.call is call)
         for k in range(len(self.tiers)):
-            n = sum(1 for mask in call.page_tiers if mask >> k & 1)
-            if n:
-                self.stats.add(k, "pages_read", n)
+            self.stats.add(k, "pages_read", sum(1 for mask in call.page_tiers if mask >> k & 1))
         self.files.release(call.files)
         if call.route is not None:
             for tier, item in call.failed:
@@ -461,11 +443,14 @@ class ReadPath:
         """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
-            while len(self.io):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._reap_under_reads(1, left)
+            try:
+                while len(self.io):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        break
+                    self._reap_under_reads(1, left)
+            except OSError:  # the ring failed (inflight.py): replacing it ends what it held
+                self._replace_ring_under_reads()
             return len(self.io)
 
     def close(self) -> None:
@@ -473,6 +458,5 @@ class ReadPath:
         with self.lock:
             self.closed = True
             self.io.ring.close()
-            for req in self.io.abandon():
-                self.files.drop(req.file)
+            self._give_up_under_reads(self.io.abandon())
             self.pool.close()

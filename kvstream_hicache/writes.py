@@ -47,7 +47,7 @@ from .flow import MAX_REQUEST
 from .layout import ALIGN, round_up
 from .locks import ranked_lock
 from .priority import ReadPriority
-from .probe import fs_type
+from .probe import local_fs
 from .puts import CANCELLED, Job, Write, WritePage
 from .segments import Segment
 from .staging import BufferPool
@@ -68,27 +68,6 @@ WRITE_UNIT = 1 << 20  # write requests are whole multiples of this (or of the ch
 # smaller chunk is a checksum unit, not a reason for more, smaller writes
 
 
-# File systems whose writes end in this machine's block layer or memory: a page 4096-aligned in memory
-# is written from the caller's memory. On any other (NFS, FUSE, SMB, Lustre, GPFS, ...) a request may
-# hang as long as a server does, which is where a put gives up on a tier at write_timeout: its writes
-# are staged, so that the requests left behind there read only engine memory.
-LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs", "jfs", "nilfs2", "zfs",
-                      "tmpfs", "ramfs"})
-
-
-def writes_from_caller_memory(path: str) -> bool:
-    """Whether aligned pages are written to the tier at ``path`` from the caller's memory (zero-copy)."""
-    return fs_type(path) in LOCAL_FS
-
-
-def _punt(ring) -> None:
-    """Every op of ``ring`` (the io_uring one, under a fault wrapper too) goes to the kernel's async
-    workers: submitting never blocks (the thread pool engine never does)."""
-    ring = getattr(ring, "inner", ring)
-    if hasattr(ring, "punt"):
-        ring.punt = True
-
-
 class WritePath:
     """Owns the write ring's in-flight core (each tier's flow, the writes in flight), its staging
     pool, the write queues (``queue``, writequeue.py), and the writer thread.
@@ -106,9 +85,10 @@ class WritePath:
 
     def __init__(self, ring, tiers: list[Tier], index: Index, stats: Stats, pool: BufferPool,
                  chunk: int, digest: str, priority: ReadPriority, settings: WriteSettings, *,
-                 staging_limit: int, ceiling: int, thinned: Callable[[list[str]], None] = lambda keys: None):
+                 reopen: Callable[[], object], staging_limit: int, ceiling: int,
+                 thinned: Callable[[list[str]], None] = lambda keys: None):
         n = len(tiers)
-        self.io = InFlight(ring, n, max(chunk, WRITE_UNIT), ceiling)  # write window, request size, bandwidth
+        self.io = InFlight(ring, n, max(chunk, WRITE_UNIT), ceiling, lambda: self._set_up(reopen()), "write")
         self.tiers = tiers
         self.index = index
         self.stats = stats
@@ -122,9 +102,8 @@ class WritePath:
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
         self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
         # at most: one always fits in the staging memory
-        self._zero_copy = [writes_from_caller_memory(tier.root) for tier in tiers]
-        if not all(self._zero_copy):  # a tier may hang: io_uring would issue its writes inline, in the writer's
-            _punt(ring)               # submit, where a FUSE or NFS write waits for its server
+        self._zero_copy = [local_fs(tier.root) for tier in tiers]  # aligned pages written from caller memory
+        self._set_up(ring)
         self.write_timeout = settings.write_timeout
         self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
         self._held_since: list[float | None] = [None] * n
@@ -235,6 +214,14 @@ class WritePath:
             if not write.job.in_flight:
                 self.tiers[write.tier].discard(write.job.fd, write.job.tmp)
         self.pool.close()
+
+    def _set_up(self, ring):
+        """Where a tier may hang, every op of the write ring goes to the kernel's async workers (else
+        io_uring may issue a write in the writer's submit, where a FUSE or NFS write waits)."""
+        inner = getattr(ring, "inner", ring)  # (under a fault wrapper too; the thread pool never blocks)
+        if not all(self._zero_copy) and hasattr(inner, "punt"):
+            inner.punt = True
+        return ring
 
     def _bandwidth_under_queues(self, k: int) -> float:
         """Tier k's write bandwidth (bytes/s, undisturbed by reads), or 0 until TRUST_BYTES were
@@ -464,15 +451,17 @@ class WritePath:
     def _abandon_under_writer(self) -> None:
         """After an unexpected error: wait for the writes in flight (they read caller memory), then
         discard every job and fail every page still pending, so that no caller waits forever. A ring
-        that cannot even be waited on (its descriptor closed under it) is closed: every write fails
-        at once from then on, and the writer lives on (an error here used to end it)."""
+        that cannot even be waited on is replaced (inflight.py), and the writer lives on."""
         try:
             while self.io.ring.in_flight:
                 self.io.reap(1, None)
         except Exception:
-            log.exception("kvstream: the write ring failed; it is closed, and every write is reported failed")
-            self.io.ring.close()
-        self.io.abandon()  # (recorded but never completed: nothing will reap them now)
+            log.exception("kvstream: the write ring failed; the pages being written are reported failed")
+            self.stats.total("ring_failures")
+            for write in self.io.replace():  # (closed: what it took has ended; writes go on on a new one)
+                self._unstage_under_writer(write)
+        for write in self.io.abandon():  # (recorded but never completed: nothing will reap them now)
+            self._unstage_under_writer(write)
         for jobs in self.jobs.active:
             for job in jobs:
                 job.in_flight = 0

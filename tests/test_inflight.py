@@ -11,6 +11,8 @@ from kvstream_hicache.files import ReadFile, ReadFiles, Shortage
 from kvstream_hicache.inflight import InFlight
 from kvstream_hicache.io import OP_READ, AlignedBuffer, open_ring
 
+from helpers import io_uring_fds, messages
+
 
 class Req:
     def __init__(self, tier: int, nbytes: int):
@@ -30,8 +32,9 @@ def data_file(tier_root):
 @pytest.fixture(params=["uring", "threads"])
 def core(request):
     ring = open_ring(engine=request.param)
-    yield InFlight(ring, 2, 4096, 1 << 20)
-    ring.close()
+    core = InFlight(ring, 2, 4096, 1 << 20, lambda: open_ring(engine=request.param), "read")
+    yield core
+    core.ring.close()
 
 
 def test_a_completion_leaves_the_accounting(core, data_file):
@@ -74,6 +77,43 @@ def test_orphans_count_against_their_tier_until_reaped(core, data_file):
     while not done:
         done = core.reap(1, 5.0)
     assert core.orphans == 0 and core.orphaned == [0, 0]
+    buf.close()
+
+
+@pytest.mark.parametrize("reopens", [True, False])
+def test_a_failed_ring_is_replaced_and_its_requests_given_up(data_file, caplog, reopens):
+    """A reap that fails (the ring's descriptor now /dev/null: EOPNOTSUPP) marks the core ``failed``;
+    ``replace`` closes the ring, hands back every request (the accounting cleared) and goes on with
+    a new ring, or, where none opens, keeps the closed one and says so."""
+    def reopen():
+        if not reopens:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return open_ring(engine="uring")
+
+    before = io_uring_fds()
+    core = InFlight(open_ring(engine="uring"), 2, 4096, 1 << 20, reopen, "read")
+    (fd,) = io_uring_fds() - before
+    old = core.ring
+    buf = AlignedBuffer(8192)
+    reqs = [Req(0, 4096), Req(1, 4096)]
+    for i, req in enumerate(reqs):
+        core.add(req, OP_READ, data_file, (buf.address + 4096 * i, 4096), 0, now=1.0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, fd)
+    os.close(null)
+    core.submit()  # (accepted: the kernel's refusal surfaces at the reap)
+    with pytest.raises(OSError):
+        core.reap(1, 5.0)
+    assert isinstance(core.failed, OSError)
+    assert {id(r) for r in core.replace()} == {id(r) for r in reqs}
+    assert core.failed is None and len(core) == 0 and core.bytes == [0, 0] and core.busy.in_flight == [0, 0]
+    assert old.closed and core.ring.closed is not reopens
+    assert messages(caplog, "the read ring failed", "go on on a new ring" if reopens else "no new one opens")
+    if reopens:
+        core.add(reqs[0], OP_READ, data_file, (buf.address, 4096), 0, now=2.0)
+        core.submit()
+        assert core.reap(1, 5.0) == [(reqs[0], 4096)]
+        core.ring.close()
     buf.close()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import mmap
+import os
 import threading
 
 import numpy as np
@@ -23,7 +24,8 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 from kvstream_hicache.router import CompletionDriven
 
-from helpers import Pages, flip_byte, key, make_array_engine as make_engine, open_fds, segments_of
+from helpers import (Pages, flip_byte, io_uring_fds, key, make_array_engine as make_engine, make_ring, messages,
+                     open_fds, segments_of, sq_tail)
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -267,6 +269,40 @@ def test_reads_into_caller_memory_land_before_a_failing_call_returns(tier_dirs, 
         assert isinstance(result[0], RuntimeError)
         assert engine._reads.drain(30) == 0
         assert engine.get(keys, pages.dst_segments) == [True] * 3 and all(pages.equal(i) for i in range(3))
+
+
+@pytest.mark.parametrize("into", ["another ring", "/dev/null"])
+def test_a_read_ring_that_fails_is_replaced_and_the_next_get_reads(tier_dirs, caplog, into):
+    """The read ring's descriptor made to reach another ring (io_uring_enter takes none of its SQEs:
+    "no progress", EAGAIN, as a passing kernel shortage answers) or /dev/null (EOPNOTSUPP, for good)
+    while a get reads into registered caller memory. Before, waiting for those reads failed too and
+    the read path closed for the life of the engine: every later get raised EngineClosedError (and
+    close() raised ValueError). Now that get raises, and the ring is replaced (inflight.py): nothing
+    it held lands after the call, the next get reads in place on a new ring with the same memory
+    registered, and close() is clean."""
+    before = io_uring_fds()
+    engine, pages, keys = stored(tier_dirs[:1], 4, "uring")
+    with engine:
+        rings = io_uring_fds() - before
+        tails = {fd: sq_tail(fd) for fd in rings}
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        (read_ring,) = [fd for fd in rings if sq_tail(fd) > tails[fd]]
+        registered = engine._reads.io.ring.fixed_bytes
+        assert registered and engine.last_batch["direct_bytes"] == 4 * 4 * MIB
+        with make_ring("uring"):
+            (other,) = io_uring_fds() - rings - before
+            target = os.open(os.devnull, os.O_RDONLY) if into == "/dev/null" else os.dup(other)
+            os.dup2(target, read_ring)
+            os.close(target)
+            with pytest.raises(OSError):
+                engine.get(keys, pages.dst_segments)
+        assert engine.stats()["ring_failures"] == 1
+        assert [m for m in messages(caplog, "the read ring failed") if "go on on a new ring" in m]
+        for array in (a for page in pages.dst for a in page):
+            array[:] = 0  # (the same memory: the one registered)
+        assert engine.get(keys, pages.dst_segments) == [True] * 4 and all(pages.equal(i) for i in range(4))
+        assert engine._reads.io.ring.fixed_bytes == registered
+        assert engine.last_batch["direct_bytes"] == 4 * 4 * MIB
 
 
 def test_transfer_fault_on_a_single_holder_is_a_miss_and_the_file_is_kept(tier_dirs, io_engine):
