@@ -454,7 +454,8 @@ class WritePath:
         that cannot even be waited on is replaced (inflight.py), and the writer lives on."""
         try:
             while self.io.ring.in_flight:
-                self.io.reap(1, None)
+                for write, _ in self.io.reap(1, None):
+                    self._unstage_under_writer(write)
         except Exception:
             log.exception("kvstream: the write ring failed; the pages being written are reported failed")
             self.stats.total("ring_failures")

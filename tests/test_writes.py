@@ -397,14 +397,16 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
             assert pages.checked_get(engine, batch) == [True] * 24
 
 
-def test_a_write_ring_that_breaks_is_replaced_and_holds_no_caller(tier_dirs, caplog):
+@pytest.mark.parametrize("aligned", [True, False], ids=["zero-copy", "staged"])
+def test_a_write_ring_that_breaks_is_replaced_and_holds_no_caller(tier_dirs, caplog, aligned):
     """The write ring's descriptor replaced under the engine (a library that closes or dup2s over
     descriptors it does not own): every io_uring call on it fails from then on (EOPNOTSUPP). The
     writer's recovery from a failed step waited for the writes in flight by reaping, which raised
     again and ended the writer thread: that put, and every later one, waited for ever; then (stop 38)
     the ring was closed and every later put failed. Now the write path replaces the ring (inflight.py):
-    the put in flight fails, later puts are stored on a new ring, and reads, on their own ring, go on."""
-    pages = PageSet(8192)
+    the put in flight fails, later puts are stored on a new ring, and reads, on their own ring, go on.
+    Staged writes give their staging back (the count of staging in use leaked when a write was given up)."""
+    pages = PageSet(8192, aligned=aligned)
     before = io_uring_fds()
     with make_engine(tier_dirs[:2], replicate="all", catchup=False) as engine:  # (no replica owed: no
         rings = io_uring_fds() - before                                         # catch-up read on a ring)
@@ -420,6 +422,7 @@ def test_a_write_ring_that_breaks_is_replaced_and_holds_no_caller(tier_dirs, cap
         putter.join(30)
         assert not putter.is_alive(), "a put waited for ever on the broken write ring"
         assert result["put"] == [False, False]
+        assert engine._writes._staged == 0
         failed = [r for r in caplog.records if "write ring failed" in r.getMessage()]
         assert [r.exc_info is not None for r in failed] == [True, False]  # (the error, then the replacement)
         assert "go on on a new ring" in failed[1].getMessage()
@@ -483,6 +486,7 @@ def test_an_error_while_submitting_fails_the_put_and_the_writer_lives_on(tier_di
         assert not t.is_alive(), "the put never returned: the writer is stuck"
         assert len(out[0]) == 4 and not all(out[0])
         assert "write path error" in caplog.text
+        assert path._staged == 0  # (the writes reaped while giving up gave their staging back)
         monkeypatch.setattr(path, "_stage_under_writer", real)
         more = pages.keys(4, start=4)
         assert pages.put(engine, more) == [True] * 4  # the writer lives on
