@@ -95,6 +95,23 @@ def test_lookup_pins_and_unlock_releases(engine):
     assert [engine.index.get(k).pins for k in keys] == [0, 0, 0]
 
 
+def test_a_bad_lock_key_leaves_no_pin_behind(engine):
+    """A lookup that fails after pinning (an unhashable lock key) answers all-miss and takes back every
+    pin it took; an unlock with an unhashable key among good ones releases the good ones."""
+    keys, _ = stored(engine, 2)
+    core = l2core.L2Core(engine)
+    try:
+        task = core.submit_lookup(keys, lock_keys=[keys[0], ["unhashable"]])
+        assert core.pop_lookup(task) == [False, False]
+        assert [engine.index.get(k).pins for k in keys] == [0, 0] and core.stats()["locked_keys"] == 0
+        assert core.pop_lookup(core.submit_lookup(keys)) == [True, True]
+        core.unlock([keys[0], ["unhashable"], keys[1]])
+        assert [engine.index.get(k).pins for k in keys] == [0, 0] and core.stats()["locked_keys"] == 0
+        assert core.stats()["errors"] == 2  # one per bad key, nothing raised
+    finally:
+        core.close()
+
+
 def test_pinned_pages_are_not_evicted(tier_dirs):
     from kvstream_hicache.engine import Engine
 
@@ -237,6 +254,29 @@ def test_close_is_idempotent_and_later_tasks_fail_at_once(engine):
     assert core.wait_load(core.submit_load(keys, dst.segments), 0) == [False]
     store = core.submit_store(keys, dst.segments)
     assert core.pop_stores() == {store: (False, 0)}
+
+
+def test_close_waits_for_a_store_completion_still_being_signalled(engine):
+    """close() returns only after every store's completion callback has run: the adapter closes its
+    eventfds right after, and a notify still on its way would write to a closed (or reused) fd."""
+    entered, release = threading.Event(), threading.Event()
+
+    def on_store(_task):  # the adapter's eventfd notify, slowed down
+        entered.set()
+        assert release.wait(WAIT_S)
+
+    core = l2core.L2Core(engine, on_store=on_store)
+    src = Pages(1, seed=13)
+    core.submit_store([f"{300:064x}"], src.segments)
+    assert entered.wait(WAIT_S)
+    closer = threading.Thread(target=core.close)
+    closer.start()
+    closer.join(0.5)
+    returned_early = not closer.is_alive()
+    release.set()
+    closer.join(WAIT_S)
+    assert not returned_early, "close() returned while a store completion was still being signalled"
+    assert not closer.is_alive()
 
 
 def test_store_task_reports_bytes_and_verdict(engine):

@@ -96,6 +96,15 @@ def store(adapter, keys, objs) -> bool:
     return done[task].is_successful()
 
 
+def committed(adapter, keys, objs) -> int:
+    """Submit a store and wait until the engine committed it, without popping it (LMCache's store
+    controller pops on its own thread, later); returns the task id."""
+    n = adapter.core.counters["store_tasks"]
+    task = adapter.submit_store_task(keys, objs)
+    assert adapter.core.wait_completed("store", n + 1, WAIT_S)
+    return task
+
+
 def lookup(adapter, keys, layouts=None) -> list[bool]:
     bits = adapter.query_lookup_and_lock_result(adapter.submit_lookup_and_lock_task(keys, layouts))
     adapter.submit_unlock(keys)
@@ -237,6 +246,43 @@ def test_usage_is_the_tiers_real_use_and_capacity(lmc, adapter_factory):
     assert rec.deleted == [[keys[0]]]  # the engine evicted the oldest: LMCache hears of it
 
 
+def test_a_key_deleted_before_its_store_is_popped_is_not_counted(lmc, adapter_factory):
+    """LMCache's eviction controller deletes a key whose store committed but which its store controller
+    has not popped yet: the pop must not announce (or count) a key the engine no longer holds, for
+    nothing would ever take it out of LMCache's accounting again."""
+    adapter = adapter_factory()
+    rec = Recorder()
+    adapter.register_listener(rec)
+    k = key(lmc, 7, salt="s")
+    task = committed(adapter, [k], [obj(lmc)])
+    adapter.delete([k])
+    assert not adapter.engine.held(l2keys.engine_key(k))
+    assert adapter.pop_completed_store_tasks()[task].is_successful()  # it was stored, then deleted
+    usage = adapter.get_usage()
+    assert rec.stored == [] and usage.total_bytes_used == 0 and dict(usage.bytes_by_cache_salt).get("s", 0) == 0
+    assert store(adapter, [k], [obj(lmc)])  # stored again: counted and announced again
+    assert rec.stored == [([k], [4096])] and dict(adapter.get_usage().bytes_by_cache_salt) == {"s": 4096}
+
+
+def test_a_key_evicted_before_its_store_is_popped_is_not_counted(lmc, adapter_factory):
+    """The engine evicts a just-committed key, LMCache's eviction thread polls get_usage() (which takes
+    in the engine's gone keys), and only then the store controller pops: what is counted and announced
+    is what the engine holds."""
+    adapter = adapter_factory(capacity=2 * 4096)
+    rec = Recorder()
+    adapter.register_listener(rec)
+    keys = [key(lmc, i, salt="s") for i in range(3)]
+    for k in keys:
+        committed(adapter, [k], [obj(lmc)])
+    held = [adapter.engine.held(l2keys.engine_key(k)) for k in keys]
+    assert held == [False, True, True]  # the third store evicted the first
+    adapter.get_usage()
+    assert len(adapter.pop_completed_store_tasks()) == 3
+    usage = adapter.get_usage()
+    assert [k for ks, _ in rec.stored for k in ks] == keys[1:]
+    assert dict(usage.bytes_by_cache_salt) == {"s": 2 * 4096}
+
+
 # ------------------------------------------------------------------------------ 6. listeners
 def test_listeners_fire_once_per_new_key_and_when_a_load_completes(lmc, adapter_factory):
     adapter = adapter_factory()
@@ -250,6 +296,25 @@ def test_listeners_fire_once_per_new_key_and_when_a_load_completes(lmc, adapter_
     adapter.submit_load_task([k, key(lmc, 3)], [obj(lmc), obj(lmc)])
     assert wait_fd(adapter.get_load_event_fd())
     assert rec.accessed == [[k]]  # before the load's eventfd, without query_load_result
+
+
+def test_a_failed_lookup_leaves_no_pin(lmc, adapter_factory):
+    """A lookup that fails after pinning (here an ObjectKey LMCache's dict cannot hash: a bytearray
+    chunk_hash) answers all-miss, and LMCache never unlocks a miss: none of its pins may stay, or the
+    pages could never be evicted. An unlock naming such a key still releases the other keys."""
+    adapter = adapter_factory()
+    good = key(lmc, 1)
+    odd = lmc.ObjectKey(chunk_hash=bytearray(lmc.ObjectKey.IntHash2Bytes(2)), model_name="m", kv_rank=0)
+    assert store(adapter, [good], [obj(lmc)]) and store(adapter, [odd], [obj(lmc)])
+    pins = adapter.engine.index._pins
+    bits = adapter.query_lookup_and_lock_result(adapter.submit_lookup_and_lock_task([good, odd], {}))
+    assert [bits.test(i) for i in range(2)] == [False, False]
+    assert sum(pins) == 0 and adapter.core.stats()["locked_keys"] == 0
+    assert lookup(adapter, [good]) == [True]  # (locked and unlocked again)
+    bits = adapter.query_lookup_and_lock_result(adapter.submit_lookup_and_lock_task([good], {}))
+    assert bits.test(0) and sum(pins) == 1
+    adapter.submit_unlock([odd, good])
+    assert sum(pins) == 0 and adapter.core.stats()["locked_keys"] == 0
 
 
 # ------------------------------------------------------------------------------ 7. capacity

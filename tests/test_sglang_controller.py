@@ -177,19 +177,25 @@ def test_clear_and_stats_through_the_controller(plugin_loaded, tier_dirs, driver
     _assert_consistent(drv)
 
 
+def _legacy_backend(tier_dirs, layout: str, n: int, seed: int):
+    """A backend on two tiers over a host pool of ``layout`` holding ``n`` random pages: (backend, pools,
+    their keys, each page as sglang's flat data page)."""
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools(layout, "page_first", page_size=PAGE)
+    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2])),
+                                     pools.host)
+    tokens = cpu_sglang.random_tokens(n * PAGE, seed=seed)
+    idx = cpu_sglang.fill_random(pools, len(tokens), seed=seed)
+    return backend, pools, cpu_sglang.page_keys(tokens, PAGE), [pools.host.get_data_page(int(idx[i * PAGE]))
+                                                                for i in range(n)]
+
+
 def test_legacy_methods_directly(tier_dirs):
     """The five legacy methods on flat page tensors, including a strided target and a missing value."""
     import torch
 
-    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
-
-    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
-    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2])),
-                                     pools.host)
-    tokens = cpu_sglang.random_tokens(2 * PAGE, seed=71)
-    keys = cpu_sglang.page_keys(tokens, PAGE)
-    idx = cpu_sglang.fill_random(pools, len(tokens), seed=71)
-    flat = [pools.host.get_data_page(int(idx[i * PAGE])) for i in range(2)]
+    backend, pools, keys, flat = _legacy_backend(tier_dirs, "mla", 2, seed=71)
     assert backend.batch_set(keys, flat) is True
     assert backend.set(keys[0], flat[0]) is True  # idempotent
     assert backend.set("b" * 64, None) is False
@@ -200,3 +206,26 @@ def test_legacy_methods_directly(tier_dirs):
     assert backend.get(keys[1], strided) is strided and torch.equal(strided, flat[1])
     assert backend.get("../../etc/passwd") is None and backend.counters["invalid_keys"] == 1
     backend.close()
+
+
+def test_legacy_batches_answer_one_entry_per_key(tier_dirs):
+    """sglang indexes a batch_get answer by key (page_data[i] for i in range(len(hash_values))): a target
+    list shorter than the keys still gets one answer per key (a key without a target reads into a
+    page of its own, as with targets=None), and tensors past the last key are ignored, by batch_get
+    and batch_set alike (counted, never a raise)."""
+    import torch
+
+    backend, pools, keys, flat = _legacy_backend(tier_dirs, "mha", 3, seed=73)
+    try:
+        assert backend.batch_set(keys[:2], flat[:2]) is True
+        targets = [pools.host.get_dummy_flat_data_page() for _ in range(1)]
+        got = backend.batch_get(keys, targets)  # two targets short; the third key is not stored
+        assert len(got) == 3 and got[2] is None
+        assert got[0] is targets[0] and torch.equal(got[0], flat[0]) and torch.equal(got[1], flat[1])
+        got = backend.batch_get(keys[:1], [pools.host.get_dummy_flat_data_page() for _ in range(3)])
+        assert len(got) == 1 and torch.equal(got[0], flat[0])
+        assert backend.batch_set(keys[1:2], flat[1:]) is True  # the last tensor has no key: ignored
+        assert not backend.exists(keys[2])
+        assert backend.counters["bad_arguments"] == 3 and backend.counters["errors"] == 0
+    finally:
+        backend.close()

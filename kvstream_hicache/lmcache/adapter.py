@@ -292,7 +292,12 @@ def _lmcache_classes() -> dict[str, type]:
             gone: list[tuple[Any, int]] = []
             with self._held_lock:
                 for key, ekey, size in stored:
-                    if ekey not in self._held:
+                    # Counted only if the engine still holds it: a key evicted or deleted between its
+                    # commit and LMCache's pop had its gone event drained (by any get_usage/delete)
+                    # while not yet in _held, and would stay counted for good. The index drops a key
+                    # before it queues the key's gone event, so a drop after this check leaves its event
+                    # queued, and the drain below (or the next one) removes the key again.
+                    if ekey not in self._held and self.engine.held(ekey):
                         self._held[ekey] = (key, size)
                         new.append((key, size))
                 while self._gone:

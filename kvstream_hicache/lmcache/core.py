@@ -146,9 +146,12 @@ class L2Core:
         """The engine committed (or failed) every page of the task: its verdict goes out now."""
         for i, good in zip(idx, ok, strict=True):
             task.result[i] = bool(good)
+        self._finish(True, [task])
+        # Open until its completion is signalled: close() waits for this, so the adapter never closes
+        # the store eventfd under a notify still on its way (with a given engine, nothing else waits).
         with self._lock:
             self._stores_open -= 1
-        self._finish(True, [task])
+            self._done.notify_all()
 
     def _too_large(self, task: _Task, idx: list[int]) -> bool:
         """Whether the task's pages not yet held exceed the largest tier's capacity (never when some
@@ -179,27 +182,39 @@ class L2Core:
         task_id = next(self._ids)
         lock_keys = keys if lock_keys is None else lock_keys
         hits = [False] * len(keys)
+        handles: list = []  # this call's pins: any not recorded as a lock are released below
+        good: list[bool] = []
         try:
             present = [i for i, k in enumerate(keys) if k is not None]
             handles = self.engine.pin([keys[i] for i in present]) if present else []
             # Pinned first, then checked: a page held only by a failed tier is a miss (unpinned now).
             good = [h is not None and self._readable(keys[i]) for i, h in zip(present, handles)]
+            # The locks are gathered here, every lock key hashed, before _pins changes: a bad lock key
+            # (an unhashable ObjectKey) fails the lookup with nothing recorded, so all its pins go back
+            # below; recorded, they would outlive the all-miss answer (LMCache never unlocks a miss).
+            mine: dict[Any, list[Any]] = {}
+            for i, handle, g in zip(present, handles, good):
+                if g:
+                    mine.setdefault(lock_keys[i], []).append(handle)
             with self._lock:
                 if self._closing:  # close() has released its pins (or is about to): hold none
-                    good = [False] * len(good)
-                for i, handle, g in zip(present, handles, good):
-                    if g:
-                        hits[i] = True
-                        self._pins.setdefault(lock_keys[i], []).append(handle)
+                    good, mine = [False] * len(good), {}
                 self.counters["lookups"] += 1
                 self.counters["lookup_keys"] += len(keys)
-                self.counters["lookup_hits"] += sum(hits)
-            stale = [h for h, g in zip(handles, good) if h is not None and not g]
-            if stale:
-                self.engine.unpin(stale)
+                self.counters["lookup_hits"] += sum(good)
+                for lock_key, held in mine.items():  # last: nothing after it can fail
+                    self._pins.setdefault(lock_key, []).extend(held)
+            for i, g in zip(present, good):
+                hits[i] = g
         except Exception:  # adapter boundary: a miss for LMCache, a warning and a counter for us
             self.report_error("lookup")
-            hits = [False] * len(keys)
+            hits, good = [False] * len(keys), []  # (no lock recorded: every pin of this call goes back)
+        stale = [h for h, g in itertools.zip_longest(handles, good) if h is not None and not g]
+        if stale:
+            try:
+                self.engine.unpin(stale)
+            except Exception:
+                self.report_error("lookup")
         with self._lock:
             self._lookups_done[task_id] = hits
         self._signal(self._on_lookup, task_id)
@@ -219,20 +234,31 @@ class L2Core:
 
     def unlock(self, lock_keys: Sequence[Any]) -> None:
         """Release one lock per lock key; keys holding no lock are ignored. Never raises."""
+        handles: list = []
         try:
-            handles = []
+            keys = []
+            for key in lock_keys:
+                try:
+                    hash(key)
+                except Exception:  # an unhashable key holds no lock: skipped alone, the others are released
+                    self.report_error("unlock")
+                    continue
+                keys.append(key)
             with self._lock:
-                for key in lock_keys:
+                for key in keys:
                     held = self._pins.get(key)
                     if held:
                         handles.append(held.pop())
                         if not held:
                             del self._pins[key]
-                self.counters["unlocks"] += len(lock_keys)
-            if handles:
-                self.engine.unpin(handles)
+                self.counters["unlocks"] += len(keys)
         except Exception:
             self.report_error("unlock")
+        if handles:  # whatever left _pins is unpinned, even if a later key failed
+            try:
+                self.engine.unpin(handles)
+            except Exception:
+                self.report_error("unlock")
 
     # -- load -----------------------------------------------------------------------------------
     def submit_load(self, keys: list[str | None], pages: list[Sequence[Segment] | None], hold: Any = None,

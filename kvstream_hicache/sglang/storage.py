@@ -323,15 +323,17 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _legacy_get(self, keys: list[str], targets: Any) -> list:
         self._note_legacy()
         host = self.mem_pool_host
-        targets = list(targets) if targets is not None else [None] * len(keys)
-        targets = [t if t is not None else host.get_dummy_flat_data_page() for t in targets]
+        n = len(keys)
+        given = self._per_key("batch_get", targets, n) if targets is not None else []
+        # (a key without a target, as with targets=None, reads into a page of its own, returned)
+        targets = [t if t is not None else host.get_dummy_flat_data_page() for t in given + [None] * (n - len(given))]
         # The engine fills contiguous memory; a strided target gets a contiguous twin, copied back after.
         landing = [t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
                    for t in targets]
         pages = [[(t.data_ptr(), t.numel() * t.element_size())] for t in landing]
         found = self._get_pages(keys, pages)
-        out = []
-        for target, land, ok in zip(targets, landing, found):
+        out = []  # one answer per key: sglang indexes it by key
+        for target, land, ok in zip(targets, landing, found, strict=True):
             if ok and land is not target:
                 target.copy_(land)
             out.append(target if ok else None)
@@ -339,16 +341,27 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def _legacy_set(self, keys: list[str], values: Any) -> list[bool]:
         self._note_legacy()
-        values = list(values) if values is not None else [None] * len(keys)
+        values = self._per_key("batch_set", values, len(keys)) if values is not None else []
         present = [i for i, v in enumerate(values) if v is not None]
         flat = {i: values[i].contiguous() for i in present}  # referenced until the engine returns
-        stored = [False] * len(keys)
+        stored = [False] * len(keys)  # a key without a value (a short list) is not stored
         if present:
             pages = [[(flat[i].data_ptr(), flat[i].numel() * flat[i].element_size())] for i in present]
             result = self._put_pages([keys[i] for i in present], pages)
             for i, ok in zip(present, result):
                 stored[i] = bool(ok)
         return stored
+
+    def _per_key(self, method: str, items: Any, n: int) -> list:
+        """The legacy calls' tensors, at most one per key: sglang indexes answers by key, so the answer
+        has len(keys) entries whatever came; a key past the end of a short list has no tensor (as with
+        None) and tensors past the last key are ignored (counted and warned: a caller's mismatch)."""
+        items = list(items)
+        if len(items) != n:
+            self._count("bad_arguments")
+            self._warn(method, "length", f"kvstream: {method} with {n} keys and {len(items)} tensors; keys "
+                       "without a tensor are misses, tensors without a key are ignored")
+        return items[:n]
 
     def _get_pages(self, keys: Sequence[str], pages: list) -> list[bool]:
         t0 = time.perf_counter()
