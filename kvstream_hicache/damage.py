@@ -20,6 +20,7 @@ from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
 from .layout import HEADER_SIZE, block_span
 from .stats import Stats
 from .tiers import Tier
+from .trust import not_a_file, same_as
 
 log = logging.getLogger("kvstream")
 
@@ -32,24 +33,32 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     (a copy the index does not list: one the start-up scan has not reached yet, or another process's).
     ``in_transfer`` is called when the copy on disk is intact (the fault was the transfer's)."""
     span = block_span(info.length, info.block, j)
+    fd = None  # the file read, held open to the end: only that very file may be removed (trust.remove)
     try:
-        data = _read_block(tier, key, span)
-        differs = len(data) != span.nbytes or crc32c(data) != info.crcs[j]
-    except (FileNotFoundError, NotRegularFile):
-        differs = True
-    except OSError:
-        return False  # the tier is failing: its health, not this page, is the problem
-    if not differs:
-        log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
-                    "intact on disk; read from a replica", j, key, tier.k, why)
-        in_transfer()
-        return False
-    problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
-    if problem is not None and problem.reason is Reason.UNREADABLE:
-        return False  # an I/O error: the tier's health, not this copy, is the problem
-    if problem is not None and problem.reason is not Reason.VANISHED:
-        remove_copy(tier, index, stats, key, f"{why}, block {j}")
-        return True
+        judged = not_a_file  # (none read: a regular file under the name now is not what was judged)
+        try:
+            fd, _ = open_regular(tier.layout.page_path(key), trust=tier.trust)
+            data = os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
+            differs = len(data) != span.nbytes or crc32c(data) != info.crcs[j]
+            judged = same_as(fd)
+        except (FileNotFoundError, NotRegularFile):
+            differs = True
+        except OSError:
+            return False  # the tier is failing: its health, not this page, is the problem
+        if not differs:
+            log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
+                        "intact on disk; read from a replica", j, key, tier.k, why)
+            in_transfer()
+            return False
+        problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
+        if problem is not None and problem.reason is Reason.UNREADABLE:
+            return False  # an I/O error: the tier's health, not this copy, is the problem
+        if problem is not None and problem.reason is not Reason.VANISHED:
+            remove_copy(tier, index, stats, key, f"{why}, block {j}", judged=judged)
+            return True
+    finally:
+        if fd is not None:
+            close_fd(fd)
     index.remove(key, tier.k)  # kept (another writer's version), or gone
     if problem is None:
         stats.add(tier.k, "other_versions")
@@ -58,21 +67,16 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     return True
 
 
-def remove_copy(tier: Tier, index: Index, stats: Stats, key: str, why: str, remove: bool = True) -> None:
+def remove_copy(tier: Tier, index: Index, stats: Stats, key: str, why: str, remove: bool = True,
+                judged: Callable[[os.stat_result], bool] = not_a_file) -> None:
     """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
-    directory, a link or another user's file stays: kvstream never removes one; ``check`` reports it)."""
+    directory, a link or another user's file stays: kvstream never removes one; ``check`` reports it).
+    Only the entry ``judged`` matches goes (trust.remove: another writer may have renamed a valid page
+    over the name since it was judged); the default, for a caller that holds no descriptor of it, is an
+    entry that is not a regular file, as no page is."""
     index.remove(key, tier.k)
-    kept = tier.unlink_page(key) if remove else "a directory"
+    kept = tier.unlink_page(key, judged) if remove else "a directory"
     index.file_removed(key, tier.k)
     log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",
                 key, tier.k, why, "removed" if kept is None else f"left in place ({kept})")
     stats.add(tier.k, "quarantined")
-
-
-def _read_block(tier: Tier, key: str, span) -> bytes:
-    """:raises OSError: e.g. FileNotFoundError."""
-    fd, _ = open_regular(tier.layout.page_path(key), trust=tier.trust)
-    try:
-        return os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
-    finally:
-        close_fd(fd)

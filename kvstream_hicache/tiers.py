@@ -31,10 +31,12 @@ from collections.abc import Callable
 
 from .fds import close_fd
 from .integrity import open_direct, shard_entries, shards
-from .layout import TierLayout, key_of_page_file
+from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
-from .trust import check_dir, establish, remove
+from .trust import (
+    check_dir, describe, dir_findings, establish, list_below, make_dir, open_below, remove, root_problem,
+)
 
 log = logging.getLogger("kvstream")
 
@@ -194,8 +196,8 @@ class Tier:
         replaced (a new version renamed in: look it up) from one deleted, and refreshes the client's
         cached entry of the name (a network file system's client keeps the old file's for about a
         second), so the lookup opens what the name holds now, not the stale file."""
-        try:
-            return os.path.basename(self.layout.page_path(key)) in os.listdir(self.layout.page_dir(key))
+        try:  # (through descriptors: a shard replaced by a link is not listed, as it is not read)
+            return os.path.basename(self.layout.page_path(key)) in list_below(self.root, self.layout.page_dir(key))
         except OSError:
             return False
 
@@ -204,15 +206,54 @@ class Tier:
             return False, f"{self.layout.base} is missing or on another file system"
         try:
             self._dirs.clear()
-            self._mkdir(self.layout.tmp)
-            self._mkdir(self.layout.pages)
-            probe_direct(self.layout.tmp, self.token)
+            refused = self._recheck()
             self.dev = os.stat(self.layout.base).st_dev  # (mounted again: maybe another device number)
         except ProbeFailed as exc:
             return False, "probe read back different bytes" if exc.step == "verify" else f"probe: {exc.strerror}"
         except OSError as exc:
             return False, f"probe: {os.strerror(exc.errno or errno.EIO)}"
+        if refused:
+            why = f"probe: {refused}: start-up would refuse this tree"
+            if why != self.last_error:  # (logged once, not at every probe)
+                log.warning("kvstream: tier %d (%s) stays failed: %s", self.k, self.root, why)
+            return False, why
+        self._dirs.update((self.layout.tmp, self.layout.pages))
         return True, ""
+
+    def _recheck(self) -> str | None:
+        """The tree of a failed tier about to rejoin, checked as start-up checks it (trust.establish):
+        ``kvstream/`` may have vanished and been made again by anyone the tier root lets (another user,
+        in a sticky 1777 root). The root (trust.root_problem), ``kvstream/`` (opened following no link),
+        ``tmp/``, the namespace directory and its shards (trust.dir_findings); then ``tmp/`` and the
+        namespace made where missing, through descriptors, and the O_DIRECT probe run in ``tmp/``.
+        Returns what start-up would refuse ('<path> <what is wrong> (owner ..., mode ...)'), else None.
+        :raises OSError: the tier does not answer (:class:`ProbeFailed`: the probe)."""
+        layout, trust = self.layout, self.trust
+        st = os.stat(layout.root)
+        why = root_problem(st, self.shared)
+        if why is not None:
+            return f"{layout.root} {why} ({describe(st)})"
+        try:
+            base_fd = open_below(layout.root, layout.base)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            st = os.lstat(layout.base)
+            return f"{layout.base} {trust.dir_problem(st) or 'is in the way'} ({describe(st)})"
+        try:
+            st = os.fstat(base_fd)  # (what is there now: dir_findings' lstat may see another directory)
+            why = trust.dir_problem(st)
+            for path, st, why in [(layout.base, st, why)] if why else dir_findings(layout, trust):
+                return f"{path} {why} ({describe(st)})"
+            close_fd(make_dir(os.path.basename(layout.pages), base_fd, self.dir_mode))
+            tmp_fd = make_dir(TMP_DIR, base_fd, self.dir_mode)  # (nobody else can add to a checked kvstream/)
+            try:
+                probe_direct("", self.token, dir_fd=tmp_fd)
+            finally:
+                close_fd(tmp_fd)
+        finally:
+            close_fd(base_fd)
+        return None
 
     # -- files ----------------------------------------------------------------------------------
     def open_page(self, key: str) -> int:
@@ -325,11 +366,12 @@ class Tier:
                         "(another owner's, a link, a directory or a stray; kvstream check lists them)",
                         kept, self.k, self.layout.pages)
 
-    def unlink_page(self, key: str) -> str | None:
-        """Remove ``key``'s page file (only a file of a trusted owner, through its directory: trust.py).
-        Returns None when it is gone (or was already: another rank, an operator), else why it stays."""
+    def unlink_page(self, key: str, judged: Callable[[os.stat_result], bool] | None = None) -> str | None:
+        """Remove ``key``'s page file (only a file of a trusted owner, through its directory; with ``judged``
+        only the entry judged damaged: trust.remove). Returns None when it is gone (or was already:
+        another rank, an operator), else why it stays."""
         try:
-            return remove(self.root, self.layout.page_path(key), self.trust)
+            return remove(self.root, self.layout.page_path(key), self.trust, judged=judged)
         except OSError as exc:
             if self.copy_gone(exc.errno, key):  # (gone: removed concurrently, by another rank or node)
                 return None
@@ -355,12 +397,26 @@ class Tier:
         if parent != self.layout.base and not os.path.isdir(parent):
             self._mkdir(parent)
         try:
-            os.mkdir(path, self.dir_mode)
-            if self.shared:
-                os.chmod(path, self.dir_mode)  # we just made it (mkdir makes no link)
+            os.mkdir(path, self.dir_mode)  # (no descriptor: a put that is short of them still commits)
         except FileExistsError:  # made by another writer (or ours before): checked once, as at start-up
             check_dir(path, self.trust)
+        else:
+            if self.shared:  # the umask may have cleared the group bits: set them on the directory made,
+                self._set_mode(path)  # through its descriptor, never through a link put at its name since
         self._dirs.add(path)
+
+    def _set_mode(self, path: str) -> None:
+        """The tier's mode on the directory just made at ``path``, if it still is a directory of ours.
+        :raises OSError: ELOOP/ENOTDIR: a link or a file took its place; NotADirectoryError: another's."""
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            why = self.trust.dir_problem(st)
+            if why is not None:
+                raise NotADirectoryError(errno.ENOTDIR, f"{path} {why} ({describe(st)})", path)
+            os.fchmod(fd, self.dir_mode)
+        finally:
+            close_fd(fd)
 
     def __repr__(self) -> str:
         return f"Tier({self.k}, {self.root!r}, {'healthy' if self.healthy else 'failed'})"

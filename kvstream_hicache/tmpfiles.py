@@ -162,35 +162,39 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
     out = []
     try:
         entries = list(os.scandir(tmp_dir))
-    except FileNotFoundError:
+    except OSError:  # gone, or unreadable (EIO, EACCES, ESTALE): nothing is judged a leftover now
         return out
     for entry in entries:
-        if _is_dir(entry):  # not a temporary file: a stray (integrity.tmp_problems), never removed as a leftover
+        if not _is_file(entry):  # a link or a directory is a stray (integrity.tmp_problems), never a leftover
             continue
         owner = parse_tmp_name(entry.name)
         if owner is None and entry.name.startswith(PROBE_PREFIX):
             # a probe of another process or host lives for milliseconds and may be in use right now:
             # only an old one is a leftover
-            try:
-                stale = now - entry.stat().st_mtime > TMP_STALE_S
-            except FileNotFoundError:
-                continue
+            stale = _older(entry, now)
         elif owner is None:
             stale = True
         elif owner.host == HOST:
             stale = (owner.token not in live) if owner.pid == me else not _pid_alive(owner.pid)
         else:
-            try:
-                stale = now - entry.stat().st_mtime > TMP_STALE_S
-            except FileNotFoundError:
-                continue
+            stale = _older(entry, now)
         if stale:
             out.append(entry.path)
     return out
 
 
-def _is_dir(entry: os.DirEntry) -> bool:
+def _is_file(entry: os.DirEntry) -> bool:
+    """Neither a link nor a directory (neither followed); False when it cannot be told (vanished, EIO)."""
     try:
-        return entry.is_dir(follow_symlinks=False)
-    except OSError:  # vanished meanwhile
+        return not entry.is_symlink() and not entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _older(entry: os.DirEntry, now: float) -> bool:
+    """Not modified for TMP_STALE_S (its own ``lstat``: a link is never followed); False when it cannot
+    be told (vanished, ELOOP, EACCES, ESTALE, EIO): never removed on a guess."""
+    try:
+        return now - entry.stat(follow_symlinks=False).st_mtime > TMP_STALE_S
+    except OSError:
         return False

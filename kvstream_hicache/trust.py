@@ -12,13 +12,15 @@ user's link, is ownership, checked the way OpenSSH's StrictModes checks ``~/.ssh
   directories (no link), owned by a trusted owner, writable by nobody else: then no one else can add,
   rename or remove an entry in them, and a path walk through them cannot be redirected. A directory
   that fails is a ConfigError at start-up naming it, its owner and mode and the fix
-  (:func:`establish`). The tier root may be writable by every user only with the sticky bit (as
-  ``/tmp``): then nobody can move the engine's own ``kvstream/`` there.
+  (:func:`establish`; and again before a failed tier rejoins, tiers.py). The tier root may be writable
+  by every user, or (private mode) by its group, only with the sticky bit (as ``/tmp``): then nobody
+  can move the engine's own ``kvstream/`` there (:func:`root_problem`).
 * **Files**: opened with O_NOFOLLOW (a link is ELOOP, never followed) and served or indexed only when
   ``fstat`` shows a regular file of a trusted owner (:meth:`Trust.owns`); removed only through the
   directory descriptor they were found in, after ``fstat`` there shows an engine-owned, non-directory,
-  non-link entry (:func:`remove`). Start-up, ``check`` and their fixes walk the tree through
-  descriptors opened O_DIRECTORY|O_NOFOLLOW (:func:`open_below`).
+  non-link entry, and (a file judged damaged) only the very file judged (:func:`remove`). Start-up,
+  ``check`` and their fixes walk the tree through descriptors opened O_DIRECTORY|O_NOFOLLOW
+  (:func:`open_below`).
 
 The read and write paths open pages by path (one path walk, as before: no descriptor is held per
 directory, so a tier moved away or unmounted is still noticed, never written through) with O_NOFOLLOW
@@ -31,6 +33,7 @@ import errno
 import grp
 import os
 import pwd
+import secrets
 import stat
 import time
 from collections.abc import Callable
@@ -166,7 +169,11 @@ def make_dir(name: str, dir_fd: int, mode: int) -> int:
         created = False
     fd = open_dir(name, dir_fd)
     if created:
-        os.fchmod(fd, mode)  # the umask may have cleared the group bits (file_mode=shared)
+        try:
+            os.fchmod(fd, mode)  # the umask may have cleared the group bits (file_mode=shared)
+        except BaseException:  # (EPERM on a mount that forces modes, EIO): the descriptor is not the caller's
+            close_fd(fd)
+            raise
     return fd
 
 
@@ -201,18 +208,46 @@ def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
             "or choose another tier directory")
 
 
+def root_problem(st: os.stat_result, shared: bool) -> str | None:
+    """What lets someone the engine does not trust replace ``kvstream/`` in a tier root (its ``stat``),
+    or None: writable by every user, or (``shared`` False: no group is trusted) by its group, without
+    the sticky bit (with it, as in /tmp, only an entry's owner may move or remove it)."""
+    if st.st_mode & stat.S_ISVTX:
+        return None
+    if st.st_mode & stat.S_IWOTH:
+        return "is writable by every user without the sticky bit"
+    if st.st_mode & stat.S_IWGRP and not shared and not _own_group(st.st_gid):
+        return (f"is writable by its group {group_name(st.st_gid)} without the sticky bit, and file_mode=private "
+                "trusts no group")
+    return None
+
+
+def _own_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group (Debian's and Ubuntu's user private groups, whose
+    umask 002 makes every new directory group-writable): named as the user, the user's primary group,
+    no other member listed. Writable by it is writable by the user alone."""
+    try:
+        user, group = pwd.getpwuid(os.geteuid()), grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+
+
 def open_base(root: str, dir_mode: int, source: str) -> tuple[int, int]:
     """Descriptors of ``<root>/kvstream`` and its ``tmp``, each created (``dir_mode``) where missing,
-    following no link; the tier root may be writable by every user only with the sticky bit.
+    following no link; the tier root passes :func:`root_problem` (file_mode=shared when ``dir_mode``
+    is group-writable, config.MODES: its group is trusted).
 
-    :raises ConfigError: the root is world-writable without the sticky bit, or a link is in the way.
+    :raises ConfigError: the root fails :func:`root_problem`, or a link is in the way.
     :raises TierError: a file is in the way."""
     root_st = os.stat(root)
-    if root_st.st_mode & stat.S_IWOTH and not root_st.st_mode & stat.S_ISVTX:
-        raise ConfigError(f"tier directory {root} (from {source}) is writable by every user without the sticky "
-                          f"bit (mode {stat.S_IMODE(root_st.st_mode):04o}): anyone could replace kvstream's "
-                          f"directory in it; chmod +t {root} (as /tmp), chmod o-w {root}, or use a directory of "
-                          f"your own below it (mkdir -m 700 {root}/$USER)")
+    why = root_problem(root_st, bool(dir_mode & stat.S_IWGRP))
+    if why is not None:
+        who, w = ("anyone", "o") if root_st.st_mode & stat.S_IWOTH else ("any member of the group", "g")
+        also = "" if w == "o" else ", set file_mode=shared (KVSTREAM_FILE_MODE=shared) to trust the group"
+        raise ConfigError(f"tier directory {root} (from {source}) {why} (mode {stat.S_IMODE(root_st.st_mode):04o}): "
+                          f"{who} could replace kvstream's directory in it; chmod +t {root} (as /tmp), chmod {w}-w "
+                          f"{root}{also}, or use a directory of your own below it (mkdir -m 700 {root}/$USER)")
     fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
     try:
         base = os.path.join(root, ROOT_DIR)
@@ -344,11 +379,19 @@ def not_trusted(st: os.stat_result) -> str:
     return f"of a user this engine does not trust ({describe(st)})"
 
 
-def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | None = None) -> str | None:
+def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | None = None,
+           judged: Callable[[os.stat_result], bool] | None = None) -> str | None:
     """Remove file ``path`` of tier ``root`` through the descriptor of its directory (reached following
     no link), only if ``lstat`` there shows an entry that is no directory and no link, of a trusted
     owner, and (``name_ok``) named as the engine names it. Returns None when it is gone (or was
     already), else why it was left in place.
+
+    ``judged``: the entry was found damaged (or a stray) by a look that may be older than what the name
+    holds now: another writer may have renamed a valid page over it since. Then it is first renamed
+    to a private name in its directory, where no one else renames anything, and removed there only
+    when ``judged(lstat)`` (:func:`same_as`, :func:`not_a_file`) says it is the entry judged; else it
+    goes back under its name (a valid page is never deleted). None: whatever is there goes (eviction,
+    ``clear``, the engine's own temporary file).
     :raises OSError: the directory, the lstat or the unlink failed for an I/O error."""
     directory, name = os.path.split(path)
     if name_ok is not None and not name_ok(name):
@@ -362,19 +405,63 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
             return "its directory is reached through a symbolic link (or a file): kvstream follows none"
         raise
     try:
-        st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-        if stat.S_ISLNK(st.st_mode):
-            return "a symbolic link: kvstream follows none and removes none"
-        if stat.S_ISDIR(st.st_mode):
-            return "kvstream never removes a directory (remove it by hand if nothing needs it)"
-        if not trust.owns(st):
-            return f"not kvstream's: {not_trusted(st)}"
-        os.unlink(name, dir_fd=fd)
-        return None
+        why = _not_removable(os.stat(name, dir_fd=fd, follow_symlinks=False), trust)
+        if why is not None or judged is None:
+            if why is None:
+                os.unlink(name, dir_fd=fd)
+            return why
+        held = f".kvstream-removing.{os.getpid()}.{secrets.token_hex(4)}"
+        os.rename(name, held, src_dir_fd=fd, dst_dir_fd=fd)
+        st = os.stat(held, dir_fd=fd, follow_symlinks=False)
+        why = _not_removable(st, trust) or (None if judged(st) else
+                                            "replaced since it was judged (another writer's page): kept")
+        if why is None:
+            os.unlink(held, dir_fd=fd)
+        else:  # (over a page renamed there in these microseconds: the newer version, as renames go)
+            os.rename(held, name, src_dir_fd=fd, dst_dir_fd=fd)
+        return why
     except FileNotFoundError:  # removed concurrently: gone all the same
         return None
     finally:
         close_fd(fd)
+
+
+def _not_removable(st: os.stat_result, trust: Trust) -> str | None:
+    """Why :func:`remove` leaves an entry (its ``lstat``) in place, or None."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link: kvstream follows none and removes none"
+    if stat.S_ISDIR(st.st_mode):
+        return "kvstream never removes a directory (remove it by hand if nothing needs it)"
+    if not trust.owns(st):
+        return f"not kvstream's: {not_trusted(st)}"
+    return None
+
+
+def same_as(fd: int | None) -> Callable[[os.stat_result], bool]:
+    """:func:`remove`'s ``judged`` for the file ``fd`` is open on (held open until the removal: its inode
+    number cannot be reused meanwhile); None (nothing could be opened) matches nothing."""
+    try:
+        mine = os.fstat(fd) if fd is not None else None
+    except OSError:  # (ESTALE: replaced on another node) nothing is known to be the file judged
+        mine = None
+    if mine is None:
+        return lambda st: False
+    return lambda st: (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def not_a_file(st: os.stat_result) -> bool:
+    """:func:`remove`'s ``judged`` for an entry judged not to be a regular file (a FIFO, a socket, ...
+    under a page's name) with no descriptor of it: a page, always a regular file, never matches."""
+    return not stat.S_ISREG(st.st_mode)
+
+
+def pin(path: str) -> int | None:
+    """An O_PATH descriptor of the entry at ``path`` itself (never followed, never read: a FIFO or a
+    device too) for :func:`same_as`; None when it cannot be opened (gone)."""
+    try:
+        return os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------- order

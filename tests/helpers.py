@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 
 import numpy as np
@@ -257,6 +258,31 @@ def sq_tail(fd: int) -> int:
     """How many SQEs the io_uring behind ``fd`` has been given (its fdinfo's SqTail)."""
     with open(f"/proc/self/fdinfo/{fd}") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("SqTail:"))
+
+
+def as_user(uid: int, fn, *args, groups: tuple[int, ...] = ()) -> None:
+    """Run ``fn(*args)`` in a child process as ``uid`` (its own gid, plus ``groups``), umask 0 as a
+    careless or hostile user would; its exception fails the test."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups(list(groups))
+            os.setgid(uid)
+            os.setuid(uid)
+            os.umask(0)
+            fn(*args)
+        except BaseException:
+            os.write(w, traceback.format_exc().encode())
+            code = 1
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, err
 
 
 def open_fds() -> int:

@@ -4,22 +4,28 @@ Real files, real io_uring; the scan is held back with its own rate limit (``scan
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from array import array
 
-from kvstream_hicache import Engine, check_tiers
+import kvstream_hicache.integrity as integrity
+import kvstream_hicache.scan as scan_module
+import kvstream_hicache.trust as trust
+from kvstream_hicache import Config, Engine, check_tiers
 from kvstream_hicache.index import Index
 from kvstream_hicache.integrity import scan_file
 from kvstream_hicache.writes import WritePath
-from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.layout import HEADER_SIZE, TierLayout
 from kvstream_hicache.tmpfiles import tmp_name
 
 from helpers import (
-    NS, PAGE_BYTES, PageSet, flip_byte, kvstream_cli, make_engine, page_files, run_children, spawn, wait_for_file,
+    NS, PAGE_BYTES, PageSet, flip_byte, kvstream_cli, make_engine, messages, page_files, run_children, spawn,
+    wait_for_file,
 )
 
 HELD = 0.001  # scan_rate: one file in 1000 s, the scan has not read a file while the test runs
@@ -270,3 +276,58 @@ def test_a_page_deleted_while_the_scan_reads_its_file_stays_deleted(tier_dirs, m
         assert engine.index.holders(keys[1]) == 0b1  # the other page stays
         _release(engine)
         assert engine.check() == []
+
+
+def _loop_in_tmp(tier: str) -> str:
+    """A link in ``kvstream/tmp`` named as a probe, pointing at itself: stat through it is ELOOP."""
+    link = os.path.join(tier, "kvstream", "tmp", "probe.1.x.0.loop")
+    os.symlink(os.path.basename(link), link)
+    return link
+
+
+def test_a_looping_link_in_tmp_stops_neither_the_scan_nor_check_tiers(tier_dirs):
+    pages, keys = _stored(tier_dirs[:1], 3)
+    link = _loop_in_tmp(tier_dirs[0])
+    problems = check_tiers(Config.from_sources({"tiers": tier_dirs[:1]}, environ={}), NS)
+    assert [(p.kind, p.path) for p in problems] == [("stray", link)], problems  # reported, never followed
+    with make_engine(tier_dirs[:1]) as engine:
+        assert len(engine.index) == 3 and engine.scan["kept"] == 1 and not engine.scan["tiers"][0]["stopped"]
+        assert os.path.islink(link)  # left in place: kvstream removes no link
+        os.unlink(link)
+
+
+def test_an_error_listing_tmp_leaves_the_scan_of_the_pages_going(tier_dirs, monkeypatch, caplog):
+    pages, keys = _stored(tier_dirs[:1], 3)
+
+    def unreadable(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(scan_module, "tmp_problems", unreadable)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert len(engine.index) == 3 and engine.scan["kept"] == 1
+    assert messages(caplog, "tmp unreadable", "going on with the pages")
+
+
+def test_the_scan_never_removes_a_valid_page_renamed_over_a_damaged_one(tier_dirs, monkeypatch):
+    """The scan reads a damaged file twice, then removes it: another process's put of the key that
+    renames a valid page over the name in between keeps it (trust.remove takes only the file read)."""
+    pages, keys = _stored(tier_dirs[:1], 1)
+    layout = TierLayout(tier_dirs[0], NS.digest)
+    path = layout.page_path(keys[0])
+    valid = Path(path).read_bytes()
+    Path(path).write_bytes(b"garbage" * 100)  # a damaged copy (a crash, a bit flip)
+    real_remove = trust.remove
+
+    def other_writer_then_remove(root, p, *args, **kw):
+        if p == path:  # another server's put of the key commits now
+            Path(layout.tmp, "other-writer").write_bytes(valid)
+            os.rename(os.path.join(layout.tmp, "other-writer"), path)
+        return real_remove(root, p, *args, **kw)
+
+    monkeypatch.setattr(integrity, "remove", other_writer_then_remove)  # (where the scan removed it from before)
+    monkeypatch.setattr(scan_module, "remove", other_writer_then_remove, raising=False)
+    with make_engine(tier_dirs[:1]) as engine:
+        monkeypatch.undo()
+        assert Path(path).read_bytes() == valid, "the scan deleted a valid page another writer had just committed"
+        assert engine.scan["damaged_removed"] == 0 and engine.scan["kept"] == 1
+        assert pages.checked_get(engine, keys) == [True]

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from kvstream_hicache.layout import HEADER_SIZE, TierLayout
 from kvstream_hicache.tmpfiles import tmp_name
 from kvstream_hicache.trust import user_name
 
-from helpers import NS, PageSet, content, kvstream_cli, make_engine
+from helpers import NS, PageSet, as_user, content, kvstream_cli, make_engine
 
 INTRUDER = 54321  # uids and a group no account has: the second user and the shared tier's group
 MEMBER = 54322
@@ -36,31 +35,6 @@ GROUP = 54320
 MAPPED = 54323  # the owner an owner-mapping file system gives every file
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root (CI runs as root)")
-
-
-def as_user(uid: int, fn, *args, groups: tuple[int, ...] = ()) -> None:
-    """Run ``fn(*args)`` in a child process as ``uid`` (its own gid, plus ``groups``), umask 0 as a
-    careless or hostile user would; its exception fails the test."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups(list(groups))
-            os.setgid(uid)
-            os.setuid(uid)
-            os.umask(0)
-            fn(*args)
-        except BaseException:
-            os.write(w, traceback.format_exc().encode())
-            code = 1
-        os._exit(code)
-    os.close(w)
-    with os.fdopen(r) as f:
-        err = f.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, err
 
 
 def page_file(scratch: str, key: str, data: bytes, created_ns: int | None = None) -> bytes:

@@ -1,0 +1,202 @@
+"""trust.py's rules where the engine runs on: a tier rejoining after its directory vanished, a tier root a
+group may write, directories made through descriptors, and removals that take only the file judged (a
+valid page renamed over a damaged one's name since is never deleted). A second user, where needed, is a
+child process that takes another uid, as root can (tests/test_security_shared_tier.py does the same)."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+import kvstream_hicache.tiers as tiers
+import kvstream_hicache.trust as trust
+from kvstream_hicache.errors import ConfigError
+from kvstream_hicache.layout import HEADER_SIZE, TierLayout
+from kvstream_hicache.tiers import LOOK_S, Tier
+
+from helpers import FakeClock, PageSet, as_user, flip_byte, make_engine
+
+INTRUDER = 54321  # a uid no account has: the second user
+OTHER_GID = INTRUDER  # a group no account has
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="acting as a second user needs root (CI runs as root)")
+
+
+def _tier(root: str, clock: FakeClock, shared: bool = False) -> Tier:
+    os.mkdir(TierLayout(root, "ns").base, 0o700)  # (the engine's start-up probe makes it: probe.py)
+    return Tier(0, root, "ns", None, (0o660, 0o2770) if shared else (0o600, 0o700), "never", 10.0, "token",
+                clock, on_rejoin=lambda tier: "")
+
+
+# -- a failed tier rejoins only through a tree start-up would accept ----------------------------------------
+@root_only
+def test_a_vanished_tier_never_rejoins_through_a_kvstream_dir_another_user_made(tier_root, caplog):
+    os.chmod(tier_root, 0o755)  # (the other user may reach the scratch area)
+    scratch = os.path.join(tier_root, "scratch")
+    os.mkdir(scratch)
+    os.chmod(scratch, 0o1777)  # a scratch area every user may write (sticky, as /tmp)
+    clock = FakeClock()
+    tier = _tier(scratch, clock)
+    shutil.rmtree(tier.layout.base)  # a scratch purge
+    assert tier.fail(errno.ENOENT, "open a page") and tier.gone()
+    as_user(INTRUDER, os.mkdir, tier.layout.base, 0o777)  # the other user makes kvstream/ first
+    for _ in range(3):
+        clock.advance(LOOK_S * 1.01)
+        assert not tier.usable(now=True), "rejoined through a kvstream/ another user owns"
+    assert os.lstat(tier.layout.base).st_uid == INTRUDER and not os.path.exists(tier.layout.tmp)  # nothing made there
+    assert re.search(rf"{re.escape(tier.layout.base)} belongs to a user .*uid {INTRUDER}", tier.last_error)
+    said = [r.getMessage() for r in caplog.records if "stays failed" in r.getMessage()]
+    assert len(said) == 1 and f"uid {INTRUDER}" in said[0], said  # logged once, naming the path and owner
+    os.rmdir(tier.layout.base)  # the operator's fix: kvstream's own directory again
+    os.mkdir(tier.layout.base, 0o700)
+    clock.advance(tier._backoff * 1.01)
+    assert tier.usable() and os.lstat(tier.layout.tmp).st_uid == os.geteuid()
+
+
+def test_a_failed_tier_never_rejoins_through_a_link_where_its_namespace_was(tier_root):
+    clock = FakeClock()
+    tier = _tier(tier_root, clock)
+    elsewhere = os.path.join(tier_root, "elsewhere")
+    os.mkdir(elsewhere, 0o700)
+    assert tier.fail(errno.EIO, "read")
+    os.rmdir(tier.layout.pages)
+    os.symlink(elsewhere, tier.layout.pages)
+    clock.advance(tier._backoff * 1.01)
+    assert not tier.usable() and "is a symbolic link" in tier.last_error
+    assert os.listdir(elsewhere) == []
+
+
+# -- the tier root ---------------------------------------------------------------------------------------
+@root_only
+def test_a_root_its_group_may_write_needs_the_sticky_bit_unless_the_group_is_trusted(tier_root):
+    root = os.path.join(tier_root, "project")
+    os.mkdir(root)
+    os.chown(root, -1, OTHER_GID)  # a project directory its group may write: a member could swap kvstream/
+    os.chmod(root, 0o775)
+    with pytest.raises(ConfigError) as err:
+        make_engine([root])
+    text = str(err.value)
+    assert f"tier directory {root} (from " in text and "'tiers'" in text and "mode 0775" in text, text
+    assert all(fix in text for fix in (f"chmod +t {root}", f"chmod g-w {root}", "file_mode=shared")), text
+    assert not os.path.exists(os.path.join(root, "kvstream"))  # refused before anything was made there
+    for mode, settings in ((0o1775, {}), (0o775, {"file_mode": "shared"})):  # sticky; or the group trusted
+        os.chmod(root, mode)
+        _stores(root, settings)
+    os.chown(root, -1, os.getegid())  # the user's private group (umask 002): writable by the user alone
+    os.chmod(root, 0o775)
+    _stores(root, {})
+
+
+def _stores(root: str, settings: dict) -> None:
+    pages = PageSet()
+    with make_engine([root], **settings) as engine:
+        assert pages.put(engine, pages.keys(1)) == [True]
+        engine.clear()
+
+
+# -- directories made through descriptors ----------------------------------------------------------------
+def test_make_dir_closes_its_descriptor_when_fchmod_fails(tmp_path, monkeypatch):
+    parent = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+
+    def refuse(fd, mode):
+        raise PermissionError(errno.EPERM, "fchmod refused (a mount that forces modes)")
+
+    monkeypatch.setattr(trust.os, "fchmod", refuse)
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(5):
+        with pytest.raises(PermissionError):
+            trust.make_dir(f"d{i}", parent, 0o770)
+    monkeypatch.undo()
+    leaked = len(os.listdir("/proc/self/fd")) - before
+    os.close(parent)
+    assert leaked == 0, f"{leaked} directory descriptors leaked"
+
+
+def test_a_new_shard_s_mode_is_never_set_through_a_link_put_at_its_name(tier_root, monkeypatch):
+    tier = _tier(tier_root, FakeClock(), shared=True)  # shared: group bits set after the mkdir
+    victim = os.path.join(tier_root, "victim")
+    os.mkdir(victim, 0o700)
+    shard = tier.layout.page_dir("ab")
+    real_mkdir = os.mkdir
+
+    def mkdir_then_swap(path, mode=0o777, *, dir_fd=None):  # a trusted member's race on the new shard
+        real_mkdir(path, mode, dir_fd=dir_fd)
+        if os.path.basename(path) == "ab":
+            os.rename(path, "ab.away", src_dir_fd=dir_fd, dst_dir_fd=dir_fd) if dir_fd is not None \
+                else os.rename(path, path + ".away")
+            os.symlink(victim, path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    with pytest.raises(OSError):
+        tier._mkdir(shard)
+    monkeypatch.undo()
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o700, "the link's target was chmodded"
+
+
+def test_listed_follows_no_link_at_a_shard(tier_root):
+    tier = _tier(tier_root, FakeClock())
+    key = "ab" + "c" * 30
+    elsewhere = os.path.join(tier_root, "elsewhere")
+    os.mkdir(elsewhere)
+    Path(elsewhere, os.path.basename(tier.layout.page_path(key))).write_bytes(b"x")
+    os.symlink(elsewhere, tier.layout.page_dir(key))
+    assert not tier.listed(key)
+    os.unlink(tier.layout.page_dir(key))
+    os.rename(elsewhere, tier.layout.page_dir(key))
+    assert tier.listed(key)
+
+
+# -- removal takes only the file judged ------------------------------------------------------------------
+def test_remove_takes_only_the_file_judged(tier_root):
+    layout = TierLayout(tier_root, "ns")
+    os.makedirs(layout.pages)
+    path = os.path.join(layout.pages, "page")
+    Path(path).write_bytes(b"damaged")
+    held = trust.pin(path)
+    try:
+        Path(path + ".new").write_bytes(b"valid")
+        os.rename(path + ".new", path)  # another writer's page renamed over the damaged one since
+        why = trust.remove(tier_root, path, trust.Trust.user(), judged=trust.same_as(held))
+    finally:
+        os.close(held)
+    assert why and "replaced since it was judged" in why
+    assert os.listdir(layout.pages) == ["page"] and Path(path).read_bytes() == b"valid"  # back, no leftover
+    held = trust.pin(path)
+    try:
+        assert trust.remove(tier_root, path, trust.Trust.user(), judged=trust.same_as(held)) is None
+    finally:
+        os.close(held)
+    assert os.listdir(layout.pages) == []
+    os.mkfifo(path)  # a stray, judged with no descriptor: only a non-file goes (damage.remove_copy's default)
+    assert trust.remove(tier_root, path, trust.Trust.user(), judged=trust.not_a_file) is None
+    Path(path).write_bytes(b"valid")
+    assert trust.remove(tier_root, path, trust.Trust.user(), judged=trust.not_a_file) is not None
+    assert Path(path).read_bytes() == b"valid"
+
+
+def test_a_read_never_deletes_a_valid_page_renamed_over_the_damaged_copy(tier_dirs, monkeypatch):
+    pages = PageSet()
+    key = pages.keys(1)[0]
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, [key]) == [True]
+        path = engine.tiers[0].layout.page_path(key)
+        valid = Path(path).read_bytes()
+        flip_byte(path, HEADER_SIZE + 10)  # the copy on disk is damaged: its read fails, it is judged
+        other = os.path.join(engine.tiers[0].layout.tmp, "other-writer")
+        real_remove = trust.remove
+
+        def other_writer_then_remove(root, p, *args, **kw):
+            if p == path:  # another process's put of the key commits between the judgement and the removal
+                Path(other).write_bytes(valid)
+                os.rename(other, path)
+            return real_remove(root, p, *args, **kw)
+
+        monkeypatch.setattr(tiers, "remove", other_writer_then_remove)
+        pages.checked_get(engine, [key])  # (found or not; never wrong bytes)
+        monkeypatch.undo()
+        assert Path(path).read_bytes() == valid, "the read deleted a valid page another writer had committed"
+        assert pages.put(engine, [key]) == [True]  # indexed again (the read dropped the damaged copy)
