@@ -41,7 +41,8 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import is_engine_tmp, stale_tmp
 from .trust import (
-    LINK, OTHER, Trust, describe, dir_findings, dir_fix, learn, list_below, not_trusted, remove, scandir_below,
+    LINK, OTHER, Trust, describe, dir_findings, dir_fix, identity, learn, list_below, not_a_file, not_trusted,
+    remove, same_file, scandir_below,
 )
 
 if TYPE_CHECKING:
@@ -153,6 +154,10 @@ class Problem(NamedTuple):
     detail: str
     reason: Reason
     fixed: bool = False
+    ident: tuple | None = None  # the file judged (trust.identity; NOT_A_FILE): a fix removes only that one
+
+
+NOT_A_FILE = ()  # Problem.ident of an entry judged no regular file (a FIFO, a socket, ... under a page's name)
 
 
 class ScannedPage(NamedTuple):
@@ -223,17 +228,21 @@ def open_direct(path: str, trust: Trust) -> int:
     return fd if fd >= 0 else open_regular(path, os.O_DIRECT, trust=trust)[0]
 
 
-def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, int]:
+def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, os.stat_result]:
     """Read and validate the header of one page file (of an owner in ``trust``, default: this user);
-    returns (header, file size).
-    :raises HeaderError: unusable header. :raises NotRegularFile: not a regular file (or not a
-    trusted owner's). :raises OSError: the file cannot be read."""
+    returns (header, the file's stat).
+    :raises HeaderError: unusable header (its ``stat``: the file's). :raises NotRegularFile: not a
+    regular file (or not a trusted owner's). :raises OSError: the file cannot be read."""
     fd, st = open_regular(path, trust=trust or Trust.user())
     try:
         data = os.pread(fd, HEADER_SIZE, 0)
     finally:
         close_fd(fd)  # (a read: an error from close, e.g. ESTALE, changes nothing read)
-    return unpack_header(data), st.st_size
+    try:
+        return unpack_header(data), st
+    except HeaderError as exc:
+        exc.stat = st  # (the file judged: check --fix removes only that one)
+        raise
 
 
 def verify_payload(path: str, header: PageHeader, trust: Trust) -> str | None:
@@ -323,8 +332,10 @@ def scan_pages(layout: TierLayout, digest: str, *, trust: Trust | None = None,
 
 def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str, payload: bool,
               trust: Trust) -> ScannedPage:
-    def bad(kind: str, detail: str, size: int = 0, reason: Reason = Reason.INVALID) -> ScannedPage:
-        return ScannedPage(path, None, Problem(kind, layout.root, path, detail, reason), size)
+    def bad(kind: str, detail: str, size: int = 0, reason: Reason = Reason.INVALID, st=None, ident=None
+            ) -> ScannedPage:
+        ident = identity(st) if st is not None else ident
+        return ScannedPage(path, None, Problem(kind, layout.root, path, detail, reason, ident=ident), size)
 
     def unreadable(kind: str, exc: OSError, size: int = 0) -> ScannedPage:
         return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
@@ -333,28 +344,29 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
     try:
-        header, size = read_header(path, trust)
+        header, st = read_header(path, trust)
     except FileNotFoundError:
         return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
     except UntrustedFile as exc:
         return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
     except NotRegularFile as exc:
-        return bad("stray", f"{exc.strerror}, not a page file")
+        return bad("stray", f"{exc.strerror}, not a page file", ident=NOT_A_FILE)
     except HeaderError as exc:
-        return bad("damaged", str(exc))
+        return bad("damaged", str(exc), st=getattr(exc, "stat", None))
     except OSError as exc:
         return unreadable("damaged", exc)
+    size = st.st_size
     if header.digest != digest or header.key != key:
-        return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size)
+        return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size, st=st)
     if size < file_size(header.length):
-        return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size)
+        return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size, st=st)
     if payload:
         try:
             why = verify_payload(path, header, trust)
         except OSError as exc:
             return unreadable("corrupt", exc, size)
         if why:
-            return bad("corrupt", why, size)
+            return bad("corrupt", why, size, st=st)
     return ScannedPage(path, header, None, size)
 
 
@@ -461,9 +473,13 @@ def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None) 
     if problem.reason is Reason.UNREADABLE:  # EMFILE, EIO, ESTALE...: the file itself may be valid
         return problem._replace(detail=f"{problem.detail}; left in place: an error kept it from being read, "
                                        f"not the file's content (check again once the tier reads)")
+    # Only the file judged goes: another writer may have renamed a valid page over its name since
+    # (trust.remove); an entry judged no regular file goes only while it is none.
+    judged = None if problem.ident is None else not_a_file if problem.ident == NOT_A_FILE else \
+        same_file(problem.ident)
     try:
         why = remove(problem.tier, problem.path, trust or Trust.user(),
-                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None)
+                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None, judged)
     except OSError as exc:
         return problem._replace(detail=f"{problem.detail}; could not remove it "
                                        f"({os.strerror(exc.errno or errno.EIO)})")

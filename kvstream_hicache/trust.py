@@ -449,6 +449,17 @@ def same_as(fd: int | None) -> Callable[[os.stat_result], bool]:
     return lambda st: (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells a file from another that took its name since, with no descriptor held: device, inode,
+    size, modification time (the inode number alone may be reused once the file is gone)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def same_file(ident: tuple[int, int, int, int]) -> Callable[[os.stat_result], bool]:
+    """:func:`remove`'s ``judged`` for the file whose :func:`identity` was ``ident`` when judged."""
+    return lambda st: identity(st) == ident
+
+
 def not_a_file(st: os.stat_result) -> bool:
     """:func:`remove`'s ``judged`` for an entry judged not to be a regular file (a FIFO, a socket, ...
     under a page's name) with no descriptor of it: a page, always a regular file, never matches."""

@@ -175,7 +175,8 @@ def test_check_tiers_finds_and_fixes(tier_dirs):
     assert all(p.fixed for p in fixed)
     assert check_tiers(config) == []
     assert os.path.exists(good)
-    header_, size = read_header(good)
+    header_, st = read_header(good)
+    size = st.st_size
     assert header_.key == "aa" + "0" * 62 and size == file_size(5000)
 
 

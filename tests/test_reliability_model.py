@@ -56,7 +56,8 @@ faults = st.none() | st.tuples(st.integers(0, N_TIERS - 1), st.sampled_from(sort
 
 def _valid_copy(path: str, k: str) -> bool:
     try:
-        header, size = read_header(path)
+        header, st = read_header(path)
+        size = st.st_size
         with open(path, "rb") as f:
             f.seek(HEADER_SIZE)
             payload = f.read(len(DATA[k]))

@@ -308,6 +308,33 @@ def test_an_error_listing_tmp_leaves_the_scan_of_the_pages_going(tier_dirs, monk
     assert messages(caplog, "tmp unreadable", "going on with the pages")
 
 
+@pytest.mark.parametrize("damage", ["header", "payload"])
+def test_check_fix_never_removes_a_valid_page_renamed_over_a_damaged_one(tier_dirs, monkeypatch, damage):
+    """``kvstream check --fix`` (check_tiers) beside a running engine: a page it judged damaged is
+    removed only if it is still the file it read; another writer's put that renamed a valid page over
+    the name meanwhile keeps it (reported, left in place). Without the race the damaged file goes."""
+    pages, keys = _stored(tier_dirs[:1], 2)
+    layout = TierLayout(tier_dirs[0], NS.digest)
+    paths = [layout.page_path(k) for k in keys]
+    valid = [Path(p).read_bytes() for p in paths]
+    for p in paths:
+        flip_byte(p, 10 if damage == "header" else HEADER_SIZE + 100)
+    real_remove = trust.remove
+
+    def other_writer_then_remove(root, p, *args, **kw):
+        if p == paths[0]:  # another server's put of the key commits now
+            Path(layout.tmp, "other-writer").write_bytes(valid[0])
+            os.rename(os.path.join(layout.tmp, "other-writer"), p)
+        return real_remove(root, p, *args, **kw)
+
+    monkeypatch.setattr(integrity, "remove", other_writer_then_remove)
+    problems = check_tiers(Config.from_sources({"tiers": tier_dirs[:1]}, environ={}), NS, fix=True)
+    assert sorted((p.path, p.fixed) for p in problems) == sorted([(paths[0], False), (paths[1], True)])
+    assert "left in place" in next(p.detail for p in problems if p.path == paths[0])
+    assert Path(paths[0]).read_bytes() == valid[0] and not os.path.exists(paths[1])
+    assert not [n for n in os.listdir(os.path.dirname(paths[0])) if n.startswith(".")]  # (nothing left aside)
+
+
 def test_the_scan_never_removes_a_valid_page_renamed_over_a_damaged_one(tier_dirs, monkeypatch):
     """The scan reads a damaged file twice, then removes it: another process's put of the key that
     renames a valid page over the name in between keeps it (trust.remove takes only the file read)."""
