@@ -77,15 +77,23 @@ class InFlight:
     def submit(self) -> None:
         """Send what was added since the last submit. :raises: the ring's error, with none of the
         batch left in flight."""
-        batch, self._batch = self._batch, []
-        if not batch:
+        if not self._batch:
             return
         try:
-            self.ring.submit(batch)
+            self.ring.submit(self._batch)
         except BaseException:
-            for *_, tag in batch:
-                self._forget(self._reqs.pop(tag))
+            self.unsent()
             raise
+        self._batch = []
+
+    def unsent(self) -> list:
+        """Give up what was added since the last submit (an error came between): returned, out of the
+        accounting (none of it is on the ring)."""
+        batch, self._batch = self._batch, []
+        reqs = [self._reqs.pop(tag) for *_, tag in batch]
+        for req in reqs:
+            self._forget(req)
+        return reqs
 
     def reap(self, min_complete: int, timeout: float | None) -> list[tuple[object, int]]:
         """Completions, ``(request, res)``, each out of the accounting (res: bytes, or -errno)."""

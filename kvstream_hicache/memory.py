@@ -174,8 +174,13 @@ class CallerMemory:
         the new one (it stays mapped while the engine is open: ``Engine.register_memory``)."""
         if self.ring is None or ring.closed:
             return
-        self.ring = ring
+        # (io_engine=auto: the new one may be the thread pool's, where io_uring_setup was refused now)
+        self.ring = ring if hasattr(ring, "register_memory") else None
         spans, self.spans = self.spans, []
+        if self.ring is None:
+            log.warning("kvstream: the read ring was replaced by the thread-pool engine: reads into caller memory "
+                        "are staged from now on")
+            return
         for address, nbytes in spans:
             self.register(address, nbytes)
 

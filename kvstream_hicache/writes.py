@@ -163,28 +163,29 @@ class WritePath:
                 queue.exclusive -= 1
                 queue.wake_under_queues()
 
-    def cancel_under_writer(self) -> None:
-        """clear(): drop every queued job and discard the ones in flight (their pages report False).
-        Called inside :meth:`exclusive`."""
+    def cancel_under_writer(self, again: bool = False) -> None:
+        """clear(): drop every queued job and discard the ones in flight (their pages report False), inside
+        :meth:`exclusive`. ``again`` (the writer gave up after an error): catch-up copies stay owed."""
         dropped = self.queue.drop_all()
+        copies = [page.key for page, _ in dropped if page.copied is not None]
         for jobs in self.jobs.active:
             for job in list(jobs):
                 job.err = CANCELLED
+                copies += [job.page.key] if job.page.copied is not None else []
                 if not job.in_flight:  # (held back between two of its writes) nothing will reap it
                     self.jobs.finish_under_writer(job)
         for page, k in dropped:
             self.queue.job_over_under_writer(page, k)
+        self.queue.thinned(copies if again else [])  # (replication.py owes them again)
 
     def trim(self, k: int) -> None:
         """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
         writer does when it makes room, TRIM_BYTES at a time behind the writes in progress (the
         start-up scan found the tier over its capacity: one lowered since the last run). The excess is
-        measured again at each step: a write may have made room in between, and what it evicted is not
-        evicted for twice (a stale excess would evict pages that fit).
-
-        The scan calls this on its own thread, which must hold no reference to the engine: were the
-        engine dropped meanwhile, its finalizer (close, which waits for the scan) would run there and
-        wait for itself."""
+        measured again at each step: a write may have made room in between (a stale excess would evict
+        pages that fit). The scan calls this on its own thread, which must hold no reference to the
+        engine: were the engine dropped meanwhile, its finalizer (close, which waits for the scan)
+        would run there and wait for itself."""
         while not self.queue.closing:
             with self.exclusive():
                 victims = self.index.evict_excess(k, TRIM_BYTES)
@@ -209,10 +210,7 @@ class WritePath:
     def _close_ring(self) -> None:
         self.io.ring.close()  # (drains: the abandoned writes' buffers are free after it)
         for write in self.io.abandon():
-            self._unstage_under_writer(write)
-            write.job.in_flight -= 1
-            if not write.job.in_flight:
-                self.tiers[write.tier].discard(write.job.fd, write.job.tmp)
+            self._give_up_under_writer(write)
         self.pool.close()
 
     def _set_up(self, ring):
@@ -356,6 +354,16 @@ class WritePath:
         write.job.page.fill(staging.address, write.nbytes, offset)
         return staging.address, write.nbytes
 
+    def _give_up_under_writer(self, write: Write) -> None:
+        """A write that ended, or that its ring will never complete (closed, replaced), with no more to
+        say about its page: its staging goes back; an orphan's job (a hung tier's, abandoned) has its
+        file removed once no write of it is left."""
+        self._unstage_under_writer(write)
+        if write.orphan:
+            write.job.in_flight -= 1
+            if not write.job.in_flight:
+                self.jobs.discard_abandoned_under_writer(write.job)
+
     def _unstage_under_writer(self, write: Write) -> None:
         if write.staging is not None:
             self._staged -= write.staging.nbytes
@@ -429,10 +437,8 @@ class WritePath:
         job, want, k = write.job, write.nbytes, write.tier
         self._unstage_under_writer(write)
         self._progress[k] = now
-        if write.orphan:  # its job was abandoned (a hung tier): its file goes once no write of it is left
-            job.in_flight -= 1
-            if not job.in_flight:
-                self.jobs.discard_abandoned_under_writer(job)
+        if write.orphan:
+            self._give_up_under_writer(write)
             return
         # A write measures the tier's bandwidth only if no read started on the tier meanwhile:
         # writes held back or slowed by reads must not lower it.
@@ -449,21 +455,25 @@ class WritePath:
             self.jobs.finish_under_writer(job)
 
     def _abandon_under_writer(self) -> None:
-        """After an unexpected error: wait for the writes in flight (they read caller memory), then
-        discard every job and fail every page still pending, so that no caller waits forever. A ring
-        that cannot even be waited on is replaced (inflight.py), and the writer lives on."""
+        """After an unexpected error: wait for the live writes in flight (they read caller memory; a
+        tier that holds them past write_timeout is hung), then discard every job and fail every page
+        still pending, so that no caller waits for ever; a hung tier's abandoned writes are not waited
+        for (they end on their own). A ring that cannot even be waited on is replaced (inflight.py)."""
+        for write in self.io.unsent():  # (added, never submitted: the error came between)
+            self._give_up_under_writer(write)
+        deadline = time.monotonic() + self.write_timeout if self.write_timeout > 0 else math.inf
         try:
-            while self.io.ring.in_flight:
-                for write, _ in self.io.reap(1, None):
-                    self._unstage_under_writer(write)
+            while self._has_live_writes() and time.monotonic() < deadline:
+                for write, _ in self.io.reap(1, None if deadline == math.inf else deadline - time.monotonic()):
+                    self._give_up_under_writer(write)
         except Exception:
             log.exception("kvstream: the write ring failed; the pages being written are reported failed")
             self.stats.total("ring_failures")
             for write in self.io.replace():  # (closed: what it took has ended; writes go on on a new one)
-                self._unstage_under_writer(write)
-        for write in self.io.abandon():  # (recorded but never completed: nothing will reap them now)
-            self._unstage_under_writer(write)
+                self._give_up_under_writer(write)
+        for k in sorted({write.tier for write in self.io.requests() if not write.orphan}):
+            self._hung_under_writer(k)  # (no end within write_timeout)
         for jobs in self.jobs.active:
             for job in jobs:
                 job.in_flight = 0
-        self.cancel_under_writer()
+        self.cancel_under_writer(again=True)

@@ -177,7 +177,7 @@ def get_items(engine: Engine, items: Sequence[tuple[str, int, bool]], policy=Non
     return found, [m.bytes() for m in mem]
 
 
-def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fault_plan=None,
+def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fault_plan=None, ring_factory=None,
                 namespace: Namespace = NS, chunk: int | str = CHUNK, **settings) -> Engine:
     """The tests' engine: the tiers ``dirs``, settings as a caller passes them (no environment).
     Its start-up scan is over when it returns, unless the test sets ``scan_rate`` (the scan's own
@@ -186,6 +186,8 @@ def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fau
     kwargs = {"fault_plan": fault_plan}
     if clock is not None:
         kwargs["clock"] = clock
+    if ring_factory is not None:
+        kwargs["ring_factory"] = ring_factory
     engine = Engine(Config.from_sources(explicit, environ={}), namespace, **kwargs)
     if "scan_rate" not in settings and not engine.wait_scan(SCAN_WAIT_S):
         engine.close()

@@ -12,6 +12,7 @@ import ctypes
 import itertools
 import mmap
 import os
+import resource
 import threading
 
 import numpy as np
@@ -19,7 +20,7 @@ import pytest
 
 from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.flow import MAX_REQUEST
-from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer
+from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer, ThreadRing, open_ring
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 from kvstream_hicache.router import CompletionDriven
@@ -303,6 +304,47 @@ def test_a_read_ring_that_fails_is_replaced_and_the_next_get_reads(tier_dirs, ca
         assert engine.get(keys, pages.dst_segments) == [True] * 4 and all(pages.equal(i) for i in range(4))
         assert engine._reads.io.ring.fixed_bytes == registered
         assert engine.last_batch["direct_bytes"] == 4 * 4 * MIB
+
+
+def test_a_read_ring_replaced_by_the_thread_pool_under_auto_keeps_reading(tier_dirs):
+    """io_engine=auto (the default): the read ring fails (its descriptor now /dev/null) and, just as it
+    is replaced, io_uring_setup meets EMFILE (the process at its descriptor limit): open_ring's own
+    fallback hands back the thread-pool engine. The read path goes on there, staging what it read in
+    place (before: the caller memory pointed at a ring with no registered memory, and that get and
+    every later one raised AttributeError). Found by a review."""
+    short = []
+
+    def factory(entries, engine):  # the real open_ring; only the moment of the shortage is arranged
+        if not short:
+            return open_ring(entries, engine)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.open(os.devnull, os.O_RDONLY)  # the number the next descriptor would get
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # no descriptor number left: EMFILE
+        try:
+            return open_ring(entries, engine)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    before = io_uring_fds()
+    engine, pages, keys = stored(tier_dirs[:1], 4, "auto", ring_factory=factory)
+    with engine:
+        rings = io_uring_fds() - before
+        tails = {fd: sq_tail(fd) for fd in rings}
+        assert engine.get(keys, pages.dst_segments) == [True] * 4
+        (read_ring,) = [fd for fd in rings if sq_tail(fd) > tails[fd]]
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, read_ring)
+        os.close(null)
+        short.append(1)
+        with pytest.raises(OSError):
+            engine.get(keys, pages.dst_segments)
+        short.clear()
+        assert isinstance(engine._reads.io.ring, ThreadRing) and engine._reads.memory.ring is None
+        for array in (a for page in pages.dst for a in page):
+            array[:] = 0
+        for _ in range(2):
+            assert engine.get(keys, pages.dst_segments) == [True] * 4 and all(pages.equal(i) for i in range(4))
 
 
 def test_transfer_fault_on_a_single_holder_is_a_miss_and_the_file_is_kept(tier_dirs, io_engine):

@@ -6,6 +6,7 @@ Nothing here asserts on time: each test waits, with a bounded timeout, for the s
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -18,7 +19,10 @@ from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import TierLayout
 from kvstream_hicache.router import SingleTier
 
-from helpers import NS, PageSet, TierFaultPlan, content, flip_byte, make_engine, wait_for_fault, wait_until
+from helpers import (
+    NS, FakeClock, PageSet, TierFaultPlan, content, flip_byte, io_uring_fds, make_engine, sq_tail, wait_for_fault,
+    wait_until,
+)
 
 
 def served(engine) -> list[int]:
@@ -252,3 +256,32 @@ def test_a_copy_held_while_a_put_writes_the_page_anew_never_replaces_it(tier_dir
         assert engine.index.holders(keys[0]) == 0b11 and engine.stats()["tiers"][1]["replication_done"] == 0
         for k in (0, 1):
             assert new.checked_get(engine, keys, policy=SingleTier(k)) == [True]
+
+
+def test_a_catchup_copy_lost_to_a_write_ring_replacement_is_written_again(tier_dirs):
+    """Tier 1 fails a put's replicas (EIO) and rejoins; its catch-up copies go out on a write ring
+    that breaks (its descriptor now /dev/null): the writer gives them up with the rest and replaces
+    the ring, and the copies stay owed, written on the new ring (before: dropped, the pages one
+    replica short until a get or a restart owed them again, replication_pending 0). Found by a review."""
+    plan = TierFaultPlan()
+    clock = FakeClock()
+    pages = PageSet(1 << 20, aligned=False)
+    keys = pages.keys(2)
+    before = io_uring_fds()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=clock, replicate="all", tier_retry=1.0) as engine:
+        rings = io_uring_fds() - before
+        plan.on(tier_dirs[1], Fault.error(errno.EIO), opcode=OP_WRITE)
+        assert pages.put(engine, keys) == [True, True]
+        plan.clear()
+        assert not engine.tiers[1].healthy and [engine.index.holders(k) for k in keys] == [0b01, 0b01]
+        (write_ring,) = [fd for fd in rings if sq_tail(fd) > 0]
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, write_ring)
+        os.close(null)
+        clock.advance(5.0)
+        assert engine.put([], []) == []  # a call: tier 1 is probed and rejoins; catch-up starts
+        assert engine.tiers[1].healthy
+        wait_until(lambda: engine.stats()["ring_failures"] == 1, 10, "the write ring never failed")
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), 10,
+                   "a replica lost to the ring replacement is never written again")
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True, True]

@@ -433,6 +433,71 @@ def test_a_write_ring_that_breaks_is_replaced_and_holds_no_caller(tier_dirs, cap
         assert pages.checked_get(engine, stored + later) == [True] * 5
 
 
+def _hung_tier_1(tier_dirs, plan):
+    """An engine whose tier 1 hangs on writes (held) once a first page was put: that put answers at
+    write_timeout from tier 0, and tier 1's abandoned write stays on the ring (an orphan)."""
+    engine = make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.5, tier_retry=600,
+                         catchup=False)
+    plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+    pages = PageSet(1 << 20, aligned=False)
+    assert pages.put(engine, pages.keys(1)) == [True]
+    assert engine._writes.io.orphans >= 1 and tmp_files(tier_dirs[1])
+    return engine, pages
+
+
+def _put_returns(engine, pages, keys) -> list:
+    out = []
+    t = threading.Thread(target=lambda: out.append(pages.put(engine, keys)), daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "a put waited for the hung tier"
+    return out[0]
+
+
+def test_a_write_ring_replaced_under_a_hung_tier_s_abandoned_writes_removes_their_files(tier_dirs):
+    """The write ring breaks while a hung tier's abandoned write is on it: the replacement gives that
+    write up as a hung tier's end of write does, so its temporary file goes once the tier answers
+    (before: its job was never discarded, the file and its descriptor stayed past close()). Found by
+    a review."""
+    plan = TierFaultPlan()
+    before = io_uring_fds()
+    engine, pages = _hung_tier_1(tier_dirs, plan)
+    with engine, releasing(plan):
+        (write_ring,) = [fd for fd in io_uring_fds() - before if sq_tail(fd) > 0]
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, write_ring)
+        os.close(null)
+        _put_returns(engine, pages, pages.keys(1, 10))
+        assert engine.stats()["ring_failures"] == 1
+        plan.clear()
+        plan.release()  # the hung tier answers
+        wait_until(lambda: not tmp_files(tier_dirs[1]), "the abandoned write's temporary file stayed", 10)
+
+
+class _BuggyPlan(TierFaultPlan):
+    """Raises once when armed: any bug in a writer step (the writer fails what is pending, lives on)."""
+    armed = False
+
+    def decide(self, opcode, fd, offset, length):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("a bug in a writer step")
+        return super().decide(opcode, fd, offset, length)
+
+
+def test_a_writer_error_does_not_wait_for_a_hung_tier_s_abandoned_writes(tier_dirs):
+    """An unexpected error in the writer's step while a hung tier's abandoned write is on the ring:
+    the writer gives up what is pending without waiting for that write (before: it reaped until the
+    hung tier answered, and every put waited with it). Found by a review."""
+    plan = _BuggyPlan()
+    engine, pages = _hung_tier_1(tier_dirs, plan)
+    with engine, releasing(plan):
+        plan.armed = True
+        assert len(_put_returns(engine, pages, pages.keys(1, 10))) == 1
+        assert _put_returns(engine, pages, pages.keys(1, 20)) == [True]  # (tier 0; tier 1 failed, retried later)
+        assert engine._writes.io.orphans >= 1
+
+
 # ---------------------------------------------------------------------- open files (issue 16 item 7)
 def test_a_large_put_holds_a_bounded_number_of_files(tier_dirs, fd_limit, caplog):
     """3,000 pages on two tiers under a limit of open_fds + 128: every page stored, no warning
