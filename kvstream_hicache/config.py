@@ -11,6 +11,7 @@ system, capacities as a share of a file system) once when an engine starts.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -35,6 +36,13 @@ LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 # File and directory permissions by KVSTREAM_FILE_MODE: private to the user, or group-shared
 # (setgid directories keep the group of the tier on shared file systems).
 MODES = {"private": (0o600, 0o700), "shared": (0o660, 0o2770)}
+
+# KVSTREAM_* variables the project reads that are not settings (build, tests, tools): no warning for them.
+OTHER_VARIABLES = frozenset({"KVSTREAM_LIBURING", "KVSTREAM_CACHE", "KVSTREAM_REQUIRE_URING", "KVSTREAM_LOCK_CHECK",
+                             "KVSTREAM_STRICT", "KVSTREAM_1TIER", "KVSTREAM_VENV",
+                             "KVSTREAM_LMCACHE_VENV", "KVSTREAM_SGLANG_PYTHON", "KVSTREAM_PEERS_CACHE",
+                             "KVSTREAM_DEMO_DIR"})
+OTHER_PREFIXES = ("KVSTREAM_SERVE_", "KVSTREAM_TEST_")  # kvstream serve-cpu's own; the test suite's
 
 
 class Setting(NamedTuple):
@@ -108,6 +116,10 @@ def parse_bytes(text: str | int, what: str) -> int:
         raise ConfigError(f"{what}: expected a size like '1M', got {text!r}")
     if isinstance(text, int):
         value = text
+    elif isinstance(text, float):  # JSON 1.5: a byte count has no half bytes, and truncating hides the typo
+        if not text.is_integer():
+            raise ConfigError(f"{what}: {text!r} is not a whole number of bytes; give bytes or a size like '2G'")
+        value = int(text)
     else:
         m = _SIZE_RE.fullmatch(str(text))
         if not m:
@@ -143,7 +155,6 @@ class Capacity(NamedTuple):
             if not math.isfinite(text):
                 raise ConfigError(f"{what}: {text!r} is not a size; give bytes or a size like '200G', or leave it "
                                   "empty for unlimited")
-            text = int(text)
         nbytes = parse_bytes(text, what)
         if nbytes < MIN_CAPACITY:
             raise ConfigError(f"{what}: {text!r} holds no page (capacity counts the bytes of the pages stored, at "
@@ -163,6 +174,8 @@ class Capacity(NamedTuple):
 class TierConfig:
     path: str
     capacity: Capacity = Capacity.parse(SETTINGS["capacity"].default, "capacity")  # (one tier: no limit)
+    # the entry as written ('$HOME/kv', 'kv0'): messages name it too, the operator greps the config for it
+    written: str | None = field(default=None, compare=False)
 
 
 def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False) -> str:
@@ -176,6 +189,8 @@ def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False
 def parse_number(value: Any, what: str, kind: Callable = float, minimum: float = 0, hint: str = "") -> Any:
     """``kind(value)``, finite and >= ``minimum``; anything else is an error naming ``what``."""
     try:
+        if isinstance(value, bool):  # JSON true is no number of seconds (float(True) would be 1.0)
+            raise ValueError
         out = kind(value)
         if kind is int and isinstance(value, float) and out != value:  # int() would truncate 2.5 to 2
             raise ValueError
@@ -247,12 +262,15 @@ class Config:
 
     @classmethod
     def from_sources(cls, explicit: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-                     *, ignore: frozenset[str] | set[str] = LOADER_KEYS) -> "Config":
+                     *, ignore: frozenset[str] | set[str] = LOADER_KEYS, labels: Mapping[str, str] | None = None
+                     ) -> "Config":
         """Decide every setting once: explicit key > ``KVSTREAM_*`` variable > default.
 
         :param explicit: extra-config dict (keys as in :data:`SETTINGS`); None values count as unset.
         :param environ: environment mapping (default ``os.environ``).
         :param ignore: keys of the host's own loader to skip silently.
+        :param labels: where an explicit key comes from, for messages (default "extra config 'KEY'"),
+            e.g. ``{"tiers": "--tiers"}``.
         :raises ConfigError: unknown key, malformed value, no tiers; the message names the setting.
         """
         environ = os.environ if environ is None else environ
@@ -265,12 +283,13 @@ class Config:
         sources: dict[str, str] = {}
         for key, setting in SETTINGS.items():
             if explicit.get(key) is not None:
-                raw[key], sources[key] = explicit[key], f"extra config '{key}'"
+                raw[key], sources[key] = explicit[key], (labels or {}).get(key, f"extra config '{key}'")
             elif environ.get(env_name(key), "").strip():
                 raw[key], sources[key] = environ[env_name(key)], env_name(key)
             else:
                 raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
         warnings, tiers = _parse_tiers(raw.pop("tiers"), raw.pop("capacity"), lambda key: setting_source(sources, key))
+        warnings += unknown_variables(environ)
         return cls(tiers=tiers, **raw, warnings=tuple(warnings), sources=dict(sources))
 
     def __post_init__(self) -> None:
@@ -302,8 +321,8 @@ class Config:
                               f"{SETTINGS['memory'].default})")
         put("memory", memory)
         put("claim", None if self.claim is None else parse_number(self.claim, what("claim"), int, 1))
-        put("policy", str(self.policy).strip())
-        _check_policy(self.policy, self.claim, what("policy"), len(tiers))
+        put("policy", str(self.policy).strip().lower())  # the router reads 'KVStream' as 'kvstream' too
+        _check_policy(self.policy, self.claim, what("policy"), len(tiers), what("claim"))
         if self.log_level is not None:
             put("log_level", _choice(self.log_level, LOG_LEVELS, what("log_level"), upper=True))
         put("fsync", _choice(self.fsync, FSYNC_MODES, what("fsync")))
@@ -370,15 +389,30 @@ class Config:
 
 def setting_source(sources: Mapping[str, str], key: str) -> str:
     """Where setting ``key`` came from, for messages: the source, and for a default also its names."""
-    source = sources.get(key, f"Config argument '{key}'")
-    if source.startswith("extra config") or source == env_name(key):
-        return source
-    return f"{source} ({env_name(key)} / extra config '{key}')"
+    source = sources.get(key)
+    if source is None or source.startswith("default of"):
+        return f"{source or f'Config argument {key!r}'} ({env_name(key)} / extra config '{key}')"
+    return source
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``KVSTREAM_*`` variable that is no setting and none the project reads elsewhere:
+    a misspelt KVSTREAM_CAPACTIY would otherwise leave the setting at its default without a word. A
+    warning, not an error: other tools may use the namespace."""
+    names = [env_name(key) for key in SETTINGS]
+    out = []
+    for var in sorted(environ):
+        if (var.startswith(ENV_PREFIX) and var not in names and var not in OTHER_VARIABLES
+                and not var.startswith(OTHER_PREFIXES)):
+            close = difflib.get_close_matches(var, names, n=1)
+            out.append(f"environment variable {var} is not a kvstream setting and is ignored"
+                       + (f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(names)}"))
+    return out
 
 
 def _no_tiers() -> ConfigError:
     return ConfigError(f"no tier directories: set {env_name('tiers')}=/fast/dir{os.pathsep}/slow/dir "
-                       "(fastest first) or the extra config key 'tiers' (a list)")
+                       "(fastest first) or the extra config key 'tiers' (a list; LMCache: adapter_params 'tiers')")
 
 
 def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
@@ -386,6 +420,8 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
     """(warnings, tiers) from the tier list and capacities as written (lists, or os.pathsep-separated)."""
     warnings: list[str] = []
     paths: list[str] = []
+    written: dict[str, str] = {}
+    twice: list[str] = []
     if raw_tiers is not None:
         seen: dict[str, str] = {}
         for entry in _split(raw_tiers, what("tiers")):
@@ -396,9 +432,11 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
             if real in seen:
                 warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
                                 "the duplicate is ignored, it would add no bandwidth and no redundancy")
+                twice.append(path)
                 continue
             seen[real] = path
             paths.append(path)
+            written[path] = entry.strip()
     if not paths:
         raise _no_tiers()
     if raw_capacity in (None, "") or isinstance(raw_capacity, (int, float)):
@@ -410,24 +448,41 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
     if len(caps) == 1:
         caps = caps * len(paths)
     if len(caps) != len(paths):
-        raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers; give one "
+        dup = "".join(f"; tier {p} is listed twice in {what('tiers')}: remove the duplicate and its capacity"
+                      for p in twice)  # the likely cause of the mismatch, said first
+        raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers{dup}; give one "
                           f"value per tier in tier order (empty = unlimited) or a single value for all")
-    return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"))
+    return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"), written[p])
                            for p, c in zip(paths, caps))
 
 
 def _tier_path(entry: str, what: str) -> str:
-    """A tier path as written -> absolute; a NUL byte (no file name can hold one) is refused here, before
+    """A tier path as written -> absolute, '~' and '$VAR' / '${VAR}' expanded as a shell would (an
+    extra config is JSON: no shell expanded them); a variable that is not set is refused, not left in
+    the path as a directory named '$VAR'. A NUL byte (no file name can hold one) is refused here, before
     any system call would fail on it with a bare 'embedded null byte'."""
     if "\0" in entry:
         raise ConfigError(f"{what}: tier path {entry!r} contains a NUL byte, which no file name can hold: "
                           "correct the tier list")
-    return os.path.abspath(os.path.expanduser(entry))
+    expanded = os.path.expandvars(os.path.expanduser(entry))
+    unset = re.search(r"\$(\w+|\{[^}]*\})", expanded)
+    if unset:
+        raise ConfigError(f"{what}: tier path {entry!r} names the environment variable {unset.group(0)}, which is "
+                          "not set in this process: set it, or write the path out")
+    return os.path.abspath(expanded)
 
 
-def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int) -> None:
+def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_claim: str = "claim") -> None:
     """The policy parses and fits the tiers (``tier2`` with two tiers, three static shares for two
-    tiers would fail every read)."""
+    tiers would fail every read); ``claim`` goes with the bare 'kvstream' policy only (any other spec
+    would silently override or ignore it: Config.policy_spec)."""
+    if claim is not None and policy != "kvstream":
+        base, _, opts = policy.partition(":")
+        example = base + ":" + ",".join([o for o in opts.split(",") if o and not o.strip().startswith("m=")]
+                                        + [f"m={claim}"])
+        raise ConfigError(f"{what_claim}: {claim} sets m for the bare 'kvstream' policy only, but {what} is "
+                          f"{policy!r}, which {'fixes its own m' if 'm=' in opts else 'would ignore it'}: drop "
+                          f"{what_claim}, or write m into the policy, e.g. {example!r}")
     spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
     try:
         parse_policy(spec).validate(n_tiers)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from .fds import close_fd
 from .io import crc32c, open_owned  # (crc32c: SSE4.2 or folded, the GIL released for large inputs)
+from .config import setting_source
 from .probe import check_overlap
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
@@ -145,7 +146,10 @@ class Problem(NamedTuple):
     'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
     'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file or directory of an owner
     this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
-    'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version).
+    'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version),
+    'missing_tier' (a tier directory that does not exist or is none: nothing there was checked),
+    'unreadable' (a tier directory, or one of kvstream's in it, this user cannot list: the rest of that tier
+    was not checked).
     """
 
     kind: str
@@ -408,21 +412,52 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
     check_overlap(config)
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
+    source = setting_source(config.sources, "tiers")
     for tier in config.tiers:
-        base = TierLayout(tier.path, "")
-        trust = learn(tier.path, config.file_mode == "shared")
-        problems += dir_problems(base, trust, base=True, pages=False)
-        problems += tmp_problems(tier.path, base.tmp, live_tokens, fix, trust)
-        try:
-            digests = [digest] if digest else _digests(base)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-                raise
-            problems.append(Problem("stray", tier.path, base.base, f"{LINKED}; left in place", Reason.INVALID))
+        # A mistyped tier is a problem, never "no problems found": nothing was checked there.
+        if not os.path.isdir(tier.path):
+            what = "is not a directory" if os.path.lexists(tier.path) else "does not exist"
+            problems.append(Problem("missing_tier", tier.path, tier.path, f"tier {what} (from {source}): nothing "
+                                    "there was checked; correct the tier list, or create the directory",
+                                    Reason.INVALID))
             continue
-        for d in digests:
-            problems += check_tier(TierLayout(tier.path, d), d, fix=fix, payload=payload, tmp=False, trust=trust)[0]
+        try:
+            _check_tier_tree(tier.path, config.file_mode == "shared", digest, fix, payload, live_tokens, problems)
+        except OSError as exc:  # EACCES...: say which directory, and go on with the other tiers
+            where = blocking_dir(tier.path, exc.filename or tier.path)
+            why = os.strerror(exc.errno or errno.EIO)
+            problems.append(Problem("unreadable", tier.path, where, f"not readable ({why}): the rest of this tier was "
+                                    "not checked; run as the tier's owner, or give this user access (as its owner or "
+                                    f"root: chmod -R u+rwX {where})", Reason.UNREADABLE))
     return problems
+
+
+def blocking_dir(root: str, path: str) -> str:
+    """The first directory from tier ``root`` down to ``path`` this user cannot list (``path`` failed to
+    open: the one to fix is often a parent, e.g. ``kvstream/`` when opening ``kvstream/tmp``)."""
+    chain = [path]
+    while chain[-1] != root and chain[-1] != os.path.dirname(chain[-1]):
+        chain.append(os.path.dirname(chain[-1]))
+    return next((d for d in reversed(chain) if os.path.isdir(d) and not os.access(d, os.R_OK | os.X_OK)), path)
+
+
+def _check_tier_tree(root: str, shared: bool, digest: str | None, fix: bool, payload: bool,
+                     live_tokens: frozenset[str] | set[str] | None, problems: list[Problem]) -> None:
+    """:func:`check_tiers` of one existing tier directory, its problems appended to ``problems`` as found
+    (those found before an OSError stay reported). :raises OSError: a directory cannot be listed."""
+    base = TierLayout(root, "")
+    trust = learn(root, shared)
+    problems += dir_problems(base, trust, base=True, pages=False)
+    problems += tmp_problems(root, base.tmp, live_tokens, fix, trust)
+    try:
+        digests = [digest] if digest else _digests(base)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        problems.append(Problem("stray", root, base.base, f"{LINKED}; left in place", Reason.INVALID))
+        return
+    for d in digests:
+        problems += check_tier(TierLayout(root, d), d, fix=fix, payload=payload, tmp=False, trust=trust)[0]
 
 
 def dir_problems(layout: TierLayout, trust: Trust, *, base: bool, pages: bool) -> list[Problem]:

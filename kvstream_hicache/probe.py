@@ -55,8 +55,11 @@ def probe_tiers(config: Config) -> Probed:
     check_overlap(config)
     devices: dict[int, str] = {}
     owners = []
+    source = config.sources.get("tiers", env_name("tiers"))
     for tier in config.tiers:
-        owners.append(probe_tier(tier.path, config.modes[1], config.sources.get("tiers", env_name("tiers"))))
+        # the entry as written too ('$HOME/kv', 'kv0'), when it is not the path the messages name
+        written = "" if tier.written in (None, tier.path) else f", written {tier.written!r}"
+        owners.append(probe_tier(tier.path, config.modes[1], source + written))
         dev = os.stat(tier.path).st_dev
         if dev in devices:
             warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "

@@ -267,6 +267,18 @@ def _tier_dir(root: str, path: str, parent_fd: int, dir_mode: int, source: str) 
     try:
         return make_dir(os.path.basename(path), parent_fd, dir_mode)
     except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(path):
+            # it exists and cannot be opened (another user's, chmod'ed): say which and how to fix (a mkdir
+            # refused is the caller's "not writable")
+            try:
+                st = describe(os.lstat(path))
+            except OSError:
+                st = "its owner and mode unknown"
+            raise TierError(f"tier {root} (from {source}): its directory {path} cannot be opened "
+                            f"({os.strerror(exc.errno)}; {st}): run the engine as the user that owns it, give this "
+                            f"user access (as its owner or root: chmod -R u+rwX {path}, or chown -R), or with tiers "
+                            "shared by a group, file_mode=shared (KVSTREAM_FILE_MODE=shared) for every writer"
+                            ) from None
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
         st = os.lstat(path)

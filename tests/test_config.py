@@ -121,7 +121,10 @@ def test_env_errors_name_the_variable(tier_dirs):
 
 def test_claim_folds_into_policy(tier_dirs):
     assert cfg({"tiers": tier_dirs[:1], "claim": 4}).policy_spec == "kvstream:m=4"
-    assert cfg({"tiers": tier_dirs[:2], "claim": 4, "policy": "tier1"}).policy_spec == "tier1"
+    assert cfg({"tiers": tier_dirs[:1], "claim": 4, "policy": "KVStream"}).policy_spec == "kvstream:m=4"
+    for policy in ("tier1", "kvstream:m=8", "static-0.5"):  # each would ignore the claim: refused, not dropped
+        with pytest.raises(ConfigError, match=f"claim.*{policy!r}"):
+            cfg({"tiers": tier_dirs[:2], "claim": 4, "policy": policy})
 
 
 def test_duplicate_directory_is_dropped_with_a_warning(tier_dirs):

@@ -249,3 +249,61 @@ def test_the_read_paths_open_in_one_call_agrees_with_open_regular_on_every_kind_
     assert seen["dir", "owner"] == (NotRegularFile, errno.EISDIR)
     assert seen["fifo", "owner"] == seen["link", "owner"] == (NotRegularFile, errno.EINVAL)
     assert seen["missing", "owner"] == (FileNotFoundError, errno.ENOENT)
+
+
+def test_check_reports_tiers_that_do_not_exist(tier_dirs, capsys, monkeypatch):
+    """'kvstream check --tiers /a:/b' (or a mistyped KVSTREAM_TIERS) used to say "no problems found",
+    exit 0, having checked nothing; --tiers now takes KVSTREAM_TIERS's ':'-separated form too."""
+    from kvstream_hicache.tools import cli
+
+    missing = os.path.join(tier_dirs[0], "nope")
+    a_file = os.path.join(tier_dirs[0], "file")
+    open(a_file, "w").close()
+    problems = check_tiers(Config.from_sources({"tiers": [missing, a_file, tier_dirs[1]]}, environ={}))
+    assert [(p.kind, p.tier) for p in problems] == [("missing_tier", missing), ("missing_tier", a_file)]
+    assert "does not exist" in problems[0].detail and "not a directory" in problems[1].detail
+    assert cli.main(["check", "--tiers", os.pathsep.join([missing, tier_dirs[1]])]) == 1
+    out = capsys.readouterr().out
+    assert "no problems found" not in out and f"tier={missing}" in out and "(from --tiers)" in out
+    assert f"tier={tier_dirs[1]}" not in out  # the second tier of 'a:b' is a tier, checked and fine
+    monkeypatch.setenv("KVSTREAM_TIERS", missing)
+    assert cli.main(["check", "--fix"]) == 1
+    assert "KVSTREAM_TIERS" in capsys.readouterr().out
+
+
+def test_check_and_info_report_an_unreadable_tier_and_go_on(tier_root):
+    """An unreadable tier or kvstream/ directory used to end check, check --fix and info with a
+    PermissionError traceback: it is a problem line of that tier, the other tiers are checked."""
+    import contextlib
+    import io
+
+    from helpers import as_user, make_engine
+
+    uid = 54324  # no account has it (root ignores permission bits)
+    os.chmod(tier_root, 0o755)
+    a, b = os.path.join(tier_root, "a"), os.path.join(tier_root, "b")
+    for d in (a, b):
+        os.mkdir(d)
+        os.chown(d, uid, uid)
+
+    def run():
+        from kvstream_hicache.tools import cli
+
+        make_engine([a, b], "threads").close()
+        stray = os.path.join(b, "kvstream", "tmp", "stray-dir")
+        os.mkdir(stray)  # a problem on the readable tier: still found
+        for unreadable in (a, os.path.join(a, "kvstream")):
+            os.chmod(unreadable, 0)
+            for cmd in (["check"], ["check", "--fix"], ["info"]):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    assert cli.main([*cmd, "--tiers", a, b]) == 1, cmd
+                text = out.getvalue()
+                assert "Traceback" not in text and "not readable" in text, (cmd, text)
+                if cmd[0] == "check" or unreadable != a:  # (info: a tier root it cannot use, said in short)
+                    assert f"chmod -R u+rwX {unreadable})" in text, (cmd, text)  # the directory to fix
+                if cmd[0] == "check":
+                    assert "stray-dir" in text, text
+            os.chmod(unreadable, 0o700)
+
+    as_user(uid, run)

@@ -343,3 +343,26 @@ def test_bad_settings_raise_at_construction(tmp_path):
     # the engine settings' flag parser: a typo is an error, not "true" (refused before an engine opens)
     with pytest.raises(KVStreamError, match="pool_loads.*'flase'"):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "pool_loads": "flase"})
+
+
+def test_adapter_params_errors_speak_lmcache_terms(tier_dirs):
+    """A typo listed SGLang's 'extra config' and no adapter option; a string namespace failed with a bare
+    'dictionary update sequence element'; a capacity of 100 (meant as GB) started, and every store failed."""
+    from kvstream_hicache.errors import ConfigError
+
+    def refused(params):
+        with pytest.raises(ConfigError) as info:
+            l2adapter.KVStreamL2Adapter({"tiers": tier_dirs[:1], **params}, environ={})
+        return str(info.value)
+
+    text = refused({"pool_load": False})
+    assert "adapter_params" in text and "extra config" not in text and "'pool_load'" in text
+    assert all(k in text for k in ("capacity", "namespace", "pool_loads", "max_pool_pages"))
+    assert "adapter_params 'capacity'" in refused({"capacity": "10 gigs"})
+    for bad in ("prod-a", ["prod-a"]):
+        text = refused({"namespace": bad})
+        assert "adapter_params 'namespace'" in text and "expected a mapping" in text and repr(bad) in text
+    assert "is not JSON" in refused({"namespace": {"d": {1, 2}}})
+    text = refused({"capacity": 100})
+    assert all(p in text for p in ("adapter_params 'capacity'", "100 bytes", "a bare number means bytes", "'100G'"))
+    l2adapter.KVStreamL2Adapter({"tiers": tier_dirs[:1], "capacity": 10240}, environ={}).close()  # as LMCache's tests

@@ -167,6 +167,18 @@ BAD = [
     (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_SCAN_RATE": "fast"}, ["KVSTREAM_SCAN_RATE", "'fast'", "e.g. 2000"]),
     ({"tiers": "{root}", "scan_cpu": 0}, None, ["extra config 'scan_cpu'", "above 0 and at most 1", "e.g. 0.25"]),
     (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_SCAN_CPU": "1.5"}, ["KVSTREAM_SCAN_CPU", "'1.5'", "at most 1"]),
+    # review of the configuration surface: values that were silently ignored or bent
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_POLICY": "kvstream:m=8", "KVSTREAM_CLAIM": "2"},
+     ["KVSTREAM_CLAIM", "KVSTREAM_POLICY", "'kvstream:m=8'", "fixes its own m", "'kvstream:m=2'"]),
+    ({"tiers": ["{root}", "{root}/b"], "policy": "static-0.5", "claim": 2}, None,
+     ["extra config 'claim'", "extra config 'policy'", "'static-0.5'", "would ignore it", "'static-0.5:m=2'"]),
+    ({"tiers": "{root}", "read_timeout": True}, None, ["extra config 'read_timeout'", "expected a number", "True"]),
+    ({"tiers": "{root}", "catchup_share": True}, None, ["extra config 'catchup_share'", "True"]),
+    ({"tiers": "{root}", "write_backlog": 1.5}, None, ["extra config 'write_backlog'", "1.5", "whole number of bytes"]),
+    ({"tiers": ["{root}", "{root}/", "{root}/b"], "capacity": ["1G", "2G", "3G"]}, None,
+     ["3 capacities for 2 tiers", "tier {root} is listed twice in extra config 'tiers'", "remove the duplicate"]),
+    ({"tiers": ["$KVSTREAM_TEST_UNSET_VAR/kv"]}, None, ["extra config 'tiers'", "'$KVSTREAM_TEST_UNSET_VAR/kv'",
+                                                       "not set", "write the path out"]),
 ]
 
 
@@ -224,6 +236,57 @@ def test_listed_twice_and_one_file_system_are_warnings_not_errors(tier_dirs, cap
         assert any("listed twice" in w for w in engine.warnings)
         assert any("same file system" in w for w in engine.warnings)
     assert len([r for r in caplog.records if "listed twice" in r.getMessage()]) == 1
+
+
+def test_misspelt_variable_is_warned_about_with_the_closest_setting(tier_dirs, caplog):
+    """KVSTREAM_CAPACTIY used to leave the capacity unlimited without a word; variables the project
+    itself reads elsewhere (build, tests, serve-cpu) are no typo."""
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    env = {"KVSTREAM_TIERS": tier_dirs[0], "KVSTREAM_CAPACTIY": "10G", "KVSTREAM_REPLICAT": "all",
+           "KVSTREAM_LIBURING": "/x", "KVSTREAM_SERVE_MODEL": "m", "KVSTREAM_LOCK_CHECK": "0"}
+    config = Config.from_sources(None, environ=env)
+    assert len(config.warnings) == 2, config.warnings
+    _has_all(config.warnings[0], "KVSTREAM_CAPACTIY", "did you mean KVSTREAM_CAPACITY?")
+    _has_all(config.warnings[1], "KVSTREAM_REPLICAT", "did you mean KVSTREAM_REPLICATE?")
+    with Engine(config, NS):
+        pass
+    assert len([r for r in caplog.records if "KVSTREAM_CAPACTIY" in r.getMessage()]) == 1  # logged at start-up
+
+
+def test_tier_paths_expand_variables_and_errors_show_them_as_written(tier_root, monkeypatch):
+    """JSON has no shell: '$HOME/kv' in the extra config used to become '<cwd>/$HOME/kv' with a 'mkdir -p'
+    fix that made a directory named '$HOME'."""
+    monkeypatch.setenv("KVSTREAM_TEST_ROOT", tier_root)
+    os.mkdir(os.path.join(tier_root, "kv"))
+    config = Config.from_sources({"tiers": ["${KVSTREAM_TEST_ROOT}/kv"]}, environ={})
+    assert [t.path for t in config.tiers] == [os.path.join(tier_root, "kv")]
+    Engine(config, NS).close()
+    err = _start({"tiers": ["$KVSTREAM_TEST_ROOT/missing"]})
+    missing = os.path.join(tier_root, "missing")
+    _has_all(str(err), missing, "written '$KVSTREAM_TEST_ROOT/missing'", f"mkdir -p {missing}")
+
+
+def test_an_unreadable_namespace_directory_is_a_tier_error(tier_root):
+    """A namespace directory this user cannot open (chmod 000, another user's) used to stop the start-up
+    with a bare "PermissionError: ... '<digest>'"."""
+    from helpers import as_user
+
+    uid = 54323  # no account has it: the engine's user here (root ignores permission bits)
+    os.chmod(tier_root, 0o755)
+    tier = os.path.join(tier_root, "t")
+    os.mkdir(tier)
+    os.chown(tier, uid, uid)
+
+    def start_twice():
+        Engine(Config.from_sources({"tiers": [tier]}, environ={}), NS).close()
+        ns_dir = os.path.join(tier, "kvstream", NS.digest)
+        os.chmod(ns_dir, 0)
+        with pytest.raises(TierError) as info:
+            Engine(Config.from_sources({"tiers": [tier]}, environ={}), NS).close()
+        _has_all(str(info.value), tier, "extra config 'tiers'", ns_dir, "Permission denied", "mode 0000",
+                 f"chmod -R u+rwX {ns_dir}", "file_mode=shared")
+
+    as_user(uid, start_twice)
 
 
 def test_cli_reports_a_bad_setting_and_exits_2(tier_root):

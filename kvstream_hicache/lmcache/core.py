@@ -34,11 +34,13 @@ from typing import Any
 
 from ..locks import ranked_lock
 from ..segments import Segment, copy_payload, nbytes
-from .keys import namespace_fields
+from ..errors import ConfigError
+from .keys import ADAPTER_PARAMS, namespace_fields
 
 log = logging.getLogger("kvstream")
 
 DEFAULT_MAX_POOL_PAGES = 4096
+MIN_CAPACITY = 4096  # bytes: a tier capacity below this holds no chunk (_check_capacities)
 
 
 def _open_engine(config: Any, namespace: Any) -> Any:
@@ -53,11 +55,34 @@ def open_engine(engine_params: Mapping[str, Any], namespace_extra: Mapping[str, 
     """Config (explicit params > ``KVSTREAM_*`` > defaults) + namespace -> a started engine.
 
     :raises KVStreamError: bad setting or unusable tier, the message names it and the fix."""
-    from ..config import Config
+    from ..config import SETTINGS, Config
     from ..layout import Namespace
 
-    config = Config.from_sources(engine_params, environ)
+    unknown = sorted(set(engine_params) - set(SETTINGS))
+    if unknown:  # in LMCache's terms: its adapter_params hold the adapter's own keys too
+        raise ConfigError(f"unknown kvstream setting(s) {', '.join(map(repr, unknown))} in LMCache's adapter_params; "
+                          f"valid keys: {', '.join([*SETTINGS, *ADAPTER_PARAMS])}")
+    config = Config.from_sources(engine_params, environ, ignore=frozenset(),
+                                 labels={key: f"adapter_params '{key}'" for key in SETTINGS})
+    _check_capacities(config)
     return _open_engine(config, Namespace(namespace_fields(namespace_extra)))
+
+
+def _check_capacities(config: Any) -> None:
+    """A capacity below one 4 KiB block holds no LMCache chunk (every store would fail): most likely a
+    bare number meant as GB ("capacity": 100), which is bytes. The adapter does not know LMCache's chunk
+    size, so the floor is the smallest page kvstream writes, not the chunk (LMCache's own adapter tests
+    run with 8-10 KiB capacities).
+
+    :raises ConfigError: naming the setting, the value and the fix."""
+    from ..config import setting_source
+
+    for tier in config.tiers:
+        if tier.capacity.nbytes is not None and tier.capacity.nbytes < MIN_CAPACITY:
+            n = tier.capacity.nbytes
+            raise ConfigError(f"{setting_source(config.sources, 'capacity')}: {n} for tier {tier.path} is {n} bytes, "
+                              f"less than one {MIN_CAPACITY >> 10} KiB block, so no LMCache chunk fits: a bare number "
+                              f"means bytes; write a size with a unit, e.g. '{n}G' for {n} GiB")
 
 
 # ------------------------------------------------------------------------------------------ core

@@ -12,8 +12,11 @@ SGLang's pages in shared tiers.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
+
+from ..errors import ConfigError
 
 KEY_SCHEME = "sha256(model@rank@group@hash@salt)/2"  # changes only with a new key format (/1 had #layout)
 INTEGRATION = "lmcache-mp"
@@ -37,7 +40,17 @@ def engine_key(key: Any) -> str:
 
 
 def namespace_fields(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Engine namespace of the LMCache MP path (``extra`` may not override the two fixed fields)."""
+    """Engine namespace of the LMCache MP path (``extra`` may not override the two fixed fields).
+
+    :raises ConfigError: ``extra`` is no mapping of JSON values (adapter_params 'namespace')."""
+    if extra is not None and not isinstance(extra, Mapping):  # dict('prod-a') would fail with a riddle
+        raise ConfigError(f"adapter_params 'namespace': expected a mapping, e.g. {{'deployment': 'prod-a'}}, got "
+                          f"{extra!r}")
+    try:  # the namespace digest is taken of its JSON (layout.Namespace)
+        json.dumps(dict(extra or {}), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"adapter_params 'namespace': {extra!r} is not JSON ({exc}); use strings, numbers, "
+                          "booleans, lists and mappings, e.g. {'deployment': 'prod-a'}") from None
     fields = dict(extra or {})
     fields.update(integration=INTEGRATION, keys=KEY_SCHEME)
     return fields

@@ -55,6 +55,9 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
     return TestbedError, UsageError, KVStreamError
 
 
+TIERS_HELP = "tier directories, fastest first: DIR DIR, or DIR:DIR as KVSTREAM_TIERS (default: $KVSTREAM_TIERS)"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvstream", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,13 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_bench)
 
     c = sub.add_parser("check", help="verify stored pages; --fix removes damaged copies and orphans")
-    c.add_argument("--tiers", nargs="+", metavar="DIR", help="tier directories (default: $KVSTREAM_TIERS)")
+    c.add_argument("--tiers", nargs="+", metavar="DIR", help=TIERS_HELP)
     c.add_argument("--fix", action="store_true", help="repair: quarantine/remove damaged copies, clean leftovers")
     c.add_argument("--json", action="store_true", help="print the problems as JSON")
     c.set_defaults(func=_check)
 
     i = sub.add_parser("info", help="effective configuration and tier status")
-    i.add_argument("--tiers", nargs="+", metavar="DIR", help="tier directories (default: $KVSTREAM_TIERS)")
+    i.add_argument("--tiers", nargs="+", metavar="DIR", help=TIERS_HELP)
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)
 
@@ -162,7 +165,9 @@ def _testbed(args) -> int:
 def _config(tiers: Sequence[str] | None):
     from ..config import Config
 
-    return Config.from_sources({"tiers": list(tiers)} if tiers else None)
+    # '--tiers /a:/b' as KVSTREAM_TIERS and serve-cpu take it, or '--tiers /a /b': the config's one parser
+    # splits both, and its messages name --tiers
+    return Config.from_sources({"tiers": os.pathsep.join(tiers)} if tiers else None, labels={"tiers": "--tiers"})
 
 
 def _check(args) -> int:
@@ -278,11 +283,20 @@ def _page_names(path: str) -> set[tuple[str, str]]:
 
 
 def _under_replicated(dirs: Sequence[str]) -> dict:
-    """Pages some tier lacks, per tier (what background replication still owes, or skipped with it off)."""
-    held = [_page_names(d) if os.path.isdir(d) else set() for d in dirs]
-    every = set().union(*held) if held else set()
-    lacking = [len(every - h) for h in held]
-    return {"pages": len(every - set.intersection(*held)) if held else 0, "lacking_per_tier": lacking}
+    """Pages some tier lacks, per tier (what background replication still owes, or skipped with it off).
+    A tier whose tree cannot be listed counts for nothing here (check and info report it on its own line)."""
+    held = [_readable_page_names(d) if os.path.isdir(d) else set() for d in dirs]
+    known = [h for h in held if h is not None]
+    every = set().union(*known)
+    lacking = [0 if h is None else len(every - h) for h in held]
+    return {"pages": len(every - set.intersection(*known)) if known else 0, "lacking_per_tier": lacking}
+
+
+def _readable_page_names(path: str) -> set[tuple[str, str]] | None:
+    try:
+        return _page_names(path)
+    except OSError:  # (EACCES on its kvstream/ tree)
+        return None
 
 
 def _replicas_line(u: dict) -> str:
@@ -298,15 +312,29 @@ def _tier_dirs(cfg) -> list[str]:
 
 
 def _tier_status(path: str) -> dict:
-    from ..layout import ROOT_DIR, is_digest
-
     out: dict = {"dir": path, "ok": False}
     if not os.path.isdir(path):
         out["problem"] = "missing (create it, or fix KVSTREAM_TIERS / --tiers)"
         return out
-    if not os.access(path, os.W_OK | os.X_OK):
-        out["problem"] = "not writable by this user"
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+        out["problem"] = "not readable and writable by this user (fix its permissions or owner)"
         return out
+    try:
+        _tier_usage(path, out)
+    except OSError as exc:  # its kvstream/ tree unreadable (EACCES): a problem of this tier, not a traceback
+        from ..integrity import blocking_dir
+
+        where = blocking_dir(path, exc.filename or path)
+        out["problem"] = (f"not readable: {where} ({os.strerror(exc.errno or 5)}): run as the tier's owner, or "
+                          f"give this user access (as its owner or root: chmod -R u+rwX {where})")
+    return out
+
+
+def _tier_usage(path: str, out: dict) -> None:
+    """File system, free space, namespaces and pages of the tier at ``path`` into ``out``.
+    :raises OSError: a directory cannot be listed."""
+    from ..layout import ROOT_DIR, is_digest
+
     usage = shutil.disk_usage(path)
     out.update(size_gib=usage.total / (1 << 30), free_gib=usage.free / (1 << 30), fstype="?", device="?")
     real, best = os.path.realpath(path), ""
@@ -319,7 +347,6 @@ def _tier_status(path: str) -> dict:
     out["namespaces"] = sum(is_digest(d) for d in (os.listdir(base) if os.path.isdir(base) else []))
     out["pages"] = len(_page_names(path))
     out["ok"] = True
-    return out
 
 
 if __name__ == "__main__":
