@@ -281,15 +281,21 @@ class Config:
                               f"valid keys: {', '.join(SETTINGS)}")
         raw: dict[str, Any] = {}
         sources: dict[str, str] = {}
+        overridden: list[str] = []
         for key, setting in SETTINGS.items():
             if explicit.get(key) is not None:
                 raw[key], sources[key] = explicit[key], (labels or {}).get(key, f"extra config '{key}'")
+                env, value = environ.get(env_name(key), "").strip(), explicit[key]
+                text = os.pathsep.join(map(str, value)) if isinstance(value, (list, tuple)) else str(value).strip()
+                if env and env != text:  # (a user who exported it expects it to count)
+                    overridden.append(f"{env_name(key)}={env} is overridden by {sources[key]} = {explicit[key]!r} "
+                                      "(an explicit setting wins over the environment)")
             elif environ.get(env_name(key), "").strip():
                 raw[key], sources[key] = environ[env_name(key)], env_name(key)
             else:
                 raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
         warnings, tiers = _parse_tiers(raw.pop("tiers"), raw.pop("capacity"), lambda key: setting_source(sources, key))
-        warnings += unknown_variables(environ)
+        warnings += overridden + unknown_variables(environ)
         return cls(tiers=tiers, **raw, warnings=tuple(warnings), sources=dict(sources))
 
     def __post_init__(self) -> None:

@@ -168,8 +168,10 @@ def _unreachable(path: str, source: str, exc: OSError) -> TierError:
         return TierError(f"tier {path} (from {source}) cannot be created: {parent} is "
                          f"{'a dangling symbolic link' if os.path.islink(parent) else 'a file'}, not a directory; "
                          "correct the tier list or move it")
+    sep = next((c for c in ",;" if c in path), None)  # ('a,b': two tiers meant)
+    hint = f"; tiers are separated by '{os.pathsep}', not '{sep}'" if sep else ""
     return TierError(f"tier {path} (from {source}) does not exist: create it (mkdir -p {path}) "
-                     "or correct the tier list")
+                     f"or correct the tier list{hint}")
 
 
 def fs_type(path: str) -> str | None:

@@ -45,6 +45,22 @@ def test_missing_directory(tier_root, via):
     assert not os.path.exists(path), "a missing tier is never created silently"
 
 
+def test_a_tier_list_separated_by_commas_says_which_separator(tier_root):
+    """'a,b' is one directory named 'a,b' (':' separates tiers): the message says so."""
+    paths = [os.path.join(tier_root, n) for n in ("a", "b")]
+    err = _start({"tiers": ",".join(paths)})
+    _has_all(str(err), "does not exist", f"separated by '{os.pathsep}', not ','")
+
+
+def test_an_environment_variable_an_explicit_setting_overrides_is_warned_about(tier_root):
+    """Extra config wins over KVSTREAM_*: a user who exported a variable is told it does not count."""
+    config = Config.from_sources({"tiers": [tier_root], "replicate": "all"},
+                                 environ={"KVSTREAM_REPLICATE": "budget", "KVSTREAM_TIERS": tier_root})
+    assert config.replicate == "all"
+    assert [w for w in config.warnings if "KVSTREAM_REPLICATE=budget is overridden by extra config 'replicate'" in w]
+    assert not [w for w in config.warnings if "KVSTREAM_TIERS" in w]  # (the same value: nothing to say)
+
+
 def test_file_in_the_way(tier_root):
     afile = os.path.join(tier_root, "afile")
     open(afile, "w").close()
