@@ -14,7 +14,9 @@ The :class:`Replicator` owes such a page to each tier that lacks it and writes i
                              the read removed as damaged, a stray); a page found only on slower tiers
                              (another node's page on the shared tier, a page tier 0 evicted) is
                              promoted: owed to the faster tiers first, the caller's copy kept in
-                             memory as the source (at most 1/PROMOTE_SHARE of `memory`)
+                             memory as the source (at most 1/PROMOTE_SHARE of `memory`; beyond it
+                             owed behind the rest, and only to a tier with room: a full one would
+                             keep it owed for good, a copy from a holder never evicts)
     the replicator thread, per tier k, while
         tier k is healthy, no get reads from it (nor from the source tier), its write FIFO is empty
         (foreground puts first), its last catch-up job ended long enough ago (pacing: a job that took
@@ -98,6 +100,7 @@ class Replicator:
         self._busy: list[str | None] = [None] * len(tiers)  # the page of the tier's job with the writer
         self._next = [0.0] * len(tiers)  # pacing: the tier's next job not before this
         self._sweep = [-1] * len(tiers)  # owe_all: the index slot the tier's sweep goes on from (-1: none)
+        self._passed = [0] * len(tiers)  # pages passed over (_pass_over) since a job started
         self._closing = False
         self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
         self._thread = None
@@ -118,9 +121,14 @@ class Replicator:
                 holders = self.index.holders(key)
                 if holders:
                     slot = self.index.slot(key) if sweeping else -1
+                    info = None
                     for k in tiers_in(self.all_tiers & ~holders):
                         if 0 <= self._sweep[k] <= slot:
                             continue  # the tier's sweep reaches it
+                        if self.index.capacities[k] is not None:
+                            info = info or self.index.get(key)
+                            if info is None or not self._room(k, info.length):
+                                continue  # full: a copy never evicts (owed, it would stay so; the next sweep finds it)
                         self._owed[k][key] = None
                         woke = True
             if woke:
@@ -170,8 +178,11 @@ class Replicator:
                 if source is not None:
                     self._copies[key] = source
                 for k in tiers_in(faster):
+                    if source is None and not self._room(k, info.length):
+                        continue  # (without a copy it may not evict: a full tier would hold it owed for good)
                     self._owed[k][key] = None
-                    self._owed[k].move_to_end(key, last=False)
+                    if source is not None:  # ahead of the rest only with its copy (which may evict)
+                        self._owed[k].move_to_end(key, last=False)
                 self._work.notify()
         self.owe(keys)  # (after the promoted copies are in place: their jobs must find them)
 
@@ -294,8 +305,10 @@ class Replicator:
                     with self._lock:
                         self._owed[k].pop(key, None)
                     self.stats.add(k, "replication_dropped")
-                return False  # (else no holder can be read now: later)
+                    return False
+                return self._pass_over(k, key)  # (no holder can be read now)
         self._busy[k] = key
+        self._passed[k] = 0
 
         def done(ok: bool, took: float) -> None:
             self._finished(k, key, source, promoted, ok, took, epoch)
@@ -319,7 +332,10 @@ class Replicator:
             self._busy[k] = None
             free = not promoted
             if epoch == self._epoch:
-                self._owed[k].pop(key, None)
+                if ok:
+                    self._owed[k].pop(key, None)
+                elif key in self._owed[k]:  # (no room when its job started, an error, the writer gave up:
+                    self._owed[k].move_to_end(key)  # still owed; the next look decides again)
                 # Pacing: catch-up takes at most `share` of the tier's write time.
                 self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
                 if promoted:
@@ -334,8 +350,17 @@ class Replicator:
             self.stats.add(k, "replication_bytes", source.info.length)
             if promoted:
                 self.stats.add(k, "replication_promoted")
-        else:
-            self.stats.add(k, "replication_dropped")
+
+    def _pass_over(self, k: int, key: str) -> bool:
+        """Tier ``k``'s next page cannot start now for a reason of its own (its holders failed, or read
+        now): it goes behind the others, which start first. True (look again at once) until every
+        page owed to the tier was passed over since a job last started (then the thread waits)."""
+        with self._lock:
+            owed = self._owed[k]
+            if key in owed:
+                owed.move_to_end(key)
+            self._passed[k] += 1
+            return self._passed[k] < len(owed)
 
     def _drop_copy_under_replicator(self, key: str) -> None:
         """A promoted page's source leaves memory once no tier is owed the page."""

@@ -163,20 +163,17 @@ class WritePath:
                 queue.exclusive -= 1
                 queue.wake_under_queues()
 
-    def cancel_under_writer(self, again: bool = False) -> None:
-        """clear(): drop every queued job and discard the ones in flight (their pages report False), inside
-        :meth:`exclusive`. ``again`` (the writer gave up after an error): catch-up copies stay owed."""
+    def cancel_under_writer(self) -> None:
+        """clear(): drop every queued job and discard the ones in flight (their pages report False).
+        Called inside :meth:`exclusive` (and by the writer giving up after an error)."""
         dropped = self.queue.drop_all()
-        copies = [page.key for page, _ in dropped if page.copied is not None]
         for jobs in self.jobs.active:
             for job in list(jobs):
                 job.err = CANCELLED
-                copies += [job.page.key] if job.page.copied is not None else []
                 if not job.in_flight:  # (held back between two of its writes) nothing will reap it
                     self.jobs.finish_under_writer(job)
         for page, k in dropped:
             self.queue.job_over_under_writer(page, k)
-        self.queue.thinned(copies if again else [])  # (replication.py owes them again)
 
     def trim(self, k: int) -> None:
         """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
@@ -476,4 +473,4 @@ class WritePath:
         for jobs in self.jobs.active:
             for job in jobs:
                 job.in_flight = 0
-        self.cancel_under_writer(again=True)
+        self.cancel_under_writer()  # (catch-up copies among them stay owed: replication.py)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 
 import pytest
 
@@ -17,6 +18,7 @@ from kvstream_hicache.config import ConfigError
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import TierLayout
+from kvstream_hicache.replication import SWEEP_BATCH
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
@@ -285,3 +287,100 @@ def test_a_catchup_copy_lost_to_a_write_ring_replacement_is_written_again(tier_d
         wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), 10,
                    "a replica lost to the ring replacement is never written again")
         assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True, True]
+
+
+def _unlink(engine, k, key):
+    os.unlink(engine.tiers[k].layout.page_path(key))
+
+
+def test_promotions_to_a_full_tier_go_on_past_a_page_without_a_copy_in_memory(tier_dirs):
+    """Tier 0 is full (4 pages) and lacks 30 pages tier 1 holds; one get reads them from tier 1. The
+    first ones get a source copy in memory (memory/4), the rest none. Those are promoted (owed first,
+    may evict) and written; the rest are owed, if at all, behind them (before: they went first too,
+    and the front one, which may not evict, found the tier full for ever: no sourced page was written
+    and their memory stayed held). Found by a review."""
+    page = 1 << 20
+    pages = PageSet(page)
+    keys = pages.keys(40)
+    with make_engine(tier_dirs[:2], replicate="all", capacity=f"{4 * page + 100}{os.pathsep}") as engine:
+        for i in range(0, 40, 8):
+            assert pages.put(engine, keys[i:i + 8]) == [True] * 8
+        assert engine.index.pages_on(0) == 4 and engine.index.pages_on(1) == 40
+        cold = keys[:30]  # evicted from tier 0, on tier 1 alone
+        assert all(engine.index.holders(k) == 0b10 for k in cold)
+        assert pages.checked_get(engine, cold) == [True] * 30
+        wait_until(lambda: engine._replicas._copy_bytes == 0, 30,  # every sourced copy written, its memory free
+                   f"promotions stalled: {engine.stats()['tiers'][0]['replication_promoted']} written; "
+                   f"{engine._replicas._copy_bytes >> 20} MiB of sources still held")
+        assert engine.stats()["tiers"][0]["replication_promoted"] > 0
+
+
+def test_an_owed_page_whose_only_holder_failed_holds_up_no_other_page(tier_dirs):
+    """3 tiers. Page A's only copy left is on tier 2, which failed (its directory gone): owed to tiers 0
+    and 1, no holder can be read. Page B lost its tier-1 copy, readable on tier 0, owed after A. A goes
+    behind the others and B is written (before: catch-up looked only at A, and B waited for tier 2).
+    Found by a review."""
+    clock = FakeClock()
+    pages = PageSet()
+    a, b = pages.keys(2)
+    with make_engine(tier_dirs, clock=clock, replicate="all") as engine:
+        assert pages.put(engine, [a, b]) == [True, True]
+        wait_until(lambda: engine.index.holders(a) == engine.index.holders(b) == 0b111, 30, "not on 3 tiers")
+        os.rename(tier_dirs[2], tier_dirs[2] + ".away")  # tier 2 goes (unmounted, a dead server)
+        _unlink(engine, 0, a)
+        _unlink(engine, 1, a)
+        assert pages.get(engine, [a])[0] == [False]  # tiers 0 and 1 lost it; tier 2 fails
+        assert not engine.tiers[2].healthy and engine.index.holders(a) == 0b100
+        assert engine.stats()["tiers"][1]["replication_pending"] >= 1  # A: owed, cannot be read now
+        _unlink(engine, 1, b)
+        assert pages.checked_get(engine, [b], policy=SingleTier(1)) == [True]  # tier 1's copy is gone
+        assert engine.index.holders(b) == 0b101
+        wait_until(lambda: engine.index.holders(b) & 0b010, 30,
+                   "B (readable on tier 0) was never written to tier 1: catch-up is stuck behind A")
+
+
+def test_a_copy_refused_for_room_at_its_start_stays_owed(tier_dirs):
+    """Tier 1 holds 3 pages. Catch-up hands X's copy to the writer (room then); puts queued before the
+    writer starts it fill the tier, and the copy, which never evicts, is refused. X stays owed and is
+    written once pages leave the tier (before: dropped, replication_pending 0). Found by a review."""
+    pages = PageSet()
+    x = pages.keys(1)[0]
+    fill = pages.keys(3, 100)
+    nbytes = pages.size
+    with make_engine(tier_dirs[:2], replicate="all", capacity=f"{os.pathsep}{3 * nbytes + 100}") as engine:
+        assert pages.put(engine, [x]) == [True]
+        assert engine.index.holders(x) == 0b11
+        with engine._writes.exclusive():  # the writer takes no step meanwhile
+            _unlink(engine, 1, x)
+            got = []
+            t = threading.Thread(target=lambda: got.append(pages.checked_get(engine, [x], policy=SingleTier(1))))
+            t.start()
+            t.join(60)
+            assert got == [[True]] and engine.index.holders(x) == 0b01
+            wait_until(lambda: engine._replicas._busy[1] == x, 30, "the copy never went to the writer")
+            done = threading.Event()
+            mem = [pages._memory(k) for k in fill]
+            engine.put_deferred(fill, [m.segments for m in mem], lambda results: done.set())
+        assert done.wait(60)
+        wait_until(lambda: engine._replicas._busy[1] is None, 30, "the copy never ended")
+        assert all(engine.index.holders(k) == 0b11 for k in fill)
+        assert engine.delete(fill[:2]) == 2  # room on tier 1 again
+        wait_until(lambda: engine.index.holders(x) == 0b11, 20,
+                   f"X never reached tier 1 though it has room (replication_pending "
+                   f"{engine.stats()['tiers'][1]['replication_pending']}, dropped "
+                   f"{engine.stats()['tiers'][1]['replication_dropped']})")
+
+
+def test_a_full_tier_is_not_owed_every_page_read_past_it(tier_dirs):
+    """Tier 1 is full (4 pages) and evicted the rest: reading pages it lacks no longer owes each one to
+    it for good (a catch-up copy never evicts, so each entry stayed: the owed list grew with every
+    distinct page read, 1196 after 1200 pages; it holds at most a sweep's batch). Found by a review."""
+    pages = PageSet(4096)
+    keys = pages.keys(1200)
+    with make_engine(tier_dirs[:2], replicate="all", capacity=f"{os.pathsep}{4 * 4096 + 100}") as engine:
+        for i in range(0, len(keys), 200):
+            assert pages.put(engine, keys[i:i + 200]) == [True] * 200
+        assert engine.index.pages_on(1) == 4
+        for i in range(0, len(keys), 200):
+            assert pages.get(engine, keys[i:i + 200])[0] == [True] * 200
+        assert len(engine._replicas._owed[1]) <= SWEEP_BATCH
