@@ -159,6 +159,75 @@ def test_namespace_keeps_models_layouts_and_mha_ranks_apart(tier_dirs):
     writer.close()
 
 
+def _fp8_pools(dtype):
+    """A real MHA device pool storing ``dtype`` KV (as bytes, as SGLang stores fp8) and its host pool."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    dev = MHATokenToKVPool(size=512, page_size=PAGE, dtype=dtype, head_num=2, head_dim=64, layer_num=2,
+                           device="cpu", enable_memory_saver=False)
+    with host_memory_budget_scope(1 << 34):
+        host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, PAGE, "page_first",
+                                    pin_memory=False, device="cpu", device_capacity_tokens=512, start_layer=0,
+                                    end_layer=2)
+    return cpu_sglang.Pools(kind="mha", layout="page_first", page_size=PAGE, device=dev, host=host)
+
+
+def test_fp8_formats_keep_their_pages_apart(tier_dirs, monkeypatch):
+    """SGLang stores fp8_e4m3 and fp8_e5m2 KV alike as uint8, so the host pool's dtype is the same for
+    both: the namespace takes the server's --kv-cache-dtype too, and an e5m2 server is never served an
+    e4m3 server's pages (before: both read the same pages). Found by a review."""
+    import torch
+    from sglang.srt import runtime_context
+
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    extra = tiers_config(tier_dirs[:2])
+    e4m3, e5m2 = _fp8_pools(torch.float8_e4m3fn), _fp8_pools(torch.float8_e5m2)
+    tokens = cpu_sglang.random_tokens(2 * PAGE, seed=5)
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    src = cpu_sglang.fill_random(e4m3, len(tokens), seed=5)
+
+    def backend(pools, kv_cache_dtype):  # (SGLang's process-wide server arguments, as a scheduler has them)
+        args = type("Args", (), {"kv_cache_dtype": kv_cache_dtype})
+        monkeypatch.setattr(runtime_context._CONTEXT, "_server_args", args)
+        return KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=extra), pools.host)
+
+    writer = backend(e4m3, "fp8_e4m3")
+    assert writer.batch_set_v1(keys, src) == [True, True]
+    writer.close()
+    reader = backend(e5m2, "fp8_e5m2")
+    try:
+        assert reader.namespace != writer.namespace
+        assert reader.batch_exists(keys) == 0
+        assert reader.batch_get_v1(keys, e5m2.alloc(len(tokens))) == [False, False]
+    finally:
+        reader.close()
+    again = backend(e4m3, "fp8_e4m3")  # the same server again: its pages
+    try:
+        assert again.batch_exists(keys) == 2
+    finally:
+        again.close()
+
+
+def test_a_draft_model_pool_registered_after_the_attach_is_refused(plugin_loaded, tier_dirs, drivers):
+    """A separate draft model's KV pool (EAGLE3, HiCache draft 'sidecar' mode) reaches the backend after
+    the attach, while the scheduler still starts (register_sidecar_pool -> register_host_pool_entry):
+    refused there with the attach's message, so the server does not start (before: accepted with an
+    error line; every L3 lookup then answered 0 while every backup wrote pages). Found by a review."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import PoolEntry
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    draft = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE, layers=1)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]))
+    with pytest.raises(RuntimeError, match=r"sidecar host pools \(draft\)"):
+        drv.controller.register_host_pool_entry(PoolEntry(name=PoolName.DRAFT, host_pool=draft.host,
+                                                          device_pool=draft.device, layer_mapper=lambda i: i))
+    assert drv.storage.batch_exists(["a" * 64]) == 0  # (closed: answers misses, never raises)
+
+
 def test_clear_and_stats_through_the_controller(plugin_loaded, tier_dirs, drivers):
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
     drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)

@@ -137,10 +137,11 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self.registered_pools[host_pool_name] = host_pool
         if _pool_name(host_pool_name) != PoolName.KV.value:
             self._sidecars.append(_pool_name(host_pool_name))
-            if self.engine is not None and self._refused is None and self._attached_once:
-                # A sidecar added after the attach: too late to refuse, so serve misses for v2 calls.
-                log.error("kvstream: sidecar host pool %r registered after attach; kvstream stores only the KV "
-                          "pool (interface v1), so this model's L3 hits will be misses", _pool_name(host_pool_name))
+            if self._attached_once:
+                # A sidecar added after the attach (a draft model's KV pool: SGLang registers it while the
+                # scheduler still starts): refused as at the attach, so the server does not start and
+                # serve every L3 lookup as a miss while it writes pages nobody reads.
+                self.on_host_pools_registered()
 
     def on_host_pools_registered(self) -> None:
         """Refuse hybrid models (SWA, Mamba, DSA indexer, draft KV sidecars): they need the v2 interface.
@@ -149,7 +150,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         already-started storage threads still make is answered with a miss.
         """
         self._attached_once = True
-        if not self._sidecars:
+        if not self._sidecars or self._refused is not None:
             return
         names = ", ".join(sorted(set(self._sidecars)))
         self._refused = (
@@ -596,6 +597,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             fields["heads"] = [getattr(host, "head_num", None), getattr(host, "head_dim", None),
                                getattr(host, "v_head_dim", None)]
             fields["tp"] = [cfg.tp_rank, cfg.tp_size]
+        kv_dtype = _kv_cache_dtype(host)
+        if kv_dtype is not None:  # (only where the pool's dtype cannot say: other namespaces keep their digest)
+            fields["kv_cache_dtype"] = kv_dtype
         return fields
 
     def _register_pool(self, host) -> bool:
@@ -687,6 +691,22 @@ def _dtype(host: Any) -> str:
     if dtype is None:
         dtype = getattr(getattr(host, "kv_buffer", None), "dtype", None)
     return str(dtype)
+
+
+def _kv_cache_dtype(host: Any) -> str | None:
+    """What the bytes of a pool stored as uint8 are (SGLang stores fp8_e4m3 and fp8_e5m2 KV alike as
+    bytes, so the host pool's dtype cannot tell them apart): the server's --kv-cache-dtype, or None
+    where the pool says it already, or no server arguments are set (an embedding, a test)."""
+    if _dtype(host) != "torch.uint8":
+        return None
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return str(get_server_args().kv_cache_dtype)
+    except Exception:  # (not set: ValueError; another sglang: ImportError, AttributeError)
+        log.warning("kvstream: the host pool stores its KV as bytes and the server's --kv-cache-dtype is not "
+                    "known here: pages of fp8_e4m3 and fp8_e5m2 servers of this model would share a namespace")
+        return "unknown"
 
 
 def _count_of(keys) -> int:
