@@ -50,6 +50,7 @@ class GetCall:
     def __init__(self, n_tiers: int):
         self.pages: list[ReadPage] = []
         self.page_of: list[int] = []  # request position of each entry of ``pages``
+        self.dups: list[tuple[int, int]] = []  # (request position, entry of ``pages``) of a key asked for again
         self.page_tiers: list[int] = []  # per page, tiers that served >= 1 of its blocks (mask)
         self.items: list[tuple[int, int]] = []  # (index into pages, block)
         self.holders: list[int] = []
@@ -75,6 +76,7 @@ class GetCall:
         size matches the caller's buffer (``infos``: the pinned index entries)."""
         if len(pages) != len(keys):
             raise ValueError(f"get: {len(keys)} keys but {len(pages)} pages")
+        first: dict[str, int] = {}
         for i, (key, info) in enumerate(zip(keys, infos)):
             if info is None:
                 if not is_valid_key(key):
@@ -90,7 +92,10 @@ class GetCall:
             holders = info.tiers & mask
             if not holders:
                 continue
-            p = len(self.pages)
+            if key in first:  # asked for again: read once, and copied once verified (the two buffers may be
+                self.dups.append((i, first[key]))  # one: a second read failing its check would land on the first)
+                continue
+            p = first[key] = len(self.pages)
             self.pages.append(ReadPage(key, info, segments, holders, memory))
             self.page_of.append(i)
             for j in range(len(info.crcs)):

@@ -46,7 +46,7 @@ from .layout import HEADER_SIZE, round_up
 from .locks import ranked_lock
 from .memory import CallerMemory
 from .priority import ReadPriority
-from .segments import Segment
+from .segments import Segment, copy_payload
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
@@ -145,9 +145,13 @@ class ReadPath:
             call.plan(keys, pages, infos, mask, self.stats, self.memory)
             if call.items:
                 self._run_under_reads(call, policy, mask)
-            for p, ok in enumerate(call.pages_done()):
+            done = call.pages_done()
+            for p, ok in enumerate(done):
                 if ok:
                     found[pos[call.page_of[p]]] = True
+            for i, p in call.dups:  # (read once: its verified bytes go to the other buffer, if another)
+                src = pages[call.page_of[p]]
+                found[pos[i]] = done[p] and (list(pages[i]) == list(src) or copy_payload(src, pages[i]))
         finally:
             try:
                 self.index.unpin(infos)
@@ -360,6 +364,7 @@ class ReadPath:
         share = route.n if call.single else route.n // (2 * len(flows))
         for k, flow in enumerate(flows):
             depth = max(0, self._queue_bytes(call, flow) - self.io.orphaned[k]) // unit
+            depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
             route.set_depth(k, depth, claim)
 

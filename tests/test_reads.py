@@ -18,15 +18,15 @@ import threading
 import numpy as np
 import pytest
 
-from kvstream_hicache.faults import Fault, TierFaultPlan
+from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan
 from kvstream_hicache.flow import MAX_REQUEST
 from kvstream_hicache.io import HUGE_PAGE_SIZE, OP_READ, AlignedBuffer, ThreadRing, open_ring
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.memory import HugePageMap
 from kvstream_hicache.router import CompletionDriven
 
-from helpers import (Pages, flip_byte, io_uring_fds, key, make_array_engine as make_engine, make_ring, messages,
-                     open_fds, segments_of, sq_tail)
+from helpers import (PageSet, Pages, flip_byte, io_uring_fds, key, make_array_engine as make_engine, make_ring,
+                     messages, open_fds, segments_of, sq_tail)
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -442,3 +442,52 @@ def test_registered_memory_takes_reads_in_place_from_the_first_call(tier_dirs, i
         assert answers == [direct] * len(answers)
         assert engine.get(keys, segments_of(dst)) == [True, True] and all(pages.equal(i, dst) for i in range(2))
         assert engine.last_batch["direct_bytes"] == (8 * MIB if direct else 0)
+
+
+class NthRead(FaultPlan):
+    """Corrupts (a transfer fault: the file stays intact) the n-th read op of the engine, 1-based."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.reads = n, 0
+
+    def decide(self, opcode, fd, offset, length):
+        if opcode != OP_READ:
+            return None
+        self.reads += 1
+        return Fault.corrupt() if self.reads == self.n else None
+
+
+def test_a_key_asked_for_twice_is_read_once_and_a_failed_read_never_overwrites_it(tier_dirs, io_engine):
+    """get([K, K]) into one buffer: K is read once and both entries are True, byte-exact, though the
+    read after its first copy is corrupted in transfer (before: K was read twice; a staged block is
+    copied into the caller's memory as its checksum is computed, so the failed second read landed over
+    the page already reported found: [True, False] with a flipped byte). Found by a review."""
+    pages = Pages(1, aligned=False)  # unaligned caller memory: every read is staged
+    k = key(0, "dup")
+    plan = NthRead(4)  # K has 3 blocks: reads 1-3 are its first copy, read 4 the duplicate's block 0
+    engine = make_engine(tier_dirs[:1], io_engine, fault_plan=plan)
+    with engine:
+        assert engine.put([k], pages.src_segments) == [True]
+        dst = pages.dst_segments[0]
+        # one item in flight at a time: K's first copy is read and verified before the second goes out
+        found = engine.get([k, k], [dst, dst], CompletionDriven(m=1, depth=1))
+        assert found == [True, True] and pages.equal(0), f"found={found}"
+        assert plan.reads == 3  # (read once)
+        plan.n = 0  # (no more faults)
+        other = pages.fresh()[0]  # a second buffer: the verified copy goes there too
+        assert engine.get([k, k], [dst, segments_of([other])[0]]) == [True, True] and pages.equal(0, [other])
+
+
+def test_a_page_whose_block_exceeds_the_tiers_window_is_read(tier_dirs, caplog):
+    """A page needing more than 900 checksums gets a larger block (layout.block_for); the read path
+    counts a tier's depth in such blocks. A block larger than the window goes out one at a time
+    (before: window // block was 0, no tier could claim, and the stored page was reported missing,
+    "router stalled", on every get). Found by a review."""
+    pages = PageSet(16 << 20, aligned=False, salt="big")  # 16 MiB: 900 blocks of 20 KiB
+    engine = make_engine(tier_dirs[:1], "uring", chunk="4K", memory="16K")  # legal: memory >= 4 blocks
+    with engine:
+        keys = pages.keys(1)
+        assert pages.put(engine, keys) == [True]
+        found = pages.checked_get(engine, keys)
+        assert found == [True], [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
