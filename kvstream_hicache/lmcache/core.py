@@ -40,7 +40,7 @@ from .keys import ADAPTER_PARAMS, namespace_fields
 log = logging.getLogger("kvstream")
 
 DEFAULT_MAX_POOL_PAGES = 4096
-MIN_CAPACITY = 4096  # bytes: a tier capacity below this holds no chunk (_check_capacities)
+SMALL_CAPACITY = 1 << 20  # bytes: a tier capacity below this is said at start-up (_check_capacities)
 
 
 def _open_engine(config: Any, namespace: Any) -> Any:
@@ -64,25 +64,21 @@ def open_engine(engine_params: Mapping[str, Any], namespace_extra: Mapping[str, 
                           f"valid keys: {', '.join([*SETTINGS, *ADAPTER_PARAMS])}")
     config = Config.from_sources(engine_params, environ, ignore=frozenset(),
                                  labels={key: f"adapter_params '{key}'" for key in SETTINGS})
-    _check_capacities(config)
+    _warn_small_capacities(config)
     return _open_engine(config, Namespace(namespace_fields(namespace_extra)))
 
 
-def _check_capacities(config: Any) -> None:
-    """A capacity below one 4 KiB block holds no LMCache chunk (every store would fail): most likely a
-    bare number meant as GB ("capacity": 100), which is bytes. The adapter does not know LMCache's chunk
-    size, so the floor is the smallest page kvstream writes, not the chunk (LMCache's own adapter tests
-    run with 8-10 KiB capacities).
-
-    :raises ConfigError: naming the setting, the value and the fix."""
+def _warn_small_capacities(config: Any) -> None:
+    """A capacity below 1 MiB is most likely a bare number meant as GB ("capacity": 100), which is bytes:
+    every store of a real chunk would fail. Said, not refused: LMCache's own adapter suites run with
+    capacities of a few KiB (2000 bytes, 10240), and the adapter does not know the chunk size."""
     from ..config import setting_source
 
     for tier in config.tiers:
-        if tier.capacity.nbytes is not None and tier.capacity.nbytes < MIN_CAPACITY:
-            n = tier.capacity.nbytes
-            raise ConfigError(f"{setting_source(config.sources, 'capacity')}: {n} for tier {tier.path} is {n} bytes, "
-                              f"less than one {MIN_CAPACITY >> 10} KiB block, so no LMCache chunk fits: a bare number "
-                              f"means bytes; write a size with a unit, e.g. '{n}G' for {n} GiB")
+        n = tier.capacity.nbytes
+        if n is not None and n < SMALL_CAPACITY:
+            log.warning("kvstream lmcache: %s: %d for tier %s is %d bytes (a bare number means bytes); if you meant "
+                        "GiB, write '%dG'", setting_source(config.sources, "capacity"), n, tier.path, n, n)
 
 
 # ------------------------------------------------------------------------------------------ core
