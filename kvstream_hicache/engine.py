@@ -75,6 +75,32 @@ CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing t
 CLOSED = "kvstream engine is closed"
 
 
+def _forget_lost(tier: Tier, held: set[str], index: Index, replicas: Replicator, scan) -> None:
+    """The rejoin thread (Engine._reconcile; it holds no engine, as the scan's): the pages of ``held``
+    (indexed on ``tier`` before its listing) that are not in it leave the index, unless a file of
+    theirs is there now (this engine writes no page to a tier that holds it, so only another writer's
+    could be); then every page lacking a tier is owed again (at the scan's end if it still runs). An
+    error while listing leaves the index alone: pages not listed yet are not lost."""
+    present: set[str] = set()
+    try:
+        with os.scandir(tier.layout.pages) as listing:
+            for shard in listing:
+                if shard.is_dir(follow_symlinks=False):
+                    with os.scandir(shard.path) as files:
+                        present.update(key_of_page_file(e.name) for e in files)
+    except OSError as exc:
+        log.warning("kvstream: tier %d rejoined, but listing its pages failed (%s): a page it lost is found "
+                    "when it is read", tier.k, os.strerror(exc.errno or errno.EIO))
+        return
+    lost = [key for key in held - present
+            if not os.path.lexists(tier.layout.page_path(key)) and index.remove(key, tier.k)]
+    if lost:
+        log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten (and written "
+                    "there again by background replication)", tier.k, len(lost))
+    if scan is not None and scan.done:  # (a tier rejoining during the scan: owed at its end)
+        replicas.owe_all()
+
+
 def _weak(method: Callable, dead):
     """``method`` as a hook that does not keep its engine alive (returns ``dead`` once the engine is
     gone). The writer thread reaches the tiers and the read path; a bound method there would keep a
@@ -515,27 +541,15 @@ class Engine:
         self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
 
     def _reconcile(self, tier: Tier) -> str:
-        """A failed tier rejoins: forget indexed pages whose files did not survive. An error while
-        listing leaves the index alone and keeps the tier out (returns why): pages not listed yet are
-        not lost, and forgetting them would lose every copy the tier holds of them."""
-        present: set[str] = set()
-        try:
-            with os.scandir(tier.layout.pages) as listing:
-                for shard in listing:
-                    if shard.is_dir():
-                        with os.scandir(shard.path) as files:
-                            present.update(key_of_page_file(e.name) for e in files)
-        except OSError as exc:
-            return f"listing its pages: {os.strerror(exc.errno or errno.EIO)}"
-        lost = [key for key in self.index.keys(tier.k) if key not in present]
-        for key in lost:
-            self.index.remove(key, tier.k)
-        if lost:
-            log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten (and written "
-                        "there again by background replication)", tier.k, len(lost))
-        scan = getattr(self, "_scan", None)  # (a tier rejoining during the scan: owed at its end)
-        if scan is not None and scan.done:
-            self._replicas.owe_all()
+        """A failed tier rejoins (its tree checked as start-up checks it: tiers.py): it serves at once,
+        and a thread of its own forgets the indexed pages whose files did not survive. Listing a tier
+        of millions of files takes minutes on a network file system; the get or put that noticed the
+        tier back must not wait for it (it did). Until then a read of a lost page fails over to a
+        replica and forgets that copy, as for any copy that vanished."""
+        held = set(self.index.keys(tier.k))  # (before the listing: a page put there since is not in it)
+        scan = getattr(self, "_scan", None)
+        threading.Thread(target=_forget_lost, args=(tier, held, self.index, self._replicas, scan),
+                         name="kvstream-rejoin", daemon=True).start()
         return ""
 
     # Background replication's hooks in the read and write paths (weak, as _recover: see _weak).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -303,3 +304,44 @@ def test_a_close_error_on_a_read_descriptor_never_leaves_get(tier_dirs, monkeypa
         assert seen, "no read descriptor of tier 0 was closed"
         monkeypatch.undo()
         assert pages.checked_get(engine, keys) == [True] * 6
+
+
+def test_a_rejoining_tier_serves_before_its_listing_ends(tier_root, monkeypatch):
+    """The call that finds a failed tier back returns before the tier's pages are listed (on a network
+    file system a tier of millions of files lists for minutes; that get or put waited for it): the
+    listing runs on a thread of its own; when it ends, the pages the tier lost leave the index and
+    are written there again. Meanwhile a read of a lost page fails over to the replica."""
+    dirs = [os.path.join(tier_root, f"tier{i}") for i in range(2)]
+    for d in dirs:
+        os.makedirs(d)
+    clock = FakeClock()
+    pages = PageSet()
+    lost, kept = pages.keys(2), pages.keys(2, 2)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, lost + kept) == [True] * 4
+        pages_dir = engine.tiers[0].layout.pages
+        os.rename(dirs[0], dirs[0] + ".away")
+        assert pages.checked_get(engine, kept) == [True] * 2  # tier 0 fails here
+        assert not engine.stats()["tiers"][0]["healthy"]
+        for k in lost:  # lost while the tier was away
+            os.unlink(engine.tiers[0].layout.page_path(k).replace(dirs[0], dirs[0] + ".away", 1))
+        os.rename(dirs[0] + ".away", dirs[0])
+        listing, release = threading.Event(), threading.Event()
+        scandir = os.scandir
+
+        def held_listing(path=".", *args):
+            if path == pages_dir:  # the rejoin's listing of tier 0's pages waits for the test
+                listing.set()
+                release.wait(60)
+            return scandir(path, *args)
+
+        monkeypatch.setattr(os, "scandir", held_listing)
+        clock.advance(LOOK_S)
+        assert pages.checked_get(engine, kept) == [True] * 2  # finds tier 0 back: returns, the listing held
+        assert listing.wait(30) and engine.stats()["tiers"][0]["healthy"]
+        assert [engine.index.holders(k) for k in lost] == [0b11] * 2  # (not listed yet)
+        release.set()
+        wait_until(lambda: [engine.index.holders(k) for k in lost] == [0b11] * 2 and
+                   engine.stats()["tiers"][0]["replication_done"] == 2, 30, "the lost pages were never written again")
+        monkeypatch.undo()
+        assert pages.checked_get(engine, lost + kept, policy=SingleTier(0)) == [True] * 4
