@@ -41,6 +41,7 @@ from libc.errno cimport EAGAIN, EBUSY, EINTR, EINVAL, ENOMEM, ENOSPC, ETIME, err
 from libc.stdint cimport int64_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free
 from libc.string cimport memcmp, memcpy, memset, strerror
+from posix.unistd cimport usleep
 
 from liburing cimport *
 

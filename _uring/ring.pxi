@@ -19,6 +19,10 @@ MAX_VECTOR = IOV_MAX_VECS  # most (address, length) ranges in one vectored op (b
 cdef size_t MAX_SQE_BYTES = 1 << 30  # largest transfer per SQE (length field is 32-bit, kernel caps ~2 GiB)
 cdef size_t FIXED_PIECE = 1 << 30  # largest registered buffer the kernel takes (io_buffer_validate), bytes
 cdef uint64_t CANCEL_UDATA = <uint64_t>-2  # user_data of close()'s cancel-everything SQE
+# A kernel that takes none of the queued SQEs (EAGAIN, EBUSY: a passing shortage of memory or
+# completion room) is offered them again after growing pauses for this long before reap gives up:
+# a blip passes, and a ring that stays refused is the owner's to replace (inflight.py).
+cdef double NO_PROGRESS_S = 0.1
 
 
 cdef int _forks = 0  # fork()s between this process and the one that loaded the module (0: that one)
@@ -300,6 +304,9 @@ cdef class Ring:
         cdef io_uring_cqe *cqe = NULL
         cdef __kernel_timespec ts
         cdef __kernel_timespec *tsp = NULL
+        cdef double now
+        cdef double refused = 0.0  # since when the kernel takes none of what is queued (0: it takes)
+        cdef unsigned pause = 500  # microseconds, doubling
         if timeout is not None:
             deadline = _time.monotonic() + timeout
             tsp = &ts
@@ -309,8 +316,19 @@ cdef class Ring:
             # Only SQEs the kernel has consumed can complete; ones it refused (EAGAIN/EBUSY) still
             # sit in the SQ, and waiting on them would never return.
             held = self._in_kernel - <Py_ssize_t>io_uring_sq_ready(&self._ring)
-            if held <= 0:
-                raise _oserror(EAGAIN, "io_uring_submit made no progress")
+            if held <= 0:  # (NO_PROGRESS_S)
+                now = _time.monotonic()
+                if refused == 0.0:
+                    refused = now
+                elif now - refused >= NO_PROGRESS_S:
+                    raise _oserror(EAGAIN, "io_uring_submit made no progress")
+                if tsp != NULL and now >= deadline:
+                    break
+                with nogil:
+                    usleep(pause)
+                pause = min(2 * pause, 20000)
+                continue
+            refused = 0.0
             need = <unsigned>min(want - len(self._done), held)
             if tsp != NULL:
                 left = deadline - _time.monotonic()

@@ -549,6 +549,42 @@ def test_close_does_not_wait_for_what_the_kernel_never_took():
         os.close(w)
 
 
+@pytest.mark.parametrize("passing", [True, False], ids=["passing", "lasting"])
+def test_a_kernel_that_takes_nothing_for_a_moment_is_offered_the_ops_again(passing):
+    """The kernel takes none of the queued SQEs (here the ring's descriptor reaches another ring; a
+    memory-pressured kernel answers EAGAIN): reap offers them again after growing pauses. A passing
+    refusal costs that pause, and the op lands (before: reap raised EAGAIN at once, and the engine
+    gave up the call and replaced the ring, pinning a registered host pool again); a lasting one
+    raises EAGAIN after NO_PROGRESS_S (0.1 s), for the owner to replace the ring."""
+    before = io_uring_fds()
+    ring = make_ring("uring")
+    (ring_fd,) = io_uring_fds() - before
+    other = make_ring("uring")
+    (other_fd,) = io_uring_fds() - before - {ring_fd}
+    r, w = os.pipe()
+    os.write(w, b"x" * 16)
+    saved = os.dup(ring_fd)
+    buf = AlignedBuffer(ALIGN)
+    try:
+        os.dup2(other_fd, ring_fd)
+        assert ring.submit([(OP_READ, r, (buf.address, 16), 0, 1)]) == 1  # taken by no ring
+        if passing:
+            restore = threading.Timer(0.02, os.dup2, (saved, ring_fd))
+            restore.start()
+            assert ring.reap(1, 10.0) == [(1, 16)] and bytes(buf)[:16] == b"x" * 16
+            restore.join()
+        else:
+            with pytest.raises(BlockingIOError):
+                ring.reap(1, 10.0)
+            os.dup2(saved, ring_fd)  # (back: close() cancels and ends the op)
+    finally:
+        ring.close()
+        other.close()
+        os.close(saved)
+        os.close(r)
+        os.close(w)
+
+
 @pytest.mark.parametrize("queued", [True, False], ids=["queued then refused", "refused"])
 def test_a_batch_the_thread_pool_refuses_still_runs_each_op_once(direct_dir, monkeypatch, queued):
     """ThreadRing, the same contract: the pool refusing an op after submit accepted the batch (no
