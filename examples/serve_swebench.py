@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from kvstream_hicache.tools import workload as wl
 from kvstream_hicache.tools import serve_cpu
-from kvstream_hicache.tools.console import HelpFormatter, Progress
+from kvstream_hicache.tools.console import HelpFormatter, Progress, missing_tiers
 
 try:
     import orjson
@@ -666,12 +666,19 @@ def parse_args(argv=None):
         p.error("give --model or --cpu (to start sglang) or --url (to use a running server)")
     if not args.url and not args.dry_run and "kvstream" in args.backends and not split_tiers(args.tiers):
         p.error("kvstream needs tier directories: --tiers DIR1:DIR2 or KVSTREAM_TIERS")
+    missing = None if args.url or args.dry_run else missing_tiers(split_tiers(args.tiers), "--tiers")
+    if missing:
+        p.error(missing)
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    requests, source = build_workload(args)
+    try:
+        requests, source = build_workload(args)
+    except (OSError, ValueError) as exc:  # (--trace: a missing file, not a Mooncake trace)
+        print(f"serve_swebench.py: --trace {args.trace}: {exc}", file=sys.stderr)
+        return 2
     if not requests:
         print("the workload is empty", file=sys.stderr)
         return 2
@@ -732,4 +739,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except TimeoutError as exc:  # (a server that did not come up: its log's last lines say why)
+        print(f"serve_swebench.py: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -36,9 +36,20 @@ def test_temporary_tiers_say_what_they_are_and_clean_up():
     assert not any(os.path.exists(r) for r in tiers.roots)
 
 
+def test_a_tier_that_does_not_exist_is_refused_not_created(tier_root):
+    """--tiers with a mistyped or unmounted directory: refused, naming it (before: created, and the demo,
+    serve-cpu, serve_swebench.py and kvstream bench ran on the file system below it)."""
+    missing = os.path.join(tier_root, "nvme-typo")
+    with pytest.raises(SystemExit, match="--tiers: tier .*nvme-typo does not exist"):
+        demo.prepare_tiers(demo.parse_args(["--tiers", os.pathsep.join([missing, tier_root])]))
+    assert not os.path.exists(missing)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs the real sglang (see docs/sglang.md)")
 def test_demo_small_on_plain_directories(tier_root, tmp_path):
     tiers = [os.path.join(tier_root, "fast"), os.path.join(tier_root, "slow")]
+    for d in tiers:
+        os.mkdir(d)
     png, out = tmp_path / "demo.png", tmp_path / "demo.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvstream_hicache.tools.demo", "--small", "--tiers", os.pathsep.join(tiers),

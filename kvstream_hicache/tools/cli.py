@@ -31,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # (`kvstream info --json | head`): the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except _usage_errors() as exc:
         print(f"kvstream {args.command}: {exc}", file=sys.stderr)
         return 2
@@ -164,9 +167,12 @@ def _testbed(args) -> int:
 # ------------------------------------------------------------------------------------ check / info
 def _config(tiers: Sequence[str] | None):
     from ..config import Config
+    from ..errors import ConfigError
 
     # '--tiers /a:/b' as KVSTREAM_TIERS and serve-cpu take it, or '--tiers /a /b': the config's one parser
     # splits both, and its messages name --tiers
+    if not tiers and not os.environ.get("KVSTREAM_TIERS", "").strip():
+        raise ConfigError("no tier directories: give --tiers DIR1:DIR2 (fastest first) or set KVSTREAM_TIERS")
     return Config.from_sources({"tiers": os.pathsep.join(tiers)} if tiers else None, labels={"tiers": "--tiers"})
 
 
@@ -206,7 +212,7 @@ def _problem_line(p) -> str:
     d = _problem_dict(p)
     if set(d) == {"problem"}:
         return d["problem"]
-    return "  ".join(f"{k}={v}" for k, v in d.items())
+    return "  ".join(f"{k}={getattr(v, 'value', v)}" for k, v in d.items() if k != "ident")  # (ident: for code)
 
 
 def _info(args) -> int:
@@ -222,7 +228,8 @@ def _info(args) -> int:
                           "fio": st.get("fio"), "problems": st["problems"]}
     from ..scan import running_scans
 
-    doc["scans"] = running_scans()
+    asked = {os.path.realpath(t.path) for t in cfg.tiers}  # (another engine's scan of other tiers is not news)
+    doc["scans"] = [s for s in running_scans() if asked & {os.path.realpath(d) for d in s.get("tier_dirs", ())}]
     if args.json:
         print(json.dumps(doc, indent=1, default=str))
         return 0

@@ -2,8 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+
+def missing_tiers(roots, option: str) -> str | None:
+    """Why the tier directories ``roots`` (from ``option``) cannot be used as given, or None. The
+    commands make their run directories inside the tiers and never a tier itself: a mistyped or
+    unmounted path would otherwise be created and used on the file system below it."""
+    for root in roots:
+        if not os.path.isdir(root):
+            return (f"{option}: tier {root} {'is not a directory' if os.path.exists(root) else 'does not exist'}: "
+                    f"create it (mkdir -p {root}), mount it, or correct the path")
+    return None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

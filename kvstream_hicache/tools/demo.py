@@ -42,7 +42,7 @@ import numpy as np
 
 from ..errors import KVStreamError
 from . import workload as wl
-from .console import HelpFormatter, Progress
+from .console import HelpFormatter, Progress, missing_tiers
 
 # Llama-3-8B's KV geometry: 32 layers x 8 KV heads x 128 dims, bf16 -> 128 KiB per token. The demo keeps
 # the per-layer shape and fewer layers, so a page has the real K/V chunk structure at a size that fits.
@@ -99,8 +99,9 @@ def prepare_tiers(args) -> Tiers:
         roots = [d for d in args.tiers.split(os.pathsep) if d]
         if len(roots) < 2:
             raise SystemExit("--tiers needs at least two directories, fastest first: --tiers DIR1:DIR2")
-        for r in roots:
-            os.makedirs(r, exist_ok=True)
+        missing = missing_tiers(roots, "--tiers")
+        if missing:
+            raise SystemExit(missing)
         t = Tiers("given", roots, "your directories (" + ", ".join(roots) + ")")
         if not args.keep:
             t.cleanup.append(lambda: [shutil.rmtree(os.path.join(r, f"{RUN_PREFIX}{os.getpid()}"), ignore_errors=True)

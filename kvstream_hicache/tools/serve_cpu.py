@@ -341,5 +341,8 @@ def run(args) -> int:
             return 1
     except KeyboardInterrupt:
         return 0
+    except TimeoutError as exc:  # (the server did not come up: its log's last lines say why)
+        print(f"[serve-cpu] {exc}", file=sys.stderr)
+        return 1
     finally:
         tiers.close()

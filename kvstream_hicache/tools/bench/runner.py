@@ -44,7 +44,7 @@ import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict
 
-from ..console import Progress
+from ..console import Progress, missing_tiers
 from . import drift, fio, gap, geometry, peers, report
 from .contenders import LMCACHE_ADAPTER, EngineReads, LMCacheReads
 from .instrument import SpanRecorder, instrumented_engines, ring_factory
@@ -284,6 +284,9 @@ def _tiers(args, geom, stack: ExitStack, log):
         roots = list(args.tiers) or [d for d in os.environ.get("KVSTREAM_TIERS", "").split(os.pathsep) if d]
         if len(roots) < 1:
             raise UsageError("no tiers: give tier directories, set KVSTREAM_TIERS, or use --testbed PROFILE")
+        missing = missing_tiers(roots, "tier directories" if args.tiers else "KVSTREAM_TIERS")
+        if missing:
+            raise UsageError(missing)
         return None, [os.path.abspath(r) for r in roots]
     from . import testbed as tb
 
