@@ -121,6 +121,7 @@ class L2Core:
         self._lock = ranked_lock("lmcache.core")
         self._work = threading.Condition(self._lock)
         self._stores_open = 0  # store tasks submitted and not completed
+        self._signalling = 0  # _finish calls whose callbacks and signals are still running
         self._loads: deque[_Task] = deque()
         self._stores_done: dict[int, tuple[bool, int]] = {}
         self._lookups_done: dict[int, list[bool]] = {}
@@ -167,12 +168,7 @@ class L2Core:
         """The engine committed (or failed) every page of the task: its verdict goes out now."""
         for i, good in zip(idx, ok, strict=True):
             task.result[i] = bool(good)
-        self._finish(True, [task])
-        # Open until its completion is signalled: close() waits for this, so the adapter never closes
-        # the store eventfd under a notify still on its way (with a given engine, nothing else waits).
-        with self._lock:
-            self._stores_open -= 1
-            self._done.notify_all()
+        self._finish(True, [task], queued=True)
 
     def _too_large(self, task: _Task, idx: list[int]) -> bool:
         """Whether the task's pages not yet held exceed the largest tier's capacity (never when some
@@ -318,7 +314,7 @@ class L2Core:
                 return
             self._closing = True
             self._work.notify_all()
-            self._done.wait_for(lambda: not self._stores_open)
+            self._done.wait_for(lambda: not self._stores_open and not self._signalling)
         for w in self._workers:
             w.join()
         with self._lock:
@@ -414,8 +410,15 @@ class L2Core:
         for j, task, i in copies:
             task.result[i] = bool(ok[j]) and copy_payload(pages[j], task.pages[i])
 
-    def _finish(self, store: bool, batch: list[_Task]) -> None:
+    def _finish(self, store: bool, batch: list[_Task], queued: bool = False) -> None:
+        """The tasks' verdicts out: the counters (and, ``queued``, the store tasks queued) in one lock
+        hold, so a status never shows a task stored and still queued; then the callbacks and signals,
+        which close() waits for (the adapter closes the store eventfd after it: never under a notify
+        still on its way)."""
         with self._lock:
+            if queued:
+                self._stores_open -= len(batch)
+            self._signalling += 1
             for task in batch:
                 # The engine is done with the buffers: the caller's lifetime again, before a waiter
                 # learns the task is done (it may drop its objects and expect them gone at once).
@@ -441,6 +444,9 @@ class L2Core:
                 except Exception:
                     self.report_error("completion callback")
             self._signal(self._on_store if store else self._on_load, task.id)
+        with self._lock:
+            self._signalling -= 1
+            self._done.notify_all()
 
     def _signal(self, callback: Callable[[int], None] | None, task_id: int) -> None:
         if callback is None:
