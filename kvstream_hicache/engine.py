@@ -75,12 +75,14 @@ CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing t
 CLOSED = "kvstream engine is closed"
 
 
-def _forget_lost(tier: Tier, held: set[str], index: Index, replicas: Replicator, scan) -> None:
-    """The rejoin thread (Engine._reconcile; it holds no engine, as the scan's): the pages of ``held``
-    (indexed on ``tier`` before its listing) that are not in it leave the index, unless a file of
-    theirs is there now (this engine writes no page to a tier that holds it, so only another writer's
-    could be); then every page lacking a tier is owed again (at the scan's end if it still runs). An
-    error while listing leaves the index alone: pages not listed yet are not lost."""
+def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
+    """The rejoin thread (Engine._reconcile; it holds no engine, as the scan's): the pages indexed on
+    ``tier`` before its listing began (a page committed there is renamed into place before it is
+    indexed, so a page indexed then is listed unless lost) that are not in it leave the index, unless a
+    file of theirs is there now (this engine writes no page to a tier that holds it, so only another
+    writer's could be); then every page lacking a tier is owed again (at the scan's end if it still
+    runs). An error while listing leaves the index alone: pages not listed yet are not lost."""
+    held = set(index.keys(tier.k))  # (here, not in the call that found the tier back: millions of keys)
     present: set[str] = set()
     try:
         with os.scandir(tier.layout.pages) as listing:
@@ -546,9 +548,8 @@ class Engine:
         of millions of files takes minutes on a network file system; the get or put that noticed the
         tier back must not wait for it (it did). Until then a read of a lost page fails over to a
         replica and forgets that copy, as for any copy that vanished."""
-        held = set(self.index.keys(tier.k))  # (before the listing: a page put there since is not in it)
         scan = getattr(self, "_scan", None)
-        threading.Thread(target=_forget_lost, args=(tier, held, self.index, self._replicas, scan),
+        threading.Thread(target=_forget_lost, args=(tier, self.index, self._replicas, scan),
                          name="kvstream-rejoin", daemon=True).start()
         return ""
 

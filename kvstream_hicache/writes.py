@@ -432,11 +432,11 @@ class WritePath:
     # -- completions -----------------------------------------------------------------------------
     def _complete_under_writer(self, write: Write, res: int, now: float) -> None:
         job, want, k = write.job, write.nbytes, write.tier
-        self._unstage_under_writer(write)
         self._progress[k] = now
         if write.orphan:
             self._give_up_under_writer(write)
             return
+        self._unstage_under_writer(write)
         # A write measures the tier's bandwidth only if no read started on the tier meanwhile:
         # writes held back or slowed by reads must not lower it.
         if write.epoch >= 0 and write.epoch == self.priority.epoch(k) and not self.priority.reading(k):

@@ -5,6 +5,7 @@ skip when io_uring works; with KVSTREAM_REQUIRE_URING=1 (CI) a refused io_uring_
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
@@ -520,11 +521,12 @@ def test_a_batch_io_uring_submit_refused_stays_in_flight(direct_dir):
         os.close(fd)
 
 
-def test_close_does_not_wait_for_what_the_kernel_never_took():
-    """A ring whose descriptor now reaches another ring (dup2 over it): its io_uring_submit takes
-    nothing (the other ring's queue is empty) and a wait there never ends, as with a kernel that
-    refuses every submit. close() waited for the queued op for ever; it waits only for what the
-    kernel took, and returns (the op, never taken, never runs)."""
+@contextlib.contextmanager
+def _reaching_another_ring():
+    """A ring whose descriptor reaches another ring (dup2 over it): its io_uring_submit takes nothing
+    (the other ring's queue is empty), as with a kernel that refuses every submit. Yields (ring, the
+    other ring, a function that points the descriptor back at the ring's own, a pipe's read and write
+    ends); all closed at the end."""
     before = io_uring_fds()
     ring = make_ring("uring")
     (ring_fd,) = io_uring_fds() - before
@@ -532,9 +534,23 @@ def test_close_does_not_wait_for_what_the_kernel_never_took():
     (other_fd,) = io_uring_fds() - before - {ring_fd}
     r, w = os.pipe()
     saved = os.dup(ring_fd)
-    buf = AlignedBuffer(ALIGN)
     try:
         os.dup2(other_fd, ring_fd)
+        yield ring, other, lambda: os.dup2(saved, ring_fd), r, w
+    finally:
+        ring.close()
+        other.close()
+        os.close(saved)
+        os.close(r)
+        os.close(w)
+
+
+def test_close_does_not_wait_for_what_the_kernel_never_took():
+    """A ring whose descriptor now reaches another ring: a wait there never ends. close() waited for
+    the queued op for ever; it waits only for what the kernel took, and returns (the op, never taken,
+    never runs)."""
+    buf = AlignedBuffer(ALIGN)
+    with _reaching_another_ring() as (ring, other, _restore, r, w):
         assert ring.submit([(OP_READ, r, buf, 0, 1)]) == 1  # taken by no ring
         closer = threading.Thread(target=ring.close, daemon=True)
         closer.start()
@@ -542,11 +558,6 @@ def test_close_does_not_wait_for_what_the_kernel_never_took():
         assert not closer.is_alive(), "close() waited for an op the kernel never took"
         os.write(w, b"x" * 16)
         assert other.reap(0, 0) == [] and bytes(buf) == bytes(ALIGN)  # nobody ran it
-    finally:
-        other.close()
-        os.close(saved)
-        os.close(r)
-        os.close(w)
 
 
 @pytest.mark.parametrize("passing", [True, False], ids=["passing", "lasting"])
@@ -556,33 +567,19 @@ def test_a_kernel_that_takes_nothing_for_a_moment_is_offered_the_ops_again(passi
     refusal costs that pause, and the op lands (before: reap raised EAGAIN at once, and the engine
     gave up the call and replaced the ring, pinning a registered host pool again); a lasting one
     raises EAGAIN after NO_PROGRESS_S (0.1 s), for the owner to replace the ring."""
-    before = io_uring_fds()
-    ring = make_ring("uring")
-    (ring_fd,) = io_uring_fds() - before
-    other = make_ring("uring")
-    (other_fd,) = io_uring_fds() - before - {ring_fd}
-    r, w = os.pipe()
-    os.write(w, b"x" * 16)
-    saved = os.dup(ring_fd)
     buf = AlignedBuffer(ALIGN)
-    try:
-        os.dup2(other_fd, ring_fd)
+    with _reaching_another_ring() as (ring, other, restore, r, w):
+        os.write(w, b"x" * 16)
         assert ring.submit([(OP_READ, r, (buf.address, 16), 0, 1)]) == 1  # taken by no ring
         if passing:
-            restore = threading.Timer(0.02, os.dup2, (saved, ring_fd))
-            restore.start()
+            timer = threading.Timer(0.02, restore)
+            timer.start()
             assert ring.reap(1, 10.0) == [(1, 16)] and bytes(buf)[:16] == b"x" * 16
-            restore.join()
+            timer.join()
         else:
             with pytest.raises(BlockingIOError):
                 ring.reap(1, 10.0)
-            os.dup2(saved, ring_fd)  # (back: close() cancels and ends the op)
-    finally:
-        ring.close()
-        other.close()
-        os.close(saved)
-        os.close(r)
-        os.close(w)
+            restore()  # (back: close() cancels and ends the op)
 
 
 @pytest.mark.parametrize("queued", [True, False], ids=["queued then refused", "refused"])
