@@ -20,7 +20,7 @@ from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
 from .layout import HEADER_SIZE, block_span
 from .stats import Stats
 from .tiers import Tier
-from .trust import not_a_file, same_as
+from .trust import not_a_file
 
 log = logging.getLogger("kvstream")
 
@@ -33,32 +33,29 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     (a copy the index does not list: one the start-up scan has not reached yet, or another process's).
     ``in_transfer`` is called when the copy on disk is intact (the fault was the transfer's)."""
     span = block_span(info.length, info.block, j)
-    fd = None  # the file read, held open to the end: only that very file may be removed (trust.remove)
     try:
-        judged = not_a_file  # (none read: a regular file under the name now is not what was judged)
+        fd, _ = open_regular(tier.layout.page_path(key), trust=tier.trust)
         try:
-            fd, _ = open_regular(tier.layout.page_path(key), trust=tier.trust)
             data = os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
-            differs = len(data) != span.nbytes or crc32c(data) != info.crcs[j]
-            judged = same_as(fd)
-        except (FileNotFoundError, NotRegularFile):
-            differs = True
-        except OSError:
-            return False  # the tier is failing: its health, not this page, is the problem
-        if not differs:
-            log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
-                        "intact on disk; read from a replica", j, key, tier.k, why)
-            in_transfer()
-            return False
-        problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
-        if problem is not None and problem.reason is Reason.UNREADABLE:
-            return False  # an I/O error: the tier's health, not this copy, is the problem
-        if problem is not None and problem.reason is not Reason.VANISHED:
-            remove_copy(tier, index, stats, key, f"{why}, block {j}", judged=judged)
-            return True
-    finally:
-        if fd is not None:
+        finally:
             close_fd(fd)
+        differs = len(data) != span.nbytes or crc32c(data) != info.crcs[j]
+    except (FileNotFoundError, NotRegularFile):
+        differs = True
+    except OSError:
+        return False  # the tier is failing: its health, not this page, is the problem
+    if not differs:
+        log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
+                    "intact on disk; read from a replica", j, key, tier.k, why)
+        in_transfer()
+        return False
+    problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
+    if problem is not None and problem.reason is Reason.UNREADABLE:
+        return False  # an I/O error: the tier's health, not this copy, is the problem
+    if problem is not None and problem.reason is not Reason.VANISHED:
+        # only the very file judged goes: a writer may have renamed a valid page over it since
+        remove_copy(tier, index, stats, key, f"{why}, block {j}", judged=problem.judged() or not_a_file)
+        return True
     index.remove(key, tier.k)  # kept (another writer's version), or gone
     if problem is None:
         stats.add(tier.k, "other_versions")

@@ -28,7 +28,7 @@ import fcntl
 import os
 import stat
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .fds import close_fd
@@ -159,6 +159,14 @@ class Problem(NamedTuple):
     reason: Reason
     fixed: bool = False
     ident: tuple | None = None  # the file judged (trust.identity; NOT_A_FILE): a fix removes only that one
+
+    def judged(self) -> Callable[[os.stat_result], bool] | None:
+        """trust.remove's ``judged`` for the entry this problem was found in: only that very file (or, for
+        an entry judged no regular file, only a non-file) goes; None: nothing was judged (a name no
+        page has, a temporary leftover), whatever is there goes."""
+        if self.ident is None:
+            return None
+        return not_a_file if self.ident == NOT_A_FILE else same_file(self.ident)
 
 
 NOT_A_FILE = ()  # Problem.ident of an entry judged no regular file (a FIFO, a socket, ... under a page's name)
@@ -510,11 +518,9 @@ def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None) 
                                        f"not the file's content (check again once the tier reads)")
     # Only the file judged goes: another writer may have renamed a valid page over its name since
     # (trust.remove); an entry judged no regular file goes only while it is none.
-    judged = None if problem.ident is None else not_a_file if problem.ident == NOT_A_FILE else \
-        same_file(problem.ident)
     try:
         why = remove(problem.tier, problem.path, trust or Trust.user(),
-                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None, judged)
+                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None, problem.judged())
     except OSError as exc:
         return problem._replace(detail=f"{problem.detail}; could not remove it "
                                        f"({os.strerror(exc.errno or errno.EIO)})")

@@ -9,7 +9,7 @@ tier, walks that tier's shard directories and:
   (``Index.add_scanned``: at the oldest end, so a page used since start stays more recent);
 - removes damaged, truncated and misplaced files, after reading them a second time (a writer may
   have renamed a valid page over the name since the first read: a valid page is never deleted), and
-  only the very file read then (held open; trust.remove: one renamed over it since stays);
+  only the very file judged then (integrity.fix_problem: one renamed over it since stays);
 - at the end, sorts the pages it found by write time (``Index.settle``: the LRU order of before the
   restart) and trims a tier over its capacity (one lowered since the last run).
 
@@ -27,7 +27,6 @@ process) the progress is also written, at most once a second, to this user's fil
 """
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -37,13 +36,12 @@ import time
 from array import array
 from collections.abc import Callable, Sequence
 
-from .fds import close_fd
 from .index import RETRY, Index
 from .integrity import Reason, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
-from .trust import honest_until, pin, remove, same_as
+from .trust import honest_until
 
 log = logging.getLogger("kvstream")
 
@@ -211,16 +209,15 @@ class BackgroundScan:
                 part.files += 1
                 page = self._visit(part, shard, name, path, added)
                 if page.problem is not None and page.problem.reason is not Reason.VANISHED:
-                    # a writer may have put a valid page under the name since: read it again first,
-                    # holding what is there, and remove only that (a valid page renamed in after stays)
-                    held = pin(path)
-                    try:
-                        page = self._visit(part, shard, name, path, added)
-                        if page.problem is not None and page.problem.reason is not Reason.VANISHED:
-                            self._remove(part, page, same_as(held))
-                    finally:
-                        if held is not None:
-                            close_fd(held)
+                    # a writer may have put a valid page under the name since: read it again first (a
+                    # valid one is indexed), and remove only the very file judged then (fix_problem)
+                    page = self._visit(part, shard, name, path, added)
+                    if page.problem is not None and page.problem.reason is not Reason.VANISHED:
+                        problem = fix_problem(page.problem, trust=tier.trust)
+                        if problem.fixed:
+                            part.damaged += 1
+                        else:
+                            self._kept(part, problem)
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
             self._publish()
@@ -267,22 +264,6 @@ class BackgroundScan:
                     part.indexed += 1
                 return page
         return page
-
-    def _remove(self, part: TierScan, page: ScannedPage, judged: Callable[[os.stat_result], bool]) -> None:
-        """Remove a damaged, misplaced or stray file the scan read twice, only if ``judged`` says it is
-        still the file read (integrity.fix_problem's rules otherwise: an unreadable one stays)."""
-        problem = page.problem
-        if problem.reason is Reason.UNREADABLE:  # the file itself may be valid
-            self._kept(part, fix_problem(problem, trust=part.tier.trust))
-            return
-        try:
-            why = remove(problem.tier, problem.path, part.tier.trust, judged=judged)
-        except OSError as exc:
-            why = f"could not remove it ({os.strerror(exc.errno or errno.EIO)})"
-        if why is None:
-            part.damaged += 1
-        else:
-            self._kept(part, problem._replace(detail=f"{problem.detail}; left in place: {why}"))
 
     def _publish(self, force: bool = False) -> None:
         """Write the progress file (atomically: a reader never sees half of it); best effort."""

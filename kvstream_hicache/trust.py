@@ -401,7 +401,7 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
     ``judged``: the entry was found damaged (or a stray) by a look that may be older than what the name
     holds now: another writer may have renamed a valid page over it since. Then it is first renamed
     to a private name in its directory, where no one else renames anything, and removed there only
-    when ``judged(lstat)`` (:func:`same_as`, :func:`not_a_file`) says it is the entry judged; else it
+    when ``judged(lstat)`` (:func:`same_file`, :func:`not_a_file`) says it is the entry judged; else it
     goes back under its name (a valid page is never deleted). None: whatever is there goes (eviction,
     ``clear``, the engine's own temporary file).
     :raises OSError: the directory, the lstat or the unlink failed for an I/O error."""
@@ -449,18 +449,6 @@ def _not_removable(st: os.stat_result, trust: Trust) -> str | None:
     return None
 
 
-def same_as(fd: int | None) -> Callable[[os.stat_result], bool]:
-    """:func:`remove`'s ``judged`` for the file ``fd`` is open on (held open until the removal: its inode
-    number cannot be reused meanwhile); None (nothing could be opened) matches nothing."""
-    try:
-        mine = os.fstat(fd) if fd is not None else None
-    except OSError:  # (ESTALE: replaced on another node) nothing is known to be the file judged
-        mine = None
-    if mine is None:
-        return lambda st: False
-    return lambda st: (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def identity(st: os.stat_result) -> tuple[int, int, int, int]:
     """What tells a file from another that took its name since, with no descriptor held: device, inode,
     size, modification time (the inode number alone may be reused once the file is gone)."""
@@ -476,15 +464,6 @@ def not_a_file(st: os.stat_result) -> bool:
     """:func:`remove`'s ``judged`` for an entry judged not to be a regular file (a FIFO, a socket, ...
     under a page's name) with no descriptor of it: a page, always a regular file, never matches."""
     return not stat.S_ISREG(st.st_mode)
-
-
-def pin(path: str) -> int | None:
-    """An O_PATH descriptor of the entry at ``path`` itself (never followed, never read: a FIFO or a
-    device too) for :func:`same_as`; None when it cannot be opened (gone)."""
-    try:
-        return os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------- order

@@ -156,20 +156,14 @@ def test_remove_takes_only_the_file_judged(tier_root):
     os.makedirs(layout.pages)
     path = os.path.join(layout.pages, "page")
     Path(path).write_bytes(b"damaged")
-    held = trust.pin(path)
-    try:
-        Path(path + ".new").write_bytes(b"valid")
-        os.rename(path + ".new", path)  # another writer's page renamed over the damaged one since
-        why = trust.remove(tier_root, path, trust.Trust.user(), judged=trust.same_as(held))
-    finally:
-        os.close(held)
+    judged = trust.same_file(trust.identity(os.lstat(path)))  # (what integrity.Problem.ident records)
+    Path(path + ".new").write_bytes(b"valid")
+    os.rename(path + ".new", path)  # another writer's page renamed over the damaged one since
+    why = trust.remove(tier_root, path, trust.Trust.user(), judged=judged)
     assert why and "replaced since it was judged" in why
     assert os.listdir(layout.pages) == ["page"] and Path(path).read_bytes() == b"valid"  # back, no leftover
-    held = trust.pin(path)
-    try:
-        assert trust.remove(tier_root, path, trust.Trust.user(), judged=trust.same_as(held)) is None
-    finally:
-        os.close(held)
+    assert trust.remove(tier_root, path, trust.Trust.user(),
+                        judged=trust.same_file(trust.identity(os.lstat(path)))) is None
     assert os.listdir(layout.pages) == []
     os.mkfifo(path)  # a stray, judged with no descriptor: only a non-file goes (damage.remove_copy's default)
     assert trust.remove(tier_root, path, trust.Trust.user(), judged=trust.not_a_file) is None
