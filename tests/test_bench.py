@@ -480,6 +480,24 @@ def test_device_summary_pairs_each_round_with_the_reference():
     assert "| ram-0.7 (2 runs) | 1100, 0.050 s/GB | - | - | 1650 (1.50x), 0.050 s/GB | - |" in text
 
 
+def test_a_run_with_the_lmcache_adapter_policy_stays_on_the_sglang_path():
+    """`lmcache-adapter` is kvstream's own task machinery, run in .venv beside the sglang contenders
+    (docs/benchmarks.md: it needs no LMCache): a run with it is an sglang-path run, in the headline and
+    against hicache-nixl, not an LMCache run whose reference never ran."""
+    from kvstream_hicache.tools.bench import summary
+
+    rates = {"hicache-nixl": [1000, 2000], "sglang-adapter-1tier": [1100, 2200], "lmcache-adapter": [900, 1800]}
+    doc = {"policies": {p: {"throughput_gbps": sum(rs) / len(rs) / 1e3, "share": [1.0, 0.0], "cpu_s_per_gb": 0.05,
+                            "memory_peak_bytes": None} for p, rs in rates.items()},
+           "batches": [{"policy": p, "round": k, "t_ret": 1.0, "nbytes": int(r * 1e6)}
+                       for p, rs in rates.items() for k, r in enumerate(rs)],
+           "tiers": ["/a", "/b"], "testbed": {"profile": "ram-0.7"}, "fio": {"read": {"all": 4000}},
+           "geometry": {"label": "llama3-8b P=64", "page_bytes": 8 << 20}, "loadavg": {"start": [1.0], "end": [1.0]}}
+    assert "| llama3-8b P=64 (2 rounds) | 1500 (1000..2000)" in summary.headline_markdown([doc])
+    text = summary.device_markdown([doc])
+    assert "sglang path" in text and "x hicache-nixl" in text, text
+
+
 def test_headline_leads_with_the_adapter_and_gives_per_round_spreads():
     from kvstream_hicache.tools.bench import summary
 

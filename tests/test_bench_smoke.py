@@ -205,3 +205,19 @@ def test_bench_mla_pages_through_sglang_mla_host_pool(tmp_path, tier_dirs):
     assert "(MLA)" in doc["geometry"]["label"] and doc["wrong_pages"] == {}
     for name in ("sglang-adapter-1tier", "sglang-adapter"):
         assert doc["policies"][name]["missing_pages"] == 0, name
+
+
+def test_the_reads_right_after_the_put_are_a_phase_of_their_own(tmp_path, tier_dirs):
+    """The '@put' pass (reads while the catch-up writes) and the timed rounds: one clock for both (the bound
+    interpolates idle tiers by time, --series and kvsim order batches by t0), each row against its own
+    phase's reference (docs/benchmarks.md: "x tier0 right after the put is against tier0@put"), and the
+    run's bound that of the timed rounds (those every reference row's figures come from)."""
+    doc = _bench(tmp_path, tier_dirs[:2], "kvstream,tier0", "--batch", "32", "--batches", "4")
+    put = [b for b in doc["batches"] if b["policy"].endswith("@put")]
+    timed = [b for b in doc["batches"] if not b["policy"].endswith("@put")]
+    assert put and timed
+    assert min(b["t0"] for b in timed) > max(b["t0"] for b in put), "two clocks in one list of batches"
+    after_put = doc["write"]["catch_up"]["after_put"]["ratio_to_tier0"]
+    assert doc["policies"]["kvstream@put"]["speedup_vs_tier0"] == pytest.approx(after_put)
+    timed = [b for b in timed if b["bound_s"]]
+    assert doc["bound_gbps"] == pytest.approx(sum(b["nbytes"] for b in timed) / sum(b["bound_s"] for b in timed) / 1e9)

@@ -17,6 +17,7 @@ import statistics
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+from .lmcache_l2 import L2_CONTENDERS
 from .report import save_figure
 
 SCENARIO_ORDER = ("quiet", "periodic", "competing", "write-interference")
@@ -211,7 +212,8 @@ def _device_order(profile: str) -> tuple[int, str]:
 
 
 def _env(doc: dict) -> str:
-    return "lmcache" if any(n.startswith("lmcache-") for n in doc["policies"]) else "sglang"
+    # (lmcache-adapter is kvstream's own task machinery, run in .venv beside the sglang contenders)
+    return "lmcache" if any(n in L2_CONTENDERS for n in doc["policies"]) else "sglang"
 
 
 def _fio_all(doc: dict) -> float | None:

@@ -213,6 +213,11 @@ def _opts(text: str | None, spec: str, allowed: set[str]) -> dict[str, str]:
     return out
 
 
+def _claim(o: dict[str, str]) -> dict[str, int | None]:
+    """A policy's own claim size and depth (``:m=..,depth=..``); None: the run's ``--m`` / ``--depth``."""
+    return {k: int(o[k]) if k in o else None for k in ("m", "depth")}
+
+
 def parse_sim_policy(spec: str) -> SimPolicy:
     """A kvsim policy from its name (see the module docstring). Raises ValueError naming the forms."""
     match = _SIM_SPEC.match(spec.strip().lower())
@@ -221,8 +226,7 @@ def parse_sim_policy(spec: str) -> SimPolicy:
     base, opts = match["base"], match["opts"]
     if base in ("kvstream", "replicate-all"):
         o = _opts(opts, spec, {"m", "depth", "h"} if base == "kvstream" else {"m", "depth"})
-        return SimPolicy(spec, "budget" if base == "kvstream" else "all", m=int(o["m"]) if "m" in o else None,
-                         depth=int(o["depth"]) if "depth" in o else None,
+        return SimPolicy(spec, "budget" if base == "kvstream" else "all", **_claim(o),
                          horizon=_horizon(o.get("h", ENGINE_HORIZON)), catchup=base == "kvstream")
     if base == "budget-no-catch-up":
         _opts(opts, spec, set())
@@ -231,14 +235,14 @@ def parse_sim_policy(spec: str) -> SimPolicy:
         o = _opts(opts, spec, {"m", "depth"})
         value = base[len("static-"):]
         if value == "auto":
-            return SimPolicy("static-auto", "static", auto_g=True)
+            return SimPolicy("static-auto", "static", auto_g=True, **_claim(o))
         g = float(value)
         if not 0 <= g <= 1:
             raise ValueError(f"static share must be within [0, 1], got {g}")
-        return SimPolicy(f"static-{g:g}", "static", g=g)
+        return SimPolicy(f"static-{g:g}", "static", g=g, **_claim(o))
     if re.fullmatch(r"tier\d+", base):
-        _opts(opts, spec, {"m", "depth"})
-        return SimPolicy(base, "single", tier=int(base[4:]))
+        o = _opts(opts, spec, {"m", "depth"})
+        return SimPolicy(base, "single", tier=int(base[4:]), **_claim(o))
     if base.startswith("replicate-share-"):
         o = _opts(opts, spec, {"g"})
         f = float(base[len("replicate-share-"):])
