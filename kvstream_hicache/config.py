@@ -11,6 +11,7 @@ system, capacities as a share of a file system) once when an engine starts.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .errors import ConfigError
+from .index import MAX_TIERS
 from .layout import ALIGN, DEFAULT_BLOCK
 from .router import parse_policy
 
@@ -126,6 +128,9 @@ def parse_bytes(text: str | int, what: str) -> int:
             raise ConfigError(f"{what}: cannot parse size {text!r}; use a number with an optional unit "
                               "K, M, G, T, P (binary, also KiB...) or KB, MB, GB... (decimal), e.g. '200G'")
         number, unit, binary, b = m.groups()
+        if not unit and not float(number).is_integer():  # a plain byte count, as JSON 1.5 above (with
+            # a unit, '1.1G' is a size and its fraction of a byte rounds down)
+            raise ConfigError(f"{what}: {text!r} is not a whole number of bytes; give bytes or a size like '2G'")
         base = 1000 if (b and not binary and unit) else 1024
         value = int(float(number) * base ** _POW[unit.lower()])
     if value < 0:
@@ -166,8 +171,12 @@ class Capacity(NamedTuple):
             return f"{self.share * 100:.12f}".rstrip("0").rstrip(".") + "%"  # '0.000003%', not '3e-06%'
         if self.nbytes is None:
             return "unlimited"
-        unit, scale = ("TiB", 2**40) if self.nbytes >= 2**40 else ("GiB", 2**30)
-        return f"{self.nbytes / scale:.3g} {unit}"  # '1.5 TiB', not '1.54e+03 GiB'
+        if self.nbytes < 1024:
+            return f"{self.nbytes} bytes"
+        unit, scale = next((u, 1 << p) for u, p in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10))
+                           if self.nbytes >= 1 << p)
+        x = self.nbytes / scale
+        return f"{x:.0f} {unit}" if x >= 100 else f"{x:.3g} {unit}"  # '1.5 TiB', '977 KiB': not '3.81e-06 GiB'
 
 
 @dataclass(frozen=True)
@@ -281,22 +290,36 @@ class Config:
                               f"valid keys: {', '.join(SETTINGS)}")
         raw: dict[str, Any] = {}
         sources: dict[str, str] = {}
-        overridden: list[str] = []
+        shadowed: dict[str, str] = {}  # key -> the variable's text an explicit setting overrides
         for key, setting in SETTINGS.items():
             if explicit.get(key) is not None:
                 raw[key], sources[key] = explicit[key], (labels or {}).get(key, f"extra config '{key}'")
-                env, value = environ.get(env_name(key), "").strip(), explicit[key]
-                text = os.pathsep.join(map(str, value)) if isinstance(value, (list, tuple)) else str(value).strip()
-                if env and env != text:  # (a user who exported it expects it to count)
-                    overridden.append(f"{env_name(key)}={env} is overridden by {sources[key]} = {explicit[key]!r} "
-                                      "(an explicit setting wins over the environment)")
+                if environ.get(env_name(key), "").strip():
+                    shadowed[key] = environ[env_name(key)].strip()
             elif environ.get(env_name(key), "").strip():
                 raw[key], sources[key] = environ[env_name(key)], env_name(key)
             else:
                 raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
-        warnings, tiers = _parse_tiers(raw.pop("tiers"), raw.pop("capacity"), lambda key: setting_source(sources, key))
-        warnings += overridden + unknown_variables(environ)
-        return cls(tiers=tiers, **raw, warnings=tuple(warnings), sources=dict(sources))
+        what = lambda key: setting_source(sources, key)  # noqa: E731
+        warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what)
+        values = {k: v for k, v in raw.items() if k not in ("tiers", "capacity")}
+        config = cls(tiers=tiers, **values, sources=dict(sources))
+        overridden = [f"{env_name(key)}={env} is overridden by {sources[key]} = {explicit[key]!r} (an explicit "
+                      "setting wins over the environment)"  # (a user who exported it expects it to count)
+                      for key, env in shadowed.items() if not config._same(key, env, raw)]
+        return dataclasses.replace(config, warnings=tuple(warnings + overridden + unknown_variables(environ)))
+
+    def _same(self, key: str, text: str, raw: Mapping[str, Any]) -> bool:
+        """Whether ``text`` (a variable's) parses to the value this config holds for ``key``: the same
+        value written another way ('30' and 30.0, '1M' and 1048576) overrides nothing."""
+        try:
+            if key in ("tiers", "capacity"):
+                other = _parse_tiers(*(text if k == key else raw[k] for k in ("tiers", "capacity")),
+                                     lambda k: k)[1]
+                return [(t.path, t.capacity) for t in other] == [(t.path, t.capacity) for t in self.tiers]
+            return getattr(dataclasses.replace(self, **{key: text}), key) == getattr(self, key)
+        except ConfigError:
+            return False
 
     def __post_init__(self) -> None:
         """Parse and check every setting (the values as written, or already parsed ones: parsing is
@@ -312,6 +335,9 @@ class Config:
                       for t in given)
         if not tiers:
             raise _no_tiers()
+        if len(tiers) > MAX_TIERS:
+            raise ConfigError(f"{what('tiers')}: {len(tiers)} tiers; kvstream holds at most {MAX_TIERS} (one bit "
+                              "each in the index): list fewer directories")
         for t in tiers:
             _tier_path(t.path, what("tiers"))  # a TierConfig built by hand is checked too
         put("tiers", tiers)

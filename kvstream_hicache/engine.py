@@ -48,13 +48,13 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from . import tmpfiles
-from .config import Config, check_capacities
+from .config import Config, check_capacities, setting_source
 from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import Problem, Reason, ScannedPage, check_tier, scan_file
-from .io import RING_ENTRIES, ThreadRing, forks, open_ring
+from .io import RING_ENTRIES, ThreadRing, forks, memlock_hint, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
 from .reads import ReadPath
@@ -171,12 +171,17 @@ class Engine:
                 rings.append(open_one())
                 if choice == "auto" and isinstance(getattr(rings[-1], "inner", rings[-1]), ThreadRing):
                     choice = "threads"  # io_uring refused: the write ring follows without a second log line
+            if choice == "threads" and config.io_engine == "auto" and not isinstance(
+                    getattr(rings[0], "inner", rings[0]), ThreadRing):  # refused only the second time (the
+                rings[0].close()  # memlock limit): both paths on one engine, the one reported
+                rings[0] = open_one()
         except OSError as exc:
             for ring in rings:
                 ring.close()
             tmpfiles.release(self._token)
-            raise ConfigError(f"KVSTREAM_IO_ENGINE={config.io_engine}: cannot open an I/O ring ({exc}); "
-                              "use 'auto' or 'threads' where io_uring is blocked (containers, seccomp)") from None
+            raise ConfigError(f"{setting_source(config.sources, 'io_engine')} = {config.io_engine!r}: cannot open an "
+                              f"I/O ring ({exc}{memlock_hint(exc)}); use 'auto' or 'threads' where io_uring is "
+                              "blocked (containers, seccomp)") from None
         half = config.memory // 2  # staging: half for reads in flight, half for writes (config.py)
         share = half // len(self.tiers)  # a tier's window ceiling, reads and writes alike
         self.priority = ReadPriority(len(self.tiers), config.read_priority, clock)

@@ -49,6 +49,13 @@ MAX_THREADS = 64  # ThreadRing worker cap: one blocked thread per op in flight; 
 # buy little on one device and each thread costs a stack
 
 
+def memlock_hint(exc: OSError) -> str:
+    """What to do when io_uring refuses for memory (a ring's queues, or memory registered with it, count
+    against the locked-memory limit of a user without CAP_IPC_LOCK); empty for another refusal."""
+    return (" (raise the memlock limit: ulimit -l, LimitMEMLOCK=, or run with CAP_IPC_LOCK)"
+            if exc.errno == _errno.ENOMEM else "")
+
+
 def open_ring(entries: int = RING_ENTRIES, engine: str = "auto"):
     """Open an I/O engine.
 
@@ -71,8 +78,8 @@ def open_ring(entries: int = RING_ENTRIES, engine: str = "auto"):
     except OSError as exc:
         # Containers whose seccomp profile blocks io_uring (EPERM/ENOSYS), kernels without it, or
         # io_uring_disabled=2 all end up here; the thread pool gives the same results, slower.
-        log.warning("kvstream: io_uring unavailable (%s); using the thread-pool I/O engine "
-                    "(set %s=threads to silence this, or =uring to make it an error)", exc, SETTING)
+        log.warning("kvstream: io_uring unavailable (%s%s); using the thread-pool I/O engine "
+                    "(set %s=threads to silence this, or =uring to make it an error)", exc, memlock_hint(exc), SETTING)
         return ThreadRing(entries)
 
 

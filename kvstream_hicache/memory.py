@@ -33,12 +33,12 @@ thread, and until it lands the answer is "not huge" (the read is staged: always 
 from __future__ import annotations
 
 import bisect
-import errno
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 
+from .io import memlock_hint
 from .layout import is_aligned
 from .segments import Segment
 
@@ -161,11 +161,9 @@ class CallerMemory:
                           "" if ring.readv_fixed else " (pages of one piece; a page of several is staged "
                                                       "before Linux 6.15)")
             except OSError as exc:
-                hint = " (raise the memlock limit: ulimit -l, LimitMEMLOCK=, or run with CAP_IPC_LOCK)" \
-                    if exc.errno == errno.ENOMEM else ""
                 log.warning("kvstream: could not register %d MiB of caller memory with io_uring: %s%s; reads "
                             "into it are staged unless it is huge-page backed (register_memory=off silences "
-                            "this)", nbytes >> 20, exc.strerror, hint)
+                            "this)", nbytes >> 20, exc.strerror, memlock_hint(exc))
         registered = ring is not None and ring.covers(address, nbytes)
         return (registered and ring.readv_fixed) or self.huge.huge(address, nbytes)
 

@@ -48,7 +48,7 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
-MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s
+MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
 
@@ -149,7 +149,7 @@ class Tier:
                 self._backoff = self.retry_s
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
             else:
-                self._backoff = min(self._backoff * 2, MAX_RETRY_S)
+                self._backoff = min(self._backoff * 2, max(MAX_RETRY_S, self.retry_s))  # (never below tier_retry)
                 self._next_probe = self.clock() + self._backoff
                 self._vanished = vanished  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why

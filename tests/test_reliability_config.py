@@ -61,6 +61,26 @@ def test_an_environment_variable_an_explicit_setting_overrides_is_warned_about(t
     assert not [w for w in config.warnings if "KVSTREAM_TIERS" in w]  # (the same value: nothing to say)
 
 
+@pytest.mark.parametrize("env,extra", [({"KVSTREAM_CATCHUP": "0"}, {"catchup": False}),
+                                       ({"KVSTREAM_READ_TIMEOUT": "30"}, {"read_timeout": 30.0}),
+                                       ({"KVSTREAM_CHUNK": "1M"}, {"chunk": 1 << 20})])
+def test_no_override_warning_when_the_extra_config_holds_the_same_value(tier_root, env, extra):
+    """The same value written another way ('30' and 30.0, '1M' and 1048576) is no override."""
+    config = Config.from_sources({"tiers": [tier_root], **extra}, environ=env)
+    assert not [w for w in config.warnings if "overridden" in w], config.warnings
+
+
+def test_a_capacity_in_a_message_reads_as_a_size(tier_root):
+    """'4K' for 8 KiB pages: the message says 4 KiB, not '3.81e-06 GiB' (nor LMCache's 2000-byte
+    capacities in its start-up line)."""
+    err = None
+    with pytest.raises(ConfigError) as info:
+        Engine(Config.from_sources({"tiers": [tier_root], "capacity": "4K"}, environ={}), NS, page_bytes=8192).close()
+    err = str(info.value)
+    _has_all(err, "extra config 'capacity'", "4 KiB of tier", "4096 bytes, less than one page")
+    assert "e-0" not in err, err
+
+
 def test_file_in_the_way(tier_root):
     afile = os.path.join(tier_root, "afile")
     open(afile, "w").close()
@@ -191,6 +211,12 @@ BAD = [
     ({"tiers": "{root}", "read_timeout": True}, None, ["extra config 'read_timeout'", "expected a number", "True"]),
     ({"tiers": "{root}", "catchup_share": True}, None, ["extra config 'catchup_share'", "True"]),
     ({"tiers": "{root}", "write_backlog": 1.5}, None, ["extra config 'write_backlog'", "1.5", "whole number of bytes"]),
+    # review of the docs against the code: a fraction of a byte written as text (an environment variable
+    # always is) was cut down (1.5 -> a backlog of 1 byte), and more tiers than the index holds raised raw
+    (None, {"KVSTREAM_TIERS": "{root}", "KVSTREAM_WRITE_BACKLOG": "1.5"}, ["KVSTREAM_WRITE_BACKLOG", "'1.5'",
+                                                                          "whole number of bytes"]),
+    ({"tiers": "{root}", "capacity": "4096.5"}, None, ["extra config 'capacity'", "'4096.5'", "whole number of bytes"]),
+    ({"tiers": ["{root}/t%d" % i for i in range(33)]}, None, ["extra config 'tiers'", "33 tiers", "at most 32"]),
     ({"tiers": ["{root}", "{root}/", "{root}/b"], "capacity": ["1G", "2G", "3G"]}, None,
      ["3 capacities for 2 tiers", "tier {root} is listed twice in extra config 'tiers'", "remove the duplicate"]),
     ({"tiers": ["$KVSTREAM_TEST_UNSET_VAR/kv"]}, None, ["extra config 'tiers'", "'$KVSTREAM_TEST_UNSET_VAR/kv'",
@@ -334,4 +360,24 @@ def test_io_uring_refused_falls_back_or_names_the_setting(tier_dirs, monkeypatch
     assert len(lines) == 1, lines  # one line per engine, not one per ring
     _has_all(lines[0], "KVSTREAM_IO_ENGINE=threads", "not permitted")
     err = _start({"tiers": tier_dirs[:1], "io_engine": "uring"})
-    _has_all(str(err), "KVSTREAM_IO_ENGINE=uring", "not permitted", "'auto' or 'threads'", "seccomp")
+    _has_all(str(err), "extra config 'io_engine' = 'uring'", "not permitted", "'auto' or 'threads'", "seccomp")
+
+
+def test_io_uring_refused_for_the_second_ring_puts_both_paths_on_threads(tier_dirs, monkeypatch):
+    """Under a memlock limit io_uring may take the read ring and refuse the write ring: under 'auto'
+    both paths then run on threads, the engine reported (stats, SGLang's start-up line)."""
+    real, opened = kio.Ring, []
+
+    def second_refused(entries):
+        opened.append(entries)
+        if len(opened) == 2:
+            raise OSError(errno.ENOMEM, "io_uring_setup refused")
+        return real(entries)
+
+    monkeypatch.setattr(kio, "Ring", second_refused)
+    pages = PageSet()
+    with make_engine(tier_dirs[:1], io_engine="auto") as engine:
+        used = {type(engine._reads.io.ring).__name__, type(engine._writes.io.ring).__name__}
+        assert used == {engine.stats()["io_engine"]} == {"ThreadRing"}
+        assert pages.put(engine, pages.keys(2)) == [True] * 2
+        assert pages.checked_get(engine, pages.keys(2)) == [True] * 2

@@ -88,6 +88,21 @@ def test_the_back_off_doubles_after_each_failed_probe_and_resets_on_recovery(tie
     assert tier.usable() and tier.failures == 2
 
 
+def test_the_back_off_never_drops_below_tier_retry(tier_root, clock):
+    """tier_retry above the 300 s cap (600): the back-off after a failed probe stays 600 s, not 300."""
+    os.makedirs(TierLayout(tier_root, "ns").base)
+    tier = Tier(0, tier_root, "ns", None, (0o600, 0o700), "never", 2 * MAX_RETRY_S, "token", clock, on_rejoin=lambda t: None)
+    tier.fail(errno.EIO, "read")
+    _break_probe(tier)
+    clock.advance(2 * MAX_RETRY_S * 1.001)
+    assert not tier.usable() and tier.last_error.startswith("probe")  # probed, failed: the back-off again
+    clock.advance(2 * MAX_RETRY_S * 0.99)
+    _mend_probe(tier)
+    assert not tier.usable(), "probed again before tier_retry passed"
+    clock.advance(2 * MAX_RETRY_S * 0.02)
+    assert tier.usable()
+
+
 def test_the_back_off_is_capped(tier, clock):
     tier.fail(errno.EIO, "read")
     _break_probe(tier)
