@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from .fds import close_fd
 from .index import Index, PageInfo
-from .integrity import NotRegularFile, Reason, crc32c, open_regular, scan_file
-from .layout import HEADER_SIZE, block_span
+from .integrity import NotRegularFile, Reason, block_crc, open_regular, scan_file
+from .layout import file_size
 from .stats import Stats
 from .tiers import Tier
 from .trust import not_a_file
@@ -32,14 +32,15 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     writer's version): the page is worth looking up again on the tiers, where no indexed copy is left
     (a copy the index does not list: one the start-up scan has not reached yet, or another process's).
     ``in_transfer`` is called when the copy on disk is intact (the fault was the transfer's)."""
-    span = block_span(info.length, info.block, j)
     try:
-        fd, _ = open_regular(tier.layout.page_path(key), trust=tier.trust)
+        fd, st = open_regular(tier.layout.page_path(key), trust=tier.trust)
         try:
-            data = os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
+            crc = block_crc(fd, info.length, info.block, j)
         finally:
             close_fd(fd)
-        differs = len(data) != span.nbytes or crc32c(data) != info.crcs[j]
+        # (a file cut inside its last block's padding: the block's bytes are all there, yet the file is
+        # truncated, as the scan and check judge it, and an O_DIRECT read of it comes back short forever)
+        differs = crc != info.crcs[j] or st.st_size < file_size(info.length)
     except (FileNotFoundError, NotRegularFile):
         differs = True
     except OSError:

@@ -45,7 +45,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from . import tmpfiles
 from .config import Config, check_capacities, setting_source
@@ -508,15 +508,16 @@ class Engine:
             return 0
         return self._lookup([k for k in keys if is_valid_key(k) and not self.index.contains(k, mask)], mask)
 
-    def _lookup(self, keys: Sequence[str], mask: int) -> int:
+    def _lookup(self, keys: Sequence[str], mask: int, sizes: Mapping[str, int] | None = None) -> int:
         """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
-        tiers hold different versions of a page, the newest is indexed). Returns the keys found."""
+        tiers hold different versions of a page, the newest is indexed), of ``sizes[key]`` bytes when
+        given. Returns the keys found."""
         found = 0
         until = honest_until()
         for key in keys:
             pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
                      for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
-                     if page.problem is None]
+                     if page.problem is None and (sizes is None or page.header.length == sizes[key])]
             for _, k, page in sorted(pages, key=lambda e: e[:2]):
                 self._index_page(k, page)
             if self.index.contains(key, mask):
@@ -524,11 +525,12 @@ class Engine:
                 self._stats.total("discovered")
         return found
 
-    def _recover(self, missed: list[str], relook: set[str], mask: int) -> int:
+    def _recover(self, missed: list[str], relook: Mapping[str, int], mask: int) -> int:
         """The read path missed ``missed``: probe now (once per batch, whatever their back-off) the
         failed tiers that hold them, which may be the last copies (the others were damaged), and look
-        up on disk the ``relook`` keys no indexed copy is left of (their copies were gone, or another
-        writer's version: what the tiers hold now is indexed). Returns the tiers usable now."""
+        up on disk the ``relook`` keys no indexed copy of the caller's size (``relook[key]`` bytes) is
+        left of (their copies were gone, another writer's version, or a version of another size: a copy
+        of the caller's size the tiers hold is indexed). Returns the tiers usable now."""
         wanted = 0
         for key in missed:
             info = self.index.get(key)
@@ -538,7 +540,11 @@ class Engine:
             if wanted >> tier.k & 1:
                 tier.usable(now=True)
         mask = self._usable_mask()
-        self._lookup([k for k in sorted(relook) if not self.index.contains(k, mask)], mask)
+        def held(key: str) -> bool:
+            info = self.index.get(key)
+            return info is not None and bool(info.tiers & mask) and info.length == relook[key]
+
+        self._lookup([k for k in sorted(relook) if not held(k)], mask, relook)
         return mask
 
     def _index_page(self, k: int, page: ScannedPage) -> None:

@@ -84,10 +84,11 @@ class GetCall:
                 continue
             segments = pages[i]
             nbytes = sum(n for _, n in segments)
-            if nbytes != info.length:
-                stats.total("size_mismatch")
-                log.warning("kvstream: page %s holds %d bytes but the caller's buffer has %d; reported missing",
-                            key, info.length, nbytes)
+            if nbytes != info.length:  # (another deployment's version, e.g. another KV dtype: a copy of the
+                stats.total("size_mismatch")  # caller's size may be on another tier, looked for after the call)
+                log.warning("kvstream: page %s holds %d bytes but the caller's buffer has %d; looking for a copy "
+                            "of the caller's size", key, info.length, nbytes)
+                self.relook.add(key)
                 continue
             holders = info.tiers & mask
             if not holders:
@@ -114,12 +115,12 @@ class GetCall:
                 done[p] = False
         return done
 
-    def second_chance(self, keys: Sequence[str], found: list[bool], mask: int, index: Index,
-                      recover: Callable[[list[str], set[str], int], int]) -> tuple[list[int], int]:
+    def second_chance(self, keys: Sequence[str], pages, found: list[bool], mask: int, index: Index,
+                      recover: Callable[[list[str], dict[str, int], int], int]) -> tuple[list[int], int]:
         """Pages this call missed that the engine's ``recover`` can give a new holder: a failed tier
-        that holds them and answers a probe now (maybe the only copy left), or a copy on disk the index
-        did not list (another writer's version, or a copy elsewhere). (positions to read again, the
-        tiers usable now)"""
+        that holds them and answers a probe now (maybe the only copy left), or a copy on disk of the
+        caller's size the index did not list (another writer's version, or a copy elsewhere). (positions
+        to read again, the tiers usable now)"""
         missed = [i for i, ok in enumerate(found) if not ok]
         failed_holders = 0
         for i in missed:
@@ -128,12 +129,15 @@ class GetCall:
                 failed_holders |= info.tiers & ~mask
         if not missed or not (failed_holders or self.relook):
             return [], mask
-        now = recover([keys[i] for i in missed], self.relook, mask)
+        sizes = {keys[i]: sum(n for _, n in pages[i]) for i in missed if keys[i] in self.relook}
+        now = recover([keys[i] for i in missed], sizes, mask)
         rejoined = now & ~mask
         retry = []
         for i in missed:
             info = index.get(keys[i])
-            if info is not None and info.tiers & now and (info.tiers & rejoined or keys[i] in self.relook):
+            if info is None or not info.tiers & now or info.length != sizes.get(keys[i], info.length):
+                continue  # (still of another size than the caller's: read again, it would miss again)
+            if info.tiers & rejoined or keys[i] in sizes:
                 retry.append(i)
         return retry, now
 

@@ -257,16 +257,32 @@ def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, os.s
         raise
 
 
+VERIFY_PIECE = 4 << 20  # a block is read for its check at most this much at a time (a header's block size
+# is another writer's word, up to 4 GiB: never the size of one allocation)
+
+
+def block_crc(fd: int, length: int, block: int, j: int) -> int | None:
+    """CRC32C of block ``j`` of the page file open on ``fd`` (buffered reads); None when the file ends
+    before the block does."""
+    span = block_span(length, block, j)
+    crc, done = 0, 0
+    while done < span.nbytes:
+        data = os.pread(fd, min(VERIFY_PIECE, span.nbytes - done), HEADER_SIZE + span.start + done)
+        if not data:
+            return None
+        crc, done = crc32c(data, crc), done + len(data)
+    return crc
+
+
 def verify_payload(path: str, header: PageHeader, trust: Trust) -> str | None:
     """Read the whole payload (buffered) and check every block CRC; None when intact."""
     fd, _ = open_regular(path, trust=trust)
     try:
         for j, want in enumerate(header.crcs):
-            span = block_span(header.length, header.block, j)
-            data = os.pread(fd, span.nbytes, HEADER_SIZE + span.start)
-            if len(data) != span.nbytes:
+            crc = block_crc(fd, header.length, header.block, j)
+            if crc is None:
                 return f"block {j} truncated"
-            if crc32c(data) != want:
+            if crc != want:
                 return f"block {j} checksum mismatch"
     finally:
         close_fd(fd)

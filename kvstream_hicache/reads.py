@@ -68,7 +68,8 @@ class ReadPath:
     :param ceiling: most bytes one tier may keep in flight (the pool's share per tier).
     :param priority: told which tiers each call reads from (writes there wait: priority.py).
     :param recover: the engine's ``recover(missed, relook, mask)`` (the second chance): ``relook``,
-        keys whose indexed copies were gone or another writer's version; returns the tiers usable now.
+        keys whose indexed copies were gone, another writer's version or of another size, each with the
+        caller's page size; returns the tiers usable now.
     :param after_get: the engine's ``after_get(keys, pages, found)`` (replication.py), called before a
         get returns: ``pages`` hold the caller's verified copies of the pages ``found``; a page that
         lacks a tier is owed to it. ``reopen``: opens a new ring (inflight.py). ``register_memory``: the
@@ -121,7 +122,7 @@ class ReadPath:
                 self._reap_under_reads(0, 0)
                 busy0 = self.io.busy.snapshot()
                 calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found)]
-                retry, mask = calls[0].second_chance(keys, found, mask, self.index, self.recover)
+                retry, mask = calls[0].second_chance(keys, pages, found, mask, self.index, self.recover)
                 if retry:
                     calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry],
                                                         policy, mask, retry, found))

@@ -15,7 +15,7 @@ from kvstream_hicache.errors import InvalidKeyError
 from kvstream_hicache.io import open_owned
 from kvstream_hicache.integrity import (
     HeaderError, NotRegularFile, PageHeader, UntrustedFile, block_crcs, check_tiers, crc32c, open_direct,
-    open_regular, pack_header, read_header, unpack_header,
+    open_regular, pack_header, read_header, scan_file, unpack_header,
 )
 from kvstream_hicache.trust import Trust
 from kvstream_hicache.layout import (
@@ -307,3 +307,28 @@ def test_check_and_info_report_an_unreadable_tier_and_go_on(tier_root):
             os.chmod(unreadable, 0o700)
 
     as_user(uid, run)
+
+
+def test_a_header_block_size_never_sizes_one_read_of_the_check(tier_root, monkeypatch):
+    """A header's block size is another writer's word (up to 4 GiB - 4 KiB): the payload check (check,
+    kvstream check, a read's damage check) reads a block in pieces, never the block in one allocation;
+    the page still verifies (a sparse 256 MiB block of zeros, its CRC right)."""
+    from kvstream_hicache import integrity
+
+    digest = Namespace({"model": "m"}).digest
+    layout = TierLayout(tier_root, digest)
+    key = "ab" * 32
+    os.makedirs(layout.page_dir(key))
+    length = block = 256 << 20
+    zeros, crc = bytes(1 << 20), 0
+    for _ in range(length // len(zeros)):
+        crc = crc32c(zeros, crc)
+    header = bytearray(HEADER_SIZE)
+    pack_header(PageHeader(key, digest, length, block, (crc,), 1), header)
+    with open(layout.page_path(key), "wb") as f:
+        f.write(header)
+        f.truncate(HEADER_SIZE + length)  # sparse: costs no disk
+    sizes, real = [], os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: sizes.append(n) or real(fd, n, offset))
+    page = scan_file(layout, digest, key, payload=True)
+    assert page.problem is None and max(sizes) <= integrity.VERIFY_PIECE < block

@@ -135,6 +135,23 @@ def test_damaged_on_every_replica_is_a_miss_then_rewritten(tier_dirs):
         assert engine.check() == []
 
 
+@pytest.mark.parametrize("cut", [0, 1, 3000])  # bytes of the last 4 KiB of padding left: 5000 + cut < 8192
+def test_a_page_cut_inside_its_padding_is_removed_by_a_read_then_written_again(tier_dirs, io_engine, cut):
+    """A copy shorter than its header's file size is 'truncated' for the scan and check; a read judges it
+    alike (its payload intact, its O_DIRECT read short forever): removed, so the next put writes it
+    again (before: taken for a transfer fault each time, the key a miss that put never mended)."""
+    pages = PageSet(size=5000, aligned=False)
+    keys = pages.keys(1)
+    with make_engine(tier_dirs[:1], io_engine) as engine:
+        assert pages.put(engine, keys) == [True]
+        os.truncate(engine.tiers[0].layout.page_path(keys[0]), HEADER_SIZE + 5000 + cut)
+        assert pages.checked_get(engine, keys) == [False]
+        assert engine.stats()["tiers"][0]["quarantined"] == 1 and not engine.contains(keys[0])
+        assert pages.put(engine, keys) == [True]
+        assert pages.checked_get(engine, keys) == [True]
+        assert engine.check() == []
+
+
 def test_page_symlinked_out_of_the_tier_is_not_served_and_the_target_survives(tier_dirs, tier_root):
     """A symlink planted under a page's name pointing outside the tier: never opened (O_NOFOLLOW),
     never removed (kvstream removes only its own files, trust.py), reported by check; the target

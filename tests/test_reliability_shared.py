@@ -148,3 +148,29 @@ def test_a_copy_that_fails_its_own_checksums_is_still_quarantined(tier_dirs):
         assert stats["quarantined"] == 1 and stats["other_versions"] == 0
         assert not os.path.exists(engine_a.tiers[1].layout.page_path(keys[0]))
         assert engine_a.check() == []
+
+
+def test_a_newer_version_of_another_size_does_not_hide_a_copy_of_the_callers_size(tier_dirs):
+    """Promise 2 across deployments of one namespace (LMCache's namespace names no KV dtype: a page of
+    another size is another deployment's): tier 0 holds a newer 12 KiB version, tier 1 the caller's 48
+    KiB copy. A restart indexes the newer; a get of 48 KiB finds tier 1's copy in its second chance,
+    and both files stay (each valid)."""
+    mine, theirs = PageSet(size=48 << 10, salt="v"), PageSet(size=12 << 10, salt="v")
+    keys = mine.keys(2)
+    with make_engine(tier_dirs[:2], replicate="all") as engine:
+        assert mine.put(engine, keys) == [True] * 2
+    with make_engine(tier_dirs[2:3]) as other:  # the other deployment, its pages then copied onto tier 0
+        assert theirs.put(other, keys) == [True] * 2
+        for k in keys:
+            with open(other.tiers[0].layout.page_path(k), "rb") as src:
+                data = src.read()
+            with open(os.path.join(tier_dirs[0], os.path.relpath(other.tiers[0].layout.page_path(k), tier_dirs[2])),
+                      "wb") as dst:
+                dst.write(data)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert engine.wait_scan(30)
+        assert [engine.index.get(k).length for k in keys] == [12 << 10] * 2  # the newer version
+        assert mine.checked_get(engine, keys) == [True] * 2
+        assert engine.last_batch["second_chance"] == 1
+        assert theirs.checked_get(engine, keys) == [True] * 2  # and back: each finds its own size
+    assert len(page_files(tier_dirs[0])) == len(page_files(tier_dirs[1])) == 2
