@@ -234,8 +234,9 @@ def _info(args) -> int:
         print(json.dumps(doc, indent=1, default=str))
         return 0
     print("effective configuration (explicit > KVSTREAM_* environment > defaults):")
+    width = max(map(len, settings), default=0)
     for key, (value, source) in settings.items():
-        print(f"  {key:13s} {value!s:<28s} ({source})")
+        print(f"  {key:{width}s} {value!s:<28s} ({source})")
     for w in doc["warnings"]:
         print(f"  warning: {w}")
     print("tiers:")
