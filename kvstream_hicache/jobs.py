@@ -1,12 +1,14 @@
 """A page on one tier (a ``Job``), from its temporary file to its commit: the write path's jobs.
 
     start: the tier still in service -> a temporary file (a descriptor: at most TMP_FILES_PER_TIER per
-        tier, files.py; EMFILE waits) -> room (LRU victims evicted, their files removed) -> checksums
-        and header (once per page)
+        tier, files.py; EMFILE waits; ENOSPC, out of inodes too: evict LRU and try again) -> room (LRU
+        victims evicted, their files removed) -> checksums and header (once per page)
     (writes.py submits the job's requests and reaps them; a failed or short write sets ``job.err``)
     finish: a catch-up copy still wanted? -> Tier.commit ([fdatasync] -> rename into place) -> the
         index; ENOSPC -> evict LRU on that tier and write it all again, up to SPACE_RETRIES times, while
         evicting can make room at all; any other error fails the tier (tiers.py decides for how long)
+    a hung tier (no write progress for write_timeout): the tier fails, its jobs are abandoned
+        (hung_under_writer)
     a job over (committed, failed, cancelled or abandoned) tells the queue (writequeue.py), which
     ends the page and its put when every tier it targets is over.
 
@@ -19,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
@@ -58,7 +61,7 @@ class Jobs:
             self.queue.job_over_under_writer(page, k)
             return None
         try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
-            fd, tmp = tier.create_tmp()
+            fd, tmp = self._create_tmp_under_writer(page, k)
         except OSError as exc:
             if exc.errno in OUT_OF_DESCRIPTORS:
                 return self._out_of_descriptors_under_writer(page, k)
@@ -89,6 +92,20 @@ class Jobs:
         self.active[k].append(job)
         return job
 
+    def _create_tmp_under_writer(self, page: WritePage, k: int) -> tuple[int, str]:
+        """The job's temporary file. A tier out of room for a new file (ENOSPC, EDQUOT: no block, or no
+        inode left, with bytes to spare) evicts LRU pages and tries again, as a write or a rename does,
+        up to SPACE_RETRIES times while there is a page to evict. :raises OSError:"""
+        tries = 0
+        while True:
+            try:
+                return self.tiers[k].create_tmp()
+            except OSError as exc:
+                if exc.errno not in SPACE_ERRNOS or not page.evict or tries == SPACE_RETRIES or \
+                        not self._evict_under_writer(k, page.length):
+                    raise
+                tries += 1
+
     def _out_of_descriptors_under_writer(self, page: WritePage, k: int) -> bool | None:
         """EMFILE/ENFILE (files.py): False to try again later, or None: this (page, tier) fails."""
         if self.fds.hit(any(self.active), time.monotonic()):
@@ -96,6 +113,29 @@ class Jobs:
         self.stats.add(k, "write_failures")
         self.queue.job_over_under_writer(page, k)
         return None
+
+    def hung_under_writer(self, k: int, timeout: float, orphan: Callable[[Job], None]) -> None:
+        """Tier ``k``'s writes made no progress for ``timeout`` s (write_timeout): the tier fails (no I/O
+        on it: it may hang), its queued pages skip it, and its jobs are abandoned: the pages end with
+        the tiers that committed them (or a tier that replicate=budget skipped writes them), the puts
+        answer. ``orphan(job)`` leaves the job's writes in flight on the ring (writes.py). An abandoned
+        job's file is never renamed into place, and goes when its last write ends. Such a write may
+        still read its source after the put returned: its staging copy, or on a local tier the caller's
+        memory (the kernel holds the request; nothing can call it back), whose bytes then go only to
+        that file, never served."""
+        self.stats.add(k, "write_timeouts")
+        self.stats.add(k, "errors")
+        self.tiers[k].fail(errno.ETIMEDOUT, f"writes made no progress for {timeout:g} s (write_timeout)")
+        for page in self.queue.drop_tier(k):
+            self.queue.job_over_under_writer(page, k)
+        for job in list(self.active[k]):
+            job.err = errno.ETIMEDOUT
+            self.stats.add(k, "writes_abandoned")
+            self.index.abort(k, job.page.length)
+            orphan(job)
+            self.leave_under_writer(job)
+            if not job.in_flight:
+                self.discard_abandoned_under_writer(job)
 
     def discard_abandoned_under_writer(self, job: Job) -> None:
         """An abandoned job with no write left in flight: its file goes, in a thread of its own (closing

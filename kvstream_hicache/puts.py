@@ -24,11 +24,12 @@ log = logging.getLogger("kvstream")
 class PutCall:
     """One put: results per key, pages not yet done, how the caller learns the end."""
 
-    __slots__ = ("results", "pages", "repeats", "left", "done", "event", "dirs")
+    __slots__ = ("results", "pages", "joined", "repeats", "left", "done", "event", "dirs")
 
     def __init__(self, n: int, done: Callable[[list[bool]], None] | None):
         self.results = [False] * n
         self.pages: list[WritePage] = []  # its own new pages, in key order (LRU order on completion)
+        self.joined: list[WritePage] = []  # other puts' pages of its keys, being written when it came
         self.repeats: list[tuple[int, int]] = []  # (position, first position of the same key)
         self.left = 0  # pages (its own and others' it waits for) not yet done
         self.done = done
@@ -48,7 +49,7 @@ class PutCall:
                     tiers[k].fail(exc.errno or errno.EIO, "fsync directory")
         if not unsynced:
             return
-        for page in self.pages:
+        for page in self.pages + self.joined:  # (a joined page answers this put too: same promise)
             if page.committed and set(page.committed) <= unsynced:
                 for owner, i in page.calls:
                     if owner is self:
@@ -158,11 +159,12 @@ class Write:
     """One write request in flight: ``nbytes`` of ``job``'s file. ``epoch``: the tier's read epoch
     when submitted (-1: a read was running), so a completion measures the device only undisturbed."""
 
-    __slots__ = ("job", "tier", "nbytes", "epoch", "staging", "t0", "ahead", "orphan")
+    __slots__ = ("job", "tier", "nbytes", "epoch", "staging", "budgeted", "t0", "ahead", "orphan")
 
     def __init__(self, job: "Job", nbytes: int, epoch: int):
         self.job, self.tier, self.nbytes, self.epoch = job, job.tier, nbytes, epoch
         self.staging = None  # the request's staging copy (a staged job), held until its completion
+        self.budgeted = False  # its staging counts in the write staging budget (not once abandoned)
 
 
 class Job:

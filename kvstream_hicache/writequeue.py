@@ -2,7 +2,8 @@
 
 Accepting a put (the caller's thread)::
 
-    keys already held by a usable tier -> touch (most recent), True, no I/O (idempotent, cheap);
+    keys already held by a usable tier, at the put's length -> touch (most recent), True, no I/O
+        (idempotent, cheap); another length is another version: written over it
     a key another put is writing now -> waits for that page (written once)
     admission (admission.py): capacity, then replicate=budget; a skipped replica is counted,
         not a failure
@@ -127,6 +128,13 @@ class WriteQueue:
                 fifo.clear()
         return dropped
 
+    def drop_tier(self, k: int) -> list[WritePage]:
+        """Tier ``k`` failed: empty its FIFO; returns the pages dropped (each still to end there)."""
+        with self.lock:
+            dropped = list(self.fifo[k])
+            self.fifo[k].clear()
+        return dropped
+
     def copy(self, page: WritePage, tier: int) -> None:
         """A catch-up copy (WritePath.copy) joins the tier's copies: written after its FIFO."""
         with self.lock:
@@ -144,8 +152,9 @@ class WriteQueue:
         # Pages the index already has are looked at on disk before the queue lock is taken: a get's
         # end takes that lock to wake the writer, and must not wait behind these stats.
         held: set[str] = set()
-        for key in keys:
-            if is_valid_key(key) and key not in held and self.index.contains(key, mask) \
+        for key, segments in zip(keys, pages):
+            length = sum(n for _, n in segments)
+            if is_valid_key(key) and key not in held and self._holders(key, length) & mask \
                     and self._still_held(key, mask):
                 held.add(key)
         with self.lock:
@@ -177,19 +186,22 @@ class WriteQueue:
                 self.stats.total("pages_failed")
                 continue
             writing = self.pending.get(key)
+            if writing is not None and writing.length != length:  # another version being written now
+                continue  # (another deployment's, another size): not this page; False, the next put writes it
             if writing is not None:  # another put is writing it: wait for that copy
                 writing.calls.append((call, i))
+                call.joined.append(writing)
                 call.left += 1
                 for k in writing.committed:  # fsync=full: the tiers done already
                     call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
                 continue
-            if key in held and self.index.contains(key, mask):
+            holders = self._holders(key, length)
+            if key in held and holders & mask:
                 self.index.touch(key)
                 self.stats.total("pages_existing")
                 call.results[i] = True
                 continue
-            page = WritePage(key, segments, length, block_size_for(length, self.chunk),
-                         mask & ~self.index.holders(key))
+            page = WritePage(key, segments, length, block_size_for(length, self.chunk), mask & ~holders)
             page.calls.append((call, i))
             call.pages.append(page)
         self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
@@ -206,6 +218,15 @@ class WriteQueue:
         call.pages = [p for p in call.pages if p.targets]
         if call.left:
             self.wake_under_queues()
+
+    def _holders(self, key: str, length: int) -> int:
+        """The tiers the index lists for ``key`` at ``length`` bytes. A version of another length
+        (another deployment's in the namespace: another KV dtype) is no copy of this page: the put
+        writes it to every tier it goes to, over that version (Index.commit forgets the other one)."""
+        if not self.index.holders(key):  # (lock-free: most keys of a put are new)
+            return 0
+        info = self.index.get(key)
+        return info.tiers if info is not None and info.length == length else 0
 
     def _still_held(self, key: str, mask: int) -> bool:
         """Whether a usable tier the index lists for ``key`` still has its file (one stat per tier

@@ -20,7 +20,7 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
     page directories, then the caller returns (``put``) or its callback runs (``put_deferred``).
     The caller's memory is never read after that (but by a hung tier's abandoned writes, whose
-    files are never renamed into place: see _hung_under_writer).
+    files are never renamed into place: see jobs.py, Jobs.hung_under_writer).
 
 Read priority holds new writes back, never the ones in flight: when a get starts on a tier, what the
 tier had in flight (its window) finishes first. ``put_deferred`` is the paper's M2 (the LMCache
@@ -30,7 +30,6 @@ counts as under-replicated (a budget skip excepted).
 """
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import threading
@@ -314,7 +313,7 @@ class WritePath:
     # -- submit ----------------------------------------------------------------------------------
     def _submit_under_writer(self, held: int) -> None:
         writes = []
-        now = time.monotonic()
+        idle = []  # tiers whose hang clock starts with this batch
         bounded = self.priority.enabled  # off: every job in flight at once (the behaviour before)
         try:
             for k in range(len(self.tiers)):
@@ -322,7 +321,7 @@ class WritePath:
                     continue
                 window = self.io.flows[k].window if bounded else math.inf
                 while self.io.bytes[k] < window:
-                    job = self._next_job_under_writer(k, now)
+                    job = self._next_job_under_writer(k)
                     if job is None:
                         break
                     n, offset = job.ops[job.next]
@@ -333,9 +332,9 @@ class WritePath:
                     write = Write(job, n, -1 if self.priority.reading(k) else self.priority.epoch(k))
                     writes.append(write)
                     buf = self._stage_under_writer(write, offset) if job.staged else job.page.memory(n, offset)
-                    self.io.add(write, OP_WRITE, job.fd, buf, offset, now)
+                    self.io.add(write, OP_WRITE, job.fd, buf, offset, time.monotonic())
                     if not self.io.bytes[k] - write.nbytes - self.io.orphaned[k]:
-                        self._progress[k] = now  # the tier was idle: its hang clock starts here
+                        idle.append(k)
             self.io.submit()
         except BaseException:  # none of the batch is in flight (InFlight.submit): the jobs take it back
             for write in writes:
@@ -343,11 +342,18 @@ class WritePath:
                 write.job.in_flight -= 1
                 self._unstage_under_writer(write)
             raise
+        # An idle tier's hang clock starts when its writes are sent, not when the step began: the step
+        # may have waited on another tier's file system meanwhile (a hung FUSE tier's create), and a
+        # clock started then failed this tier as hung at the first reap.
+        now = time.monotonic()
+        for k in idle:
+            self._progress[k] = now
 
     def _stage_under_writer(self, write: Write, offset: int) -> tuple[int, int]:
         """A staging copy of the write's file bytes (held by the write until its completion)."""
         staging = write.staging = self.pool.get(write.nbytes)
         self._staged += staging.nbytes
+        write.budgeted = True
         write.job.page.fill(staging.address, write.nbytes, offset)
         return staging.address, write.nbytes
 
@@ -362,12 +368,17 @@ class WritePath:
                 self.jobs.discard_abandoned_under_writer(write.job)
 
     def _unstage_under_writer(self, write: Write) -> None:
+        self._unbudget_under_writer(write)
         if write.staging is not None:
-            self._staged -= write.staging.nbytes
             self.pool.put(write.staging)
             write.staging = None
 
-    def _next_job_under_writer(self, k: int, now: float) -> Job | None:
+    def _unbudget_under_writer(self, write: Write) -> None:
+        if write.budgeted:
+            self._staged -= write.staging.nbytes
+            write.budgeted = False
+
+    def _next_job_under_writer(self, k: int) -> Job | None:
         """The job of tier ``k`` with a write left to submit: a started one, else the next page of
         its FIFO (None: none, or none can start now: descriptors, staging memory)."""
         jobs = self.jobs
@@ -375,7 +386,7 @@ class WritePath:
             if job.err == 0 and job.next < len(job.ops):
                 return job
         while True:
-            if len(jobs.active[k]) >= TMP_FILES_PER_TIER or jobs.fds.blocked(now):
+            if len(jobs.active[k]) >= TMP_FILES_PER_TIER or jobs.fds.blocked(time.monotonic()):
                 return None
             with self.queue.lock:
                 fifo = self.queue.fifo[k] or self.queue.copies[k]  # catch-up copies only when no put waits
@@ -405,29 +416,20 @@ class WritePath:
                 self._hung_under_writer(k)
 
     def _hung_under_writer(self, k: int) -> None:
-        """Tier ``k``'s writes in flight made no progress for write_timeout: the tier fails (no I/O on
-        it: it may hang), its queued pages skip it, and its jobs are abandoned: the pages end with the
-        tiers that committed them (or a tier that replicate=budget skipped writes them), the puts
-        answer. An abandoned job's file is never renamed into place, and goes when its last write
-        ends. Such a write may still read its source after the put returned: its staging copy, or on
-        a local tier the caller's memory (the kernel holds the request; nothing can call it back),
-        whose bytes then go only to that file, never served."""
-        self.stats.add(k, "write_timeouts")
-        self.stats.add(k, "errors")
-        self.tiers[k].fail(errno.ETIMEDOUT, f"writes made no progress for {self.write_timeout:g} s (write_timeout)")
-        with self.queue.lock:
-            dropped = list(self.queue.fifo[k])
-            self.queue.fifo[k].clear()
-        for page in dropped:
-            self.queue.job_over_under_writer(page, k)
-        for job in list(self.jobs.active[k]):
-            job.err = errno.ETIMEDOUT
-            self.stats.add(k, "writes_abandoned")
-            self.index.abort(k, job.page.length)
-            self.io.orphan([w for w in self.io.requests() if w.job is job])
-            self.jobs.leave_under_writer(job)
-            if not job.in_flight:
-                self.jobs.discard_abandoned_under_writer(job)
+        """Tier ``k``'s writes in flight made no progress for write_timeout: the tier fails and its jobs
+        are abandoned (Jobs.hung_under_writer); their writes in flight stay on the ring as orphans."""
+        self.jobs.hung_under_writer(k, self.write_timeout, self._orphan_under_writer)
+
+    def _orphan_under_writer(self, job: Job) -> None:
+        """An abandoned job's writes in flight: orphans until they end. Their staging leaves the budget
+        at once (it goes back to the pool when they end): else it stayed full, and every later put, and
+        close(), waited for the hung tier. Memory stays bounded, by one window per hung tier: a failed
+        tier takes no new write, and one back in service counts its orphans in its window (io.bytes);
+        with read priority off, by what the budget let the tier hold when it hung."""
+        orphans = [w for w in self.io.requests() if w.job is job]
+        for write in orphans:
+            self._unbudget_under_writer(write)
+        self.io.orphan(orphans)
 
     # -- completions -----------------------------------------------------------------------------
     def _complete_under_writer(self, write: Write, res: int, now: float) -> None:

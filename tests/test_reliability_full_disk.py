@@ -1,9 +1,9 @@
 """A full disk, for real: tier 0 is a small ext4 file system on a loop device with no capacity
-configured, so the engine learns it is full only from ENOSPC. It evicts least-recently-used pages
-and keeps accepting writes; when eviction cannot make room (every page pinned by reads in flight,
-or one page larger than the file system) the write fails cleanly for that tier only: the page is
-stored on the other tier, counted under-replicated, no leftover, no page evicted for nothing, the
-tier stays healthy (full is not failed).
+configured, so the engine learns it is full only from ENOSPC (out of blocks, or of inodes). It
+evicts least-recently-used pages and keeps accepting writes; when eviction cannot make room (every
+page pinned by reads in flight, or one page larger than the file system) the write fails cleanly for
+that tier only: the page is stored on the other tier, counted under-replicated, no leftover, no page
+evicted for nothing, the tier stays healthy (full is not failed).
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from helpers import PageSet, TierFaultPlan, loop_fs, make_engine, page_files, tmp_files, \
-    wait_for_fault  # noqa: F401
+from helpers import PageSet, TierFaultPlan, content, loop_fs, make_engine, page_files, put_items, \
+    tmp_files, wait_for_fault  # noqa: F401
 
 MIB = 1 << 20
 FS_BYTES = 64 * MIB
@@ -38,6 +38,14 @@ def _fill(path: str, leave: int) -> None:
         os.posix_fallocate(fd, 0, max(_free(path) - leave, 4096))
     finally:
         os.close(fd)
+
+
+def _take_inodes(path: str, leave: int) -> None:
+    """Take all but ``leave`` of the file system's free inodes with empty files kvstream does not own."""
+    filler = os.path.join(path, "inodes")
+    os.mkdir(filler)
+    for i in range(os.statvfs(path).f_ffree - leave):
+        os.close(os.open(os.path.join(filler, str(i)), os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def test_full_tier_evicts_lru_and_keeps_accepting_writes(tier_root, loop_fs):
@@ -88,6 +96,23 @@ def test_page_larger_than_the_file_system_fails_for_that_tier_only(tier_root, lo
     with make_engine([fs.mnt]) as engine:  # alone, the page is not stored at all: False, not an error
         assert huge.put(engine, huge.keys(1, 1)) == [False]
         assert engine.stats()["tiers"][0]["healthy"] and engine.index.pages_on(0) == 12
+
+
+def test_a_tier_out_of_inodes_evicts_lru_and_keeps_accepting_writes(loop_fs):
+    """Tier 0 has bytes to spare but no inode left (another program's small files): a new temporary
+    file fails with ENOSPC, so the engine evicts its least recent page and creates the file again, as
+    on a full disk. Every page is stored, the tier stays healthy (before: once the inodes ran out every
+    page was refused, write_failures, nothing evicted). One shard directory (keys 'aa...'): an empty
+    shard left by an eviction keeps its inode, which would leave fewer pages than shards. Found by a
+    review."""
+    fs = loop_fs(FS_BYTES, "inodes")
+    keys = [f"aa{i:04d}" for i in range(40)]
+    with make_engine([fs.mnt]) as engine:
+        _take_inodes(fs.mnt, leave=16)
+        assert [put_items(engine, [(k, content(k, 8192), True)]) for k in keys] == [[True]] * len(keys)
+        t0 = engine.stats()["tiers"][0]
+        assert t0["healthy"] and t0["evictions"] > 0 and t0["write_failures"] == 0
+        assert tmp_files(fs.mnt) == [] and engine.index.holders(keys[-1]) == 1
 
 
 @pytest.mark.parametrize("limit", ["enospc", "capacity"])

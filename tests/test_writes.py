@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import signal
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -17,9 +20,10 @@ import pytest
 from kvstream_hicache import admission, files, writes
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
-from kvstream_hicache.layout import file_size
+from kvstream_hicache.layout import TierLayout, file_size
 from kvstream_hicache.priority import STALL_S, ReadPriority
 from kvstream_hicache.router import SingleTier
+from kvstream_hicache.tiers import Tier
 
 from helpers import (
     FakeClock, PageSet, Pages, TierFaultPlan, io_uring_fds, key, make_engine, open_fds, page_files, sq_tail, tmp_files, wait_for_fault,
@@ -300,6 +304,70 @@ def test_a_key_being_written_is_written_once(tier_dirs):
         wait_until(lambda: len(results) == 2, "a deferred put never completed")
         assert results == [[True], [True]]
         assert [t["pages_written"] for t in engine.stats()["tiers"]] == [1, 1]
+
+
+def test_fsync_full_a_put_that_joined_another_puts_write_is_false_when_the_directory_sync_fails(
+        tier_dirs, monkeypatch):
+    """fsync=full, one tier: a second put of a key joins the first put's write in flight; then the page
+    directory's fsync fails (EIO). No copy is durable: both puts answer False (before: the second
+    answered True, its sync judged only its own pages, not the one it joined). Found by a review."""
+    plan = TierFaultPlan()
+    pages = PageSet(64 << 10, held=1)
+    (k,) = pages.keys(1)
+
+    def failing_sync(self, dirs):
+        raise OSError(errno.EIO, "fsync directory: Input/output error")
+
+    with make_engine(tier_dirs[:1], fault_plan=plan, fsync="full") as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        first, out1 = in_thread(engine.put, [k], pages.src_segments)
+        wait_for_fault(plan, WAIT_S)
+        second, out2 = in_thread(engine.put, [k], pages.src_segments)
+        wait_until(lambda: len(engine._writes.queue.pending[k].calls) == 2, "the second put never joined the first")
+        monkeypatch.setattr(Tier, "sync_dirs", failing_sync)
+        plan.clear()
+        plan.release()
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+        assert out1 == [[False]] and out2 == [[False]]
+
+
+def test_a_put_never_answers_for_a_version_of_another_length_being_written(tier_dirs):
+    """Two puts of one key at the same moment, of other sizes (two deployments of the namespace): the
+    second does not join the first's write (that is not its page); it answers False, and its next put
+    stores its own version (before: it answered True for the other size's copy)."""
+    plan = TierFaultPlan()
+    big, small = PageSet(64 << 10, held=1, salt="v"), PageSet(16 << 10, held=1, salt="v")
+    (k,) = big.keys(1)
+    with make_engine(tier_dirs[:1], fault_plan=plan) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        first, out1 = in_thread(engine.put, [k], big.src_segments)
+        wait_for_fault(plan, WAIT_S)
+        assert engine.put([k], small.src_segments) == [False]
+        plan.clear()
+        plan.release()
+        first.join(WAIT_S)
+        assert out1 == [[True]] and big.checked_get(engine, [k]) == [True]
+        assert small.put(engine, [k]) == [True] and small.checked_get(engine, [k]) == [True]
+
+
+def test_a_version_of_another_length_does_not_turn_a_put_into_a_no_op(tier_dirs):
+    """Another deployment of the namespace (another KV dtype: 12 KiB pages, not 48 KiB) stores a key
+    on a tier both share; this engine finds it (a miss: the other size). A put of the key at its own
+    length writes it over that version, and the get finds it (before: the key counted as held, the put
+    answered True and wrote nothing, and every later get missed). Found by a review."""
+    mine, theirs = PageSet(48 << 10, salt="v"), PageSet(12 << 10, salt="v")
+    keys = mine.keys(1)
+    with make_engine(tier_dirs[:1]) as engine:
+        with make_engine(tier_dirs[2:3]) as other:
+            assert theirs.put(other, keys) == [True]
+            source = other.tiers[0].layout
+        ours = TierLayout(tier_dirs[0], engine.namespace.digest)
+        os.makedirs(ours.page_dir(keys[0]), mode=0o700, exist_ok=True)
+        shutil.copyfile(source.page_path(keys[0]), ours.page_path(keys[0]))
+        assert mine.checked_get(engine, keys) == [False]
+        assert mine.put(engine, keys) == [True]
+        assert mine.checked_get(engine, keys) == [True]
 
 
 def test_clear_drops_queued_and_in_flight_writes(tier_dirs):
@@ -668,4 +736,98 @@ def test_close_returns_while_a_hung_tier_holds_abandoned_writes(tier_dirs):
         engine.close()
     wait_until(lambda: not any(t.name == "kvstream-close" for t in threading.enumerate()),
                "the background close never ended")
-    assert not tmp_files(tier_dirs[1])
+    # (each file goes in a kvstream-discard thread of its own, which may still run after the close)
+    wait_until(lambda: not tmp_files(tier_dirs[1]), "an abandoned write's temporary file stayed")
+
+
+@pytest.mark.parametrize("memory,chunk,page", [("4M", "16K", 1 << 20), ("64M", "16M", 16 << 20)])
+def test_a_hung_tier_s_abandoned_staging_does_not_hold_the_healthy_tiers_puts(tier_dirs, memory, chunk, page):
+    """Tier 1 hangs with staged writes in flight that fill write staging: abandoned at write_timeout,
+    their staging leaves the budget (the pool has it back when they end), so the next put, to tier 0
+    now, goes through (before: it waited as long as the hung tier, the budget full of the abandoned
+    writes' staging). Found by a review."""
+    plan = TierFaultPlan()
+    pages = PageSet(page, aligned=False)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.3, tier_retry=600,
+                     memory=memory, chunk=chunk) as engine, releasing(plan):
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+        assert _put_returns(engine, pages, pages.keys(2)) == [True, True]
+        assert not engine.tiers[1].healthy and engine._writes.io.orphans
+        assert _put_returns(engine, pages, pages.keys(2, start=2)) == [True, True]
+
+
+def test_close_answers_a_deferred_put_queued_behind_a_hung_tier_s_abandoned_staging(tier_dirs):
+    """A deferred put queued while a hung tier's abandoned writes hold the staging they took: close()
+    writes it to the healthy tier, answers it and returns (before: close() waited for the hung tier,
+    the deferred put unanswered). Found by a review."""
+    plan = TierFaultPlan()
+    pages = PageSet(1 << 20, aligned=False, held=4)
+    keys = pages.keys(4)
+    done: list = []
+    engine = make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.3, tier_retry=600,
+                         memory="4M")
+    try:
+        with releasing(plan):
+            plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+            assert engine.put(keys[:2], pages.src_segments[:2]) == [True, True]
+            assert not engine.tiers[1].healthy
+            engine.put_deferred(keys[2:], pages.src_segments[2:], done.append)
+            closer = threading.Thread(target=engine.close, daemon=True)
+            closer.start()
+            closer.join(20)
+            assert not closer.is_alive(), "close() waited for a hung tier's abandoned writes"
+            assert done == [[True, True]]
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def fuse_tier(tier_root):
+    """A tier on a FUSE file system (bindfs, in the foreground) and its daemon: SIGSTOP to the daemon
+    hangs every call on the tier, as a FUSE or NFS server that stops answering does. A watchdog
+    resumes the daemon after 30 s, should the test end with it stopped (the unmount would hang)."""
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
+    src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "fuse")
+    os.mkdir(src, 0o700)
+    os.mkdir(mnt)
+    daemon = subprocess.Popen(["bindfs", "-f", src, mnt])
+    watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {daemon.pid}"], start_new_session=True)
+    try:
+        wait_until(lambda: os.path.ismount(mnt), "bindfs never mounted", 10)
+        os.mkdir(os.path.join(mnt, "tier"), 0o700)
+        yield os.path.join(mnt, "tier"), daemon
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        os.killpg(watchdog.pid, signal.SIGKILL)
+        watchdog.wait()
+        if subprocess.run(["fusermount", "-u", mnt], capture_output=True).returncode and os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+        daemon.wait(10)
+
+
+def test_a_writer_step_held_up_by_one_tier_never_fails_another_as_hung(tier_dirs, fuse_tier):
+    """Tier 1's FUSE daemon stops for 1 s while a put starts: the writer's step waits in tier 1's
+    create (held up, not hung: its file system answers later) after it queued tier 0's writes. Tier 0's
+    hang clock starts when its writes are sent, so tier 0 stays healthy and holds both pages (before:
+    the clock started with the step, and tier 0 was failed as hung, write_timeout 0.3 s, at the step's
+    first reap). Found by a review."""
+    tier, daemon = fuse_tier
+    plan = TierFaultPlan().on(tier_dirs[0], Fault.delay(0.05), opcode=OP_WRITE)
+    pages = PageSet(64 << 10)
+    keys = pages.keys(2, start=1)
+    resume = threading.Timer(1.0, os.kill, (daemon.pid, signal.SIGCONT))
+    with make_engine([tier_dirs[0], tier], fault_plan=plan, replicate="all", write_timeout=0.3,
+                     tier_retry=600, discover=False) as engine:
+        try:
+            assert pages.put(engine, pages.keys(1)) == [True]
+            os.kill(daemon.pid, signal.SIGSTOP)
+            resume.start()
+            assert pages.put(engine, keys) == [True, True]
+        finally:
+            resume.cancel()
+            os.kill(daemon.pid, signal.SIGCONT)
+            plan.clear()
+        row = engine.stats()["tiers"][0]
+        assert row["healthy"] and row["write_timeouts"] == 0, engine.tiers[0].last_error
+        assert all(engine.index.holders(k) & 1 for k in keys)
