@@ -32,31 +32,33 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     writer's version): the page is worth looking up again on the tiers, where no indexed copy is left
     (a copy the index does not list: one the start-up scan has not reached yet, or another process's).
     ``in_transfer`` is called when the copy on disk is intact (the fault was the transfer's)."""
+    fd = None  # the file read, held open to the end: only that very file may be removed (Problem.judged)
     try:
-        fd, st = open_regular(tier.layout.page_path(key), trust=tier.trust)
         try:
-            crc = block_crc(fd, info.length, info.block, j)
-        finally:
+            fd, st = open_regular(tier.layout.page_path(key), trust=tier.trust)
+            # (a file cut inside its last block's padding: the block's bytes are all there, yet the file
+            # is truncated, as the scan and check judge it, and an O_DIRECT read of it is short forever)
+            differs = block_crc(fd, info.length, info.block, j) != info.crcs[j] or \
+                st.st_size < file_size(info.length)
+        except (FileNotFoundError, NotRegularFile):
+            differs = True
+        except OSError:
+            return False  # the tier is failing: its health, not this page, is the problem
+        if not differs:
+            log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
+                        "intact on disk; read from a replica", j, key, tier.k, why)
+            in_transfer()
+            return False
+        problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
+        if problem is not None and problem.reason is Reason.UNREADABLE:
+            return False  # an I/O error: the tier's health, not this copy, is the problem
+        if problem is not None and problem.reason is not Reason.VANISHED:
+            # only the very file judged goes: a writer may have renamed a valid page over it since
+            remove_copy(tier, index, stats, key, f"{why}, block {j}", judged=problem.judged(fd) or not_a_file)
+            return True
+    finally:
+        if fd is not None:
             close_fd(fd)
-        # (a file cut inside its last block's padding: the block's bytes are all there, yet the file is
-        # truncated, as the scan and check judge it, and an O_DIRECT read of it comes back short forever)
-        differs = crc != info.crcs[j] or st.st_size < file_size(info.length)
-    except (FileNotFoundError, NotRegularFile):
-        differs = True
-    except OSError:
-        return False  # the tier is failing: its health, not this page, is the problem
-    if not differs:
-        log.warning("kvstream: block %d of page %s from tier %d failed its %s check in transfer but is "
-                    "intact on disk; read from a replica", j, key, tier.k, why)
-        in_transfer()
-        return False
-    problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
-    if problem is not None and problem.reason is Reason.UNREADABLE:
-        return False  # an I/O error: the tier's health, not this copy, is the problem
-    if problem is not None and problem.reason is not Reason.VANISHED:
-        # only the very file judged goes: a writer may have renamed a valid page over it since
-        remove_copy(tier, index, stats, key, f"{why}, block {j}", judged=problem.judged() or not_a_file)
-        return True
     index.remove(key, tier.k)  # kept (another writer's version), or gone
     if problem is None:
         stats.add(tier.k, "other_versions")

@@ -520,7 +520,7 @@ class Engine:
                      if page.problem is None and (sizes is None or page.header.length == sizes[key])]
             for _, k, page in sorted(pages, key=lambda e: e[:2]):
                 self._index_page(k, page)
-            if self.index.contains(key, mask):
+            if pages and self.index.contains(key, mask):  # (pages: a key held at another size found none)
                 found += 1
                 self._stats.total("discovered")
         return found

@@ -42,8 +42,8 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import is_engine_tmp, stale_tmp
 from .trust import (
-    LINK, OTHER, Trust, describe, dir_findings, dir_fix, identity, learn, list_below, not_a_file, not_trusted,
-    remove, same_file, scandir_below,
+    LINK, OTHER, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted,
+    pin, remove, same_file, scandir_below,
 )
 
 if TYPE_CHECKING:
@@ -160,13 +160,17 @@ class Problem(NamedTuple):
     fixed: bool = False
     ident: tuple | None = None  # the file judged (trust.identity; NOT_A_FILE): a fix removes only that one
 
-    def judged(self) -> Callable[[os.stat_result], bool] | None:
-        """trust.remove's ``judged`` for the entry this problem was found in: only that very file (or, for
-        an entry judged no regular file, only a non-file) goes; None: nothing was judged (a name no
-        page has, a temporary leftover), whatever is there goes."""
+    def judged(self, held: int | None) -> Callable[[os.stat_result], bool] | None:
+        """trust.remove's ``judged`` for the entry this problem was found in: only that very file, held
+        open (``held``: trust.pin, or the descriptor read) from before it was judged to its removal, so
+        that its inode cannot have gone to another file meanwhile (or, for an entry judged no regular
+        file, only a non-file) goes; a file judged but not held goes not at all. None: nothing was judged
+        (a name no page has, a temporary leftover), whatever is there goes."""
         if self.ident is None:
             return None
-        return not_a_file if self.ident == NOT_A_FILE else same_file(self.ident)
+        if self.ident == NOT_A_FILE:
+            return not_a_file
+        return same_file(self.ident) if holds(held, self.ident) else lambda st: False
 
 
 NOT_A_FILE = ()  # Problem.ident of an entry judged no regular file (a FIFO, a socket, ... under a page's name)
@@ -411,10 +415,18 @@ def check_tier(layout: TierLayout, digest: str, *, trust: Trust | None = None, f
     problems += tmp_problems(layout.root, layout.tmp, live_tokens, fix, trust) if tmp else []
     valid: dict[str, ScannedPage] = {}
     for page in scan_pages(layout, digest, payload=payload, trust=trust):
+        problem = page.problem
+        if problem is not None and problem.ident is not None and fix:  # a file judged: again, held (judge_and_fix)
+            path, name = page.path, os.path.basename(page.path)
+            shard = os.path.basename(os.path.dirname(path))
+            page, problem = judge_and_fix(path, lambda: _scan_one(layout, digest, shard, name, path, payload, trust),
+                                          trust)
+        elif problem is not None and problem.reason is not Reason.VANISHED:
+            problem = fix_problem(problem, fix, trust)
         if page.problem is None:
             valid[page.header.key] = page
-        elif page.problem.reason is not Reason.VANISHED:
-            problems.append(fix_problem(page.problem, fix, trust))
+        elif problem is not None and problem.reason is not Reason.VANISHED:
+            problems.append(problem)
     return problems, valid
 
 
@@ -521,12 +533,13 @@ def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str]
                   for name, why in sorted(strays.items())]
 
 
-def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None) -> Problem:
+def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None, held: int | None = None) -> Problem:
     """Remove the file behind ``problem`` when ``fix``; the returned copy says whether it went, and
     if not, why (its ``detail`` grows the reason). Only a file of an owner in ``trust`` (default: this
     user) goes, through the descriptor of its directory, never through a link (trust.remove); a
-    temporary one only when named as kvstream names them. Directories are never removed: one may be
-    another tier's tree or anything else an operator keeps there."""
+    temporary one only when named as kvstream names them; a page file only when ``held`` from before
+    it was judged (Problem.judged: :func:`judge_and_fix` does both). Directories are never removed: one
+    may be another tier's tree or anything else an operator keeps there."""
     if not fix:
         return problem
     if problem.reason is Reason.UNREADABLE:  # EMFILE, EIO, ESTALE...: the file itself may be valid
@@ -536,10 +549,26 @@ def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None) 
     # (trust.remove); an entry judged no regular file goes only while it is none.
     try:
         why = remove(problem.tier, problem.path, trust or Trust.user(),
-                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None, problem.judged())
+                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None, problem.judged(held))
     except OSError as exc:
         return problem._replace(detail=f"{problem.detail}; could not remove it "
                                        f"({os.strerror(exc.errno or errno.EIO)})")
     if why is not None:
         return problem._replace(detail=f"{problem.detail}; left in place: {why}")
     return problem._replace(fixed=True)
+
+
+def judge_and_fix(path: str, judge: Callable[[], ScannedPage], trust: Trust) -> tuple[ScannedPage, Problem | None]:
+    """Judge the entry at ``path`` (``judge()``) holding it (trust.pin) from before the judgment to the
+    removal, and remove it when judged damaged, misplaced or a stray (fix_problem): (the page as judged,
+    the problem as fixed or left; None when there is none). Another writer may rename a valid page over
+    the name at any moment: only the very file judged goes."""
+    held = pin(path)
+    try:
+        page = judge()
+        if page.problem is None or page.problem.reason is Reason.VANISHED:
+            return page, None
+        return page, fix_problem(page.problem, trust=trust, held=held)
+    finally:
+        if held is not None:
+            close_fd(held)

@@ -9,7 +9,8 @@ tier, walks that tier's shard directories and:
   (``Index.add_scanned``: at the oldest end, so a page used since start stays more recent);
 - removes damaged, truncated and misplaced files, after reading them a second time (a writer may
   have renamed a valid page over the name since the first read: a valid page is never deleted), and
-  only the very file judged then (integrity.fix_problem: one renamed over it since stays);
+  only the very file judged then, held open from before (integrity.judge_and_fix: one renamed over it
+  since stays);
 - at the end, sorts the pages it found by write time (``Index.settle``: the LRU order of before the
   restart) and trims a tier over its capacity (one lowered since the last run).
 
@@ -37,7 +38,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from .index import RETRY, Index
-from .integrity import Reason, ScannedPage, fix_problem, scan_entry, shard_entries, shards, tmp_problems
+from .integrity import Reason, ScannedPage, judge_and_fix, scan_entry, shard_entries, shards, tmp_problems
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
@@ -210,14 +211,13 @@ class BackgroundScan:
                 page = self._visit(part, shard, name, path, added)
                 if page.problem is not None and page.problem.reason is not Reason.VANISHED:
                     # a writer may have put a valid page under the name since: read it again first (a
-                    # valid one is indexed), and remove only the very file judged then (fix_problem)
-                    page = self._visit(part, shard, name, path, added)
-                    if page.problem is not None and page.problem.reason is not Reason.VANISHED:
-                        problem = fix_problem(page.problem, trust=tier.trust)
-                        if problem.fixed:
-                            part.damaged += 1
-                        else:
-                            self._kept(part, problem)
+                    # valid one is indexed), and remove only the very file judged then (judge_and_fix)
+                    page, problem = judge_and_fix(path, lambda: self._visit(part, shard, name, path, added),
+                                                  tier.trust)
+                    if problem is not None and problem.fixed:
+                        part.damaged += 1
+                    elif problem is not None:
+                        self._kept(part, problem)
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
             self._publish()

@@ -460,6 +460,27 @@ def same_file(ident: tuple[int, int, int, int]) -> Callable[[os.stat_result], bo
     return lambda st: identity(st) == ident
 
 
+def pin(path: str) -> int | None:
+    """An O_PATH descriptor of the entry at ``path`` itself (never followed, never read: a FIFO or a
+    device too), taken before the entry is judged and held until it is removed: while it is held, the
+    file's inode cannot be freed and handed to another file, so :func:`same_file` cannot mistake a new
+    page of the same size and timestamp (a coarse-timestamp file system, ``cp -p``) for the file judged.
+    None when nothing can be opened (gone)."""
+    try:
+        return os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def holds(fd: int | None, ident: tuple[int, int, int, int]) -> bool:
+    """Whether ``fd`` (:func:`pin`, or any descriptor) is open on the file of :func:`identity` ``ident``."""
+    try:
+        st = os.fstat(fd) if fd is not None else None
+    except OSError:  # (ESTALE: replaced on another node)
+        return False
+    return st is not None and (st.st_dev, st.st_ino) == ident[:2]
+
+
 def not_a_file(st: os.stat_result) -> bool:
     """:func:`remove`'s ``judged`` for an entry judged not to be a regular file (a FIFO, a socket, ...
     under a page's name) with no descriptor of it: a page, always a regular file, never matches."""

@@ -174,3 +174,16 @@ def test_a_newer_version_of_another_size_does_not_hide_a_copy_of_the_callers_siz
         assert engine.last_batch["second_chance"] == 1
         assert theirs.checked_get(engine, keys) == [True] * 2  # and back: each finds its own size
     assert len(page_files(tier_dirs[0])) == len(page_files(tier_dirs[1])) == 2
+
+
+def test_a_size_mismatch_with_no_copy_of_the_callers_size_discovers_nothing(tier_dirs):
+    """'discovered' counts pages found on the tiers that the index lacked: a get of another size than the
+    indexed page, for which no tier holds a copy of that size, discovers nothing (it counted one a get)."""
+    mine, theirs = PageSet(size=48 << 10, salt="v"), PageSet(size=12 << 10, salt="v")
+    keys = mine.keys(2)
+    with make_engine(tier_dirs[:2], replicate="all") as engine:
+        assert mine.put(engine, keys) == [True] * 2
+        for _ in range(3):
+            assert theirs.checked_get(engine, keys) == [False] * 2
+        stats = engine.stats()
+        assert stats["size_mismatch"] == 6 and stats["discovered"] == 0

@@ -250,6 +250,7 @@ def test_parse_sim_policy():
     # a claim size or depth given to a static or one-tier policy is simulated, not dropped for --m
     assert (parse_sim_policy("static-0.75:m=8,depth=16").m, parse_sim_policy("static-0.75:m=8,depth=16").depth) == (8, 16)
     assert parse_sim_policy("static-auto:m=3").m == 3 and parse_sim_policy("tier1:m=4").m == 4
+    assert parse_sim_policy("static-0.50:m=4").name == "static-0.5:m=4" and parse_sim_policy("tier0").name == "tier0"
     p = parse_sim_policy("replicate-share-0.4")
     assert p.kind == "share" and p.f == 0.4 and p.auto_g
     assert parse_sim_policy("replicate-after-slow:slow=0.5,g=0.7").slow == 0.5

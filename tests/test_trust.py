@@ -172,6 +172,74 @@ def test_remove_takes_only_the_file_judged(tier_root):
     assert Path(path).read_bytes() == b"valid"
 
 
+def _inode_thief(monkeypatch, path: str, tmp_dir: str, valid: bytes) -> list:
+    """When the removal of the damaged file at ``path`` begins (its rename aside), two other writers put
+    the page: the first rename frees the damaged file's inode unless something holds it; the second
+    page's file takes that inode back (ext4 hands out the lowest free one), with the page's size and,
+    as on a file system of coarse timestamps (or ``cp -p``), the damaged file's mtime. Returns a list
+    that holds True once it ran."""
+    damaged, real_rename, done = os.stat(path), os.rename, []
+
+    def write_valid(name: str) -> str:
+        Path(tmp_dir, name).write_bytes(valid)
+        return os.path.join(tmp_dir, name)
+
+    def rename(src, dst, *args, **kwargs):
+        if str(dst).startswith(".kvstream-removing") and not done:
+            done.append(True)
+            real_rename(write_valid("writer1"), path)
+            spare = []
+            for i in range(64):
+                again = write_valid(f"writer2.{i}")
+                if os.stat(again).st_ino == damaged.st_ino:
+                    break
+                spare.append(again)
+            for name in spare:
+                os.unlink(name)
+            os.utime(again, ns=(damaged.st_atime_ns, damaged.st_mtime_ns))
+            real_rename(again, path)
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    return done
+
+
+@pytest.mark.parametrize("who", ["scan", "read", "check"])
+def test_a_removal_never_takes_a_valid_page_that_got_the_judged_files_inode(tier_dirs, monkeypatch, who):
+    """The file judged damaged is held open from before its judgment to its removal (the start-up scan,
+    a read, check --fix): its inode cannot go to a valid page renamed over the name meanwhile, which
+    identity alone (device, inode, size, mtime) would take for it. Found by a review of the change that
+    had dropped the held descriptor."""
+    from kvstream_hicache import files
+
+    monkeypatch.setattr(files, "READ_FILES_HELD", 0)  # (a read's own descriptors closed once idle)
+    pages = PageSet(size=40 << 10)
+    keys = pages.keys(1)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True]
+        layout = engine.tiers[0].layout
+        path = layout.page_path(keys[0])
+        valid = Path(path).read_bytes()
+        if who != "scan":
+            flip_byte(path, HEADER_SIZE + 100)
+            done = _inode_thief(monkeypatch, path, layout.tmp, valid)
+            if who == "read":
+                pages.checked_get(engine, keys)
+            else:
+                engine.check(fix=True)
+            monkeypatch.undo()
+            assert pages.checked_get(engine, keys) == [True]  # the valid page, found again
+    if who == "scan":
+        flip_byte(path, 30)
+        done = _inode_thief(monkeypatch, path, layout.tmp, valid)
+        with make_engine(tier_dirs[:1]) as engine:
+            assert engine.wait_scan(30)
+            monkeypatch.undo()
+            assert pages.checked_get(engine, keys) == [True]
+    assert done, "the damaged file's removal never began"
+    assert Path(path).read_bytes() == valid, "a valid page that took the judged file's inode was deleted"
+
+
 def test_a_read_never_deletes_a_valid_page_renamed_over_the_damaged_copy(tier_dirs, monkeypatch):
     pages = PageSet()
     key = pages.keys(1)[0]

@@ -224,6 +224,7 @@ def parse_sim_policy(spec: str) -> SimPolicy:
     if not match:
         raise ValueError(f"bad policy {spec!r}")
     base, opts = match["base"], match["opts"]
+    suffix = f":{opts}" if opts else ""  # (a claim size of its own is another simulation: named apart)
     if base in ("kvstream", "replicate-all"):
         o = _opts(opts, spec, {"m", "depth", "h"} if base == "kvstream" else {"m", "depth"})
         return SimPolicy(spec, "budget" if base == "kvstream" else "all", **_claim(o),
@@ -235,14 +236,14 @@ def parse_sim_policy(spec: str) -> SimPolicy:
         o = _opts(opts, spec, {"m", "depth"})
         value = base[len("static-"):]
         if value == "auto":
-            return SimPolicy("static-auto", "static", auto_g=True, **_claim(o))
+            return SimPolicy("static-auto" + suffix, "static", auto_g=True, **_claim(o))
         g = float(value)
         if not 0 <= g <= 1:
             raise ValueError(f"static share must be within [0, 1], got {g}")
-        return SimPolicy(f"static-{g:g}", "static", g=g, **_claim(o))
+        return SimPolicy(f"static-{g:g}{suffix}", "static", g=g, **_claim(o))
     if re.fullmatch(r"tier\d+", base):
         o = _opts(opts, spec, {"m", "depth"})
-        return SimPolicy(base, "single", tier=int(base[4:]), **_claim(o))
+        return SimPolicy(base + suffix, "single", tier=int(base[4:]), **_claim(o))
     if base.startswith("replicate-share-"):
         o = _opts(opts, spec, {"g"})
         f = float(base[len("replicate-share-"):])
