@@ -60,7 +60,7 @@ from .priority import ReadPriority
 from .reads import ReadPath
 from .replication import PROMOTE_SHARE, Replicator
 from .router import Policy, parse_policy
-from .scan import BackgroundScan
+from .scan import RETRIES, BackgroundScan
 from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
@@ -515,11 +515,14 @@ class Engine:
         found = 0
         until = honest_until()
         for key in keys:
-            pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers if mask >> tier.k & 1
-                     for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
-                     if page.problem is None and (sizes is None or page.header.length == sizes[key])]
-            for _, k, page in sorted(pages, key=lambda e: e[:2]):
-                self._index_page(k, page)
+            for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read)
+                mark = self.index.mark(key)
+                pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers
+                         if mask >> tier.k & 1
+                         for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
+                         if page.problem is None and (sizes is None or page.header.length == sizes[key])]
+                if all([self._index_page(k, page, mark) for _, k, page in sorted(pages, key=lambda e: e[:2])]):
+                    break
             if pages and self.index.contains(key, mask):  # (pages: a key held at another size found none)
                 found += 1
                 self._stats.total("discovered")
@@ -547,11 +550,14 @@ class Engine:
         self._lookup([k for k in sorted(relook) if not held(k)], mask, relook)
         return mask
 
-    def _index_page(self, k: int, page: ScannedPage) -> None:
-        """Index a valid page file on tier ``k``. An indexed copy of other content on another tier
-        leaves the index (one version per key) but not the disk: it is a valid page too."""
+    def _index_page(self, k: int, page: ScannedPage, mark: int | None = None) -> bool:
+        """Index a valid page file on tier ``k``, read after ``mark`` (Index.mark; None: now, with every
+        writer held). An indexed copy of other content on another tier leaves the index (one version per
+        key) but not the disk: it is a valid page too. False: a copy of a key like it left the index
+        since ``mark``, maybe this one, its file being deleted: nothing indexed, read it again."""
         h = page.header
-        self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False)
+        mark = self.index.mark(h.key) if mark is None else mark
+        return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark) is not None
 
     def _reconcile(self, tier: Tier) -> str:
         """A failed tier rejoins (its tree checked as start-up checks it: tiers.py): it serves at once,

@@ -117,11 +117,14 @@ class Index:
         self._crc_at = array("q")
         self._ncrc = array("H")
         self._crcs = array("I")  # every page's block CRCs, end to end
-        self._crc_free: dict[int, list[int]] = {}  # block count -> offsets of freed runs
+        self._crc_free: dict[int, list[int]] = {}  # run size (_run) -> offsets of freed runs
         self._free = array("i")  # slots to reuse
         self._prev = [array("i") for _ in range(self.n_tiers)]
         self._next = [array("i") for _ in range(self.n_tiers)]
         self._on = [bytearray() for _ in range(self.n_tiers)]  # which list, or _NONE
+        # 1: this copy was indexed from a read of its file (the scan, discovery), not written here: a
+        # removal of the file racing that read takes the copy out again (file_removed)
+        self._found = [bytearray() for _ in range(self.n_tiers)]
         self._head = [[_NIL] * 3 for _ in range(self.n_tiers)]
         self._tail = [[_NIL] * 3 for _ in range(self.n_tiers)]
         self._count = [0] * self.n_tiers  # pages per tier
@@ -272,16 +275,20 @@ class Index:
             self.reserved[tier] -= nbytes
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
-               nbytes: int, *, reserved: bool = True, oldest: bool = False) -> list[int]:
+               nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
-        used count.
+        used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
+        (discovery, check), not written here; None is returned, and nothing indexed, when a copy of a key
+        like it left the index since (maybe this one, its file being deleted: read it again).
 
         :returns: tiers whose copy the index forgot because it describes other content (one key
             holds one content in the index); normally empty. Their files stay: another writer's
             version of the page is valid, and is found again when no indexed copy is left.
         """
         with self._lock:
+            if mark is not None and self._drops[hash(key) & _DROP_BUCKETS] != mark:
+                return None
             if reserved:
                 self.reserved[tier] -= nbytes
             slot = self._table.find(key)
@@ -295,6 +302,7 @@ class Index:
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
             self._hold_under_index(slot, tier, OLD if oldest else HOT, first=oldest)
+            self._found[tier][slot] = mark is not None
             return displaced
 
     def mark(self, key: str) -> int:
@@ -328,6 +336,7 @@ class Index:
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
             self._hold_under_index(slot, tier, SCANNED)
+            self._found[tier][slot] = 1
             return slot
 
     def remove(self, key: str, tier: int) -> bool:
@@ -338,18 +347,22 @@ class Index:
 
     def file_removed(self, key: str, tier: int) -> None:
         """``key``'s file on ``tier`` was removed after its copy left the index (delete, eviction,
-        damage). A scan that read the file between the two must not index it: a copy it indexed
-        meanwhile leaves again, and one it read before and indexes after is read again (the drop
-        count moves, :meth:`mark`), and is gone."""
+        damage). A scan or a discovery that read the file between the two must not index it: a copy it
+        indexed meanwhile leaves again (wherever it moved since: read, settled), and one it read before
+        and indexes after is read again (the drop count moves, :meth:`mark`), and is gone."""
         with self._lock:
             self._drops[hash(key) & _DROP_BUCKETS] += 1
             slot = self._table.find(key)
-            if slot >= 0 and self._tiers[slot] >> tier & 1 and self._on[tier][slot] == SCANNED:
-                self._drop_under_index(slot, tier)
+            if slot >= 0 and self._tiers[slot] >> tier & 1 and self._found[tier][slot]:
+                self._drop_under_index(slot, tier)  # (scanned or discovered, moved since or not)
 
     def clear(self) -> None:
         with self._lock:
             self.epoch += 1
+            if self.on_gone is not None:  # every key leaves the index (LMCache's accounting: on_gone)
+                for slot in range(len(self._tiers)):
+                    if self._tiers[slot]:
+                        self.on_gone(self._key_of_under_index(slot))
             self._reset()
 
     def settle(self, tier: int, slots: array, epoch: int, chunk: int = SETTLE_CHUNK) -> int:
@@ -398,13 +411,14 @@ class Index:
                   created_ns: int) -> int:
         raw = unhex(key)
         n = len(crcs)
-        runs = self._crc_free.get(n)
+        runs = self._crc_free.get(_run(n))
         if runs:
             at = runs.pop()
             self._crcs[at:at + n] = array("I", crcs)
         else:
             at = len(self._crcs)
             self._crcs.extend(crcs)
+            self._crcs.extend(bytes(_run(n) - n))  # (the run's spare room: zeros)
         if self._free:
             slot = self._free.pop()
             self._hash[slot], self._length[slot], self._block[slot] = hash(key), length, block
@@ -427,6 +441,7 @@ class Index:
                 self._prev[tier].append(_NIL)
                 self._next[tier].append(_NIL)
                 self._on[tier].append(_NONE)
+                self._found[tier].append(0)
         if raw is None:
             self._odd[slot] = key
         self._table.insert(slot)
@@ -451,6 +466,7 @@ class Index:
         if not self._tiers[slot] & bit:
             return False
         self._tiers[slot] &= ~bit
+        self._found[tier][slot] = 0
         self.used[tier] -= self._nbytes[slot]
         self._count[tier] -= 1
         self._unlink_under_index(tier, slot)
@@ -466,7 +482,7 @@ class Index:
         return True
 
     def _free_slot_under_index(self, slot: int) -> None:
-        self._crc_free.setdefault(self._ncrc[slot], []).append(self._crc_at[slot])
+        self._crc_free.setdefault(_run(self._ncrc[slot]), []).append(self._crc_at[slot])
         self._odd.pop(slot, None)
         self._free.append(slot)
 
@@ -539,6 +555,14 @@ class Index:
             prev[n] = p
         self._on[tier][slot] = _NONE
         self._len[tier][where] -= 1
+
+
+def _run(n: int) -> int:
+    """The room a page of ``n`` block CRCs takes in the CRC column: ``n`` rounded up to a power of two,
+    so that a run freed by a page of one size is reused by a page of a nearby size (exact sizes left
+    the runs of every block count ever seen, LMCache's short last chunks, to pile up); at most twice
+    the CRCs, and nothing more for pages of one block, or of a power of two."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def tiers_in(mask: int) -> Iterable[int]:

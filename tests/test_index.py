@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kvstream_hicache.index import Index
 
 CRCS = (1, 2)
@@ -348,3 +350,55 @@ def test_lookups_without_the_lock_see_every_held_key_while_the_table_changes():
         done.set()
         reader.join()
     assert not wrong and len(index) == len(stable)
+
+
+@pytest.mark.parametrize("between", ["settle", "touch", "discovered"])
+def test_a_copy_read_from_a_file_being_removed_leaves_the_index(between):
+    """Evicted (out of the index, its file not yet unlinked), then read from that file (the scan, or
+    discovery), then the unlink: the copy leaves the index again wherever it moved meanwhile (before:
+    only while still on the scanned list; a settled, touched or discovered one stayed, with no file)."""
+    from array import array
+
+    key, crcs = "ab" * 32, (7,)
+    index = Index([None])
+    index.reserve(0, 100)
+    index.commit(key, 0, 100, 4096, crcs, 100)
+    assert index.evict(0, 100) == [key]
+    mark = index.mark(key)
+    if between == "discovered":
+        assert index.commit(key, 0, 100, 4096, crcs, 100, reserved=False, mark=mark) == []
+    else:
+        slot = index.add_scanned(key, 0, 100, 4096, crcs, 100, 1, index.epoch, mark)
+        if between == "settle":
+            index.settle(0, array("i", [slot]), index.epoch)
+        else:
+            index.touch(key)
+    index.file_removed(key, 0)
+    assert index.holders(key) == 0 and index.used == [0]
+    assert index.commit(key, 0, 100, 4096, crcs, 100, reserved=False, mark=mark) is None  # read before: again
+
+
+def test_on_gone_is_called_for_every_key_clear_removes():
+    index = Index([None])
+    gone = []
+    index.on_gone = gone.append
+    keys = [f"{i:064x}" for i in range(3)]
+    for key in keys:
+        index.commit(key, 0, 4096, 4096, (1,), 4096, reserved=False)
+    index.clear()
+    assert sorted(gone) == keys and len(index) == 0
+
+
+def test_crc_runs_freed_by_pages_of_one_size_are_reused_by_pages_of_another():
+    """Pages of 1 block, all evicted, then of 2, ... 8 (LMCache's short last chunks): the CRC column
+    stays within twice what the live pages hold (before: a run per block count ever seen)."""
+    index = Index([None])
+    n, serial = 2_000, 0
+    for blocks in range(1, 9):
+        index.evict(0, 1 << 62)
+        for _ in range(n):
+            index.commit(f"{serial:064x}", 0, blocks * 4096, 4096, tuple(range(1, blocks + 1)), blocks * 4096,
+                         reserved=False)
+            serial += 1
+    assert len(index) == n and len(index._crcs) <= 2 * n * 8
+    assert index.get(f"{serial - 1:064x}").crcs == tuple(range(1, 9))

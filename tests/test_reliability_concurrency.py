@@ -15,6 +15,8 @@ import os
 import random
 import threading
 
+import pytest
+
 from kvstream_hicache import Namespace, check_tiers
 
 from helpers import NS, PAGE_BYTES, PageSet, make_engine, rank_content, spawn
@@ -195,3 +197,41 @@ def test_engines_starting_at_once_on_new_tiers(tier_root):
             t.join(WAIT_S)
             assert not t.is_alive(), f"{t.name} still running after {WAIT_S} s"
     assert errors == []
+
+
+def _contains_between_drop_and_unlink(engine, monkeypatch, tier: int) -> list:
+    """Every unlink of a page file on ``tier`` is preceded by another thread's ``contains`` of that key
+    (SGLang's prefetch thread asking batch_exists then): the index has dropped the copy, its file is
+    still there, discovery reads it."""
+    t = engine.tiers[tier]
+    unlink, seen = t.unlink_page, []
+
+    def racing_unlink(key, *args, **kwargs):
+        seen.append(key)
+        other = threading.Thread(target=engine.contains, args=(key,))
+        other.start()
+        other.join()
+        return unlink(key, *args, **kwargs)
+
+    monkeypatch.setattr(t, "unlink_page", racing_unlink)
+    return seen
+
+
+@pytest.mark.parametrize("how", ["evicted", "deleted"])
+def test_a_page_being_removed_is_not_rediscovered_from_its_file(tier_dirs, monkeypatch, how):
+    """An evicted (or deleted) page read by discovery between its drop from the index and its unlink
+    leaves the index again at the unlink (before: it stayed, with no file: over capacity, used bytes
+    drifting, contains() True for a deleted key)."""
+    pages = PageSet(8192)
+    a, b, c = pages.keys(3)
+    with make_engine(tier_dirs[:1], capacity="16K") as engine:  # two pages
+        assert pages.put(engine, [a, b] if how == "evicted" else [a]) == [True] * (2 if how == "evicted" else 1)
+        seen = _contains_between_drop_and_unlink(engine, monkeypatch, 0)
+        if how == "evicted":
+            assert pages.put(engine, [c]) == [True]  # a, the least recent, goes
+        else:
+            assert engine.delete([a]) == 1
+        monkeypatch.undo()
+        assert seen == [a] and not os.path.exists(engine.tiers[0].layout.page_path(a))
+        assert not engine.contains(a)
+        assert engine.index.used[0] == 8192 * len(engine.index.keys(0)) <= 16 << 10
