@@ -343,8 +343,12 @@ class Engine:
         self.index.on_gone = callback
 
     def clear(self) -> None:
-        """Remove every page of this namespace from every tier."""
+        """Remove every page of this namespace from every tier. A failed tier is probed now (it may be
+        back); one still failed removes its pages when it rejoins, before it serves again (tiers.py):
+        a page cleared (stale KV after a weight update) is never served again, nor found."""
         self._check_open()
+        for tier in self.tiers:  # (before the locks: a probe of a hung tier holds no get or put up)
+            tier.usable(now=True)
         with self._reads.lock, self._writes.exclusive():
             self._writes.cancel_under_writer()  # a put in progress reports its pages False
             self._replicas.clear()

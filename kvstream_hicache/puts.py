@@ -24,12 +24,13 @@ log = logging.getLogger("kvstream")
 class PutCall:
     """One put: results per key, pages not yet done, how the caller learns the end."""
 
-    __slots__ = ("results", "pages", "joined", "repeats", "left", "done", "event", "dirs")
+    __slots__ = ("results", "pages", "joined", "held", "repeats", "left", "done", "event", "dirs")
 
     def __init__(self, n: int, done: Callable[[list[bool]], None] | None):
         self.results = [False] * n
         self.pages: list[WritePage] = []  # its own new pages, in key order (LRU order on completion)
         self.joined: list[WritePage] = []  # other puts' pages of its keys, being written when it came
+        self.held: list[tuple[int, str]] = []  # (position, key) of its keys a tier held already
         self.repeats: list[tuple[int, int]] = []  # (position, first position of the same key)
         self.left = 0  # pages (its own and others' it waits for) not yet done
         self.done = done
@@ -54,6 +55,13 @@ class PutCall:
                 for owner, i in page.calls:
                     if owner is self:
                         self.results[i] = False
+
+    def lru_order(self) -> list[str]:
+        """The keys the put leaves most recent, in batch order (docs/design.md): its new pages that
+        committed and the ones held already, together (touching each kind apart made a held page
+        less recent than a new one after it in the batch)."""
+        new = [(page.calls[0][1], page.key) for page in self.pages if page.committed]  # (calls[0]: this put)
+        return [key for _, key in sorted(new + self.held)]
 
     def signal(self) -> None:
         """The put is over: ``put`` returns, or the deferred put's callback runs (its error is logged:

@@ -7,7 +7,8 @@ Health lifecycle::
              when: the back-off expired (it doubles after each failed probe, from Config.tier_retry
              up to 300 s); or the tier failed because its directory vanished and a look (one stat,
              at most every LOOK_S) finds it back; or a read needs it (``usable(now=True)``: it is the
-             last holder of a page; once per batch, and at most every LOOK_S)
+             last holder of a page; once per batch, and at most every LOOK_S); before it rejoins
+             it removes its pages if it missed a clear() (failed then, or failing during it)
 
 A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
 "gone" when ``<tier>/kvstream`` no longer exists, or is on another device than before while no file
@@ -98,6 +99,9 @@ class Tier:
         self._probing = False  # a thread probes the failed tier now (outside the lock)
         self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()
+        # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
+        # failing during one) still holds the pages cleared, and removes them before it rejoins
+        self._clears = self._cleared = 0
         self._dirs: set[str] = set()  # page directories known to exist
         self.dev = os.stat(self.layout.base).st_dev
         self.mount_point = mount_point(self.layout.base)
@@ -132,6 +136,8 @@ class Tier:
             still_gone = look and self.gone()
             if not still_gone:
                 ok, why = self._probe()
+                if ok and not self._clear_owed():  # (before it serves: never a page cleared meanwhile)
+                    ok, why = False, f"the clear() it missed while failed did not finish: {self.last_error}"
                 if ok:  # before writes may go there: a page committed meanwhile stays indexed
                     why = self.on_rejoin(self)  # ('' or why not: listing its pages failed half-way)
                     ok = not why
@@ -144,6 +150,8 @@ class Tier:
         with self._lock:
             if ok and self._errors != failures:  # failed again while probing: the probe is stale
                 ok, why = False, self.last_error
+            if ok and self._cleared != self._clears:  # a clear() skipped it while it was probed: done
+                ok, why = False, "a clear() came while it rejoined"  # at the next probe, before it serves
             if ok:
                 self.healthy = True
                 self._backoff = self.retry_s
@@ -340,23 +348,45 @@ class Tier:
             pass
 
     def clear(self) -> None:
+        """Remove this namespace's page files from the tier (Engine.clear). A failed tier is not
+        touched now: it removes them when it rejoins, before it serves again (:meth:`usable`), as does
+        one that fails during the clear. (Kept in memory only: a restart forgets a clear owed.)"""
+        with self._lock:  # (counted and judged under the lock a rejoin turns healthy under)
+            self._clears += 1
+            failed = not self.healthy
+        if failed:
+            log.warning("kvstream: tier %d (%s) is failed: clear() removes its pages when it rejoins, before it "
+                        "serves again", self.k, self.root)
+        else:
+            self._remove_pages()
+
+    def _clear_owed(self) -> bool:
+        """A failed tier about to rejoin: the clear()s it missed are done (now, if owed). False: it
+        failed again on the way (a listing or a removal): it stays out."""
+        return self._cleared == self._clears or self._remove_pages()
+
+    def _remove_pages(self) -> bool:
         """Remove this namespace's page files from the tier, as a delete removes one (trust.py: only
         a file the engine names, of a trusted owner, reached following no link). Another owner's
         file, a link, a directory and a name kvstream never writes stay, logged (``kvstream check``
-        lists them); so do the shard directories, which the next writes use again."""
+        lists them); so do the shard directories, which the next writes use again. Returns whether it
+        went through every shard with no tier error (then the clears asked so far are done)."""
+        with self._lock:
+            asked, errors = self._clears, self._errors
         kept = 0
         try:
             names = shards(self.layout)
-        except OSError:  # the namespace directory is a link or a file: nothing of ours is there
-            names = []
+        except OSError as exc:  # a link or a file (ELOOP, ENOTDIR): nothing of ours is there; EIO and
+            names = []  # the like fail the tier, which then removes its pages when it rejoins
+            self.fail(exc.errno or errno.EIO, f"list {self.layout.pages} to clear it")
         for shard in names:
-            if not self.healthy:  # a removal failed for an I/O error: the tier is out
-                return
+            if self._errors != errors:  # a removal failed for an I/O error: the tier is out
+                return False
             try:
                 entries = shard_entries(self.layout, shard)
             except OSError as exc:
                 self.fail(exc.errno or errno.EIO, f"list {shard} to clear it")
-                return
+                return False
             for name, _ in entries:
                 key = key_of_page_file(name) if name else None
                 if key is None or key[:2] != shard or self.unlink_page(key) is not None:  # (misplaced: stays)
@@ -365,6 +395,11 @@ class Tier:
             log.warning("kvstream: clear left %d entries of tier %d (%s) in place: not kvstream's page files "
                         "(another owner's, a link, a directory or a stray; kvstream check lists them)",
                         kept, self.k, self.layout.pages)
+        with self._lock:
+            if self._errors != errors:
+                return False
+            self._cleared = max(self._cleared, asked)
+            return True
 
     def unlink_page(self, key: str, judged: Callable[[os.stat_result], bool] | None = None) -> str | None:
         """Remove ``key``'s page file (only a file of a trusted owner, through its directory; with ``judged``

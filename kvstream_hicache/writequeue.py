@@ -197,7 +197,8 @@ class WriteQueue:
                 continue
             holders = self._holders(key, length)
             if key in held and holders & mask:
-                self.index.touch(key)
+                self.index.touch(key)  # now (this put's writes must not evict it), and at the end in
+                call.held.append((i, key))  # batch order with the new pages (_end_call_under_writer)
                 self.stats.total("pages_existing")
                 call.results[i] = True
                 continue
@@ -319,8 +320,7 @@ class WriteQueue:
 
     def _end_call_under_writer(self, call: PutCall) -> None:
         call.sync_dirs(self.tiers)
-        for page in call.pages:
-            if page.committed:
-                self.index.touch(page.key)  # LRU order = batch order, not completion order
+        for key in call.lru_order():  # LRU order = batch order, not completion order
+            self.index.touch(key)
         call.signal()
 

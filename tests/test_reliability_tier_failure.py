@@ -8,6 +8,7 @@ injected clock: no sleeps, no timing assertions.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -345,3 +346,50 @@ def test_a_rejoining_tier_serves_before_its_listing_ends(tier_root, monkeypatch)
                    engine.stats()["tiers"][0]["replication_done"] == 2, 30, "the lost pages were never written again")
         monkeypatch.undo()
         assert pages.checked_get(engine, lost + kept, policy=SingleTier(0)) == [True] * 4
+
+
+@pytest.mark.parametrize("out", ["back", "away"])
+def test_pages_cleared_while_a_tier_was_failed_stay_cleared_when_it_rejoins(tier_dirs, out):
+    """clear() (SGLang's /clear_hicache_storage_backend, e.g. after a weight update: stale KV must never
+    be served) while tier 1 is failed. A tier that works again ('back': an EIO that passed) is probed
+    by the clear and cleared then; one still out ('away': its directory moved away) removes its pages
+    when it rejoins, before it serves: a get while that removal runs misses. Before, clear() skipped a
+    failed tier, and once it rejoined its pages were discovered and served again. Found by a review."""
+    dirs = tier_dirs[:2]
+    clock, pages = FakeClock(), PageSet()
+    keys = pages.keys(3)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        tier = engine.tiers[1]
+        assert pages.put(engine, keys) == [True] * 3
+        if out == "away":
+            os.rename(dirs[1], dirs[1] + ".away")
+        assert tier.fail(errno.EIO, "test: an I/O error")
+        engine.clear()
+        assert len(engine.index) == 0 and not any(engine.contains(k) for k in keys)
+        if out == "away":
+            assert not tier.healthy  # (probed by the clear: still away)
+            os.rename(dirs[1] + ".away", dirs[1])
+            removing, release = threading.Event(), threading.Event()
+            unlink = tier.unlink_page
+
+            def held_unlink(key, judged=None):  # the rejoin's removal of the pages waits for the test
+                removing.set()
+                release.wait(60)
+                return unlink(key, judged)
+
+            tier.unlink_page = held_unlink
+            clock.advance(LOOK_S)  # a look finds the directory back: the next call probes it
+            rejoined: list = []
+            rejoin = threading.Thread(target=lambda: rejoined.append(pages.checked_get(engine, keys)))
+            rejoin.start()
+            assert removing.wait(30), "the rejoin never removed the pages cleared"
+            assert pages.checked_get(engine, keys) == [False] * 3  # meanwhile tier 1 serves nothing
+            assert not tier.healthy
+            release.set()
+            rejoin.join(60)
+            assert rejoined == [[False] * 3]
+        clock.advance(RETRY_S * 4)  # past any back-off
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served again"
+        assert tier.healthy and page_files(dirs[1]) == []
+        assert pages.put(engine, keys) == [True] * 3  # (stored again on both tiers)
+        assert [engine.index.holders(k) for k in keys] == [0b11] * 3

@@ -370,6 +370,22 @@ def test_a_version_of_another_length_does_not_turn_a_put_into_a_no_op(tier_dirs)
         assert mine.checked_get(engine, keys) == [True]
 
 
+def test_lru_order_is_batch_order_when_a_put_mixes_new_and_held_pages(tier_dirs):
+    """Within one put LRU order is batch order, held pages of the batch included: put([b, a]) with b
+    new and a held leaves a the most recent, so the next eviction takes b before a (before: a held
+    page was touched when the put was accepted, the new ones when it ended, so b passed a and a went
+    first). Found by a review."""
+    pages = PageSet(8192)
+    with make_engine(tier_dirs[:1], capacity="24K") as engine:  # three pages
+        x, y, a, b, c, d = pages.keys(6)
+        assert pages.put(engine, [a]) == [True]
+        assert pages.put(engine, [x, y]) == [True, True]  # LRU, oldest first: a, x, y
+        assert pages.put(engine, [b, a]) == [True, True]  # b new (evicts x, not a), a held
+        assert engine.index.keys(0) == [y, b, a]
+        assert pages.put(engine, [c, d]) == [True, True]  # the two least recent go: y and b
+        assert engine.index.keys(0) == [a, c, d]
+
+
 def test_clear_drops_queued_and_in_flight_writes(tier_dirs):
     plan = TierFaultPlan()
     src = Pages(4, seed=5)
