@@ -268,8 +268,10 @@ class Engine:
         self.index.unpin(handles)
 
     def delete(self, keys: Sequence[str]) -> int:
-        """Remove ``keys`` from the index and from every tier (a missing file is already gone);
-        returns how many keys were held. Writes wait meanwhile; a read in progress keeps its pins."""
+        """Remove ``keys`` from the index and from every tier (a missing file is already gone), the
+        copies the index never learned of too (another node's, one the start-up scan has not read yet:
+        found again by the next lookup, they made a delete a no-op); returns how many keys were held.
+        Writes wait meanwhile; a read in progress keeps its pins."""
         self._check_open()
         held = 0
         with self._writes.exclusive():
@@ -277,7 +279,8 @@ class Engine:
                 holders = self.index.holders(key)
                 held += bool(holders)
                 for tier in self.tiers:
-                    if holders >> tier.k & 1 and self.index.remove(key, tier.k):
+                    listed = holders >> tier.k & 1 and self.index.remove(key, tier.k)
+                    if listed or tier.healthy and is_valid_key(key):
                         tier.unlink_page(key)
                         self.index.file_removed(key, tier.k)
         return held

@@ -149,7 +149,8 @@ class Jobs:
         ``k`` still lacks it and no file has the page's name there. Else, since it was read: deleted
         or cleared (never brought back), or written there by a put (maybe other content: the copy,
         renamed over it, would bring an older version back), or another writer's file in place (not
-        ours to replace). A put commits on this thread too, so none comes between this and the rename."""
+        ours to replace). A put of this process commits on this thread too; another node's may come
+        between this and the commit, which therefore replaces nothing (Tier.place without replace)."""
         info = self.index.get(page.key)
         return info is not None and not info.tiers >> k & 1 and \
             info.same_content(page.length, page.block, page.crcs) and \
@@ -164,11 +165,13 @@ class Jobs:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
                 page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
-                                       self._evict_under_writer(k, page.length))
+                                       self._evict_under_writer(k, page.length), replace=page.copied is None)
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
-                self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
+                if not (page.copied is not None and exc.errno == errno.EEXIST):  # (a catch-up copy that another
+                    # writer's file beat to the name, since it looked: not wanted, as above)
+                    self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_under_writer(job)
                 return
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the

@@ -49,6 +49,7 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
+NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})  # os.link
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -288,12 +289,13 @@ class Tier:
                 raise
         return fd, path
 
-    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool]) -> str:
+    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool], replace: bool = True) -> str:
         """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
         Closes ``fd``. A full tier may refuse the rename itself (a new shard directory or directory
         block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
         left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
-        the caller under fsync=full). :raises OSError: the temporary file is left for :meth:`discard`
+        the caller under fsync=full). ``replace``: see :meth:`place`. :raises OSError: the temporary
+        file is left for :meth:`discard`
         (a failed fdatasync is never retried: the data is not sealed). An error from close is one too:
         on a network file system it says the server did not take the data."""
         try:
@@ -305,11 +307,11 @@ class Tier:
             raise OSError(err, f"close: {os.strerror(err)}")
         for _ in range(SPACE_RETRIES):
             try:
-                return self.place(tmp_path, key)
+                return self.place(tmp_path, key, replace)
             except OSError as exc:
                 if exc.errno not in SPACE_ERRNOS or not make_room():
                     raise
-        return self.place(tmp_path, key)
+        return self.place(tmp_path, key, replace)
 
     def free_bytes(self, fd: int | None = None) -> int | None:
         """Bytes free for us on the tier's file system, plus what ``fd``'s file already holds; None:
@@ -321,21 +323,38 @@ class Tier:
             return None
         return st.f_bavail * st.f_frsize + held
 
-    def place(self, tmp_path: str, key: str) -> str:
+    def place(self, tmp_path: str, key: str, replace: bool = True) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (creating its shard
-        directory); returns the page directory. Safe to retry after ENOSPC (a new directory or
-        directory block needs room). :raises OSError: the temporary file is left in place."""
+        directory); returns the page directory. Without ``replace`` (a catch-up copy) nothing under the
+        name is replaced: another writer (another node) may have put its version there since the copy
+        looked. Safe to retry after ENOSPC (a new directory or directory block needs room).
+        :raises OSError: the temporary file is left in place; FileExistsError: a file has the name."""
         page_dir = self.layout.page_dir(key)
         final = self.layout.page_path(key)
         if page_dir not in self._dirs:
             self._mkdir(page_dir)
         try:
-            os.rename(tmp_path, final)
+            self._move(tmp_path, final, replace)
         except FileNotFoundError:
             self._dirs.discard(page_dir)  # the shard directory went away (clear): re-create once
             self._mkdir(page_dir)
-            os.rename(tmp_path, final)
+            self._move(tmp_path, final, replace)
         return page_dir
+
+    def _move(self, tmp_path: str, final: str, replace: bool) -> None:
+        if replace:
+            os.rename(tmp_path, final)
+            return
+        try:  # a hard link fails with EEXIST, atomically, where a name exists (GlusterFS and NFS too)
+            os.link(tmp_path, final, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in NO_LINKS:
+                raise
+            if os.path.lexists(final):  # (no hard links on this file system: the look of before, then
+                raise FileExistsError(errno.EEXIST, "a file has the page's name", final) from None
+            os.rename(tmp_path, final)  # a rename, a narrow window another node's put may fall in)
+            return
+        self.discard(None, tmp_path)  # (the page is in place: a temporary name left is cleaned later)
 
     def discard(self, fd: int | None, tmp_path: str) -> None:
         """Close (if open) and remove a temporary file; never raises (it runs on error paths). Where it

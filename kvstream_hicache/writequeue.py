@@ -34,8 +34,10 @@ from typing import NamedTuple
 from .admission import admit, fit_capacity
 from .errors import EngineClosedError
 from .index import Index, tiers_in
+from .integrity import HeaderError, NotRegularFile, read_header
 from .layout import block_size_for, is_valid_key
 from .locks import ranked_lock
+from .probe import local_fs
 from .puts import PutCall, WritePage
 from .segments import Segment
 from .stats import Stats
@@ -71,6 +73,7 @@ class WriteQueue:
         self.index = index
         self.stats = stats
         self.chunk = chunk
+        self.local = [local_fs(tier.root) for tier in tiers]  # (_still_held: a stat there is the disk's word)
         self.settings = settings
         self.bandwidth = bandwidth
         self.lock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer
@@ -231,19 +234,30 @@ class WriteQueue:
 
     def _still_held(self, key: str, mask: int) -> bool:
         """Whether a usable tier the index lists for ``key`` still has its file (one stat per tier
-        until one does). A put answers True without writing only then: a copy deleted behind the
-        engine's back (an operator, another process's eviction) is forgotten and written again."""
+        until one does; on a network file system a read of its header: a stat there is answered from
+        the client's cache, GlusterFS's for about a second after another node removed the file). A put
+        answers True without writing only then: a copy deleted behind the engine's back (an operator,
+        another process's eviction, another node's delete or clear) is forgotten and written again."""
         for k in tiers_in(self.index.holders(key) & mask):
             tier = self.tiers[k]
+            path = tier.layout.page_path(key)
             try:
-                st = os.stat(tier.layout.page_path(key), follow_symlinks=False)
+                if self.local[k]:
+                    st = os.stat(path, follow_symlinks=False)
+                    ours = stat.S_ISREG(st.st_mode) and tier.trust.owns(st)
+                else:
+                    try:
+                        read_header(path, tier.trust)
+                        ours = True
+                    except (HeaderError, NotRegularFile):  # (untrusted too) damaged, or none of ours
+                        ours = False
             except OSError as exc:
                 if tier.copy_gone(exc.errno, key):  # this file alone is gone (deleted, or replaced
                     self.index.remove(key, k)  # by another node: ESTALE); a tier that went keeps its entries,
                 elif exc.errno == errno.ENOENT:  # as on a read: its copies may come back with it
                     tier.fail(errno.ENOENT, f"look up {key}")
                 continue  # (else cannot tell, EIO...: the entry stays, the page is written again)
-            if stat.S_ISREG(st.st_mode) and tier.trust.owns(st):
+            if ours:
                 return True
             # A link or another owner's file under the name is never read (trust.py), so no copy: the
             # write renames one of ours over the name.

@@ -5,7 +5,7 @@ line on stdin, answering one JSON object per line on stdout. Pages are the relia
 
 Commands: ``["open", [tiers...], {settings}]``, ``["put", salt, start, n, version]``,
 ``["get", salt, start, n, version]`` (-> found, and whether each found page holds that version's
-bytes), ``["stats"]``, ``["close"]``.
+bytes), ``["delete", salt, start, n]`` (-> held), ``["clear"]``, ``["stats"]``, ``["close"]``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ def main() -> int:
                 keys = ps.keys(n, start)
                 found, got = ps.get(engine, keys)
                 out = {"found": found, "exact": [ok and data == ps.data(k) for k, ok, data in zip(keys, found, got)]}
+            elif cmd == "delete":
+                salt, start, n = args
+                out = {"held": engine.delete(PageSet(salt=salt).keys(n, start))}
+            elif cmd == "clear":
+                engine.clear()
+                out = {}
             elif cmd == "stats":
                 st = engine.stats()
                 out = {"tiers": [{k: t[k] for k in ("healthy", "failures", "pages", "last_error")} for t in st["tiers"]]}
