@@ -61,7 +61,9 @@ class PutCall:
         committed and the ones held already, together (touching each kind apart made a held page
         less recent than a new one after it in the batch)."""
         new = [(page.calls[0][1], page.key) for page in self.pages if page.committed]  # (calls[0]: this put)
-        return [key for _, key in sorted(new + self.held)]
+        joined = [(i, page.key) for page in self.joined if page.committed  # (another put's write it waited for)
+                  for owner, i in page.calls if owner is self]
+        return [key for _, key in sorted(new + joined + self.held)]
 
     def signal(self) -> None:
         """The put is over: ``put`` returns, or the deferred put's callback runs (its error is logged:

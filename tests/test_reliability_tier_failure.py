@@ -393,3 +393,20 @@ def test_pages_cleared_while_a_tier_was_failed_stay_cleared_when_it_rejoins(tier
         assert tier.healthy and page_files(dirs[1]) == []
         assert pages.put(engine, keys) == [True] * 3  # (stored again on both tiers)
         assert [engine.index.holders(k) for k in keys] == [0b11] * 3
+
+
+def test_a_clear_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_dirs):
+    """clear() while tier 1's directory is away and no I/O has noticed it yet (still healthy): nothing of it
+    was reached, so the clear is owed as for a failed tier; when the directory comes back the pages
+    cleared are never found nor served (before: counted done, and found again by discovery)."""
+    clock, pages = FakeClock(), PageSet()
+    keys = pages.keys(3)
+    with make_engine(tier_dirs[:2], clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        os.rename(tier_dirs[1], tier_dirs[1] + ".away")  # (an unmount does the same)
+        assert engine.tiers[1].healthy  # nothing noticed yet
+        engine.clear()
+        os.rename(tier_dirs[1] + ".away", tier_dirs[1])
+        clock.advance(RETRY_S * 4)
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served again"
+        assert not any(engine.contains(k) for k in keys)

@@ -370,6 +370,25 @@ def test_a_version_of_another_length_does_not_turn_a_put_into_a_no_op(tier_dirs)
         assert mine.checked_get(engine, keys) == [True]
 
 
+def test_lru_order_is_batch_order_for_a_page_a_put_joined(tier_dirs):
+    """put([b, x]) while another put writes x: x (joined) is placed in this put's batch order, after b."""
+    plan = TierFaultPlan()
+    pages = PageSet(8192)
+    x, b = pages.keys(2)
+    with make_engine(tier_dirs[:1], fault_plan=plan) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        first, out1 = in_thread(pages.put, engine, [x])
+        wait_for_fault(plan, WAIT_S)
+        second, out2 = in_thread(pages.put, engine, [b, x])
+        wait_until(lambda: engine._writes.queue.pending.get(b) is not None, "the second put never queued")
+        plan.clear()
+        plan.release()
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+        assert out1 == [[True]] and out2 == [[True, True]]
+        assert engine.index.keys(0) == [b, x], "LRU order of put([b, x]) is not batch order"
+
+
 def test_lru_order_is_batch_order_when_a_put_mixes_new_and_held_pages(tier_dirs):
     """Within one put LRU order is batch order, held pages of the batch included: put([b, a]) with b
     new and a held leaves a the most recent, so the next eviction takes b before a (before: a held
