@@ -414,8 +414,9 @@ class Tier:
             log.warning("kvstream: clear left %d entries of tier %d (%s) in place: not kvstream's page files "
                         "(another owner's, a link, a directory or a stray; kvstream check lists them)",
                         kept, self.k, self.layout.pages)
-        if self.gone():  # its tree was away (moved, unmounted) and nothing of it was reached: owed, as for a
-            self.fail(errno.ENOENT, f"clear {self.layout.pages}: the tier's directory is gone")  # failed tier
+        # its tree away (moved, unmounted): nothing of it was reached, the clear is owed as for a failed
+        # tier (fail() takes ENOENT only where the tier is gone)
+        self.fail(errno.ENOENT, f"clear {self.layout.pages}: the tier's directory is gone")
         with self._lock:
             if self._errors != errors:
                 return False

@@ -73,7 +73,7 @@ class WriteQueue:
         self.index = index
         self.stats = stats
         self.chunk = chunk
-        self.local = [local_fs(tier.root) for tier in tiers]  # (_still_held: a stat there is the disk's word)
+        self.local = [local_fs(tier.root) for tier in tiers]  # a stat there is the disk's word (_still_held)
         self.settings = settings
         self.bandwidth = bandwidth
         self.lock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer

@@ -46,7 +46,6 @@ from .flow import MAX_REQUEST
 from .layout import ALIGN, round_up
 from .locks import ranked_lock
 from .priority import ReadPriority
-from .probe import local_fs
 from .puts import CANCELLED, Job, Write, WritePage
 from .segments import Segment
 from .staging import BufferPool
@@ -101,7 +100,7 @@ class WritePath:
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
         self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
         # at most: one always fits in the staging memory
-        self._zero_copy = [local_fs(tier.root) for tier in tiers]  # aligned pages written from caller memory
+        self._zero_copy = self.queue.local  # (tiers on a local file system) aligned pages written from caller memory
         self._set_up(ring)
         self.write_timeout = settings.write_timeout
         self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
