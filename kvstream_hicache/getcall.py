@@ -61,6 +61,7 @@ class GetCall:
         self.arrived = bytearray()
         self.active = True
         self.in_flight = 0  # requests
+        self.timed_out = False  # read_timeout passed with reads in flight
         self.direct_in_flight = 0  # requests into caller memory (the call cannot return before them)
         self.read = [0] * n_tiers  # bytes transferred per tier
         self.served = [0] * n_tiers  # first-arrival bytes per tier
@@ -163,6 +164,8 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
     stats.total("pages_requested", n_keys)
     stats.total("pages_found", n_found)
     stats.total("pages_missing", n_keys - n_found)
+    if any(c.timed_out for c in calls):  # (one get, one timeout: its second chance reads within it)
+        stats.total("read_timeouts")
     batch = batch_figures(elapsed, served, read, busy, served_by)
     batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
                  requests=sum(c.requests for c in calls), direct_bytes=sum(in_place),

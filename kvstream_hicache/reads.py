@@ -121,11 +121,15 @@ class ReadPath:
             try:
                 self._reap_under_reads(0, 0)
                 busy0 = self.io.busy.snapshot()
-                calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found)]
-                retry, mask = calls[0].second_chance(keys, pages, found, mask, self.index, self.recover)
+                # read_timeout bounds the whole get: the second chance reads in what is left of it
+                deadline = time.monotonic() + self.read_timeout if self.read_timeout > 0 else None
+                calls = [self._call_under_reads(keys, pages, policy, mask, list(range(len(keys))), found, deadline)]
+                retry: list[int] = []
+                if deadline is None or time.monotonic() < deadline:
+                    retry, mask = calls[0].second_chance(keys, pages, found, mask, self.index, self.recover)
                 if retry:
                     calls.append(self._call_under_reads([keys[i] for i in retry], [pages[i] for i in retry],
-                                                        policy, mask, retry, found))
+                                                        policy, mask, retry, found, deadline))
                 busy = [b - a for a, b in zip(busy0, self.io.busy.snapshot())]
             finally:
                 if self.io.failed:  # (the call raises; the next one reads on a new ring)
@@ -138,14 +142,15 @@ class ReadPath:
         return found
 
     def _call_under_reads(self, keys: Sequence[str], pages, policy, mask: int, pos: list[int],
-                          found: list[bool]) -> GetCall:
-        """One routed pass over ``keys``; marks ``found[pos[i]]`` for each key read whole."""
+                          found: list[bool], deadline: float | None) -> GetCall:
+        """One routed pass over ``keys`` until ``deadline`` (monotonic; None: no limit); marks
+        ``found[pos[i]]`` for each key read whole."""
         infos = self.index.pin(keys)
         call = GetCall(len(self.tiers))
         try:
             call.plan(keys, pages, infos, mask, self.stats, self.memory)
             if call.items:
-                self._run_under_reads(call, policy, mask)
+                self._run_under_reads(call, policy, mask, deadline)
             done = call.pages_done()
             for p, ok in enumerate(done):
                 if ok:
@@ -164,14 +169,13 @@ class ReadPath:
                     self.priority.end(call.reading)  # writes to its tiers may go now (priority.py)
         return call
 
-    def _run_under_reads(self, call: GetCall, policy, mask: int) -> None:
+    def _run_under_reads(self, call: GetCall, policy, mask: int, deadline: float | None) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit = self._item_bytes(call)
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
-        deadline = time.monotonic() + self.read_timeout if self.read_timeout > 0 else None
         claims = route.start()
         while True:
             self._submit_under_reads(call, claims)
@@ -186,7 +190,7 @@ class ReadPath:
             now = time.monotonic()
             left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
-                self.stats.total("read_timeouts")
+                call.timed_out = True
                 log.warning("kvstream: read batch timed out after %.1f s with %d reads in flight; "
                             "their pages are reported missing", self.read_timeout, call.in_flight)
                 break

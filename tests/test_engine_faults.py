@@ -366,3 +366,20 @@ def test_real_enospc_evicts_lru_then_fails_that_tier_only(small_fs, tier_dirs, i
         assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
         assert os.listdir(engine.tiers[0].layout.tmp) == []
         assert engine.check() == []
+
+
+def test_a_get_counts_one_read_timeout_whatever_its_second_chance_finds(tier_dirs):
+    """read_timeout bounds the whole get (design.md, Bounded reads): the second chance (a failed tier
+    that holds the missed pages, probed after the first pass) reads only within what is left of it.
+    Before, it read with a read_timeout of its own: a get whose tiers both stall took two."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 2, plan=plan, read_timeout=0.3, replicate="all")
+    with engine:
+        engine.tiers[1].fail(errno.EIO, "test: failed before the get")  # answers a probe: second chance
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ).on(tier_dirs[1], Fault.hold(), opcode=OP_READ)
+        assert engine.get(keys, pages.dst_segments) == [False] * 2
+        assert engine.stats()["read_timeouts"] == 1
+        plan.clear()
+        plan.release()
+        assert engine._reads.drain(30) == 0
+        assert engine.get(keys, pages.dst_segments) == [True] * 2 and pages.equal(1)
