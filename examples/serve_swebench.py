@@ -34,7 +34,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -86,11 +85,12 @@ def build_workload(args) -> tuple[list[wl.Request], dict]:
             reqs = wl.reorder(reqs, args.order, seed=args.seed)
             source["order"] = args.order
     else:
+        _check_generator_args(args)
         params = dict(sessions=args.sessions, requests=args.requests, mean_input=args.mean_input,
                       mean_output=args.mean_output, rate=args.rate, cv=args.cv, order=args.order or "random",
                       reuse=args.reuse, seed=args.seed, max_input=args.max_input)
         reqs = wl.generate_swebench(**params)
-        if args.limit:
+        if args.limit is not None:  # (parse_args refused < 1: `if args.limit` sent everything for 0)
             reqs = reqs[: args.limit]
         source = {"generator": "swebench-agentic", **params, "limit": args.limit}
     if args.rate_factor != 1.0:
@@ -99,6 +99,26 @@ def build_workload(args) -> tuple[list[wl.Request], dict]:
     if args.max_input and args.trace:
         reqs = [_truncate(r, args.max_input) for r in reqs]
     return reqs, source
+
+
+def _check_generator_args(args) -> None:
+    """The generator's own limits (workload.generate_swebench), checked here so that the message names
+    the flag: the generator's names its parameters."""
+    rules = [  # (flag, value, holds, what to give instead)
+        ("--requests", args.requests, args.requests >= 1, "give >= 1 request"),
+        ("--sessions", args.sessions, 1 <= args.sessions <= args.requests,
+         f"give 1 to --requests ({args.requests}) sessions"),
+        ("--mean-input", args.mean_input, args.mean_input >= 1, "give >= 1 token"),
+        ("--mean-output", args.mean_output, args.mean_output >= 1, "give >= 1 token"),
+        ("--rate", args.rate, args.rate > 0, "give an arrival rate > 0 req/s"),
+        ("--cv", args.cv, 0 <= args.cv <= wl.MAX_CV, f"give a burstiness within [0, {wl.MAX_CV:g}]"),
+        ("--reuse", args.reuse, args.reuse is None or 0 <= args.reuse <= 1, "give a share within [0, 1]"),
+        ("--max-input", args.max_input, args.max_input is None or args.max_input >= wl.BLOCK_TOKENS,
+         f"give at least one block ({wl.BLOCK_TOKENS} tokens)"),
+    ]
+    for flag, value, holds, fix in rules:
+        if not holds:
+            raise ValueError(f"{flag} {value:g}: {fix}")
 
 
 def _truncate(r: wl.Request, max_input: int) -> wl.Request:
@@ -657,6 +677,15 @@ def parse_args(argv=None):
     args.backends = [b.strip() for b in args.compare.split(",")] if args.compare else [args.backend]
     if args.vocab is None:
         args.vocab = serve_cpu.VOCAB if args.cpu else wl.DEFAULT_VOCAB
+    if args.vocab <= wl.FIRST_TOKEN:  # (else the first request body fails, after the server is up)
+        p.error(f"--vocab {args.vocab}: token ids are drawn from [{wl.FIRST_TOKEN}, vocab): "
+                f"give more than {wl.FIRST_TOKEN}, at most the model's vocabulary size")
+    if args.limit is not None and args.limit < 1:  # (0 sent every request, -3 all but the last 3)
+        p.error(f"--limit {args.limit}: give N >= 1, or leave it out for every request")
+    if args.max_input is not None and args.max_input < 1:
+        p.error(f"--max-input {args.max_input}: give a prompt cap >= 1 token")
+    if not args.rate_factor > 0:  # (wl.scale_rate's message names neither the flag nor the trace's fault)
+        p.error(f"--rate-factor {args.rate_factor:g}: give a factor > 0 (2 = twice as fast)")
     for b in args.backends:
         if b not in BACKENDS:
             p.error(f"--compare: unknown backend {b!r} (choose from {', '.join(BACKENDS)})")
@@ -677,7 +706,9 @@ def main(argv=None) -> int:
     try:
         requests, source = build_workload(args)
     except (OSError, ValueError) as exc:  # (--trace: a missing file, not a Mooncake trace)
-        print(f"serve_swebench.py: --trace {args.trace}: {exc}", file=sys.stderr)
+        # Only a trace's faults are the trace's: the generated workload's name their flags themselves.
+        where = f"--trace {args.trace}: " if args.trace else "the generated workload: "
+        print(f"serve_swebench.py: {where}{exc}", file=sys.stderr)
         return 2
     if not requests:
         print("the workload is empty", file=sys.stderr)

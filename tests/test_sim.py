@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
 
-from kvstream_hicache.router import StaticSplit
+from kvstream_hicache.router import CompletionDriven, StaticSplit
 from kvstream_hicache.tools.sim import model
 from kvstream_hicache.tools.sim.bandwidth import Bursty, Constant, Periodic, Recorded, load_recorded, parse_series
 from kvstream_hicache.tools.sim.batch import simulate
@@ -243,6 +244,48 @@ def test_kvstream_follows_varying_bandwidth_where_a_static_split_cannot():
     assert kv["gap"] < 0.05 < st["gap"]
 
 
+def test_an_idle_healthy_tier_takes_over_what_a_stalled_tier_claimed():
+    """router.py: 'when a tier stalls it lets the healthy tier finish the whole batch'. Tier 0 claims the
+    only item at the start (start() never steals) and stalls; tier 1, idle, gets it through refill()
+    (before: done False, finish inf)."""
+    r = simulate(CompletionDriven(2, 4), 1, [0.0, 1e9], item_bytes=16e6)
+    assert r.done and r.finish == pytest.approx(16e6 / 1e9)
+    assert r.reads == [0, 1] and any(c.steal and c.tier == 1 for c in r.claims)
+
+
+def test_a_slower_idle_tier_does_not_re_read_a_faster_tiers_items():
+    """The engine's may_steal (reads.py): an idle tier re-reads another's items only when it is at least
+    as fast, so tier 1, at a third of tier 0's speed, leaves tier 0's only item to it."""
+    r = simulate(CompletionDriven(2), 1, [1.0, 1 / 3])  # tier 0 claims the item, tier 1 stays idle
+    assert r.done and r.reads == [1, 0] and not any(c.steal for c in r.claims)
+    assert r.finish == pytest.approx(1.0)
+
+
+def test_replicate_all_with_a_dead_tier_reads_at_the_healthy_tiers_rate():
+    """Full replication, tier 0 dead (kvsim reads it at its 1 MB/s trickle): completion-driven routing
+    reads at tier 1's rate, as tier 1 alone does (before: each step waited on the trickle)."""
+    reqs = [Request(float(10 * i), 512, 1, (1,)) for i in range(4)]  # one 512-token block, reused 3 times
+    cfg = SimConfig(bytes_per_token=1000.0, memory_bytes=0.0, tiers=[Constant(0.0), Constant(1 * GB)],
+                    write_tiers=[Constant(100 * GB)] * 2, prefill_tps=1e6, decode_tps=1e6)
+    prep = prepare(build_stream(reqs), cfg)
+    assert prep.storage_bytes > 0
+    alone, _ = run_policy(parse_sim_policy("tier1"), prep, cfg)
+    both, _ = run_policy(parse_sim_policy("replicate-all"), prep, cfg)
+    assert alone["gap"] == pytest.approx(0.0, abs=0.01)
+    assert both["retrieval_s"] <= 1.01 * alone["retrieval_s"], (both["retrieval_s"], alone["retrieval_s"])
+
+
+def test_static_sweep_applies_the_d2h_cap_as_the_static_rows_do():
+    """With --d2h below b_0 + b_1 both the static-0.5 row and its bound are capped by D2H (gap 0); the
+    sweep at g = 0.5 must say the same (before: +100%, Eq. 5 over D / (b_0 + b_1), no cap)."""
+    reqs = [Request(float(10 * i), 512 * 8, 1, tuple(range(1, 9))) for i in range(4)]
+    prep, cfg = _prepared(reqs, memory=0.0, d2h_bps=1 * GB)
+    _, log = run_policy(parse_sim_policy("kvstream"), prep, cfg)
+    row, _ = run_policy(parse_sim_policy("static-0.5"), prep, cfg)
+    assert row["gap"] == pytest.approx(0.0, abs=0.02)
+    assert static_sweep(log, [0.5])[0] == pytest.approx(row["gap"], abs=0.02)
+
+
 def test_parse_sim_policy():
     assert parse_sim_policy("kvstream:m=4").m == 4
     assert parse_sim_policy("static-auto").auto_g
@@ -281,6 +324,24 @@ def test_bandwidth_series(tmp_path):
         parse_series("periodic:mean=1G")
 
 
+@pytest.mark.parametrize("spec, words", [
+    ("bursty:high=3G,low=1G,on=0,off=0", "on and off"),  # rate() looped forever: phases of length 0
+    ("bursty:high=3G,low=1G,on=-1,off=5", "on and off"),  # a bare numpy error
+    ("periodic:mean=3G,amp=1G,period=0", "period"),  # ZeroDivisionError in rate()
+])
+def test_bandwidth_series_refuses_phases_that_cannot_be(spec, words):
+    with pytest.raises(ValueError, match=words):
+        parse_series(spec)
+
+
+def test_recorded_series_refuses_a_tier_the_file_lacks(tmp_path):
+    path = tmp_path / "bw.json"
+    path.write_text(json.dumps({"tiers": [{"t": [0, 1], "bps": [1e9, 2e9]}, {"t": [0, 1], "bps": [1e9, 1e9]}]}))
+    for tier in ("5", "-1", "x"):  # (#5: IndexError; #-1 picked the last tier)
+        with pytest.raises(ValueError, match=f"2 tiers: #{tier} .*#0 to #1"):
+            parse_series(f"recorded:{path}#{tier}")
+
+
 # -- the command -------------------------------------------------------------------------------------------
 
 
@@ -307,6 +368,39 @@ def test_kvsim_command_writes_json_and_plot(tmp_path, capsys):
 def test_kvsim_reports_bad_input(tmp_path, capsys):
     assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "kvsim:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--d2h", "0"], "--d2h '0'"),  # ZeroDivisionError
+    (["--tier", "periodic:mean=3G,amp=1G,period=0", "--tier", "1G"], "--tier 'periodic:.*period"),  # ditto
+    (["--tier", "bursty:high=3G,low=1G,on=0,off=0", "--tier", "1G"], "--tier 'bursty:.*on and off"),  # hung
+    (["--tier", "recorded:{bw}#5", "--tier", "1G"], "#5"),  # IndexError
+    (["--chunk-tokens", "0"], "--chunk-tokens 0"),  # every storage read dropped, exit 0
+    (["--chunk-tokens", "-5"], "--chunk-tokens -5"),  # a numpy error
+    (["--prefill-tps", "0"], "--prefill-tps 0"),  # replaced by the preset's rate (`or`)
+    (["--decode-tps", "0"], "--decode-tps 0"),
+    (["--prefill-tps=-5"], "--prefill-tps -5"),  # blamed on the 'rate factor'
+    (["--max-batch", "0"], "--max-batch 0"),  # ran as 1
+    (["--load", "0"], "--load 0"),  # ran at rate factor 1.0
+    (["--load=-1"], "--load -1"),
+    (["--rate", "0"], "--rate 0"),
+    (["--limit", "-1"], "--limit -1"),  # an empty run, exit 0
+    (["--latency", "abc"], "--latency 'abc'"),  # 'could not convert string to float'
+    (["--memory", "80X"], "--memory '80X'"),
+    (["--staging", "lots"], "--staging 'lots'"),
+    (["--tier", "fast", "--tier", "1G"], "--tier 'fast'"),
+    (["--policies", "tier0,fastest"], "--policies 'fastest'"),
+])
+def test_kvsim_refuses_a_bad_setting_naming_it(tmp_path, capsys, extra, words):
+    """A bad setting ends in 'kvsim: FLAG VALUE: ...' and exit 2: no traceback, no silent substitute."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in _toy_trace(9, n=20)))
+    bw = tmp_path / "bw.json"
+    bw.write_text(json.dumps({"tiers": [{"t": [0, 1], "bps": [1e9, 2e9]}, {"t": [0, 1], "bps": [1e9, 1e9]}]}))
+    extra = [x.replace("{bw}", str(bw)) for x in extra]
+    rc = main(["--trace", str(trace), "--memory", "1G", "--policies", "tier0", *extra])  # (the last flag wins)
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("kvsim: ") and re.search(words, err), err
 
 
 def test_generated_workload_and_orders():

@@ -68,6 +68,10 @@ class Periodic(Series):
     period_s: float
     phase: float = 0.0
 
+    def __post_init__(self):
+        if not self.period_s > 0:  # (rate divides by it)
+            raise ValueError(f"periodic bandwidth: period is in seconds and must be > 0, got period={self.period_s:g}")
+
     def rate(self, t: float) -> float:
         return max(0.0, self.mean_bps + self.amp_bps * math.sin(2 * math.pi * t / self.period_s + self.phase))
 
@@ -86,6 +90,13 @@ class Bursty(Series):
     seed: int = 0
     _switch: list = field(default_factory=list, repr=False)  # phase boundaries, grown on demand
     _rng: np.random.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        # Phases of mean length 0 never pass a time t: rate() would loop forever (and numpy refuses
+        # a negative mean with a message that names neither setting).
+        if not (self.on_s > 0 and self.off_s > 0):
+            raise ValueError(f"bursty bandwidth: on and off are mean phase lengths in seconds and must be > 0, "
+                             f"got on={self.on_s:g}, off={self.off_s:g}")
 
     def rate(self, t: float) -> float:
         if self._rng is None:
@@ -178,7 +189,11 @@ def parse_series(spec: str) -> Series:
         if kind == "recorded":
             path, _, tier = body.partition("#")
             reads, _ = load_recorded(path)
-            return reads[int(tier or 0)]
+            k = int(tier) if tier.strip().isdigit() else (0 if not tier.strip() else -1)
+            if not 0 <= k < len(reads):  # (a bare index would raise IndexError, or -1 pick the last tier)
+                raise ValueError(f"{path} has {len(reads)} tiers: #{tier.strip()} is not one of them, "
+                                 f"use #0 to #{len(reads) - 1}")
+            return reads[k]
         return Constant(parse_bytes(spec))
     except KeyError as e:
         raise ValueError(f"bandwidth {spec!r} lacks field {e}") from None

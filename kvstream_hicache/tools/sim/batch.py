@@ -72,8 +72,11 @@ def simulate(
     ``fail(tier, item) -> True`` makes that read complete with ``ok=False``. Callable speeds are
     re-sampled at every event and at least every ``max_dt`` (default: one item time at the fastest
     initial speed), i.e. treated as piecewise constant. Stops when the batch is resolved, at
-    ``until``, or when no tier can progress (every read stalled): then ``done`` is False and
-    ``finish`` is inf.
+    ``until``, or when no tier can progress (every read stalled, and no idle tier may take one over):
+    then ``done`` is False and ``finish`` is inf.
+
+    An idle tier takes over items in flight on another tier (the route's ``refill``) only when it is
+    at least as fast at the time (the engine's ``may_steal`` rule, reads.py).
     """
     n_tiers = len(speeds)
     if holders is None:
@@ -111,11 +114,27 @@ def simulate(
                     active[claim.tier][item] = sizes[item]
 
     t = 0.0
+    rates = [max(0.0, f(t)) for f in rate_of]
+    # The engine's rule (reads.py, _may_steal_under_reads): a tier with nothing unread re-reads items
+    # in flight on another only when it is at least as fast, or the other is overdue. The current
+    # rates stand for the engine's measured ones; a stalled tier shows as rate 0 at once here, so the
+    # rate test covers "overdue" too (the engine needs a timer only because its measure lags). The
+    # engine sets the rule where it sizes depths itself (a policy without a depth, kvsim's default);
+    # here it holds for a fixed depth too: the refills below come at once, not after a reap, and
+    # without it an idle tier would start a healthy batch with duplicates.
+    route.may_steal = lambda tier, owner: rates[tier] >= rates[owner]
     issue(route.start(), t)
     events = 0
     while not route.done and events < max_events:
         events += 1
         rates = [max(0.0, f(t)) for f in rate_of]
+        # A tier with nothing in flight gets no completion to claim on: ask the route, as the engine
+        # does after every reap (reads.py, _run_under_reads), so that a healthy tier takes over the
+        # items a stalled one claimed (start() never steals). Before dt: a claim made here is what
+        # lets the batch go on where every read in flight is stalled.
+        busy = {k for k in range(n_tiers) if active[k]} | {p[2] for p in pending}
+        if len(busy) < n_tiers:
+            issue(route.refill(), t)
         dt = math.inf
         for k in range(n_tiers):
             if active[k] and rates[k] > 0:

@@ -182,44 +182,83 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _setting(flag: str, text: str, parse):
+    """``parse(text)``; a ValueError names the flag and the value as written (the parsers' own
+    messages name neither: 'could not convert string to float')."""
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} {text!r}: {e}") from None
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse the numeric settings that cannot be: before, a 0 was replaced by a default (`or`), ran
+    as another value (--max-batch 0 as 1, --load 0 as rate 1.0), dropped every storage read
+    (--chunk-tokens 0) or came out as an error about something else ('rate factor')."""
+    rules = [  # (flag, value, holds, what to give instead)
+        ("--limit", args.limit, args.limit is None or args.limit >= 1, "give N >= 1, or leave it out for every request"),
+        ("--rate", args.rate, args.rate is None or args.rate > 0, "give a factor > 0 (2 = twice as fast)"),
+        ("--load", args.load, args.rate is not None or args.load > 0, "give a utilization > 0 (default 0.8)"),
+        ("--m", args.m, args.m >= 1, "give a claim size >= 1 (default 2)"),
+        ("--depth", args.depth, args.depth is None or args.depth >= args.m, f"give at least --m ({args.m})"),
+        ("--chunk-tokens", args.chunk_tokens, args.chunk_tokens >= 1, "a routing chunk holds >= 1 token (default 256)"),
+        ("--max-batch", args.max_batch, args.max_batch >= 1, "give >= 1 request per step (default 16)"),
+        ("--prefill-tps", args.prefill_tps, args.prefill_tps is None or args.prefill_tps > 0,
+         "give tokens/s > 0, or leave it out for the model preset's"),
+        ("--decode-tps", args.decode_tps, args.decode_tps is None or args.decode_tps > 0,
+         "give tokens/s > 0, or leave it out for the model preset's"),
+        ("--reuse", args.reuse, args.reuse is None or 0 <= args.reuse <= 1, "give a share within [0, 1]"),
+    ]
+    for flag, value, holds, fix in rules:
+        if not holds:
+            raise ValueError(f"{flag} {value:g}: {fix}")
+
+
 def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
-    preset = model.preset(args.model)
+    _check_numbers(args)
+    preset = _setting("--model", args.model, model.preset)
     bed_tiers, bed_writes = TESTBEDS[args.testbed or "2"]
     if args.bandwidth_json:
-        tiers, recorded_writes = load_recorded(args.bandwidth_json)
+        tiers, recorded_writes = _setting("--bandwidth-json", args.bandwidth_json, load_recorded)
     else:
-        tiers, recorded_writes = [parse_series(s) for s in (args.tier or bed_tiers)], []
+        tiers, recorded_writes = [_setting("--tier", s, parse_series) for s in (args.tier or bed_tiers)], []
     n_tiers = len(tiers)
     if args.write_bw:
-        writes = [parse_series(s) for s in args.write_bw]
+        writes = [_setting("--write-bw", s, parse_series) for s in args.write_bw]
     elif recorded_writes and all(w is not None for w in recorded_writes):
         writes = list(recorded_writes)
     else:
         writes = [parse_series(s) for s in bed_writes[:n_tiers]]
     while len(writes) < n_tiers:
         writes.append(writes[-1] if writes else Constant(1e9))
-    latency = _floats(args.latency)
+    latency = _setting("--latency", args.latency, _floats)
+    if not all(x >= 0 for x in latency):
+        raise ValueError(f"--latency {args.latency!r}: give seconds >= 0 per tier")
     latency = (latency * n_tiers)[:n_tiers] if len(latency) == 1 else latency + [0.0] * (n_tiers - len(latency))
+    d2h = _setting("--d2h", args.d2h, model.parse_bytes)
+    if not d2h > 0:  # (every step's time is at least its demand over it)
+        raise ValueError(f"--d2h {args.d2h!r}: give a host-to-device bandwidth > 0 (default 25G)")
     cfg = SimConfig(
         bytes_per_token=preset.bytes_per_token,
-        memory_bytes=model.parse_bytes(args.memory),
+        memory_bytes=_setting("--memory", args.memory, model.parse_bytes),
         tiers=tiers,
         write_tiers=writes[:n_tiers],
         chunk_tokens=args.chunk_tokens,
         max_batch=args.max_batch,
-        prefill_tps=args.prefill_tps or preset.prefill_tps,
-        decode_tps=args.decode_tps or preset.decode_tps,
-        d2h_bps=model.parse_bytes(args.d2h),
+        # (not `or`: a 0 given would have become the preset's rate; _check_numbers refuses it)
+        prefill_tps=preset.prefill_tps if args.prefill_tps is None else args.prefill_tps,
+        decode_tps=preset.decode_tps if args.decode_tps is None else args.decode_tps,
+        d2h_bps=d2h,
         latency_s=latency,
-        staging_bytes=model.parse_bytes(args.staging),
+        staging_bytes=_setting("--staging", args.staging, model.parse_bytes),
         m=args.m,
         depth=args.depth,
         write_model=args.write_model,
         read_priority=args.read_priority,
-        write_inflight_bytes=model.parse_bytes(args.write_inflight),
+        write_inflight_bytes=_setting("--write-inflight", args.write_inflight, model.parse_bytes),
     )
-    policies = [parse_sim_policy(s) for s in args.policies.split(",") if s.strip()]
+    policies = [_setting("--policies", s, parse_sim_policy) for s in args.policies.split(",") if s.strip()]
     if args.reuse is not None and args.workload != "swebench":
         raise ValueError("--reuse applies to --workload swebench")
     requests = load_requests(args.trace, workload=args.workload, order=args.order, seed=args.seed, limit=args.limit,
@@ -275,7 +314,7 @@ def run(args: argparse.Namespace) -> dict:
         results["static_sweep"] = {"g": SWEEP, "gap": static_sweep(base, SWEEP), "mean_share": mean_share(base)}
         sw = results["static_sweep"]
         sw["best_g"] = sw["g"][int(np.argmin(sw["gap"]))]
-    caps = [model.parse_bytes(c) for c in args.capacities.split(",") if c.strip()]
+    caps = [_setting("--capacities", c, model.parse_bytes) for c in args.capacities.split(",") if c.strip()]
     results["capacity_sweep"] = capacity_sweep(stream, cfg.bytes_per_token, caps, lru=args.validate_lru)
     results["runtime_s"] = {"load": t_load - t0, "stream": t_stream - t_load, "total": time.perf_counter() - t0}
     return results

@@ -114,6 +114,15 @@ class SimConfig:
     read_priority: str = "step"  # step | tier
     write_inflight_bytes: float = 0.0  # writes a read batch cannot hold back, per tier
 
+    def __post_init__(self):
+        # Values the loop would otherwise turn silently into something else: a 0-token chunk drops
+        # every storage read (prepare), a batch of 0 runs as 1, a rate of 0 divides by zero.
+        if self.chunk_tokens < 1 or self.max_batch < 1:
+            raise ValueError(f"chunk_tokens and max_batch must be >= 1, got {self.chunk_tokens}, {self.max_batch}")
+        if not (self.prefill_tps > 0 and self.decode_tps > 0 and self.d2h_bps > 0):
+            raise ValueError(f"prefill_tps, decode_tps and d2h_bps must be > 0, got {self.prefill_tps:g}, "
+                             f"{self.decode_tps:g}, {self.d2h_bps:g}")
+
 
 @dataclass
 class Prepared:
@@ -304,6 +313,8 @@ def _placement(u: np.ndarray, g: float, f: float) -> np.ndarray:
 class StepLog:
     """Per step: start time, demand, bandwidths, retrieval time and bound (for sweeps and plots)."""
 
+    d2h_bps: float = np.inf  # the run's host-to-device cap (Eq. 3), which the sweeps apply as its rows do
+
     start: list[float] = field(default_factory=list)
     demand: list[float] = field(default_factory=list)
     bandwidth: list[list[float]] = field(default_factory=list)
@@ -399,7 +410,7 @@ def run_policy(p: SimPolicy, prep: Prepared, cfg: SimConfig, mean_share: float |
     fwd_times: list[float] = []
     off_path_ok = off_path_n = 0
     prev_flush = None  # write time of the previous step's writes
-    log = StepLog()
+    log = StepLog(d2h_bps=cfg.d2h_bps)
     t = 0.0
     i = 0
 
@@ -582,7 +593,9 @@ def rate_for_load(prep: Prepared, cfg: SimConfig, load: float) -> float:
     """The arrival rate factor at which ``service_estimate`` fills ``load`` of the trace's span (1.0 for
     a trace whose requests all arrive at once: an offline batch)."""
     span = float(prep.arrival_s[-1] - prep.arrival_s[0]) if len(prep.arrival_s) > 1 else 0.0
-    if span <= 0 or load <= 0:
+    if not load > 0:  # (it used to give 1.0, the recorded arrivals, whatever the load asked for)
+        raise ValueError(f"load must be > 0, got {load:g}")
+    if span <= 0:
         return 1.0
     return load * span / service_estimate(prep, cfg)
 
@@ -598,15 +611,18 @@ def mean_share(log: StepLog) -> float:
 
 
 def static_sweep(log: StepLog, grid: Sequence[float]) -> list[float]:
-    """Eq. 5 summed over a run's steps for each static share ``g`` (two tiers): the gap per ``g``."""
+    """Eq. 5 summed over a run's steps for each static share ``g`` (two tiers): the gap per ``g``.
+
+    Time and bound are the policy rows': a step takes at least ``D_i / b_D2H`` and its bound is Eq. 3
+    with that cap (the run's ``log.bound``), so the sweep at ``g`` matches the ``static-g`` row."""
     d = np.asarray(log.demand)
     bw = np.asarray(log.bandwidth)
     if not len(d) or d.sum() <= 0:
         return [0.0 for _ in grid]
-    bound = d / bw.sum(axis=1)
+    bound = np.asarray(log.bound)
     out = []
     for g in grid:
-        t = np.maximum(g * d / bw[:, 0], (1.0 - g) * d / bw[:, 1])
+        t = np.maximum(np.maximum(g * d / bw[:, 0], (1.0 - g) * d / bw[:, 1]), d / log.d2h_bps)
         out.append(float(t.sum() / bound.sum() - 1.0))
     return out
 
