@@ -368,7 +368,7 @@ class Engine:
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
             return
         self._scan.stop(CLOSE_DRAIN_S)
-        left = self._reads.drain(CLOSE_DRAIN_S)
+        left = self._reads.drain(CLOSE_DRAIN_S, closing=True)
         if left:  # a hung tier: the kernel holds reads into the ring's buffers, and closing the ring
             # waits for them, however long; the caller does not (the buffers stay the ring's till then)
             log.warning("kvstream: close(): %d reads still in flight after %.0f s (a hung tier); the read ring "

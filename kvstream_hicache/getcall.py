@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from .files import ReadFile
+from .flow import MAX_REQUEST, MIN_REQUESTS, TierFlow
 from .index import Index, PageInfo
 from .io import MAX_VECTOR, PageMap
 from .layout import ALIGN, is_valid_key
@@ -16,6 +17,12 @@ from .segments import Segment
 from .stats import Stats, batch_figures
 
 log = logging.getLogger("kvstream")
+
+
+# Least a staged call of one holder keeps in flight on its tier (it keeps half the tier's budget, at
+# least this): two of the largest requests, one in service and one queued behind it, so the device
+# never waits for us (GetCall.queue_bytes).
+STAGED_DEPTH = MIN_REQUESTS * MAX_REQUEST
 
 
 class ReadPage:
@@ -107,6 +114,28 @@ class GetCall:
         self.page_tiers = [0] * len(self.pages)
         self.single = all(page.single for page in self.pages)  # one usable holder for every page
         self.in_place = self.single and all(page.in_place for page in self.pages)  # no staging at all
+
+    def item_bytes(self) -> int:
+        """Most bytes one item of ``call`` carries (a block, or a page smaller than one): windows and
+        depths are bytes, and this counts them in items. (Counted in 1 MiB blocks, a 2 MiB window of
+        256 KiB pages held 512 KiB: docs/benchmarks.md, "Two tiers against one".)"""
+        return max(min(page.info.block, page.info.length) for page in self.pages)
+
+    def queue_bytes(self, flow: TierFlow) -> int:
+        """Bytes a tier keeps in flight for this call (before what earlier calls still hold there).
+
+        A call that another tier could also serve keeps the flow's window, near the point where
+        latency starts to climb, so that little is left for another tier to wait on when a batch
+        ends. A call whose every page one tier alone holds has no other tier to take over, and
+        queues deeper (a device that serves a deeper queue faster gains): read in place, the tier's
+        whole budget, as nixl keeps a whole batch; staged, half of it and at least STAGED_DEPTH, so
+        that a staged block is copied out and checked while still in the CPU's cache (the figures:
+        docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
+        if not self.single:
+            return flow.window
+        if self.in_place:
+            return flow.ceiling
+        return min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
 
     def pages_done(self) -> list[bool]:
         """Per page, whether every block arrived."""

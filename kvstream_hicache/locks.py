@@ -25,6 +25,7 @@ ORDER = (
     "lmcache.store",  # LMCache L2 adapter: a store submit and its task -> keys table
     "lmcache.held",  # LMCache L2 adapter: the keys LMCache's byte accounting counts (asks the index under it)
     "read",  # ReadPath: the read ring, its pool, a whole get (also clear/check, with write), registering memory
+    "caller",  # CallerGate: a get touching its caller's memory, against close() giving up on it (memory.py)
     "write",  # WritePath: the write ring, its pool, jobs in flight (the writer thread's step)
     "replicator",  # Replicator: pages owed per tier, promoted sources (hands a copy to the queue under it)
     "queue",  # WriteQueue: the per-tier FIFOs, backlog, closing flag (callers and the writer, briefly)

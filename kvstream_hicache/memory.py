@@ -33,13 +33,16 @@ thread, and until it lands the answer is "not huge" (the read is staged: always 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+from .errors import EngineClosedError
 from .io import memlock_hint
 from .layout import is_aligned
+from .locks import ranked_lock
 from .segments import Segment
 
 log = logging.getLogger("kvstream")
@@ -216,3 +219,45 @@ class CallerMemory:
             self.ring.unregister_memory()
         except OSError as exc:  # (nothing is sent as fixed any more all the same)
             log.warning("kvstream: could not unpin the registered memory: %s", exc.strerror)
+
+
+class CallerGate:
+    """Whether a get may still touch its caller's memory. A get holds the gate while it runs and lets
+    it go only while it waits for completions. ``close()`` that gives up on a get that does not end
+    (its reads into caller memory held by a hung tier: they must land before it returns) shuts the
+    gate and returns, and the caller's owner may then free the memory (LMCache frees L1 at shutdown).
+    The get, back from its wait, finds the gate shut and ends touching nothing of the caller's: a read
+    the kernel still holds lands in the pages it pinned, wherever the freed range is mapped again."""
+
+    def __init__(self):
+        self._lock = ranked_lock("caller")
+        self.shut = False
+
+    def __enter__(self) -> "CallerGate":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Around a wait for completions, the gate held: ``close`` may shut it meanwhile.
+        :raises EngineClosedError: it did (what the wait reaped is dropped: the engine is gone)."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+        if self.shut:
+            raise EngineClosedError("kvstream engine closed while this get waited for a hung tier")
+
+    def close(self, timeout: float) -> bool:
+        """Shut the gate; False when the get did not let it go within ``timeout`` (it is in a call that
+        does not return: a page file's open on a hung network file system). Shut all the same: the get
+        sees it when that call returns, and ends there."""
+        self.shut = True  # (first: read without the lock by a get whose call never let the gate go)
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True

@@ -36,7 +36,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .flow import MAX_REQUEST, MIN_REQUESTS, TierFlow
+from .flow import MAX_REQUEST, MIN_REQUESTS
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -44,7 +44,7 @@ from .integrity import NotRegularFile
 from .io import MAX_VECTOR, OP_READ
 from .layout import HEADER_SIZE, round_up
 from .locks import ranked_lock
-from .memory import CallerMemory
+from .memory import CallerGate, CallerMemory
 from .priority import ReadPriority
 from .segments import Segment, copy_payload
 from .staging import BufferPool
@@ -52,11 +52,6 @@ from .stats import Stats
 from .tiers import Tier
 
 log = logging.getLogger("kvstream")
-
-# Least a staged call of one holder keeps in flight on its tier (it keeps half the tier's budget, at
-# least this): two of the largest requests, one in service and one queued behind it, so the device
-# never waits for us (_queue_bytes).
-STAGED_DEPTH = MIN_REQUESTS * MAX_REQUEST
 
 
 class ReadPath:
@@ -96,6 +91,7 @@ class ReadPath:
         self.read_timeout = read_timeout
         self.lock = ranked_lock("read")
         self.memory = CallerMemory(ring, register_memory)
+        self.gate = CallerGate()  # a get holds it while it may touch caller memory (close() gives up: shut)
         self.delivery = Delivery(tiers, index, stats, digest, self.memory)
         self.files = ReadFiles(self.delivery.stale_copy)
 
@@ -115,7 +111,7 @@ class ReadPath:
         """See Engine.get. ``mask``: tiers usable for this batch."""
         found = [False] * len(keys)
         t0 = time.perf_counter()
-        with self.lock:
+        with self.lock, self.gate:
             if self.closed:  # close() ran while this call waited for the lock
                 raise EngineClosedError("kvstream engine is closed")
             try:
@@ -137,7 +133,9 @@ class ReadPath:
         for p, ok in enumerate(found):
             if ok:
                 self.index.touch(keys[p])
-        self.after_get(keys, pages, found)
+        with self.gate:  # (promotion copies from caller memory: not once close() gave up on this get)
+            if not self.gate.shut:
+                self.after_get(keys, pages, found)
         record_get(self.stats, calls, len(keys), sum(found), time.perf_counter() - t0, busy, policy, self.io.flows)
         return found
 
@@ -161,7 +159,8 @@ class ReadPath:
         finally:
             try:
                 self.index.unpin(infos)
-                if call.direct_in_flight:  # an error cut the call short: reads into caller memory land first
+                if call.direct_in_flight and not self.gate.shut:  # an error cut the call short: reads into caller
+                    # memory land first (not once close() gave up on them: the memory may be gone)
                     self._settle_direct_under_reads(call)
                 self._end_call_under_reads(call)
             finally:  # (whatever the clean-up raised: a tier left read from would hold its writes)
@@ -172,7 +171,7 @@ class ReadPath:
     def _run_under_reads(self, call: GetCall, policy, mask: int, deadline: float | None) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
-        unit = self._item_bytes(call)
+        unit = call.item_bytes()
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
@@ -197,8 +196,10 @@ class ReadPath:
             wait = self.io.overdue_wait(now)
             if wait is not None:
                 left = wait if left is None else min(left, wait)
+            with self.gate.waiting():
+                done = self.io.reap(1, left)
             claims = []
-            for req, res in self.io.reap(1, left):
+            for req, res in done:
                 claims += self._complete_under_reads(req, res)
             if adaptive:
                 self._set_depths_under_reads(call, unit)
@@ -329,6 +330,8 @@ class ReadPath:
         self.stats.add(tier, "requests")
         if not call.active:  # orphan of an earlier call: its batch is over, only release (an error
             self.stats.total("orphan_reads")  # still tells about the tier's health)
+            if res > 0:  # (its call was recorded already: the bytes count here, as every transfer does)
+                self.stats.add(tier, "bytes_read", res)
             if res < 0:
                 self.delivery.failed_read_under_reads(tier, call.pages[req.p].key, -res, call)
             self._release_under_reads(req)
@@ -344,13 +347,6 @@ class ReadPath:
         req.bufs = None if req.bufs is None else []
 
     # -- flow ----------------------------------------------------------------------------------
-    @staticmethod
-    def _item_bytes(call: GetCall) -> int:
-        """Most bytes one item of ``call`` carries (a block, or a page smaller than one): windows and
-        depths are bytes, and this counts them in items. (Counted in 1 MiB blocks, a 2 MiB window of
-        256 KiB pages held 512 KiB: docs/benchmarks.md, "Two tiers against one".)"""
-        return max(min(page.info.block, page.info.length) for page in call.pages)
-
     def _request_bytes(self, tier: int, single: bool) -> int:
         """Most bytes one request of ``tier`` carries: the flow's size (small, so that little is left for
         another tier to wait on when the batch ends), or MAX_REQUEST for blocks one tier alone can
@@ -363,31 +359,15 @@ class ReadPath:
         of the batch that leaves every tier a few claims (a batch that one tier alone can deliver is
         not split), and no more than a MIN_REQUESTS-th of its window: a claim as large as the window
         would let the device wait for every round of completions (2 MiB pages: 0.6x nixl; half the
-        window: 1.0-1.2x). How much each tier keeps in flight: ``_queue_bytes``."""
+        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
         for k, flow in enumerate(flows):
-            depth = max(0, self._queue_bytes(call, flow) - self.io.orphaned[k]) // unit
+            depth = max(0, call.queue_bytes(flow) - self.io.orphaned[k]) // unit
             depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
             route.set_depth(k, depth, claim)
-
-    def _queue_bytes(self, call: GetCall, flow: TierFlow) -> int:
-        """Bytes a tier keeps in flight for ``call`` (before what earlier calls still hold there).
-
-        A call that another tier could also serve keeps the flow's window, near the point where
-        latency starts to climb, so that little is left for another tier to wait on when a batch
-        ends. A call whose every page one tier alone holds has no other tier to take over, and
-        queues deeper (a device that serves a deeper queue faster gains): read in place, the tier's
-        whole budget, as nixl keeps a whole batch; staged, half of it and at least STAGED_DEPTH, so
-        that a staged block is copied out and checked while still in the CPU's cache (the figures:
-        docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
-        if not call.single:
-            return flow.window
-        if call.in_place:
-            return flow.ceiling
-        return min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:
         """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
@@ -402,7 +382,9 @@ class ReadPath:
         log.log(logging.WARNING if timed_out else logging.DEBUG,
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
-            for req, res in self.io.reap(1, None):
+            with self.gate.waiting():  # (a hung tier holds them: close() may give up on this get)
+                done = self.io.reap(1, None)
+            for req, res in done:
                 self._complete_under_reads(req, res)
 
     def _settle_direct_under_reads(self, call: GetCall) -> None:
@@ -449,19 +431,26 @@ class ReadPath:
             for req, res in self.io.reap(min_complete, timeout):
                 self._complete_under_reads(req, res, timely=False)
 
-    def drain(self, timeout: float | None) -> int:
-        """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain."""
+    def drain(self, timeout: float | None, closing: bool = False) -> int:
+        """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain. A get
+        still inside past ``timeout`` counts as one; ``closing``: close() gives up on it (CallerGate)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.lock:
-            try:
-                while len(self.io):
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        break
-                    self._reap_under_reads(1, left)
-            except OSError:  # the ring failed (inflight.py): replacing it ends what it held
-                self._replace_ring_under_reads()
-            return len(self.io)
+        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+            if closing and not self.gate.close(timeout):
+                log.warning("kvstream: close(): a get is held in a call on a hung tier; it ends when that call "
+                            "returns, touching no caller memory after")
+            return max(1, len(self.io))
+        try:
+            while len(self.io):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._reap_under_reads(1, left)
+        except OSError:  # the ring failed (inflight.py): replacing it ends what it held
+            self._replace_ring_under_reads()
+        finally:
+            self.lock.release()
+        return len(self.io)
 
     def close(self) -> None:
         """Close the ring (it drains what is in flight), then release every request's resources."""

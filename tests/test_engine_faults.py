@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import threading
 import time
 
 import numpy as np
@@ -20,8 +19,8 @@ from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from helpers import (FakeClock, Pages, flip_byte, gone_or_restored, key, make_array_engine as make_engine, segments_of,
-                     wait_until)
+from helpers import (ARRAY_CHUNK, FakeClock, Pages, flip_byte, gone_or_restored, key, make_array_engine as make_engine,
+                     segments_of, wait_until)
 
 SENTINEL = 0xAB
 
@@ -383,3 +382,20 @@ def test_a_get_counts_one_read_timeout_whatever_its_second_chance_finds(tier_dir
         plan.release()
         assert engine._reads.drain(30) == 0
         assert engine.get(keys, pages.dst_segments) == [True] * 2 and pages.equal(1)
+
+
+def test_a_stalled_tiers_late_reads_count_in_its_bytes_read(tier_dirs):
+    """design.md, Stats: a tier's bytes_read and blocks_read count every transfer. Reads a stalled tier
+    completes after its get returned (orphans) counted in blocks_read and requests, and never in
+    bytes_read (added only for the calls a get records): a tier that moved 21 blocks read 0 bytes."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:3], 12, plan=plan, replicate="all")
+    with engine:
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_READ)
+        assert engine.get(keys, pages.dst_segments) == [True] * 12  # tiers 0 and 2 deliver it all
+        assert all(pages.equal(i) for i in range(12)) and engine.stats()["orphan_reads_in_flight"] > 0
+        plan.clear()
+        plan.release()
+        assert engine._reads.drain(30) == 0
+        tier1 = engine.stats()["tiers"][1]
+        assert tier1["blocks_read"] > 0 and tier1["bytes_read"] >= tier1["blocks_read"] * ARRAY_CHUNK, tier1

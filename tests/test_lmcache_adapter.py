@@ -176,6 +176,37 @@ def test_lookup_answers_from_the_index_and_pins(lmc, server_factory, tier_root):
     assert adapter.report_status()["errors"] == 0
 
 
+def test_a_chunk_another_server_stored_is_prefetched(lmc, server_factory, tier_root):
+    """Another server of the model (an engine of the same namespace) stores chunks on the shared tiers
+    after this one started: its index never listed them, yet LMCache's lookup finds them on disk and
+    they load exact (docs/guarantees.md: processes sharing a tier find each other's pages)."""
+    from kvstream_hicache.engine import Engine
+    from kvstream_hicache.config import Config
+
+    tiers = make_tiers(tier_root, 2)
+    server = server_factory(tiers)
+    layout, keys = layout_of(lmc, 16, 128), chunk_keys(lmc, 3)
+    payloads = random_payloads(len(keys), 8192, seed=50)
+    bufs = [np.frombuffer(p, dtype=np.uint8).copy() for p in payloads]
+    with Engine(Config.from_sources({"tiers": tiers}, {}), Namespace(l2keys.namespace_fields())) as theirs:
+        assert all(theirs.put([l2keys.engine_key(k) for k in keys], [[(b.ctypes.data, b.nbytes)] for b in bufs]))
+    assert server.prefetch(keys, layout) == (len(keys), payloads)
+
+
+def test_after_a_restart_the_chunks_stored_before_are_prefetched_at_once(lmc, server_factory, tier_root):
+    """A restarted server serves before its start-up scan has read a file: LMCache's lookup finds the
+    chunks stored before the restart on disk."""
+    tiers = make_tiers(tier_root, 2)
+    layout, keys = layout_of(lmc, 16, 128), chunk_keys(lmc, 3)
+    payloads = random_payloads(len(keys), 8192, seed=51)
+    first = Server(lmc, tiers)
+    first.write_through(keys, layout, payloads)
+    first.close()
+    server = server_factory(tiers, scan_rate=0.001)  # the scan reads no file while the test runs
+    assert server.prefetch(keys, layout) == (len(keys), payloads)
+    assert server.engine.stats()["discovered"] == len(keys)
+
+
 def test_tier_lost_mid_batch(lmc, server_factory, tier_root, monkeypatch):
     """Tier 1 of 3 serves a few reads, then fails with EIO for the rest of the batch: every page
     still arrives (from the other replicas), and the tier is marked failed."""
@@ -344,6 +375,54 @@ def test_store_tasks_beyond_the_backlog_wait_and_none_is_lost(lmc, server_factor
     for keys, data in zip(batches, payloads):
         server.drop_l1(keys)
         assert server.prefetch(keys, layout) == (len(keys), data)
+
+
+def test_a_store_whose_tiers_hang_fails_within_write_timeout_and_close_returns(lmc, tier_root, monkeypatch):
+    """Every tier hangs in its writes (a FUSE tier): the store task completes, failed, once write_timeout
+    passes, its chunks miss, and LMCache's shutdown returns with the writes still held."""
+    from kvstream_hicache.faults import TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    tiers = make_tiers(tier_root, 2)
+    plan = TierFaultPlan()
+    monkeypatch.setattr(l2core, "_open_engine", engine_opener(fault_plan=plan))
+    server = Server(lmc, tiers, write_timeout=0.5)
+    layout, keys = layout_of(lmc, 16, 128), chunk_keys(lmc, 2)
+    for tier in tiers:
+        plan.on(tier, Fault.hold(), opcode=OP_WRITE)
+    try:
+        write_l1(server, keys, layout, random_payloads(len(keys), 8192, seed=52))
+        assert server.adapter.core.wait_completed("store", 1, WAIT_S)
+        status = server.adapter.report_status()
+        assert status["store_failed_pages"] == 2 and status["queued_stores"] == 0
+        assert lookup(server, keys, layout) == [False, False]
+        plan.clear()
+        t0 = time.monotonic()
+        server.close()
+        assert time.monotonic() - t0 < 10
+    finally:
+        plan.release()
+
+
+def test_status_is_unhealthy_while_every_tier_is_failed(lmc, server_factory, tier_root, monkeypatch):
+    from kvstream_hicache.faults import TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    tiers = make_tiers(tier_root, 2)
+    plan = TierFaultPlan()
+    monkeypatch.setattr(l2core, "_open_engine", engine_opener(fault_plan=plan))
+    server = server_factory(tiers, tier_retry=0.2)
+    layout = layout_of(lmc, 16, 128)
+    for tier in tiers:
+        plan.on(tier, Fault.error(errno.EIO), opcode=OP_WRITE)
+    write_l1(server, chunk_keys(lmc, 1), layout, random_payloads(1, 8192, seed=53))
+    assert server.adapter.core.wait_completed("store", 1, WAIT_S)
+    assert not server.adapter.report_status()["is_healthy"]
+    plan.clear()
+    time.sleep(0.3)  # past tier_retry: the next store probes the tiers, and they are back
+    server.stores = 1
+    server.write_through(chunk_keys(lmc, 1, salt="b"), layout, random_payloads(1, 8192, seed=54))
+    assert server.adapter.report_status()["is_healthy"]
 
 
 # ------------------------------------------------------------------------------------ helpers

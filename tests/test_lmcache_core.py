@@ -112,6 +112,54 @@ def test_a_bad_lock_key_leaves_no_pin_behind(engine):
         core.close()
 
 
+class Asked:
+    """Delegates to an engine and records its existence queries."""
+
+    def __init__(self, engine):
+        self.engine, self.asked = engine, []
+
+    def prefix_len(self, keys):
+        self.asked.append(list(keys))
+        return self.engine.prefix_len(keys)
+
+    def contains(self, key):
+        self.asked.append(key)
+        return self.engine.contains(key)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_a_lookup_looks_on_disk_for_what_the_index_lacks_once_per_row(engine, tier_dirs):
+    """Another engine of the namespace stores keys after this one started: a lookup finds them on the
+    tiers. It asks the engine's prefix query once per row (LMCache: an object group on a kv rank; one
+    lookup per tier at the row's first key held nowhere, Engine.prefix_len), never a key of its own:
+    rows of 40 absent keys cost two lookups per tier. With ``discover`` off nothing is found once the
+    start-up scan is done."""
+    from kvstream_hicache.engine import Engine
+
+    blind = Engine(Config.from_sources({"tiers": tier_dirs[:2], "chunk": "4K", "discover": "off"}, {}),
+                   engine.namespace)
+    assert blind.wait_scan(WAIT_S)
+    with Engine(engine.config, engine.namespace) as theirs:
+        held, _ = stored(theirs, 3)
+    absent = [f"{i:064x}" for i in range(1000, 1080)]
+    a, b = held[:2] + absent[:40], held[2:] + absent[40:]
+    keys = [k for pair in zip(a, b) for k in pair] + a[len(b):]  # the rows interleaved
+    rows = ["a" if k in a else "b" for k in keys]
+    for eng, found in ((engine, held), (blind, [])):
+        asked = Asked(eng)
+        core = l2core.L2Core(asked)
+        try:
+            hits = core.pop_lookup(core.submit_lookup(keys, rows=rows))
+            assert sorted(k for k, hit in zip(keys, hits) if hit) == found
+            assert asked.asked[:2] == [a, b] and sorted(asked.asked[2:]) == found  # (then each hit: contains)
+        finally:
+            core.close()
+    blind.check(fix=True)  # (it never looked: the pages are on disk, not in its index)
+    blind.close()
+
+
 def test_pinned_pages_are_not_evicted(tier_dirs):
     from kvstream_hicache.engine import Engine
 
@@ -277,6 +325,69 @@ def test_close_waits_for_a_store_completion_still_being_signalled(engine):
     closer.join(WAIT_S)
     assert not returned_early, "close() returned while a store completion was still being signalled"
     assert not closer.is_alive()
+
+
+@pytest.mark.leaves_problems("a get held by a hung tier holds the read path at close: check() would wait for it")
+def test_close_returns_while_a_load_into_l1_hangs_on_its_tier(tier_dirs, monkeypatch):
+    """A hung tier holds a read that lands in LMCache's registered L1 (one tier: read in place). Its load
+    may wait for it (docs/lmcache.md), but close() (LMCache's shutdown, `lmcache server` on SIGINT)
+    returns after the engine's bound (CLOSE_DRAIN_S, docs/guarantees.md), and once it has, the load that
+    completes later calls nothing of LMCache's (its listener, its closed eventfds) and touches no byte of
+    L1, which LMCache frees then (the engine's CallerGate: the get, back from its wait, ends there)."""
+    import mmap
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+
+    from helpers import lockable, uring_available, wait_for_fault
+    from kvstream_hicache import engine as engine_module
+    from kvstream_hicache.faults import Fault, TierFaultPlan
+    from kvstream_hicache.io import OP_READ
+
+    if not uring_available():
+        pytest.skip("io_uring_setup refused on this host: no registered memory")
+    size, page = 4 << 20, 65536
+    lockable(size)
+    arena = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+    plan = TierFaultPlan()
+    monkeypatch.setattr(l2core, "_open_engine", lambda config, ns: engine_module.Engine(config, ns, fault_plan=plan))
+    monkeypatch.setattr(engine_module, "CLOSE_DRAIN_S", 1.0)
+    adapter = l2adapter.KVStreamL2Adapter({"tiers": tier_dirs[:1], "read_timeout": 1},
+                                          L1MemoryDesc(ptr=base, size=size, align_bytes=4096))
+    accessed = []
+    adapter.register_listener(type("L", (), {"on_l2_keys_accessed": lambda _s, keys: accessed.append(keys)})())
+    worker = adapter.core._workers[0]
+    try:
+        arena[:page] = os.urandom(page)
+        key = ObjectKey(chunk_hash=b"\x09" * 32, model_name="m", kv_rank=0)
+        adapter.submit_store_task([key], [ArenaObj(base, page)])
+        assert adapter.core.wait_completed("store", 1, WAIT_S)
+        assert adapter.engine._reads.io.ring.fixed_bytes == size  # L1 registered: the read lands in place
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ)
+        adapter.submit_load_task([key], [ArenaObj(base + page, page)])
+        wait_for_fault(plan, WAIT_S, "the load's read never reached the ring")
+        closer = threading.Thread(target=adapter.close, daemon=True)
+        closer.start()
+        closer.join(15)
+        assert not closer.is_alive(), "close() waits for a read held by a hung tier"
+        arena.close()  # LMCache frees L1 once the adapter closed: the load must not touch it after (or: SIGSEGV)
+    finally:
+        plan.clear()
+        plan.release()  # (its read lands in the pages the ring pinned; the get ends, touching nothing)
+        worker.join(WAIT_S)
+        adapter.close()
+    assert not worker.is_alive() and accessed == [] and adapter.core.stats()["load_tasks"] == 1
+
+
+class ArenaObj:
+    """What the adapter asks of a MemoryObj (data_ptr, get_size), over an L1-like arena."""
+
+    def __init__(self, address: int, size: int):
+        self.data_ptr, self.size = address, size
+
+    def get_size(self) -> int:
+        return self.size
 
 
 def test_store_task_reports_bytes_and_verdict(engine):

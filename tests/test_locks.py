@@ -36,7 +36,7 @@ def test_an_inversion_is_caught_and_recorded(violations):
         with pytest.raises(LockOrderError, match=r"'read' taken while holding 'index'"):
             read.acquire()
     assert not read.locked()  # refused before it was taken
-    assert len(locks.VIOLATIONS) == 1 and "read > write > replicator > queue" in locks.VIOLATIONS[-1]
+    assert len(locks.VIOLATIONS) == 1 and "read > caller > write > replicator > queue" in locks.VIOLATIONS[-1]
 
 
 def test_two_locks_of_one_rank_do_not_nest(violations):

@@ -41,6 +41,16 @@ def _shared_mapping(address: int, nbytes: int) -> bool:
     return False
 
 
+def _row(key: Any, i: int) -> Any:
+    """The row of a lookup key: LMCache's lookup holds one row of chunk keys per object group and kv
+    rank (its GroupedObjectKeys), and serves a prefix of each (L2Core._discover). A key without those
+    fields is a row of its own."""
+    try:
+        return key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+    except Exception:
+        return "key", i
+
+
 def __getattr__(name: str) -> Any:
     """``KVStreamL2Adapter`` is built on first access: importing this module needs no LMCache."""
     classes = _lmcache_classes() if name in _LMCACHE_CLASSES else None
@@ -178,7 +188,7 @@ def _lmcache_classes() -> dict[str, type]:
             # group_layout_descs is a hint (LMCache's base class: "most adapters ignore it"): the key
             # alone finds the page, and a load checks its size.
             ekeys = [self._engine_key(key, "lookup key mapping") for key in keys]
-            return self.core.submit_lookup(ekeys, lock_keys=keys)
+            return self.core.submit_lookup(ekeys, lock_keys=keys, rows=[_row(key, i) for i, key in enumerate(keys)])
 
         def query_lookup_and_lock_result(self, task_id: int) -> Any:
             hits = self.core.pop_lookup(task_id)

@@ -9,7 +9,8 @@ exactly once)::
         pop_completed_store_tasks()          {id: L2StoreResult}: one verdict per task, as LMCache wants,
                                              once every page is committed (LMCache keeps the L1
                                              objects read-locked until then)
-    submit_lookup_and_lock_task(keys) -> id  answered at once from the engine's index; hits are pinned
+    submit_lookup_and_lock_task(keys) -> id  answered at once from the engine's index, a key it lacks looked
+                                             up on the tiers (per row, its leading keys held); hits pinned
         query_lookup_and_lock_result(id)     Bitmap (1 = held and pinned against eviction)
     submit_load_task(keys, objs) -> id       load worker: engine.get straight into the L1 buffers;
         query_load_result(id)                Bitmap per key. Load tasks waiting together are pooled
@@ -28,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -121,14 +123,18 @@ class L2Core:
         self._lock = ranked_lock("lmcache.core")
         self._work = threading.Condition(self._lock)
         self._stores_open = 0  # store tasks submitted and not completed
-        self._signalling = 0  # _finish calls whose callbacks and signals are still running
+        # Completions being signalled and copies into callers' buffers still running: close() waits for
+        # them, and none starts once it has returned (_closed): the adapter closes its eventfds then, and
+        # LMCache frees L1 (a notify on a closed or reused fd, a copy into freed memory, never happen).
+        self._busy = 0
         self._loads: deque[_Task] = deque()
         self._stores_done: dict[int, tuple[bool, int]] = {}
         self._lookups_done: dict[int, list[bool]] = {}
         self._loads_done: dict[int, list[bool]] = {}
         self._done = threading.Condition(self._lock)
         self._pins: dict[Any, list[Any]] = {}  # lock key -> pin handles, one per outstanding lock
-        self._closing = False
+        self._closing = False  # close() began: tasks submitted from now on fail at once, lookups pin nothing
+        self._closed = False  # close() returned (or is returning): no callback, signal or copy any more
         self.counters = {k: 0 for k in ("store_tasks", "stored_pages", "store_failed_pages", "lookups",
                                         "lookup_keys", "lookup_hits", "unlocks", "load_tasks", "load_batches",
                                         "loaded_pages", "load_failed_pages", "pooled_tasks_max", "errors")}
@@ -191,17 +197,25 @@ class L2Core:
         return done if pages else {t: r[:2] for t, r in done.items()}
 
     # -- lookup and lock ------------------------------------------------------------------------
-    def submit_lookup(self, keys: Sequence[str | None], lock_keys: Sequence[Any] | None = None) -> int:
-        """Look up and pin ``keys`` in the engine's index (a page the index has only on a failed tier
-        costs one header lookup per healthy tier, see Engine.contains); the result is ready before
-        this returns (``on_lookup`` has run). Each hit holds one lock under ``lock_keys[i]``
-        (default: the engine key), released by :meth:`unlock` with the same lock key."""
+    def submit_lookup(self, keys: Sequence[str | None], lock_keys: Sequence[Any] | None = None,
+                      rows: Sequence[Any] | None = None) -> int:
+        """Look up and pin ``keys``; the result is ready before this returns (``on_lookup`` has run).
+        Each hit holds one lock under ``lock_keys[i]`` (default: the engine key), released by
+        :meth:`unlock` with the same lock key.
+
+        Answered from the engine's index. Keys it lacks are looked up on the tiers (:meth:`_discover`:
+        another server's pages on a shared tier, pages of before a restart the start-up scan has not
+        read yet), per row of keys, ``rows[i]`` naming the row of ``keys[i]`` (LMCache: an object group
+        on a kv rank; None: one row), as far as the row's leading keys are held: a row of absent keys
+        costs one failed lookup per tier. A page the index has only on a failed tier costs one header
+        lookup per healthy tier (Engine.contains)."""
         task_id = next(self._ids)
         lock_keys = keys if lock_keys is None else lock_keys
         hits = [False] * len(keys)
         handles: list = []  # this call's pins: any not recorded as a lock are released below
         good: list[bool] = []
         try:
+            self._discover(keys, rows)
             present = [i for i, k in enumerate(keys) if k is not None]
             handles = self.engine.pin([keys[i] for i in present]) if present else []
             # Pinned first, then checked: a page held only by a failed tier is a miss (unpinned now).
@@ -234,8 +248,37 @@ class L2Core:
                 self.report_error("lookup")
         with self._lock:
             self._lookups_done[task_id] = hits
-        self._signal(self._on_lookup, task_id)
+            signal = self._enter_under_lock()
+        if signal:
+            try:
+                self._signal(self._on_lookup, task_id)
+            finally:
+                self._leave()
         return task_id
+
+    def _discover(self, keys: Sequence[str | None], rows: Sequence[Any] | None) -> None:
+        """Have the engine index the pages of ``keys`` it lacks that a tier holds, row by row, as
+        SGLang's prefix query does (Engine.prefix_len: the index, then the first key it lacks looked up
+        on each healthy tier, and on while found). LMCache serves a prefix of each row; the keys after a
+        row's first key held nowhere are answered by the index alone. Keys of a row are taken in order,
+        wherever they sit in ``keys``; an unmapped key (None) ends its row. The engine's ``discover``
+        setting holds: off, nothing is looked up once the start-up scan is done. An error is counted,
+        and the lookup answers from the index."""
+        try:
+            runs: dict[Any, list[str]] = {}
+            ended: set = set()
+            for i, key in enumerate(keys):
+                row = None if rows is None else rows[i]
+                if row in ended:
+                    continue
+                if key is None:
+                    ended.add(row)
+                else:
+                    runs.setdefault(row, []).append(key)
+            for run in runs.values():
+                self.engine.prefix_len(run)
+        except Exception:
+            self.report_error("lookup on the tiers")
 
     def _readable(self, key: str) -> bool:
         """Whether a usable tier still holds ``key``; an error is a miss (the pin is then released)."""
@@ -308,16 +351,39 @@ class L2Core:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish queued tasks (stores: until committed), stop the worker, release every pin. Idempotent."""
+        """Finish queued tasks (stores: until committed), stop the worker, release every pin. Idempotent.
+
+        The load worker is waited for CLOSE_DRAIN_S (the engine's own bound on reads still in flight at
+        its close): a load whose read into the caller's memory is held by a hung tier may wait for ever
+        (a read into L1 must land before its task completes, docs/lmcache.md), and LMCache's shutdown
+        must not. Past that bound the loads still queued fail, and that load never completes: once this
+        returns, nothing is signalled, called back or copied into a caller's buffer any more (the
+        adapter closes its eventfds next, LMCache frees L1). A read the kernel still holds lands in the
+        pages it pinned (registered memory, or an O_DIRECT read), wherever the freed range is mapped
+        again."""
+        from ..engine import CLOSE_DRAIN_S
+
         with self._lock:
             if self._closing:
                 return
             self._closing = True
             self._work.notify_all()
-            self._done.wait_for(lambda: not self._stores_open and not self._signalling)
+            self._done.wait_for(lambda: not self._stores_open and not self._busy)
+        deadline = time.monotonic() + CLOSE_DRAIN_S
         for w in self._workers:
-            w.join()
+            w.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
+            stuck = sum(w.is_alive() for w in self._workers)
+            left = list(self._loads)
+            self._loads.clear()
+        if stuck:
+            log.warning("kvstream lmcache: close(): a load still waits for a tier after %.0f s (a hung tier); closing "
+                        "without it, %d load tasks queued behind it failed", CLOSE_DRAIN_S, len(left))
+        if left:
+            self._finish(False, left)
+        with self._lock:
+            self._closed = True
+            self._done.wait_for(lambda: not self._busy)  # (no engine call in there: short)
             handles = [h for held in self._pins.values() for h in held]
             self._pins.clear()
         if handles:
@@ -407,8 +473,16 @@ class L2Core:
         ok = self.engine.get(keys, pages) if keys else []
         for (task, i), good in zip(owner, ok, strict=True):
             task.result[i] = bool(good)
-        for j, task, i in copies:
-            task.result[i] = bool(ok[j]) and copy_payload(pages[j], task.pages[i])
+        if not copies:
+            return
+        with self._lock:  # (a get that outlived close(): the buffers may be freed, no copy)
+            copy = self._enter_under_lock()
+        if copy:
+            try:
+                for j, task, i in copies:
+                    task.result[i] = bool(ok[j]) and copy_payload(pages[j], task.pages[i])
+            finally:
+                self._leave()
 
     def _finish(self, store: bool, batch: list[_Task], queued: bool = False) -> None:
         """The tasks' verdicts out: the counters (and, ``queued``, the store tasks queued) in one lock
@@ -418,7 +492,7 @@ class L2Core:
         with self._lock:
             if queued:
                 self._stores_open -= len(batch)
-            self._signalling += 1
+            signal = self._enter_under_lock()  # (after close() returned: counted, never signalled)
             for task in batch:
                 # The engine is done with the buffers: the caller's lifetime again, before a waiter
                 # learns the task is done (it may drop its objects and expect them gone at once).
@@ -437,15 +511,30 @@ class L2Core:
                     self.counters["loaded_pages"] += good
                     self.counters["load_failed_pages"] += bad
             self._done.notify_all()
-        for task in batch:
-            if task.done is not None:
-                try:
-                    task.done(task.result)
-                except Exception:
-                    self.report_error("completion callback")
-            self._signal(self._on_store if store else self._on_load, task.id)
+        if not signal:
+            return
+        try:
+            for task in batch:
+                if task.done is not None:
+                    try:
+                        task.done(task.result)
+                    except Exception:
+                        self.report_error("completion callback")
+                self._signal(self._on_store if store else self._on_load, task.id)
+        finally:
+            self._leave()
+
+    def _enter_under_lock(self) -> bool:
+        """Begin a completion's signals or a copy into a caller's buffer, which close() waits for;
+        False once close() has returned (then it must not happen). :meth:`_leave` ends it."""
+        if self._closed:
+            return False
+        self._busy += 1
+        return True
+
+    def _leave(self) -> None:
         with self._lock:
-            self._signalling -= 1
+            self._busy -= 1
             self._done.notify_all()
 
     def _signal(self, callback: Callable[[int], None] | None, task_id: int) -> None:
