@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .errors import ConfigError
+from .flow import MIN_REQUESTS
 from .index import MAX_TIERS
 from .layout import ALIGN, DEFAULT_BLOCK
 from .router import parse_policy
@@ -72,7 +73,8 @@ SETTINGS: dict[str, Setting] = {
                                   " (0 = wait forever); a read landing in caller memory is waited for regardless"),
     "write_timeout": Setting(10.0, "seconds a tier's writes in flight may go without progress before the tier "
                                    "is failed and the puts answer without its copy (0 = wait forever); its writes "
-                                   "are abandoned, their files never committed"),
+                                   "are abandoned, their files never committed; on a tier not on a local file "
+                                   "system, also how long a create, rename, unlink or probe there is waited for"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),
     "discover": Setting(True, "look up pages the index lacks on the tiers (written by another process sharing "
                               "the namespace, e.g. MLA's writer rank); off = index only"),
@@ -185,6 +187,9 @@ class TierConfig:
     capacity: Capacity = Capacity.parse(SETTINGS["capacity"].default, "capacity")  # (one tier: no limit)
     # the entry as written ('$HOME/kv', 'kv0'): messages name it too, the operator greps the config for it
     written: str | None = field(default=None, compare=False)
+    # later entries of the tier list that name this directory again, dropped (Config.from_sources): a
+    # policy or capacities written for the list as written no longer fit, and the messages say why
+    duplicates: tuple[str, ...] = field(default=(), compare=False)
 
 
 def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False) -> str:
@@ -347,14 +352,22 @@ class Config:
                               f"4K and {MAX_CHUNK >> 20}M (O_DIRECT alignment), e.g. '1M'")
         put("chunk", chunk)
         memory = parse_bytes(self.memory, what("memory"))
-        if memory < 4 * chunk:
-            raise ConfigError(f"{what('memory')}: {self.memory!r} is less than 4 blocks of {chunk >> 10} KiB (a read "
-                              f"and a write window of two blocks each); give at least {4 * chunk >> 20}M (default "
-                              f"{SETTINGS['memory'].default})")
+        # Half of memory is read staging, shared equally by the tiers (engine.py); a tier's read window
+        # never falls below MIN_REQUESTS blocks (flow.py), so a share smaller than that would be
+        # exceeded by every tier at once.
+        need = 2 * MIN_REQUESTS * chunk * len(tiers)
+        if memory < need:
+            tiers_text = f"{len(tiers)} tier{'s' * (len(tiers) != 1)}"
+            raise ConfigError(f"{what('memory')}: {self.memory!r} is less than {2 * MIN_REQUESTS} blocks of "
+                              f"{chunk >> 10} KiB per tier ({tiers_text}: half of it is for reads, an equal share per "
+                              f"tier holding a window of at least {MIN_REQUESTS} blocks, half for writes); give at least "
+                              f"{_size_text(need)} for {tiers_text} (default {SETTINGS['memory'].default}), or a "
+                              "smaller chunk")
         put("memory", memory)
         put("claim", None if self.claim is None else parse_number(self.claim, what("claim"), int, 1))
         put("policy", str(self.policy).strip().lower())  # the router reads 'KVStream' as 'kvstream' too
-        _check_policy(self.policy, self.claim, what("policy"), len(tiers), what("claim"))
+        _check_policy(self.policy, self.claim, what("policy"), len(tiers), what("claim"),
+                      [(d, t.path) for t in tiers for d in t.duplicates], what("tiers"))
         if self.log_level is not None:
             put("log_level", _choice(self.log_level, LOG_LEVELS, what("log_level"), upper=True))
         put("fsync", _choice(self.fsync, FSYNC_MODES, what("fsync")))
@@ -453,7 +466,7 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
     warnings: list[str] = []
     paths: list[str] = []
     written: dict[str, str] = {}
-    twice: list[str] = []
+    twice: dict[str, list[str]] = {}  # tier kept -> the later entries naming it again
     if raw_tiers is not None:
         seen: dict[str, str] = {}
         for entry in _split(raw_tiers, what("tiers")):
@@ -464,7 +477,7 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
             if real in seen:
                 warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
                                 "the duplicate is ignored, it would add no bandwidth and no redundancy")
-                twice.append(path)
+                twice.setdefault(seen[real], []).append(path)
                 continue
             seen[real] = path
             paths.append(path)
@@ -480,12 +493,27 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
     if len(caps) == 1:
         caps = caps * len(paths)
     if len(caps) != len(paths):
-        dup = "".join(f"; tier {p} is listed twice in {what('tiers')}: remove the duplicate and its capacity"
-                      for p in twice)  # the likely cause of the mismatch, said first
+        dup = _listed_twice([(d, p) for p, ds in twice.items() for d in ds], what("tiers"),
+                            "remove the duplicate and its capacity")  # the likely cause of the mismatch, said first
         raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers{dup}; give one "
                           f"value per tier in tier order (empty = unlimited) or a single value for all")
-    return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"), written[p])
-                           for p, c in zip(paths, caps))
+    return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"), written[p],
+                                      tuple(twice.get(p, ()))) for p, c in zip(paths, caps))
+
+
+def _listed_twice(twice: list[tuple[str, str]], what_tiers: str, fix: str) -> str:
+    """'; tier D is listed twice in <tiers> (same directory as P): <fix>' for each (duplicate D, tier P
+    kept): said first in a message about a count that no longer fits the tiers as listed."""
+    return "".join(f"; tier {d} is listed twice in {what_tiers}{f' (same directory as {p})' * (d != p)}: {fix}"
+                   for d, p in twice)
+
+
+def _size_text(nbytes: int) -> str:
+    """A size as a setting takes it, exact: '12M', '768K', '4096'."""
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if nbytes and not nbytes % (1 << shift):
+            return f"{nbytes >> shift}{unit}"
+    return str(nbytes)
 
 
 def _tier_path(entry: str, what: str) -> str:
@@ -504,10 +532,13 @@ def _tier_path(entry: str, what: str) -> str:
     return os.path.abspath(expanded)
 
 
-def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_claim: str = "claim") -> None:
+def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_claim: str = "claim",
+                  twice: list[tuple[str, str]] | None = None, what_tiers: str = "tiers") -> None:
     """The policy parses and fits the tiers (``tier2`` with two tiers, three static shares for two
     tiers would fail every read); ``claim`` goes with the bare 'kvstream' policy only (any other spec
-    would silently override or ignore it: Config.policy_spec)."""
+    would silently override or ignore it: Config.policy_spec). ``twice``: (duplicate, tier kept) of the
+    entries dropped from the tier list, named first when the policy does not fit (it was likely
+    written for the tiers as listed)."""
     if claim is not None and policy != "kvstream":
         base, _, opts = policy.partition(":")
         example = base + ":" + ",".join([o for o in opts.split(",") if o and not o.strip().startswith("m=")]
@@ -520,7 +551,10 @@ def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_
         parse_policy(spec).validate(n_tiers)
     except ValueError as exc:
         tiers = f"'tier0' .. 'tier{n_tiers - 1}'" if n_tiers > 1 else "'tier0'"
-        raise ConfigError(f"{what}: {policy!r} cannot route reads over {n_tiers} tier{'s' * (n_tiers != 1)} ({exc}); "
+        counted = f"{n_tiers} tier{'s' * (n_tiers != 1)}"
+        dup = _listed_twice(twice or [], what_tiers, f"the duplicate is dropped, leaving {counted}; remove it and "
+                                                     f"write the policy for {counted}")
+        raise ConfigError(f"{what}: {policy!r} cannot route reads over {counted} ({exc}){dup}; "
                           f"valid: 'kvstream', 'kvstream:m=4', 'static-0.75', {tiers}") from None
 
 

@@ -53,7 +53,7 @@ from .probe import probe_tiers, resolve_capacity
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
-from .integrity import Problem, Reason, ScannedPage, check_tier, scan_file
+from .integrity import Problem, Reason, ScannedPage, check_tier
 from .io import RING_ENTRIES, ThreadRing, forks, memlock_hint, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
 from .priority import ReadPriority
@@ -155,7 +155,7 @@ class Engine:
         self._token = tmpfiles.register()
         source = config.sources.get("tiers", "KVSTREAM_TIERS")
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, _weak(self._reconcile, ""), source, owners[k])
+                           self._token, clock, _weak(self._reconcile, ""), source, owners[k], config.write_timeout)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
@@ -378,6 +378,8 @@ class Engine:
             self._reads.close()
         self._replicas.close()
         self._writes.close()
+        for tier in self.tiers:
+            tier.calls.close()
         tmpfiles.release(self._token)
 
     def _in_fork(self) -> bool:
@@ -526,8 +528,9 @@ class Engine:
                 mark = self.index.mark(key)
                 pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers
                          if mask >> tier.k & 1
-                         for page in [scan_file(tier.layout, self.namespace.digest, key, trust=tier.trust)]
-                         if page.problem is None and (sizes is None or page.header.length == sizes[key])]
+                         for page in [tier.look(self.namespace.digest, key)]  # (None: the tier hung)
+                         if page is not None and page.problem is None
+                         and (sizes is None or page.header.length == sizes[key])]
                 if all([self._index_page(k, page, mark) for _, k, page in sorted(pages, key=lambda e: e[:2])]):
                     break
             if pages and self.index.contains(key, mask):  # (pages: a key held at another size found none)

@@ -40,10 +40,10 @@ from .layout import (
     is_valid_key, key_of_page_file, n_blocks,
 )
 from .segments import Payload, Segment
-from .tmpfiles import is_engine_tmp, stale_tmp
+from .tmpfiles import REMOVING_PREFIX, is_engine_tmp, removal_live, stale_tmp
 from .trust import (
     LINK, OTHER, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted,
-    pin, remove, same_file, scandir_below,
+    pin, put_back, remove, same_file, scandir_below,
 )
 
 if TYPE_CHECKING:
@@ -137,6 +137,7 @@ class Reason(str, enum.Enum):
     LEFTOVER = "leftover"  # a temporary file of a writer that is gone
     UNTRUSTED = "untrusted"  # a file or directory of an owner the engine does not trust (trust.py): left alone
     INDEX = "index"  # the index and the disk disagree
+    RESTORE = "restore"  # a valid page a removal left under its private name (its process died): goes back
 
 
 class Problem(NamedTuple):
@@ -372,6 +373,8 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     def unreadable(kind: str, exc: OSError, size: int = 0) -> ScannedPage:
         return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
 
+    if name.startswith(REMOVING_PREFIX):
+        return _left_by_removal(digest, shard, path, trust, bad)
     key = key_of_page_file(name)
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
@@ -400,6 +403,36 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         if why:
             return bad("corrupt", why, size, st=st)
     return ScannedPage(path, header, None, size)
+
+
+def _left_by_removal(digest: str, shard: str, path: str, trust: Trust, bad) -> ScannedPage:
+    """An entry trust.remove renamed to its private name to judge it (tmpfiles.removing_name). Its
+    process alive: left alone (it renames it back, or removes it, in microseconds). Its process died
+    between the two renames: the entry may be a valid page another writer renamed over the name judged
+    (an acknowledged put): a valid page of this place goes back under its name (Reason.RESTORE,
+    fix_problem); anything else (the file judged) goes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
+    except OSError as exc:
+        return bad("stray", f"unreadable: {os.strerror(exc.errno or errno.EIO)}", reason=Reason.UNREADABLE)
+    if removal_live(os.path.basename(path), st.st_ctime):
+        return bad("stray", "judged by a removal in progress", reason=Reason.VANISHED)  # (not a problem)
+    try:
+        header, st = read_header(path, trust)
+        why = verify_payload(path, header, trust) if header.digest == digest and header.key[:2] == shard and \
+            st.st_size >= file_size(header.length) else "not a page of this place"
+    except HeaderError as exc:
+        return bad("stray", f"left by a removal cut short: {exc}", st=getattr(exc, "stat", None))
+    except NotRegularFile as exc:
+        return bad("stray", f"left by a removal cut short: {exc.strerror}", ident=NOT_A_FILE)
+    except OSError as exc:
+        return bad("stray", f"unreadable: {os.strerror(exc.errno or errno.EIO)}", reason=Reason.UNREADABLE)
+    if why:
+        return bad("stray", f"left by a removal cut short: {why}", st=st)
+    return bad("stray", f"page {header.key} left under a removal's private name (its process died): "
+                        "put back under its name", reason=Reason.RESTORE, st=st)
 
 
 # ------------------------------------------------------------------------------------ check
@@ -548,8 +581,14 @@ def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None, 
     # Only the file judged goes: another writer may have renamed a valid page over its name since
     # (trust.remove); an entry judged no regular file goes only while it is none.
     try:
-        why = remove(problem.tier, problem.path, trust or Trust.user(),
-                     is_engine_tmp if problem.reason is Reason.LEFTOVER else None, problem.judged(held))
+        if problem.reason is Reason.RESTORE:  # (its page's name from its header, read again: checked then)
+            header, _ = read_header(problem.path, trust)
+            why = put_back(problem.tier, problem.path, header.key + PAGE_SUFFIX, trust or Trust.user())
+        else:
+            why = remove(problem.tier, problem.path, trust or Trust.user(),
+                         is_engine_tmp if problem.reason is Reason.LEFTOVER else None, problem.judged(held))
+    except HeaderError as exc:  # (changed since it was judged: left for the next look)
+        return problem._replace(detail=f"{problem.detail}; left in place: {exc}")
     except OSError as exc:
         return problem._replace(detail=f"{problem.detail}; could not remove it "
                                        f"({os.strerror(exc.errno or errno.EIO)})")

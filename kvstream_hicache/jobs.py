@@ -153,14 +153,17 @@ class Jobs:
         between this and the commit, which therefore replaces nothing (Tier.place without replace)."""
         info = self.index.get(page.key)
         return info is not None and not info.tiers >> k & 1 and \
-            info.same_content(page.length, page.block, page.crcs) and \
-            not os.path.lexists(self.tiers[k].layout.page_path(page.key))
+            info.same_content(page.length, page.block, page.crcs) and not self.tiers[k].named(page.key)
 
     def finish_under_writer(self, job: Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
-        if job.err == 0 and page.copied is not None and not self._wanted_under_writer(page, k):
-            job.err = CANCELLED
+        if job.err == 0 and page.copied is not None:
+            try:
+                if not self._wanted_under_writer(page, k):
+                    job.err = CANCELLED
+            except OSError as exc:  # (a tier that did not answer in time: bounded.py)
+                job.err = exc.errno or errno.EIO
         if job.err == 0:
             try:
                 fd, job.fd = job.fd, None  # commit closes it, whatever happens
@@ -243,5 +246,7 @@ class Jobs:
     def _failed_under_writer(self, k: int, err: int, what: str) -> None:
         self.stats.add(k, "write_failures")
         self.stats.add(k, "errors")
+        if err == errno.ETIMEDOUT:  # a call on a tier that may hang did not return within write_timeout
+            self.stats.add(k, "write_timeouts")  # (bounded.py): hung, as when its writes make no progress
         if not self.tiers[k].fail(err, what) and err not in SPACE_ERRNOS:
             log.warning("kvstream: tier %d: %s failed: %s", k, what, os.strerror(err))

@@ -74,11 +74,20 @@ def check_overlap(config: Config) -> None:
     """Refuse tiers that share a tree: the same directory under two paths the tier list did not
     catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
     manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
-    them). Tiers that do not exist yet are left to the probe.
+    them). A tier that is or lies under another's ``<root>/kvstream`` is found by the text of their
+    real paths, before the probes create ``kvstream`` (else it would start once and be refused at every
+    later start); a tree reached by another path (a bind mount) by its inode. Tiers that do not exist
+    yet are otherwise left to the probe.
 
     :raises TierError: naming both tiers, the setting and the fix.
     """
     source = setting_source(config.sources, "tiers")
+    roots = {tier.path: os.path.realpath(tier.path) for tier in config.tiers}
+    for tier in config.tiers:
+        for owner in config.tiers:
+            tree = os.path.join(roots[owner.path], ROOT_DIR)
+            if owner is not tier and (roots[tier.path] == tree or roots[tier.path].startswith(tree + os.sep)):
+                raise _inside(tier.path, owner.path, source, roots[tier.path] == tree)
     ids: dict[tuple[int, int], str] = {}
     trees: dict[tuple[int, int], str] = {}
     for tier in config.tiers:
@@ -92,7 +101,7 @@ def check_overlap(config: Config) -> None:
                 raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
                                 "mount or another path to it): list it once")
     for tier in config.tiers:
-        path = os.path.realpath(tier.path)
+        path = roots[tier.path]
         while True:
             try:
                 st = os.stat(path)
@@ -100,12 +109,19 @@ def check_overlap(config: Config) -> None:
                 st = None
             owner = trees.get((st.st_dev, st.st_ino)) if st is not None else None
             if owner is not None and owner != tier.path:
-                raise TierError(f"tier {tier.path} (from {source}) is inside {os.path.join(owner, ROOT_DIR)}, the "
-                                f"directory kvstream manages for tier {owner} (its page and temporary files): "
-                                "choose a directory outside it")
+                raise _inside(tier.path, owner, source, path == roots[tier.path])
             if path == os.path.dirname(path):
                 break
             path = os.path.dirname(path)
+
+
+def _inside(path: str, owner: str, source: str, itself: bool) -> TierError:
+    """Tier ``path`` is (``itself``) or lies inside the ``kvstream`` directory of tier ``owner``."""
+    tree = os.path.join(owner, ROOT_DIR)
+    where = f"is {tree} itself, the directory kvstream manages inside tier {owner}" if itself else (
+        f"is inside {tree}, the directory kvstream manages for tier {owner}")
+    return TierError(f"tier {path} (from {source}) {where} (its page and temporary files): choose a directory "
+                     "outside it")
 
 
 def resolve_capacity(capacity: Capacity, path: str) -> int | None:

@@ -11,8 +11,8 @@ tier, walks that tier's shard directories and:
   have renamed a valid page over the name since the first read: a valid page is never deleted), and
   only the very file judged then, held open from before (integrity.judge_and_fix: one renamed over it
   since stays);
-- at the end, sorts the pages it found by write time (``Index.settle``: the LRU order of before the
-  restart) and trims a tier over its capacity (one lowered since the last run).
+- at the end, sorts the pages it found by write time (``Index.settle``: the write order of before the
+  restart; reads leave nothing on disk) and trims a tier over its capacity (one lowered since the last run).
 
 When every tier is scanned, ``done()`` runs (the engine's: background replication then owes each
 tier the pages it lacks, replication.py; only then is it known what a tier lacks).
@@ -214,7 +214,9 @@ class BackgroundScan:
                     # valid one is indexed), and remove only the very file judged then (judge_and_fix)
                     page, problem = judge_and_fix(path, lambda: self._visit(part, shard, name, path, added),
                                                   tier.trust)
-                    if problem is not None and problem.fixed:
+                    if problem is not None and problem.fixed and problem.reason is Reason.RESTORE:
+                        log.warning("kvstream: background scan of tier %d: %s", tier.k, problem.detail)
+                    elif problem is not None and problem.fixed:
                         part.damaged += 1
                     elif problem is not None:
                         self._kept(part, problem)

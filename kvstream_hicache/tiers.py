@@ -25,18 +25,21 @@ directory does not answer.
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
 from collections.abc import Callable
 
+from .bounded import BoundedCalls
 from .fds import close_fd
-from .integrity import open_direct, shard_entries, shards
+from .integrity import ScannedPage, open_direct, scan_file, shard_entries, shards
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
+from .probe import local_fs
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import (
-    check_dir, describe, dir_findings, establish, list_below, make_dir, open_below, remove, root_problem,
+    NO_LINKS, check_dir, describe, dir_findings, establish, list_below, make_dir, open_below, remove, root_problem,
 )
 
 log = logging.getLogger("kvstream")
@@ -49,7 +52,6 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
-NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})  # os.link
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -71,12 +73,15 @@ class Tier:
     :param on_rejoin: ``on_rejoin(tier)`` before a failed tier rejoins (the engine reconciles the
         index with what survived on it); returns why the tier cannot rejoin yet ('' when it can).
     :param source: where the tier list came from (for messages).
+    :param hang_timeout: write_timeout: on a tier that may hang (not on a local file system), how long
+        the writer's file-system calls and a probe are waited for (bounded.py).
     :raises ConfigError: a directory of the tier fails the trust checks (trust.py).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
-                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS", owner: int | None = None):
+                 on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS", owner: int | None = None,
+                 hang_timeout: float = 0.0):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -108,6 +113,8 @@ class Tier:
         self.mount_point = mount_point(self.layout.base)
         self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
         self._dirs.update((self.layout.tmp, self.layout.pages))
+        self.local = local_fs(root)  # a local disk file system answers or fails a call; a network one may hang
+        self.calls = BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
 
     # -- health ---------------------------------------------------------------------------------
     def usable(self, now: bool = False) -> bool:
@@ -136,9 +143,10 @@ class Tier:
         try:
             still_gone = look and self.gone()
             if not still_gone:
-                ok, why = self._probe()
-                if ok and not self._clear_owed():  # (before it serves: never a page cleared meanwhile)
-                    ok, why = False, f"the clear() it missed while failed did not finish: {self.last_error}"
+                try:  # (bounded where the tier may hang: a probe of a hung tier holds no get or put)
+                    ok, why = self.calls.run(self._probe)
+                except OSError as exc:
+                    ok, why = False, f"probe: {exc.strerror}"
                 if ok:  # before writes may go there: a page committed meanwhile stays indexed
                     why = self.on_rejoin(self)  # ('' or why not: listing its pages failed half-way)
                     ok = not why
@@ -187,7 +195,14 @@ class Tier:
 
     def gone(self) -> bool:
         """``<tier>/kvstream`` is missing, or is on another device and no file system is mounted at
-        the tier's mount point (unmounted: the path is on the file system below now)."""
+        the tier's mount point (unmounted: the path is on the file system below now). A tier that does
+        not answer in time (bounded.py) is hung, not gone."""
+        try:
+            return self.calls.run(self._gone)
+        except OSError:
+            return False
+
+    def _gone(self) -> bool:
         try:
             dev = os.stat(self.layout.base).st_dev
             return dev != self.dev and not (self.mount_point != "/" and os.path.ismount(self.mount_point)
@@ -199,6 +214,22 @@ class Tier:
         """``err`` from ``key``'s page file says this copy is gone (ENOENT: deleted; ESTALE: replaced or
         deleted by another node of a shared file system), not the tier, whose base still answers."""
         return err in (errno.ENOENT, errno.ESTALE) and not self.gone()
+
+    def look(self, digest: str, key: str) -> ScannedPage | None:
+        """``key``'s page file here, read and judged (integrity.scan_file: discovery); None: the tier did
+        not answer in time, and fails (bounded.py)."""
+        try:
+            return self.calls.run(functools.partial(scan_file, self.layout, digest, key, trust=self.trust))
+        except OSError as exc:
+            if exc.errno != errno.ETIMEDOUT:
+                raise
+            self.fail(errno.ETIMEDOUT, f"look up {key}")
+            return None
+
+    def named(self, key: str) -> bool:
+        """Something has ``key``'s page name on the tier (a file, a link, ...). :raises OSError: (ETIMEDOUT:
+        the tier did not answer in time)"""
+        return self.calls.run(os.path.lexists, self.layout.page_path(key))
 
     def listed(self, key: str) -> bool:
         """``key``'s page file is in a fresh listing of its directory. After ESTALE this tells a file
@@ -227,6 +258,8 @@ class Tier:
                 log.warning("kvstream: tier %d (%s) stays failed: %s", self.k, self.root, why)
             return False, why
         self._dirs.update((self.layout.tmp, self.layout.pages))
+        if not self._clear_owed():  # (before it serves: never a page cleared meanwhile)
+            return False, f"the clear() it missed while failed did not finish: {self.last_error}"
         return True, ""
 
     def _recheck(self) -> str | None:
@@ -272,7 +305,11 @@ class Tier:
         return open_direct(self.layout.page_path(key), self.trust)
 
     def create_tmp(self) -> tuple[int, str]:
-        """A new private temporary file for one page: (fd, path). :raises OSError:"""
+        """A new private temporary file for one page: (fd, path). :raises OSError: (ETIMEDOUT: the tier
+        did not answer in time; the file, if the call makes it later, is removed then)"""
+        return self.calls.run(self._create_tmp, late=lambda made: self._discard(*made))
+
+    def _create_tmp(self) -> tuple[int, str]:
         path = os.path.join(self.layout.tmp, tmp_name(os.path.basename(self.layout.pages), os.getpid(),
                                                       self.token, next(self._seq)))
         try:
@@ -285,7 +322,7 @@ class Tier:
             try:
                 os.fchmod(fd, self.file_mode)  # the umask may have cleared the group bits
             except OSError:
-                self.discard(fd, path)
+                self._discard(fd, path)
                 raise
         return fd, path
 
@@ -298,6 +335,16 @@ class Tier:
         file is left for :meth:`discard`
         (a failed fdatasync is never retried: the data is not sealed). An error from close is one too:
         on a network file system it says the server did not take the data."""
+        self.calls.run(self._seal, fd)
+        for _ in range(SPACE_RETRIES):  # (make_room runs here, in the caller's thread: it evicts under its lock)
+            try:
+                return self.calls.run(self._place, tmp_path, key, replace)
+            except OSError as exc:
+                if exc.errno not in SPACE_ERRNOS or not make_room():
+                    raise
+        return self.calls.run(self._place, tmp_path, key, replace)
+
+    def _seal(self, fd: int) -> None:
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)
@@ -305,25 +352,21 @@ class Tier:
             err = close_fd(fd)
         if err:
             raise OSError(err, f"close: {os.strerror(err)}")
-        for _ in range(SPACE_RETRIES):
-            try:
-                return self.place(tmp_path, key, replace)
-            except OSError as exc:
-                if exc.errno not in SPACE_ERRNOS or not make_room():
-                    raise
-        return self.place(tmp_path, key, replace)
 
     def free_bytes(self, fd: int | None = None) -> int | None:
         """Bytes free for us on the tier's file system, plus what ``fd``'s file already holds; None:
         cannot tell."""
         try:
-            st = os.statvfs(self.root)
-            held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
+            return self.calls.run(self._free_bytes, fd)
         except OSError:
             return None
+
+    def _free_bytes(self, fd: int | None) -> int:
+        st = os.statvfs(self.root)
+        held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
         return st.f_bavail * st.f_frsize + held
 
-    def place(self, tmp_path: str, key: str, replace: bool = True) -> str:
+    def _place(self, tmp_path: str, key: str, replace: bool = True) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (creating its shard
         directory); returns the page directory. Without ``replace`` (a catch-up copy) nothing under the
         name is replaced: another writer (another node) may have put its version there since the copy
@@ -354,11 +397,15 @@ class Tier:
                 raise FileExistsError(errno.EEXIST, "a file has the page's name", final) from None
             os.rename(tmp_path, final)  # a rename, a narrow window another node's put may fall in)
             return
-        self.discard(None, tmp_path)  # (the page is in place: a temporary name left is cleaned later)
+        self._discard(None, tmp_path)  # (the page is in place: a temporary name left is cleaned later)
 
     def discard(self, fd: int | None, tmp_path: str) -> None:
         """Close (if open) and remove a temporary file; never raises (it runs on error paths). Where it
-        cannot go (the tier failed, the tmp directory is gone), start-up cleaning removes the leftover."""
+        cannot go (the tier failed, the tmp directory is gone), start-up cleaning removes the leftover.
+        On a tier that does not answer in time it is done when the tier answers (bounded.py)."""
+        self.calls.post(self._discard, fd, tmp_path)
+
+    def _discard(self, fd: int | None, tmp_path: str) -> None:
         if fd is not None:
             close_fd(fd)  # (an error on close: the data is being thrown away anyway)
         try:
@@ -428,7 +475,7 @@ class Tier:
         only the entry judged damaged: trust.remove). Returns None when it is gone (or was already:
         another rank, an operator), else why it stays."""
         try:
-            return remove(self.root, self.layout.page_path(key), self.trust, judged=judged)
+            return self.calls.run(remove, self.root, self.layout.page_path(key), self.trust, None, judged)
         except OSError as exc:
             if self.copy_gone(exc.errno, key):  # (gone: removed concurrently, by another rank or node)
                 return None
@@ -436,7 +483,11 @@ class Tier:
             return f"could not remove it ({os.strerror(exc.errno or errno.EIO)})"
 
     def sync_dirs(self, dirs: set[str]) -> None:
-        """fsync=full: make renames durable (the page directories and the tmp directory)."""
+        """fsync=full: make renames durable (the page directories and the tmp directory).
+        :raises OSError: (ETIMEDOUT: the tier did not answer in time)"""
+        self.calls.run(self._sync_dirs, dirs)
+
+    def _sync_dirs(self, dirs: set[str]) -> None:
         for d in (*dirs, self.layout.tmp):
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:

@@ -25,8 +25,22 @@ from typing import NamedTuple
 from .fds import close_fd
 from .layout import ALIGN
 
-HOST = socket.gethostname().replace(".", "_") or "host"
+
+
+def _host() -> str:
+    """This host as the names of what it writes say it: the hostname, and the pid namespace (two
+    containers with the host's network share a hostname, not their pids: a pid alive in one says
+    nothing of the other, whose temporary files would be judged by it)."""
+    name = socket.gethostname().replace(".", "_") or "host"
+    try:
+        return f"{name}-{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # (no /proc: the hostname alone)
+        return name
+
+
+HOST = _host()
 TMP_SUFFIX = ".tmp"
+REMOVING_PREFIX = ".kvstream-removing."  # an entry trust.remove judges, for microseconds (removing_name)
 PROBE_PREFIX = "probe."
 TMP_STALE_S = 3600.0  # a temp file of another host (or a probe) older than this is a leftover, s
 _PROBE_BYTES = b"kvsprobe"  # what a probe writes and expects to read back
@@ -65,6 +79,21 @@ class TmpOwner(NamedTuple):
     host: str
     pid: int
     token: str
+
+
+def removing_name(pid: int) -> str:
+    """The private name trust.remove gives an entry while it judges it (in the entry's own directory)."""
+    return f"{REMOVING_PREFIX}{HOST}.{pid}.{secrets.token_hex(4)}"
+
+
+def removal_live(name: str, ctime: float, now: float | None = None) -> bool:
+    """Whether the removal that renamed an entry to ``name`` (:func:`removing_name`; ``ctime``: the
+    entry's, which the rename set) may still be going on: this host's process is alive, or another
+    host's renamed it within TMP_STALE_S. Else its process died between the two renames."""
+    parts = name[len(REMOVING_PREFIX):].split(".")
+    if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit():
+        return _pid_alive(int(parts[1]))
+    return (time.time() if now is None else now) - ctime <= TMP_STALE_S
 
 
 def parse_tmp_name(name: str) -> TmpOwner | None:

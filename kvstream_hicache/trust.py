@@ -33,7 +33,6 @@ import errno
 import grp
 import os
 import pwd
-import secrets
 import stat
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from typing import NamedTuple
 from .errors import ConfigError, TierError
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, TierLayout
-from .tmpfiles import probe_direct
+from .tmpfiles import probe_direct, removing_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 CLOCK_SKEW_NS = 300 * 10**9  # a header's created_ns further ahead of this host's clock is not clock skew
@@ -386,6 +385,7 @@ def check_dir(path: str, trust: Trust) -> None:
 
 
 # ---------------------------------------------------------------------------------------- files
+NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})  # os.link: none here
 def not_trusted(st: os.stat_result) -> str:
     """Why a file that fails :meth:`Trust.owns` (its ``fstat``) is not read past that fstat."""
     return f"of a user this engine does not trust ({describe(st)})"
@@ -422,7 +422,7 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
             if why is None:
                 os.unlink(name, dir_fd=fd)
             return why
-        held = f".kvstream-removing.{os.getpid()}.{secrets.token_hex(4)}"
+        held = removing_name(os.getpid())  # (a crash between the renames leaves it: integrity puts it back)
         os.rename(name, held, src_dir_fd=fd, dst_dir_fd=fd)
         st = os.stat(held, dir_fd=fd, follow_symlinks=False)
         why = _not_removable(st, trust) or (None if judged(st) else
@@ -433,6 +433,41 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
             os.rename(held, name, src_dir_fd=fd, dst_dir_fd=fd)
         return why
     except FileNotFoundError:  # removed concurrently: gone all the same
+        return None
+    finally:
+        close_fd(fd)
+
+
+def put_back(root: str, path: str, name: str, trust: Trust) -> str | None:
+    """Put the file at ``path`` (a page :func:`remove` had renamed to its private name when its process
+    died) back under ``name`` in the same directory, replacing nothing there (a hard link fails with
+    EEXIST where the name holds a page written since: then this copy goes), and remove the private
+    name. Returns None when done, else why it was left.
+    :raises OSError: the directory, the link or the unlink failed for an I/O error."""
+    directory, private = os.path.split(path)
+    try:
+        fd = open_below(root, directory)
+    except FileNotFoundError:
+        return None
+    try:
+        why = _not_removable(os.stat(private, dir_fd=fd, follow_symlinks=False), trust)
+        if why is not None:
+            return why
+        try:
+            os.link(private, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            if exc.errno not in NO_LINKS:
+                raise
+            try:  # (no hard links here: the look of before, then a rename; a narrow window)
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                os.rename(private, name, src_dir_fd=fd, dst_dir_fd=fd)
+                return None
+        os.unlink(private, dir_fd=fd)
+        return None
+    except FileNotFoundError:  # (put back by another process's scan meanwhile)
         return None
     finally:
         close_fd(fd)

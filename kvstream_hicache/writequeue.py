@@ -37,7 +37,6 @@ from .index import Index, tiers_in
 from .integrity import HeaderError, NotRegularFile, read_header
 from .layout import block_size_for, is_valid_key
 from .locks import ranked_lock
-from .probe import local_fs
 from .puts import PutCall, WritePage
 from .segments import Segment
 from .stats import Stats
@@ -73,7 +72,7 @@ class WriteQueue:
         self.index = index
         self.stats = stats
         self.chunk = chunk
-        self.local = [local_fs(tier.root) for tier in tiers]  # a stat there is the disk's word (_still_held)
+        self.local = [tier.local for tier in tiers]  # a stat there is the disk's word (_still_held)
         self.settings = settings
         self.bandwidth = bandwidth
         self.lock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer
@@ -247,15 +246,15 @@ class WriteQueue:
                     ours = stat.S_ISREG(st.st_mode) and tier.trust.owns(st)
                 else:
                     try:
-                        read_header(path, tier.trust)
+                        tier.calls.run(read_header, path, tier.trust)  # (bounded: it may hang, bounded.py)
                         ours = True
                     except (HeaderError, NotRegularFile):  # (untrusted too) damaged, or none of ours
                         ours = False
             except OSError as exc:
                 if tier.copy_gone(exc.errno, key):  # this file alone is gone (deleted, or replaced
                     self.index.remove(key, k)  # by another node: ESTALE); a tier that went keeps its entries,
-                elif exc.errno == errno.ENOENT:  # as on a read: its copies may come back with it
-                    tier.fail(errno.ENOENT, f"look up {key}")
+                elif exc.errno in (errno.ENOENT, errno.ETIMEDOUT):  # as on a read: its copies may come back
+                    tier.fail(exc.errno, f"look up {key}")  # with it; or it did not answer in time
                 continue  # (else cannot tell, EIO...: the entry stays, the page is written again)
             if ours:
                 return True

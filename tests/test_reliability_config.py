@@ -17,8 +17,10 @@ import pytest
 import kvstream_hicache.io as kio
 from kvstream_hicache import Config, ConfigError, Engine, TierError
 
+from kvstream_hicache.integrity import check_tiers
+
 from helpers import (  # noqa: F401  (loop_fs: fixture)
-    NS, PageSet, kvstream_cli, loop_devices_usable, loop_fs, make_engine,
+    ARRAY_CHUNK, NS, PageSet, Pages, key, kvstream_cli, loop_devices_usable, loop_fs, make_array_engine, make_engine,
 )
 
 
@@ -268,6 +270,79 @@ def test_tier_path_messages_say_what_is_wrong(tier_root):
         err = _start({"tiers": [pseudo]})
         _has_all(str(err), pseudo, f"on a {fstype} file system", "cannot store files", "ext4 or xfs")
         assert "No such file" not in str(err)
+
+
+def test_a_tier_set_to_another_tiers_kvstream_directory_is_refused_before_anything_is_created(tier_root):
+    """On tiers never used before, tier <a>/kvstream (or a directory under it, or the same reached through
+    a link to <a>) used to pass the overlap check, which found the tree by its inode before the probes
+    created it: the engine started, wrote its pages into tier a's tree, and every later start was
+    refused. Found by a review (8101dc5)."""
+    a, b = os.path.join(tier_root, "a"), os.path.join(tier_root, "b")
+    os.makedirs(a)
+    os.makedirs(b)
+    link = os.path.join(tier_root, "link")
+    os.symlink(a, link)
+    tree = os.path.join(a, "kvstream")
+    for inner in (tree, os.path.join(tree, "x"), os.path.join(link, "kvstream")):
+        for order in ([a, b, inner], [inner, a, b]):
+            err = _start({"tiers": order})
+            assert isinstance(err, TierError), err
+            _has_all(str(err), "extra config 'tiers'", f"tier {inner} ", tree, "choose a directory outside it")
+            assert ("itself" in str(err)) == (os.path.realpath(inner) == tree), str(err)
+            with pytest.raises(TierError):  # kvstream check refuses the same configuration
+                check_tiers(Config.from_sources({"tiers": order}, environ={}))
+            assert not os.path.lexists(tree) and not os.path.lexists(os.path.join(b, "kvstream")), \
+                "nothing was created"
+
+
+@pytest.mark.parametrize("n_tiers,least_text", [(2, "512K"), (3, "768K"), (4, "1M")])
+def test_a_memory_setting_too_small_for_the_tier_count_is_refused_and_the_least_accepted_bounds_reads(
+        tier_root, n_tiers, least_text):
+    """Half of memory is read staging, an equal share per tier, and a tier's read window never falls
+    below two blocks (flow.py): 4 blocks (the minimum for one tier) used to be accepted for 3-4 tiers,
+    and read staging reached 2 blocks per tier, 1.5-2x the whole setting. Refused now, naming the least
+    that works for the tier count; at that least, read staging stays within half of it. Found by a
+    review (8101dc5)."""
+    dirs = [os.path.join(tier_root, f"t{i}") for i in range(n_tiers)]
+    for d in dirs:
+        os.makedirs(d)
+    least = 4 * ARRAY_CHUNK * n_tiers
+    err = _start({"tiers": dirs, "chunk": str(ARRAY_CHUNK), "memory": "256K"})
+    _has_all(str(err), "extra config 'memory'", "'256K'", f"give at least {least_text} for {n_tiers} tiers",
+             "64 KiB")
+    with pytest.raises(ConfigError):
+        Config.from_sources({"tiers": dirs, "chunk": str(ARRAY_CHUNK), "memory": least - 4096}, environ={})
+    n = 30
+    pages = Pages(n, aligned=False)  # (unaligned: every read is staged)
+    keys = [key(i) for i in range(n)]
+    with make_array_engine(dirs, replicate="all", memory=str(least)) as engine:
+        assert engine.put(keys, pages.src_segments) == [True] * n
+        for _ in range(3):
+            assert engine.get(keys, pages.dst_segments) == [True] * n
+        assert all(pages.equal(i) for i in range(n))
+        memory = engine.stats()["memory"]
+        assert memory["read_peak_bytes"] <= memory["limit_bytes"] // 2, memory
+
+
+@pytest.mark.parametrize("policy", ["tier2", "static-0.5/0.3/0.2"])
+def test_a_policy_that_no_longer_fits_after_a_duplicate_tier_was_dropped_names_the_duplicate(tier_root, policy):
+    """Three tiers listed, the third a link to the first: the duplicate is dropped, and a policy written
+    for the three tiers listed no longer fits. The message said 'cannot route reads over 2 tiers' without
+    a word about the duplicate (its warning never logged: the config raises first); it names it first
+    now, as the capacity check does. Found by a review (8101dc5)."""
+    a, b, c = (os.path.join(tier_root, d) for d in "abc")
+    os.makedirs(a)
+    os.makedirs(b)
+    os.symlink(a, c)
+    with pytest.raises(ConfigError) as info:
+        Config.from_sources({"tiers": [a, b, c], "policy": policy}, environ={})
+    message = str(info.value)
+    _has_all(message, "extra config 'policy'", repr(policy), "cannot route reads over 2 tiers",
+             f"tier {c} is listed twice in extra config 'tiers' (same directory as {a})", "remove it",
+             "write the policy for 2 tiers")
+    assert message.index("listed twice") < message.index("valid:"), message
+    with pytest.raises(ConfigError, match="twice"):  # (the capacity check, which already did)
+        Config.from_sources({"tiers": [a, b, c], "capacity": "1G:2G:3G"}, environ={})
 
 
 def test_listed_twice_and_one_file_system_are_warnings_not_errors(tier_dirs, caplog):

@@ -428,6 +428,48 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
     assert not tmp_files(a[1])
 
 
+@pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
+@pytest.mark.parametrize("discover", [True, False], ids=["discovery", "create"])
+def test_a_put_that_starts_while_the_brick_hangs_answers_at_write_timeout(dfs, discover):
+    """The brick stops (SIGSTOP; the clients' ping timeout raised) before a put: the first call made on
+    the shared tier hangs in the FUSE client: discovery's look for the new key (the put's own thread),
+    or with discovery off the writer's create of the temporary file. Each runs on the tier's own thread
+    (bounded.py): past write_timeout tier 1 fails and the put answers True from tier 0 (before: the
+    put, or the writer thread and with it the writes of every tier and every put, waited as long as
+    the brick). A second put answers at once (the tier is hung: no call waits behind the one still
+    out). The brick resumes: the file a late create made goes."""
+    fs, a, b, node = dfs
+    pages = PageSet(1 << 20)
+    keys = pages.keys(2)
+    fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
+    engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, discover=discover)
+    # (the child first: a fork while the brick is stopped blocks, closing inherited FUSE descriptors)
+    rescue = subprocess.Popen(["sh", "-c", f"sleep {WAIT_S:.0f}; kill -CONT {fs.brick_pid()}"])
+    try:
+        fs.pause_brick()
+        for i in range(2):
+            result: list = []
+            writer = threading.Thread(target=lambda: result.append(pages.put(engine, keys[i:i + 1])))
+            writer.start()
+            writer.join(WAIT_S)
+            assert not writer.is_alive(), "the put waited for a hung tier"
+            assert result == [[True]]
+        row = engine.stats()["tiers"][1]
+        assert not row["healthy"] and "timed out" in row["last_error"].lower()
+        assert row["write_timeouts"] == (0 if discover else 1)  # (the create: the writer's call timed out)
+        assert engine.stats()["tiers"][0]["pages_written"] == 2
+        assert pages.checked_get(engine, keys, SingleTier(0)) == [True, True]
+        _close_while_hung(engine)
+    finally:
+        _resume(fs, engine)
+        rescue.kill()
+        rescue.wait()
+    deadline = time.monotonic() + WAIT_S
+    while tmp_files(a[1]):  # (the late create's file is removed by the tier's thread when it returns)
+        assert time.monotonic() < deadline, f"the late create's file stays: {tmp_files(a[1])}"
+        time.sleep(0.1)
+
+
 def _payload(path: str) -> bytes:
     """The payload bytes of the page file at ``path`` now (a client's stale entry of a file replaced by
     the other node answers ESTALE for about a second: GlusterFS's own caching, waited out)."""

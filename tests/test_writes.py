@@ -775,7 +775,7 @@ def test_close_returns_while_a_hung_tier_holds_abandoned_writes(tier_dirs):
     wait_until(lambda: not tmp_files(tier_dirs[1]), "an abandoned write's temporary file stayed")
 
 
-@pytest.mark.parametrize("memory,chunk,page", [("4M", "16K", 1 << 20), ("64M", "16M", 16 << 20)])
+@pytest.mark.parametrize("memory,chunk,page", [("4M", "16K", 1 << 20), ("128M", "16M", 32 << 20)])
 def test_a_hung_tier_s_abandoned_staging_does_not_hold_the_healthy_tiers_puts(tier_dirs, memory, chunk, page):
     """Tier 1 hangs with staged writes in flight that fill write staging: abandoned at write_timeout,
     their staging leaves the budget (the pool has it back when they end), so the next put, to tier 0

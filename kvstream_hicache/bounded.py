@@ -1,0 +1,126 @@
+"""The file-system calls of a tier that may hang, each waited for at most a deadline.
+
+A local file system answers a create, a rename or an fsync, or fails it. A network or FUSE one may
+hold the call for as long as its server is away: a GlusterFS client gives up after its ping-timeout
+(42 s by default), an NFS hard mount never. The writer thread makes such calls for every tier in
+turn, so a tier that hung in one held the writes of all, and every put waited for it. On a tier that
+may hang, the writer's calls (a temporary file's create, the commit's fdatasync, close and rename, an
+eviction's unlink, fsync=full's directory sync) and a failed tier's recovery probe run on the tier's
+own thread, and the caller waits at most ``timeout`` s (write_timeout): then ETIMEDOUT, which fails
+the tier (tiers.py), and the caller goes on with the other tiers.
+
+A call cannot be taken back. When one given up on returns, ``late(result)`` undoes what it made (a
+temporary file closed and removed). While a call has been out longer than the deadline, each new one
+fails at once: the tier is hung, and waiting behind it would hold the caller again. A call posted
+(``post``: a temporary file to remove, nothing waits for it) runs when the thread gets to it.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("kvstream")
+
+
+class _Call:
+    __slots__ = ("fn", "args", "late", "done", "value", "error", "claim")
+
+    def __init__(self, fn: Callable, args: tuple, late: Callable | None):
+        self.fn, self.args, self.late = fn, args, late
+        self.done = threading.Event()
+        self.value = self.error = None
+        self.claim = [None]  # popped once (atomic): by the caller who gives up, or by the thread that ends it
+        # first; whoever pops owns the result (the caller returns it, the thread hands it to ``late``)
+
+
+class BoundedCalls:
+    """Calls on one tier's file system, waited for at most ``timeout`` s (0: no limit, called in place).
+
+    :param name: the tier, for messages and the thread's name.
+    """
+
+    def __init__(self, name: str, timeout: float):
+        self.name, self.timeout = name, timeout
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._since: float | None = None  # when the call the thread is on began (None: idle)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"kvstream-calls-{name}", daemon=True)
+        if timeout > 0:
+            self._thread.start()
+
+    def close(self) -> None:
+        """The thread ends once it has run what was posted before (at once where no call hangs); a call
+        made later (a hung write's clean-up, in a thread of its own) runs in place."""
+        if self._thread.is_alive() and not self._closed:
+            self._closed = True
+            self._calls.put(None)
+
+    def hung(self) -> bool:
+        """A call has been out longer than the deadline."""
+        since = self._since
+        return since is not None and time.monotonic() - since > self.timeout
+
+    def run(self, fn: Callable, *args, late: Callable | None = None):
+        """``fn(*args)``'s result (or its exception), waited for at most the deadline.
+        :raises OSError: ETIMEDOUT, the call given up on (``late`` gets its result when it ends), or a
+            call out longer than the deadline is still out (``fn`` never runs)."""
+        if self._direct():
+            return fn(*args)
+        if self.hung():
+            raise OSError(errno.ETIMEDOUT, f"an earlier call on {self.name} has not returned for "
+                                           f"{self.timeout:g} s (write_timeout)")
+        call = _Call(fn, args, late)
+        self._calls.put(call)
+        if not call.done.wait(self.timeout):
+            try:
+                call.claim.pop()  # given up on: the thread hands the result to ``late``
+                raise OSError(errno.ETIMEDOUT, f"a call on {self.name} did not return in {self.timeout:g} s "
+                                               "(write_timeout)")
+            except IndexError:
+                call.done.wait()  # (it ended as the wait did: the result is the caller's after all)
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def post(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` (a clean-up that must not raise), waited for at most the deadline, and not
+        at all while a call is out longer than it: then it runs when the tier answers."""
+        if self._direct():
+            fn(*args)
+            return
+        call = _Call(fn, args, None)
+        call.claim.pop()  # (nobody takes its result)
+        hung = self.hung()
+        self._calls.put(call)
+        if not hung:
+            call.done.wait(self.timeout)
+
+    def _direct(self) -> bool:
+        """Called in place: no deadline, or a call made by a call (it runs on the thread already)."""
+        return self.timeout <= 0 or self._closed or threading.current_thread() is self._thread
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            self._since = time.monotonic()
+            try:
+                call.value = call.fn(*call.args)
+            except BaseException as exc:  # (handed to the caller, who raises it)
+                call.error = exc
+            self._since = None
+            try:
+                call.claim.pop()  # the caller still waits: the result is its
+                call.done.set()
+            except IndexError:  # given up on (or posted): undo what it made
+                call.done.set()
+                if call.late is not None and call.error is None:
+                    try:
+                        call.late(call.value)
+                    except Exception:  # (a clean-up that failed: start-up removes what is left)
+                        log.debug("kvstream: %s: undoing a late call failed", self.name, exc_info=True)

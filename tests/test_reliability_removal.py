@@ -1,0 +1,233 @@
+"""Peers restarting beside live writers, and crashes in a removal's window: real child processes stopped
+at a chosen point (a patched engine function that signals, then blocks), killed with SIGKILL or left
+alive, and engines started on the same tier meanwhile or after.
+
+A removal of a file judged damaged renames the name to a private one (trust.remove) for the moment it
+checks that the entry is still the file judged: another writer may have renamed a valid page over the
+name since. A crash there left that page under the private name, and the next start deleted it as a
+stray; a peer starting meanwhile deleted it from under the live process. Two servers in containers
+with the host's network (one hostname, two pid namespaces) judged each other's temporary files by
+their own pids. The child runs ``CHILD`` below: it patches the point named by the scenario, then acts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from helpers import HERE, PageSet, flip_byte, make_engine, page_files, tmp_files, wait_for_file
+
+SIZE = 48 << 10
+
+CHILD = textwrap.dedent(r'''
+    import os, sys, time
+    scenario, tiers, sig = sys.argv[1], sys.argv[2].split(os.pathsep), sys.argv[3]
+    from helpers import PageSet, make_engine
+    from kvstream_hicache import integrity
+
+    def mark(name):
+        open(os.path.join(sig, name), "w").close()
+
+    def wait(name):
+        while not os.path.exists(os.path.join(sig, name)):
+            time.sleep(0.005)
+
+    def block(name):
+        mark(name)
+        time.sleep(3600)
+
+    if scenario in ("scan-remove-window", "scan-remove-window-live"):
+        # the start-up scan judged a file damaged; another writer renames its valid page over the name
+        # (the parent, between 'judged' and 'go'); the scan's removal then renames the name to its
+        # private name and is killed before it can put the valid page back (trust.remove)
+        fix_problem = integrity.fix_problem
+
+        def fix(problem, fix=True, trust=None, held=None):
+            if problem.kind == "damaged":
+                mark("judged")
+                wait("go")
+            return fix_problem(problem, fix, trust, held)
+
+        integrity.fix_problem = fix
+        if scenario == "scan-remove-window":
+            integrity.same_file = lambda ident: (lambda st: block("window"))
+        else:  # the window, then the check as it goes on: not the file judged, so it goes back
+            def same_file(ident):
+                real = same_file_real(ident)
+
+                def judged(st):
+                    mark("window")
+                    wait("end-window")
+                    return real(st)
+                return judged
+            same_file_real = integrity.same_file
+            integrity.same_file = same_file
+        engine = make_engine(tiers, scan_rate=100000)
+        engine.wait_scan(120)
+        mark("scanned")
+        time.sleep(3600)
+    if scenario == "held-writer":
+        # a live writer: its second put's writes are held in the ring (temporary files written, nothing
+        # renamed) until the parent creates 'release'; the put's results go to 'result'
+        import json, threading
+        from helpers import HoldWrites
+        plan = HoldWrites(lambda: mark("holding"))
+        engine = make_engine(tiers, fault_plan=plan, catchup=False)
+        pages = PageSet(48 << 10, salt="live")
+        assert pages.put(engine, pages.keys(2)) == [True, True]
+
+        def release():
+            wait("release")
+            plan.armed = False
+            plan.release()
+
+        threading.Thread(target=release, daemon=True).start()
+        plan.armed = True
+        ok = pages.put(engine, pages.keys(4, 2))
+        found = pages.checked_get(engine, pages.keys(4, 2))
+        with open(os.path.join(sig, "result"), "w") as f:
+            json.dump({"put": ok, "get": found}, f)
+        engine.close()
+        raise SystemExit(0)
+    if scenario == "peer":
+        # a peer (re)starting on the same tiers: its start-up scan runs to its end
+        import json
+        engine = make_engine(tiers, catchup=False)
+        with open(os.path.join(sig, "peer"), "w") as f:
+            json.dump({"pid": os.getpid(), "scan": engine.scan}, f)
+        engine.close()
+        raise SystemExit(0)
+    raise SystemExit(f"unknown scenario {scenario}")
+''')
+
+
+def _child(scenario: str, tiers: list[str], sig: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
+    with open(os.path.join(sig, f"{scenario}.stderr"), "w") as err:  # (read by hand when a child misbehaves)
+        return subprocess.Popen([*prefix, sys.executable, "-c", CHILD, scenario, os.pathsep.join(tiers), sig],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+
+
+def _kill(child: subprocess.Popen) -> None:
+    os.kill(child.pid, signal.SIGKILL)
+    child.communicate()
+    assert child.returncode == -signal.SIGKILL
+
+
+def _damaged_under_a_serving_writer(tier: str, scratch: str, sig: str):
+    """A damaged file under a key's name on ``tier`` (a valid page of other bytes, its header damaged)
+    and the other writer W serving the tier: (W's pages, the key, W, the file's path)."""
+    os.makedirs(sig)
+    pages = PageSet(SIZE, salt="window")
+    key = pages.keys(1)[0]
+    old = PageSet(SIZE, salt="window", data=lambda k: b"\x01" * SIZE)
+    with make_engine([scratch]) as e:
+        assert old.put(e, [key]) == [True]
+    [src] = page_files(scratch)
+    flip_byte(src, 8)
+    writer = make_engine([tier], catchup=False)
+    dst = os.path.join(tier, os.path.relpath(src, scratch))
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    shutil.copyfile(src, dst)
+    return pages, key, writer, dst
+
+
+@pytest.mark.leaves_problems("W closes while the crash's private name holds its page (a stray to its check)")
+def test_a_valid_page_caught_in_the_scans_removal_window_by_a_crash_is_not_lost(tier_dirs, tier_root):
+    """Another writer's acknowledged page, renamed over a file the start-up scan of a restarting peer
+    judged damaged, sits under the scan's private name ``.kvstream-removing.<host>.<pid>.<hex>`` for the
+    moment the removal checks it (trust.remove) before putting it back. A SIGKILL there leaves the only
+    copy under that name: the next start must put it back under its key (its header names the key),
+    not delete it as a stray."""
+    tier, sig = tier_dirs[0], os.path.join(tier_root, "sig")
+    pages, key, writer, dst = _damaged_under_a_serving_writer(tier, tier_dirs[1], sig)
+    child = _child("scan-remove-window", [tier], sig)  # a peer restarting on the tier (B)
+    try:
+        wait_for_file(os.path.join(sig, "judged"), children=[child])
+        assert pages.put(writer, [key]) == [True]  # W's version, acknowledged, renamed over the name
+        open(os.path.join(sig, "go"), "w").close()
+        wait_for_file(os.path.join(sig, "window"), children=[child])
+    finally:
+        _kill(child)
+    held = [n for d, _, fs in os.walk(tier) for n in fs if n.startswith(".kvstream-removing.")]
+    assert held, "the crash left W's page under the scan's private name"
+    # W serves on meanwhile; its copy is gone from the name (its read forgets it)
+    pages.checked_get(writer, [key])
+    writer.close()
+
+    with make_engine([tier]) as engine:  # the next start
+        found = pages.checked_get(engine, [key])
+        left = [n for d, _, fs in os.walk(tier) for n in fs if n.startswith(".kvstream-removing.")]
+        assert found == [True], f"W's acknowledged page lost (private names left: {left})"
+        assert engine.check() == []
+
+
+@pytest.mark.leaves_problems("W's engine sees its page vanish under the peer's private name meanwhile")
+def test_a_restarting_peer_never_deletes_the_file_a_live_scan_holds_under_its_private_name(tier_dirs, tier_root):
+    """The same window without a crash: B (alive) holds W's valid page under its private name for the
+    moment its check takes; a peer C starting meanwhile must leave that file alone (it is B's, B is
+    alive: as a live writer's temporary file), so that B puts it back under its key."""
+    tier, sig = tier_dirs[0], os.path.join(tier_root, "sig")
+    pages, key, writer, dst = _damaged_under_a_serving_writer(tier, tier_dirs[1], sig)
+    child = _child("scan-remove-window-live", [tier], sig)  # B
+    try:
+        _live_window(writer, child, pages, key, sig, tier, dst)
+    finally:
+        writer.close()
+
+
+def _live_window(writer, child, pages, key, sig, tier, dst) -> None:
+    try:
+        wait_for_file(os.path.join(sig, "judged"), children=[child])
+        assert pages.put(writer, [key]) == [True]  # W's version, acknowledged
+        open(os.path.join(sig, "go"), "w").close()
+        wait_for_file(os.path.join(sig, "window"), children=[child])
+        with make_engine([tier], catchup=False) as peer:  # C starts, its scan runs to its end
+            removed = peer.scan["damaged_removed"]
+        open(os.path.join(sig, "end-window"), "w").close()
+        wait_for_file(os.path.join(sig, "scanned"), 120, children=[child])  # B put it back (or found it gone)
+    finally:
+        _kill(child)
+    assert os.path.exists(dst) and removed == 0, f"the peer removed {removed} file(s): W's page with them"
+    assert pages.checked_get(writer, [key]) == [True]
+
+
+def test_a_peer_in_another_pid_namespace_never_deletes_a_live_writers_temporary_files(tier_dirs, tier_root):
+    """Two servers of one model on one node, each in its own container with the host's network (docker
+    ``--network host``, Kubernetes ``hostNetwork``): one hostname, two pid namespaces. One restarts while
+    the other is inside a put (its temporary files written, not renamed yet). The restarting peer's
+    start-up scan must not take the live writer's temporary files (guarantees.md: "start-up cleaning
+    never takes a live process's temporary or probe files"); the writer's put then commits."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root (a new pid namespace)")
+    tier, sig = tier_dirs[0], os.path.join(tier_root, "sig")
+    os.makedirs(sig)
+    writer = _child("held-writer", [tier], sig)
+    try:
+        wait_for_file(os.path.join(sig, "holding"), children=[writer])
+        live = tmp_files(tier)
+        assert len(live) == 4, live
+        # the peer restarts in a pid namespace of its own (a container), the hostname shared
+        peer = _child("peer", [tier], sig, prefix=("unshare", "--pid", "--fork", "--mount-proc"))
+        peer.communicate(timeout=120)
+        assert peer.returncode == 0
+        with open(os.path.join(sig, "peer")) as f:
+            scan = json.load(f)["scan"]
+        left = tmp_files(tier)
+        open(os.path.join(sig, "release"), "w").close()
+        writer.communicate(timeout=120)
+        assert writer.returncode == 0
+        with open(os.path.join(sig, "result")) as f:
+            result = json.load(f)
+    finally:
+        if writer.poll() is None:
+            _kill(writer)
+    assert scan["tmp_removed"] == 0 and left == live, f"the peer removed {scan['tmp_removed']} live temporary files; the writer's put then: {result}"
+    assert result == {"put": [True] * 4, "get": [True] * 4}, result
