@@ -49,14 +49,14 @@ class BoundedCalls:
         self._since: float | None = None  # when the call the thread is on began (None: idle)
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=f"kvstream-calls-{name}", daemon=True)
-        if timeout > 0:
-            self._thread.start()
+        self._unstarted = [None]  # popped once (atomic) by the first call: the thread starts then, so an
+        # engine whose start fails after its tiers were made leaves no thread behind
 
     def close(self) -> None:
         """The thread ends once it has run what was posted before (at once where no call hangs); a call
         made later (a hung write's clean-up, in a thread of its own) runs in place."""
-        if self._thread.is_alive() and not self._closed:
-            self._closed = True
+        self._closed = True
+        if not self._unstarted:  # (started: it ends after what was posted)
             self._calls.put(None)
 
     def hung(self) -> bool:
@@ -74,7 +74,7 @@ class BoundedCalls:
             raise OSError(errno.ETIMEDOUT, f"an earlier call on {self.name} has not returned for "
                                            f"{self.timeout:g} s (write_timeout)")
         call = _Call(fn, args, late)
-        self._calls.put(call)
+        self._put(call)
         if not call.done.wait(self.timeout):
             try:
                 call.claim.pop()  # given up on: the thread hands the result to ``late``
@@ -95,9 +95,17 @@ class BoundedCalls:
         call = _Call(fn, args, None)
         call.claim.pop()  # (nobody takes its result)
         hung = self.hung()
-        self._calls.put(call)
+        self._put(call)
         if not hung:
             call.done.wait(self.timeout)
+
+    def _put(self, call: _Call) -> None:
+        try:
+            self._unstarted.pop()
+            self._thread.start()
+        except IndexError:  # (started already)
+            pass
+        self._calls.put(call)
 
     def _direct(self) -> bool:
         """Called in place: no deadline, or a call made by a call (it runs on the thread already)."""

@@ -304,10 +304,13 @@ class Engine:
         return is_valid_key(key) and (self.index.contains(key, mask) or bool(self._discover([key], mask)))
 
     def prefix_len(self, keys: Sequence[str]) -> int:
-        """Number of leading ``keys`` held by a healthy tier. Answered from the index; only the
-        first key it lacks costs a lookup per tier (and, if found there, the next one, and so on)."""
+        """Number of leading ``keys`` held by a usable tier. Answered from the index; only the
+        first key it lacks costs a lookup per tier (and, if found there, the next one, and so on). A
+        failed tier whose back-off expired is probed first, as by a get or put: a process whose only
+        calls are these queries (an MLA rank that never writes asks before it reads; with every tier
+        failed it answered 0 for ever, and sglang's hit count is the least of its ranks')."""
         self._check_open()
-        mask = self._healthy_mask()
+        mask = self._usable_mask()
         n = 0
         while True:
             n += self.index.prefix_len(keys[n:], mask)

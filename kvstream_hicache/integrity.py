@@ -432,7 +432,16 @@ def _left_by_removal(digest: str, shard: str, path: str, trust: Trust, bad) -> S
     if why:
         return bad("stray", f"left by a removal cut short: {why}", st=st)
     return bad("stray", f"page {header.key} left under a removal's private name (its process died): "
-                        "put back under its name", reason=Reason.RESTORE, st=st)
+                        "put back under its name", reason=Reason.RESTORE, st=st)._replace(header=header)
+
+
+def restored(page: ScannedPage) -> ScannedPage | None:
+    """The page a fixed Reason.RESTORE problem put back (``page`` as judged: its header read under the
+    private name), at its own name: the listing that found the private name never lists it."""
+    if page.problem is None or page.problem.reason is not Reason.RESTORE or not page.problem.fixed:
+        return None
+    path = os.path.join(os.path.dirname(page.path), page.header.key + PAGE_SUFFIX)
+    return page._replace(path=path, problem=None)
 
 
 # ------------------------------------------------------------------------------------ check
@@ -456,6 +465,11 @@ def check_tier(layout: TierLayout, digest: str, *, trust: Trust | None = None, f
                                           trust)
         elif problem is not None and problem.reason is not Reason.VANISHED:
             problem = fix_problem(problem, fix, trust)
+        if problem is not None:
+            page = page._replace(problem=problem)  # (as fixed, or left)
+        back = restored(page)
+        if back is not None:
+            valid[back.header.key] = back
         if page.problem is None:
             valid[page.header.key] = page
         elif problem is not None and problem.reason is not Reason.VANISHED:

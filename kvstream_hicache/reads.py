@@ -92,6 +92,7 @@ class ReadPath:
         self.lock = ranked_lock("read")
         self.memory = CallerMemory(ring, register_memory)
         self.gate = CallerGate()  # a get holds it while it may touch caller memory (close() gives up: shut)
+        self.waiting_direct = False  # a get waits for reads into caller memory: no read_timeout bounds it
         self.delivery = Delivery(tiers, index, stats, digest, self.memory)
         self.files = ReadFiles(self.delivery.stale_copy)
 
@@ -382,8 +383,12 @@ class ReadPath:
         log.log(logging.WARNING if timed_out else logging.DEBUG,
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
-            with self.gate.waiting():  # (a hung tier holds them: close() may give up on this get)
-                done = self.io.reap(1, None)
+            self.waiting_direct = True
+            try:
+                with self.gate.waiting():  # (a hung tier holds them: close() may give up on this get)
+                    done = self.io.reap(1, None)
+            finally:
+                self.waiting_direct = False
             for req, res in done:
                 self._complete_under_reads(req, res)
 
@@ -433,9 +438,13 @@ class ReadPath:
 
     def drain(self, timeout: float | None, closing: bool = False) -> int:
         """Reap orphans until none is in flight or ``timeout`` passes; returns how many remain. A get
-        still inside past ``timeout`` counts as one; ``closing``: close() gives up on it (CallerGate)."""
+        still inside past ``timeout`` counts as one; ``closing``: close() gives up on it (CallerGate) if it
+        waits for reads into caller memory (nothing bounds that wait), else after its read_timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+        got = self.lock.acquire(timeout=-1 if timeout is None else timeout)
+        if not got and closing and self.read_timeout > 0 and not self.waiting_direct:
+            got = self.lock.acquire(timeout=self.read_timeout)  # (a get inside, slow: read_timeout ends it)
+        if not got:
             if closing and not self.gate.close(timeout):
                 log.warning("kvstream: close(): a get is held in a call on a hung tier; it ends when that call "
                             "returns, touching no caller memory after")

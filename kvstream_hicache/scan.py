@@ -38,7 +38,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from .index import RETRY, Index
-from .integrity import Reason, ScannedPage, judge_and_fix, scan_entry, shard_entries, shards, tmp_problems
+from .integrity import Reason, ScannedPage, judge_and_fix, restored, scan_entry, shard_entries, shards, tmp_problems
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
@@ -214,8 +214,10 @@ class BackgroundScan:
                     # valid one is indexed), and remove only the very file judged then (judge_and_fix)
                     page, problem = judge_and_fix(path, lambda: self._visit(part, shard, name, path, added),
                                                   tier.trust)
-                    if problem is not None and problem.fixed and problem.reason is Reason.RESTORE:
+                    back = restored(page._replace(problem=problem)) if problem is not None else None
+                    if back is not None:  # (indexed now: the listing never names it)
                         log.warning("kvstream: background scan of tier %d: %s", tier.k, problem.detail)
+                        self._visit(part, shard, os.path.basename(back.path), back.path, added)
                     elif problem is not None and problem.fixed:
                         part.damaged += 1
                     elif problem is not None:

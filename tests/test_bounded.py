@@ -3,13 +3,15 @@ most a deadline. A hung call is a threading.Event the test holds; no timing asse
 from __future__ import annotations
 
 import errno
+import os
+import subprocess
 import threading
 
 import pytest
 
 from kvstream_hicache.bounded import BoundedCalls
 
-from helpers import wait_until
+from helpers import make_engine, wait_until
 
 
 def test_a_call_returns_its_result_or_raises_its_error():
@@ -54,3 +56,50 @@ def test_a_call_made_by_a_call_runs_in_place_and_no_deadline_means_no_thread():
     local = BoundedCalls("tier 0", 0.0)  # (a local file system: called in place)
     assert local.run(threading.current_thread) is threading.current_thread()
     assert calls.run(threading.current_thread) is threading.current_thread()  # (closed: in place too)
+
+
+@pytest.fixture
+def overlay_tier(tier_root):
+    """A tier on an overlay mount (a file system not in probe.LOCAL_FS, O_DIRECT-capable): its calls
+    run on a thread of their own (bounded.py)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (mount)")
+    base = os.path.join(tier_root, "ovl")
+    dirs = {n: os.path.join(base, n) for n in ("lower", "upper", "work", "mnt")}
+    for d in dirs.values():
+        os.makedirs(d)
+    opts = f"lowerdir={dirs['lower']},upperdir={dirs['upper']},workdir={dirs['work']}"
+    if subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, dirs["mnt"]]).returncode:
+        pytest.skip("overlay mount refused")
+    try:
+        yield dirs["mnt"]
+    finally:
+        subprocess.run(["umount", "-l", dirs["mnt"]])
+
+
+def _calls_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvstream-calls-")]
+
+
+def test_an_engine_whose_start_fails_leaves_no_tier_calls_thread(overlay_tier, tier_dirs):
+    """Engine.__init__ cleans up what it made when no I/O ring opens (the rings, its token): it raises
+    ConfigError, and the caller (an adapter retrying, a test) gets no engine to close. The tier calls
+    threads (one per tier not on a local file system, started in Tier()) are not among what it cleans
+    up: each failed start leaves one thread per such tier for the life of the process."""
+    from kvstream_hicache.errors import ConfigError
+    from kvstream_hicache.tiers import Tier
+
+    def refused(**_kw):
+        raise OSError(24, "Too many open files")  # EMFILE: no ring opens
+
+    before = set(_calls_threads())
+    for _ in range(3):
+        with pytest.raises(ConfigError):
+            make_engine([overlay_tier, tier_dirs[0]], ring_factory=refused)
+    with make_engine([overlay_tier, tier_dirs[0]]) as engine:  # (the overlay tier does get a calls thread)
+        assert not engine.tiers[0].local and isinstance(engine.tiers[0], Tier)
+    new = [t for t in _calls_threads() if t not in before]
+    for t in new:  # (a closed engine's ends as soon as it gets close()'s sentinel)
+        t.join(5)
+    left = [t for t in new if t.is_alive()]
+    assert not left, f"{len(left)} tier calls threads left by 3 failed starts: {[t.name for t in left]}"

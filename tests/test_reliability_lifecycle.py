@@ -15,8 +15,10 @@ import weakref
 import pytest
 
 from kvstream_hicache import EngineClosedError
+from kvstream_hicache.faults import Fault, FaultPlan
+from kvstream_hicache.io import OP_READ
 
-from helpers import PageSet, make_engine, open_fds
+from helpers import PageSet, make_engine, open_fds, wait_until
 
 TRIES = 20
 WAIT_S = 60
@@ -138,3 +140,35 @@ def test_dropped_engines_are_closed_with_a_resource_warning(tier_dirs):
     assert (open_fds(), threading.active_count()) == (fds, threads)
     with make_engine(tier_dirs[:2]) as engine:  # what they stored is there
         assert pages.checked_get(engine, pages.keys(30)) == [True] * 30
+
+
+@pytest.mark.leaves_problems("none: the fixture's check() before close takes the read lock and would wait "
+                             "for the get, hiding the race this test is about")
+def test_close_lets_a_slow_staged_get_inside_finish(tier_dirs):
+    """guarantees.md, "close() from another thread while get/put run: a call inside finishes first";
+    the give-up of close() (CallerGate) is documented for a get "waiting for reads into the caller's
+    memory that a hung tier holds". A get whose reads go to staging (unaligned caller memory) on a tier
+    that is merely slow (each read answers after 9 s; read_timeout 30 s) is neither: it must finish
+    and return its pages."""
+    plan = FaultPlan().add(Fault.delay(9.0), opcode=OP_READ)
+    pages = PageSet(48 << 10, aligned=False, salt="slow")
+    keys = pages.keys(1)
+    engine = make_engine(tier_dirs[:1], fault_plan=plan, read_timeout=30)
+    try:
+        assert pages.put(engine, keys) == [True]
+        result: list = []
+
+        def get():
+            try:
+                result.append(pages.checked_get(engine, keys))
+            except Exception as exc:  # noqa: BLE001
+                result.append(exc)
+
+        reader = threading.Thread(target=get)
+        reader.start()
+        wait_until(lambda: any(h[1] == OP_READ for h in plan.hits), what="the get never submitted its read")
+    finally:
+        engine.close()
+    reader.join(60)
+    assert not reader.is_alive()
+    assert result == [[True]], f"a slow (not hung) get inside close() did not finish: {result!r}"

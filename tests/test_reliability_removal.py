@@ -21,6 +21,8 @@ import textwrap
 
 import pytest
 
+from kvstream_hicache import tmpfiles
+
 from helpers import HERE, PageSet, flip_byte, make_engine, page_files, tmp_files, wait_for_file
 
 SIZE = 48 << 10
@@ -231,3 +233,30 @@ def test_a_peer_in_another_pid_namespace_never_deletes_a_live_writers_temporary_
             _kill(writer)
     assert scan["tmp_removed"] == 0 and left == live, f"the peer removed {scan['tmp_removed']} live temporary files; the writer's put then: {result}"
     assert result == {"put": [True] * 4, "get": [True] * 4}, result
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_page_the_scan_puts_back_from_a_dead_removals_private_name_is_served(tier_dirs):
+    """guarantees/dc8d5fc: a valid page left under ``.kvstream-removing.<host>.<pid>.<random>`` by a
+    process that died between its renames is put back under its name by the start-up scan. The scan
+    indexes every valid page it finds; the one it put back is left out of the index, so with
+    ``discover`` off (index only once the scan is done) it is never served, nor counted in the tier's
+    capacity, for the whole run."""
+    tier = tier_dirs[0]
+    pages = PageSet(48 << 10, salt="restore")
+    keys = pages.keys(2)
+    with make_engine([tier], discover=False) as first:
+        assert pages.put(first, keys) == [True, True]
+    [path] = [p for p in page_files(tier) if os.path.basename(p).startswith(keys[0])]
+    private = os.path.join(os.path.dirname(path), f".kvstream-removing.{tmpfiles.HOST}.{_dead_pid()}.0badcafe")
+    os.rename(path, private)  # a removal that died between its two renames (trust.remove)
+    with make_engine([tier], discover=False) as engine:  # (make_engine waits for the scan)
+        assert os.path.exists(path) and not os.path.exists(private), "the scan did not put the page back"
+        held = engine.stats()["tiers"][0]
+        assert engine.held(keys[0]), f"the page put back is on disk but not in the index ({held})"
+        assert pages.checked_get(engine, keys) == [True, True]

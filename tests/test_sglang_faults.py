@@ -13,7 +13,7 @@ import pytest
 
 from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, tiers_config  # noqa: F401  (first: CPU stubs)
 
-from kvstream_hicache.faults import Fault, FaultPlan  # noqa: E402
+from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan  # noqa: E402
 from kvstream_hicache.io import OP_READ  # noqa: E402
 from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage  # noqa: E402
 
@@ -327,3 +327,86 @@ def test_a_capacity_smaller_than_one_page_is_refused_at_attach(tier_dirs):
     message = str(info.value)
     assert "extra config 'capacity'" in message and "less than one page" in message
     assert str(pools.flat_page_nbytes()) in message and "leave it empty for unlimited" in message
+
+
+def _engines_with(monkeypatch, plan):
+    from kvstream_hicache.engine import Engine
+
+    monkeypatch.setattr(KVStreamHiCacheStorage, "_open_engine",
+                        lambda self, ns: Engine(self.config, ns, fault_plan=plan, page_bytes=self._page_bytes))
+
+
+@pytest.mark.parametrize("n_tiers", [1, 2])
+def test_an_mla_reader_rank_finds_pages_again_after_a_transient_read_error(plugin_loaded, tier_dirs, drivers,
+                                                                            monkeypatch, n_tiers):
+    """MLA with TP 2: rank 1 is not a storage writer, so sglang never calls its batch_set_v1 (backup_skip);
+    its calls are batch_exists then batch_get_v1. One EIO per tier during a prefetch fails its tiers
+    (a miss: fine). The fault is gone, the pages are intact on disk and tier_retry (0.2 s) passes many
+    times over; docs/guarantees.md: "After `tier_retry` seconds ... the next call probes it ... when that
+    works it rejoins". But batch_exists (Engine.prefix_len) answers from the healthy tiers without
+    probing, and no get or put ever comes on this rank: it answers 0 for ever, and since sglang
+    all-reduces the hit count with MIN over the TP ranks, the whole server loses its L3 until restart."""
+    plan = TierFaultPlan()
+    _engines_with(monkeypatch, plan)
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    extra = tiers_config(tier_dirs[:n_tiers])  # tier_retry 0.2 s
+    tokens = cpu_sglang.random_tokens(4 * PAGE, seed=41)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=41)
+    rank0 = drivers(pools, "kvstream", extra_config=extra, tp_rank=0, tp_size=2)
+    assert rank0.backup(tokens, src) == len(tokens)
+    rank0.close()
+
+    rank1 = drivers(pools, "kvstream", extra_config=extra, tp_rank=1, tp_size=2)
+    assert rank1.controller.backup_skip  # sglang never writes through this rank
+    got = rank1.prefetch(tokens)
+    assert got.tokens == len(tokens)
+    pools.free(got.host_indices)
+
+    for d in tier_dirs[:n_tiers]:  # one read error per tier, then the tiers are fine again
+        plan.on(d, Fault.error(errno.EIO), opcode=OP_READ, times=1)
+    got = rank1.prefetch(tokens)
+    pools.free(got.host_indices)
+    assert rank1.threads_alive()
+
+    hits = []
+    for _ in range(10):  # 2.5 s: more than 10x tier_retry
+        time.sleep(0.25)
+        hits.append(rank1.query(tokens))
+        if hits[-1] == len(tokens):
+            break
+    healthy = [t["healthy"] for t in rank1.storage.stats()["tiers"]]
+    assert hits[-1] == len(tokens), (
+        f"rank 1's hit query after the fault: {hits} tokens of {len(tokens)}; tiers healthy: {healthy}")
+    got = rank1.prefetch(tokens)
+    assert got.tokens == len(tokens) and pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+
+
+def test_a_detach_exports_the_counts_of_its_last_batches(plugin_loaded, tier_dirs, drivers, monkeypatch):
+    """sglang's /detach_hicache_storage_backend (HiCacheController.detach_storage_backend) closes the
+    backend. Pages read within the last METRICS_INTERVAL_S before it were counted by the engine but
+    their Prometheus increments were only owed (the trailing sync): close() cancels that sync and
+    never exports them, so kvstream:pages_total / tier_served_bytes_total undercount for good
+    (metrics.py: backends of one process, detach / re-attach, are meant to add up)."""
+    from prometheus_client import REGISTRY
+
+    from kvstream_hicache.sglang import storage
+
+    monkeypatch.setattr(storage, "METRICS_INTERVAL_S", 60.0)  # (the window is 1 s by default; widened here)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    labels = dict(drv.storage._exporter.labels)
+
+    def found() -> float:
+        return REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="found")) or 0.0
+
+    start = found()
+    for seed in (601, 602):  # the first batch is exported at once, the second is owed
+        tokens = cpu_sglang.random_tokens(4 * PAGE, seed=seed)
+        src = cpu_sglang.fill_random(pools, len(tokens), seed=seed)
+        assert drv.backup(tokens, src) == len(tokens)
+        got = drv.prefetch(tokens)
+        assert got.tokens == len(tokens)
+    backend = drv.storage
+    assert backend.stats()["pages_found"] == 8
+    drv.close()  # sglang's detach path: backend.close()
+    assert found() - start == 8, f"pages_total{{found}} grew by {found() - start} for 8 pages read"

@@ -244,6 +244,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             trailing, self._trailing = self._trailing, None
         if trailing is not None:
             trailing.cancel()
+        if engine is not None and self._exporter is not None:  # the counts since the last sync (a detach;
+            with self._sync_lock, suppress(Exception):  # backends of one process add up, metrics.py)
+                self._exporter.sync(dict(engine.stats(), adapter=dict(self.counters)), self.counters)
         if engine is not None:
             try:
                 engine.close()
