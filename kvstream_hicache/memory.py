@@ -33,11 +33,10 @@ thread, and until it lands the answer is "not huge" (the read is staged: always 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from .errors import EngineClosedError
 from .io import memlock_hint
@@ -240,15 +239,15 @@ class CallerGate:
     def __exit__(self, *exc) -> None:
         self._lock.release()
 
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Around a wait for completions, the gate held: ``close`` may shut it meanwhile.
-        :raises EngineClosedError: it did (what the wait reaped is dropped: the engine is gone)."""
+    def leave(self) -> None:
+        """Before a wait for completions (the gate held): ``close`` may shut it meanwhile. (Two plain
+        calls around the wait, not a context manager: this runs once per reap.)"""
         self._lock.release()
-        try:
-            yield
-        finally:
-            self._lock.acquire()
+
+    def back(self) -> None:
+        """After the wait: the gate held again. :raises EngineClosedError: ``close`` shut it meanwhile
+        (what the wait reaped is dropped: the engine is gone)."""
+        self._lock.acquire()
         if self.shut:
             raise EngineClosedError("kvstream engine closed while this get waited for a hung tier")
 

@@ -197,8 +197,11 @@ class ReadPath:
             wait = self.io.overdue_wait(now)
             if wait is not None:
                 left = wait if left is None else min(left, wait)
-            with self.gate.waiting():
+            self.gate.leave()
+            try:
                 done = self.io.reap(1, left)
+            finally:
+                self.gate.back()
             claims = []
             for req, res in done:
                 claims += self._complete_under_reads(req, res)
@@ -383,12 +386,13 @@ class ReadPath:
         log.log(logging.WARNING if timed_out else logging.DEBUG,
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
-            self.waiting_direct = True
+            self.waiting_direct = True  # (a hung tier holds them: close() may give up on this get)
+            self.gate.leave()
             try:
-                with self.gate.waiting():  # (a hung tier holds them: close() may give up on this get)
-                    done = self.io.reap(1, None)
+                done = self.io.reap(1, None)
             finally:
                 self.waiting_direct = False
+                self.gate.back()
             for req, res in done:
                 self._complete_under_reads(req, res)
 

@@ -1,0 +1,17 @@
+#!/bin/bash
+# Stop 41: this stop's tree (new: /work/main) against 8101dc5 (old: stop 40's main, a worktree first on
+# PYTHONPATH), alternated, through sglang's host pool on RAM testbed A; nixl in every run as the reference.
+echo $$ > /sys/fs/cgroup/blkio/kvstream-A/cgroup.procs
+cd /work/main
+GEOS=("8 512")
+for round in $ROUNDS; do
+  for tree in $TREES; do
+    for geo in "${GEOS[@]}"; do
+      rm -rf /mnt/kvstream-A/tier0/hostpool-* /mnt/kvstream-A/tier1/hostpool-*
+      case $tree in old) PP=/tmp/old41;; nogate) PP=/tmp/nogate;; *) PP=/work/main;; esac
+      echo "=== round $round tree $tree geo $geo"
+      PYTHONPATH=$PP flock /var/tmp/kvstream-bench.lock .venv/bin/python benchmarks/bench_hostpool.py \
+        /mnt/kvstream-A/tier0,/mnt/kvstream-A/tier1 $geo 5 nixl adapter-1tier adapter
+    done
+  done
+done
