@@ -26,6 +26,12 @@ from collections.abc import Callable
 log = logging.getLogger("kvstream")
 
 
+class GivenUp(OSError):
+    """ETIMEDOUT for a call given up on while it runs (or waits to): what it uses (a buffer it reads
+    into) is still its own until it ends, then ``late``'s. A call refused at once because another is
+    hung raises a plain OSError: it never ran."""
+
+
 class _Call:
     __slots__ = ("fn", "args", "late", "done", "value", "error", "claim")
 
@@ -66,8 +72,8 @@ class BoundedCalls:
 
     def run(self, fn: Callable, *args, late: Callable | None = None):
         """``fn(*args)``'s result (or its exception), waited for at most the deadline.
-        :raises OSError: ETIMEDOUT, the call given up on (``late`` gets its result when it ends), or a
-            call out longer than the deadline is still out (``fn`` never runs)."""
+        :raises GivenUp: ETIMEDOUT, the call given up on (``late`` gets its result when it ends).
+        :raises OSError: ETIMEDOUT, a call out longer than the deadline is still out (``fn`` never runs)."""
         if self._direct():
             return fn(*args)
         if self.hung():
@@ -78,7 +84,7 @@ class BoundedCalls:
         if not call.done.wait(self.timeout):
             try:
                 call.claim.pop()  # given up on: the thread hands the result to ``late``
-                raise OSError(errno.ETIMEDOUT, f"a call on {self.name} did not return in {self.timeout:g} s "
+                raise GivenUp(errno.ETIMEDOUT, f"a call on {self.name} did not return in {self.timeout:g} s "
                                                "(write_timeout)")
             except IndexError:
                 call.done.wait()  # (it ended as the wait did: the result is the caller's after all)

@@ -327,9 +327,9 @@ class Engine:
                 caps.append(tier.capacity)
                 continue
             try:
-                st = os.statvfs(tier.root)
+                st = tier.calls.run(os.statvfs, tier.root)  # (bounded where the tier may hang: bounded.py)
                 caps.append(st.f_blocks * st.f_frsize)
-            except OSError:  # a tier that cannot say (gone, ESTALE): it bounds nothing
+            except OSError:  # a tier that cannot say (gone, ESTALE, hung): it bounds nothing
                 pass
         return self.index.held_bytes, max(caps, default=0)
 

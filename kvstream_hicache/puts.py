@@ -37,7 +37,7 @@ class PutCall:
         self.event = threading.Event() if done is None else None
         self.dirs: dict[int, set[str]] = {}  # page directories committed, per tier (fsync=full)
 
-    def sync_dirs(self, tiers) -> None:
+    def sync_dirs(self, tiers, stats) -> None:
         """fsync=full: make the put's renames durable on each tier; a page none of whose copies is
         durable then reports False (fsync=full promises a copy that survives a crash)."""
         unsynced = set()
@@ -47,6 +47,8 @@ class PutCall:
                     tiers[k].sync_dirs(dirs)
                 except OSError as exc:
                     unsynced.add(k)
+                    if exc.errno == errno.ETIMEDOUT:  # (the tier did not answer in time: bounded.py)
+                        stats.add(k, "write_timeouts")
                     tiers[k].fail(exc.errno or errno.EIO, "fsync directory")
         if not unsynced:
             return

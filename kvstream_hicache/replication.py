@@ -38,6 +38,7 @@ its LRU as the least recent page (jobs.py), so it never costs a page the tier ch
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -45,6 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from .bounded import GivenUp
 from .fds import close_fd
 from .index import Index, tiers_in
 from .integrity import HeaderError, block_crcs, unpack_header
@@ -276,7 +278,12 @@ class Replicator:
                 return self._sweep[k] >= 0
             source = self._copies.get(key)
             epoch = self._epoch
-        if os.path.lexists(tier.layout.page_path(key)):
+        try:
+            named = tier.named(key)
+        except OSError as exc:  # (the tier did not answer in time, bounded.py: it fails; the page stays owed)
+            tier.fail(exc.errno or errno.EIO, f"catch-up look at {key}")
+            return True
+        if named:
             # A file of that name the index does not list: another writer's version of the page, or a
             # stray; neither is ours to replace (the read path and check() deal with them).
             with self._lock:
@@ -387,6 +394,9 @@ class Replicator:
             buf = self.pool.get(file_size(info.length))
             try:
                 created = self._read_file(tier, key, info, buf)
+            except GivenUp:  # (the tier hangs: the read still out owns the buffer, and returns it when it ends)
+                tier.fail(errno.ETIMEDOUT, f"catch-up read of {key}")
+                continue
             except (OSError, HeaderError) as exc:
                 created = None
                 log.debug("kvstream: catch-up of %s: tier %d's copy is unusable (%s)", key, src, exc)
@@ -399,11 +409,9 @@ class Replicator:
     def _read_file(self, tier: Tier, key: str, info, buf) -> int | None:
         """Read the page file into ``buf`` (opened as a read opens it: a regular file the tier trusts);
         its header's ``created`` when it is the indexed version, intact."""
-        fd = tier.open_page(key)
-        try:
-            n = os.preadv(fd, [memoryview(buf)[:file_size(info.length)]], 0)
-        finally:
-            close_fd(fd)  # (only read through: a close error loses nothing)
+        n = tier.calls.run(_read_whole, tier, key, buf, file_size(info.length), late=lambda _: self.pool.put(buf))
+        if n < 0:
+            raise OSError(-n, os.strerror(-n))
         if n < HEADER_SIZE + info.length:
             return None
         h = unpack_header(memoryview(buf)[:HEADER_SIZE])
@@ -414,14 +422,25 @@ class Replicator:
         return h.created_ns
 
 
+def _read_whole(tier: Tier, key: str, buf, nbytes: int) -> int:
+    """Bytes read of ``key``'s page file into ``buf`` (opened as a read opens it: a regular file the tier
+    trusts), or -errno; never raises (on a tier that may hang it runs on the tier's thread, bounded.py,
+    and a read given up on hands ``buf`` back when it ends)."""
+    try:
+        fd = tier.open_page(key)
+        try:
+            return os.preadv(fd, [memoryview(buf)[:nbytes]], 0)
+        finally:
+            close_fd(fd)  # (only read through: a close error loses nothing)
+    except OSError as exc:
+        return -(exc.errno or errno.EIO)
+
+
 def _fs_room(tier: Tier, length: int) -> bool:
     """The tier's file system has room for the copy and as much again after it: a catch-up copy never
     takes its last free space (a put would then evict the tier's pages to make room for it)."""
-    try:
-        st = os.statvfs(tier.root)
-    except OSError:
-        return True  # cannot tell: the write finds out (ENOSPC drops it)
-    return st.f_bavail * st.f_frsize >= 2 * file_size(length)
+    free = tier.free_bytes()
+    return free is None or free >= 2 * file_size(length)  # (None: cannot tell: ENOSPC drops it)
 
 
 class _Source:

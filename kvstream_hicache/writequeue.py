@@ -332,7 +332,7 @@ class WriteQueue:
         return False
 
     def _end_call_under_writer(self, call: PutCall) -> None:
-        call.sync_dirs(self.tiers)
+        call.sync_dirs(self.tiers, self.stats)
         for key in call.lru_order():  # LRU order = batch order, not completion order
             self.index.touch(key)
         call.signal()

@@ -11,7 +11,7 @@ import pytest
 
 from kvstream_hicache.bounded import BoundedCalls
 
-from helpers import make_engine, wait_until
+from helpers import PageSet, make_engine, page_files, wait_until
 
 
 def test_a_call_returns_its_result_or_raises_its_error():
@@ -103,3 +103,63 @@ def test_an_engine_whose_start_fails_leaves_no_tier_calls_thread(overlay_tier, t
         t.join(5)
     left = [t for t in new if t.is_alive()]
     assert not left, f"{len(left)} tier calls threads left by 3 failed starts: {[t.name for t in left]}"
+
+
+def test_a_writers_directory_sync_that_times_out_counts_in_write_timeouts(overlay_tier, tier_dirs):
+    """fsync=full's directory sync at a put's end runs on the writer thread, bounded on a tier that may
+    hang: past write_timeout the tier fails with ETIMEDOUT and, as for the writer's create and commit,
+    it counts in write_timeouts (it did not: PutCall.sync_dirs only failed the tier). Found by a review."""
+    pages = PageSet(64 << 10)
+    keys = pages.keys(1)
+    release = threading.Event()
+    with make_engine([tier_dirs[0], overlay_tier], replicate="all", fsync="full", write_timeout=0.5,
+                     tier_retry=600) as engine:
+        tier = engine.tiers[1]
+        assert not tier.local
+        tier._sync_dirs = lambda dirs: release.wait(60)  # (runs on the tier's calls thread: hangs)
+        try:
+            assert pages.put(engine, keys) == [True]  # (tier 0's copy is durable)
+            row = engine.stats()["tiers"][1]
+            assert not row["healthy"] and "timed out" in row["last_error"].lower(), row["last_error"]
+            assert row["write_timeouts"] == 1
+        finally:
+            release.set()
+
+
+@pytest.mark.leaves_problems("tier 1 is failed (its catch-up read hung) when the engine closes")
+def test_a_catch_up_read_that_hangs_fails_its_tier_and_close_returns(overlay_tier, tier_dirs, monkeypatch):
+    """A page only the tier that may hang holds is owed to tier 0 (its copy there removed while the
+    engine was down): the catch-up thread reads the source, which hangs. On the tier's thread, given
+    up after write_timeout: the tier fails and close() returns (it joined the catch-up thread, which
+    waited as long as the tier); the buffer the read still holds goes back to the pool when it ends.
+    Found by a review of the docs (the read and its `lexists` ran in place)."""
+    from kvstream_hicache import replication
+
+    pages = PageSet(64 << 10)
+    keys = pages.keys(1)
+    with make_engine([tier_dirs[0], overlay_tier], replicate="all") as engine:
+        assert pages.put(engine, keys) == [True]
+        [path] = page_files(tier_dirs[0])
+    os.unlink(path)
+    release, entered = threading.Event(), threading.Event()
+    real = replication._read_whole
+
+    def hung(*args):
+        entered.set()
+        release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(replication, "_read_whole", hung)
+    engine = make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=0.5, tier_retry=600)
+    try:
+        assert entered.wait(30), "the catch-up never read the source"
+        wait_until(lambda: not engine.tiers[1].healthy, what="the hung catch-up read never failed its tier")
+        closer = threading.Thread(target=engine.close)
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive(), "close() waited for a catch-up read on a hung tier"
+        assert engine._writes.pool.out >= 1  # (the read still out holds its buffer)
+    finally:
+        release.set()
+        engine.close()
+    wait_until(lambda: engine._writes.pool.out == 0, what="the given-up read's buffer never came back")
