@@ -298,3 +298,23 @@ def test_legacy_batches_answer_one_entry_per_key(tier_dirs):
         assert backend.counters["bad_arguments"] == 3 and backend.counters["errors"] == 0
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_an_asymmetric_host_pool_round_trips_and_says_why_it_is_staged(plugin_loaded, tier_dirs, drivers, layout):
+    """head_dim != v_head_dim (MiMo-V2): sglang's AsymmetricMHATokenToKVPoolHost keeps K and V in two
+    buffers, ``kv_buffer`` a tuple. Pages round-trip through the real controller; raw addresses are
+    checked against both buffers (the tuple was no tensor: nothing was checked); the reads are staged
+    (a page's K and V lie in two buffers, and one fixed read reaches into one registered buffer) and
+    the start-up line says so (it blamed 4 KiB pages). Found by a review."""
+    pools = cpu_sglang.make_pools("mha", layout, page_size=PAGE, head_dim=64, v_head_dim=32)
+    assert type(pools.host).__name__ == "AsymmetricMHATokenToKVPoolHost"
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:1]))
+    assert drv.zero_copy and "K and V in buffers of their own" in drv.storage.startup_line()
+    tokens, src, got = round_trip(drv, pools, n_pages=6, seed=17)
+    assert got.tokens == len(tokens) and pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+    k, v = pools.host.kv_buffer
+    inside = drv.storage._inside_buffer
+    assert inside([(k.data_ptr(), 4096)]) and inside([(v.data_ptr(), 4096)])
+    assert not inside([(k.data_ptr() + k.numel() * k.element_size(), 4096)])
+    _assert_consistent(drv)

@@ -392,12 +392,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _inside_buffer(self, page: Sequence[Segment]) -> bool:
         """Whether the segments lie inside the host pool's KV buffer (True where the pool has none to
         tell: its own get_page_buffer_meta is then the only authority)."""
-        buf = getattr(self.mem_pool_host, "kv_buffer", None)
-        if not isinstance(buf, torch.Tensor):
-            return True
-        lo = buf.data_ptr()
-        hi = lo + buf.numel() * buf.element_size()
-        return all(lo <= a and a + n <= hi for a, n in page)
+        spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in _kv_buffers(self.mem_pool_host)]
+        return not spans or all(any(lo <= a and a + n <= hi for lo, hi in spans) for a, n in page)
 
     def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment] | None]) -> list[bool]:
         """Run an engine batch on the pages whose keys are valid and whose memory is known; the others are
@@ -607,12 +603,14 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def _register_pool(self, host) -> bool:
         """Tell the engine where pages are read into (the pool's KV buffer): it registers it with its
-        read ring (memory.py), so reads land in it in place from the first call; returns whether they do."""
-        buf = getattr(host, "kv_buffer", None)
-        if not isinstance(buf, torch.Tensor) or not buf.numel():
+        read ring (memory.py), so reads land in it in place from the first call; returns whether they do.
+        A pool of K and V in buffers of their own is not: a page's K and V pieces would lie in two
+        registered buffers, and one fixed read reaches into one (its pages are staged)."""
+        bufs = _kv_buffers(host)
+        if len(bufs) != 1:
             return False
         try:
-            return self.engine.register_memory(buf.data_ptr(), buf.numel() * buf.element_size())
+            return self.engine.register_memory(bufs[0].data_ptr(), bufs[0].numel() * bufs[0].element_size())
         except Exception as exc:  # only a speed-up: reads are staged, the attach goes on
             log.warning("kvstream: could not learn the host pool's page size (%s); reads are staged", exc)
             return False
@@ -658,7 +656,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         mode = "zero-copy" if self.zero_copy else "staged"
         if self.zero_copy:  # where a read lands: the host pool itself once registered, or on huge pages
             mode += " (reads of single-tier pages in place)" if self._reads_in_place else \
-                " (reads through huge-page staging: host pool in 4 KiB pages, not registered)"
+                " (reads through huge-page staging: K and V in buffers of their own)" if len(_kv_buffers(host)) > 1 \
+                else " (reads through huge-page staging: host pool in 4 KiB pages, not registered)"
         why = "" if self.zero_copy else f" (host pages not {ALIGN}-aligned: bounce buffers)"
         writer = "" if self.is_writer else "; MLA non-writer rank (sglang skips its backups; no catch-up)"
         return (f"kvstream: {len(cfg.tiers)} tier{'s' if len(cfg.tiers) != 1 else ''} [{tiers}]; "
@@ -694,6 +693,13 @@ def _dtype(host: Any) -> str:
     if dtype is None:
         dtype = getattr(getattr(host, "kv_buffer", None), "dtype", None)
     return str(dtype)
+
+
+def _kv_buffers(host) -> list:
+    """The host pool's KV buffers: one tensor (``kv_buffer``), or K and V apart (sglang's
+    AsymmetricMHATokenToKVPoolHost, head_dim != v_head_dim, keeps ``(k_buffer, v_buffer)`` there)."""
+    buf = getattr(host, "kv_buffer", None)
+    return [b for b in (buf if isinstance(buf, (tuple, list)) else [buf]) if isinstance(b, torch.Tensor) and b.numel()]
 
 
 def _kv_cache_dtype(host: Any) -> str | None:

@@ -197,17 +197,32 @@ class Pools:
         if host_indices is not None and len(host_indices):
             self.host.free(host_indices)
 
+    def split(self) -> bool:
+        """K and V in buffers of their own (AsymmetricMHATokenToKVPoolHost): no flat-page interface."""
+        return isinstance(getattr(self.host, "kv_buffer", None), tuple)
+
+    def page_views(self, index: int) -> list:
+        """A split pool's page starting at host slot ``index``: its K view, then its V view."""
+        p = self.page_size
+        return [b[index:index + p] if self.layout == "page_first" else b[index // p] for b in self.host.kv_buffer]
+
     def page_bytes(self, host_indices) -> list[bytes]:
-        """The bytes of each page at ``host_indices``, in sglang's flat-page order for this layout."""
+        """The bytes of each page at ``host_indices``, in sglang's flat-page order for this layout (a
+        split pool: its K bytes, then its V bytes)."""
         import torch
 
+        def raw(t) -> bytes:
+            return t.contiguous().view(torch.uint8).numpy().tobytes()
+
         p = self.page_size
-        return [
-            self.host.get_data_page(int(host_indices[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
-            for i in range(0, len(host_indices), p)
-        ]
+        if self.split():
+            return [b"".join(raw(v) for v in self.page_views(int(host_indices[i])))
+                    for i in range(0, len(host_indices), p)]
+        return [raw(self.host.get_data_page(int(host_indices[i]), flat=True)) for i in range(0, len(host_indices), p)]
 
     def flat_page_nbytes(self) -> int:
+        if self.split():
+            return sum(v.numel() * v.element_size() for v in self.page_views(0))
         return self.host.get_dummy_flat_data_page().numel() * self.host.dtype.itemsize
 
 
@@ -219,6 +234,7 @@ def make_pools(
     layers: int = 2,
     heads: int = 2,
     head_dim: int = 64,
+    v_head_dim: int | None = None,
     kv_lora_rank: int = 512,
     rope_dim: int = 64,
     dtype: Any = None,
@@ -227,24 +243,25 @@ def make_pools(
 ) -> Pools:
     """Build a real device pool (on the CPU) and its host pool, under a lifted host-RAM budget.
 
-    MHA geometry: ``layers x heads x head_dim``; MLA: ``layers x (kv_lora_rank + rope_dim)``.
+    MHA geometry: ``layers x heads x head_dim`` (``v_head_dim`` other than ``head_dim``: sglang's
+    AsymmetricMHATokenToKVPoolHost, K and V in buffers of their own); MLA: ``layers x (kv_lora_rank + rope_dim)``.
     The host pool holds about ``host_ratio * device_tokens`` tokens.
     """
     install_stubs()
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     dtype = dtype or torch.bfloat16
     common = dict(pin_memory=False, device="cpu", device_capacity_tokens=device_tokens, start_layer=0, end_layer=layers)
     if kind == "mha":
         dev = MHATokenToKVPool(size=device_tokens, page_size=page_size, dtype=dtype, head_num=heads, head_dim=head_dim,
-                               layer_num=layers, device="cpu", enable_memory_saver=False)
-        with host_memory_budget_scope(HOST_BUDGET):
-            host = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, host_ratio, 0, page_size, layout,
-                                        **common)
+                               layer_num=layers, device="cpu", enable_memory_saver=False, v_head_dim=v_head_dim)
+        info = dev.get_device_pool_infos()[0].buffer_info
+        with host_memory_budget_scope(HOST_BUDGET):  # (the class sglang picks for the geometry)
+            host = get_mha_host_pool_cls(info)(info, host_ratio, 0, page_size, layout, **common)
     elif kind == "mla":
         dev = MLATokenToKVPool(device_tokens, page_size, dtype, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope_dim,
                                layer_num=layers, device="cpu", enable_memory_saver=False)
@@ -301,6 +318,11 @@ def fill_random(pools: Pools, tokens: int, seed: int = 0):
 
     idx = pools.alloc(tokens)
     gen = torch.Generator().manual_seed(seed)
+    if pools.split():  # (no flat-page interface: each of its buffers' page views filled)
+        for i in range(0, tokens, pools.page_size):
+            for view in pools.page_views(int(idx[i])):
+                view.copy_(torch.randn(view.shape, generator=gen, dtype=torch.float32).to(view.dtype))
+        return idx
     n = pools.host.get_dummy_flat_data_page().numel()
     for i in range(0, tokens, pools.page_size):
         page = torch.randn(n, generator=gen, dtype=torch.float32).to(pools.host.dtype)
@@ -312,6 +334,11 @@ def scramble(pools: Pools, host_indices) -> None:
     """Overwrite the pages at ``host_indices`` with a constant, so a read-back must really write them."""
     import torch
 
+    if pools.split():
+        for i in range(0, len(host_indices), pools.page_size):
+            for view in pools.page_views(int(host_indices[i])):
+                view.fill_(-7.0)
+        return
     flat = torch.full((pools.host.get_dummy_flat_data_page().numel(),), -7.0, dtype=pools.host.dtype)
     for i in range(0, len(host_indices), pools.page_size):
         pools.host.set_from_flat_data_page(int(host_indices[i]), flat)
