@@ -5,14 +5,16 @@ hold the call for as long as its server is away: a GlusterFS client gives up aft
 (42 s by default), an NFS hard mount never. The writer thread makes such calls for every tier in
 turn, so a tier that hung in one held the writes of all, and every put waited for it. On a tier that
 may hang, the writer's calls (a temporary file's create, the commit's fdatasync, close and rename, an
-eviction's unlink, fsync=full's directory sync) and a failed tier's recovery probe run on the tier's
-own thread, and the caller waits at most ``timeout`` s (write_timeout): then ETIMEDOUT, which fails
-the tier (tiers.py), and the caller goes on with the other tiers.
+eviction's unlink, fsync=full's directory sync), discovery's look at a page file (a put's, get's or
+lookup's own thread), the catch-up thread's look and source read, and a failed tier's recovery probe
+run on the tier's own thread, and the caller waits at most ``timeout`` s (write_timeout): then
+ETIMEDOUT, which fails the tier (tiers.py), and the caller goes on with the other tiers.
 
 A call cannot be taken back. When one given up on returns, ``late(result)`` undoes what it made (a
-temporary file closed and removed). While a call has been out longer than the deadline, each new one
-fails at once: the tier is hung, and waiting behind it would hold the caller again. A call posted
-(``post``: a temporary file to remove, nothing waits for it) runs when the thread gets to it.
+temporary file closed and removed, a buffer handed back). While a call has been out longer than the
+deadline, each new one fails at once: the tier is hung, and waiting behind it would hold the caller
+again. A clean-up (``post``: a temporary file to remove) is waited for at most the deadline, and not
+at all on a hung tier: it runs when the thread gets to it.
 """
 from __future__ import annotations
 
