@@ -116,7 +116,7 @@ class GetCall:
         self.in_place = self.single and all(page.in_place for page in self.pages)  # no staging at all
 
     def item_bytes(self) -> int:
-        """Most bytes one item of ``call`` carries (a block, or a page smaller than one): windows and
+        """Most bytes one item of this call carries (a block, or a page smaller than one): windows and
         depths are bytes, and this counts them in items. (Counted in 1 MiB blocks, a 2 MiB window of
         256 KiB pages held 512 KiB: docs/benchmarks.md, "Two tiers against one".)"""
         return max(min(page.info.block, page.info.length) for page in self.pages)

@@ -197,13 +197,8 @@ class ReadPath:
             wait = self.io.overdue_wait(now)
             if wait is not None:
                 left = wait if left is None else min(left, wait)
-            self.gate.leave()
-            try:
-                done = self.io.reap(1, left)
-            finally:
-                self.gate.back()
             claims = []
-            for req, res in done:
+            for req, res in self._wait_under_reads(left):
                 claims += self._complete_under_reads(req, res)
             if adaptive:
                 self._set_depths_under_reads(call, unit)
@@ -387,14 +382,21 @@ class ReadPath:
                 "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
             self.waiting_direct = True  # (a hung tier holds them: close() may give up on this get)
-            self.gate.leave()
             try:
-                done = self.io.reap(1, None)
+                done = self._wait_under_reads(None)
             finally:
                 self.waiting_direct = False
-                self.gate.back()
             for req, res in done:
                 self._complete_under_reads(req, res)
+
+    def _wait_under_reads(self, timeout: float | None) -> list:
+        """At least one completion (or none by ``timeout``), the caller-memory gate let go while waiting:
+        close() may give up on this get meanwhile (memory.CallerGate: then EngineClosedError)."""
+        self.gate.leave()
+        try:
+            return self.io.reap(1, timeout)
+        finally:
+            self.gate.back()
 
     def _settle_direct_under_reads(self, call: GetCall) -> None:
         """After an error inside a call: its reads into caller memory must still land before it

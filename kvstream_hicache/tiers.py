@@ -39,7 +39,7 @@ from .locks import ranked_lock
 from .probe import local_fs
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import (
-    NO_LINKS, check_dir, describe, dir_findings, establish, list_below, make_dir, open_below, remove, root_problem,
+    check_dir, describe, dir_findings, establish, link_new, list_below, make_dir, open_below, remove, root_problem,
 )
 
 log = logging.getLogger("kvstream")
@@ -388,16 +388,9 @@ class Tier:
         if replace:
             os.rename(tmp_path, final)
             return
-        try:  # a hard link fails with EEXIST, atomically, where a name exists (GlusterFS and NFS too)
-            os.link(tmp_path, final, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno not in NO_LINKS:
-                raise
-            if os.path.lexists(final):  # (no hard links on this file system: the look of before, then
-                raise FileExistsError(errno.EEXIST, "a file has the page's name", final) from None
-            os.rename(tmp_path, final)  # a rename, a narrow window another node's put may fall in)
-            return
-        self._discard(None, tmp_path)  # (the page is in place: a temporary name left is cleaned later)
+        if not link_new(tmp_path, final):
+            raise FileExistsError(errno.EEXIST, "a file has the page's name", final)
+        self._discard(None, tmp_path)  # (the page is in place: the temporary name, if a link left it, goes)
 
     def discard(self, fd: int | None, tmp_path: str) -> None:
         """Close (if open) and remove a temporary file; never raises (it runs on error paths). Where it

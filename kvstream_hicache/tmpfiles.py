@@ -26,7 +26,6 @@ from .fds import close_fd
 from .layout import ALIGN
 
 
-
 def _host() -> str:
     """This host as the names of what it writes say it: the hostname, and the pid namespace (two
     containers with the host's network share a hostname, not their pids: a pid alive in one says

@@ -386,6 +386,8 @@ def check_dir(path: str, trust: Trust) -> None:
 
 # ---------------------------------------------------------------------------------------- files
 NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS})  # os.link: none here
+
+
 def not_trusted(st: os.stat_result) -> str:
     """Why a file that fails :meth:`Trust.owns` (its ``fstat``) is not read past that fstat."""
     return f"of a user this engine does not trust ({describe(st)})"
@@ -453,24 +455,36 @@ def put_back(root: str, path: str, name: str, trust: Trust) -> str | None:
         why = _not_removable(os.stat(private, dir_fd=fd, follow_symlinks=False), trust)
         if why is not None:
             return why
-        try:
-            os.link(private, name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            if exc.errno not in NO_LINKS:
-                raise
-            try:  # (no hard links here: the look of before, then a rename; a narrow window)
-                os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                os.rename(private, name, src_dir_fd=fd, dst_dir_fd=fd)
-                return None
-        os.unlink(private, dir_fd=fd)
+        link_new(private, name, fd, fd)  # (False: a page written since has the name; this copy goes)
+        os.unlink(private, dir_fd=fd)  # (FileNotFoundError: renamed, where no hard links: done)
         return None
     except FileNotFoundError:  # (put back by another process's scan meanwhile)
         return None
     finally:
         close_fd(fd)
+
+
+def link_new(src: str, dst: str, src_dir_fd: int | None = None, dst_dir_fd: int | None = None) -> bool:
+    """Give the file ``src`` the name ``dst``, replacing nothing: a hard link, which fails with EEXIST
+    atomically where something has the name (GlusterFS and NFS too); on a file system without hard
+    links, a look and then a rename (a narrow window another node's writer may fall in). True: the file
+    has the name, and ``src`` is a second name of it after a link, gone after a rename (the caller
+    removes it where it is); False: something had the name.
+    :raises OSError: the link or the rename failed otherwise."""
+    try:
+        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=False)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in NO_LINKS:
+            raise
+    try:
+        os.stat(dst, dir_fd=dst_dir_fd, follow_symlinks=False)
+        return False
+    except FileNotFoundError:
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        return True
 
 
 def _not_removable(st: os.stat_result, trust: Trust) -> str | None:

@@ -72,7 +72,6 @@ class WriteQueue:
         self.index = index
         self.stats = stats
         self.chunk = chunk
-        self.local = [tier.local for tier in tiers]  # a stat there is the disk's word (_still_held)
         self.settings = settings
         self.bandwidth = bandwidth
         self.lock = ranked_lock("queue")  # the queues: taken briefly, by callers and the writer
@@ -241,7 +240,7 @@ class WriteQueue:
             tier = self.tiers[k]
             path = tier.layout.page_path(key)
             try:
-                if self.local[k]:
+                if tier.local:  # (a stat there is the disk's word)
                     st = os.stat(path, follow_symlinks=False)
                     ours = stat.S_ISREG(st.st_mode) and tier.trust.owns(st)
                 else:

@@ -100,7 +100,6 @@ class WritePath:
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
         self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
         # at most: one always fits in the staging memory
-        self._zero_copy = self.queue.local  # (tiers on a local file system) aligned pages written from caller memory
         self._set_up(ring)
         self.write_timeout = settings.write_timeout
         self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
@@ -212,7 +211,7 @@ class WritePath:
         """Where a tier may hang, every op of the write ring goes to the kernel's async workers (else
         io_uring may issue a write in the writer's submit, where a FUSE or NFS write waits)."""
         inner = getattr(ring, "inner", ring)  # (under a fault wrapper too; the thread pool never blocks)
-        if not all(self._zero_copy) and hasattr(inner, "punt"):
+        if not all(tier.local for tier in self.tiers) and hasattr(inner, "punt"):
             inner.punt = True
         return ring
 
@@ -393,7 +392,7 @@ class WritePath:
                     return None
                 page = fifo[0]
             request = self.io.flows[k].request if self.priority.enabled else math.inf
-            staged = not (page.aligned and self._zero_copy[k])
+            staged = not (page.aligned and self.tiers[k].local)  # (zero-copy: a local file system's writes)
             if staged:  # each request is staged whole: no request may need more than the staging memory
                 request = min(request, self._piece)
             started = jobs.start_under_writer(page, k, request, staged)

@@ -262,3 +262,24 @@ def test_a_read_never_deletes_a_valid_page_renamed_over_the_damaged_copy(tier_di
         monkeypatch.undo()
         assert Path(path).read_bytes() == valid, "the read deleted a valid page another writer had committed"
         assert pages.put(engine, [key]) == [True]  # indexed again (the read dropped the damaged copy)
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-link", "no-links"])
+def test_link_new_names_a_file_only_where_nothing_has_the_name(tmp_path, monkeypatch, links):
+    """trust.link_new (a catch-up copy's commit, a removal's page put back): a hard link, else (a file
+    system without hard links: EPERM) a look and a rename; never over what has the name."""
+    link_new = trust.link_new
+    if not links:
+        def refused(*args, **kwargs):
+            raise PermissionError(errno.EPERM, "no hard links here")
+        monkeypatch.setattr(os, "link", refused)
+    (tmp_path / "src").write_bytes(b"new")
+    (tmp_path / "taken").write_bytes(b"theirs")
+    assert not link_new(str(tmp_path / "src"), str(tmp_path / "taken"))
+    assert (tmp_path / "taken").read_bytes() == b"theirs" and (tmp_path / "src").exists()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert link_new("src", "free", fd, fd)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "free").read_bytes() == b"new" and (tmp_path / "src").exists() == links

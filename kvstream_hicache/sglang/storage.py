@@ -246,7 +246,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             trailing.cancel()
         if engine is not None and self._exporter is not None:  # the counts since the last sync (a detach;
             with self._sync_lock, suppress(Exception):  # backends of one process add up, metrics.py)
-                self._exporter.sync(dict(engine.stats(), adapter=dict(self.counters)), self.counters)
+                self._exporter.sync(self._stats_of(engine), self.counters)
         if engine is not None:
             try:
                 engine.close()
@@ -265,9 +265,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def stats(self) -> dict:
         """Engine stats (per tier bytes, shares, errors, last batch vs bound) plus the adapter's counters."""
-        engine = self.engine
-        out = engine.stats() if engine is not None else {}
-        out = dict(out)
+        return self._stats_of(self.engine)
+
+    def _stats_of(self, engine) -> dict:
+        out = dict(engine.stats() if engine is not None else {})
         out["adapter"] = dict(self.counters)
         return out
 
