@@ -8,7 +8,9 @@ may hang, the writer's calls (a temporary file's create, the commit's fdatasync,
 eviction's unlink, fsync=full's directory sync), discovery's look at a page file (a put's, get's or
 lookup's own thread), the catch-up thread's look and source read, and a failed tier's recovery probe
 run on the tier's own thread, and the caller waits at most ``timeout`` s (write_timeout): then
-ETIMEDOUT, which fails the tier (tiers.py), and the caller goes on with the other tiers.
+ETIMEDOUT, which fails the tier (tiers.py), and the caller goes on with the other tiers. A get's open
+of a page file runs on a second thread of the tier (reads never queue behind the writer's calls: read
+priority, priority.py), waited for at most what is left of its read_timeout as well.
 
 A call cannot be taken back. When one given up on returns, ``late(result)`` undoes what it made (a
 temporary file closed and removed, a buffer handed back). While a call has been out longer than the
@@ -72,8 +74,9 @@ class BoundedCalls:
         since = self._since
         return since is not None and time.monotonic() - since > self.timeout
 
-    def run(self, fn: Callable, *args, late: Callable | None = None):
-        """``fn(*args)``'s result (or its exception), waited for at most the deadline.
+    def run(self, fn: Callable, *args, late: Callable | None = None, within: float | None = None):
+        """``fn(*args)``'s result (or its exception), waited for at most the deadline, or ``within`` s
+        where that is less (what is left of a get's read_timeout).
         :raises GivenUp: ETIMEDOUT, the call given up on (``late`` gets its result when it ends).
         :raises OSError: ETIMEDOUT, a call out longer than the deadline is still out (``fn`` never runs)."""
         if self._direct():
@@ -81,13 +84,14 @@ class BoundedCalls:
         if self.hung():
             raise OSError(errno.ETIMEDOUT, f"an earlier call on {self.name} has not returned for "
                                            f"{self.timeout:g} s (write_timeout)")
+        wait = self.timeout if within is None else max(0.0, min(within, self.timeout))
         call = _Call(fn, args, late)
         self._put(call)
-        if not call.done.wait(self.timeout):
+        if not call.done.wait(wait):
             try:
                 call.claim.pop()  # given up on: the thread hands the result to ``late``
-                raise GivenUp(errno.ETIMEDOUT, f"a call on {self.name} did not return in {self.timeout:g} s "
-                                               "(write_timeout)")
+                raise GivenUp(errno.ETIMEDOUT, f"a call on {self.name} did not return in {wait:g} s "
+                                               f"({'write_timeout' if wait == self.timeout else 'read_timeout'})")
             except IndexError:
                 call.done.wait()  # (it ended as the wait did: the result is the caller's after all)
         if call.error is not None:

@@ -383,6 +383,7 @@ class Engine:
         self._writes.close()
         for tier in self.tiers:
             tier.calls.close()
+            tier.reads.close()
         tmpfiles.release(self._token)
 
     def _in_fork(self) -> bool:

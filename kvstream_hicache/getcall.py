@@ -54,7 +54,7 @@ class Req:
 class GetCall:
     """State of one get(): pages, items (page, block), files, first arrivals."""
 
-    def __init__(self, n_tiers: int):
+    def __init__(self, n_tiers: int, deadline: float | None = None):
         self.pages: list[ReadPage] = []
         self.page_of: list[int] = []  # request position of each entry of ``pages``
         self.dups: list[tuple[int, int]] = []  # (request position, entry of ``pages``) of a key asked for again
@@ -68,6 +68,7 @@ class GetCall:
         self.arrived = bytearray()
         self.active = True
         self.in_flight = 0  # requests
+        self.deadline = deadline  # (monotonic) when the get's read_timeout ends; None: no limit
         self.timed_out = False  # read_timeout passed with reads in flight
         self.direct_in_flight = 0  # requests into caller memory (the call cannot return before them)
         self.read = [0] * n_tiers  # bytes transferred per tier

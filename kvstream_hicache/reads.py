@@ -145,7 +145,7 @@ class ReadPath:
         """One routed pass over ``keys`` until ``deadline`` (monotonic; None: no limit); marks
         ``found[pos[i]]`` for each key read whole."""
         infos = self.index.pin(keys)
-        call = GetCall(len(self.tiers))
+        call = GetCall(len(self.tiers), deadline)
         try:
             call.plan(keys, pages, infos, mask, self.stats, self.memory)
             if call.items:
@@ -273,8 +273,9 @@ class ReadPath:
             page = call.pages[p]
             f.failed = True  # until the open below succeeds
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
-                try:
-                    self.files.open_file(f, call.files, lambda: self.tiers[tier].open_page(page.key))
+                within = None if call.deadline is None else call.deadline - time.monotonic()
+                try:  # (a tier that may hang: bounded, the get's time left at most; bounded.py)
+                    self.files.open_file(f, call.files, lambda: self.tiers[tier].open_page(page.key, within))
                     f.failed = False
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
                     damage.remove_copy(self.tiers[tier], self.index, self.stats, page.key,

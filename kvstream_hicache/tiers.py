@@ -115,6 +115,7 @@ class Tier:
         self._dirs.update((self.layout.tmp, self.layout.pages))
         self.local = local_fs(root)  # a local disk file system answers or fails a call; a network one may hang
         self.calls = BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
+        self.reads = BoundedCalls(f"tier {k} reads", 0.0 if self.local else hang_timeout)  # a get's opens
 
     # -- health ---------------------------------------------------------------------------------
     def usable(self, now: bool = False) -> bool:
@@ -298,11 +299,13 @@ class Tier:
         return None
 
     # -- files ----------------------------------------------------------------------------------
-    def open_page(self, key: str) -> int:
-        """O_DIRECT read descriptor of ``key``'s page.
+    def open_page(self, key: str, within: float | None = None) -> int:
+        """O_DIRECT read descriptor of ``key``'s page. A get's (``within``: what is left of its
+        read_timeout, None: none) runs, on a tier that may hang, on the tier's read thread, waited for
+        at most ``within`` and write_timeout; a descriptor that comes too late is closed (bounded.py).
         :raises NotRegularFile: a FIFO, directory, ... under the page's name (integrity.open_regular).
-        :raises OSError: e.g. ENOENT."""
-        return open_direct(self.layout.page_path(key), self.trust)
+        :raises OSError: e.g. ENOENT; ETIMEDOUT: the tier did not answer in time."""
+        return self.reads.run(open_direct, self.layout.page_path(key), self.trust, late=close_fd, within=within)
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError: (ETIMEDOUT: the tier

@@ -340,8 +340,20 @@ def _close_while_hung(engine) -> None:
     assert not closer.is_alive(), "close() waited for a hung tier"
 
 
-def _resume(fs, engine) -> None:
+def _stop_brick(fs) -> subprocess.Popen:
+    """SIGSTOP the brick, and a child that resumes it after WAIT_S (were this process to block in the
+    kernel with the GIL held, no finally would run). The child is started first: a fork while the brick
+    is stopped blocks, the child closing its inherited descriptors of the FUSE mount."""
+    rescue = subprocess.Popen(["sh", "-c", f"sleep {WAIT_S:.0f}; kill -CONT {fs.brick_pid()}"])
+    fs.pause_brick()
+    return rescue
+
+
+def _resume(fs, engine, rescue: subprocess.Popen | None = None) -> None:
     """The brick resumes (the ping timeout back to its default); the background close then ends."""
+    if rescue is not None:
+        rescue.kill()
+        rescue.wait()
     fs.pause_brick(False)
     fs.cli("volume", "reset", fs.volume, "network.ping-timeout")
     engine.close()
@@ -404,11 +416,7 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
         writer = threading.Thread(target=lambda: result.append(pages.put(engine, keys)))
         writer.start()
         wait_for_fault(plan)
-        # Were this process to block in the kernel with the GIL held, no finally would run: a child resumes
-        # the brick. (Started first: a fork while the brick is stopped blocks, the child closing its
-        # inherited descriptors of the FUSE mount.)
-        rescue = subprocess.Popen(["sh", "-c", f"sleep {WAIT_S:.0f}; kill -CONT {fs.brick_pid()}"])
-        fs.pause_brick()
+        rescue = _stop_brick(fs)
         plan.clear()
         plan.release()
         writer.join(WAIT_S)
@@ -421,10 +429,7 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
         assert pages.checked_get(engine, keys, SingleTier(0)) == [True]
         _close_while_hung(engine)
     finally:
-        _resume(fs, engine)
-        if rescue is not None:
-            rescue.kill()
-            rescue.wait()
+        _resume(fs, engine, rescue)
     assert not tmp_files(a[1])
 
 
@@ -443,10 +448,8 @@ def test_a_put_that_starts_while_the_brick_hangs_answers_at_write_timeout(dfs, d
     keys = pages.keys(2)
     fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
     engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, discover=discover)
-    # (the child first: a fork while the brick is stopped blocks, closing inherited FUSE descriptors)
-    rescue = subprocess.Popen(["sh", "-c", f"sleep {WAIT_S:.0f}; kill -CONT {fs.brick_pid()}"])
+    rescue = _stop_brick(fs)
     try:
-        fs.pause_brick()
         for i in range(2):
             result: list = []
             writer = threading.Thread(target=lambda: result.append(pages.put(engine, keys[i:i + 1])))
@@ -461,13 +464,78 @@ def test_a_put_that_starts_while_the_brick_hangs_answers_at_write_timeout(dfs, d
         assert pages.checked_get(engine, keys, SingleTier(0)) == [True, True]
         _close_while_hung(engine)
     finally:
-        _resume(fs, engine)
-        rescue.kill()
-        rescue.wait()
+        _resume(fs, engine, rescue)
     deadline = time.monotonic() + WAIT_S
     while tmp_files(a[1]):  # (the late create's file is removed by the tier's thread when it returns)
         assert time.monotonic() < deadline, f"the late create's file stays: {tmp_files(a[1])}"
         time.sleep(0.1)
+
+
+@pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
+def test_a_get_that_opens_a_page_on_the_hung_brick_answers_from_the_other_tier(dfs):
+    """Two pages on both tiers; the brick stops (SIGSTOP; the clients' ping timeout raised, GlusterFS's
+    open-behind off so that an open asks the brick, as an NFS or Lustre open does) before a get: tier 1's
+    claim opens the page's file, and the open hangs in the FUSE client. It runs on the tier's read
+    thread (bounded.py), waited for at most write_timeout: then tier 1 fails and tier 0 reads what it
+    had claimed; the get answers True (before: the get's own thread waited in the open as long as the
+    brick, tier 0's reads with it). A second get answers without waiting for the tier. The brick
+    resumes: the descriptor the late open returned is closed."""
+    fs, a, b, node = dfs
+    pages = PageSet(1 << 20)
+    keys = pages.keys(2)
+    fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
+    fs.cli("volume", "set", fs.volume, "performance.open-behind", "off")
+    engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600)
+    rescue = None
+    try:
+        assert pages.put(engine, keys) == [True, True]
+        rescue = _stop_brick(fs)
+        for i in range(2):
+            result: list = []
+            reader = threading.Thread(target=lambda: result.append(pages.checked_get(engine, keys[i:i + 1])))
+            reader.start()
+            reader.join(WAIT_S / 2)
+            assert not reader.is_alive(), "the get waited for a hung tier's open"
+            assert result == [[True]]
+        row = engine.stats()["tiers"][1]
+        assert not row["healthy"] and "timed out" in row["last_error"].lower()
+        assert engine.stats()["tiers"][0]["blocks_read"] > 0
+        _close_while_hung(engine)
+    finally:
+        _resume(fs, engine, rescue)
+        fs.cli("volume", "reset", fs.volume, "performance.open-behind")
+
+
+@pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
+def test_a_get_whose_reads_hang_on_the_brick_answers_from_the_other_tier(dfs):
+    """A page on both tiers; a get's first read of it from the shared tier is held in the ring (its
+    file open) until the brick stops, and the reads that follow hang in the kernel. They read into
+    staging (another tier holds the page), so once tier 1 is overdue tier 0 reads its items and the get
+    answers True, long before read_timeout."""
+    fs, a, b, node = dfs
+    pages = PageSet(1 << 20)
+    keys = pages.keys(1)
+    plan = TierFaultPlan()
+    fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
+    engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, fault_plan=plan)
+    rescue = None
+    try:
+        assert pages.put(engine, keys) == [True]
+        plan.on(a[1], Fault.hold(), opcode=OP_READ)
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(pages.checked_get(engine, keys)))
+        reader.start()
+        wait_for_fault(plan)
+        rescue = _stop_brick(fs)
+        plan.clear()
+        plan.release()
+        reader.join(WAIT_S / 2)
+        assert not reader.is_alive(), "the get waited for a hung tier's reads"
+        assert result == [[True]]
+        assert engine.stats()["read_timeouts"] == 0
+        _close_while_hung(engine)
+    finally:
+        _resume(fs, engine, rescue)
 
 
 def _payload(path: str) -> bytes:
