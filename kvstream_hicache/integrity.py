@@ -431,8 +431,22 @@ def _left_by_removal(digest: str, shard: str, path: str, trust: Trust, bad) -> S
         return bad("stray", f"unreadable: {os.strerror(exc.errno or errno.EIO)}", reason=Reason.UNREADABLE)
     if why:
         return bad("stray", f"left by a removal cut short: {why}", st=st)
+    if _holds_valid(os.path.join(os.path.dirname(path), header.key + PAGE_SUFFIX), header, trust):
+        return bad("stray", f"a copy of page {header.key} left by a removal cut short; its name holds a valid "
+                            "page written since", st=st)  # (this copy goes: one valid copy, under the name)
     return bad("stray", f"page {header.key} left under a removal's private name (its process died): "
                         "put back under its name", reason=Reason.RESTORE, st=st)._replace(header=header)
+
+
+def _holds_valid(path: str, like: PageHeader, trust: Trust) -> bool:
+    """``path`` is a valid page of ``like``'s key and namespace. Anything else under the name (nothing, a
+    link, a directory, another owner's file, a damaged page) never makes a valid copy elsewhere go."""
+    try:
+        header, st = read_header(path, trust)
+        return (header.key, header.digest) == (like.key, like.digest) and \
+            st.st_size >= file_size(header.length) and verify_payload(path, header, trust) is None
+    except (HeaderError, OSError):
+        return False
 
 
 def restored(page: ScannedPage) -> ScannedPage | None:

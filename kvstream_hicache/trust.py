@@ -442,9 +442,11 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
 
 def put_back(root: str, path: str, name: str, trust: Trust) -> str | None:
     """Put the file at ``path`` (a page :func:`remove` had renamed to its private name when its process
-    died) back under ``name`` in the same directory, replacing nothing there (a hard link fails with
-    EEXIST where the name holds a page written since: then this copy goes), and remove the private
-    name. Returns None when done, else why it was left.
+    died) back under ``name`` in the same directory, replacing nothing there, and remove the private
+    name. Returns None when done, else why it was left: where something has the name (the hard link
+    fails with EEXIST) the copy stays under its private name, whatever that is: a link or a directory
+    there is never removed, and a page there may be damaged (the scan that judged this copy found no
+    valid page under the name: integrity._left_by_removal; a valid one written since is met by the next).
     :raises OSError: the directory, the link or the unlink failed for an I/O error."""
     directory, private = os.path.split(path)
     try:
@@ -455,7 +457,8 @@ def put_back(root: str, path: str, name: str, trust: Trust) -> str | None:
         why = _not_removable(os.stat(private, dir_fd=fd, follow_symlinks=False), trust)
         if why is not None:
             return why
-        link_new(private, name, fd, fd)  # (False: a page written since has the name; this copy goes)
+        if not link_new(private, name, fd, fd):
+            return "its name is taken since it was judged: kept under its private name for the next look"
         os.unlink(private, dir_fd=fd)  # (FileNotFoundError: renamed, where no hard links: done)
         return None
     except FileNotFoundError:  # (put back by another process's scan meanwhile)
