@@ -81,20 +81,30 @@ def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
     indexed, so a page indexed then is listed unless lost) that are not in it leave the index, unless a
     file of theirs is there now (this engine writes no page to a tier that holds it, so only another
     writer's could be); then every page lacking a tier is owed again (at the scan's end if it still
-    runs). An error while listing leaves the index alone: pages not listed yet are not lost."""
-    held = set(index.keys(tier.k))  # (here, not in the call that found the tier back: millions of keys)
-    present: set[str] = set()
+    runs). An error while listing leaves the index alone: pages not listed yet are not lost.
+
+    The index is read a bounded step at a time (``Index.holding``: gets and puts never wait for a walk
+    of every page, 0.4 s at 1M): a key taken was held on the tier at that moment, so before the listing
+    (its file in place then); one indexed again meanwhile may be missed (not forgotten: found gone when
+    it is read). Its keys are one set, each listed file's key taken out of it (no second set of every
+    file: ~140 B a page)."""
+    unlisted: set[str] = set()  # (here, not in the call that found the tier back: millions of keys)
+    start = 0
+    while start >= 0:
+        keys, start = index.holding(tier.k, start)
+        unlisted.update(keys)
     try:
         with os.scandir(tier.layout.pages) as listing:
             for shard in listing:
                 if shard.is_dir(follow_symlinks=False):
                     with os.scandir(shard.path) as files:
-                        present.update(key_of_page_file(e.name) for e in files)
+                        for entry in files:
+                            unlisted.discard(key_of_page_file(entry.name))
     except OSError as exc:
         log.warning("kvstream: tier %d rejoined, but listing its pages failed (%s): a page it lost is found "
                     "when it is read", tier.k, os.strerror(exc.errno or errno.EIO))
         return
-    lost = [key for key in held - present
+    lost = [key for key in unlisted
             if not os.path.lexists(tier.layout.page_path(key)) and index.remove(key, tier.k)]
     if lost:
         log.warning("kvstream: tier %d rejoined without %d of its pages; they are forgotten (and written "
@@ -516,7 +526,10 @@ class Engine:
         process sharing this namespace (MLA's writer rank, a second engine) since our start-up scan.
         Costs one failed open per tier for a truly missing key. Returns how many keys were found.
         Until the start-up scan is done this is how pages of before the restart are found, whatever
-        the ``discover`` setting."""
+        the ``discover`` setting; a tier in ``mask`` whose scan ended when it failed (it is back) has
+        its scan resumed first, so until that one is done too (scan.py)."""
+        if self._scan.unfinished & mask:
+            self._scan.resume(mask)
         if not self.discover and self._scan.done:
             return 0
         return self._lookup([k for k in keys if is_valid_key(k) and not self.index.contains(k, mask)], mask)

@@ -17,6 +17,13 @@ tier, walks that tier's shard directories and:
 When every tier is scanned, ``done()`` runs (the engine's: background replication then owes each
 tier the pages it lacks, replication.py; only then is it known what a tier lacks).
 
+A tier that fails during its scan ends it (its tree is unusable meanwhile). When it is back, the
+engine's next call that meets it (``Engine._discover``) has it scanned on (:meth:`BackgroundScan.resume`),
+from the shard it was reading when it failed, on a thread of its own paced as the start-up scan: the
+scan is not done until that ends (discovery stays on, whatever the ``discover`` setting, and
+``done()`` runs again at its end). Else the pages it had not read were never indexed: with
+``discover=0`` never found again, with discovery found but never counted against the capacity.
+
 Its cost is bounded, for a shared file system many servers restart against at once: at most
 ``scan_rate`` page files a second per tier (each an open, one 4 KiB read, a close), and at most
 ``scan_cpu`` of a core per tier thread (it sleeps to stay within both). It takes no lock a request
@@ -62,6 +69,8 @@ class TierScan:
         self.cpu_seconds = 0.0
         self.done = False
         self.stopped = ""  # why it ended before its last file, if it did
+        # the tier failed during the scan: the shard to scan on from once it is back (resume); else None
+        self.resume_at: str | None = None
 
 
 class BackgroundScan:
@@ -94,6 +103,7 @@ class BackgroundScan:
                                           daemon=True) for part in self.parts]
         self._left = len(self._threads)
         self._lock = ranked_lock("scan")
+        self.unfinished = 0  # tiers (bitmask) whose scan ended when the tier failed: resumed when it is back
         self._written = 0.0  # when the progress file was last written (monotonic)
         self.progress_path = os.path.join(progress_dir(), f"scan-{os.getpid()}-{digest}.json")
 
@@ -115,7 +125,9 @@ class BackgroundScan:
         """Stop between two files (close, clear); wait up to ``timeout`` s for the threads."""
         self._stop.set()
         end = time.monotonic() + timeout
-        for thread in self._threads:
+        with self._lock:  # (no resume starts one once stopped)
+            threads = list(self._threads)
+        for thread in threads:
             if thread.is_alive() and thread is not threading.current_thread():
                 thread.join(max(0.0, end - time.monotonic()))
         with self._lock:  # after a _publish in progress (it writes nothing once stopped)
@@ -123,6 +135,29 @@ class BackgroundScan:
                 os.unlink(self.progress_path)
             except OSError:  # never written, or /tmp cleaned: nothing to remove
                 pass
+
+    def resume(self, healthy: int) -> None:
+        """Scan on each tier of the bitmask ``healthy`` whose scan ended because it failed: it is back
+        (its index reconciled by the rejoin, engine._forget_lost), and the pages of the shards not read
+        yet are indexed only by its scan. A thread of its own, from the shard it was reading when it
+        failed (every shard before it was read whole), paced as the start-up scan; the scan is not
+        done until it ends. Not after a ``clear()`` (the tier's pages were removed) nor ``stop()``."""
+        with self._lock:
+            for part in self.parts:
+                k = part.tier.k
+                if not (self.unfinished & healthy) >> k & 1:
+                    continue
+                self.unfinished &= ~(1 << k)  # (set by its last thread as it ended: none runs now)
+                if self._stop.is_set() or self.index.epoch != self.epoch:
+                    continue
+                log.warning("kvstream: tier %d is back: its background scan, stopped when it failed, goes on "
+                            "from shard %s", k, part.resume_at or "(the first)")
+                part.done, part.stopped, part.shards_done = False, "", 0
+                self._left += 1
+                self._done.clear()
+                thread = threading.Thread(target=self._run, args=(part,), name=f"kvstream-scan-{k}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
 
     def set_limits(self, rate: float, cpu: float) -> None:
         """Change ``scan_rate`` and ``scan_cpu`` of the scan running (takes effect within NAP_S)."""
@@ -155,6 +190,8 @@ class BackgroundScan:
         finally:
             part.done = True
             with self._lock:
+                if part.resume_at is not None:
+                    self.unfinished |= 1 << part.tier.k
                 self._left -= 1
                 last = not self._left
             if last:
@@ -163,12 +200,15 @@ class BackgroundScan:
                         self.on_done()
                 except Exception:  # (as above)
                     log.exception("kvstream: the end of the background scan")
-                self._done.set()  # (after on_done: who waits for the scan finds catch-up's work owed)
+                with self._lock:  # (after on_done: who waits for the scan finds catch-up's work owed)
+                    if not self._left:  # (else a tier's scan resumed meanwhile: done when that ends)
+                        self._done.set()
             self._publish(force=True)
 
     def _scan_tier(self, part: TierScan) -> None:
         tier, layout = part.tier, part.tier.layout
-        w0, c0 = time.monotonic(), time.thread_time()
+        w0, c0 = time.monotonic() - part.seconds, time.thread_time() - part.cpu_seconds  # (a resumed scan adds)
+        at, part.resume_at = part.resume_at or "", None  # the shard being read (a resumed scan's first)
         pace = _Pace(self)  # a directory listing counts as one file
         pace.step()
         try:
@@ -193,8 +233,12 @@ class BackgroundScan:
         part.shards = len(names)
         added = array("i")
         for shard in names:
-            if self._failed(part):
+            if shard < at:  # read whole before the tier failed (this is its scan resumed)
+                part.shards_done += 1
+                continue
+            if self._failed(part, at):
                 break
+            at = shard
             pace.step()
             try:
                 entries = shard_entries(layout, shard)
@@ -225,7 +269,7 @@ class BackgroundScan:
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
             self._publish()
-        self._failed(part)
+        self._failed(part, at)
         self.index.settle(tier.k, added, self.epoch)
         self.trim(tier.k)
         part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
@@ -236,13 +280,15 @@ class BackgroundScan:
                 "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
 
     @staticmethod
-    def _failed(part: TierScan) -> bool:
-        """The tier failed: its scan ends (a failed tier's tree is unusable; when it rejoins, tiers.py
-        reconciles the index with what survived, and discovery finds the pages not scanned)."""
+    def _failed(part: TierScan, at: str = "") -> bool:
+        """The tier failed: its scan ends (a failed tier's tree is unusable; when it rejoins, the engine
+        reconciles the index with what survived, and :meth:`resume` scans on from ``at``, the shard
+        being read: it failed during that one, maybe read only in part)."""
         tier = part.tier
         if tier.healthy or part.stopped:
             return bool(part.stopped)
         part.stopped = f"tier failed: {tier.last_error}"
+        part.resume_at = at
         log.warning("kvstream: background scan of tier %d stopped after %d files: the tier failed", tier.k, part.files)
         return True
 

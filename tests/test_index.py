@@ -243,7 +243,8 @@ def test_a_background_copy_is_the_least_recent_and_reserve_without_eviction_refu
 
 def test_lacking_walks_the_pages_a_tier_lacks_by_slot_in_bounded_steps(monkeypatch):
     """Background replication's sweep: the keys some tier holds and tier k lacks, ``limit`` at a time,
-    SWEEP_SLOTS slots per step, to the end (-1); count_lacking agrees from any slot."""
+    SWEEP_SLOTS slots per step, to the end (-1); count_lacking agrees from any slot. ``holding`` walks
+    the keys tier k holds alike (a rejoin's walk, engine._forget_lost)."""
     from kvstream_hicache import index as index_module
 
     monkeypatch.setattr(index_module, "SWEEP_SLOTS", 4)
@@ -265,6 +266,12 @@ def test_lacking_walks_the_pages_a_tier_lacks_by_slot_in_bounded_steps(monkeypat
             got += batch
             at, steps = nxt, steps + 1
         assert got == want and steps >= 3
+        got, at = [], 0
+        while at >= 0:
+            batch, at = index.holding(tier, at, 2)
+            assert len(batch) <= 2
+            got += batch
+        assert got == [k for k in keys if index.holders(k) >> tier & 1]
 
 
 class SameHash(str):

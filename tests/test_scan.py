@@ -23,9 +23,11 @@ from kvstream_hicache.writes import WritePath
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
 from kvstream_hicache.tmpfiles import tmp_name
 
+from kvstream_hicache.tiers import LOOK_S
+
 from helpers import (
-    NS, PAGE_BYTES, PageSet, flip_byte, kvstream_cli, make_engine, messages, page_files, run_children, spawn,
-    wait_for_file,
+    NS, PAGE_BYTES, FakeClock, PageSet, flip_byte, kvstream_cli, make_engine, messages, page_files, run_children,
+    spawn, wait_for_file, wait_until,
 )
 
 HELD = 0.001  # scan_rate: one file in 1000 s, the scan has not read a file while the test runs
@@ -225,6 +227,75 @@ def test_the_scan_of_a_tier_that_fails_stops_and_says_so(tier_dirs):
         finally:
             os.rename(tier_dirs[1] + ".away", tier_dirs[1])
         assert pages.checked_get(engine, keys) == [True] * 6
+
+
+def test_discover_off_finds_pages_of_a_tier_whose_scan_stopped_once_it_is_back(tier_dirs):
+    """Promise 2 (while a present, working tier holds a valid copy, ``get`` finds it, after a tier failure
+    and after a restart) with ``discover=0``, documented as "index only once the start-up scan is done".
+    A tier that fails while its scan runs (a transient hiccup during the minutes a tier of a million pages
+    takes to scan) ends its scan. Before, the scan then counted done, so the pages it never read were
+    never found again for the engine's life, though the tier was back and held every one of them
+    (served [False] * 4, ``check()`` found them ``index_missing``); with discovery on they were served
+    but never counted against the capacity. Now the call that meets the tier back has its scan resumed,
+    and discovery stays on until that ends."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+    clock = FakeClock()
+    away = tier_dirs[0] + ".away"
+    with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock) as engine:
+        os.rename(tier_dirs[0], away)  # a transient outage while the scan has read nothing yet
+        try:
+            assert pages.put(engine, pages.keys(1, start=50)) == [False]  # the write notices: tier 0 fails
+            assert not engine.tiers[0].healthy
+            _release(engine)  # the scan sees the failed tier and stops
+            assert engine.scan["tiers"][0]["stopped"]
+        finally:
+            os.rename(away, tier_dirs[0])
+        clock.advance(LOOK_S)
+        got = pages.checked_get(engine, keys)  # finds tier 0 back (one look), then reads
+        assert engine.tiers[0].healthy, "tier 0 did not rejoin"
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "kvstream-rejoin"], 30,
+                   "the rejoin thread did not end")
+        assert engine.wait_scan(WAIT_S)
+        got = pages.checked_get(engine, keys) if got != [True] * 4 else got
+        assert got == [True] * 4, (
+            f"tier 0 is back and holds all 4 pages stored before the restart; served: {got}; "
+            f"indexed: {len(engine.index)}; scan: {engine.scan['tiers'][0]}")
+        scan = engine.scan
+        assert not scan["tiers"][0]["stopped"] and scan["eviction"] == "exact LRU"
+
+
+def test_a_tier_back_after_failing_during_its_scan_is_scanned_on_from_the_shard_it_was_reading(
+        tier_dirs, monkeypatch):
+    """The scan of a tier that failed while reading its third shard goes on, once the tier is back,
+    from that shard (read again: it may have been read only in part), not from the first (a tier of a
+    million pages is minutes of reads); every page is indexed then, counted against the capacity,
+    without a lookup of its own (``discover=0``, a get of one page only). Before, the pages of the
+    shards not read were never indexed (see the test above)."""
+    pages, keys = _stored(tier_dirs[:1], 12)
+    shards = sorted({k[:2] for k in keys})
+    read, entries = [], scan_module.shard_entries
+
+    def failing_at_the_third(layout, shard):
+        read.append(shard)
+        if len(read) == 3:
+            engine.tiers[0].fail(errno.EIO, "a hiccup while the scan reads a shard")
+        return entries(layout, shard)
+
+    monkeypatch.setattr(scan_module, "shard_entries", failing_at_the_third)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock, tier_retry=1) as engine:
+        _release(engine)
+        assert engine.scan["tiers"][0]["stopped"].startswith("tier failed") and read == shards[:3]
+        clock.advance(1)  # the back-off: the next call probes it, and it rejoins
+        assert pages.checked_get(engine, keys[:1]) == [True]
+        assert engine.tiers[0].healthy and engine.wait_scan(WAIT_S)
+        assert read == shards[:3] + shards[2:]
+        assert engine.index.pages_on(0) == 12 and engine.index.used[0] == 12 * PAGE_BYTES
+        assert engine.scan["tiers"][0]["shards_done"] == len(shards) and not engine.scan["tiers"][0]["stopped"]
+        assert pages.checked_get(engine, keys) == [True] * 12
 
 
 def test_a_damaged_copy_the_scan_found_first_falls_back_to_a_copy_it_has_not_reached(tier_dirs):
