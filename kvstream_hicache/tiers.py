@@ -499,6 +499,7 @@ class Tier:
             raise FileNotFoundError(errno.ENOENT, f"{self.layout.base} is missing", self.layout.base)
         parent = os.path.dirname(path)
         if parent != self.layout.base and not os.path.isdir(parent):
+            self._dirs.discard(parent)  # (made once, removed since: rm -rf <tier>/kvstream/*)
             self._mkdir(parent)
         try:
             os.mkdir(path, self.dir_mode)  # (no descriptor: a put that is short of them still commits)

@@ -479,3 +479,26 @@ def test_a_clear_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_d
         clock.advance(RETRY_S * 4)
         assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served again"
         assert not any(engine.contains(k) for k in keys)
+
+
+def test_a_page_tree_emptied_under_a_healthy_tier_is_made_again(tier_dirs, caplog):
+    """Everything under ``<tier>/kvstream`` is deleted while the engine serves (``rm -rf
+    <tier>/kvstream/*``: an operator, a cleaner), ``kvstream/`` itself left: the tier is not gone,
+    and its next puts make the namespace and shard directories again and store their pages (found by
+    a real sglang server with kvstream as L3: before, the namespace directory stayed in the tier's
+    cache of directories made, every commit's shard mkdir failed with ENOENT, the tier stayed healthy
+    and stored nothing until a restart, a warning per page)."""
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    pages = PageSet()
+    old, new = pages.keys(2), pages.keys(4, 2)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, old) == [True, True]
+        base = os.path.join(tier_dirs[0], "kvstream")
+        for name in os.listdir(base):
+            shutil.rmtree(os.path.join(base, name))
+        assert pages.checked_get(engine, old) == [False, False]  # (gone: forgotten by the read)
+        assert pages.put(engine, new) == [True] * 4
+        assert len(page_files(tier_dirs[0])) == 4
+        assert pages.checked_get(engine, new) == [True] * 4
+        assert engine.stats()["tiers"][0]["healthy"]
+        assert not [m for m in messages(caplog) if "failed" in m]
