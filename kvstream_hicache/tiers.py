@@ -15,7 +15,12 @@ A failed tier is skipped by writes and reads; each change of state is logged onc
 system is mounted at the tier's mount point: an unmounted file system leaves the empty mount point
 behind, and writing there would fill the parent file system, so the probe never re-creates
 ``<tier>/kvstream`` itself. A file system mounted there again is the tier back, whatever device number
-it got (a network file system's client remounted usually gets a new one).
+it got (a network file system's client remounted usually gets a new one). It is gone too when the
+entry at ``<tier>/kvstream`` is no longer the directory start-up (or the last rejoin) checked (its
+inode and owner, ``lstat``): a scratch purge removed it and anyone the tier root lets (another user,
+in a sticky 1777 root) made a directory or a link there. Every write starts with that ``lstat``
+(:meth:`Tier.create_tmp`), so nothing is written through what took its place; the probe then checks
+what is there as start-up would (:meth:`Tier._recheck`) before the tier rejoins.
 
 ENOENT and ESTALE on one page file are that copy's news, not the tier's (:meth:`Tier.copy_gone`): on a
 shared file system another node evicts pages and renames new versions over them, and a descriptor
@@ -29,6 +34,7 @@ import functools
 import itertools
 import logging
 import os
+import stat
 from collections.abc import Callable
 
 from .bounded import BoundedCalls
@@ -39,7 +45,8 @@ from .locks import ranked_lock
 from .probe import local_fs
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import (
-    check_dir, describe, dir_findings, establish, link_new, list_below, make_dir, open_below, remove, root_problem,
+    check_dir, describe, dir_error, dir_findings, establish, link_new, list_below, make_dir, open_below, remove,
+    root_problem,
 )
 
 log = logging.getLogger("kvstream")
@@ -109,9 +116,13 @@ class Tier:
         # failing during one) still holds the pages cleared, and removes them before it rejoins
         self._clears = self._cleared = 0
         self._dirs: set[str] = set()  # page directories known to exist
-        self.dev = os.stat(self.layout.base).st_dev
         self.mount_point = mount_point(self.layout.base)
         self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
+        st = os.lstat(self.layout.base)  # the kvstream/ writes go through (:meth:`_gone`), checked as establish did
+        why = self.trust.dir_problem(st)
+        if why is not None:  # (replaced since establish looked: a purge in those microseconds)
+            raise dir_error(self.layout.base, st, why, self.trust, source)
+        self._base = base_identity(st)
         self._dirs.update((self.layout.tmp, self.layout.pages))
         self.local = local_fs(root)  # a local disk file system answers or fails a call; a network one may hang
         self.calls = BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
@@ -142,7 +153,7 @@ class Tier:
             failures = self._errors
         ok, why, vanished = False, "", True
         try:
-            still_gone = look and self.gone()
+            still_gone = look and self.gone(replaced=False)  # (another directory there: the probe judges it)
             if not still_gone:
                 try:  # (bounded where the tier may hang: a probe of a hung tier holds no get or put)
                     ok, why = self.calls.run(self._probe)
@@ -151,7 +162,7 @@ class Tier:
                 if ok:  # before writes may go there: a page committed meanwhile stays indexed
                     why = self.on_rejoin(self)  # ('' or why not: listing its pages failed half-way)
                     ok = not why
-                vanished = not ok and self.gone()
+                vanished = not ok and self.gone(replaced=False)  # (one refused: the back-off decides)
         finally:
             with self._lock:
                 self._probing = False
@@ -194,22 +205,30 @@ class Tier:
                             self.k, self.root, self.last_error, self._backoff)
         return True
 
-    def gone(self) -> bool:
+    def gone(self, replaced: bool = True) -> bool:
         """``<tier>/kvstream`` is missing, or is on another device and no file system is mounted at
-        the tier's mount point (unmounted: the path is on the file system below now). A tier that does
-        not answer in time (bounded.py) is hung, not gone."""
+        the tier's mount point (unmounted: the path is on the file system below now); with ``replaced``
+        also when something else has its name (:meth:`_gone`). A tier that does not answer in time
+        (bounded.py) is hung, not gone."""
         try:
-            return self.calls.run(self._gone)
+            return self.calls.run(self._gone, replaced)
         except OSError:
             return False
 
-    def _gone(self) -> bool:
+    def _gone(self, replaced: bool = True) -> bool:
+        """One ``lstat`` (a second look at the mount point only when the device changed). ``replaced``:
+        also gone when the entry is not the directory last checked (:func:`base_identity`): a purge took it
+        and a directory or a link of anyone's (another user's, in a sticky root) has its name now. Without
+        ``replaced`` (the probe, a look for a vanished tier), something there on the tier's file system is
+        worth a probe, whose checks (:meth:`_recheck`) decide whether the tier rejoins through it."""
         try:
-            dev = os.stat(self.layout.base).st_dev
-            return dev != self.dev and not (self.mount_point != "/" and os.path.ismount(self.mount_point)
-                                            and os.stat(self.mount_point).st_dev == dev)
+            st = os.lstat(self.layout.base)
         except OSError:
             return True
+        if st.st_dev != self._base[0] and not (self.mount_point != "/" and os.path.ismount(self.mount_point)
+                                     and os.stat(self.mount_point).st_dev == st.st_dev):
+            return True
+        return replaced and base_identity(st)[1:] != self._base[1:]  # (a remount may change the device alone)
 
     def copy_gone(self, err: int, key: str) -> bool:
         """``err`` from ``key``'s page file says this copy is gone (ENOENT: deleted; ESTALE: replaced or
@@ -243,12 +262,11 @@ class Tier:
             return False
 
     def _probe(self) -> tuple[bool, str]:
-        if self.gone():
+        if self.gone(replaced=False):
             return False, f"{self.layout.base} is missing or on another file system"
         try:
             self._dirs.clear()
             refused = self._recheck()
-            self.dev = os.stat(self.layout.base).st_dev  # (mounted again: maybe another device number)
         except ProbeFailed as exc:
             return False, "probe read back different bytes" if exc.step == "verify" else f"probe: {exc.strerror}"
         except OSError as exc:
@@ -268,8 +286,10 @@ class Tier:
         ``kvstream/`` may have vanished and been made again by anyone the tier root lets (another user,
         in a sticky 1777 root). The root (trust.root_problem), ``kvstream/`` (opened following no link),
         ``tmp/``, the namespace directory and its shards (trust.dir_findings); then ``tmp/`` and the
-        namespace made where missing, through descriptors, and the O_DIRECT probe run in ``tmp/``.
-        Returns what start-up would refuse ('<path> <what is wrong> (owner ..., mode ...)'), else None.
+        namespace made where missing, through descriptors, and the O_DIRECT probe run in ``tmp/``; the
+        ``kvstream/`` checked is then the one writes go through (:meth:`_gone`; mounted again, maybe
+        another device number). Returns what start-up would refuse ('<path> <what is wrong> (owner ...,
+        mode ...)'), else None.
         :raises OSError: the tier does not answer (:class:`ProbeFailed`: the probe)."""
         layout, trust = self.layout, self.trust
         st = os.stat(layout.root)
@@ -284,9 +304,9 @@ class Tier:
             st = os.lstat(layout.base)
             return f"{layout.base} {trust.dir_problem(st) or 'is in the way'} ({describe(st)})"
         try:
-            st = os.fstat(base_fd)  # (what is there now: dir_findings' lstat may see another directory)
-            why = trust.dir_problem(st)
-            for path, st, why in [(layout.base, st, why)] if why else dir_findings(layout, trust):
+            base = os.fstat(base_fd)  # (what is there now: dir_findings' lstat may see another directory)
+            why = trust.dir_problem(base)
+            for path, st, why in [(layout.base, base, why)] if why else dir_findings(layout, trust):
                 return f"{path} {why} ({describe(st)})"
             close_fd(make_dir(os.path.basename(layout.pages), base_fd, self.dir_mode))
             tmp_fd = make_dir(TMP_DIR, base_fd, self.dir_mode)  # (nobody else can add to a checked kvstream/)
@@ -294,6 +314,7 @@ class Tier:
                 probe_direct("", self.token, dir_fd=tmp_fd)
             finally:
                 close_fd(tmp_fd)
+            self._base = base_identity(base)
         finally:
             close_fd(base_fd)
         return None
@@ -313,6 +334,12 @@ class Tier:
         return self.calls.run(self._create_tmp, late=lambda made: self._discard(*made))
 
     def _create_tmp(self) -> tuple[int, str]:
+        # Every write starts here: its temporary file, made by path (as its shard directory and rename
+        # are), only while kvstream/ is the directory checked. In a sticky root nobody else can move that
+        # directory; once a purge took it, anyone may put a link there (to a directory of this user's) or
+        # a directory of theirs: then the tier fails (ENOENT, gone) and nothing is written through it.
+        if self._gone():
+            raise FileNotFoundError(errno.ENOENT, "not the directory the tier checked (or missing)", self.layout.base)
         path = os.path.join(self.layout.tmp, tmp_name(os.path.basename(self.layout.pages), os.getpid(),
                                                       self.token, next(self._seq)))
         try:
@@ -525,6 +552,13 @@ class Tier:
 
     def __repr__(self) -> str:
         return f"Tier({self.k}, {self.root!r}, {'healthy' if self.healthy else 'failed'})"
+
+
+def base_identity(st: os.stat_result) -> tuple[int, int, int, bool]:
+    """What tells the tier's checked ``kvstream/`` (its ``lstat``) from what may take its name after a
+    purge: device, inode, owner (an inode number freed by the purge may be reused at once) and whether
+    it is a directory (a link is not)."""
+    return st.st_dev, st.st_ino, st.st_uid, stat.S_ISDIR(st.st_mode)
 
 
 def mount_point(path: str) -> str:

@@ -25,7 +25,9 @@ user's link, is ownership, checked the way OpenSSH's StrictModes checks ``~/.ssh
 The read and write paths open pages by path (one path walk, as before: no descriptor is held per
 directory, so a tier moved away or unmounted is still noticed, never written through) with O_NOFOLLOW
 on the file: the directories on the way were checked at start-up, or when first used (a new shard),
-and only a trusted owner can change them.
+and only a trusted owner can change them. The one a purge can take from under a running engine is
+``kvstream/`` itself (anyone may make that name again in a sticky root): every write first looks that
+it is still the directory checked (tiers.Tier._gone, one ``lstat``), else the tier fails.
 """
 from __future__ import annotations
 

@@ -70,6 +70,54 @@ def test_a_failed_tier_never_rejoins_through_a_link_where_its_namespace_was(tier
     assert os.listdir(elsewhere) == []
 
 
+@root_only
+@pytest.mark.parametrize("occupant", ["link", "directory"])
+def test_a_healthy_tier_never_writes_through_a_kvstream_link_another_user_made_after_a_purge(tier_root, occupant):
+    """A scratch purge while the tier is healthy (not failed yet, unlike the tests above): in the sticky
+    1777 root another user then makes ``kvstream`` again, as a link to a directory of the victim's on the
+    same file system (0700: the other user cannot even enter it), or as a directory of theirs (0777).
+    Before, the next put wrote through it: the write path makes its temporary file, directories and
+    rename by path (Tier._create_tmp, _mkdir with Tier._dirs cached, _place), and Tier._gone followed the
+    link (os.stat: same device, "not gone"), so ``tmp/`` and temporary files holding the victim's page
+    data were made in the link's target (or the other user's directory) and left there. Now every write
+    starts with one lstat of ``kvstream/`` against the directory checked (inode, owner): the tier fails,
+    nothing is made there, and it never rejoins through it; once ``kvstream/`` is the user's own again
+    it rejoins, and writes go through the directory its probe checked."""
+    os.chmod(tier_root, 0o755)  # (the other user may reach the scratch area)
+    scratch = os.path.join(tier_root, "scratch")
+    os.mkdir(scratch)
+    os.chmod(scratch, 0o1777)
+    victim = os.path.join(tier_root, "victim-private")  # the victim's, 0700
+    os.mkdir(victim, 0o700)
+    pages = PageSet(48 << 10, salt="purge")
+    keys = pages.keys(8)
+    clock = FakeClock()
+    with make_engine([scratch], clock=clock) as engine:
+        assert pages.put(engine, keys[:4]) == [True] * 4
+        base = os.path.join(scratch, "kvstream")
+        # (held open: its inode number is not reused by the directory made below, whose identity the
+        # rejoin must take from its probe)
+        held = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+        shutil.rmtree(base)  # the scratch purge
+        if occupant == "link":
+            as_user(INTRUDER, os.symlink, victim, base)
+        else:
+            as_user(INTRUDER, os.mkdir, base, 0o777)
+        into = victim if occupant == "link" else base
+        assert pages.put(engine, keys[4:]) == [False] * 4
+        made = sorted(os.path.relpath(os.path.join(d, n), into) for d, ds, fs in os.walk(into) for n in ds + fs)
+        assert made == [], f"the engine wrote through another user's {occupant} into {into}: {made}"
+        tier = engine.tiers[0]
+        assert not tier.healthy and not tier.usable(now=True)  # (its probe refuses what is there)
+        assert os.listdir(into) == []
+        os.unlink(base) if occupant == "link" else os.rmdir(base)  # the operator's fix: kvstream's own again
+        os.mkdir(base, 0o700)
+        os.close(held)
+        clock.advance(tier._backoff * 1.01)
+        assert pages.put(engine, keys[4:]) == [True] * 4 and tier.healthy
+        assert pages.checked_get(engine, keys[4:]) == [True] * 4
+
+
 # -- the tier root ---------------------------------------------------------------------------------------
 @root_only
 def test_a_root_its_group_may_write_needs_the_sticky_bit_unless_the_group_is_trusted(tier_root):
