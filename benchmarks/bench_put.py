@@ -31,7 +31,7 @@ sys.path.insert(0, {os.path.abspath(tree)!r})
 import numpy as np
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.io import AlignedBuffer
-page, n, root = {args.page_mib << 20}, {args.pages}, {args.root!r}
+page, n, root = {int(args.page_mib * (1 << 20))}, {args.pages}, {args.root!r}
 dirs = [os.path.join(root, f"t{{k}}") for k in range(2)]
 for d in dirs:
     os.makedirs(d)
@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", required=True, help="two source trees, comma-separated: reference,candidate")
     ap.add_argument("--unaligned", action="store_true", help="pages 1 byte off 4096 alignment (staged writes)")
-    ap.add_argument("--page-mib", type=int, default=4)
+    ap.add_argument("--page-mib", type=float, default=4, help="page size, MiB (0.25: 256 KiB)")
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--memory", default="64M")
     ap.add_argument("--rounds", type=int, default=3)
