@@ -10,7 +10,9 @@ lookup's own thread), the catch-up thread's look and source read, and a failed t
 run on the tier's own thread, and the caller waits at most ``timeout`` s (write_timeout): then
 ETIMEDOUT, which fails the tier (tiers.py), and the caller goes on with the other tiers. A get's open
 of a page file runs on a second thread of the tier (reads never queue behind the writer's calls: read
-priority, priority.py), waited for at most what is left of its read_timeout as well.
+priority, priority.py), waited for at most what is left of its read_timeout as well: where that ends
+first, ETIME, and the tier is not failed for it (a get short of time proves no hang; a call out past
+write_timeout does, and fails the next one at once).
 
 A call cannot be taken back. When one given up on returns, ``late(result)`` undoes what it made (a
 temporary file closed and removed, a buffer handed back). While a call has been out longer than the
@@ -32,8 +34,10 @@ log = logging.getLogger("kvstream")
 
 class GivenUp(OSError):
     """ETIMEDOUT for a call given up on while it runs (or waits to): what it uses (a buffer it reads
-    into) is still its own until it ends, then ``late``'s. A call refused at once because another is
-    hung raises a plain OSError: it never ran."""
+    into) is still its own until it ends, then ``late``'s; ETIME where the caller's own time (``within``)
+    ran out before the deadline: the tier is not known to hang. A call refused at once because another
+    is hung (ETIMEDOUT), or because the caller has no time left (ETIME), raises a plain OSError: it never
+    ran."""
 
 
 class _Call:
@@ -84,14 +88,19 @@ class BoundedCalls:
         if self.hung():
             raise OSError(errno.ETIMEDOUT, f"an earlier call on {self.name} has not returned for "
                                            f"{self.timeout:g} s (write_timeout)")
-        wait = self.timeout if within is None else max(0.0, min(within, self.timeout))
+        wait = self.timeout if within is None else min(within, self.timeout)
+        if wait <= 0:
+            raise OSError(errno.ETIME, f"no time left for a call on {self.name} (read_timeout)")
         call = _Call(fn, args, late)
         self._put(call)
         if not call.done.wait(wait):
             try:
                 call.claim.pop()  # given up on: the thread hands the result to ``late``
+                if wait < self.timeout:  # (the caller's time, not the tier's: hung() judges the tier later)
+                    raise GivenUp(errno.ETIME, f"a call on {self.name} outlasted the caller's {wait:g} s "
+                                               "(read_timeout)")
                 raise GivenUp(errno.ETIMEDOUT, f"a call on {self.name} did not return in {wait:g} s "
-                                               f"({'write_timeout' if wait == self.timeout else 'read_timeout'})")
+                                               "(write_timeout)")
             except IndexError:
                 call.done.wait()  # (it ended as the wait did: the result is the caller's after all)
         if call.error is not None:

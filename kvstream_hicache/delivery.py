@@ -78,7 +78,10 @@ class Delivery:
         under us (an operator, another rank, another node of a shared file system: ENOENT, ESTALE) is
         forgotten and the key looked up again after the call; anything else is the tier's health (the
         whole tier went, unmounted, moved away: the index keeps its copies, which may come back with
-        it; rejoining reconciles with what survived)."""
+        it; rejoining reconciles with what survived). ETIME: the get's own time ran out first (an open
+        on a tier that may hang, bounded.py): a miss here, the tier not judged."""
+        if err == errno.ETIME:
+            return
         if self.tiers[tier].copy_gone(err, key):
             self.index.remove(key, tier)
             if err != errno.ESTALE or self.tiers[tier].listed(key):  # (ESTALE: replaced, not deleted)

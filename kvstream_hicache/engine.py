@@ -526,10 +526,9 @@ class Engine:
         process sharing this namespace (MLA's writer rank, a second engine) since our start-up scan.
         Costs one failed open per tier for a truly missing key. Returns how many keys were found.
         Until the start-up scan is done this is how pages of before the restart are found, whatever
-        the ``discover`` setting; a tier in ``mask`` whose scan ended when it failed (it is back) has
-        its scan resumed first, so until that one is done too (scan.py)."""
-        if self._scan.unfinished & mask:
-            self._scan.resume(mask)
+        the ``discover`` setting; a tier whose scan ended when it failed and that is back has its scan
+        resumed first, so until that one is done too (scan.py)."""
+        self._scan.resume()
         if not self.discover and self._scan.done:
             return 0
         return self._lookup([k for k in keys if is_valid_key(k) and not self.index.contains(k, mask)], mask)

@@ -427,7 +427,7 @@ def _read_whole(tier: Tier, key: str, buf, nbytes: int) -> int:
     trusts), or -errno; never raises (on a tier that may hang it runs on the tier's thread, bounded.py,
     and a read given up on hands ``buf`` back when it ends)."""
     try:
-        fd = tier.open_page(key)
+        fd = tier.open_here(key)
         try:
             return os.preadv(fd, [memoryview(buf)[:nbytes]], 0)
         finally:

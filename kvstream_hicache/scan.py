@@ -35,6 +35,7 @@ process) the progress is also written, at most once a second, to this user's fil
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -118,7 +119,9 @@ class BackgroundScan:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every tier is scanned; True when it is."""
+        """Wait until every tier is scanned (a tier back whose scan stopped when it failed: resumed
+        first); True when it is."""
+        self.resume()
         return self._done.wait(timeout)
 
     def stop(self, timeout: float) -> None:
@@ -136,16 +139,20 @@ class BackgroundScan:
             except OSError:  # never written, or /tmp cleaned: nothing to remove
                 pass
 
-    def resume(self, healthy: int) -> None:
-        """Scan on each tier of the bitmask ``healthy`` whose scan ended because it failed: it is back
-        (its index reconciled by the rejoin, engine._forget_lost), and the pages of the shards not read
-        yet are indexed only by its scan. A thread of its own, from the shard it was reading when it
-        failed (every shard before it was read whole), paced as the start-up scan; the scan is not
-        done until it ends. Not after a ``clear()`` (the tier's pages were removed) nor ``stop()``."""
+    def resume(self) -> None:
+        """Scan on each tier whose scan ended because it failed and that is healthy again (back: its
+        index reconciled by the rejoin, engine._forget_lost): the pages of the shards not read yet are
+        indexed only by its scan. A thread of its own, from the shard it was reading when it failed
+        (every shard before it was read whole), paced as the start-up scan; the scan is not done until
+        it ends. Not after a ``clear()`` (the tier's pages were removed) nor ``stop()``. Called by every
+        engine call that may look a key up (Engine._discover) and by :meth:`wait` (check()): whatever
+        found the tier back (a probe, a get's forced one), the next of those resumes its scan."""
+        if not self.unfinished:
+            return
         with self._lock:
             for part in self.parts:
                 k = part.tier.k
-                if not (self.unfinished & healthy) >> k & 1:
+                if not (self.unfinished >> k & 1 and part.tier.healthy):
                     continue
                 self.unfinished &= ~(1 << k)  # (set by its last thread as it ended: none runs now)
                 if self._stop.is_set() or self.index.epoch != self.epoch:
@@ -226,10 +233,12 @@ class BackgroundScan:
         pace.step()
         try:
             names = shards(layout)
-        except OSError as exc:  # the namespace directory is a link or a file: never followed (trust.py)
-            names = []
-            part.stopped = f"namespace directory unusable: {os.strerror(exc.errno or 0)}"
-            log.warning("kvstream: background scan of tier %d: %s: %s", tier.k, layout.pages, part.stopped)
+        except OSError as exc:  # the namespace directory is a link or a file (never followed: trust.py),
+            names = []  # or the tier failed as it was listed (EIO, ...): then its scan goes on once it is back
+            tier.fail(exc.errno or errno.EIO, f"list {layout.pages}")
+            if not self._failed(part):
+                part.stopped = f"namespace directory unusable: {os.strerror(exc.errno or 0)}"
+                log.warning("kvstream: background scan of tier %d: %s: %s", tier.k, layout.pages, part.stopped)
         part.shards = len(names)
         added = array("i")
         for shard in names:

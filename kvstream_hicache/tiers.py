@@ -321,12 +321,19 @@ class Tier:
 
     # -- files ----------------------------------------------------------------------------------
     def open_page(self, key: str, within: float | None = None) -> int:
-        """O_DIRECT read descriptor of ``key``'s page. A get's (``within``: what is left of its
-        read_timeout, None: none) runs, on a tier that may hang, on the tier's read thread, waited for
-        at most ``within`` and write_timeout; a descriptor that comes too late is closed (bounded.py).
+        """A get's O_DIRECT read descriptor of ``key``'s page (:meth:`open_here`): on a tier that may hang,
+        opened on the tier's read thread and waited for at most write_timeout and ``within`` (what is left
+        of the get's read_timeout; None: none); a descriptor that comes too late is closed (bounded.py).
+        :raises OSError: as open_here; ETIMEDOUT: the tier did not answer in time; ETIME: ``within`` ended
+        first (the tier is not judged)."""
+        return self.reads.run(self.open_here, key, late=close_fd, within=within)
+
+    def open_here(self, key: str) -> int:
+        """O_DIRECT read descriptor of ``key``'s page, opened in this thread (a call already bounded: the
+        catch-up's read, on the tier's calls thread).
         :raises NotRegularFile: a FIFO, directory, ... under the page's name (integrity.open_regular).
-        :raises OSError: e.g. ENOENT; ETIMEDOUT: the tier did not answer in time."""
-        return self.reads.run(open_direct, self.layout.page_path(key), self.trust, late=close_fd, within=within)
+        :raises OSError: e.g. ENOENT."""
+        return open_direct(self.layout.page_path(key), self.trust)
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError: (ETIMEDOUT: the tier

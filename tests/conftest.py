@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
+import subprocess
 import tempfile
 import weakref
 
@@ -27,7 +29,7 @@ import pytest
 
 os.environ.setdefault("KVSTREAM_LOCK_CHECK", "1")  # before any lock is built: see locks_in_order
 
-from helpers import ENGINES, uring_available  # noqa: E402  (after the lock check is on)
+from helpers import ENGINES, uring_available, wait_until  # noqa: E402  (after the lock check is on)
 
 STRICT = os.environ.get("KVSTREAM_STRICT") == "1"
 # A disk-backed scratch root: /var/tmp is on disk on Debian/Ubuntu even where /tmp is tmpfs.
@@ -138,3 +140,28 @@ def engines_end_consistent(request, monkeypatch):
         checked_close(engine)
     assert not leaked, f"engines left open by the test: {leaked}"
     assert not problems, "engines closed with problems on their tiers:\n" + "\n".join(problems)
+
+
+@pytest.fixture
+def fuse_tier(tier_root):
+    """A tier on a FUSE file system (bindfs, in the foreground) and its daemon: SIGSTOP to the daemon
+    hangs every call on the tier, as a FUSE or NFS server that stops answering does. A watchdog
+    resumes the daemon after 30 s, should the test end with it stopped (the unmount would hang)."""
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
+    src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "fuse")
+    os.mkdir(src, 0o700)
+    os.mkdir(mnt)
+    daemon = subprocess.Popen(["bindfs", "-f", src, mnt])
+    watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {daemon.pid}"], start_new_session=True)
+    try:
+        wait_until(lambda: os.path.ismount(mnt), 10, "bindfs never mounted")
+        os.mkdir(os.path.join(mnt, "tier"), 0o700)
+        yield os.path.join(mnt, "tier"), daemon
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        os.killpg(watchdog.pid, signal.SIGKILL)
+        watchdog.wait()
+        if subprocess.run(["fusermount", "-u", mnt], capture_output=True).returncode and os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+        daemon.wait(10)

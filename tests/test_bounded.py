@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import threading
 
 import pytest
 
 from kvstream_hicache.bounded import BoundedCalls
+from kvstream_hicache.faults import Fault, TierFaultPlan
+from kvstream_hicache.io import OP_READ
+from kvstream_hicache.tiers import LOOK_S
 
-from helpers import PageSet, make_engine, page_files, wait_until
+from helpers import FakeClock, PageSet, make_engine, page_files, wait_until
 
 
 def test_a_call_returns_its_result_or_raises_its_error():
@@ -163,3 +167,45 @@ def test_a_catch_up_read_that_hangs_fails_its_tier_and_close_returns(overlay_tie
         release.set()
         engine.close()
     wait_until(lambda: engine._writes.pool.out == 0, what="the given-up read's buffer never came back")
+
+
+def test_a_get_whose_read_timeout_is_spent_never_fails_the_tier_it_just_found_back(fuse_tier):
+    """read_timeout bounds a get: "what had not started by then is a miss" (guarantees.md). A tier that
+    may hang (FUSE) failed on an EIO; a get of its page probes it (the second chance, the tier is the
+    page's only holder) and the probe takes 1.5 s (its server busy, well within write_timeout 10 s): it
+    succeeds and the tier rejoins. The second chance then reads the page with the get's read_timeout
+    (0.5 s) already spent: the page is a miss and the tier stays healthy (an open short of the get's time
+    is ETIME, never the tier's failure: bounded.py). Before, the open was posted, waited for 0 s, given up
+    as ETIMEDOUT, and the tier that had just answered its probe was failed again as hung (writes skipped
+    it, another back-off); found by the review of stop 42's changes."""
+    tier, daemon = fuse_tier
+    pages = PageSet()
+    keys = pages.keys(1)
+    plan = TierFaultPlan()
+    clock = FakeClock()
+    with make_engine([tier], fault_plan=plan, clock=clock, read_timeout=0.5, write_timeout=10,
+                     tier_retry=600) as engine:
+        assert not engine.tiers[0].local and engine.tiers[0].reads.timeout == 10
+        assert pages.put(engine, keys) == [True]
+        plan.on(tier, Fault.error(errno.EIO), opcode=OP_READ)
+        assert pages.checked_get(engine, keys) == [False]  # EIO, a forced probe, EIO again: failed
+        plan.clear()
+        t0 = engine.tiers[0]
+        assert not t0.healthy and engine.index.holders(keys[0]) == 1
+        failures = t0.failures
+        clock.advance(LOOK_S)  # a read with no other holder may force a probe again
+        os.kill(daemon.pid, signal.SIGSTOP)
+        timer = threading.Timer(1.5, os.kill, (daemon.pid, signal.SIGCONT))
+        timer.start()
+        try:
+            got = pages.checked_get(engine, keys)
+        finally:
+            timer.join()
+            os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "kvstream-rejoin"], 30,
+                   "the rejoin thread did not end")
+        assert got in ([False], [True])
+        assert t0.healthy and t0.failures == failures, (
+            f"tier 0 answered its probe and rejoined, then was failed by an open given no time "
+            f"(the get's read_timeout was spent): last_error {t0.last_error!r}, failures {failures} -> "
+            f"{t0.failures}")

@@ -267,6 +267,21 @@ def test_discover_off_finds_pages_of_a_tier_whose_scan_stopped_once_it_is_back(t
         assert not scan["tiers"][0]["stopped"] and scan["eviction"] == "exact LRU"
 
 
+def _failing_at_the_third_shard(monkeypatch) -> tuple[list[str], list]:
+    """The scan's reads of shards, listed, the engine appended to the second list failed (EIO) as its
+    scan reads the third one: (shards read, [the engine])."""
+    read, engines, entries = [], [], scan_module.shard_entries
+
+    def failing_at_the_third(layout, shard):
+        read.append(shard)
+        if len(read) == 3:
+            engines[0].tiers[0].fail(errno.EIO, "a hiccup while the scan reads a shard")
+        return entries(layout, shard)
+
+    monkeypatch.setattr(scan_module, "shard_entries", failing_at_the_third)
+    return read, engines
+
+
 def test_a_tier_back_after_failing_during_its_scan_is_scanned_on_from_the_shard_it_was_reading(
         tier_dirs, monkeypatch):
     """The scan of a tier that failed while reading its third shard goes on, once the tier is back,
@@ -276,17 +291,10 @@ def test_a_tier_back_after_failing_during_its_scan_is_scanned_on_from_the_shard_
     shards not read were never indexed (see the test above)."""
     pages, keys = _stored(tier_dirs[:1], 12)
     shards = sorted({k[:2] for k in keys})
-    read, entries = [], scan_module.shard_entries
-
-    def failing_at_the_third(layout, shard):
-        read.append(shard)
-        if len(read) == 3:
-            engine.tiers[0].fail(errno.EIO, "a hiccup while the scan reads a shard")
-        return entries(layout, shard)
-
-    monkeypatch.setattr(scan_module, "shard_entries", failing_at_the_third)
+    read, engines = _failing_at_the_third_shard(monkeypatch)
     clock = FakeClock()
     with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock, tier_retry=1) as engine:
+        engines.append(engine)
         _release(engine)
         assert engine.scan["tiers"][0]["stopped"].startswith("tier failed") and read == shards[:3]
         clock.advance(1)  # the back-off: the next call probes it, and it rejoins
@@ -430,3 +438,60 @@ def test_the_scan_never_removes_a_valid_page_renamed_over_a_damaged_one(tier_dir
         assert Path(path).read_bytes() == valid, "the scan deleted a valid page another writer had just committed"
         assert engine.scan["damaged_removed"] == 0 and engine.scan["kept"] == 1
         assert pages.checked_get(engine, keys) == [True]
+
+
+def test_a_tier_that_fails_as_its_scan_lists_its_shards_is_scanned_once_it_is_back(tier_dirs, monkeypatch):
+    """As test_scan.py::test_a_tier_back_after_failing_during_its_scan_is_scanned_on_from_the_shard_it_was_reading,
+    but the tier fails (an EIO of its device) while the scan lists the namespace directory, the first
+    thing it reads: the listing's error ends the scan as "namespace directory unusable" (scan.py
+    _scan_tier), part.resume_at stayed None, so the tier was never in ``unfinished`` and its scan never
+    resumed once it was back: with discover=0 its pages were never found (served [False] * n), never
+    counted against the capacity, and check() found them index_missing (before this fix; found by the
+    review of stop 42's changes). Now the listing's error is the tier's, and its scan goes on."""
+    pages, keys = _stored(tier_dirs[:1], 6)
+    listed, shards = [], scan_module.shards
+
+    def failing(layout):
+        listed.append(1)
+        if len(listed) == 1:
+            engine.tiers[0].fail(errno.EIO, "the device in trouble as the scan lists the namespace")
+            raise OSError(errno.EIO, os.strerror(errno.EIO), layout.pages)
+        return shards(layout)
+
+    monkeypatch.setattr(scan_module, "shards", failing)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock, tier_retry=1) as engine:
+        _release(engine)
+        assert engine.scan["tiers"][0]["stopped"] and not engine.tiers[0].healthy
+        clock.advance(1)  # the back-off: the next call probes it, and it rejoins
+        got = pages.checked_get(engine, keys)
+        assert engine.tiers[0].healthy
+        assert engine.wait_scan(WAIT_S)
+        got = pages.checked_get(engine, keys) if got != [True] * 6 else got
+        assert got == [True] * 6, (f"tier 0 is back and holds the 6 pages; served {got}; scan: "
+                                   f"{engine.scan['tiers'][0]}")
+        assert engine.index.used[0] == 6 * PAGE_BYTES
+
+
+def test_check_after_a_tier_rejoined_in_a_gets_second_chance_reports_no_index_missing(tier_dirs, monkeypatch):
+    """A tier fails while its start-up scan reads its third shard; it rejoins in a get's second chance
+    (the page's only holder: probed then and there, Engine._recover), not in the _usable_mask that
+    precedes _discover. check() "lets the scan finish" (Engine.check: set_limits, wait): the wait resumes
+    the scan of a tier back first, and check() reports nothing (before: resume was called from
+    Engine._discover only; check() found the scan done and reported every page of the shards not read
+    as ``index_missing``; found by the review of stop 42's changes)."""
+    pages, keys = _stored(tier_dirs[:1], 12)
+    read, engines = _failing_at_the_third_shard(monkeypatch)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:1], scan_rate=HELD, clock=clock, tier_retry=600) as engine:
+        engines.append(engine)
+        _release(engine)
+        assert engine.scan["tiers"][0]["stopped"].startswith("tier failed")
+        first = sorted(keys)[0]  # its shard was read whole: indexed, on the failed tier
+        assert engine.index.holders(first) == 1
+        assert pages.checked_get(engine, [first]) == [True]  # the second chance probes tier 0: it rejoins
+        assert engine.tiers[0].healthy
+        wait_until(lambda: not [t for t in threading.enumerate() if t.name == "kvstream-rejoin"], 30,
+                   "the rejoin thread did not end")
+        problems = engine.check()
+        assert problems == [], [f"{p.kind} {os.path.basename(p.path)}" for p in problems]

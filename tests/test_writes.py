@@ -10,7 +10,6 @@ import errno
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvstream_hicache import admission, files, writes
-from kvstream_hicache.faults import Fault, FaultPlan
+from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import TierLayout, file_size
 from kvstream_hicache.priority import STALL_S, ReadPriority
@@ -814,31 +813,6 @@ def test_close_answers_a_deferred_put_queued_behind_a_hung_tier_s_abandoned_stag
             assert done == [[True, True]]
     finally:
         engine.close()
-
-
-@pytest.fixture
-def fuse_tier(tier_root):
-    """A tier on a FUSE file system (bindfs, in the foreground) and its daemon: SIGSTOP to the daemon
-    hangs every call on the tier, as a FUSE or NFS server that stops answering does. A watchdog
-    resumes the daemon after 30 s, should the test end with it stopped (the unmount would hang)."""
-    if shutil.which("bindfs") is None:
-        pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
-    src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "fuse")
-    os.mkdir(src, 0o700)
-    os.mkdir(mnt)
-    daemon = subprocess.Popen(["bindfs", "-f", src, mnt])
-    watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {daemon.pid}"], start_new_session=True)
-    try:
-        wait_until(lambda: os.path.ismount(mnt), "bindfs never mounted", 10)
-        os.mkdir(os.path.join(mnt, "tier"), 0o700)
-        yield os.path.join(mnt, "tier"), daemon
-    finally:
-        os.kill(daemon.pid, signal.SIGCONT)
-        os.killpg(watchdog.pid, signal.SIGKILL)
-        watchdog.wait()
-        if subprocess.run(["fusermount", "-u", mnt], capture_output=True).returncode and os.path.ismount(mnt):
-            subprocess.run(["umount", "-l", mnt], capture_output=True)
-        daemon.wait(10)
 
 
 def test_a_writer_step_held_up_by_one_tier_never_fails_another_as_hung(tier_dirs, fuse_tier):
