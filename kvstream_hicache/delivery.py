@@ -84,7 +84,7 @@ class Delivery:
             return
         if self.tiers[tier].copy_gone(err, key):
             self.index.remove(key, tier)
-            if err != errno.ESTALE or self.tiers[tier].listed(key):  # (ESTALE: replaced, not deleted)
+            if err != errno.ESTALE or self.tiers[tier].listed(key, call.left()):  # (ESTALE: replaced, not deleted)
                 call.relook.add(key)
             return
         self.stats.add(tier, "errors")

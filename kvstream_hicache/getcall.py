@@ -5,6 +5,7 @@ get records (stats.py). Used under the read path's lock (reads.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from .files import ReadFile
@@ -115,6 +116,10 @@ class GetCall:
         self.page_tiers = [0] * len(self.pages)
         self.single = all(page.single for page in self.pages)  # one usable holder for every page
         self.in_place = self.single and all(page.in_place for page in self.pages)  # no staging at all
+
+    def left(self) -> float | None:
+        """Seconds left of the get's read_timeout (None: no limit)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     def item_bytes(self) -> int:
         """Most bytes one item of this call carries (a block, or a page smaller than one): windows and

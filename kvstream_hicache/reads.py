@@ -273,8 +273,8 @@ class ReadPath:
             page = call.pages[p]
             f.failed = True  # until the open below succeeds
             if self.tiers[tier].healthy:  # failed during this batch: its items go to the other holders
-                within = None if call.deadline is None else call.deadline - time.monotonic()
-                try:  # (a tier that may hang: bounded, the get's time left at most; bounded.py)
+                within = call.left()  # (a tier that may hang: bounded, the get's time left at most; bounded.py)
+                try:
                     self.files.open_file(f, call.files, lambda: self.tiers[tier].open_page(page.key, within))
                     f.failed = False
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray

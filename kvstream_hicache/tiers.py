@@ -140,7 +140,7 @@ class Tier:
             if self.healthy or self._probing:  # (another thread probes now: its answer comes soon)
                 return self.healthy
             t = self.clock()
-            due = t >= self._next_probe
+            due = scheduled = t >= self._next_probe
             if not due and now and t >= self._next_forced:
                 self._next_forced = t + LOOK_S
                 due = True
@@ -178,8 +178,10 @@ class Tier:
                 self._backoff = self.retry_s
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
             else:
-                self._backoff = min(self._backoff * 2, max(MAX_RETRY_S, self.retry_s))  # (never below tier_retry)
-                self._next_probe = self.clock() + self._backoff
+                if scheduled:  # (a forced probe or a look, every LOOK_S, leaves the schedule: six of them
+                    # doubled a few seconds' outage into 300 s out)
+                    self._backoff = min(self._backoff * 2, max(MAX_RETRY_S, self.retry_s))  # (never below tier_retry)
+                    self._next_probe = self.clock() + self._backoff
                 self._vanished = vanished  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
             return self.healthy
@@ -251,15 +253,23 @@ class Tier:
         the tier did not answer in time)"""
         return self.calls.run(os.path.lexists, self.layout.page_path(key))
 
-    def listed(self, key: str) -> bool:
+    def listed(self, key: str, within: float | None = None) -> bool:
         """``key``'s page file is in a fresh listing of its directory. After ESTALE this tells a file
         replaced (a new version renamed in: look it up) from one deleted, and refreshes the client's
         cached entry of the name (a network file system's client keeps the old file's for about a
-        second), so the lookup opens what the name holds now, not the stale file."""
-        try:  # (through descriptors: a shard replaced by a link is not listed, as it is not read)
-            return os.path.basename(self.layout.page_path(key)) in list_below(self.root, self.layout.page_dir(key))
-        except OSError:
+        second), so the lookup opens what the name holds now, not the stale file. A get's, so on a tier
+        that may hang it runs as a get's open does (:meth:`open_page`, ``within``); a listing that does not
+        answer in write_timeout fails the tier (before, the get waited as long as the server)."""
+        try:
+            return self.reads.run(self._listed, key, within=within)
+        except OSError as exc:
+            if exc.errno == errno.ETIMEDOUT:
+                self.fail(errno.ETIMEDOUT, f"list {self.layout.page_dir(key)}")
             return False
+
+    def _listed(self, key: str) -> bool:
+        # (through descriptors: a shard replaced by a link is not listed, as it is not read)
+        return os.path.basename(self.layout.page_path(key)) in list_below(self.root, self.layout.page_dir(key))
 
     def _probe(self) -> tuple[bool, str]:
         if self.gone(replaced=False):

@@ -21,10 +21,12 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 
 import pytest
 
+from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.layout import ALIGN, HEADER_SIZE
@@ -653,3 +655,49 @@ def test_delete_on_one_node_removes_the_copy_another_node_stored(dfs):
         assert not os.path.exists(path), "B's delete left A's copy of the key on the shared tier"
         assert node("get", pages.salt, 0, 1, 0)["found"] == [False], "B found the key it had just deleted"
         engine.check(fix=True)
+
+
+@pytest.mark.leaves_problems("the tier is hung when the engine closes: check() would wait for it")
+def test_a_get_whose_open_answers_estale_as_the_brick_hangs_answers_from_the_other_tier(dfs, monkeypatch):
+    """A page on both tiers. A get's open of it on the shared tier answers ESTALE (what GlusterFS
+    answers once node B renamed a new version over it, or removed it) and the brick stops (SIGSTOP,
+    ping timeout raised) at that moment. guarantees.md: a get's calls on a tier that may hang are
+    waited for at most write_timeout or what is left of its read_timeout; then the tier fails and its
+    items go to the other holders (tier 0 here). So is the listing of the shard directory that tells a
+    replaced file from a deleted one (delivery.failed_read_under_reads -> Tier.listed). Before, it ran in
+    the get's own thread, holding the read lock, until the brick resumed, and a second get waited
+    behind it (found by the review of two GlusterFS nodes under load)."""
+    fs, a, b, node = dfs
+    pages = PageSet(1 << 20)
+    keys = pages.keys(2)
+    fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
+    engine = make_engine(a, replicate="all", write_timeout=1.0, read_timeout=5.0, tier_retry=600)
+    rescue = []
+    real_open = tiers_module.open_direct
+    target = engine.tiers[1].layout.page_path(keys[0])
+
+    def open_direct(path, *args, **kwargs):
+        if path == target and not rescue:
+            rescue.append(_stop_brick(fs))  # the server hangs as the open answers ESTALE
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), path)
+        return real_open(path, *args, **kwargs)
+
+    try:
+        assert pages.put(engine, keys) == [True, True]
+        monkeypatch.setattr(tiers_module, "open_direct", open_direct)
+        results: dict = {}
+        first = threading.Thread(target=lambda: results.setdefault(0, pages.checked_get(engine, keys[:1])))
+        first.start()
+        wait_until(lambda: rescue, 30, "the open never ran")
+        second = threading.Thread(target=lambda: results.setdefault(1, pages.checked_get(engine, keys[1:])))
+        second.start()
+        first.join(15)
+        second.join(3)
+        stack = "".join(traceback.format_stack(sys._current_frames()[first.ident])[-4:]) if first.is_alive() else ""
+        assert not first.is_alive(), f"the get waited for the hung tier's listing after ESTALE:\n{stack}"
+        assert not second.is_alive(), "a get waited behind the read lock a hung listing holds"
+        assert results == {0: [True], 1: [True]}
+    finally:
+        _resume(fs, engine, rescue[0] if rescue else None)
+        first.join(WAIT_S)
+        second.join(WAIT_S)

@@ -502,3 +502,37 @@ def test_a_page_tree_emptied_under_a_healthy_tier_is_made_again(tier_dirs, caplo
         assert pages.checked_get(engine, new) == [True] * 4
         assert engine.stats()["tiers"][0]["healthy"]
         assert not [m for m in messages(caplog) if "failed" in m]
+
+
+def test_forced_probes_during_a_short_outage_do_not_push_the_back_off_to_its_maximum(tier_root, loop_fs):
+    """guarantees.md: after ``tier_retry`` s (5 s, doubling up to 300 s while the tier stays broken) the
+    next call probes a failed tier; a read whose page has no other holder probes it then and there, at
+    most every 0.5 s. The tier's file system is read-only for 4 s (fake clock) while gets of its page
+    miss, each forcing a probe that fails. The file system is writable again; 30 s later (six times
+    tier_retry, past every scheduled probe of a 4 s outage) the tier is back: a forced probe that fails
+    leaves the schedule alone (before: each doubled the back-off, 5 s -> 300 s, and the tier stayed out
+    five minutes; found by the review of two GlusterFS nodes under load, where a 14 s brick stop kept
+    the shared tier out for the rest of the run)."""
+    fs = loop_fs(32 << 20)
+    tier = os.path.join(fs.mnt, "t")
+    os.makedirs(tier)
+    clock = FakeClock()
+    pages = PageSet()
+    p, q, r = pages.keys(3)
+    engine = make_engine([tier], clock=clock)
+    try:
+        assert pages.put(engine, [p]) == [True]
+        fs.remount("ro")
+        pages.put(engine, [q])  # the create fails (EROFS): the tier fails
+        assert not engine.tiers[0].healthy
+        for _ in range(8):  # 4 s of outage, a get every 0.5 s: each misses and forces a probe
+            clock.advance(0.5)
+            assert pages.checked_get(engine, [p]) == [False]
+        fs.remount("rw")
+        clock.advance(30.0)
+        assert pages.put(engine, [r]) == [True], (
+            f"tier still out 30 s after a 4 s outage: next probe in "
+            f"{engine.tiers[0]._next_probe - clock():.0f} s (back-off {engine.tiers[0]._backoff:.0f} s)")
+        assert pages.checked_get(engine, [p]) == [True]
+    finally:
+        engine.close()
