@@ -26,17 +26,10 @@ from kvstream_hicache.tiers import Tier
 
 from helpers import (
     FakeClock, PageSet, Pages, TierFaultPlan, io_uring_fds, key, make_engine, open_fds, page_files, sq_tail, tmp_files, wait_for_fault,
+    wait_until,
 )
 
 WAIT_S = 60.0
-
-
-def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
-    """Poll ``condition`` (the state we wait for has no completion to wait on); fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
 
 
 class Held:
@@ -88,7 +81,7 @@ def test_writes_to_a_tier_wait_while_a_get_reads_it(tier_dirs):
         assert pages.put(engine, stored) == [True] * 4
         reader = Held(engine, pages, stored, plan, tier_dirs[0])
         writer, result = in_thread(pages.put, engine, new)
-        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), "tier 1 never took the pages")
+        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), WAIT_S, "tier 1 never took the pages")
         assert os.listdir(engine.tiers[0].layout.tmp) == []  # no write to tier 0 even started
         assert engine.stats()["tiers"][0]["write_queued_bytes"] == 3 * file_size(engine.index.get(new[0]).length)
         assert writer.is_alive()  # the put waits for every tier that takes its pages
@@ -121,7 +114,7 @@ def test_a_read_holds_its_tiers_writes_from_before_it_reaches_the_ring(tier_dirs
         assert pages.put(engine, stored) == [True] * 2
         reader = Held(engine, pages, stored, plan, tier_dirs[0])  # returns once the read is on the ring
         writer, result = in_thread(pages.put, engine, new)
-        wait_until(lambda: all(engine.index.holders(k) & 0b10 for k in new), "tier 1 never took the pages")
+        wait_until(lambda: all(engine.index.holders(k) & 0b10 for k in new), WAIT_S, "tier 1 never took the pages")
         assert [engine.index.holders(k) for k in new] == [0b10] * 2  # tier 0's writes wait for the get
         assert writer.is_alive()
         assert reader.release() == [True] * 2
@@ -166,7 +159,7 @@ def test_a_stalled_read_does_not_hold_writes_forever(tier_dirs):
         assert pages.put(engine, stored) == [True] * 2
         reader = Held(engine, pages, stored, plan, tier_dirs[0])
         writer, result = in_thread(pages.put, engine, new)
-        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), "tier 1 never took the pages")
+        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in new), WAIT_S, "tier 1 never took the pages")
         assert writer.is_alive()
         clock.advance(STALL_S + 0.1)  # the held read has made no progress for longer than STALL_S
         writer.join(WAIT_S)
@@ -275,13 +268,13 @@ def test_deferred_puts_wait_when_the_backlog_is_full_and_lose_nothing(tier_dirs)
         engine.put_deferred(keys[0], src[0].src_segments, results.append)  # 2 pages: within the bound
         wait_for_fault(plan)
         blocked, _ = in_thread(engine.put_deferred, keys[1], src[1].src_segments, results.append)
-        wait_until(lambda: engine.stats()["backpressure_waits"] == 1, "the second put never waited")
+        wait_until(lambda: engine.stats()["backpressure_waits"] == 1, WAIT_S, "the second put never waited")
         assert blocked.is_alive() and results == []
         plan.clear()
         plan.release()
         blocked.join(WAIT_S)
         engine.put_deferred(keys[2], src[2].src_segments, results.append)
-        wait_until(lambda: len(results) == 3, "a deferred put never completed")
+        wait_until(lambda: len(results) == 3, WAIT_S, "a deferred put never completed")
         assert results == [[True, True]] * 3
         for s in range(3):
             assert engine.get(keys[s], src[s].dst_segments) == [True, True] and src[s].equal(1)
@@ -300,7 +293,7 @@ def test_a_key_being_written_is_written_once(tier_dirs):
         engine.put_deferred(k, src.src_segments, results.append)
         plan.clear()
         plan.release()
-        wait_until(lambda: len(results) == 2, "a deferred put never completed")
+        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
         assert results == [[True], [True]]
         assert [t["pages_written"] for t in engine.stats()["tiers"]] == [1, 1]
 
@@ -322,7 +315,8 @@ def test_fsync_full_a_put_that_joined_another_puts_write_is_false_when_the_direc
         first, out1 = in_thread(engine.put, [k], pages.src_segments)
         wait_for_fault(plan, WAIT_S)
         second, out2 = in_thread(engine.put, [k], pages.src_segments)
-        wait_until(lambda: len(engine._writes.queue.pending[k].calls) == 2, "the second put never joined the first")
+        wait_until(lambda: len(engine._writes.queue.pending[k].calls) == 2, WAIT_S,
+                   "the second put never joined the first")
         monkeypatch.setattr(Tier, "sync_dirs", failing_sync)
         plan.clear()
         plan.release()
@@ -379,7 +373,7 @@ def test_lru_order_is_batch_order_for_a_page_a_put_joined(tier_dirs):
         first, out1 = in_thread(pages.put, engine, [x])
         wait_for_fault(plan, WAIT_S)
         second, out2 = in_thread(pages.put, engine, [b, x])
-        wait_until(lambda: engine._writes.queue.pending.get(b) is not None, "the second put never queued")
+        wait_until(lambda: engine._writes.queue.pending.get(b) is not None, WAIT_S, "the second put never queued")
         plan.clear()
         plan.release()
         first.join(WAIT_S)
@@ -416,11 +410,11 @@ def test_clear_drops_queued_and_in_flight_writes(tier_dirs):
         clearer, _ = in_thread(engine.clear)
         # clear may also run whole while the write is held (the writer's step ends at WAKE_S, and
         # clear cancels the write in flight): under load this thread did not look in between
-        wait_until(lambda: engine._writes.queue.exclusive or not clearer.is_alive(), "clear never started")
+        wait_until(lambda: engine._writes.queue.exclusive or not clearer.is_alive(), WAIT_S, "clear never started")
         plan.clear()
         plan.release()
         clearer.join(WAIT_S)
-        wait_until(lambda: results, "the put never completed")
+        wait_until(lambda: results, WAIT_S, "the put never completed")
         assert not any(engine.contains(k) for k in keys)
         assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
 
@@ -440,10 +434,10 @@ def test_clear_and_check_while_writes_wait_for_a_read(tier_dirs):
         assert pages.put(engine, stored) == [True] * 2
         reader = Held(engine, pages, stored, plan, tier_dirs[0])
         engine.put_deferred(keys, src.src_segments, results.append)
-        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in keys), "tier 1 never took the pages")
+        wait_until(lambda: all(engine.index.holders(k) == 0b10 for k in keys), WAIT_S, "tier 1 never took the pages")
         assert engine.check() == []
         engine.clear()
-        wait_until(lambda: results, "the put never completed")
+        wait_until(lambda: results, WAIT_S, "the put never completed")
         assert not any(engine.contains(k) for k in keys)
         assert len(reader.release()) == 2  # the get ends (what it finds of cleared pages is not the point)
         assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
@@ -573,7 +567,7 @@ def test_a_write_ring_replaced_under_a_hung_tier_s_abandoned_writes_removes_thei
         assert engine.stats()["ring_failures"] == 1
         plan.clear()
         plan.release()  # the hung tier answers
-        wait_until(lambda: not tmp_files(tier_dirs[1]), "the abandoned write's temporary file stayed", 10)
+        wait_until(lambda: not tmp_files(tier_dirs[1]), 10, "the abandoned write's temporary file stayed")
 
 
 class _BuggyPlan(TierFaultPlan):
@@ -745,7 +739,7 @@ def test_a_put_answers_at_write_timeout_when_a_tier_hangs(tier_dirs, aligned):
         assert all(engine.index.holders(k) == 0b01 for k in keys)
         plan.clear()
         plan.release()
-        wait_until(lambda: not tmp_files(tier_dirs[1]), "an abandoned write's temporary file stayed")
+        wait_until(lambda: not tmp_files(tier_dirs[1]), WAIT_S, "an abandoned write's temporary file stayed")
         assert page_files(tier_dirs[1]) == []
         assert pages.checked_get(engine, keys) == [True] * 4
         assert pages.put(engine, pages.keys(2, start=4)) == [True] * 2  # the writer goes on (tier 0)
@@ -768,10 +762,10 @@ def test_close_returns_while_a_hung_tier_holds_abandoned_writes(tier_dirs):
         plan.clear()
         plan.release()
         engine.close()
-    wait_until(lambda: not any(t.name == "kvstream-close" for t in threading.enumerate()),
+    wait_until(lambda: not any(t.name == "kvstream-close" for t in threading.enumerate()), WAIT_S,
                "the background close never ended")
     # (each file goes in a kvstream-discard thread of its own, which may still run after the close)
-    wait_until(lambda: not tmp_files(tier_dirs[1]), "an abandoned write's temporary file stayed")
+    wait_until(lambda: not tmp_files(tier_dirs[1]), WAIT_S, "an abandoned write's temporary file stayed")
 
 
 @pytest.mark.parametrize("memory,chunk,page", [("4M", "16K", 1 << 20), ("128M", "16M", 32 << 20)])
