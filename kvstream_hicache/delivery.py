@@ -63,11 +63,10 @@ class Delivery:
             else:
                 ok = False
                 call.failed.append((tier, item))
-                if res >= 0:
+                if res >= 0 and (tier, req.p) not in call.bad:  # (a copy counts once, whatever its blocks)
                     self.stats.add(tier, "corrupted")
-                    if (tier, req.p) not in call.bad:
-                        self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
-                                                     "checksum" if i < complete else "truncated", req.bufs is None)
+                    self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
+                                                 "checksum" if i < complete else "truncated", req.bufs is None)
             results.append((item, ok))
         if duplicates:
             self.stats.total("duplicate_reads", duplicates)

@@ -433,9 +433,8 @@ class ReadPath:
             self.stats.add(k, "pages_read", sum(1 for mask in call.page_tiers if mask >> k & 1))
         self.files.release(call.files)
         if call.route is not None:
-            for tier, item in call.failed:
-                if call.arrived[item]:
-                    self.stats.add(tier, "replica_retries")
+            for tier, _ in {(tier, call.items[item][0]) for tier, item in call.failed if call.arrived[item]}:
+                self.stats.add(tier, "replica_retries")  # (a page read, whatever its blocks)
 
     # -- orphans -------------------------------------------------------------------------------
     def _reap_under_reads(self, min_complete: int, timeout: float | None) -> None:

@@ -21,7 +21,9 @@ from kvstream_hicache import Namespace
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
-from helpers import NS, PageSet, content, flip_byte, gone_or_restored, make_engine, messages
+from helpers import (
+    NS, PAGE_BYTES, PageSet, content, flip_byte, get_items, gone_or_restored, key, make_engine, messages, put_items,
+)
 
 N = 4
 VICTIM = 1  # index of the damaged page
@@ -179,3 +181,48 @@ def test_page_symlinked_out_of_the_tier_is_not_served_and_the_target_survives(ti
         assert Path(outside).read_bytes() == before
         assert pages.checked_get(engine, keys) == [True, True]
         os.unlink(path)
+
+
+# 48 KiB pages in 16 KiB blocks (helpers.CHUNK): three checksum blocks a page, as an 8 MiB SGLang page
+# holds eight at the default 1 MiB chunk.
+N_PAGES = 32
+N_DAMAGED = 16
+
+
+def _damage_front_pages(engine, keys):
+    """Damage whole copies on tier 0: the first 8 files truncated to 8 KiB (a torn file), the next 8 with
+    a byte flipped in each of their three blocks. The batch is read with SingleTier(0): tier 0 reads every
+    block, and a block it fails is read from tier 1."""
+    layout = engine.tiers[0].layout
+    for k in keys[:8]:
+        os.truncate(layout.page_path(k), 8192)
+    for k in keys[8:N_DAMAGED]:
+        path = layout.page_path(k)
+        payload = os.path.getsize(path) - PAGE_BYTES
+        with open(path, "r+b") as f:
+            for j in range(3):
+                f.seek(payload + j * (16 << 10) + 100)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_damaged_copies_count_once_in_corrupted_and_replica_retries(tier_dirs):
+    """docs/design.md (Stats) and docs/sglang.md: ``corrupted`` / ``kvstream:tier_corrupted_pages_total``
+    count *copies* (pages) on the tier that failed verification, and ``replica_retries`` /
+    ``kvstream:tier_fallbacks_total`` "page reads this tier failed that were retried on another replica".
+    16 damaged copies of 3 blocks each, each read once and served by tier 1, are 16 of both (before: every
+    failed block counted, 48 here, 8 per torn 8 MiB SGLang page; found by the review of what an operator
+    sees)."""
+    engine = make_engine(tier_dirs[:2], replicate="all", catchup="off")
+    try:
+        keys = [key(i, "corrupt") for i in range(N_PAGES)]
+        assert all(put_items(engine, [(k, content(k), True) for k in keys]))
+        _damage_front_pages(engine, keys)
+        found, data = get_items(engine, [(k, PAGE_BYTES, True) for k in keys], SingleTier(0))
+        assert all(found) and all(d == content(k) for d, k in zip(data, keys))
+        t0 = engine.stats()["tiers"][0]
+        assert t0["quarantined"] == N_DAMAGED  # one removed copy per damaged page
+        assert (t0["corrupted"], t0["replica_retries"]) == (N_DAMAGED, N_DAMAGED), t0
+    finally:
+        engine.close()

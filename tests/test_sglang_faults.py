@@ -410,3 +410,38 @@ def test_a_detach_exports_the_counts_of_its_last_batches(plugin_loaded, tier_dir
     assert backend.stats()["pages_found"] == 8
     drv.close()  # sglang's detach path: backend.close()
     assert found() - start == 8, f"pages_total{{found}} grew by {found() - start} for 8 pages read"
+
+
+def test_a_prefetch_batch_the_engine_never_read_adds_no_retrieval_sample(plugin_loaded, tier_dirs, drivers):
+    """docs/sglang.md section 7: ``kvstream:retrieval_seconds`` is the "time of one read batch" and
+    ``kvstream:retrieval_bound_seconds_total`` the "sum of the batches' bound". A prefetch whose pages all
+    have host slots outside the pool is answered by the adapter without an engine read, and changes
+    neither (before: the adapter observed ``engine.last_batch``, the *previous* batch, so that batch was
+    counted twice, its time observed again, its bound added again; found by the review of what an
+    operator sees)."""
+    import torch
+    from prometheus_client import REGISTRY
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    tokens, _src, got = round_trip(drv, pools, n_pages=4, seed=911)
+    assert got.tokens == len(tokens)
+    storage = drv.storage
+    labels = dict(storage._exporter.labels)
+
+    def samples():
+        return (REGISTRY.get_sample_value("kvstream:retrieval_seconds_count", labels) or 0,
+                REGISTRY.get_sample_value("kvstream:retrieval_seconds_sum", labels) or 0,
+                REGISTRY.get_sample_value("kvstream:retrieval_bound_seconds_total", labels) or 0)
+
+    storage.flush_metrics()
+    before = samples()
+    assert storage.engine.last_batch.get("bound_s"), "the round trip's read has a bound"
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    size = pools.host.size
+    outside = torch.cat([torch.arange(size + i * PAGE, size + (i + 1) * PAGE, dtype=torch.int64)
+                         for i in range(len(keys))])
+    assert storage.batch_get_v1(keys, outside) == [False] * len(keys)  # every page a miss, no engine read
+    storage.flush_metrics()
+    after = samples()
+    assert after == before, f"a batch the engine never read changed retrieval metrics: {before} -> {after}"

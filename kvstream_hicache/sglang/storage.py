@@ -370,13 +370,13 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     def _get_pages(self, keys: Sequence[str], pages: list) -> list[bool]:
         t0 = time.perf_counter()
-        found = self._engine_call(self.engine.get, keys, pages)
-        self._record("prefetch", found, t0)
+        found, read = self._engine_call(self.engine.get, keys, pages)
+        self._record("prefetch", found, t0, read)
         return found
 
     def _put_pages(self, keys: Sequence[str], pages: list) -> list[bool]:
         t0 = time.perf_counter()
-        stored = self._engine_call(self.engine.put, keys, pages)
+        stored, _ = self._engine_call(self.engine.put, keys, pages)
         self._record("backup", stored, t0)
         return stored
 
@@ -396,9 +396,11 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in _kv_buffers(self.mem_pool_host)]
         return not spans or all(any(lo <= a and a + n <= hi for lo, hi in spans) for a, n in page)
 
-    def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment] | None]) -> list[bool]:
+    def _engine_call(self, op: Callable, keys: Sequence[str], pages: list[list[Segment] | None]
+                     ) -> tuple[list[bool], bool]:
         """Run an engine batch on the pages whose keys are valid and whose memory is known; the others are
-        False (invalid keys counted here, pages outside the host pool by _pool_pages)."""
+        False (invalid keys counted here, pages outside the host pool by _pool_pages). Returns the answers
+        and whether the engine was called (else its last batch is an earlier call's)."""
         valid = [is_valid_key(k) for k in keys]
         if not all(valid):
             self._count("invalid_keys", valid.count(False))
@@ -406,12 +408,12 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                        f"(first: {next(k for k, v in zip(keys, valid) if not v)!r})")
         sel = [i for i, (v, page) in enumerate(zip(valid, pages)) if v and page is not None]
         if len(sel) == len(keys):
-            return list(op(keys, pages))
+            return list(op(keys, pages)), True
         out = [False] * len(keys)
         if sel:
             for i, r in zip(sel, op([keys[i] for i in sel], [pages[i] for i in sel])):
                 out[i] = bool(r)
-        return out
+        return out, bool(sel)
 
     def _pool_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Segment] | None] | None:
         """The host pool's segments of each page, in flat-page order. A page whose host slots are not inside
@@ -486,7 +488,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             log.info("kvstream: sglang is using the copying batch_get/batch_set path (the kvstream plugin's "
                      "controller hook is not active, or 'interface_v1' is missing from the dynamic extra config)")
 
-    def _record(self, kind: str, results: Sequence[bool], t0: float) -> None:
+    def _record(self, kind: str, results: Sequence[bool], t0: float, read: bool = False) -> None:
+        """SGLang's samples of the batch; for a prefetch the engine ``read`` (not one refused whole before
+        it: invalid keys, slots outside the pool), the retrieval metrics of its batch too."""
         if not self.enable_metrics:
             return
         elapsed = time.perf_counter() - t0
@@ -500,9 +504,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         if exporter is None:
             return
         try:  # the data already moved: a metrics failure must not turn this batch into a miss
-            if kind == "prefetch":
-                engine = self.engine
-                exporter.observe_read(engine.last_batch if engine is not None else {}, elapsed)
+            if read:  # (else engine.last_batch is an earlier batch's: counted twice)
+                exporter.observe_read(self.engine.last_batch, elapsed)
             self._maybe_sync()
         except Exception as exc:
             self._count("metrics_errors")
