@@ -251,9 +251,11 @@ class BackgroundScan:
             pace.step()
             try:
                 entries = shard_entries(layout, shard)
-            except OSError as exc:  # unreadable: its pages are found by discovery
+            except OSError as exc:
                 entries = []
-                part.kept += 1
+                if tier.fail(exc.errno or errno.EIO, f"list shard {shard}"):
+                    continue  # (the tier's error, logged once: its scan goes on from here once it is back)
+                part.kept += 1  # (this shard's alone: its pages are found by discovery)
                 log.warning("kvstream: background scan of tier %d: shard %s unreadable: %s", tier.k, shard,
                             os.strerror(exc.errno or 0))
             for name, path in entries:

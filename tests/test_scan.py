@@ -495,3 +495,32 @@ def test_check_after_a_tier_rejoined_in_a_gets_second_chance_reports_no_index_mi
                    "the rejoin thread did not end")
         problems = engine.check()
         assert problems == [], [f"{p.kind} {os.path.basename(p.path)}" for p in problems]
+
+
+def test_a_shard_whose_listing_fails_the_device_fails_the_tier_and_is_scanned_once_it_is_back(
+        tier_dirs, monkeypatch):
+    """The listing of the scan's second shard answers EIO (the device in trouble): the tier fails
+    (logged once), its scan stops there and goes on from that shard once the tier is back, so with
+    ``discover=0`` every page is found. Before, the scan warned and went on to the next shard, once per
+    shard of a dead device, the tier healthy, and the pages of the shards it could not list were never
+    indexed (found by the review of what an operator sees)."""
+    pages, keys = _stored(tier_dirs[:1], 6)
+    listed, entries = [], scan_module.shard_entries
+
+    def failing_once(layout, shard):
+        listed.append(shard)
+        if len(listed) == 2:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), shard)
+        return entries(layout, shard)
+
+    monkeypatch.setattr(scan_module, "shard_entries", failing_once)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock, tier_retry=1) as engine:
+        _release(engine)
+        assert not engine.tiers[0].healthy and engine.scan["tiers"][0]["stopped"].startswith("tier failed")
+        clock.advance(1)  # the back-off: the next call probes it, and it rejoins
+        pages.checked_get(engine, keys[:1])
+        assert engine.tiers[0].healthy and engine.wait_scan(WAIT_S)
+        assert listed[2] == listed[1]  # (the shard that failed, listed again first)
+        assert pages.checked_get(engine, keys) == [True] * 6
+
