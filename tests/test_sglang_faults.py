@@ -130,6 +130,8 @@ def test_tier_io_errors_and_corruption_fall_back_to_the_replica(plugin_loaded, t
     labels = dict(drv.storage._exporter.labels, tier="0")
     name = {"errors": "kvstream:tier_errors_total", "corrupted": "kvstream:tier_corrupted_pages_total"}[counter]
     assert (REGISTRY.get_sample_value(name, labels) or 0) > 0
+    if counter == "errors":  # (EIO fails the tier: counted, also once it is back between two scrapes)
+        assert REGISTRY.get_sample_value("kvstream:tier_failures_total", labels) == stats["tiers"][0]["failures"] >= 1
     assert drv.threads_alive()
 
 

@@ -17,6 +17,8 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_fallbacks_total``           counter    reads of pages this tier failed, retried on a replica
 ``kvstream:tier_corrupted_pages_total``     counter    copies on the tier that failed verification
 ``kvstream:tier_errors_total``              counter    I/O errors on the tier
+``kvstream:tier_failures_total``            counter    times the tier was taken out of service (failed)
+``kvstream:tier_write_timeouts_total``      counter    times the tier's writes or calls went write_timeout without an answer
 ``kvstream:tier_evictions_total``           counter    pages evicted from the tier (capacity)
 ``kvstream:tier_replica_skips_total``       counter    new pages whose replica the tier skipped (replicate=budget)
 ``kvstream:tier_replica_skip_bytes_total``  counter    bytes of those replicas
@@ -53,6 +55,8 @@ TIER_COUNTERS = {
     "replica_retries": "tier_fallbacks",
     "corrupted": "tier_corrupted_pages",
     "errors": "tier_errors",
+    "failures": "tier_failures",
+    "write_timeouts": "tier_write_timeouts",
     "evictions": "tier_evictions",
     "replica_skipped_pages": "tier_replica_skips",
     "replica_skipped_bytes": "tier_replica_skip_bytes",
@@ -70,6 +74,10 @@ TIER_DOCS = {
     "tier_fallbacks": "Page reads this tier failed that were retried on another replica.",
     "tier_corrupted_pages": "Copies on the tier that failed header or checksum verification.",
     "tier_errors": "I/O errors on the tier.",
+    "tier_failures": "Times the tier was taken out of service (an I/O error of the tier, its directory gone, a "
+                     "call it did not answer): a failure that healed between two scrapes shows here.",
+    "tier_write_timeouts": "Times the tier's writes in flight, or a call around them on a tier that may hang, went "
+                           "write_timeout without an answer (the tier then failed).",
     "tier_evictions": "Pages evicted from the tier to stay within its capacity.",
     "tier_replica_skips": "New pages whose replica this tier skipped: its writes would have drained after the "
                           "home copy's and the slack (replicate=budget); not a failure.",
