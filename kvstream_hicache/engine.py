@@ -281,7 +281,8 @@ class Engine:
         """Remove ``keys`` from the index and from every tier (a missing file is already gone), the
         copies the index never learned of too (another node's, one the start-up scan has not read yet:
         found again by the next lookup, they made a delete a no-op); returns how many keys were held.
-        Writes wait meanwhile; a read in progress keeps its pins."""
+        A failed tier's copy goes before the tier serves again (Tier.owe_delete). Writes wait meanwhile;
+        a read in progress keeps its pins."""
         self._check_open()
         held = 0
         with self._writes.exclusive():
@@ -293,6 +294,8 @@ class Engine:
                     if listed or tier.healthy and is_valid_key(key):
                         tier.unlink_page(key)
                         self.index.file_removed(key, tier.k)
+                    if not tier.healthy and is_valid_key(key):  # (failed, before or by this removal: its
+                        tier.owe_delete(key)  # copy, if any, goes before it serves again)
         return held
 
     def register_memory(self, address: int, nbytes: int) -> bool:

@@ -115,6 +115,7 @@ class Tier:
         # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
         # failing during one) still holds the pages cleared, and removes them before it rejoins
         self._clears = self._cleared = 0
+        self._deletes: set[str] = set()  # keys whose delete() it missed while failed: removed before it serves
         self._dirs: set[str] = set()  # page directories known to exist
         self.mount_point = mount_point(self.layout.base)
         self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
@@ -173,6 +174,8 @@ class Tier:
                 ok, why = False, self.last_error
             if ok and self._cleared != self._clears:  # a clear() skipped it while it was probed: done
                 ok, why = False, "a clear() came while it rejoined"  # at the next probe, before it serves
+            if ok and self._deletes:  # (likewise a delete())
+                ok, why = False, "a delete() came while it rejoined"
             if ok:
                 self.healthy = True
                 self._backoff = self.retry_s
@@ -289,6 +292,8 @@ class Tier:
         self._dirs.update((self.layout.tmp, self.layout.pages))
         if not self._clear_owed():  # (before it serves: never a page cleared meanwhile)
             return False, f"the clear() it missed while failed did not finish: {self.last_error}"
+        if not self._deletes_owed():  # (nor one deleted: found again by a lookup, it would be served)
+            return False, f"a delete() it missed while failed did not finish: {self.last_error}"
         return True, ""
 
     def _recheck(self) -> str | None:
@@ -465,6 +470,26 @@ class Tier:
                         "serves again", self.k, self.root)
         else:
             self._remove_pages()
+
+    def owe_delete(self, key: str) -> None:
+        """A delete() of ``key`` this tier, failed, may not have done: its file, left, would be found again
+        by a lookup once the tier is back and served. Done before it serves again (:meth:`_probe`), as a
+        clear() it missed. (Kept in memory only, as a clear owed: a restart forgets it.)"""
+        with self._lock:
+            self._deletes.add(key)
+
+    def _deletes_owed(self) -> bool:
+        """A failed tier about to rejoin: the deletes it missed are done. False: a removal failed for a
+        tier error: it stays out."""
+        with self._lock:
+            keys, errors = list(self._deletes), self._errors
+        for key in keys:
+            self.unlink_page(key)  # (a file not kvstream's under the name stays, as a delete leaves it)
+            if self._errors != errors:
+                return False
+            with self._lock:
+                self._deletes.discard(key)
+        return True
 
     def _clear_owed(self) -> bool:
         """A failed tier about to rejoin: the clear()s it missed are done (now, if owed). False: it

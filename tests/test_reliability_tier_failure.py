@@ -536,3 +536,33 @@ def test_forced_probes_during_a_short_outage_do_not_push_the_back_off_to_its_max
         assert pages.checked_get(engine, [p]) == [True]
     finally:
         engine.close()
+
+
+def test_a_page_deleted_while_its_tier_is_read_only_is_not_served_again_after_the_tier_rejoins(loop_fs, tier_root):
+    """delete() removes "every copy off the index and the tiers" (docs/design.md, Engine.delete; LMCache's
+    delete: "removes every tier's copy"). Tier 0 is remounted read-only (a file system that went
+    read-only after an error, as ext4's errors=remount-ro does): the delete's unlink there fails (EROFS),
+    the tier fails, the key leaves the index but its file stays. Once the file system is writable again
+    and the tier rejoins, the delete it missed is done before it serves (Tier.owe_delete, as a clear() it
+    missed). Before, the next lookup discovered the file and the deleted page was found and served
+    again (found by the review's randomized stress of local tiers under faults)."""
+    fs = loop_fs(16 << 20, "ro")
+    other = os.path.join(tier_root, "disk")
+    os.makedirs(other)
+    tier0 = os.path.join(fs.mnt, "tier")
+    os.mkdir(tier0, 0o700)
+    pages = PageSet(64 << 10, salt="deleted")
+    k = pages.keys(1)
+    clock = FakeClock()
+    with make_engine([tier0, other], clock=clock, replicate="all") as engine:
+        assert pages.put(engine, k) == [True] and engine.index.holders(k[0]) == 0b11
+        fs.remount("ro")
+        try:
+            assert engine.delete(k) == 1  # never raises: tier 0 fails (EROFS), tier 1's copy goes
+        finally:
+            fs.remount("rw")
+        clock.advance(1000)  # past the back-off: the tier rejoins at the next call
+        assert engine.prefix_len(k) == 0, "a deleted page is found again by prefix_len"
+        assert pages.checked_get(engine, k) == [False], "a deleted page is served again"
+        assert engine.stats()["tiers"][0]["healthy"]
+        assert engine.check() == []
