@@ -35,18 +35,21 @@ import itertools
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 
 from .bounded import BoundedCalls
 from .fds import close_fd
-from .integrity import ScannedPage, open_direct, scan_file, shard_entries, shards
+from .integrity import (
+    HeaderError, NotRegularFile, ScannedPage, open_direct, read_header, scan_file, shard_entries, shards,
+)
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import local_fs
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import (
-    check_dir, describe, dir_error, dir_findings, establish, link_new, list_below, make_dir, open_below, remove,
-    root_problem,
+    check_dir, describe, dir_error, dir_findings, establish, identity, link_new, list_below, make_dir, open_below,
+    remove, root_problem, same_file,
 )
 
 log = logging.getLogger("kvstream")
@@ -115,7 +118,8 @@ class Tier:
         # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
         # failing during one) still holds the pages cleared, and removes them before it rejoins
         self._clears = self._cleared = 0
-        self._deletes: set[str] = set()  # keys whose delete() it missed while failed: removed before it serves
+        self._deletes: dict[str, int] = {}  # key -> when (time_ns) a delete() it missed while failed came:
+        # the copy written before that is removed before it serves
         self._dirs: set[str] = set()  # page directories known to exist
         self.mount_point = mount_point(self.layout.base)
         self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
@@ -476,19 +480,32 @@ class Tier:
         by a lookup once the tier is back and served. Done before it serves again (:meth:`_probe`), as a
         clear() it missed. (Kept in memory only, as a clear owed: a restart forgets it.)"""
         with self._lock:
-            self._deletes.add(key)
+            self._deletes[key] = time.time_ns()
 
     def _deletes_owed(self) -> bool:
-        """A failed tier about to rejoin: the deletes it missed are done. False: a removal failed for a
-        tier error: it stays out."""
+        """A failed tier about to rejoin: the deletes it missed are done, each removing only a page
+        written before it (its header's ``created``): on a shared tier another process may have put the
+        key again since, and that acknowledged page stays. (The clocks of two nodes are compared: NTP's
+        milliseconds decide only for a put that came that close to the delete.) A file that is no valid
+        page stays for the scan or a read to judge, and a file not kvstream's as a delete leaves it.
+        False: a look or a removal failed for a tier error: it stays out."""
         with self._lock:
-            keys, errors = list(self._deletes), self._errors
-        for key in keys:
-            self.unlink_page(key)  # (a file not kvstream's under the name stays, as a delete leaves it)
+            owed, errors = dict(self._deletes), self._errors
+        for key, when in owed.items():
+            path = self.layout.page_path(key)
+            try:
+                header, st = read_header(path, self.trust)
+                if header.created_ns < when:
+                    self.unlink_page(key, same_file(identity(st)))  # (that file only: trust.remove)
+            except (HeaderError, NotRegularFile, FileNotFoundError):
+                pass
+            except OSError as exc:
+                self.fail(exc.errno or errno.EIO, f"look at {key} to delete it")
             if self._errors != errors:
                 return False
             with self._lock:
-                self._deletes.discard(key)
+                if self._deletes.get(key) == when:  # (not deleted again meanwhile)
+                    del self._deletes[key]
         return True
 
     def _clear_owed(self) -> bool:

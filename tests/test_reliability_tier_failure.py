@@ -566,3 +566,32 @@ def test_a_page_deleted_while_its_tier_is_read_only_is_not_served_again_after_th
         assert pages.checked_get(engine, k) == [False], "a deleted page is served again"
         assert engine.stats()["tiers"][0]["healthy"]
         assert engine.check() == []
+
+
+def test_an_owed_delete_never_removes_a_page_another_process_put_after_the_delete(tier_dirs):
+    """guarantees.md 7: "Every page a process's put acknowledged stays findable by every process sharing
+    the tier that holds it, until it is evicted". Process A's view of the shared tier fails (a client
+    disconnected: EIO/ENOTCONN there); A deletes key K (the shared tier owes the delete: Tier.owe_delete).
+    Process B then puts K again on the shared tier, acknowledged. When A's tier rejoins, the owed delete
+    removes only a copy written before it (its header's time): B's page stays (before: the owed delete
+    removed whatever the name held, B's acknowledged page, a miss in B which lists it; found by the
+    review of this stop's later changes)."""
+    local, shared = tier_dirs[0], tier_dirs[1]
+    pages = PageSet(64 << 10, salt="owed-shared")
+    k = pages.keys(1)
+    other = pages.keys(1, start=1)
+    clock = FakeClock()
+    with make_engine([local, shared], clock=clock, replicate="all") as engine_a:
+        assert pages.put(engine_a, k) == [True]
+        assert engine_a.index.holders(k[0]) == 0b11
+        assert engine_a.tiers[1].fail(errno.EIO, "the shared tier's client lost its server (test)")
+        assert engine_a.delete(k) == 1  # the shared tier, failed: owes the delete
+        with make_engine([shared], discover=False) as engine_b:
+            assert pages.put(engine_b, k) == [True]  # acknowledged, after A's delete
+            assert pages.checked_get(engine_b, k) == [True]
+            clock.advance(1000)  # A's tier is due: the next call probes it, it rejoins
+            assert engine_a.prefix_len(other) == 0  # (SGLang's hit query: probes the tier)
+            assert engine_a.stats()["tiers"][1]["healthy"]
+            assert pages.checked_get(engine_b, k) == [True], (
+                "a page another process put after the delete was removed by the delete A's tier owed")
+            assert engine_a.prefix_len(k) == 1  # and A finds B's page too (discovery indexes it)
