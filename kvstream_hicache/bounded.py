@@ -52,7 +52,8 @@ class _Call:
 
 
 class BoundedCalls:
-    """Calls on one tier's file system, waited for at most ``timeout`` s (0: no limit, called in place).
+    """Calls on one tier's file system, waited for at most ``timeout`` s (0: no limit, called in place;
+    inf: no limit of its own, only a caller's ``within``).
 
     :param name: the tier, for messages and the thread's name.
     """
@@ -93,7 +94,7 @@ class BoundedCalls:
             raise OSError(errno.ETIME, f"no time left for a call on {self.name} (read_timeout)")
         call = _Call(fn, args, late)
         self._put(call)
-        if not call.done.wait(wait):
+        if not call.done.wait(None if wait == float("inf") else wait):  # (inf: no deadline but the caller's)
             try:
                 call.claim.pop()  # given up on: the thread hands the result to ``late``
                 if wait < self.timeout:  # (the caller's time, not the tier's: hung() judges the tier later)

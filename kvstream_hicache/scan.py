@@ -236,7 +236,7 @@ class BackgroundScan:
         except OSError as exc:  # the namespace directory is a link or a file (never followed: trust.py),
             names = []  # or the tier failed as it was listed (EIO, ...): then its scan goes on once it is back
             tier.fail(exc.errno or errno.EIO, f"list {layout.pages}")
-            if not self._failed(part):
+            if not self._failed(part, at):  # (a resumed scan keeps the shard it goes on from)
                 part.stopped = f"namespace directory unusable: {os.strerror(exc.errno or 0)}"
                 log.warning("kvstream: background scan of tier %d: %s: %s", tier.k, layout.pages, part.stopped)
         part.shards = len(names)

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.bounded import BoundedCalls
 from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ
@@ -209,3 +210,41 @@ def test_a_get_whose_read_timeout_is_spent_never_fails_the_tier_it_just_found_ba
             f"tier 0 answered its probe and rejoined, then was failed by an open given no time "
             f"(the get's read_timeout was spent): last_error {t0.last_error!r}, failures {failures} -> "
             f"{t0.failures}")
+
+
+def test_a_get_whose_open_hangs_returns_at_read_timeout_when_write_timeout_is_0(overlay_tier, monkeypatch):
+    """guarantees.md ("A tier stalls"; "The calls around the writes"): a get's open of a page file on a
+    tier that may hang is "waited for at most `write_timeout` or what is left of the get's
+    `read_timeout`, whichever ends first"; `read_timeout` "bounds the rest: what had not started by then
+    is a miss". With write_timeout=0 ("forever", design.md's settings table) read_timeout still ends
+    first, so a get whose open hangs returns (a miss) soon after read_timeout. The open here hangs until
+    the test lets it go (60 s at most). Before, write_timeout=0 made the tier's read thread call in place,
+    bounded by nothing (found by the review of this stop's docs against the code)."""
+    pages = PageSet()
+    keys = pages.keys(1)
+    release, entered = threading.Event(), threading.Event()
+    real = tiers_module.open_direct
+
+    def hung_open(*args, **kw):
+        entered.set()
+        release.wait(60)
+        return real(*args, **kw)
+
+    with make_engine([overlay_tier], write_timeout=0, read_timeout=0.5, tier_retry=600) as engine:
+        assert not engine.tiers[0].local
+        assert pages.put(engine, keys) == [True]
+        monkeypatch.setattr(tiers_module, "open_direct", hung_open)
+        got = []
+        getter = threading.Thread(target=lambda: got.append(pages.get(engine, keys)[0]), daemon=True)
+        try:
+            getter.start()
+            assert entered.wait(10), "the get never opened the page"
+            getter.join(10)  # 20 x read_timeout
+            returned = not getter.is_alive()
+        finally:
+            release.set()
+            getter.join(60)
+            monkeypatch.undo()
+        assert returned, ("a get with read_timeout=0.5 was still in a hung open of its page file 10 s later "
+                          "(write_timeout=0: Tier.reads runs the open in place, bounded by nothing)")
+        assert got == [[False]]

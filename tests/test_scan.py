@@ -524,3 +524,45 @@ def test_a_shard_whose_listing_fails_the_device_fails_the_tier_and_is_scanned_on
         assert listed[2] == listed[1]  # (the shard that failed, listed again first)
         assert pages.checked_get(engine, keys) == [True] * 6
 
+
+def test_a_scan_resumed_twice_never_reads_again_the_shards_read_whole_before(tier_dirs, monkeypatch):
+    """design.md ("Index, capacity, eviction, start-up"): once a tier that failed during its scan is back,
+    its scan is resumed "from the shard it was reading when it failed (every shard before it was read
+    whole)"; guarantees.md: "from the shard it was reading ... (the shards read whole before are not read
+    again)". Here the tier fails as the scan reads its third shard; once back, the resumed scan fails again
+    as it lists the namespace (an EIO of the device, test_scan.py's own injection); once back again, the
+    scan goes on from the third shard. Before, it went on from the first: the namespace-listing path of
+    scan._scan_tier called ``self._failed(part)`` without ``at``, and every shard read whole before was
+    read again, minutes of reads on a tier of a million pages (found by the review of this stop's docs)."""
+    pages, keys = _stored(tier_dirs[:1], 12)
+    shards = sorted({k[:2] for k in keys})
+    assert len(shards) >= 4
+    read, engines = _failing_at_the_third_shard(monkeypatch)
+    listings, real_shards = [], scan_module.shards
+
+    def failing_second_listing(layout):
+        listings.append(1)
+        if len(listings) == 2:  # the first resumed scan's listing of the namespace
+            engines[0].tiers[0].fail(errno.EIO, "the device in trouble again as the resumed scan lists")
+            raise OSError(errno.EIO, os.strerror(errno.EIO), layout.pages)
+        return real_shards(layout)
+
+    monkeypatch.setattr(scan_module, "shards", failing_second_listing)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock, tier_retry=1) as engine:
+        engines.append(engine)
+        _release(engine)
+        assert engine.scan["tiers"][0]["stopped"].startswith("tier failed") and read == shards[:3]
+        clock.advance(1)
+        pages.checked_get(engine, keys[:1])  # back: the scan resumes, and its listing fails the tier again
+        wait_until(lambda: len(listings) == 2 and engine._scan.unfinished & 1,
+                   what="the resumed scan never stopped on its failed listing")
+        assert not engine.tiers[0].healthy and read == shards[:3]
+        clock.advance(1)
+        assert pages.checked_get(engine, keys[:1]) == [True]  # back again: the scan resumes once more
+        assert engine.tiers[0].healthy and engine.wait_scan(WAIT_S)
+        assert engine.index.pages_on(0) == 12
+        again = read[3:]
+        assert again == shards[2:], (
+            f"the scan resumed after its second stop read {len(again)} shards where {len(shards) - 2} were left "
+            f"(from {shards[2]!r}, the shard it was reading when it first failed): {again}")

@@ -18,7 +18,7 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_corrupted_pages_total``     counter    copies on the tier that failed verification
 ``kvstream:tier_errors_total``              counter    I/O errors on the tier
 ``kvstream:tier_failures_total``            counter    times the tier was taken out of service (failed)
-``kvstream:tier_write_timeouts_total``      counter    times the tier's writes or calls went write_timeout without an answer
+``kvstream:tier_write_timeouts_total``      counter    tier writes (or writer's calls) left write_timeout unanswered
 ``kvstream:tier_evictions_total``           counter    pages evicted from the tier (capacity)
 ``kvstream:tier_replica_skips_total``       counter    new pages whose replica the tier skipped (replicate=budget)
 ``kvstream:tier_replica_skip_bytes_total``  counter    bytes of those replicas
@@ -76,8 +76,9 @@ TIER_DOCS = {
     "tier_errors": "I/O errors on the tier.",
     "tier_failures": "Times the tier was taken out of service (an I/O error of the tier, its directory gone, a "
                      "call it did not answer): a failure that healed between two scrapes shows here.",
-    "tier_write_timeouts": "Times the tier's writes in flight, or a call around them on a tier that may hang, went "
-                           "write_timeout without an answer (the tier then failed).",
+    "tier_write_timeouts": "Times the tier's writes in flight, or a writer's call on it (create, commit, directory "
+                           "sync) on a tier that may hang, went write_timeout without an answer (the tier then "
+                           "failed; other calls that time out show in tier_failures).",
     "tier_evictions": "Pages evicted from the tier to stay within its capacity.",
     "tier_replica_skips": "New pages whose replica this tier skipped: its writes would have drained after the "
                           "home copy's and the slack (replicate=budget); not a failure.",
