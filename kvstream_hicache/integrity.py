@@ -199,6 +199,9 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
+_NODE_ERRNOS = frozenset({errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP})  # what opening a special file may answer
+
+
 def file_kind(mode: int) -> str:
     """'a directory', 'a FIFO (named pipe)', ... for an ``st_mode`` that is not a regular file's."""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
@@ -220,6 +223,10 @@ def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotRegularFile(errno.EINVAL, "a symbolic link", path) from None
+        if exc.errno in _NODE_ERRNOS:  # a socket (ENXIO), a device without its driver: the entry's, not the tier's
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFile(errno.EINVAL, file_kind(st.st_mode), path) from None
         raise
     try:
         st = os.fstat(fd)

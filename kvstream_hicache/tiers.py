@@ -41,15 +41,15 @@ from collections.abc import Callable
 from .bounded import BoundedCalls
 from .fds import close_fd
 from .integrity import (
-    HeaderError, NotRegularFile, ScannedPage, open_direct, read_header, scan_file, shard_entries, shards,
+    HeaderError, NotRegularFile, ScannedPage, UntrustedFile, open_direct, read_header, scan_file, shard_entries, shards,
 )
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import local_fs
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import (
-    check_dir, describe, dir_error, dir_findings, establish, identity, link_new, list_below, make_dir, open_below,
-    remove, root_problem, same_file,
+    check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
+    not_a_file, open_below, remove, root_problem, same_file,
 )
 
 log = logging.getLogger("kvstream")
@@ -496,9 +496,13 @@ class Tier:
             path = self.layout.page_path(key)
             try:
                 header, st = read_header(path, self.trust)
-                if header.created_ns < when:
+                if header.created_ns < when or header.created_ns > honest_until():  # (a claim, not a time)
                     self.unlink_page(key, same_file(identity(st)))  # (that file only: trust.remove)
-            except (HeaderError, NotRegularFile, FileNotFoundError):
+            except UntrustedFile:  # (another owner's: a delete leaves it)
+                pass
+            except NotRegularFile:  # a socket, a FIFO, ...: a stray under the deleted key's name goes
+                self.unlink_page(key, not_a_file)
+            except (HeaderError, FileNotFoundError):
                 pass
             except OSError as exc:
                 self.fail(exc.errno or errno.EIO, f"look at {key} to delete it")

@@ -12,11 +12,12 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import threading
 
 import pytest
 
-from kvstream_hicache import check_tiers
+from kvstream_hicache import check_tiers, puts
 from kvstream_hicache.index import SETTLE_CHUNK, Index
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
@@ -595,3 +596,81 @@ def test_an_owed_delete_never_removes_a_page_another_process_put_after_the_delet
             assert pages.checked_get(engine_b, k) == [True], (
                 "a page another process put after the delete was removed by the delete A's tier owed")
             assert engine_a.prefix_len(k) == 1  # and A finds B's page too (discovery indexes it)
+
+
+def _plant_socket(path: str) -> None:
+    os.mknod(path, stat.S_IFSOCK | 0o600)  # (what bind() leaves: a socket inode; open() answers ENXIO)
+
+
+def test_a_socket_under_a_page_name_whose_delete_is_owed_never_keeps_the_tier_out(tier_dirs):
+    """guarantees.md (Hostile files): "A FIFO, socket or device under a page's name ... reads, start-up
+    and check see a stray, remove it ..., and keep the tier healthy". Tier 1 fails; key K is deleted
+    (the delete is owed there); a socket has K's page name on tier 1 (planted, or left by anything). When
+    the tier rejoins, the owed delete opens the name to read its header (integrity.read_header): opening
+    a socket answers ENXIO, which open_regular now tells apart as the entry's (a stray: removed, as the
+    delete would); before, ENXIO reached Tier._deletes_owed as a tier errno, which failed the tier at
+    every probe, for good (found by the review of this stop's last changes)."""
+    pages = PageSet(64 << 10, salt="owed-socket")
+    k = pages.keys(1)
+    other = pages.keys(1, start=1)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:2], clock=clock, replicate="all", catchup="off") as engine:
+        assert pages.put(engine, k) == [True] and engine.index.holders(k[0]) == 0b11
+        assert engine.tiers[1].fail(errno.EIO, "the tier's client lost its server (test)")
+        assert engine.delete(k) == 1  # tier 1, failed: owes the delete
+        path = engine.tiers[1].layout.page_path(k[0])
+        if os.path.lexists(path):  # (the delete removed it: the tier answered, only marked failed)
+            os.unlink(path)
+        _plant_socket(path)  # a socket under the page's name
+        try:
+            for _ in range(3):
+                clock.advance(1000)  # past every back-off: the next call probes the tier
+                engine.prefix_len(other)
+            st = engine.stats()["tiers"][1]
+            assert st["healthy"], f"a socket under a page's name keeps the tier out: {engine.tiers[1].last_error}"
+        finally:
+            if os.path.lexists(path):
+                os.unlink(path)
+
+
+class _ClockAhead:
+    """puts.py's ``time``: a wall clock a day ahead (a host booted with a wrong clock, before NTP stepped it
+    back); everything else as the time module."""
+
+    def __getattr__(self, name):
+        import time
+        return getattr(time, name)
+
+    @staticmethod
+    def time_ns() -> int:
+        import time
+        return time.time_ns() + 86400 * 10**9
+
+
+def test_an_owed_delete_removes_a_page_whose_header_claims_a_time_in_the_future(tier_dirs, monkeypatch):
+    """delete() removes every copy (Engine.delete: a failed tier's copy goes before the tier serves
+    again), and a header's ``created`` more than CLOCK_SKEW_NS ahead is "a claim, not a time"
+    (trust.age_key/honest_until; design.md: "a created more than 5 minutes in the future never wins").
+    One process, one host: K is put while the host's clock is a day ahead (stepped back since); tier 1
+    fails; K is deleted (owed there); the tier rejoins. The owed delete compares the header's claim with
+    the delete's time and takes a claim beyond honest_until for no time: the page goes (before: it was
+    kept, and the deleted page was found and served again; found by the review of this stop's last
+    changes)."""
+    pages = PageSet(64 << 10, salt="owed-future")
+    k = pages.keys(1)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:2], clock=clock, replicate="all", catchup="off") as engine:
+        monkeypatch.setattr(puts, "time", _ClockAhead())
+        assert pages.put(engine, k) == [True] and engine.index.holders(k[0]) == 0b11
+        monkeypatch.undo()  # the clock is stepped back
+        path = engine.tiers[1].layout.page_path(k[0])
+        with open(path, "rb") as f:
+            saved = f.read()
+        assert engine.tiers[1].fail(errno.EIO, "the tier's client lost its server (test)")
+        assert engine.delete(k) == 1  # tier 1, failed: owes the delete
+        if not os.path.exists(path):  # (the tier answered the unlink: its copy, as a failed tier keeps it)
+            with open(path, "wb") as f:
+                f.write(saved)
+        clock.advance(1000)  # past the back-off: the tier rejoins at the next call
+        assert engine.prefix_len(k) == 0, "a deleted page is found again (its header claims a future time)"
+        assert engine.stats()["tiers"][1]["healthy"]
