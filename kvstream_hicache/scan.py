@@ -18,7 +18,8 @@ When every tier is scanned, ``done()`` runs (the engine's: background replicatio
 tier the pages it lacks, replication.py; only then is it known what a tier lacks).
 
 A tier that fails during its scan ends it (its tree is unusable meanwhile). When it is back, the
-engine's next call that meets it (``Engine._discover``) has it scanned on (:meth:`BackgroundScan.resume`),
+engine's next call that may look a key up (``Engine._discover``), or a wait for the scan (``check()``),
+has it scanned on (:meth:`BackgroundScan.resume`),
 from the shard it was reading when it failed, on a thread of its own paced as the start-up scan: the
 scan is not done until that ends (discovery stays on, whatever the ``discover`` setting, and
 ``done()`` runs again at its end). Else the pages it had not read were never indexed: with
