@@ -199,7 +199,10 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-_NODE_ERRNOS = frozenset({errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP})  # what opening a special file may answer
+# What opening a special file may answer: a socket ENXIO, a device without its driver ENXIO or ENODEV, any
+# device on a nodev mount (/tmp, removable, many network mounts) EACCES, in a device cgroup EPERM. Each is
+# also a tier's error for a regular file: the entry's lstat tells which (open_regular).
+_NODE_ERRNOS = frozenset({errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EACCES, errno.EPERM})
 
 
 def file_kind(mode: int) -> str:
@@ -223,7 +226,7 @@ def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotRegularFile(errno.EINVAL, "a symbolic link", path) from None
-        if exc.errno in _NODE_ERRNOS:  # a socket (ENXIO), a device without its driver: the entry's, not the tier's
+        if exc.errno in _NODE_ERRNOS:  # a socket, a device: the entry's, not the tier's (_NODE_ERRNOS)
             st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFile(errno.EINVAL, file_kind(st.st_mode), path) from None
