@@ -194,8 +194,17 @@ def _nodev(path: str):
         subprocess.run(["umount", "-l", path], check=False, capture_output=True)
 
 
+def _device_in_place_of(engine, pages: PageSet, keys: list[str]) -> str:
+    """``keys`` stored on tier 0, then a char device under the first one's page name; its path."""
+    assert pages.put(engine, keys) == [True] * len(keys)
+    path = engine.tiers[0].layout.page_path(keys[0])
+    _plant_device(path)
+    return path
+
+
 def _plant_device(path: str) -> None:
-    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(250, 250))  # a char device (on nodev: open answers EACCES)
+    os.unlink(path)
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(250, 250))  # (on a nodev mount its open answers EACCES)
 
 
 def test_a_get_that_meets_a_device_on_a_nodev_tier_keeps_the_tier_healthy(tier_dirs):
@@ -207,10 +216,7 @@ def test_a_get_that_meets_a_device_on_a_nodev_tier_keeps_the_tier_healthy(tier_d
     keys = pages.keys(1)
     with _nodev(tier_dirs[0]):
         with make_engine(tier_dirs[:2], catchup="off") as engine:
-            assert pages.put(engine, keys) == [True]
-            path = engine.tiers[0].layout.page_path(keys[0])
-            os.unlink(path)
-            _plant_device(path)
+            _device_in_place_of(engine, pages, keys)
             assert pages.checked_get(engine, keys, SingleTier(0)) == [True]  # (from tier 1)
             st = engine.stats()["tiers"][0]
             assert st["healthy"] and st["failures"] == 0, (
@@ -223,10 +229,7 @@ def test_check_fix_removes_a_device_under_a_page_name_on_a_nodev_tier(tier_dirs)
     keys = pages.keys(2)
     with _nodev(tier_dirs[0]):
         with make_engine(tier_dirs[:1], catchup="off") as engine:
-            assert pages.put(engine, keys) == [True, True]
-            path = engine.tiers[0].layout.page_path(keys[0])
-            os.unlink(path)
-            _plant_device(path)
+            path = _device_in_place_of(engine, pages, keys)
             problems = engine.check(fix=True)
             mine = [p for p in problems if p.path == path]
             assert mine and mine[0].kind == "stray" and mine[0].fixed, (
@@ -243,9 +246,8 @@ def test_start_up_scan_removes_a_device_under_a_page_name_on_a_nodev_tier(tier_d
     with _nodev(tier_dirs[0]):
         with make_engine(tier_dirs[:1], catchup="off") as engine:
             assert pages.put(engine, keys) == [True, True]
-            path = engine.tiers[0].layout.page_path(keys[0])
-        os.unlink(path)
-        _plant_device(path)
+        path = engine.tiers[0].layout.page_path(keys[0])
+        _plant_device(path)  # (while no engine is open: the scan of the next start meets it)
         with make_engine(tier_dirs[:1], catchup="off") as engine:
             st = engine.stats()["tiers"][0]
             assert st["healthy"] and st["failures"] == 0, (
