@@ -351,6 +351,22 @@ def _stop_brick(fs) -> subprocess.Popen:
     return rescue
 
 
+def _held_until_the_brick_stops(fs, plan, tier: str, opcode: int, call,
+                                rescue: list) -> tuple[threading.Thread, list]:
+    """``call()`` in a thread of its own whose first ``opcode`` on ``tier`` is held in the ring (its file
+    open) until the brick stops (``rescue`` gets _stop_brick's child); the ops that follow hang in the
+    kernel. Returns the thread and its result (a list: empty until ``call`` returns)."""
+    plan.on(tier, Fault.hold(), opcode=opcode)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()))
+    thread.start()
+    wait_for_fault(plan)
+    rescue.append(_stop_brick(fs))
+    plan.clear()
+    plan.release()
+    return thread, result
+
+
 def _resume(fs, engine, rescue: subprocess.Popen | None = None) -> None:
     """The brick resumes (the ping timeout back to its default); the background close then ends."""
     if rescue is not None:
@@ -411,16 +427,10 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
     plan = TierFaultPlan()
     fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
     engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, fault_plan=plan)
-    rescue = None
+    rescue: list = []
     try:
-        plan.on(a[1], Fault.hold(), opcode=OP_WRITE)
-        result: list = []
-        writer = threading.Thread(target=lambda: result.append(pages.put(engine, keys)))
-        writer.start()
-        wait_for_fault(plan)
-        rescue = _stop_brick(fs)
-        plan.clear()
-        plan.release()
+        writer, result = _held_until_the_brick_stops(fs, plan, a[1], OP_WRITE, lambda: pages.put(engine, keys),
+                                                     rescue)
         writer.join(WAIT_S)
         assert not writer.is_alive(), "the put waited for a hung tier"
         assert result == [[True]]
@@ -431,7 +441,7 @@ def test_a_put_answers_at_write_timeout_while_the_brick_hangs(dfs):
         assert pages.checked_get(engine, keys, SingleTier(0)) == [True]
         _close_while_hung(engine)
     finally:
-        _resume(fs, engine, rescue)
+        _resume(fs, engine, *rescue)
     assert not tmp_files(a[1])
 
 
@@ -520,24 +530,18 @@ def test_a_get_whose_reads_hang_on_the_brick_answers_from_the_other_tier(dfs):
     plan = TierFaultPlan()
     fs.cli("volume", "set", fs.volume, "network.ping-timeout", "600")
     engine = make_engine(a, replicate="all", write_timeout=1.0, tier_retry=600, fault_plan=plan)
-    rescue = None
+    rescue: list = []
     try:
         assert pages.put(engine, keys) == [True]
-        plan.on(a[1], Fault.hold(), opcode=OP_READ)
-        result: list = []
-        reader = threading.Thread(target=lambda: result.append(pages.checked_get(engine, keys)))
-        reader.start()
-        wait_for_fault(plan)
-        rescue = _stop_brick(fs)
-        plan.clear()
-        plan.release()
+        reader, result = _held_until_the_brick_stops(fs, plan, a[1], OP_READ, lambda: pages.checked_get(engine, keys),
+                                                     rescue)
         reader.join(WAIT_S / 2)
         assert not reader.is_alive(), "the get waited for a hung tier's reads"
         assert result == [[True]]
         assert engine.stats()["read_timeouts"] == 0
         _close_while_hung(engine)
     finally:
-        _resume(fs, engine, rescue)
+        _resume(fs, engine, *rescue)
 
 
 def _payload(path: str) -> bytes:
@@ -698,6 +702,6 @@ def test_a_get_whose_open_answers_estale_as_the_brick_hangs_answers_from_the_oth
         assert not second.is_alive(), "a get waited behind the read lock a hung listing holds"
         assert results == {0: [True], 1: [True]}
     finally:
-        _resume(fs, engine, rescue[0] if rescue else None)
+        _resume(fs, engine, *rescue)
         first.join(WAIT_S)
         second.join(WAIT_S)
