@@ -56,6 +56,7 @@ from .index import Index
 from .integrity import Problem, Reason, ScannedPage, check_tier
 from .io import RING_ENTRIES, ThreadRing, forks, memlock_hint, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
+from .owed import OwedClears
 from .priority import ReadPriority
 from .reads import ReadPath
 from .replication import PROMOTE_SHARE, Replicator
@@ -167,6 +168,8 @@ class Engine:
         self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
                            self._token, clock, _weak(self._reconcile, ""), source, owners[k], config.write_timeout)
                       for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
+        self._owed = OwedClears(self.tiers, namespace.digest)
+        self._owed.recall()  # (before the scan and any lookup: a tier that owes a clear serves nothing)
         self.index = Index([t.capacity for t in self.tiers])
         self._stats = Stats(len(self.tiers))
         rings = []
@@ -374,6 +377,7 @@ class Engine:
             self.index.clear()
             for tier in self.tiers:
                 tier.clear()
+        self._owed.note()  # (the tiers that missed it: written down, so a restart does not forget)
 
     def close(self) -> None:
         """Wait briefly for orphan reads, close the rings and free buffers. Idempotent. A call running
@@ -595,6 +599,7 @@ class Engine:
         tier back must not wait for it (it did). Until then a read of a lost page fails over to a
         replica and forgets that copy, as for any copy that vanished."""
         scan = getattr(self, "_scan", None)
+        self._owed.note()  # (its clear owed, if any, is done: _probe)
         threading.Thread(target=_forget_lost, args=(tier, self.index, self._replicas, scan),
                          name="kvstream-rejoin", daemon=True).start()
         return ""

@@ -177,7 +177,7 @@ class Tier:
         with self._lock:
             if ok and self._errors != failures:  # failed again while probing: the probe is stale
                 ok, why = False, self.last_error
-            if ok and self._cleared != self._clears:  # a clear() skipped it while it was probed: done
+            if ok and self.clear_owed:  # a clear() skipped it while it was probed: done
                 ok, why = False, "a clear() came while it rejoined"  # at the next probe, before it serves
             if ok and self._deletes:  # (likewise a delete())
                 ok, why = False, "a delete() came while it rejoined"
@@ -203,17 +203,36 @@ class Tier:
         with self._lock:
             self.last_error = f"{what}: {os.strerror(err)}"
             self._errors += 1
-            if self.healthy:
-                self.healthy = False
-                self.failures += 1
-                self._backoff = self.retry_s
-                self._next_probe = self.clock() + self._backoff
-                self._vanished = vanished
-                self._next_look = self.clock() + LOOK_S
-                self._dirs.clear()
-                log.warning("kvstream: tier %d (%s) failed (%s); skipping it, next probe in %.0f s",
-                            self.k, self.root, self.last_error, self._backoff)
+            self._out(vanished, self.retry_s)
         return True
+
+    def owe_clear(self) -> None:
+        """A clear() this tier missed before the process started (owed.py recalls it): it is out now, and
+        at its first probe, due at once, removes its pages before it rejoins (as for a clear it misses
+        while failed)."""
+        with self._lock:
+            self._clears += 1
+            self.last_error = "it owes a clear() asked before this start (a restart while it was failed)"
+            self._out(False, 0.0)
+
+    @property
+    def clear_owed(self) -> bool:
+        """A clear() asked of this tier is not done on it yet (it was failed, or failed during it)."""
+        return self._cleared != self._clears
+
+    def _out(self, vanished: bool, delay: float) -> None:
+        """Healthy to failed (under the lock), the first probe ``delay`` s from now; logged once."""
+        if not self.healthy:
+            return
+        self.healthy = False
+        self.failures += 1
+        self._backoff = self.retry_s
+        self._next_probe = self.clock() + delay
+        self._vanished = vanished
+        self._next_look = self.clock() + LOOK_S
+        self._dirs.clear()
+        log.warning("kvstream: tier %d (%s) failed (%s); skipping it, next probe in %.0f s",
+                    self.k, self.root, self.last_error, delay)
 
     def gone(self, replaced: bool = True) -> bool:
         """``<tier>/kvstream`` is missing, or is on another device and no file system is mounted at
@@ -295,7 +314,7 @@ class Tier:
                 log.warning("kvstream: tier %d (%s) stays failed: %s", self.k, self.root, why)
             return False, why
         self._dirs.update((self.layout.tmp, self.layout.pages))
-        if not self._clear_owed():  # (before it serves: never a page cleared meanwhile)
+        if not self._do_owed_clear():  # (before it serves: never a page cleared meanwhile)
             return False, f"the clear() it missed while failed did not finish: {self.last_error}"
         if not self._deletes_owed():  # (nor one deleted: found again by a lookup, it would be served)
             return False, f"a delete() it missed while failed did not finish: {self.last_error}"
@@ -355,6 +374,10 @@ class Tier:
         :raises OSError: e.g. ENOENT."""
         return open_direct(self.layout.page_path(key), self.trust)
 
+    def fresh_tmp_name(self) -> str:
+        """A new name in ``tmp/`` for a file this engine writes there (start-up cleaning knows it: tmpfiles.py)."""
+        return tmp_name(os.path.basename(self.layout.pages), os.getpid(), self.token, next(self._seq))
+
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError: (ETIMEDOUT: the tier
         did not answer in time; the file, if the call makes it later, is removed then)"""
@@ -367,8 +390,7 @@ class Tier:
         # a directory of theirs: then the tier fails (ENOENT, gone) and nothing is written through it.
         if self._gone():
             raise FileNotFoundError(errno.ENOENT, "not the directory the tier checked (or missing)", self.layout.base)
-        path = os.path.join(self.layout.tmp, tmp_name(os.path.basename(self.layout.pages), os.getpid(),
-                                                      self.token, next(self._seq)))
+        path = os.path.join(self.layout.tmp, self.fresh_tmp_name())
         try:
             fd = os.open(path, TMP_FLAGS, self.file_mode)
         except FileNotFoundError:
@@ -466,7 +488,7 @@ class Tier:
     def clear(self) -> None:
         """Remove this namespace's page files from the tier (Engine.clear). A failed tier is not
         touched now: it removes them when it rejoins, before it serves again (:meth:`usable`), as does
-        one that fails during the clear. (Kept in memory only: a restart forgets a clear owed.)"""
+        one that fails during the clear. (Written down too, so a restart does not forget it: owed.py.)"""
         with self._lock:  # (counted and judged under the lock a rejoin turns healthy under)
             self._clears += 1
             failed = not self.healthy
@@ -479,7 +501,7 @@ class Tier:
     def owe_delete(self, key: str) -> None:
         """A delete() of ``key`` this tier, failed, may not have done: its file, left, would be found again
         by a lookup once the tier is back and served. Done before it serves again (:meth:`_probe`), as a
-        clear() it missed. (Kept in memory only, as a clear owed: a restart forgets it.)"""
+        clear() it missed. (Kept in memory only: a restart forgets it; the page a delete leaves is valid.)"""
         with self._lock:
             self._deletes[key] = time.time_ns()
 
@@ -513,10 +535,10 @@ class Tier:
                     del self._deletes[key]
         return True
 
-    def _clear_owed(self) -> bool:
+    def _do_owed_clear(self) -> bool:
         """A failed tier about to rejoin: the clear()s it missed are done (now, if owed). False: it
         failed again on the way (a listing or a removal): it stays out."""
-        return self._cleared == self._clears or self._remove_pages()
+        return not self.clear_owed or self._remove_pages()
 
     def _remove_pages(self) -> bool:
         """Remove this namespace's page files from the tier, as a delete removes one (trust.py: only

@@ -9,6 +9,7 @@ injected clock: no sleeps, no timing assertions.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -463,6 +464,94 @@ def test_pages_cleared_while_a_tier_was_failed_stay_cleared_when_it_rejoins(tier
         assert tier.healthy and page_files(dirs[1]) == []
         assert pages.put(engine, keys) == [True] * 3  # (stored again on both tiers)
         assert [engine.index.holders(k) for k in keys] == [0b11] * 3
+
+
+def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs):
+    """clear() (after a weight update: the pages are stale KV) while tier 1's directory is away, then the
+    process ends before it is back. The next engine of the namespace reads the record the clear left on
+    tier 0 (``<digest>.clears-owed``): tier 1 starts failed, is probed by the first call, removes its
+    pages before it serves, and the record goes. Before, a clear owed was kept in memory only: the
+    next start's scan indexed the stale pages and served them."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        os.rename(dirs[1], dirs[1] + ".away")
+        engine.clear()
+        assert not engine.tiers[1].healthy
+        record = os.path.join(engine.tiers[0].layout.base, engine.namespace.digest + ".clears-owed")
+    assert os.path.isfile(record)
+    os.rename(dirs[1] + ".away", dirs[1])
+    assert len(page_files(dirs[1])) == 3  # (the stale pages, back with the tier)
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert not engine.tiers[1].healthy and engine.index.pages_on(1) == 0  # (its scan indexed nothing)
+        assert not any(engine.contains(k) for k in keys), "pages cleared are found after a restart"
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after a restart"
+        assert engine.tiers[1].healthy and page_files(dirs[1]) == []
+        assert not os.path.exists(record)
+        assert engine.wait_scan(60) and engine.check() == []
+        assert pages.put(engine, keys) == [True] * 3  # (stored again on both tiers)
+        assert [engine.index.holders(k) for k in keys] == [0b11] * 3
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:  # (nothing owed any more: nothing cleared)
+        assert engine.tiers[1].healthy and pages.checked_get(engine, keys) == [True] * 3
+
+
+@pytest.mark.parametrize("owing", ["network", "local"])
+def test_a_clear_owed_is_recorded_on_a_local_tier_only(tier_dirs, fuse_tier, caplog, owing):
+    """A local tier and a network one (FUSE: bindfs). The network tier away at a clear(): the local tier
+    records the clear owed, and the next start clears the network tier before it serves. The local
+    tier away: the network tier holds no record (other nodes read it, and their local tiers may have
+    our paths): the debt stays in memory, and the log says a restart would forget it."""
+    local, network = tier_dirs[0], fuse_tier[0]
+    dirs = [local, network]
+    away = dirs[0 if owing == "local" else 1]
+    pages = PageSet()
+    keys = pages.keys(3)
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert not engine.tiers[1].local
+        assert pages.put(engine, keys) == [True] * 3
+        os.rename(away, away + ".away")
+        engine.clear()
+        records = [os.path.join(t.layout.base, engine.namespace.digest + ".clears-owed") for t in engine.tiers]
+    os.rename(away + ".away", away)
+    if owing == "local":
+        assert not any(map(os.path.lexists, records))
+        assert "a restart before they rejoin forgets it" in caplog.text
+        return
+    assert os.path.isfile(records[0]) and not os.path.lexists(records[1])
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after a restart"
+        assert engine.tiers[1].healthy and page_files(network) == [] and not os.path.lexists(records[0])
+
+
+@pytest.mark.parametrize("record", ["link", "garbage", "fifo"])
+def test_a_record_of_clears_owed_that_is_not_kvstreams_is_ignored(tier_dirs, tmp_path, caplog, record):
+    """What has the name of the record of clears owed but is no file kvstream wrote there (a link to a
+    list naming tier 1, text that is no list of tiers, a FIFO that would block a plain open) clears
+    nothing: it is logged and ignored, the start goes on and tier 1's pages are served."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(dirs) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        path = os.path.join(engine.tiers[0].layout.base, engine.namespace.digest + ".clears-owed")
+    if record == "link":
+        target = tmp_path / "list"
+        target.write_text(json.dumps([dirs[0], dirs[1]]))
+        os.symlink(target, path)
+    elif record == "garbage":
+        with open(path, "w") as f:
+            f.write('{"tier": 1}')
+    else:
+        os.mkfifo(path)
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    with make_engine(dirs) as engine:
+        assert [t.healthy for t in engine.tiers] == [True, True]
+        assert pages.checked_get(engine, keys) == [True] * 2
+        assert [engine.index.holders(k) for k in keys] == [0b11] * 2
+    assert "clears owed" in caplog.text
 
 
 def test_a_clear_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_dirs):

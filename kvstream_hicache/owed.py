@@ -1,0 +1,150 @@
+"""The clear()s a failed tier owes, written down so that a restart does not forget them.
+
+A ``clear()`` (SGLang's ``/clear_hicache_storage_backend``, e.g. after a weight update) that finds a
+tier failed is owed by that tier: it removes its page files before it serves again (tiers.py). Kept
+in memory only, that debt ended with the process: a tier still failed at exit came back at the next
+start with the stale pages, and its scan indexed them. So each change of the set of tiers owing a
+clear is also written to a record, and the next engine of the namespace starts each tier it names
+failed and due for a probe at once, whose rejoin removes its pages first (:meth:`Tier.owe_clear`).
+
+Where: ``<root>/kvstream/<digest>.clears-owed`` on every healthy tier on a local file system that
+owes nothing itself. Never on a network tier: other nodes read it, and their local tiers often
+have the same paths as ours. Its text: the JSON list of the roots of the tiers that owe a clear.
+Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
+and renamed over the record; read following no link, only a regular file of a trusted owner that no
+one else may write. With no local tier healthy to hold it, the debt stays in memory (logged).
+
+A record that could not be rewritten when its tier was out may name a tier that has cleared since:
+that tier is cleared once more at the next start. That costs cached pages, never a stale one served.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from collections.abc import Sequence
+
+from .fds import close_fd
+from .layout import TMP_DIR
+from .locks import ranked_lock
+from .tiers import Tier
+from .tmpfiles import NEW_FILE
+from .trust import open_below, open_dir
+
+log = logging.getLogger("kvstream")
+
+SUFFIX = ".clears-owed"
+MAX_BYTES = 1 << 16  # a record longer than this is not ours
+
+
+class OwedClears:
+    """The record of the clears ``tiers`` owe, for namespace ``digest``."""
+
+    def __init__(self, tiers: Sequence[Tier], digest: str):
+        self.tiers = tiers
+        self.name = digest + SUFFIX
+        self._lock = ranked_lock("owed")  # one rewrite at a time (a clear() and a rejoin's)
+        self._recorded: list[str] = []  # the roots the records name now
+        self._kept_in_memory = False  # logged once per stretch without a holder
+
+    def recall(self) -> None:
+        """At start-up: each tier a record names owes a clear (a record of each holder is read: one
+        written while another holder was out may be older)."""
+        roots: set[str] = set()
+        for tier in self._holders():
+            roots.update(self._read(tier))
+        for tier in self.tiers:
+            if tier.root in roots:
+                tier.owe_clear()
+        self._recorded = sorted(roots)
+
+    def note(self) -> None:
+        """Write down which tiers owe a clear now (after a clear(), and as a tier rejoins); nothing
+        when that did not change. Never raises: a record not written is logged."""
+        with self._lock:
+            owed = sorted(t.root for t in self.tiers if t.clear_owed)
+            if owed == self._recorded:
+                return
+            holders = self._holders()
+            if owed and not holders:
+                if not self._kept_in_memory:
+                    log.warning("kvstream: no healthy tier on a local file system can record the clear() "
+                                "owed by %s: a restart before they rejoin forgets it (clear again after it)",
+                                ", ".join(owed))
+                self._kept_in_memory = True
+                return
+            self._kept_in_memory = False
+            for tier in holders:
+                try:
+                    self._write(tier, owed)
+                except OSError as exc:
+                    log.warning("kvstream: could not record the clear() owed by %s on tier %d (%s): %s",
+                                ", ".join(owed) or "no tier", tier.k, tier.root, os.strerror(exc.errno or errno.EIO))
+            self._recorded = owed
+
+    def _holders(self) -> list[Tier]:
+        return [t for t in self.tiers if t.local and t.healthy and not t.clear_owed]
+
+    def _read(self, tier: Tier) -> list[str]:
+        try:
+            base = open_below(tier.root, tier.layout.base)
+        except OSError:
+            return []
+        try:
+            fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=base)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.warning("kvstream: the record of clears owed on tier %d is unreadable (%s): ignored", tier.k,
+                            os.strerror(exc.errno or errno.EIO))
+            return []
+        finally:
+            close_fd(base)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not tier.trust.owns(st) or st.st_mode & stat.S_IWOTH or \
+                    st.st_size > MAX_BYTES:
+                raise ValueError("not a regular file of a trusted owner")
+            roots = json.loads(os.read(fd, MAX_BYTES))
+            if not (isinstance(roots, list) and all(isinstance(r, str) for r in roots)):
+                raise ValueError("not a list of tier directories")
+            return roots
+        except (OSError, ValueError) as exc:
+            log.warning("kvstream: the record of clears owed %s/%s is not kvstream's (%s): ignored",
+                        tier.layout.base, self.name, exc)
+            return []
+        finally:
+            close_fd(fd)
+
+    def _write(self, tier: Tier, owed: list[str]) -> None:
+        """The record on ``tier`` names ``owed`` (none: it goes)."""
+        base = open_below(tier.root, tier.layout.base)
+        try:
+            if not owed:
+                try:
+                    os.unlink(self.name, dir_fd=base)  # (kvstream/ is this user's: trust.establish)
+                except FileNotFoundError:
+                    pass
+                return
+            tmp_dir = open_dir(TMP_DIR, base)
+            tmp = tier.fresh_tmp_name()
+            try:
+                fd = os.open(tmp, os.O_WRONLY | NEW_FILE, tier.file_mode, dir_fd=tmp_dir)
+                try:
+                    os.write(fd, json.dumps(owed).encode())
+                    os.fsync(fd)
+                finally:
+                    close_fd(fd)
+                os.rename(tmp, self.name, src_dir_fd=tmp_dir, dst_dir_fd=base)
+            except OSError:
+                try:
+                    os.unlink(tmp, dir_fd=tmp_dir)  # (ours: a fresh name no one else writes)
+                except OSError:
+                    pass  # (not made, or renamed; else start-up cleaning removes it)
+                raise
+            finally:
+                close_fd(tmp_dir)
+            os.fsync(base)
+        finally:
+            close_fd(base)
