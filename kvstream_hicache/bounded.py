@@ -5,7 +5,7 @@ hold the call for as long as its server is away: a GlusterFS client gives up aft
 (42 s by default), an NFS hard mount never. The writer thread makes such calls for every tier in
 turn, so a tier that hung in one held the writes of all, and every put waited for it. On a tier that
 may hang, the writer's calls (a temporary file's create, the commit's fdatasync, close and rename, an
-eviction's unlink, fsync=full's directory sync), discovery's look at a page file (a put's, get's or
+eviction's unlink, fsync=full's directory sync), clear()'s listings, discovery's look at a page file (a put's, get's or
 lookup's own thread), the catch-up thread's look and source read, and a failed tier's recovery probe
 run on the tier's own thread, and the caller waits at most ``timeout`` s (write_timeout): then
 ETIMEDOUT, which fails the tier (tiers.py), and the caller goes on with the other tiers. A get's open

@@ -549,16 +549,16 @@ class Tier:
         with self._lock:
             asked, errors = self._clears, self._errors
         kept = 0
-        try:
-            names = shards(self.layout)
+        try:  # (listings bounded as every call on a tier that may hang: clear() holds every get and put)
+            names = self.calls.run(shards, self.layout)
         except OSError as exc:  # a link or a file (ELOOP, ENOTDIR): nothing of ours is there; EIO and
-            names = []  # the like fail the tier, which then removes its pages when it rejoins
+            names = []  # the like (ETIMEDOUT: hung) fail the tier, which then removes its pages when it rejoins
             self.fail(exc.errno or errno.EIO, f"list {self.layout.pages} to clear it")
         for shard in names:
             if self._errors != errors:  # a removal failed for an I/O error: the tier is out
                 return False
             try:
-                entries = shard_entries(self.layout, shard)
+                entries = self.calls.run(shard_entries, self.layout, shard)
             except OSError as exc:
                 self.fail(exc.errno or errno.EIO, f"list {shard} to clear it")
                 return False

@@ -248,3 +248,35 @@ def test_a_get_whose_open_hangs_returns_at_read_timeout_when_write_timeout_is_0(
         assert returned, ("a get with read_timeout=0.5 was still in a hung open of its page file 10 s later "
                           "(write_timeout=0: Tier.reads runs the open in place, bounded by nothing)")
         assert got == [[False]]
+
+
+def test_a_clear_while_a_tier_hangs_returns_and_the_tier_clears_when_it_answers(tier_dirs, fuse_tier):
+    """clear() (SGLang's /clear_hicache_storage_backend) while the network tier's server has stopped
+    answering (a FUSE daemon stopped; NFS, GlusterFS alike). clear() holds every get and put while it
+    removes the pages, so its listing of the hung tier is bounded as the tier's other calls are: at
+    write_timeout the tier fails, clear() returns, tier 0 serves again, and the hung tier removes its
+    pages before it serves once it answers. Before, the listing waited as long as the server (here until
+    the test resumed it), and every get and put with it."""
+    network, daemon = fuse_tier
+    clock, pages = FakeClock(), PageSet()
+    keys = pages.keys(3)
+    with make_engine([tier_dirs[0], network], clock=clock, write_timeout=1, tier_retry=5) as engine:
+        assert not engine.tiers[1].local
+        assert pages.put(engine, keys) == [True] * 3
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            clearing = threading.Thread(target=engine.clear, daemon=True)
+            clearing.start()
+            clearing.join(10)
+            assert not clearing.is_alive(), "clear() waited for the hung tier"
+            assert not engine.tiers[1].healthy
+            assert pages.checked_get(engine, keys) == [False] * 3
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+
+        def rejoined() -> bool:
+            clock.advance(600)  # (past any back-off: each call probes the tier, until its server answers)
+            return pages.checked_get(engine, keys) == [False] * 3 and engine.tiers[1].healthy
+
+        wait_until(rejoined, 30, "the tier never rejoined")
+        assert page_files(network) == []
