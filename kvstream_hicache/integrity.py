@@ -384,7 +384,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
 
     if name.startswith(REMOVING_PREFIX):
-        return _left_by_removal(digest, shard, path, trust, bad)
+        return _left_by_removal(layout, digest, shard, path, trust, bad)
     key = key_of_page_file(name)
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
@@ -415,7 +415,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     return ScannedPage(path, header, None, size)
 
 
-def _left_by_removal(digest: str, shard: str, path: str, trust: Trust, bad) -> ScannedPage:
+def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, trust: Trust, bad) -> ScannedPage:
     """An entry trust.remove renamed to its private name to judge it (tmpfiles.removing_name). Its
     process alive: left alone (it renames it back, or removes it, in microseconds). Its process died
     between the two renames: the entry may be a valid page another writer renamed over the name judged
@@ -427,7 +427,7 @@ def _left_by_removal(digest: str, shard: str, path: str, trust: Trust, bad) -> S
         return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
     except OSError as exc:
         return bad("stray", f"unreadable: {os.strerror(exc.errno or errno.EIO)}", reason=Reason.UNREADABLE)
-    if removal_live(os.path.basename(path), st.st_ctime):
+    if removal_live(os.path.basename(path), st.st_ctime, layout.tmp):
         return bad("stray", "judged by a removal in progress", reason=Reason.VANISHED)  # (not a problem)
     try:
         header, st = read_header(path, trust)

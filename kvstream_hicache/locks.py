@@ -40,6 +40,7 @@ ORDER = (
     "ring",  # ThreadRing: completions of the thread-pool I/O engine
     "faults",  # fault plans (tests): rules and holds
     "metrics",  # Prometheus families and the exporter's last snapshot
+    "clock",  # trust.wall_ns: the last wall-clock time this process answered
 )
 # Not ranked: memory.HugePageMap._reading, a flag more than a lock (taken without waiting by the thread
 # that starts a refresh, released by the refresh thread; waited for only by refresh(), which callers run

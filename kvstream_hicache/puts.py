@@ -10,13 +10,13 @@ import ctypes
 import errno
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 from .integrity import PageHeader, block_crcs, pack_header
 from .layout import HEADER_SIZE, file_size, is_aligned
 from .io import copy
 from .segments import Payload, Segment
+from .trust import wall_ns
 
 log = logging.getLogger("kvstream")
 
@@ -115,7 +115,7 @@ class WritePage:
             self.crcs = block_crcs(self.segments, self.length, self.block)
         if self.header is None:
             if not self.created:
-                self.created = time.time_ns()
+                self.created = wall_ns()  # (never earlier than a delete's before it: trust.wall_ns)
             self.header = pool.get(HEADER_SIZE)
             pack_header(PageHeader(self.key, digest, self.length, self.block, self.crcs, self.created), self.header)
 

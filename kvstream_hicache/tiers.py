@@ -35,7 +35,6 @@ import itertools
 import logging
 import os
 import stat
-import time
 from collections.abc import Callable
 
 from .bounded import BoundedCalls
@@ -49,7 +48,7 @@ from .probe import local_fs
 from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
 from .trust import (
     check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
-    not_a_file, open_below, remove, root_problem, same_file,
+    not_a_file, open_below, remove, root_problem, same_file, wall_ns,
 )
 
 log = logging.getLogger("kvstream")
@@ -503,13 +502,15 @@ class Tier:
         by a lookup once the tier is back and served. Done before it serves again (:meth:`_probe`), as a
         clear() it missed. (Kept in memory only: a restart forgets it; the page a delete leaves is valid.)"""
         with self._lock:
-            self._deletes[key] = time.time_ns()
+            self._deletes[key] = wall_ns()  # (after every header this process stamped: trust.wall_ns)
 
     def _deletes_owed(self) -> bool:
         """A failed tier about to rejoin: the deletes it missed are done, each removing only a page
         written before it (its header's ``created``): on a shared tier another process may have put the
         key again since, and that acknowledged page stays. (The clocks of two nodes are compared: NTP's
-        milliseconds decide only for a put that came that close to the delete.) A file that is no valid
+        milliseconds decide only for a put that came that close to the delete; a clock stepped back between
+        the delete and another process's put may take that put's page: a cached page lost, never a wrong
+        one served: trust.wall_ns.) A file that is no valid
         page stays for the scan or a read to judge, and a file not kvstream's as a delete leaves it.
         False: a look or a removal failed for a tier error: it stays out."""
         with self._lock:

@@ -19,7 +19,6 @@ import mmap
 import os
 import secrets
 import socket
-import time
 from typing import NamedTuple
 
 from .fds import close_fd
@@ -85,14 +84,16 @@ def removing_name(pid: int) -> str:
     return f"{REMOVING_PREFIX}{HOST}.{pid}.{secrets.token_hex(4)}"
 
 
-def removal_live(name: str, ctime: float, now: float | None = None) -> bool:
+def removal_live(name: str, ctime: float, tmp_dir: str) -> bool:
     """Whether the removal that renamed an entry to ``name`` (:func:`removing_name`; ``ctime``: the
     entry's, which the rename set) may still be going on: this host's process is alive, or another
-    host's renamed it within TMP_STALE_S. Else its process died between the two renames."""
+    host's renamed it within TMP_STALE_S on the tier's clock (:func:`tier_now`; ``tmp_dir``: the
+    tier's tmp directory; when it cannot be read, live). Else its process died between the two renames."""
     parts = name[len(REMOVING_PREFIX):].split(".")
     if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit():
         return _pid_alive(int(parts[1]))
-    return (time.time() if now is None else now) - ctime <= TMP_STALE_S
+    now = tier_now(tmp_dir)
+    return now is None or now - ctime <= TMP_STALE_S
 
 
 def parse_tmp_name(name: str) -> TmpOwner | None:
@@ -182,12 +183,12 @@ def _pid_alive(pid: int) -> bool:
 def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: float | None = None) -> list[str]:
     """Temporary files no live writer owns: this host's whose process is gone (or is this process
     but not one of its live engines: ``live``, default every engine open in this process), other
-    hosts' and probes older than TMP_STALE_S, and names no engine writes. Never a file another live
-    engine may still be writing."""
+    hosts' and probes older than TMP_STALE_S on the tier's clock (``now``, default :func:`tier_now`),
+    and names no engine writes. Never a file another live engine may still be writing."""
     live = _live_tokens if live is None else live
-    now = time.time() if now is None else now
     me = os.getpid()
-    out = []
+    out: list[str] = []
+    aged: list[os.DirEntry] = []  # judged by their age
     try:
         entries = list(os.scandir(tmp_dir))
     except OSError:  # gone, or unreadable (EIO, EACCES, ESTALE): nothing is judged a leftover now
@@ -196,19 +197,45 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
         if not _is_file(entry):  # a link or a directory is a stray (integrity.tmp_problems), never a leftover
             continue
         owner = parse_tmp_name(entry.name)
-        if owner is None and entry.name.startswith(PROBE_PREFIX):
-            # a probe of another process or host lives for milliseconds and may be in use right now:
-            # only an old one is a leftover
-            stale = _older(entry, now)
-        elif owner is None:
-            stale = True
-        elif owner.host == HOST:
-            stale = (owner.token not in live) if owner.pid == me else not _pid_alive(owner.pid)
-        else:
-            stale = _older(entry, now)
-        if stale:
-            out.append(entry.path)
+        if owner is None and not entry.name.startswith(PROBE_PREFIX):
+            out.append(entry.path)  # a name no engine writes
+        elif owner is not None and owner.host == HOST:
+            if (owner.token not in live) if owner.pid == me else not _pid_alive(owner.pid):
+                out.append(entry.path)
+        else:  # another host's writer cannot be asked whether it lives, and a probe of another process or
+            aged.append(entry)  # host lives for milliseconds and may be in use right now: only an old one goes
+    if aged:
+        now = tier_now(tmp_dir) if now is None else now
+        out += [entry.path for entry in aged if now is not None and _older(entry, now)]
     return out
+
+
+def tier_now(tmp_dir: str) -> float | None:
+    """The tier's clock now, s: the modification time of a file made in its tmp directory ``tmp_dir``
+    this moment (then removed). The age of a file on a tier (another host's temporary file, a probe, a
+    removal's private name) is measured on the clock that stamped it: on NFS or GlusterFS the file
+    server's, which this host's clock may run hours ahead of (before, a host ahead by over TMP_STALE_S
+    took a live writer's temporary files for leftovers). On a local tier both are this host's clock.
+    None when no file can be made there (read-only, full, gone): then no age is told, nothing judged old."""
+    path = os.path.join(tmp_dir, probe_name("clock"))
+    try:
+        fd = os.open(path, os.O_WRONLY | NEW_FILE, 0o600)
+    except OSError:
+        return None
+    try:
+        try:  # stamped now by the file system (an NFSv3 exclusive create may keep its verifier in the times)
+            os.utime(fd)
+        except OSError:  # (a file system that sets no times: the create's stamp)
+            pass
+        return os.fstat(fd).st_mtime
+    except OSError:
+        return None
+    finally:
+        close_fd(fd)
+        try:
+            os.unlink(path)
+        except OSError:  # (left: an old probe, removed as one by the next cleaning)
+            pass
 
 
 def _is_file(entry: os.DirEntry) -> bool:

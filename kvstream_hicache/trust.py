@@ -43,6 +43,7 @@ from typing import NamedTuple
 from .errors import ConfigError, TierError
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, TierLayout
+from .locks import ranked_lock
 from .tmpfiles import probe_direct, removing_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -552,3 +553,20 @@ def age_key(created_ns: int, honest_until_ns: int) -> tuple[bool, int]:
 def honest_until(now_ns: int | None = None) -> int:
     """The latest write time a header may claim now: this host's clock plus CLOCK_SKEW_NS."""
     return (time.time_ns() if now_ns is None else now_ns) + CLOCK_SKEW_NS
+
+
+_wall_lock = ranked_lock("clock")
+_wall_last = 0  # the latest time wall_ns() answered in this process
+
+
+def wall_ns() -> int:
+    """This process's wall clock, ns, for the times it writes to a tier and compares with them: a page
+    header's ``created`` (puts.py) and the time of a delete a failed tier owes (tiers.Tier.owe_delete).
+    This host's clock, never earlier than a time it answered before: NTP or an operator may step the
+    clock back (by less than CLOCK_SKEW_NS: a time, not a claim), and a delete after the step would
+    else find this engine's own older page "written after it" and keep it, served again. After a step
+    back the times run on from the last one answered until the clock catches up with it."""
+    global _wall_last
+    with _wall_lock:
+        _wall_last = max(time.time_ns(), _wall_last + 1)
+        return _wall_last

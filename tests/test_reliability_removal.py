@@ -19,13 +19,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from kvstream_hicache import tmpfiles
 
-from helpers import HERE, PageSet, flip_byte, make_engine, page_files, tmp_files, wait_for_file
+from helpers import HERE, PageSet, flip_byte, make_engine, page_files, tmp_files, wait_for_file, wait_until
 
 SIZE = 48 << 10
 
@@ -235,6 +237,85 @@ def test_a_peer_in_another_pid_namespace_never_deletes_a_live_writers_temporary_
             _kill(writer)
     assert scan["tmp_removed"] == 0 and left == live, f"the peer removed {scan['tmp_removed']} live temporary files; the writer's put then: {result}"
     assert result == {"put": [True] * 4, "get": [True] * 4}, result
+
+
+def _host_clock_ahead(monkeypatch, by_s: float) -> None:
+    """This host's wall clock (``time.time``) ``by_s`` seconds ahead of the clock that stamps the tier's
+    files: the file server's on NFS or GlusterFS (no NTP on one of them, or an operator set it). Here the
+    tier is local, its stamps the kernel's, so this host's clock is the one moved."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + by_s)
+
+
+def test_a_peer_whose_clock_is_ahead_of_the_file_server_never_removes_a_live_writers_temporary_files(
+        tier_dirs, monkeypatch):
+    """guarantees.md ("A crash mid-write"): temporary files of dead writers are removed at the next
+    start, other hosts' "older than one hour"; tmpfiles.stale_tmp: "Never a file another live engine may
+    still be writing". Host X (a live writer) is inside a put on a shared tier: its temporary files are
+    written (the file server stamped their times a moment ago), nothing renamed yet. Host Y, whose wall
+    clock runs 2 hours ahead of the file server's, starts on the tier; its start-up cleaning leaves X's
+    files, since their age is measured on the tier's clock (tmpfiles.tier_now: the time of a file it
+    just made there). Before, it subtracted the server's stamps from its own clock, found X's files
+    "older than one hour" and removed them from under the live writer (found by the review of time and
+    clocks)."""
+    from helpers import HoldWrites
+
+    tier = tier_dirs[0]
+    held = []
+    plan = HoldWrites(lambda: held.append(True))
+    pages = PageSet(SIZE, salt="other-host-live")
+    keys = pages.keys(4)
+    writer = make_engine([tier], fault_plan=plan, catchup=False)
+    result: list = []
+    t = None
+    try:
+        with monkeypatch.context() as host_x:
+            host_x.setattr(tmpfiles, "HOST", "hostx-4026531836")  # the writer's temporary names: host X's
+            plan.armed = True
+            t = threading.Thread(target=lambda: result.append(pages.put(writer, keys)), daemon=True)
+            t.start()
+            wait_until(lambda: held and len(tmp_files(tier)) == len(keys), what="the writer never held its writes")
+        live = tmp_files(tier)
+        with monkeypatch.context() as host_y:  # this process is host Y now
+            _host_clock_ahead(host_y, 2 * 3600.0)
+            with make_engine([tier], catchup=False) as peer:  # Y starts; its start-up scan runs to its end
+                removed = peer.scan["tmp_removed"]
+        left = tmp_files(tier)
+    finally:
+        plan.armed = False
+        plan.release()
+        if t is not None:
+            t.join(60)
+        writer.close()
+    assert removed == 0 and left == live, (
+        f"a peer whose clock is 2 h ahead of the file server removed {removed} temporary files of a live "
+        f"writer on another host (left: {left}); the writer's put then answered {result}")
+    assert result == [[True] * len(keys)]
+
+
+def test_a_peer_whose_clock_is_ahead_of_the_file_server_leaves_another_hosts_removal_in_progress(
+        tier_dirs, monkeypatch):
+    """A removal of another host holds a page under its private name (trust.remove, for microseconds;
+    integrity._left_by_removal: "its process alive: left alone"; another host's is taken for alive
+    within an hour of the rename, on the tier's clock). A peer whose clock runs 2 hours ahead of the
+    file server's starts meanwhile: its scan leaves the entry to the removal (before: it took the rename
+    for two hours old, its process for dead, and put the page back under its name from under the
+    removal; found by the review of time and clocks)."""
+    tier = tier_dirs[0]
+    pages = PageSet(SIZE, salt="other-host-removal")
+    keys = pages.keys(2)
+    with make_engine([tier], discover=False) as first:
+        assert pages.put(first, keys) == [True, True]
+    [path] = [p for p in page_files(tier) if os.path.basename(p).startswith(keys[0])]
+    private = os.path.join(os.path.dirname(path), f"{tmpfiles.REMOVING_PREFIX}hostx-4026531836.123.0a1b2c3d")
+    os.rename(path, private)  # host X's removal, this moment
+    with monkeypatch.context() as host_y:
+        _host_clock_ahead(host_y, 2 * 3600.0)
+        with make_engine([tier], discover=False):  # (its start-up scan is over when it returns)
+            pass
+    assert os.path.exists(private) and not os.path.exists(path), (
+        "a peer whose clock is 2 h ahead of the file server took another host's removal in progress for a "
+        "dead one's and put its entry back")
 
 
 def _dead_pid() -> int:

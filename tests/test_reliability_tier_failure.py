@@ -15,10 +15,11 @@ import os
 import shutil
 import stat
 import threading
+import time
 
 import pytest
 
-from kvstream_hicache import check_tiers, puts
+from kvstream_hicache import check_tiers, trust
 from kvstream_hicache.index import SETTLE_CHUNK, Index
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
@@ -722,26 +723,42 @@ def test_a_socket_under_a_page_name_whose_delete_is_owed_never_keeps_the_tier_ou
                 os.unlink(path)
 
 
-class _ClockAhead:
-    """puts.py's ``time``: a wall clock a day ahead (a host booted with a wrong clock, before NTP stepped it
-    back); everything else as the time module."""
+class _Shifted:
+    """trust.py's ``time``: the wall clock ``by`` seconds off (time_ns: what trust.wall_ns reads for header
+    stamps and the times of owed deletes); everything else as the time module."""
+
+    def __init__(self, by: float):
+        self.by = by
 
     def __getattr__(self, name):
-        import time
         return getattr(time, name)
 
-    @staticmethod
-    def time_ns() -> int:
-        import time
-        return time.time_ns() + 86400 * 10**9
+    def time_ns(self) -> int:
+        return time.time_ns() + int(self.by * 10**9)
+
+
+def _owe_the_delete_and_rejoin(engine, k: list[str], clock: FakeClock) -> None:
+    """Tier 1 fails; ``k`` is deleted (owed there, its copy left as a failed tier keeps it); the tier is
+    due: it rejoins at the next call."""
+    path = engine.tiers[1].layout.page_path(k[0])
+    with open(path, "rb") as f:
+        saved = f.read()
+    assert engine.tiers[1].fail(errno.EIO, "the tier's client lost its server (test)")
+    assert engine.delete(k) == 1  # tier 1, failed: owes the delete
+    if not os.path.exists(path):  # (the tier answered the unlink: its copy, as a failed tier keeps it)
+        with open(path, "wb") as f:
+            f.write(saved)
+    clock.advance(1000)  # past the back-off
 
 
 def test_an_owed_delete_removes_a_page_whose_header_claims_a_time_in_the_future(tier_dirs, monkeypatch):
     """delete() removes every copy (Engine.delete: a failed tier's copy goes before the tier serves
     again), and a header's ``created`` more than CLOCK_SKEW_NS ahead is "a claim, not a time"
     (trust.age_key/honest_until; design.md: "a created more than 5 minutes in the future never wins").
-    One process, one host: K is put while the host's clock is a day ahead (stepped back since); tier 1
-    fails; K is deleted (owed there); the tier rejoins. The owed delete compares the header's claim with
+    K is put with a header stamped a day ahead, as a process whose host clock was a day ahead (since
+    stepped back) stamps it: another process, or this one before a restart (this process's own clock,
+    trust.wall_ns, never goes back, so the test forgets the times it answered); tier 1 fails; K is
+    deleted (owed there); the tier rejoins. The owed delete compares the header's claim with
     the delete's time and takes a claim beyond honest_until for no time: the page goes (before: it was
     kept, and the deleted page was found and served again; found by the review of this stop's last
     changes)."""
@@ -749,17 +766,35 @@ def test_an_owed_delete_removes_a_page_whose_header_claims_a_time_in_the_future(
     k = pages.keys(1)
     clock = FakeClock()
     with make_engine(tier_dirs[:2], clock=clock, replicate="all", catchup="off") as engine:
-        monkeypatch.setattr(puts, "time", _ClockAhead())
+        monkeypatch.setattr(trust, "_wall_last", trust._wall_last)
+        monkeypatch.setattr(trust, "time", _Shifted(86400.0))
         assert pages.put(engine, k) == [True] and engine.index.holders(k[0]) == 0b11
-        monkeypatch.undo()  # the clock is stepped back
-        path = engine.tiers[1].layout.page_path(k[0])
-        with open(path, "rb") as f:
-            saved = f.read()
-        assert engine.tiers[1].fail(errno.EIO, "the tier's client lost its server (test)")
-        assert engine.delete(k) == 1  # tier 1, failed: owes the delete
-        if not os.path.exists(path):  # (the tier answered the unlink: its copy, as a failed tier keeps it)
-            with open(path, "wb") as f:
-                f.write(saved)
-        clock.advance(1000)  # past the back-off: the tier rejoins at the next call
+        monkeypatch.undo()  # the clock is stepped back, the times of the day ahead forgotten
+        _owe_the_delete_and_rejoin(engine, k, clock)
         assert engine.prefix_len(k) == 0, "a deleted page is found again (its header claims a future time)"
+        assert engine.stats()["tiers"][1]["healthy"]
+
+
+def test_an_owed_delete_is_done_after_the_wall_clock_was_stepped_back_a_minute(tier_dirs, monkeypatch):
+    """design.md (tier rejoins): the keys of a delete() a failed tier missed go before it serves, "only a
+    page written before the delete". One process, one host, no other writer: K is put, then NTP steps
+    the host's clock back by 60 s (less than CLOCK_SKEW_NS, so the header's time is taken as a time),
+    tier 1 fails, K is deleted (owed there), the tier rejoins. The page was written before the delete,
+    by this very engine: it goes, since the header's stamp and the delete's time come from one wall
+    clock of the process that never goes back (trust.wall_ns). Before, both read time.time_ns(): the
+    owed delete found the page "newer" than the delete and kept it, and the deleted page was found and
+    served again (found by the review of time and clocks)."""
+    pages = PageSet(64 << 10, salt="owed-stepped-back")
+    k = pages.keys(1)
+    clock = FakeClock()
+    monkeypatch.setattr(trust, "_wall_last", trust._wall_last)  # (the times answered here forgotten at the end)
+    with make_engine(tier_dirs[:2], clock=clock, replicate="all", catchup="off") as engine:
+        with monkeypatch.context() as before_the_step:
+            before_the_step.setattr(trust, "time", _Shifted(60.0))  # the clock as it was before the step back
+            assert pages.put(engine, k) == [True] and engine.index.holders(k[0]) == 0b11
+        _owe_the_delete_and_rejoin(engine, k, clock)  # NTP stepped the clock back 60 s
+        assert engine.prefix_len(k) == 0, (
+            "a page deleted by this engine is found again after its tier rejoined: the wall clock was "
+            "stepped back 60 s between its put and the delete, and the owed delete kept it as 'newer'")
+        assert pages.checked_get(engine, k) == [False]
         assert engine.stats()["tiers"][1]["healthy"]
