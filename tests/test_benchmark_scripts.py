@@ -42,6 +42,20 @@ def test_bench_hostpool_one_tier_and_two_with_every_variant(tier_dirs):
     assert not os.path.exists(os.path.join(tier_dirs[1], "hostpool-adapter-1tier"))  # one tier: DIR0 alone
 
 
+def test_ab_hostpool_interleaves_two_trees_and_tables_the_runs(tier_dirs, tmp_path):
+    """Two trees (this one twice, under two names) through bench_hostpool.py in interleaved rounds: the
+    order flips every round, each run is headed, and --table makes one row per geometry and tree."""
+    out = tmp_path / "ab.txt"
+    printed = script("ab_hostpool.py", "--tiers", ",".join(tier_dirs[:2]), "--trees", f"new={ROOT},old={ROOT}",
+                     "--geos", "2 4", "--rounds", "2", "--reps", "1", "--out", str(out))
+    heads = [line for line in out.read_text().splitlines() if line.startswith("=== ")]
+    assert heads == ["=== round 1 tree new geo 2 4", "=== round 1 tree old geo 2 4",
+                     "=== round 2 tree old geo 2 4", "=== round 2 tree new geo 2 4"]
+    rows = [line for line in printed.splitlines() if line.startswith("256 KiB ")]
+    assert [row.split()[2] for row in rows] == ["new", "old"]
+    assert all("runs 2 | 1t x nixl" in row and "| 2t x 1t" in row and "CPU x nixl 1t" in row for row in rows)
+
+
 def test_bench_fixed_reads_registered_memory_as_fixed_and_the_rest_not(tier_root):
     path = os.path.join(tier_root, "fixed.dat")
     with open(path, "wb") as f:
