@@ -125,6 +125,9 @@ class Replicator:
                     slot = self.index.slot(key) if sweeping else -1
                     info = None
                     for k in tiers_in(self.all_tiers & ~holders):
+                        if not self.tiers[k].healthy:  # out: its sweep of the index owes it what lacks it once
+                            self._sweep[k] = max(self._sweep[k], 0)  # back (owe_all); a key per put kept meanwhile
+                            continue  # grew for as long as the outage, pages evicted or deleted since and all
                         if 0 <= self._sweep[k] <= slot:
                             continue  # the tier's sweep reaches it
                         if self.index.capacities[k] is not None:

@@ -109,6 +109,38 @@ def test_a_lost_replica_is_restored_after_the_tier_rejoins(tier_dirs):
         assert pages.checked_get(engine, before + during, policy=SingleTier(1)) == [True] * 10
 
 
+@pytest.mark.parametrize("gone", ["evicted", "deleted"])
+def test_pages_owed_to_a_failed_tier_stay_bounded_by_the_pages_held(tier_dirs, gone):
+    """Tier 1 fails (EIO on its writes) and stays out while 2000 pages are put, as SGLang's backup thread
+    does for days while an NFS tier is down; tier 0 holds 20 of them and evicts the rest (``evicted``), or
+    each is deleted after its put (``deleted``: LMCache's L2 deletes). What is owed to tier 1 stays within
+    what the engine holds, and once it is back the pages held are copied there. Before, every put left one
+    entry per key in what tier 1 was owed (~200 B, evicted and deleted keys and all: memory growing for as
+    long as the outage), and ``replication_pending`` reported 2000 for 25 pages held (0, deleted). Found by
+    the review of resources over a long life."""
+    pages = PageSet(size=16 << 10)
+    plan = TierFaultPlan().on(tier_dirs[1], Fault.error(errno.EIO), opcode=OP_WRITE)
+    capacity = f"{20 * (pages.size + 4096)}:" if gone == "evicted" else ""
+    clock = FakeClock()
+    with make_engine(tier_dirs[:2], fault_plan=plan, clock=clock, capacity=capacity, tier_retry=600) as engine:
+        for i in range(500):
+            keys = pages.keys(4, 4 * i)
+            assert pages.put(engine, keys) == [True] * 4
+            if gone == "deleted":
+                assert engine.delete(keys) == 4
+        stats = engine.stats()
+        assert not stats["tiers"][1]["healthy"]  # (out for the whole run)
+        held = engine.index.keys(0)
+        assert len(held) == stats["pages"] <= 25
+        owed = stats["tiers"][1]["replication_pending"]
+        assert owed == len(held), f"{owed} pages owed to the failed tier 1 while the engine holds {len(held)}"
+        assert len(engine._replicas._owed[1]) == 0  # (its sweep of the index owes them once it is back)
+        plan.clear()
+        clock.advance(601)
+        wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, what="tier 1 never rejoined")
+        wait_until(lambda: replicated(engine, held, 0b11), what="the pages held were never copied to tier 1")
+
+
 def test_a_page_read_from_a_slower_tier_alone_is_promoted_and_read_from_tier_0_next_time(tier_root):
     """Two servers share tier 1 (each has its own tier 0): the second one's first read of the first
     one's pages comes from the shared tier alone; they are then copied to its tier 0 from the read's
