@@ -61,6 +61,7 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
+MAX_OWED_DELETES = 1 << 14  # delete()s a failed tier remembers to do before it serves again (owe_delete)
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -117,6 +118,7 @@ class Tier:
         # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
         # failing during one) still holds the pages cleared, and removes them before it rejoins
         self._clears = self._cleared = 0
+        self._deletes_forgotten = 0  # deletes missed past MAX_OWED_DELETES (since it last served)
         self._deletes: dict[str, int] = {}  # key -> when (time_ns) a delete() it missed while failed came:
         # the copy written before that is removed before it serves
         self._dirs: set[str] = set()  # page directories known to exist
@@ -183,6 +185,7 @@ class Tier:
             if ok:
                 self.healthy = True
                 self._backoff = self.retry_s
+                self._deletes_forgotten = 0
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
             else:
                 if scheduled:  # (a forced probe or a look, every LOOK_S, leaves the schedule: six of them
@@ -502,7 +505,21 @@ class Tier:
         by a lookup once the tier is back and served. Done before it serves again (:meth:`_probe`), as a
         clear() it missed. (Kept in memory only: a restart forgets it; the page a delete leaves is valid.)"""
         with self._lock:
+            self._deletes.pop(key, None)  # (to the newest end: the oldest go first, below)
             self._deletes[key] = wall_ns()  # (after every header this process stamped: trust.wall_ns)
+            if len(self._deletes) <= MAX_OWED_DELETES:
+                return
+            # Bounded: an outage of days with LMCache deleting as it evicts grew one entry per key, and one
+            # header read each before the tier served again. A page whose delete is forgotten may be found
+            # again once the tier is back: still a valid page of its key (a clear, which stale KV needs, is
+            # owed whole: owed.py), and the next eviction takes it.
+            del self._deletes[next(iter(self._deletes))]
+            self._deletes_forgotten += 1
+            if self._deletes_forgotten > 1:
+                return
+        log.warning("kvstream: tier %d (%s) is failed and has missed over %d delete()s: the oldest are forgotten, "
+                    "and their pages (valid ones) may be found again once it is back", self.k, self.root,
+                    MAX_OWED_DELETES)
 
     def _deletes_owed(self) -> bool:
         """A failed tier about to rejoin: the deletes it missed are done, each removing only a page

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from kvstream_hicache import check_tiers, trust
+from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.index import SETTLE_CHUNK, Index
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
@@ -735,6 +736,36 @@ class _Shifted:
 
     def time_ns(self) -> int:
         return time.time_ns() + int(self.by * 10**9)
+
+
+def test_the_deletes_a_failed_tier_owes_are_bounded(tier_dirs, monkeypatch, caplog):
+    """Tier 1 away (its directory moved: its copies stay) while more keys are deleted than a failed tier
+    remembers (tiers.MAX_OWED_DELETES, 4 here; LMCache deletes as it evicts, for as long as an outage
+    lasts): the oldest deletes are forgotten, logged once, and the memory stays bounded; once back, the
+    tier does the deletes it remembers before it serves, and a page whose delete was forgotten, if found
+    again, is a valid page of its key. Before, one entry per key deleted for as long as the outage (and a
+    header read each before the tier served again). Found by the review of resources over a long life."""
+    monkeypatch.setattr(tiers_module, "MAX_OWED_DELETES", 4)
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    pages = PageSet()
+    keys = pages.keys(8)
+    clock = FakeClock()
+    with make_engine(tier_dirs[:2], clock=clock, tier_retry=RETRY_S, catchup="off") as engine:
+        tier = engine.tiers[1]
+        assert pages.put(engine, keys) == [True] * 8
+        os.rename(tier_dirs[1], tier_dirs[1] + ".away")
+        assert tier.fail(errno.EIO, "the tier's server is away (test)")
+        for key in keys:
+            assert engine.delete([key]) == 1
+        assert list(tier._deletes) == keys[4:]
+        assert caplog.text.count("has missed over 4 delete()s") == 1
+        os.rename(tier_dirs[1] + ".away", tier_dirs[1])
+        clock.advance(1000)
+        wait_until(lambda: engine.get([], []) == [] and tier.healthy, what="tier 1 never rejoined")
+        assert not tier._deletes
+        assert not any(os.path.exists(tier.layout.page_path(key)) for key in keys[4:])
+        assert pages.checked_get(engine, keys[4:]) == [False] * 4
+        pages.checked_get(engine, keys[:4])  # (found again or not: never a wrong byte)
 
 
 def _owe_the_delete_and_rejoin(engine, k: list[str], clock: FakeClock) -> None:
