@@ -255,21 +255,33 @@ def open_direct(path: str, trust: Trust) -> int:
     return fd if fd >= 0 else open_regular(path, os.O_DIRECT, trust=trust)[0]
 
 
-def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, os.stat_result]:
-    """Read and validate the header of one page file (of an owner in ``trust``, default: this user);
-    returns (header, the file's stat).
+def open_with_header(path: str, trust: Trust) -> tuple[int, PageHeader, os.stat_result]:
+    """Open one page file (of an owner in ``trust``) and read and validate its header: (the descriptor,
+    the header, the file's stat); the descriptor is the caller's to close. Its payload is read through
+    that descriptor (verify_payload), never through the name again: another process of the namespace
+    may remove the page or rename its own version over the name at any moment, and a payload read
+    through a second open would be judged against the first file's header (a valid page reported
+    'corrupt', or 'unreadable' once it is gone).
     :raises HeaderError: unusable header (its ``stat``: the file's). :raises NotRegularFile: not a
     regular file (or not a trusted owner's). :raises OSError: the file cannot be read."""
-    fd, st = open_regular(path, trust=trust or Trust.user())
+    fd, st = open_regular(path, trust=trust)
     try:
-        data = os.pread(fd, HEADER_SIZE, 0)
-    finally:
-        close_fd(fd)  # (a read: an error from close, e.g. ESTALE, changes nothing read)
-    try:
-        return unpack_header(data), st
-    except HeaderError as exc:
-        exc.stat = st  # (the file judged: check --fix removes only that one)
+        try:
+            return fd, unpack_header(os.pread(fd, HEADER_SIZE, 0)), st
+        except HeaderError as exc:
+            exc.stat = st  # (the file judged: check --fix removes only that one)
+            raise
+    except BaseException:
+        close_fd(fd)
         raise
+
+
+def read_header(path: str, trust: Trust | None = None) -> tuple[PageHeader, os.stat_result]:
+    """Read and validate the header of one page file (of an owner in ``trust``, default: this user);
+    returns (header, the file's stat). :raises: as :func:`open_with_header`."""
+    fd, header, st = open_with_header(path, trust or Trust.user())
+    close_fd(fd)  # (a read: an error from close, e.g. ESTALE, changes nothing read)
+    return header, st
 
 
 VERIFY_PIECE = 4 << 20  # a block is read for its check at most this much at a time (a header's block size
@@ -289,18 +301,15 @@ def block_crc(fd: int, length: int, block: int, j: int) -> int | None:
     return crc
 
 
-def verify_payload(path: str, header: PageHeader, trust: Trust) -> str | None:
-    """Read the whole payload (buffered) and check every block CRC; None when intact."""
-    fd, _ = open_regular(path, trust=trust)
-    try:
-        for j, want in enumerate(header.crcs):
-            crc = block_crc(fd, header.length, header.block, j)
-            if crc is None:
-                return f"block {j} truncated"
-            if crc != want:
-                return f"block {j} checksum mismatch"
-    finally:
-        close_fd(fd)
+def verify_payload(fd: int, header: PageHeader) -> str | None:
+    """Read the whole payload (buffered) of the page file open on ``fd``, the file ``header`` was read
+    from (:func:`open_with_header`), and check every block CRC; None when intact."""
+    for j, want in enumerate(header.crcs):
+        crc = block_crc(fd, header.length, header.block, j)
+        if crc is None:
+            return f"block {j} truncated"
+        if crc != want:
+            return f"block {j} checksum mismatch"
     return None
 
 
@@ -389,7 +398,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
     try:
-        header, st = read_header(path, trust)
+        fd, header, st = open_with_header(path, trust)
     except FileNotFoundError:
         return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
     except UntrustedFile as exc:
@@ -400,19 +409,22 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         return bad("damaged", str(exc), st=getattr(exc, "stat", None))
     except OSError as exc:
         return unreadable("damaged", exc)
-    size = st.st_size
-    if header.digest != digest or header.key != key:
-        return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size, st=st)
-    if size < file_size(header.length):
-        return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size, st=st)
-    if payload:
-        try:
-            why = verify_payload(path, header, trust)
-        except OSError as exc:
-            return unreadable("corrupt", exc, size)
-        if why:
-            return bad("corrupt", why, size, st=st)
-    return ScannedPage(path, header, None, size)
+    try:  # (the header's file, whatever is under the name by now: open_with_header)
+        size = st.st_size
+        if header.digest != digest or header.key != key:
+            return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size, st=st)
+        if size < file_size(header.length):
+            return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size, st=st)
+        if payload:
+            try:
+                why = verify_payload(fd, header)
+            except OSError as exc:
+                return unreadable("corrupt", exc, size)
+            if why:
+                return bad("corrupt", why, size, st=st)
+        return ScannedPage(path, header, None, size)
+    finally:
+        close_fd(fd)
 
 
 def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, trust: Trust, bad) -> ScannedPage:
@@ -430,9 +442,12 @@ def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, tru
     if removal_live(os.path.basename(path), st.st_ctime, layout.tmp):
         return bad("stray", "judged by a removal in progress", reason=Reason.VANISHED)  # (not a problem)
     try:
-        header, st = read_header(path, trust)
-        why = verify_payload(path, header, trust) if header.digest == digest and header.key[:2] == shard and \
-            st.st_size >= file_size(header.length) else "not a page of this place"
+        fd, header, st = open_with_header(path, trust)
+        try:
+            why = verify_payload(fd, header) if header.digest == digest and header.key[:2] == shard and \
+                st.st_size >= file_size(header.length) else "not a page of this place"
+        finally:
+            close_fd(fd)
     except HeaderError as exc:
         return bad("stray", f"left by a removal cut short: {exc}", st=getattr(exc, "stat", None))
     except NotRegularFile as exc:
@@ -452,9 +467,12 @@ def _holds_valid(path: str, like: PageHeader, trust: Trust) -> bool:
     """``path`` is a valid page of ``like``'s key and namespace. Anything else under the name (nothing, a
     link, a directory, another owner's file, a damaged page) never makes a valid copy elsewhere go."""
     try:
-        header, st = read_header(path, trust)
-        return (header.key, header.digest) == (like.key, like.digest) and \
-            st.st_size >= file_size(header.length) and verify_payload(path, header, trust) is None
+        fd, header, st = open_with_header(path, trust)
+        try:
+            return (header.key, header.digest) == (like.key, like.digest) and \
+                st.st_size >= file_size(header.length) and verify_payload(fd, header) is None
+        finally:
+            close_fd(fd)
     except (HeaderError, OSError):
         return False
 

@@ -718,6 +718,47 @@ def _startup(tiers: str, who: int, out: str, go: str) -> int:
     return 0
 
 
+def _peer(tiers: str) -> int:
+    """Peer child: another server of the namespace (a DP replica, an MLA rank) with its own engine on the
+    same tiers, told on its stdin what to do, one line at a time, and answering 'done' when done:
+    ``delete KEY`` (its delete or eviction: the page's file goes) or ``put KEY`` (it evicts the page and
+    stores it again, with its own valid bytes: twin_content(KEY, 1)). Its stdin closed, it closes its
+    engine and ends."""
+    engine = make_engine(tiers.split(os.pathsep))
+    own = PageSet(PAGE_BYTES, data=lambda k: twin_content(k, 1))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        what, k = line.split()
+        engine.delete([k])
+        if what == "put" and own.put(engine, [k]) != [True]:
+            return errno.EIO
+        print("done", flush=True)
+    engine.close()
+    return 0
+
+
+class Peer:
+    """A :func:`_peer` child on ``tiers``: ``do('delete' | 'put', key)`` returns once it is done;
+    ``close()`` ends it (its engine closed) and asserts it ended well."""
+
+    def __init__(self, tiers: Sequence[str]):
+        self.proc = spawn("peer", os.pathsep.join(tiers), stdin=subprocess.PIPE)
+        self._answer("ready")
+
+    def _answer(self, want: str) -> None:
+        line = self.proc.stdout.readline()
+        assert line.strip() == want, f"peer answered {line!r}: {self.proc.stderr.read()[-3000:] if not line else ''}"
+
+    def do(self, what: str, k: str) -> None:
+        self.proc.stdin.write(f"{what} {k}\n")
+        self.proc.stdin.flush()
+        self._answer("done")
+
+    def close(self) -> None:
+        _, err = self.proc.communicate(timeout=120)  # (its stdin closed: it closes its engine)
+        assert self.proc.returncode == 0, err[-3000:]
+
+
 def main(argv: Sequence[str]) -> int:
     role, *args = argv
     if role == "writer":
@@ -735,6 +776,8 @@ def main(argv: Sequence[str]) -> int:
     if role == "startup":
         tiers, who, out, go = args
         return _startup(tiers, int(who), out, go)
+    if role == "peer":
+        return _peer(*args)
     print(f"unknown role {role!r}", file=sys.stderr)
     return errno.EINVAL
 

@@ -13,13 +13,18 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from kvstream_hicache import Config, Namespace, check_tiers
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
-from helpers import NS, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, wait_for_fault, wait_until
+from helpers import (
+    NS, PAGE_BYTES, PageSet, Peer, TierFaultPlan, flip_byte, kvstream_cli, make_engine, twin_content, wait_for_fault,
+    wait_until,
+)
 
 DEAD_PID = 2**22 + 7  # above the largest pid_max: never a live process
 
@@ -176,18 +181,95 @@ def test_a_page_unreadable_for_an_error_of_the_moment_is_reported_not_removed(ti
         assert pages.put(engine, keys) == [True]
         path = engine.tiers[0].layout.page_path(keys[0])
         config = engine.config
-    real = integrity.read_header
+    real = integrity.open_with_header
     for err in (errno.EMFILE, errno.EIO):
         def failing(p, *args, **kwargs):
             if p == path:
                 raise OSError(err, os.strerror(err), p)
             return real(p, *args, **kwargs)
 
-        monkeypatch.setattr(integrity, "read_header", failing)
+        monkeypatch.setattr(integrity, "open_with_header", failing)
         problems = check_tiers(config, fix=True, payload=True)
         assert [(p.kind, p.fixed) for p in problems] == [("damaged", False)]
         assert os.strerror(err) in problems[0].detail and "left in place" in problems[0].detail
         assert os.path.exists(path)
-    monkeypatch.setattr(integrity, "read_header", real)
+    monkeypatch.setattr(integrity, "open_with_header", real)
     with make_engine([tier_root]) as engine:  # it was a valid page all along
         assert pages.checked_get(engine, keys) == [True]
+
+
+@pytest.fixture
+def beside_a_peer(tier_dirs, monkeypatch):
+    """One tier holding 4 pages of this process's version (twin_content 0), a peer process on it (another
+    server of the namespace, helpers.Peer), and ``at_payload(what, key)``: the peer does ``what`` ('delete'
+    or 'put': its own version) to ``key`` at the moment a check has read that page's header and is about
+    to read its payload (integrity.verify_payload, wrapped: deterministic). Yields (tiers, keys, at_payload,
+    planned: what is planned and not done yet)."""
+    from kvstream_hicache import integrity
+
+    tiers = tier_dirs[:1]
+    mine = PageSet(PAGE_BYTES, data=lambda k: twin_content(k, 0))
+    keys = mine.keys(4)
+    with make_engine(tiers) as engine:
+        assert mine.put(engine, keys) == [True] * 4
+    peer = Peer(tiers)
+    planned: dict[str, str] = {}
+    verify = integrity.verify_payload
+
+    def after_the_peer(fd, header):
+        if header.key in planned:
+            peer.do(planned.pop(header.key), header.key)
+        return verify(fd, header)
+
+    monkeypatch.setattr(integrity, "verify_payload", after_the_peer)
+    try:
+        yield tiers, keys, planned.__setitem__, planned
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("fix", [False, True], ids=["check", "check-fix"])
+def test_a_check_beside_a_process_that_deletes_a_page_reports_nothing(beside_a_peer, fix):
+    """Another server of the namespace deletes (or evicts) a page while ``kvstream check`` reads the tier:
+    the page is gone, nothing on disk is wrong. Before (0b634d5) the payload was read through a second
+    open of the name: 'corrupt: unreadable: No such file or directory', and with --fix 'left in place'
+    (not repaired: the CLI exited 1). Now the header and the payload are read through one descriptor
+    (integrity.open_with_header): the file judged is the one read, a valid page."""
+    tiers, keys, at_payload, planned = beside_a_peer
+    config = Config.from_sources({"tiers": tiers}, environ={})
+    at_payload(keys[1], "delete")
+    problems = check_tiers(config, fix=fix)
+    assert not planned, "the check never read that page's payload"
+    assert problems == [], [f"{p.kind}: {p.detail}" for p in problems]
+
+
+def test_a_check_beside_a_process_that_stores_its_own_version_of_a_page_reports_nothing(beside_a_peer):
+    """Another server evicts a page and stores it again with its own valid bytes while ``kvstream check``
+    reads the tier: every file on disk is a valid page at every moment. Before (0b634d5): 'corrupt: block
+    0 checksum mismatch' (the header read from the old file, the payload from the new one)."""
+    tiers, keys, at_payload, planned = beside_a_peer
+    config = Config.from_sources({"tiers": tiers}, environ={})
+    at_payload(keys[2], "put")
+    problems = check_tiers(config)
+    assert not planned, "the check never read that page's payload"
+    assert problems == [], [f"{p.kind}: {p.detail}" for p in problems]
+    assert check_tiers(config) == []  # (and the disk is indeed clean)
+
+
+def test_an_engine_check_beside_a_process_that_evicts_its_page_reports_only_the_index(beside_a_peer):
+    """A running engine's ``check(fix=True)`` while another process evicts one of its pages: such a check
+    may report ``index_stale`` / ``index_missing`` (docs/guarantees.md), nothing else. Before (0b634d5):
+    also 'corrupt ... unreadable: No such file or directory', left in place. Now the check judged the file
+    it read, valid then; the next check finds it gone: 'index_stale', fixed."""
+    tiers, keys, at_payload, planned = beside_a_peer
+    with make_engine(tiers) as engine:
+        assert engine.prefix_len(keys) == 4
+        at_payload(keys[0], "delete")
+        problems = engine.check(fix=True)
+        assert not planned, "the check never read that page's payload"
+        assert {p.kind for p in problems} <= {"index_stale", "index_missing"}, \
+            [f"{p.kind}: {p.detail}" for p in problems]
+        both = problems + engine.check(fix=True)
+        assert [(p.kind, p.path, p.fixed) for p in both] == \
+            [("index_stale", engine.tiers[0].layout.page_path(keys[0]), True)], both
+        assert engine.prefix_len(keys) == 0  # (the page is gone: no prefix)
