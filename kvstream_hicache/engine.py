@@ -388,6 +388,7 @@ class Engine:
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
             return
         self._scan.stop(CLOSE_DRAIN_S)
+        self._owed.note()  # (a record of clears owed that a clear() or a rejoin could not write: once more)
         left = self._reads.drain(CLOSE_DRAIN_S, closing=True)
         if left:  # a hung tier: the kernel holds reads into the ring's buffers, and closing the ring
             # waits for them, however long; the caller does not (the buffers stay the ring's till then)

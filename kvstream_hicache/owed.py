@@ -31,7 +31,7 @@ from .layout import TMP_DIR
 from .locks import ranked_lock
 from .tiers import Tier
 from .tmpfiles import NEW_FILE
-from .trust import open_below, open_dir
+from .trust import make_dir, open_below
 
 log = logging.getLogger("kvstream")
 
@@ -47,6 +47,8 @@ class OwedClears:
         self.name = digest + SUFFIX
         self._lock = ranked_lock("owed")  # one rewrite at a time (a clear() and a rejoin's)
         self._recorded: list[str] = []  # the roots the records name now
+        self._others: set[str] = set()  # roots recalled that no tier of this engine has: kept in the record
+        # (a tier left out of one start's list owes its clear still when it is listed again)
         self._kept_in_memory = False  # logged once per stretch without a holder
 
     def recall(self) -> None:
@@ -55,16 +57,18 @@ class OwedClears:
         roots: set[str] = set()
         for tier in self._holders():
             roots.update(self._read(tier))
-        for tier in self.tiers:
-            if tier.root in roots:
-                tier.owe_clear()
+        mine = {where(t.root): t for t in self.tiers}
+        for root in roots & mine.keys():
+            mine[root].owe_clear()
+        self._others = roots - mine.keys()
         self._recorded = sorted(roots)
 
     def note(self) -> None:
         """Write down which tiers owe a clear now (after a clear(), and as a tier rejoins); nothing
-        when that did not change. Never raises: a record not written is logged."""
+        when that did not change. Never raises: a record not written is logged, and written at the next
+        call (a clear(), a rejoin, close())."""
         with self._lock:
-            owed = sorted(t.root for t in self.tiers if t.clear_owed)
+            owed = sorted({where(t.root) for t in self.tiers if t.clear_owed} | self._others)
             if owed == self._recorded:
                 return
             holders = self._holders()
@@ -76,13 +80,16 @@ class OwedClears:
                 self._kept_in_memory = True
                 return
             self._kept_in_memory = False
+            written = False
             for tier in holders:
                 try:
                     self._write(tier, owed)
+                    written = True
                 except OSError as exc:
                     log.warning("kvstream: could not record the clear() owed by %s on tier %d (%s): %s",
                                 ", ".join(owed) or "no tier", tier.k, tier.root, os.strerror(exc.errno or errno.EIO))
-            self._recorded = owed
+            if written:  # (else the next call tries again)
+                self._recorded = owed
 
     def _holders(self) -> list[Tier]:
         return [t for t in self.tiers if t.local and t.healthy and not t.clear_owed]
@@ -127,7 +134,7 @@ class OwedClears:
                 except FileNotFoundError:
                     pass
                 return
-            tmp_dir = open_dir(TMP_DIR, base)
+            tmp_dir = make_dir(TMP_DIR, base, tier.dir_mode)  # (emptied away under a healthy tier: made again)
             tmp = tier.fresh_tmp_name()
             try:
                 fd = os.open(tmp, os.O_WRONLY | NEW_FILE, tier.file_mode, dir_fd=tmp_dir)
@@ -148,3 +155,9 @@ class OwedClears:
             os.fsync(base)
         finally:
             close_fd(base)
+
+
+def where(root: str) -> str:
+    """A tier directory as a record names it: its real path (a link to it, or the link's target, named
+    in the tier list of another start is the same tier)."""
+    return os.path.realpath(root)

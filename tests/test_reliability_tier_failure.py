@@ -21,6 +21,7 @@ import pytest
 
 from kvstream_hicache import check_tiers, trust
 from kvstream_hicache import tiers as tiers_module
+from kvstream_hicache.errors import ConfigError
 from kvstream_hicache.index import SETTLE_CHUNK, Index
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
@@ -468,6 +469,19 @@ def test_pages_cleared_while_a_tier_was_failed_stay_cleared_when_it_rejoins(tier
         assert [engine.index.holders(k) for k in keys] == [0b11] * 3
 
 
+def _cleared_while_tier_1_is_away(dirs, pages: PageSet, keys: list[str]) -> str:
+    """``keys`` put on both tiers, tier 1's directory moved away, clear(), the engine closed: the path of
+    the record of the clear tier 1 owes (on tier 0)."""
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * len(keys)
+        os.rename(dirs[1], dirs[1] + ".away")
+        engine.clear()
+        assert not engine.tiers[1].healthy
+        record = os.path.join(engine.tiers[0].layout.base, engine.namespace.digest + ".clears-owed")
+    assert os.path.isfile(record)
+    return record
+
+
 def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs):
     """clear() (after a weight update: the pages are stale KV) while tier 1's directory is away, then the
     process ends before it is back. The next engine of the namespace reads the record the clear left on
@@ -477,13 +491,7 @@ def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs)
     dirs = tier_dirs[:2]
     pages = PageSet()
     keys = pages.keys(3)
-    with make_engine(dirs, tier_retry=RETRY_S) as engine:
-        assert pages.put(engine, keys) == [True] * 3
-        os.rename(dirs[1], dirs[1] + ".away")
-        engine.clear()
-        assert not engine.tiers[1].healthy
-        record = os.path.join(engine.tiers[0].layout.base, engine.namespace.digest + ".clears-owed")
-    assert os.path.isfile(record)
+    record = _cleared_while_tier_1_is_away(dirs, pages, keys)
     os.rename(dirs[1] + ".away", dirs[1])
     assert len(page_files(dirs[1])) == 3  # (the stale pages, back with the tier)
     with make_engine(dirs, tier_retry=RETRY_S) as engine:
@@ -497,6 +505,78 @@ def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs)
         assert [engine.index.holders(k) for k in keys] == [0b11] * 3
     with make_engine(dirs, tier_retry=RETRY_S) as engine:  # (nothing owed any more: nothing cleared)
         assert engine.tiers[1].healthy and pages.checked_get(engine, keys) == [True] * 3
+
+
+def test_a_clear_owed_by_a_tier_left_out_of_one_start_is_not_forgotten(tier_dirs):
+    """clear() (after a weight update) while tier 1 is away; the process ends with tier 1 still away. An
+    engine naming tier 1 refuses to start while it is away, so the operator starts with tier 0 alone
+    for a while, and clears again there (another weight update). Tier 1 is repaired and listed again:
+    its pages, cleared twice, must not be served. Before, the engine with tier 0 alone recalled the
+    record naming tier 1, owed nothing itself, and its clear() rewrote the record as 'nothing owed'
+    (unlinked it): the debt of a tier not in that start's list was dropped. From the review of this
+    stop's changes."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    _cleared_while_tier_1_is_away(dirs, pages, keys)
+    with pytest.raises(ConfigError):  # (tier 1 still away: an engine that lists it does not start)
+        make_engine(dirs, tier_retry=RETRY_S).close()
+    with make_engine(dirs[:1], tier_retry=RETRY_S) as engine:  # (tier 0 alone meanwhile)
+        engine.clear()
+    os.rename(dirs[1] + ".away", dirs[1])
+    assert len(page_files(dirs[1])) == 3  # (the stale pages, back with the tier)
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after a restart"
+
+
+def test_a_clear_owed_is_kept_when_the_tier_is_listed_by_another_path_to_it(tier_dirs, tmp_path):
+    """The same clear owed, tier 1 listed through a symbolic link to its directory at one start and by
+    its real path at the next (a deployment's config changed; both name one directory, which config.py
+    already tells by its real path for duplicates): the record names real paths. Before, it named the
+    path as written, the next start matched paths as text, and the stale pages were served."""
+    real = tier_dirs[1]
+    link = str(tmp_path / "tier1-link")
+    os.symlink(real, link)
+    pages = PageSet()
+    keys = pages.keys(3)
+    with make_engine([tier_dirs[0], link], tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        os.rename(os.path.join(real, "kvstream"), os.path.join(real, "kvstream.away"))
+        engine.clear()
+        assert not engine.tiers[1].healthy
+        record = os.path.join(engine.tiers[0].layout.base, engine.namespace.digest + ".clears-owed")
+    assert os.path.isfile(record)
+    os.rename(os.path.join(real, "kvstream.away"), os.path.join(real, "kvstream"))
+    assert len(page_files(real)) == 3
+    with make_engine([tier_dirs[0], real], tier_retry=RETRY_S) as engine:
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after a restart"
+
+
+def test_a_clear_owed_is_recorded_when_the_holders_tmp_directory_was_emptied_away(tier_dirs):
+    """``rm -rf <tier>/kvstream/*`` under a healthy tier while the engine serves is supported (the next
+    puts make the tree again: test_a_page_tree_emptied_under_a_healthy_tier_is_made_again). Here it hits
+    tier 0, the only local tier that can hold the record, just before a clear() that tier 1 (away)
+    misses: the record's write makes ``tmp/`` again. Before, it failed there (ENOENT), was logged and
+    never tried again (counted written), and at the next start tier 1's cleared pages were scanned and
+    served."""
+    holder, away = tier_dirs[0], tier_dirs[1]
+    pages = PageSet()
+    keys, more = pages.keys(3), pages.keys(2, 3)
+    with make_engine([holder, away], tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        base = os.path.join(holder, "kvstream")
+        for name in os.listdir(base):
+            shutil.rmtree(os.path.join(base, name))
+        os.rename(away, away + ".away")
+        engine.clear()
+        assert not engine.tiers[1].healthy
+        assert pages.put(engine, more) == [True] * 2  # (tier 0 serves on: its tree, tmp/ too, made again)
+        assert engine.tiers[0].healthy and os.path.isdir(os.path.join(base, "tmp"))
+        engine.clear()  # (another clear: still nothing recorded)
+    os.rename(away + ".away", away)
+    assert len(page_files(away)) == 3  # (the stale pages, back with the tier)
+    with make_engine([holder, away], tier_retry=RETRY_S) as engine:
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after a restart"
 
 
 @pytest.mark.parametrize("owing", ["network", "local"])
