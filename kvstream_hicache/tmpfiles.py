@@ -213,9 +213,11 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
 def tier_now(tmp_dir: str) -> float | None:
     """The tier's clock now, s: the modification time of a file made in its tmp directory ``tmp_dir``
     this moment (then removed). The age of a file on a tier (another host's temporary file, a probe, a
-    removal's private name) is measured on the clock that stamped it: on NFS or GlusterFS the file
-    server's, which this host's clock may run hours ahead of (before, a host ahead by over TMP_STALE_S
-    took a live writer's temporary files for leftovers). On a local tier both are this host's clock.
+    removal's private name) is measured on the clock that stamped it: on NFS the file server's, which
+    this host's clock may run hours ahead of (before, a host ahead by over TMP_STALE_S took a live
+    writer's temporary files for leftovers). On a local tier both are this host's clock. GlusterFS
+    (features.ctime on, its default) keeps what each client stamps, this host's kernel time here: its
+    nodes' clocks must agree within TMP_STALE_S (docs/design.md).
     None when no file can be made there (read-only, full, gone): then no age is told, nothing judged old."""
     path = os.path.join(tmp_dir, probe_name("clock"))
     try:
