@@ -45,6 +45,8 @@ class OwedClears:
     def __init__(self, tiers: Sequence[Tier], digest: str):
         self.tiers = tiers
         self.name = digest + SUFFIX
+        self._where = [where(t.root) for t in tiers]  # (at start, while every tier answers: a realpath
+        # through a hung network mount would hang a clear() that notes its debt)
         self._lock = ranked_lock("owed")  # one rewrite at a time (a clear() and a rejoin's)
         self._recorded: list[str] = []  # the roots the records name now
         self._others: set[str] = set()  # roots recalled that no tier of this engine has: kept in the record
@@ -57,7 +59,7 @@ class OwedClears:
         roots: set[str] = set()
         for tier in self._holders():
             roots.update(self._read(tier))
-        mine = {where(t.root): t for t in self.tiers}
+        mine = dict(zip(self._where, self.tiers))
         for root in roots & mine.keys():
             mine[root].owe_clear()
         self._others = roots - mine.keys()
@@ -68,7 +70,7 @@ class OwedClears:
         when that did not change. Never raises: a record not written is logged, and written at the next
         call (a clear(), a rejoin, close())."""
         with self._lock:
-            owed = sorted({where(t.root) for t in self.tiers if t.clear_owed} | self._others)
+            owed = sorted({self._where[t.k] for t in self.tiers if t.clear_owed} | self._others)
             if owed == self._recorded:
                 return
             holders = self._holders()

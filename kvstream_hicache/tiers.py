@@ -8,7 +8,9 @@ Health lifecycle::
              up to 300 s); or the tier failed because its directory vanished and a look (one stat,
              at most every LOOK_S) finds it back; or a read needs it (``usable(now=True)``: it is the
              last holder of a page; once per batch, and at most every LOOK_S); before it rejoins
-             it removes its pages if it missed a clear() (failed then, or failing during it)
+             it removes its pages if it missed a clear() (failed then, or failing during it, or
+             before a restart: owed.py), and the copies of the keys whose delete() it missed, on a
+             thread of its own (_settle: the call whose probe found it back does not wait)
 
 A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
 "gone" when ``<tier>/kvstream`` no longer exists, or is on another device than before while no file
@@ -35,6 +37,7 @@ import itertools
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable
 
 from .bounded import BoundedCalls
@@ -113,6 +116,7 @@ class Tier:
         self._next_forced = 0.0  # the next probe a read with no other holder may force
         self._lock = ranked_lock("tier")  # the health state below; never held across I/O
         self._probing = False  # a thread probes the failed tier now (outside the lock)
+        self._settling = False  # a thread removes what the failed tier owes before it rejoins (_settle)
         self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()
         # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
@@ -316,11 +320,30 @@ class Tier:
                 log.warning("kvstream: tier %d (%s) stays failed: %s", self.k, self.root, why)
             return False, why
         self._dirs.update((self.layout.tmp, self.layout.pages))
-        if not self._do_owed_clear():  # (before it serves: never a page cleared meanwhile)
-            return False, f"the clear() it missed while failed did not finish: {self.last_error}"
-        if not self._deletes_owed():  # (nor one deleted: found again by a lookup, it would be served)
-            return False, f"a delete() it missed while failed did not finish: {self.last_error}"
+        with self._lock:
+            owes, settling = self.clear_owed or bool(self._deletes), self._settling
+            self._settling = owes
+        if owes:  # (before it serves: never a page cleared or deleted meanwhile, found again and served)
+            if not settling:
+                threading.Thread(target=self._settle, name=f"kvstream-settle-{self.k}", daemon=True).start()
+            return False, "it removes the pages of the clear() or delete()s it missed before it serves"
         return True, ""
+
+    def _settle(self) -> None:
+        """The clear() and delete()s a tier missed while failed, done on a thread of its own before it
+        rejoins: 400k page files took 35 s to remove, and the get or put whose probe found the tier back
+        (SGLang's prefetch thread, at a restart's first request: owed.py) waited for every one. The tier
+        stays out meanwhile; once they are done its next probe, due at once, lets it rejoin."""
+        done = False
+        try:
+            done = self._do_owed_clear() and self._deletes_owed()
+        except Exception:  # (never raise in a thread of ours: the next probe starts it again)
+            log.exception("kvstream: tier %d: removing the pages of what it missed while failed", self.k)
+        finally:
+            with self._lock:
+                self._settling = False
+                if done:
+                    self._next_probe = self.clock()
 
     def _recheck(self) -> str | None:
         """The tree of a failed tier about to rejoin, checked as start-up checks it (trust.establish):
