@@ -27,11 +27,11 @@ import stat
 from collections.abc import Sequence
 
 from .fds import close_fd
-from .layout import TMP_DIR
+from .layout import ROOT_DIR, TMP_DIR, is_digest
 from .locks import ranked_lock
 from .tiers import Tier
 from .tmpfiles import NEW_FILE
-from .trust import make_dir, open_below
+from .trust import Trust, list_below, make_dir, open_below
 
 log = logging.getLogger("kvstream")
 
@@ -97,34 +97,7 @@ class OwedClears:
         return [t for t in self.tiers if t.local and t.healthy and not t.clear_owed]
 
     def _read(self, tier: Tier) -> list[str]:
-        try:
-            base = open_below(tier.root, tier.layout.base)
-        except OSError:
-            return []
-        try:
-            fd = os.open(self.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=base)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                log.warning("kvstream: the record of clears owed on tier %d is unreadable (%s): ignored", tier.k,
-                            os.strerror(exc.errno or errno.EIO))
-            return []
-        finally:
-            close_fd(base)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or not tier.trust.owns(st) or st.st_mode & stat.S_IWOTH or \
-                    st.st_size > MAX_BYTES:
-                raise ValueError("not a regular file of a trusted owner")
-            roots = json.loads(os.read(fd, MAX_BYTES))
-            if not (isinstance(roots, list) and all(isinstance(r, str) for r in roots)):
-                raise ValueError("not a list of tier directories")
-            return roots
-        except (OSError, ValueError) as exc:
-            log.warning("kvstream: the record of clears owed %s/%s is not kvstream's (%s): ignored",
-                        tier.layout.base, self.name, exc)
-            return []
-        finally:
-            close_fd(fd)
+        return read_record(tier.root, self.name, tier.trust)
 
     def _write(self, tier: Tier, owed: list[str]) -> None:
         """The record on ``tier`` names ``owed`` (none: it goes)."""
@@ -163,3 +136,55 @@ def where(root: str) -> str:
     """A tier directory as a record names it: its real path (a link to it, or the link's target, named
     in the tier list of another start is the same tier)."""
     return os.path.realpath(root)
+
+
+def read_record(root: str, name: str, trust: Trust) -> list[str]:
+    """The tiers the record ``name`` in ``<root>/kvstream/`` says owe a clear, read following no link;
+    [] where there is none, and where it is not kvstream's (logged: a link, a FIFO, another owner's
+    file, text that is no list of tiers)."""
+    try:
+        base = open_below(root, os.path.join(root, ROOT_DIR))
+    except OSError:
+        return []
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=base)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.warning("kvstream: the record of clears owed %s/%s/%s is unreadable (%s): ignored", root, ROOT_DIR,
+                        name, os.strerror(exc.errno or errno.EIO))
+        return []
+    finally:
+        close_fd(base)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not trust.owns(st) or st.st_mode & stat.S_IWOTH or st.st_size > MAX_BYTES:
+            raise ValueError("not a regular file of a trusted owner")
+        roots = json.loads(os.read(fd, MAX_BYTES))
+        if not (isinstance(roots, list) and all(isinstance(r, str) for r in roots)):
+            raise ValueError("not a list of tier directories")
+        return roots
+    except (OSError, ValueError) as exc:
+        log.warning("kvstream: the record of clears owed %s/%s/%s is not kvstream's (%s): ignored", root, ROOT_DIR,
+                    name, exc)
+        return []
+    finally:
+        close_fd(fd)
+
+
+def recorded(dirs: Sequence[str]) -> list[tuple[int, str, int]]:
+    """(tier owing a clear, namespace digest, tier holding the record) of the records on ``dirs`` (a tier
+    list, as ``kvstream info`` and ``check`` are given it): that tier's pages of that namespace are
+    stale, removed before it serves at the next start (a tier a record names that is not in ``dirs``
+    is left out)."""
+    where_k = {where(d): k for k, d in enumerate(dirs)}
+    out = set()
+    for holder, root in enumerate(dirs):
+        try:
+            names = list_below(root, os.path.join(root, ROOT_DIR))
+        except OSError:
+            continue
+        for name in names:
+            digest = name[: -len(SUFFIX)]
+            if name.endswith(SUFFIX) and is_digest(digest):
+                out.update((where_k[r], digest, holder) for r in read_record(root, name, Trust.user()) if r in where_k)
+    return sorted(out)

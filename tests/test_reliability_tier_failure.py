@@ -526,6 +526,33 @@ def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs)
         assert engine.tiers[1].healthy and pages.checked_get(engine, keys) == [True] * 3
 
 
+def test_info_and_check_say_which_tier_owes_a_clear(tier_dirs, capsys):
+    """What an operator sees between a clear() tier 1 missed and the next start: ``kvstream info`` and
+    ``kvstream check`` name the tier that owes a clear (and where it is recorded), and count its stale
+    pages as nothing a running engine would copy. Before, info said the other tier lacked them and that
+    background replication would write them there, and nothing named the clear owed (found by the
+    review of a real server's clear and restart)."""
+    from kvstream_hicache.tools import cli
+
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    _cleared_while_tier_1_is_away(dirs, pages, keys)
+    os.rename(dirs[1] + ".away", dirs[1])
+    capsys.readouterr()
+    assert cli.main(["info", "--tiers", *dirs]) == 0
+    out = capsys.readouterr().out
+    assert "tier1 owes a clear() of namespace" in out and "(recorded on tier0)" in out
+    assert "replicas: every page is on every tier" in out  # (tier 1's stale pages are no replicas owed)
+    assert cli.main(["check", "--tiers", *dirs]) == 0
+    out = capsys.readouterr().out
+    assert "tier1 owes a clear() of namespace" in out and "no problems found" in out
+    assert cli.main(["info", "--json", "--tiers", *dirs]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(c["tier"], c["recorded_on"]) for c in doc["clears_owed"]] == [(1, 0)]
+    assert doc["under_replicated"] == {"pages": 0, "lacking_per_tier": [0, 0]}
+
+
 def test_a_clear_owed_by_a_tier_left_out_of_one_start_is_not_forgotten(tier_dirs):
     """clear() (after a weight update) while tier 1 is away; the process ends with tier 1 still away. An
     engine naming tier 1 refuses to start while it is away, so the operator starts with tier 0 alone

@@ -178,6 +178,7 @@ def _config(tiers: Sequence[str] | None):
 
 def _check(args) -> int:
     from ..integrity import check_tiers
+    from ..owed import recorded
 
     cfg = _config(args.tiers)
     problems = check_tiers(cfg, fix=args.fix)
@@ -185,7 +186,9 @@ def _check(args) -> int:
     if args.json:
         print(json.dumps([_problem_dict(p) for p in problems], indent=1))
     else:
-        print(_replicas_line(_under_replicated(_tier_dirs(cfg))))
+        owed = recorded(_tier_dirs(cfg))
+        for line in [_replicas_line(_under_replicated(_tier_dirs(cfg), owed)), *_owed_lines(owed)]:
+            print(line)
         for p in problems:
             print(_problem_line(p))
         if not problems:
@@ -216,10 +219,14 @@ def _problem_line(p) -> str:
 
 
 def _info(args) -> int:
+    from ..owed import recorded
+
     cfg = _config(args.tiers)
     settings = _settings(cfg)
+    owed = recorded(_tier_dirs(cfg))
     doc = {"config": settings, "tiers": [_tier_status(d) for d in _tier_dirs(cfg)], "warnings": list(cfg.warnings),
-           "under_replicated": _under_replicated(_tier_dirs(cfg))}
+           "under_replicated": _under_replicated(_tier_dirs(cfg), owed),
+           "clears_owed": [{"tier": k, "namespace": d, "recorded_on": h} for k, d, h in owed]}
     from .bench import testbed as tb
 
     st = tb.status()
@@ -253,7 +260,8 @@ def _info(args) -> int:
               f"{state}; {scan['files']} files in {scan['seconds']:.1f} s ({scan['rate']:,.0f}/s), "
               f"{scan['indexed']} pages indexed, {scan['damaged_removed']} damaged and {scan['tmp_removed']} "
               f"leftovers removed; eviction {scan['eviction']}")
-    print(_replicas_line(doc["under_replicated"]))
+    for line in [_replicas_line(doc["under_replicated"]), *_owed_lines(owed)]:
+        print(line)
     if "testbed" in doc:
         print(f"testbed: {doc['testbed']['profile']} at {', '.join(doc['testbed']['dirs'])} (kvstream testbed status)")
     return 0 if all(t["ok"] for t in doc["tiers"]) else 1
@@ -290,10 +298,13 @@ def _page_names(path: str) -> set[tuple[str, str]]:
             if n.endswith(PAGE_SUFFIX)}
 
 
-def _under_replicated(dirs: Sequence[str]) -> dict:
+def _under_replicated(dirs: Sequence[str], owed: Sequence[tuple[int, str, int]] = ()) -> dict:
     """Pages some tier lacks, per tier (what background replication still owes, or skipped with it off).
-    A tier whose tree cannot be listed counts for nothing here (check and info report it on its own line)."""
+    A tier whose tree cannot be listed counts for nothing here (check and info report it on its own line),
+    nor do the pages of a namespace a tier owes a clear of (``owed``, owed.recorded: stale, never copied)."""
+    stale = {(k, digest) for k, digest, _ in owed}
     held = [_readable_page_names(d) if os.path.isdir(d) else set() for d in dirs]
+    held = [h if h is None else {(d, n) for d, n in h if (k, d) not in stale} for k, h in enumerate(held)]
     known = [h for h in held if h is not None]
     every = set().union(*known)
     lacking = [0 if h is None else len(every - h) for h in held]
@@ -313,6 +324,15 @@ def _replicas_line(u: dict) -> str:
     return (f"under-replicated: {u['pages']} page(s) lack a tier (" + ", ".join(
         f"tier{k} lacks {n}" for k, n in enumerate(u["lacking_per_tier"]) if n) + "); a running engine writes "
         "them (background replication, KVSTREAM_CATCHUP) while the tiers have room")
+
+
+def _owed_lines(owed: Sequence[tuple[int, str, int]]) -> list[str]:
+    by_tier: dict[tuple[int, str], list[int]] = {}
+    for k, digest, holder in owed:
+        by_tier.setdefault((k, digest), []).append(holder)
+    return [f"tier{k} owes a clear() of namespace {digest} (recorded on " + ", ".join(f"tier{h}" for h in holders)
+            + "): its pages of it are stale, removed before it serves at the next start" for (k, digest), holders
+            in sorted(by_tier.items())]
 
 
 def _tier_dirs(cfg) -> list[str]:
