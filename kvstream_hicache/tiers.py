@@ -333,7 +333,8 @@ class Tier:
         """The clear() and delete()s a tier missed while failed, done on a thread of its own before it
         rejoins: 400k page files took 35 s to remove, and the get or put whose probe found the tier back
         (SGLang's prefetch thread, at a restart's first request: owed.py) waited for every one. The tier
-        stays out meanwhile; once they are done its next probe, due at once, lets it rejoin."""
+        stays out meanwhile; once they are done this thread probes it again, and it rejoins (then, not at
+        the next get or put: an idle server's tier would wait for traffic, and its catch-up with it)."""
         done = False
         try:
             done = self._do_owed_clear() and self._deletes_owed()
@@ -344,6 +345,8 @@ class Tier:
                 self._settling = False
                 if done:
                     self._next_probe = self.clock()
+        if done:
+            self.usable()
 
     def _recheck(self) -> str | None:
         """The tree of a failed tier about to rejoin, checked as start-up checks it (trust.establish):

@@ -239,6 +239,31 @@ def test_prometheus_metrics_reach_the_registry_without_another_call(plugin_loade
     assert drv.storage._trailing is None
 
 
+def test_a_tier_that_rejoins_while_sglang_is_idle_reaches_its_gauge(plugin_loaded, tier_dirs, drivers, monkeypatch):
+    """A failed tier may rejoin with no call of sglang's: the thread that removed what it owed lets it in
+    (tiers.py _settle), at a restart on an idle server. While a tier is failed the adapter syncs its
+    metrics each interval by itself, so kvstream:tier_healthy says 1 within a second of the rejoin. Before,
+    it said 0 until the next request (found by the real server's clear-and-restart test)."""
+    from prometheus_client import REGISTRY
+
+    from kvstream_hicache.sglang import storage
+
+    monkeypatch.setattr(storage, "METRICS_INTERVAL_S", 0.2)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    labels = dict(drv.storage._exporter.labels, tier="1")
+    tier = drv.storage.engine.tiers[1]
+    assert tier.fail(errno.EIO, "test: an I/O error")
+    drv.storage.flush_metrics()
+    assert REGISTRY.get_sample_value("kvstream:tier_healthy", labels) == 0
+    assert tier.usable(now=True)  # (as the removal's thread does: no call of sglang's)
+    deadline = time.monotonic() + 30.0
+    while REGISTRY.get_sample_value("kvstream:tier_healthy", labels) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert REGISTRY.get_sample_value("kvstream:tier_healthy", labels) == 1, "the rejoin never reached the gauge"
+    drv.storage.close()
+
+
 def test_prometheus_multiprocess_mode(tmp_path):
     """As in an sglang server: PROMETHEUS_MULTIPROC_DIR set before prometheus_client is imported, samples
     written by the scheduler process are aggregated by the /metrics collector."""

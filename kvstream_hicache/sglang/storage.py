@@ -532,6 +532,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             self._last_stats = stats
             if self._exporter is not None:
                 self._exporter.sync(stats, self.counters)
+                if not all(t["healthy"] for t in stats.get("tiers", ())):  # a failed tier may rejoin with
+                    # no call of sglang's (an idle server; the thread that removes what it owed): its gauge
+                    # follows within a second, traffic or not
+                    self._arm_trailing_sync(METRICS_INTERVAL_S)
         finally:
             self._sync_lock.release()
 
