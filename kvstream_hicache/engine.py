@@ -299,6 +299,11 @@ class Engine:
                         self.index.file_removed(key, tier.k)
                     if not tier.healthy and is_valid_key(key):  # (failed, before or by this removal: its
                         tier.owe_delete(key)  # copy, if any, goes before it serves again)
+            for tier in self.tiers:  # a tier whose tree is away (moved, unmounted) and that nothing noticed
+                # yet: a removal there answers "already gone", reaching nothing. Failed now, it owes them all
+                if tier.healthy and tier.fail(errno.ENOENT, "delete: the tier's directory is gone"):
+                    for key in filter(is_valid_key, keys):  # (as clear() does: Tier._remove_pages)
+                        tier.owe_delete(key)
         return held
 
     def register_memory(self, address: int, nbytes: int) -> bool:
@@ -387,6 +392,8 @@ class Engine:
         self._closed = True
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
             return
+        for tier in self.tiers:  # (first: a tier's settle thread removes nothing more, nor lets it rejoin)
+            tier.closed = True
         self._scan.stop(CLOSE_DRAIN_S)
         self._owed.note()  # (a record of clears owed that a clear() or a rejoin could not write: once more)
         left = self._reads.drain(CLOSE_DRAIN_S, closing=True)

@@ -117,6 +117,8 @@ class Tier:
         self._lock = ranked_lock("tier")  # the health state below; never held across I/O
         self._probing = False  # a thread probes the failed tier now (outside the lock)
         self._settling = False  # a thread removes what the failed tier owes before it rejoins (_settle)
+        self._settled = 0  # settles done: a probe that began before the last one ended is stale (usable)
+        self.closed = False  # its engine closed (Engine.close): a settle thread stops, nothing more removed
         self._errors = 0  # tier errors accounted: one during a probe makes its success stale
         self._seq = itertools.count()
         # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
@@ -161,8 +163,8 @@ class Tier:
             if not (due or look):
                 return False
             self._probing = True
-            failures = self._errors
-        ok, why, vanished = False, "", True
+            failures, settled = self._errors, self._settled
+        ok, why, vanished, again = False, "", True, False
         try:
             still_gone = look and self.gone(replaced=False)  # (another directory there: the probe judges it)
             if not still_gone:
@@ -191,6 +193,8 @@ class Tier:
                 self._backoff = self.retry_s
                 self._deletes_forgotten = 0
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
+            elif self._settled != settled:  # what it owed was removed while this probe ran (it saw the settle
+                again = True  # going on): the settle's own probe found this one running, so this one probes again
             else:
                 if scheduled:  # (a forced probe or a look, every LOOK_S, leaves the schedule: six of them
                     # doubled a few seconds' outage into 300 s out)
@@ -198,7 +202,8 @@ class Tier:
                     self._next_probe = self.clock() + self._backoff
                 self._vanished = vanished  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
-            return self.healthy
+            healthy = self.healthy
+        return self.usable() if again else healthy
 
     def fail(self, err: int, what: str) -> bool:
         """Account an OS error of this tier; mark it failed when ``err`` says the tier (not one
@@ -344,8 +349,9 @@ class Tier:
             with self._lock:
                 self._settling = False
                 if done:
+                    self._settled += 1
                     self._next_probe = self.clock()
-        if done:
+        if done and not self.closed:
             self.usable()
 
     def _recheck(self) -> str | None:
@@ -559,6 +565,8 @@ class Tier:
         with self._lock:
             owed, errors = dict(self._deletes), self._errors
         for key, when in owed.items():
+            if self.closed:  # (a settle thread of a closed engine: see _remove_pages)
+                return False
             path = self.layout.page_path(key)
             try:
                 header, st = read_header(path, self.trust)
@@ -599,14 +607,16 @@ class Tier:
             names = []  # the like (ETIMEDOUT: hung) fail the tier, which then removes its pages when it rejoins
             self.fail(exc.errno or errno.EIO, f"list {self.layout.pages} to clear it")
         for shard in names:
-            if self._errors != errors:  # a removal failed for an I/O error: the tier is out
-                return False
+            if self._errors != errors or self.closed:  # a removal failed for an I/O error: the tier is out;
+                return False  # or its engine closed (a settle thread: another engine may own the tier now)
             try:
                 entries = self.calls.run(shard_entries, self.layout, shard)
             except OSError as exc:
                 self.fail(exc.errno or errno.EIO, f"list {shard} to clear it")
                 return False
             for name, _ in entries:
+                if self.closed:
+                    return False
                 key = key_of_page_file(name) if name else None
                 if key is None or key[:2] != shard or self.unlink_page(key) is not None:  # (misplaced: stays)
                     kept += 1

@@ -684,6 +684,129 @@ def test_a_record_of_clears_owed_that_is_not_kvstreams_is_ignored(tier_dirs, tmp
     assert "clears owed" in caplog.text
 
 
+def _settle_threads(k: int) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"kvstream-settle-{k}"]
+
+
+def _owing_a_clear(engine, dirs, pages, keys):
+    """``keys`` on both tiers; tier 1's directory away at a clear(), then back: tier 1 owes the clear."""
+    tier = engine.tiers[1]
+    assert pages.put(engine, keys) == [True] * len(keys)
+    os.rename(dirs[1], dirs[1] + ".away")
+    assert tier.fail(errno.EIO, "test: an I/O error")
+    engine.clear()
+    assert not tier.healthy and tier.clear_owed
+    os.rename(dirs[1] + ".away", dirs[1])
+
+
+def _hold_unlinks(tier):
+    """The settle thread waits for ``release`` after its first removal (as the suite's own clear test
+    holds them)."""
+    removing, release = threading.Event(), threading.Event()
+    unlink = tier.unlink_page
+
+    def held_unlink(key, judged=None):  # (the first removal done, the thread waits)
+        out = unlink(key, judged)
+        if not removing.is_set():
+            removing.set()
+            release.wait(60)
+        return out
+
+    tier.unlink_page = held_unlink
+    return removing, release
+
+
+def test_a_settle_that_ends_while_a_get_probes_still_lets_the_tier_rejoin(tier_dirs):
+    """The settle thread ends while a get's scheduled probe of the tier is in flight (it read 'still
+    settling' just before): the settle thread's own usable() finds that probe running and returns, and
+    that probe then reschedules the next one a whole back-off away, overwriting the 'probe now' the settle
+    thread set. The tier, its debt paid, stays out (with no traffic: until the back-off expires, up to
+    300 s, its catch-up with it). Now that probe, finding the settle done meanwhile, probes again and
+    the tier rejoins. From the review of this stop's latest changes."""
+    dirs = tier_dirs[:2]
+    clock, pages = FakeClock(), PageSet()
+    keys = pages.keys(3)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        tier = engine.tiers[1]
+        _owing_a_clear(engine, dirs, pages, keys)
+        removing, release = _hold_unlinks(tier)
+        clock.advance(RETRY_S * 4)
+        assert not tier.usable()  # a scheduled probe finds it back: the settle thread starts
+        assert removing.wait(30), "the settle thread never removed the pages cleared"
+
+        # a get's scheduled probe (the back-off expired during a long settle) is in flight as the settle ends
+        clock.advance(RETRY_S * 100)
+        probe = tier._probe
+        probed, go = threading.Event(), threading.Event()
+
+        def held_probe():
+            out = probe()
+            if threading.current_thread().name == "get-probe":
+                probed.set()
+                go.wait(60)
+            return out
+
+        tier._probe = held_probe
+        getter = threading.Thread(target=tier.usable, name="get-probe")
+        getter.start()
+        assert probed.wait(30)
+        release.set()  # the settle thread removes the pages and ends
+        wait_until(lambda: not _settle_threads(1), 30, "the settle thread did not end")
+        assert not tier.clear_owed and page_files(dirs[1]) == []
+        go.set()
+        getter.join(30)
+        del tier._probe
+
+        # its debt paid, the tier rejoins with no call coming (an idle server), and at the next get at the latest
+        try:
+            wait_until(lambda: tier.healthy, 5, "")
+        except AssertionError:
+            pass
+        assert pages.checked_get(engine, keys) == [False] * 3
+        assert tier.healthy, ("tier 1 removed what it owed but stays out: the next probe was rescheduled "
+                              f"a back-off away ({tier._next_probe - clock():.0f} s of the injected clock): "
+                              f"{tier.last_error}")
+
+
+def test_an_engine_closed_while_its_tier_settles_removes_no_page_of_the_next_engine(tier_dirs):
+    """SGLang's /detach_hicache_storage_backend then attach (or any close() and a new Engine in the same
+    process) while a tier removes the pages of a clear() it owed (400k page files: 35 s). close() returns
+    with the settle thread still running; the next engine reads the record, clears the tier itself, lets
+    it rejoin and stores pages there again; the closed engine's settle thread then goes on removing every
+    page file it lists: the new engine's pages. Its index says tier 1 holds them; the files are gone
+    (a cached page lost, the index wrong). Now close() stops it: it removes nothing more, nor lets the
+    tier rejoin. From the review of this stop's latest changes."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    clock = FakeClock()
+    engine = make_engine(dirs, clock=clock, tier_retry=RETRY_S)
+    try:
+        tier = engine.tiers[1]
+        _owing_a_clear(engine, dirs, pages, keys)
+        removing, release = _hold_unlinks(tier)
+        clock.advance(RETRY_S * 4)
+        assert not tier.usable()  # the settle thread starts (held at its first removal)
+        assert removing.wait(30)
+    finally:
+        engine.close()
+    try:
+        with make_engine(dirs, tier_retry=RETRY_S) as successor:
+            assert pages.checked_get(successor, keys) == [False] * 3  # (its tier 1 owes the clear: a settle)
+            wait_until(lambda: successor.tiers[1].healthy, 30, "the next engine's tier 1 never rejoined")
+            assert page_files(dirs[1]) == []  # (the pages the closed engine's thread had not removed yet)
+            assert pages.put(successor, keys) == [True] * 3  # the same prefixes stored again, on both tiers
+            assert [successor.index.holders(k) for k in keys] == [0b11] * 3
+            assert len(page_files(dirs[1])) == 3
+            release.set()  # the closed engine's settle thread goes on
+            wait_until(lambda: not _settle_threads(1), 30, "the closed engine's settle thread did not end")
+            left = page_files(dirs[1])
+            assert len(left) == 3, (f"the closed engine's settle thread removed {3 - len(left)} page(s) the next "
+                                    "engine stored on tier 1 (its index still lists them there)")
+    finally:
+        release.set()
+
+
 def test_a_clear_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_dirs):
     """clear() while tier 1's directory is away and no I/O has noticed it yet (still healthy): nothing of it
     was reached, so the clear is owed as for a failed tier; when the directory comes back the pages
@@ -699,6 +822,32 @@ def test_a_clear_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_d
         clock.advance(RETRY_S * 4)
         assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served again"
         assert not any(engine.contains(k) for k in keys)
+
+
+def test_a_delete_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_dirs):
+    """delete() while tier 1's directory is away and no I/O has noticed it yet (still healthy): the
+    removal reached nothing there (trust.remove answers "already gone" for a directory not found), so
+    the tier fails and owes the delete, as for the clear() of this case; when the directory is back the
+    deleted page is never found nor served. Before, the delete counted done, the tier stayed healthy,
+    and discovery found the page and served it (from the review of this stop's docs)."""
+    clock, pages = FakeClock(), PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2], clock=clock, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        os.rename(tier_dirs[1], tier_dirs[1] + ".away")
+        assert engine.tiers[1].healthy  # nothing noticed yet
+        assert engine.delete(keys[:1]) == 1
+        assert not engine.tiers[1].healthy
+        os.rename(tier_dirs[1] + ".away", tier_dirs[1])
+
+        def never_found() -> None:
+            clock.advance(RETRY_S * 4)  # (past any back-off)
+            assert not engine.contains(keys[0]), "a page deleted while its tier's directory was away is found"
+            assert pages.checked_get(engine, keys[:1]) == [False], "... and served"
+
+        _until_back(engine, 1, never_found)
+        never_found()
+        assert pages.checked_get(engine, keys[1:]) == [True]
 
 
 def test_a_page_tree_emptied_under_a_healthy_tier_is_made_again(tier_dirs, caplog):

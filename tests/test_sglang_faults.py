@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -262,6 +263,59 @@ def test_a_tier_that_rejoins_while_sglang_is_idle_reaches_its_gauge(plugin_loade
         time.sleep(0.05)
     assert REGISTRY.get_sample_value("kvstream:tier_healthy", labels) == 1, "the rejoin never reached the gauge"
     drv.storage.close()
+
+
+def test_a_trailing_metrics_sync_racing_close_counts_no_page_twice(plugin_loaded, tier_dirs, drivers, monkeypatch):
+    """While a tier is failed the adapter syncs its metrics by itself each interval (a timer thread). One
+    such sync that found the engine attached, then read the stats after close() detached it
+    (``self.stats()`` reads ``self.engine`` again: None), exports a snapshot with no totals: the exporter
+    takes it as its new baseline (``_last_totals = {}``), and close()'s own final sync then adds every page
+    ever found again: kvstream:pages_total{result="found"} doubles at a detach. Held here at that point
+    (the window is the timer thread's, between its ``self.engine is None`` test and its ``self.stats()``).
+    Now it reads the engine once. From the review of this stop's latest changes."""
+    from prometheus_client import REGISTRY
+
+    from kvstream_hicache.sglang import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "METRICS_INTERVAL_S", 0.2)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    st = drv.storage
+    labels = dict(st._exporter.labels, result="found")
+
+    def found() -> float:
+        return REGISTRY.get_sample_value("kvstream:pages_total", labels) or 0.0
+
+    start = found()
+    round_trip(drv, pools, n_pages=4, seed=601)
+    st.flush_metrics()
+    after = found()
+    assert after >= start + 4
+    in_sync = threading.Event()
+    stats, stats_of = st.stats, st._stats_of
+
+    def hold():  # the first stats read of the timer thread waits until close() has detached the engine
+        if threading.current_thread().name == "kvstream-metrics" and not in_sync.is_set():
+            in_sync.set()
+            deadline = time.monotonic() + 30
+            while st.engine is not None and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+    def held_stats():
+        hold()
+        return stats()
+
+    def held_stats_of(engine):
+        hold()
+        return stats_of(engine)
+
+    monkeypatch.setattr(st, "stats", held_stats)
+    monkeypatch.setattr(st, "_stats_of", held_stats_of)
+    assert st.engine.tiers[1].fail(errno.EIO, "test: an I/O error")
+    st.flush_metrics()  # a tier is failed: the next sync is armed by itself
+    assert in_sync.wait(30), "no trailing sync while a tier was failed"
+    st.close()
+    assert found() == after, f"pages found counted again at close: {after} -> {found()}"
 
 
 def test_prometheus_multiprocess_mode(tmp_path):

@@ -526,9 +526,10 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 self._arm_trailing_sync(METRICS_INTERVAL_S - (now - self._last_sync))
                 return
             self._last_sync = now
-            if self.engine is None:
-                return
-            stats = self.stats()
+            engine = self.engine  # (read once: close() may detach it between two reads, and a snapshot
+            if engine is None:  # of nothing, exported, would be the exporter's baseline: every page counted
+                return  # again by close()'s own sync)
+            stats = self._stats_of(engine)
             self._last_stats = stats
             if self._exporter is not None:
                 self._exporter.sync(stats, self.counters)
