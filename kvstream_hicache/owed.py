@@ -5,11 +5,13 @@ tier failed is owed by that tier: it removes its page files before it serves aga
 in memory only, that debt ended with the process: a tier still failed at exit came back at the next
 start with the stale pages, and its scan indexed them. So each change of the set of tiers owing a
 clear is also written to a record, and the next engine of the namespace starts each tier it names
-failed and due for a probe at once, whose rejoin removes its pages first (:meth:`Tier.owe_clear`).
+failed and due for a probe at once, which has its pages removed (on a thread of its own) before it
+rejoins (:meth:`Tier.owe_clear`, :meth:`Tier._settle`).
 
 Where: ``<root>/kvstream/<digest>.clears-owed`` on every healthy tier on a local file system that
 owes nothing itself. Never on a network tier: other nodes read it, and their local tiers often
-have the same paths as ours. Its text: the JSON list of the roots of the tiers that owe a clear.
+have the same paths as ours. Its text: the JSON list of the real paths of the tiers that owe a
+clear, those left out of this start's tier list too (they owe it when they are listed again).
 Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
 and renamed over the record; read following no link, only a regular file of a trusted owner that no
 one else may write. With no local tier healthy to hold it, the debt stays in memory (logged).
