@@ -299,8 +299,10 @@ class Engine:
                         self.index.file_removed(key, tier.k)
                     if not tier.healthy and is_valid_key(key):  # (failed, before or by this removal: its
                         tier.owe_delete(key)  # copy, if any, goes before it serves again)
-            for tier in self.tiers:  # a tier whose tree is away (moved, unmounted) and that nothing noticed
-                # yet: a removal there answers "already gone", reaching nothing. Failed now, it owes them all
+            valid = any(map(is_valid_key, keys))  # (a call of no key removes nothing: no look either)
+            for tier in self.tiers if valid else ():  # a tier whose tree is away (moved, unmounted) and that
+                # nothing noticed yet: a removal there answers "already gone", reaching nothing. Failed now,
+                # it owes them all
                 if tier.healthy and tier.fail(errno.ENOENT, "delete: the tier's directory is gone"):
                     for key in filter(is_valid_key, keys):  # (as clear() does: Tier._remove_pages)
                         tier.owe_delete(key)

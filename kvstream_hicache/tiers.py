@@ -147,11 +147,20 @@ class Tier:
         back-off expired; or the tier failed because its directory vanished and one stat (at most every
         LOOK_S) finds it back; or ``now`` (a read that has no other holder left for a page), at most
         every LOOK_S too: a tier that stays dead is not probed by every batch that misses."""
+        while True:
+            healthy, again = self._probe_if_due(now)
+            if not again:
+                return healthy
+
+    def _probe_if_due(self, now: bool) -> tuple[bool, bool]:
+        """One turn of :meth:`usable`: (healthy, whether to probe again at once: what the tier owed was
+        removed while this probe ran, or a clear() or delete() came while it rejoined; else the schedule
+        this probe sets would keep it out a back-off, with nothing to let it in sooner)."""
         if self.healthy:
-            return True
+            return True, False
         with self._lock:  # (decides who probes; the probe's I/O runs outside it)
             if self.healthy or self._probing:  # (another thread probes now: its answer comes soon)
-                return self.healthy
+                return self.healthy, False
             t = self.clock()
             due = scheduled = t >= self._next_probe
             if not due and now and t >= self._next_forced:
@@ -161,7 +170,7 @@ class Tier:
             if look:
                 self._next_look = t + LOOK_S
             if not (due or look):
-                return False
+                return False, False
             self._probing = True
             failures, settled = self._errors, self._settled
         ok, why, vanished, again = False, "", True, False
@@ -180,21 +189,20 @@ class Tier:
             with self._lock:
                 self._probing = False
         if still_gone:
-            return False
+            return False, False
         with self._lock:
             if ok and self._errors != failures:  # failed again while probing: the probe is stale
                 ok, why = False, self.last_error
-            if ok and self.clear_owed:  # a clear() skipped it while it was probed: done
-                ok, why = False, "a clear() came while it rejoined"  # at the next probe, before it serves
-            if ok and self._deletes:  # (likewise a delete())
-                ok, why = False, "a delete() came while it rejoined"
+            if ok and (self.clear_owed or self._deletes):  # a clear() or delete() skipped it while it was
+                ok, again = False, True  # probed: done before it serves, by the settle the next turn starts
             if ok:
                 self.healthy = True
                 self._backoff = self.retry_s
                 self._deletes_forgotten = 0
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)
-            elif self._settled != settled:  # what it owed was removed while this probe ran (it saw the settle
-                again = True  # going on): the settle's own probe found this one running, so this one probes again
+            elif again or self._settled != settled:  # (or what it owed was removed while this probe ran, which
+                again = True  # saw the settle going on: the settle's own probe found this one running)
+                self._next_probe = min(self._next_probe, self.clock())  # (due for that next turn: a look too)
             else:
                 if scheduled:  # (a forced probe or a look, every LOOK_S, leaves the schedule: six of them
                     # doubled a few seconds' outage into 300 s out)
@@ -202,8 +210,7 @@ class Tier:
                     self._next_probe = self.clock() + self._backoff
                 self._vanished = vanished  # back but unusable (read-only, EIO): the back-off alone decides
                 self.last_error = why
-            healthy = self.healthy
-        return self.usable() if again else healthy
+            return self.healthy, again
 
     def fail(self, err: int, what: str) -> bool:
         """Account an OS error of this tier; mark it failed when ``err`` says the tier (not one

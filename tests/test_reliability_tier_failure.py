@@ -807,6 +807,61 @@ def test_an_engine_closed_while_its_tier_settles_removes_no_page_of_the_next_eng
         release.set()
 
 
+def test_a_delete_that_comes_while_the_settle_thread_lets_the_tier_rejoin_does_not_leave_it_out(tier_dirs):
+    """Tier 1 owes a clear (its directory was away at clear()); back, a get's probe starts the settle thread,
+    which removes the pages and then probes the tier itself so that it rejoins with no call of the
+    server's (503dd50). LMCache deletes as it evicts: one delete() comes while that probe's rejoin runs
+    (Engine._reconcile: the record of clears owed rewritten and fsynced). The final check refuses the rejoin
+    ("a delete() came while it rejoined") and, as in the case af58a78 fixed for a settle ending during a
+    probe, pushes the next probe a whole (doubled) back-off away; no settle thread is started for the one
+    delete owed. The tier, back and owing one page file, stays out: with no traffic, and at the next get.
+    Now that probe turns again at once: it finds the delete owed, a settle removes it and the tier rejoins.
+    From the review of this stop's last commits."""
+    dirs = tier_dirs[:2]
+    clock, pages = FakeClock(), PageSet()
+    keys = pages.keys(4)
+    with make_engine(dirs, clock=clock, tier_retry=RETRY_S) as engine:
+        tier = engine.tiers[1]
+        assert pages.put(engine, keys[:2]) == [True] * 2
+        os.rename(dirs[1], dirs[1] + ".away")
+        assert tier.fail(errno.EIO, "test: an I/O error")
+        engine.clear()
+        assert not tier.healthy and tier.clear_owed
+        os.rename(dirs[1] + ".away", dirs[1])
+        assert pages.put(engine, keys[2:]) == [True] * 2  # (tier 0 only: tier 1 is out)
+
+        # the settle thread's own probe is held inside its rejoin while LMCache's thread deletes a key
+        rejoin = tier.on_rejoin
+        rejoining, go = threading.Event(), threading.Event()
+
+        def held_rejoin(t):
+            if threading.current_thread().name == "kvstream-settle-1":
+                rejoining.set()
+                go.wait(60)
+            return rejoin(t)
+
+        tier.on_rejoin = held_rejoin
+        clock.advance(RETRY_S * 4)
+        assert not tier.usable()  # found back: the settle thread starts (it owes the clear)
+        try:
+            assert rejoining.wait(30), "the settle thread never probed the tier to let it rejoin"
+            assert engine.delete(keys[2:3]) == 1  # (tier 0's copy removed; tier 1, still out, owes it)
+        finally:
+            go.set()
+        wait_until(lambda: not _settle_threads(1), 30, "the settle thread did not end")
+        tier.on_rejoin = rejoin
+
+        try:  # with no call coming (an idle server), and at the next get at the latest
+            wait_until(lambda: tier.healthy, 5, "")
+        except AssertionError:
+            pass
+        assert pages.checked_get(engine, keys[3:]) == [True]  # (tier 0 holds it: no forced probe)
+        assert tier.healthy, (
+            "tier 1 is back, its clear done, and owes one delete (no page of it even on tier 1), yet it stays "
+            f"out: last_error {tier.last_error!r}, next probe {tier._next_probe - clock():.0f} s of the "
+            "injected clock away, no settle thread running")
+
+
 def test_a_clear_while_a_healthy_tiers_directory_is_away_is_owed_not_done(tier_dirs):
     """clear() while tier 1's directory is away and no I/O has noticed it yet (still healthy): nothing of it
     was reached, so the clear is owed as for a failed tier; when the directory comes back the pages
