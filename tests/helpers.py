@@ -718,45 +718,48 @@ def _startup(tiers: str, who: int, out: str, go: str) -> int:
     return 0
 
 
-def _peer(tiers: str) -> int:
-    """Peer child: another server of the namespace (a DP replica, an MLA rank) with its own engine on the
-    same tiers, told on its stdin what to do, one line at a time, and answering 'done' when done:
-    ``delete KEY`` (its delete or eviction: the page's file goes) or ``put KEY`` (it evicts the page and
-    stores it again, with its own valid bytes: twin_content(KEY, 1)). Its stdin closed, it closes its
-    engine and ends."""
-    engine = make_engine(tiers.split(os.pathsep))
-    own = PageSet(PAGE_BYTES, data=lambda k: twin_content(k, 1))
-    print("ready", flush=True)
-    for line in sys.stdin:
-        what, k = line.split()
-        engine.delete([k])
-        if what == "put" and own.put(engine, [k]) != [True]:
-            return errno.EIO
-        print("done", flush=True)
-    engine.close()
-    return 0
+class Node:
+    """Another engine in a child process (``python SCRIPT``, default tests/dfs_node.py: its docstring has
+    the commands), told one JSON list per line on its stdin, answering one JSON object per line: another
+    node of a shared file system, or another server of the namespace on the same tiers. Calls from
+    several threads take turns."""
 
+    WAIT_S = 120.0  # a child's answer, its end (GlusterFS itself: a brick restart); never asserted on
 
-class Peer:
-    """A :func:`_peer` child on ``tiers``: ``do('delete' | 'put', key)`` returns once it is done;
-    ``close()`` ends it (its engine closed) and asserts it ended well."""
+    def __init__(self, script: str = "dfs_node.py"):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, script)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lock = threading.Lock()
 
-    def __init__(self, tiers: Sequence[str]):
-        self.proc = spawn("peer", os.pathsep.join(tiers), stdin=subprocess.PIPE)
-        self._answer("ready")
+    def call(self, *cmd) -> dict:
+        """What the child answers to ``cmd``, an error it reports included."""
+        with self.lock:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(self.WAIT_S)
+            raise AssertionError(f"the child node died ({self.proc.returncode}): {self.proc.stderr.read()}")
+        return json.loads(line)
 
-    def _answer(self, want: str) -> None:
-        line = self.proc.stdout.readline()
-        assert line.strip() == want, f"peer answered {line!r}: {self.proc.stderr.read()[-3000:] if not line else ''}"
+    def __call__(self, *cmd) -> dict:
+        """:meth:`call`, asserting the command did not raise in the child."""
+        out = self.call(*cmd)
+        assert "error" not in out, f"the child node: {cmd[0]} raised {out['error']}"
+        return out
 
-    def do(self, what: str, k: str) -> None:
-        self.proc.stdin.write(f"{what} {k}\n")
-        self.proc.stdin.flush()
-        self._answer("done")
-
-    def close(self) -> None:
-        _, err = self.proc.communicate(timeout=120)  # (its stdin closed: it closes its engine)
-        assert self.proc.returncode == 0, err[-3000:]
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(self.WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            pipe.close()
 
 
 def main(argv: Sequence[str]) -> int:
@@ -776,8 +779,6 @@ def main(argv: Sequence[str]) -> int:
     if role == "startup":
         tiers, who, out, go = args
         return _startup(tiers, int(who), out, go)
-    if role == "peer":
-        return _peer(*args)
     print(f"unknown role {role!r}", file=sys.stderr)
     return errno.EINVAL
 

@@ -22,7 +22,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.tmpfiles import tmp_name
 
 from helpers import (
-    NS, PAGE_BYTES, PageSet, Peer, TierFaultPlan, flip_byte, kvstream_cli, make_engine, twin_content, wait_for_fault,
+    NS, PAGE_BYTES, Node, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, twin_content, wait_for_fault,
     wait_until,
 )
 
@@ -201,10 +201,11 @@ def test_a_page_unreadable_for_an_error_of_the_moment_is_reported_not_removed(ti
 @pytest.fixture
 def beside_a_peer(tier_dirs, monkeypatch):
     """One tier holding 4 pages of this process's version (twin_content 0), a peer process on it (another
-    server of the namespace, helpers.Peer), and ``at_payload(what, key)``: the peer does ``what`` ('delete'
-    or 'put': its own version) to ``key`` at the moment a check has read that page's header and is about
-    to read its payload (integrity.verify_payload, wrapped: deterministic). Yields (tiers, keys, at_payload,
-    planned: what is planned and not done yet)."""
+    server of the namespace: helpers.Node, its own engine), and ``at_payload(key, what)``: the peer does
+    ``what`` to ``key`` at the moment a check has read that page's header and is about to read its payload
+    (integrity.verify_payload, wrapped: deterministic): 'delete' (its delete or eviction: the page's file
+    goes) or 'put' (it evicts the page and stores it again, with its own valid bytes: twin_content 1).
+    Yields (tiers, keys, at_payload, planned: what is planned and not done yet)."""
     from kvstream_hicache import integrity
 
     tiers = tier_dirs[:1]
@@ -212,20 +213,25 @@ def beside_a_peer(tier_dirs, monkeypatch):
     keys = mine.keys(4)
     with make_engine(tiers) as engine:
         assert mine.put(engine, keys) == [True] * 4
-    peer = Peer(tiers)
+    peer = Node()
+    peer("open", tiers, {})
     planned: dict[str, str] = {}
     verify = integrity.verify_payload
 
     def after_the_peer(fd, header):
         if header.key in planned:
-            peer.do(planned.pop(header.key), header.key)
+            what, i = planned.pop(header.key), keys.index(header.key)
+            peer("delete", mine.salt, i, 1)
+            if what == "put":
+                assert peer("put", mine.salt, i, 1, 1)["stored"] == [True]
         return verify(fd, header)
 
     monkeypatch.setattr(integrity, "verify_payload", after_the_peer)
     try:
         yield tiers, keys, planned.__setitem__, planned
     finally:
-        peer.close()
+        peer("close")
+        peer.stop()
 
 
 @pytest.mark.parametrize("fix", [False, True], ids=["check", "check-fix"])

@@ -13,7 +13,6 @@ back-off is involved; waiting for GlusterFS itself (a restarted brick) polls the
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import shutil
@@ -33,44 +32,12 @@ from kvstream_hicache.layout import ALIGN, HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
-    HERE, PAGE_BYTES, FakeClock, FaultPlan, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, messages,
+    PAGE_BYTES, FakeClock, FaultPlan, Node, PageSet, TierFaultPlan, flip_byte, kvstream_cli, make_engine, messages,
     page_files, tmp_files, twin_content, wait_for_fault, wait_until,
 )
 
 N = 8
 WAIT_S = 120.0  # GlusterFS itself (a brick restart) and a child's answer; never asserted on
-
-
-class Node:
-    """Node B: an engine in a child process on the other mount of the shared tier."""
-
-    def __init__(self):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "dfs_node.py")], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    def __call__(self, *cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(WAIT_S)
-            raise AssertionError(f"node B died ({self.proc.returncode}): {self.proc.stderr.read()}")
-        out = json.loads(line)
-        assert "error" not in out, f"node B: {cmd[0]} raised {out['error']}"
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            pipe.close()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ child process, tests/dfs_chaos_node.py) puts, deletes, clears and evicts the sam
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
-    HERE, content, get_items, key, kvstream_cli, make_engine, page_files, put_items, tmp_files, wait_until,
+    Node, content, get_items, key, kvstream_cli, make_engine, page_files, put_items, tmp_files, wait_until,
 )
 
 SIZES = {"s64k": 64 << 10, "s256k": 256 << 10, "s1m": 1 << 20}
@@ -29,36 +28,6 @@ BOUND_S = 12.0  # a call while the brick is stopped: write_timeout 1 s, read_tim
 
 def data(k: str, size: int, version: int) -> bytes:
     return content(k if not version else k + "/v1", size)
-
-
-class ChaosNode:
-    def __init__(self):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "dfs_chaos_node.py")], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.lock = threading.Lock()
-
-    def __call__(self, *cmd):
-        with self.lock:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait(WAIT_S)
-            raise AssertionError(f"node B died ({self.proc.returncode}): {self.proc.stderr.read()}")
-        return json.loads(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            pipe.close()
 
 
 class Log:
@@ -169,7 +138,7 @@ def _worker(engine, seed: int, deadline: float, log: Log, stopper: Stopper) -> N
             log.add(log.slow, f"A {op} of {n} {salt}: {took:.1f} s")
 
 
-def _node_b(node: ChaosNode, seed: int, deadline: float, log: Log, stopper: Stopper) -> None:
+def _node_b(node: Node, seed: int, deadline: float, log: Log, stopper: Stopper) -> None:
     rng = random.Random(seed)
     while time.monotonic() < deadline:
         salt = rng.choice(list(SIZES))
@@ -184,19 +153,19 @@ def _node_b(node: ChaosNode, seed: int, deadline: float, log: Log, stopper: Stop
             try:
                 if stopper.stopped:
                     continue
-                out = node("clear")
+                out = node.call("clear")
             finally:
                 stopper.lock.release()
         elif op in ("put", "putv1"):
-            out = node("put", salt, size, idx, int(op == "putv1"))
+            out = node.call("put", salt, size, idx, int(op == "putv1"))
         elif op == "get":
-            out = node("get", salt, size, idx)
+            out = node.call("get", salt, size, idx)
             if not all(out.get("exact", [True])):
                 log.add(log.wrong, f"B {salt}: wrong bytes {out}")
         elif op == "contains":
-            out = node("contains", salt, idx[:4])
+            out = node.call("contains", salt, idx[:4])
         else:
-            out = node("delete", salt, idx[:rng.randint(1, 4)])
+            out = node.call("delete", salt, idx[:rng.randint(1, 4)])
         if "error" in out:
             log.add(log.errors, f"B {op}: {out['error']}")
         if out["s"] > BOUND_S:
@@ -207,7 +176,7 @@ def _node_b(node: ChaosNode, seed: int, deadline: float, log: Log, stopper: Stop
 def chaos(dfs):
     fs, a, b, node = dfs
     node.stop()  # (the suite's node B: this test's own runs instead)
-    chaos_node = ChaosNode()
+    chaos_node = Node("dfs_chaos_node.py")
     try:
         yield fs, a, b, chaos_node
     finally:
@@ -257,7 +226,7 @@ def test_two_nodes_under_load_while_the_brick_stops_and_resumes(chaos, monkeypat
     log = Log()
     stop_times = []
     try:
-        out = node("open", b, dict(capacity=f"{8 << 20}{os.pathsep}{16 << 20}", **settings))
+        out = node.call("open", b, dict(capacity=f"{8 << 20}{os.pathsep}{16 << 20}", **settings))
         assert "error" not in out, out
         deadline = time.monotonic() + 45
         threads = [threading.Thread(target=_worker, args=(engine, s, deadline, log, stopper)) for s in range(3)]
@@ -308,13 +277,13 @@ def test_two_nodes_under_load_while_the_brick_stops_and_resumes(chaos, monkeypat
         assert found == [True] * 4
 
         # settle: B reconciles and closes, A reconciles; both clean
-        out = node("check", True)
+        out = node.call("check", True)
         assert "error" not in out, out
-        out = node("check", False)
+        out = node.call("check", False)
         assert out["problems"] == [], out
-        b_stats = node("stats")["stats"]
+        b_stats = node.call("stats")["stats"]
         assert not _negatives(b_stats), _negatives(b_stats)
-        assert "error" not in node("close")
+        assert "error" not in node.call("close")
         engine.check(fix=True)
         assert engine.check() == []
         st = engine.stats()
