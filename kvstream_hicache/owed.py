@@ -5,13 +5,17 @@ tier failed is owed by that tier: it removes its page files before it serves aga
 in memory only, that debt ended with the process: a tier still failed at exit came back at the next
 start with the stale pages, and its scan indexed them. So each change of the set of tiers owing a
 clear is also written to a record, and the next engine of the namespace starts each tier it names
-failed and due for a probe at once, which has its pages removed (on a thread of its own) before it
-rejoins (:meth:`Tier.owe_clear`, :meth:`Tier._settle`).
+failed and due for a probe at once, which has the pages written before the clear removed (on a thread
+of its own) before it rejoins (:meth:`Tier.owe_clear`, :meth:`Tier._settle`): on a shared tier other
+nodes go on putting pages while this one is away or down, and those stay.
 
 Where: ``<root>/kvstream/<digest>.clears-owed`` on every healthy tier on a local file system that
 owes nothing itself. Never on a network tier: other nodes read it, and their local tiers often
-have the same paths as ours. Its text: the JSON list of the real paths of the tiers that owe a
-clear, those left out of this start's tier list too (they owe it when they are listed again).
+have the same paths as ours. Its text: a JSON object ``{"clears_owed": {real path: time}}`` naming
+the tiers that owe a clear, those left out of this start's tier list too (they owe it when they are
+listed again), each with the time of the last clear it missed (ns since the epoch, trust.wall_ns). A
+record of stop 43, the JSON list of the paths alone, is read too: each of its tiers removes every page.
+(A version older than this one ignores a record in the new form, logged.)
 Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
 and renamed over the record; read following no link, only a regular file of a trusted owner that no
 one else may write. With no local tier healthy to hold it, the debt stays in memory (logged).
@@ -38,6 +42,8 @@ from .trust import Trust, list_below, make_dir, open_below
 log = logging.getLogger("kvstream")
 
 SUFFIX = ".clears-owed"
+KEY = "clears_owed"
+EVERY_PAGE = 1 << 62  # the time of a clear a stop-43 record names (it kept none): every page was written before
 MAX_BYTES = 1 << 16  # a record longer than this is not ours
 
 
@@ -50,37 +56,38 @@ class OwedClears:
         self._where = [where(t.root) for t in tiers]  # (at start, while every tier answers: a realpath
         # through a hung network mount would hang a clear() that notes its debt)
         self._lock = ranked_lock("owed")  # one rewrite at a time (a clear() and a rejoin's)
-        self._recorded: list[str] = []  # the roots the records name now
-        self._others: set[str] = set()  # roots recalled that no tier of this engine has: kept in the record
+        self._recorded: dict[str, int] = {}  # what the records say now
+        self._others: dict[str, int] = {}  # tiers recalled that no tier of this engine is: kept in the record
         # (a tier left out of one start's list owes its clear still when it is listed again)
         self._kept_in_memory = False  # logged once per stretch without a holder
 
     def recall(self) -> None:
         """At start-up: each tier a record names owes a clear (a record of each holder is read: one
-        written while another holder was out may be older)."""
-        roots: set[str] = set()
+        written while another holder was out may be older; the latest time of a tier wins)."""
+        owed: dict[str, int] = {}
         for tier in self._holders():
-            roots.update(self._read(tier))
+            for root, when in self._read(tier).items():
+                owed[root] = max(when, owed.get(root, 0))
         mine = dict(zip(self._where, self.tiers))
-        for root in roots & mine.keys():
-            mine[root].owe_clear()
-        self._others = roots - mine.keys()
-        self._recorded = sorted(roots)
+        for root in owed.keys() & mine.keys():
+            mine[root].owe_clear(owed[root])
+        self._others = {root: when for root, when in owed.items() if root not in mine}
+        self._recorded = owed
 
     def note(self) -> None:
         """Write down which tiers owe a clear now (after a clear(), and as a tier rejoins); nothing
         when that did not change. Never raises: a record not written is logged, and written at the next
         call (a clear(), a rejoin, close())."""
         with self._lock:
-            owed = sorted({self._where[t.k] for t in self.tiers if t.clear_owed} | self._others)
+            owed = {self._where[t.k]: t.clear_ns for t in self.tiers if t.clear_owed} | self._others
             if owed == self._recorded:
                 return
             holders = self._holders()
+            named = ", ".join(sorted(owed)) or "no tier"
             if owed and not holders:
                 if not self._kept_in_memory:
                     log.warning("kvstream: no healthy tier on a local file system can record the clear() "
-                                "owed by %s: a restart before they rejoin forgets it (clear again after it)",
-                                ", ".join(owed))
+                                "owed by %s: a restart before they rejoin forgets it (clear again after it)", named)
                 self._kept_in_memory = True
                 return
             self._kept_in_memory = False
@@ -91,17 +98,17 @@ class OwedClears:
                     written = True
                 except OSError as exc:
                     log.warning("kvstream: could not record the clear() owed by %s on tier %d (%s): %s",
-                                ", ".join(owed) or "no tier", tier.k, tier.root, os.strerror(exc.errno or errno.EIO))
+                                named, tier.k, tier.root, os.strerror(exc.errno or errno.EIO))
             if written:  # (else the next call tries again)
                 self._recorded = owed
 
     def _holders(self) -> list[Tier]:
         return [t for t in self.tiers if t.local and t.healthy and not t.clear_owed]
 
-    def _read(self, tier: Tier) -> list[str]:
+    def _read(self, tier: Tier) -> dict[str, int]:
         return read_record(tier.root, self.name, tier.trust)
 
-    def _write(self, tier: Tier, owed: list[str]) -> None:
+    def _write(self, tier: Tier, owed: dict[str, int]) -> None:
         """The record on ``tier`` names ``owed`` (none: it goes)."""
         base = open_below(tier.root, tier.layout.base)
         try:
@@ -116,7 +123,7 @@ class OwedClears:
             try:
                 fd = os.open(tmp, os.O_WRONLY | NEW_FILE, tier.file_mode, dir_fd=tmp_dir)
                 try:
-                    os.write(fd, json.dumps(owed).encode())
+                    os.write(fd, json.dumps({KEY: owed}, sort_keys=True).encode())
                     os.fsync(fd)
                 finally:
                     close_fd(fd)
@@ -140,37 +147,45 @@ def where(root: str) -> str:
     return os.path.realpath(root)
 
 
-def read_record(root: str, name: str, trust: Trust) -> list[str]:
-    """The tiers the record ``name`` in ``<root>/kvstream/`` says owe a clear, read following no link;
-    [] where there is none, and where it is not kvstream's (logged: a link, a FIFO, another owner's
-    file, text that is no list of tiers)."""
+def read_record(root: str, name: str, trust: Trust) -> dict[str, int]:
+    """The tiers the record ``name`` in ``<root>/kvstream/`` says owe a clear, and the time of the last
+    clear each missed, read following no link; {} where there is none, and where it is not kvstream's
+    (logged: a link, a FIFO, another owner's file, text that is no record of clears)."""
     try:
         base = open_below(root, os.path.join(root, ROOT_DIR))
     except OSError:
-        return []
+        return {}
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=base)
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             log.warning("kvstream: the record of clears owed %s/%s/%s is unreadable (%s): ignored", root, ROOT_DIR,
                         name, os.strerror(exc.errno or errno.EIO))
-        return []
+        return {}
     finally:
         close_fd(base)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or not trust.owns(st) or st.st_mode & stat.S_IWOTH or st.st_size > MAX_BYTES:
             raise ValueError("not a regular file of a trusted owner")
-        roots = json.loads(os.read(fd, MAX_BYTES))
-        if not (isinstance(roots, list) and all(isinstance(r, str) for r in roots)):
-            raise ValueError("not a list of tier directories")
-        return roots
+        return _parse(json.loads(os.read(fd, MAX_BYTES)))
     except (OSError, ValueError) as exc:
         log.warning("kvstream: the record of clears owed %s/%s/%s is not kvstream's (%s): ignored", root, ROOT_DIR,
                     name, exc)
-        return []
+        return {}
     finally:
         close_fd(fd)
+
+
+def _parse(text: object) -> dict[str, int]:
+    """A record's JSON as {real path: time of the clear}. :raises ValueError: it is not a record."""
+    if isinstance(text, list) and all(isinstance(r, str) for r in text):  # (stop 43's: the paths alone)
+        return dict.fromkeys(text, EVERY_PAGE)
+    owed = text.get(KEY) if isinstance(text, dict) else None
+    if not (isinstance(owed, dict) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                           for t in owed.values())):
+        raise ValueError("not a record of the tiers that owe a clear")
+    return owed
 
 
 def recorded(dirs: Sequence[str]) -> list[tuple[int, str, int]]:

@@ -8,7 +8,7 @@ Health lifecycle::
              up to 300 s); or the tier failed because its directory vanished and a look (one stat,
              at most every LOOK_S) finds it back; or a read needs it (``usable(now=True)``: it is the
              last holder of a page; once per batch, and at most every LOOK_S); before it rejoins
-             it removes its pages if it missed a clear() (failed then, or failing during it, or
+             it removes the pages written before a clear() it missed (failed then, or failing during it, or
              before a restart: owed.py), and the copies of the keys whose delete() it missed, on a
              thread of its own (_settle: the call whose probe found it back does not wait)
 
@@ -124,6 +124,8 @@ class Tier:
         # clear()s asked of this tier, and the last of them done whole: a tier failed at a clear() (or
         # failing during one) still holds the pages cleared, and removes them before it rejoins
         self._clears = self._cleared = 0
+        self._clear_ns = 0  # when (trust.wall_ns) the last clear() came: an owed clear removes only the
+        # pages written before it (on a shared tier other nodes put pages while this one was away)
         self._deletes_forgotten = 0  # deletes missed past MAX_OWED_DELETES (since it last served)
         self._deletes: dict[str, int] = {}  # key -> when (time_ns) a delete() it missed while failed came:
         # the copy written before that is removed before it serves
@@ -224,12 +226,13 @@ class Tier:
             self._out(vanished, self.retry_s)
         return True
 
-    def owe_clear(self) -> None:
-        """A clear() this tier missed before the process started (owed.py recalls it): it is out now, and
-        at its first probe, due at once, removes its pages before it rejoins (as for a clear it misses
-        while failed)."""
+    def owe_clear(self, when_ns: int) -> None:
+        """A clear() this tier missed before the process started, at ``when_ns`` (owed.py recalls it): it
+        is out now, and at its first probe, due at once, removes the pages written before then before it
+        rejoins (as for a clear it misses while failed)."""
         with self._lock:
             self._clears += 1
+            self._clear_ns = max(self._clear_ns, when_ns)
             self.last_error = "it owes a clear() asked before this start (a restart while it was failed)"
             self._out(False, 0.0)
 
@@ -237,6 +240,11 @@ class Tier:
     def clear_owed(self) -> bool:
         """A clear() asked of this tier is not done on it yet (it was failed, or failed during it)."""
         return self._cleared != self._clears
+
+    @property
+    def clear_ns(self) -> int:
+        """When (trust.wall_ns) the last clear() asked of this tier came (0: none)."""
+        return self._clear_ns
 
     def _out(self, vanished: bool, delay: float) -> None:
         """Healthy to failed (under the lock), the first probe ``delay`` s from now; logged once."""
@@ -532,12 +540,13 @@ class Tier:
         one that fails during the clear. (Written down too, so a restart does not forget it: owed.py.)"""
         with self._lock:  # (counted and judged under the lock a rejoin turns healthy under)
             self._clears += 1
+            self._clear_ns = wall_ns()  # (after every header this process stamped)
             failed = not self.healthy
         if failed:
-            log.warning("kvstream: tier %d (%s) is failed: clear() removes its pages when it rejoins, before it "
-                        "serves again", self.k, self.root)
+            log.warning("kvstream: tier %d (%s) is failed: clear() removes the pages written before it when it "
+                        "rejoins, before it serves again", self.k, self.root)
         else:
-            self._remove_pages()
+            self._remove_pages(owed=False)
 
     def owe_delete(self, key: str) -> None:
         """A delete() of ``key`` this tier, failed, may not have done: its file, left, would be found again
@@ -561,32 +570,14 @@ class Tier:
                     MAX_OWED_DELETES)
 
     def _deletes_owed(self) -> bool:
-        """A failed tier about to rejoin: the deletes it missed are done, each removing only a page
-        written before it (its header's ``created``): on a shared tier another process may have put the
-        key again since, and that acknowledged page stays. (The clocks of two nodes are compared: NTP's
-        milliseconds decide only for a put that came that close to the delete; a clock stepped back between
-        the delete and another process's put may take that put's page: a cached page lost, never a wrong
-        one served: trust.wall_ns.) A file that is no valid
-        page stays for the scan or a read to judge, and a file not kvstream's as a delete leaves it.
+        """A failed tier about to rejoin: the deletes it missed are done (:meth:`_remove_if_older`).
         False: a look or a removal failed for a tier error: it stays out."""
         with self._lock:
             owed, errors = dict(self._deletes), self._errors
         for key, when in owed.items():
             if self.closed:  # (a settle thread of a closed engine: see _remove_pages)
                 return False
-            path = self.layout.page_path(key)
-            try:
-                header, st = read_header(path, self.trust)
-                if header.created_ns < when or header.created_ns > honest_until():  # (a claim, not a time)
-                    self.unlink_page(key, same_file(identity(st)))  # (that file only: trust.remove)
-            except UntrustedFile:  # (another owner's: a delete leaves it)
-                pass
-            except NotRegularFile:  # a socket, a FIFO, ...: a stray under the deleted key's name goes
-                self.unlink_page(key, not_a_file)
-            except (HeaderError, FileNotFoundError):
-                pass
-            except OSError as exc:
-                self.fail(exc.errno or errno.EIO, f"look at {key} to delete it")
+            self._remove_if_older(key, when)
             if self._errors != errors:
                 return False
             with self._lock:
@@ -594,20 +585,47 @@ class Tier:
                     del self._deletes[key]
         return True
 
+    def _remove_if_older(self, key: str, when: int) -> bool:
+        """What a failed tier owes for ``key`` (a delete() or clear() at ``when``, trust.wall_ns) done as it
+        rejoins: its page file removed only if written before then (its header's ``created``): on a shared
+        tier another process or node may have put the key since, and that acknowledged page stays. (The
+        clocks of two nodes are compared: NTP's milliseconds decide only for a put that came that close to
+        the delete or clear; a clock stepped back between them and another process's put may take that
+        put's page: a cached page lost, never a wrong one served: trust.wall_ns.) A file that is no valid
+        page stays for the scan or a read to judge, and a file not kvstream's as a delete leaves it.
+        Returns whether it stays (written after, or not kvstream's); a look that fails fails the tier."""
+        try:
+            header, st = self.calls.run(read_header, self.layout.page_path(key), self.trust)
+            if header.created_ns < when or header.created_ns > honest_until():  # (a claim, not a time)
+                return self.unlink_page(key, same_file(identity(st))) is not None  # (that file only: trust.remove)
+        except UntrustedFile:  # (another owner's: a delete leaves it)
+            pass
+        except NotRegularFile:  # a socket, a FIFO, ...: a stray under the page's name goes
+            return self.unlink_page(key, not_a_file) is not None
+        except FileNotFoundError:
+            return False
+        except HeaderError:
+            pass
+        except OSError as exc:
+            self.fail(exc.errno or errno.EIO, f"look at {key} to remove it")
+        return True
+
     def _do_owed_clear(self) -> bool:
         """A failed tier about to rejoin: the clear()s it missed are done (now, if owed). False: it
         failed again on the way (a listing or a removal): it stays out."""
-        return not self.clear_owed or self._remove_pages()
+        return not self.clear_owed or self._remove_pages(owed=True)
 
-    def _remove_pages(self) -> bool:
+    def _remove_pages(self, owed: bool) -> bool:
         """Remove this namespace's page files from the tier, as a delete removes one (trust.py: only
         a file the engine names, of a trusted owner, reached following no link). Another owner's
         file, a link, a directory and a name kvstream never writes stay, logged (``kvstream check``
-        lists them); so do the shard directories, which the next writes use again. Returns whether it
-        went through every shard with no tier error (then the clears asked so far are done)."""
+        lists them); so do the shard directories, which the next writes use again. ``owed``: a clear()
+        the tier missed while failed, which removes only the pages written before it (its header read
+        each: :meth:`_remove_if_older`). Returns whether it went through every shard with no tier error
+        (then the clears asked so far are done)."""
         with self._lock:
-            asked, errors = self._clears, self._errors
-        kept = 0
+            asked, errors, before = self._clears, self._errors, self._clear_ns
+        kept = newer = 0
         try:  # (listings bounded as every call on a tier that may hang: clear() holds every get and put)
             names = self.calls.run(shards, self.layout)
         except OSError as exc:  # a link or a file (ELOOP, ENOTDIR): nothing of ours is there; EIO and
@@ -625,12 +643,19 @@ class Tier:
                 if self.closed:
                     return False
                 key = key_of_page_file(name) if name else None
-                if key is None or key[:2] != shard or self.unlink_page(key) is not None:  # (misplaced: stays)
+                if key is None or key[:2] != shard:  # (misplaced: stays)
+                    kept += 1
+                elif owed:
+                    newer += self._remove_if_older(key, before)
+                elif self.unlink_page(key) is not None:
                     kept += 1
         if kept:
             log.warning("kvstream: clear left %d entries of tier %d (%s) in place: not kvstream's page files "
                         "(another owner's, a link, a directory or a stray; kvstream check lists them)",
                         kept, self.k, self.layout.pages)
+        if newer:
+            log.warning("kvstream: the clear tier %d (%s) missed while failed left %d files in place: pages "
+                        "written after it (by another process or node), or not kvstream's", self.k, self.root, newer)
         # its tree away (moved, unmounted): nothing of it was reached, the clear is owed as for a failed
         # tier (fail() takes ENOENT only where the tier is gone)
         self.fail(errno.ENOENT, f"clear {self.layout.pages}: the tier's directory is gone")

@@ -627,6 +627,63 @@ def test_a_clear_owed_is_recorded_when_the_holders_tmp_directory_was_emptied_awa
         assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after a restart"
 
 
+def _put_by_another_node(tier_dir: str, pages: PageSet, keys: list[str]) -> None:
+    """``keys`` put on ``tier_dir`` alone by another engine of the namespace (another node of a shared
+    tier, which writes there while this node has the tier failed, e.g. its mount down)."""
+    with make_engine([tier_dir]) as other:
+        assert pages.put(other, keys) == [True] * len(keys)
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_a_clear_owed_keeps_the_pages_another_node_put_after_it(tier_dirs, restart):
+    """Tier 1 is shared: this node misses a clear() there (its mount away), and another node puts pages
+    there after it. When tier 1 rejoins (this process, or the next start through the record of clears
+    owed), the pages written before the clear go and the other node's later ones stay and are served:
+    they are valid KV, acknowledged to that node. Before, the owed clear removed every page of the
+    namespace, the other node's newer ones too."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    stale, fresh = pages.keys(3), pages.keys(2, 3)
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert pages.put(engine, stale) == [True] * 3
+        os.rename(dirs[1], dirs[1] + ".away")
+        engine.clear()
+        assert not engine.tiers[1].healthy and engine.tiers[1].clear_owed
+        _put_by_another_node(dirs[1] + ".away", pages, fresh)  # (after the clear, on the same tier)
+        if restart:
+            engine.close()
+            os.rename(dirs[1] + ".away", dirs[1])
+            engine = make_engine(dirs, tier_retry=RETRY_S)
+            assert not engine.tiers[1].healthy  # (it owes the clear recorded on tier 0)
+        else:
+            os.rename(dirs[1] + ".away", dirs[1])
+        with engine:
+            _until_back(engine, 1, lambda: pages.checked_get(engine, stale[:1]))
+            assert pages.checked_get(engine, stale) == [False] * 3, "pages cleared are served again"
+            assert pages.checked_get(engine, fresh) == [True] * 2, "another node's pages put after the clear are gone"
+            assert [engine.index.holders(k) for k in fresh] == [0b10] * 2
+            assert len(page_files(dirs[1])) == 2
+
+
+def test_a_record_of_clears_owed_of_stop_43_clears_every_page(tier_dirs):
+    """A record written by the version before this one (stop 43: the JSON list of the tiers' paths, no
+    time) still has its tier cleared at the next start: every page of the namespace there goes (the time
+    of the clear is not known), none is served."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    record = _cleared_while_tier_1_is_away(dirs, pages, keys)
+    os.rename(dirs[1] + ".away", dirs[1])
+    _put_by_another_node(dirs[1], pages, pages.keys(2, 3))
+    with open(record, "w") as f:
+        f.write(json.dumps([os.path.realpath(dirs[1])]))
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert not engine.tiers[1].healthy
+        _until_back(engine, 1, lambda: pages.checked_get(engine, keys[:1]))
+        assert pages.checked_get(engine, keys) == [False] * 3 and page_files(dirs[1]) == []
+        assert not os.path.exists(record)
+
+
 @pytest.mark.parametrize("owing", ["network", "local"])
 def test_a_clear_owed_is_recorded_on_a_local_tier_only(tier_dirs, fuse_tier, caplog, owing):
     """A local tier and a network one (FUSE: bindfs). The network tier away at a clear(): the local tier
