@@ -38,6 +38,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable
 
 from .bounded import BoundedCalls
@@ -48,7 +49,7 @@ from .integrity import (
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import local_fs
-from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tmp_name
+from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tier_now, tmp_name
 from .trust import (
     check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
     not_a_file, open_below, remove, root_problem, same_file, wall_ns,
@@ -64,7 +65,9 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
-MAX_OWED_DELETES = 1 << 14  # delete()s a failed tier remembers to do before it serves again (owe_delete)
+MAX_OWED_DELETES = 1 << 14
+MTIME_SLACK_NS = 2 * 10**9  # a file system may keep its times this coarsely (1-2 s): pages modified within it
+# before a clear a tier missed are told apart by their headers (Tier._older_than)  # delete()s a failed tier remembers to do before it serves again (owe_delete)
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -585,7 +588,7 @@ class Tier:
                     del self._deletes[key]
         return True
 
-    def _remove_if_older(self, key: str, when: int) -> bool:
+    def _remove_if_older(self, key: str, when: int, old: Callable[[os.stat_result], bool] | None = None) -> bool:
         """What a failed tier owes for ``key`` (a delete() or clear() at ``when``, trust.wall_ns) done as it
         rejoins: its page file removed only if written before then (its header's ``created``): on a shared
         tier another process or node may have put the key since, and that acknowledged page stays. (The
@@ -593,7 +596,11 @@ class Tier:
         the delete or clear; a clock stepped back between them and another process's put may take that
         put's page: a cached page lost, never a wrong one served: trust.wall_ns.) A file that is no valid
         page stays for the scan or a read to judge, and a file not kvstream's as a delete leaves it.
-        Returns whether it stays (written after, or not kvstream's); a look that fails fails the tier."""
+        ``old``: a first judge by the file's own times (:meth:`_older_than`), which spares the header read
+        of a page written well before. Returns whether it stays (written after, or not kvstream's); a look
+        that fails fails the tier."""
+        if old is not None and self.unlink_page(key, old) is None:
+            return False  # (removed, or gone already; else written lately, or not kvstream's: its header says)
         try:
             header, st = self.calls.run(read_header, self.layout.page_path(key), self.trust)
             if header.created_ns < when or header.created_ns > honest_until():  # (a claim, not a time)
@@ -625,6 +632,7 @@ class Tier:
         (then the clears asked so far are done)."""
         with self._lock:
             asked, errors, before = self._clears, self._errors, self._clear_ns
+        old = self._older_than(before) if owed else None
         kept = newer = 0
         try:  # (listings bounded as every call on a tier that may hang: clear() holds every get and put)
             names = self.calls.run(shards, self.layout)
@@ -646,7 +654,7 @@ class Tier:
                 if key is None or key[:2] != shard:  # (misplaced: stays)
                     kept += 1
                 elif owed:
-                    newer += self._remove_if_older(key, before)
+                    newer += self._remove_if_older(key, before, old)
                 elif self.unlink_page(key) is not None:
                     kept += 1
         if kept:
@@ -664,6 +672,21 @@ class Tier:
                 return False
             self._cleared = max(self._cleared, asked)
             return True
+
+    def _older_than(self, when: int) -> Callable[[os.stat_result], bool] | None:
+        """A judge of a page file modified well before ``when`` (trust.wall_ns), on the tier's clock
+        (tmpfiles.tier_now: on NFS the server's; on GlusterFS each writer stamps its own, as it stamps a
+        header): an owed clear removes such a page without reading its header (which doubled the time
+        it took on a disk tier); a page modified in the last MTIME_SLACK_NS before the clear or after it
+        has its header read. None: the tier's clock cannot be read (every header is read)."""
+        try:
+            now = self.calls.run(tier_now, self.layout.tmp)
+        except OSError:
+            now = None
+        if now is None:
+            return None
+        cutoff = when + int(now * 1e9) - time.time_ns() - MTIME_SLACK_NS
+        return lambda st: st.st_mtime_ns < cutoff
 
     def unlink_page(self, key: str, judged: Callable[[os.stat_result], bool] | None = None) -> str | None:
         """Remove ``key``'s page file (only a file of a trusted owner, through its directory; with ``judged``
