@@ -11,11 +11,13 @@ nodes go on putting pages while this one is away or down, and those stay.
 
 Where: ``<root>/kvstream/<digest>.clears-owed`` on every healthy tier on a local file system that
 owes nothing itself. Never on a network tier: other nodes read it, and their local tiers often
-have the same paths as ours. Its text: a JSON object ``{"clears_owed": {real path: time}}`` naming
-the tiers that owe a clear, those left out of this start's tier list too (they owe it when they are
-listed again), each with the time of the last clear it missed (ns since the epoch, trust.wall_ns). A
-record of stop 43, the JSON list of the paths alone, is read too: each of its tiers removes every page.
-(A version older than this one ignores a record in the new form, logged.)
+have the same paths as ours. Its text: a JSON list of strings, the real path of each tier that owes a
+clear (those left out of this start's tier list too: they owe it when they are listed again), and for
+each ``"@<ns>:<path>"``, the time of the last clear it missed (ns since the epoch, trust.wall_ns). Stop
+43 wrote the paths alone, and reads a list of strings only: it honours this record (its tiers lose every
+page; the time entries name no tier of its own, and it keeps them) and this version reads its record (a
+path with no time: every page goes). Stop 43's commits before cdf2983 wrote paths as listed, a link in
+them kept: a tier is matched by the path it is listed by as well as by its real path.
 Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
 and renamed over the record; read following no link, only a regular file of a trusted owner that no
 one else may write. With no local tier healthy to hold it, the debt stays in memory (logged).
@@ -42,8 +44,7 @@ from .trust import Trust, list_below, make_dir, open_below
 log = logging.getLogger("kvstream")
 
 SUFFIX = ".clears-owed"
-KEY = "clears_owed"
-EVERY_PAGE = 1 << 62  # the time of a clear a stop-43 record names (it kept none): every page was written before
+EVERY_PAGE = 1 << 62  # the time of a clear a record names with no time (stop 43's): every page was written before
 MAX_BYTES = 1 << 16  # a record longer than this is not ours
 
 
@@ -68,7 +69,7 @@ class OwedClears:
         for tier in self._holders():
             for root, when in self._read(tier).items():
                 owed[root] = max(when, owed.get(root, 0))
-        mine = dict(zip(self._where, self.tiers))
+        mine = {t.root: t for t in self.tiers} | dict(zip(self._where, self.tiers))  # (real paths win)
         for root in owed.keys() & mine.keys():
             mine[root].owe_clear(owed[root])
         self._others = {root: when for root, when in owed.items() if root not in mine}
@@ -123,7 +124,7 @@ class OwedClears:
             try:
                 fd = os.open(tmp, os.O_WRONLY | NEW_FILE, tier.file_mode, dir_fd=tmp_dir)
                 try:
-                    os.write(fd, json.dumps({KEY: owed}, sort_keys=True).encode())
+                    os.write(fd, json.dumps(_text(owed)).encode())
                     os.fsync(fd)
                 finally:
                     close_fd(fd)
@@ -177,14 +178,21 @@ def read_record(root: str, name: str, trust: Trust) -> dict[str, int]:
         close_fd(fd)
 
 
+def _text(owed: dict[str, int]) -> list[str]:
+    """The record of ``owed`` (real path: time of the clear) as JSON: the paths, then their times."""
+    return sorted(owed) + [f"@{when}:{root}" for root, when in sorted(owed.items()) if when != EVERY_PAGE]
+
+
 def _parse(text: object) -> dict[str, int]:
-    """A record's JSON as {real path: time of the clear}. :raises ValueError: it is not a record."""
-    if isinstance(text, list) and all(isinstance(r, str) for r in text):  # (stop 43's: the paths alone)
-        return dict.fromkeys(text, EVERY_PAGE)
-    owed = text.get(KEY) if isinstance(text, dict) else None
-    if not (isinstance(owed, dict) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                           for t in owed.values())):
-        raise ValueError("not a record of the tiers that owe a clear")
+    """A record's JSON as {path: time of the clear}; a path with no time given (or a time not well formed)
+    owes every page. :raises ValueError: it is not a record."""
+    if not (isinstance(text, list) and all(isinstance(r, str) for r in text)):
+        raise ValueError("not a list of tier directories")
+    owed = {r: EVERY_PAGE for r in text if not r.startswith("@")}
+    for entry in text:
+        when, _, root = entry[1:].partition(":")
+        if entry.startswith("@") and root in owed and when.isascii() and when.isdigit():  # (no sign, no space)
+            owed[root] = int(when)
     return owed
 
 
@@ -193,7 +201,7 @@ def recorded(dirs: Sequence[str]) -> list[tuple[int, str, int]]:
     list, as ``kvstream info`` and ``check`` are given it): that tier's pages of that namespace are
     stale, removed before it serves at the next start (a tier a record names that is not in ``dirs``
     is left out)."""
-    where_k = {where(d): k for k, d in enumerate(dirs)}
+    where_k = {d: k for k, d in enumerate(dirs)} | {where(d): k for k, d in enumerate(dirs)}
     out = set()
     for holder, root in enumerate(dirs):
         try:

@@ -31,11 +31,9 @@ from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.faults import FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
 from kvstream_hicache.io import RING_ENTRIES, AlignedBuffer, Ring, ThreadRing
 from kvstream_hicache.layout import round_up
+from pagebytes import CHUNK, NS_FIELDS, PAGE_BYTES, content, key, twin_content  # noqa: F401  (re-exported)
 
-NS = Namespace({"model": "reliability-model", "layout": "page_first", "dtype": "bf16", "page": 16,
-                "tp": [0, 1]})
-CHUNK = 16 << 10  # small routing blocks: several blocks per page, blocks straddling segments
-PAGE_BYTES = 48 << 10  # default payload, bytes (a multiple of 8192: two 4096-aligned halves)
+NS = Namespace(NS_FIELDS)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCAN_WAIT_S = 120  # the longest a start-up scan of a test's few pages may take on a loaded machine
 # The engine tests' pages (``Pages``: 192 KiB, in 64 KiB blocks: several items per page, blocks
@@ -50,18 +48,6 @@ Segment = tuple[int, int]
 
 
 # ------------------------------------------------------------------------------------------- pages
-def key(i: int, salt: str = "") -> str:
-    """A 64-hex key, as sglang's page hashes."""
-    return hashlib.sha256(f"{salt}/{i}".encode()).hexdigest()
-
-
-def content(k: str, size: int = PAGE_BYTES) -> bytes:
-    """The payload stored under ``k``: deterministic, different for every key."""
-    seed = hashlib.sha256(repr(k).encode()).digest()[:8]
-    rng = np.random.default_rng(int.from_bytes(seed, "little"))
-    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
 class _Memory:
     """Caller memory for one page: 4096-aligned (the zero-copy write path) or at an odd address
     (the staging path), cut into segments as a host KV pool would be: K and V halves, or odd
@@ -669,11 +655,6 @@ def run_children(children: Sequence[subprocess.Popen], outs: Sequence[str], driv
     return results
 
 
-def twin_content(k: str, who: int) -> bytes:
-    """Process ``who``'s bytes for key ``k``: two servers' KV of one prefix need not be bit-identical."""
-    return content(f"{k}/twin{who}", PAGE_BYTES)
-
-
 def _twin(tiers: str, who: int, n: int, out: str, go: str) -> int:
     """Two-writer child: stores the same ``n`` keys as its twin, with its own bytes, at the same moment
     (writes held until ``go``: both puts looked the keys up and wrote their temporary files before
@@ -719,17 +700,20 @@ def _startup(tiers: str, who: int, out: str, go: str) -> int:
 
 
 class Node:
-    """Another engine in a child process (``python SCRIPT``, default tests/dfs_node.py: its docstring has
+    """Another engine in a child process (``python SCRIPT``, default tests/node.py: its docstring has
     the commands), told one JSON list per line on its stdin, answering one JSON object per line: another
     node of a shared file system, or another server of the namespace on the same tiers. Calls from
     several threads take turns."""
 
     WAIT_S = 120.0  # a child's answer, its end (GlusterFS itself: a brick restart); never asserted on
 
-    def __init__(self, script: str = "dfs_node.py"):
+    def __init__(self, script: str = "node.py", tree: str | None = None):
+        """``tree``: the kvstream tree the child imports (another version's: test_versions.py), run
+        there; default this checkout's."""
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, script)], env=env, text=True,
+        path = [tree] if tree else [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, script)], env=env, text=True, cwd=tree,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lock = threading.Lock()
 

@@ -1,6 +1,6 @@
 """A real distributed file system as the shared tier: GlusterFS mounted twice, as two nodes mount one
 PFS (the ``glusterfs`` session fixture). Node A is this process, node B a child process on the other
-mount (tests/dfs_node.py); each node has a private tier 0 and the shared tier 1. What a network file
+mount (tests/node.py); each node has a private tier 0 and the shared tier 1. What a network file
 system does and ext4 never did is exercised for real: ESTALE from a descriptor or a cached name after
 the other node unlinked or replaced a file (also from ``close``), ENOTCONN or ECONNABORTED from a dead
 server or client, a remount under another device number.
