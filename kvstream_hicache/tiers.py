@@ -65,9 +65,9 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
-MAX_OWED_DELETES = 1 << 14
+MAX_OWED_DELETES = 1 << 14  # delete()s a failed tier remembers to do before it serves again (owe_delete)
 MTIME_SLACK_NS = 2 * 10**9  # a file system may keep its times this coarsely (1-2 s): pages modified within it
-# before a clear a tier missed are told apart by their headers (Tier._older_than)  # delete()s a failed tier remembers to do before it serves again (owe_delete)
+# before a clear a tier missed are told apart by their headers (Tier._older_than)
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
 LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for (one stat) this often, s:
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
@@ -627,8 +627,8 @@ class Tier:
         a file the engine names, of a trusted owner, reached following no link). Another owner's
         file, a link, a directory and a name kvstream never writes stay, logged (``kvstream check``
         lists them); so do the shard directories, which the next writes use again. ``owed``: a clear()
-        the tier missed while failed, which removes only the pages written before it (its header read
-        each: :meth:`_remove_if_older`). Returns whether it went through every shard with no tier error
+        the tier missed while failed, which removes only the pages written before it (judged by the
+        file's time, and where that is close, its header: :meth:`_remove_if_older`). Returns whether it went through every shard with no tier error
         (then the clears asked so far are done)."""
         with self._lock:
             asked, errors, before = self._clears, self._errors, self._clear_ns
