@@ -273,6 +273,29 @@ def as_user(uid: int, fn, *args, groups: tuple[int, ...] = ()) -> None:
     assert os.waitstatus_to_exitcode(status) == 0, err
 
 
+def run_child(child, timeout: float) -> int:
+    """Fork; in the child run ``child()`` and exit with its return code (1 on any exception), never
+    returning into pytest. In the parent: the child's exit code, failing if it does not exit within
+    ``timeout`` seconds (then killed)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 1
+        try:
+            code = child()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child hung for {timeout} s")
+        time.sleep(0.01)
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

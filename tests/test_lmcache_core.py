@@ -17,6 +17,8 @@ from kvstream_hicache.config import Config
 from kvstream_hicache.layout import Namespace, is_valid_key
 from kvstream_hicache.tools.bench.contenders import bench_read
 
+from helpers import make_engine, run_child, wait_until
+
 # opentelemetry (imported by LMCache) warns about its own LoggingHandler: not ours to fix
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -378,6 +380,115 @@ def test_close_returns_while_a_load_into_l1_hangs_on_its_tier(tier_dirs, monkeyp
         worker.join(WAIT_S)
         adapter.close()
     assert not worker.is_alive() and accessed == [] and adapter.core.stats()["load_tasks"] == 1
+
+
+def test_tasks_submitted_in_a_forked_child_end(engine):
+    """A process forked after the adapter started (a fork-start-method worker, any os.fork()) inherits the
+    core, but not its load worker nor the engine's writer thread, and the engine refuses every call there
+    (EngineClosedError naming the fork, guarantees.md 8). Each task the child submits still ends: a lookup
+    misses, a store fails, a load fails at once and is signalled, so LMCache's wait on the load eventfd
+    ends. The parent loads as before. Before, the child's load was queued for the parent's worker thread
+    and never completed: LMCache waited for its eventfd for ever."""
+    keys, src = stored(engine, 4)
+    signalled: list[int] = []
+    core = l2core.L2Core(engine, on_load=signalled.append)
+    try:
+        dst = Pages(4)
+        assert core.wait_load(core.submit_load(keys, dst.segments), WAIT_S) == [True] * 4
+
+        def child() -> int:
+            if core.pop_lookup(core.submit_lookup(keys)) != [False] * 4:
+                return 2
+            store = core.submit_store(keys, dst.segments)
+            if core.pop_stores() != {store: (False, 0)}:
+                return 3
+            task = core.submit_load(keys, Pages(4).segments)
+            result = core.wait_load(task, 10)
+            return 0 if result == [False] * 4 and task in signalled else 4
+
+        assert run_child(child, WAIT_S) == 0, "a task the forked child submitted did not end (4: the load)"
+        dst = Pages(4)  # the parent goes on
+        assert core.wait_load(core.submit_load(keys, dst.segments), WAIT_S) == [True] * 4
+        assert all((a == b).all() for a, b in zip(dst.arrays, src.arrays))
+    finally:
+        core.close()
+
+
+def test_close_in_a_forked_child_returns_while_the_parent_s_store_is_open(tier_dirs):
+    """A child forked while a store task of the parent's is open (its writes in flight) closes the
+    adapter (a worker's shutdown): close() returns at once. That store is the parent's, ended by the
+    engine's writer thread there; the child neither waits for it nor signals the eventfds it shares with
+    the parent. The parent's store completes and its close() works as before. Before, the child's close()
+    waited for that store for ever."""
+    from kvstream_hicache.faults import Fault, FaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    plan = FaultPlan()
+    engine = make_engine(tier_dirs[:1], fault_plan=plan)
+    core = l2core.L2Core(engine)
+    try:
+        plan.add(Fault.hold(), opcode=OP_WRITE)
+        keys, src = [f"{i:064x}" for i in range(1, 3)], Pages(2, seed=5)
+        task = core.submit_store(keys, src.segments)
+        wait_until(lambda: plan.hits, what="the store's writes never started")
+
+        def child() -> int:
+            core.close()
+            return 0
+
+        assert run_child(child, WAIT_S) == 0
+        plan.release()
+        assert core.wait_completed("store", 1, WAIT_S)
+        assert core.pop_stores() == {task: (True, 2 * PAGE)}
+    finally:
+        plan.release()
+        core.close()
+        engine.close()
+
+
+def test_a_store_interrupted_while_it_waits_for_backlog_room_does_not_hang_close(tier_dirs):
+    """A store task waits in ``put_deferred`` for write-backlog room (back-pressure) when a
+    KeyboardInterrupt (Ctrl-C) ends it in the submitting thread. The interrupt reaches the caller; the
+    task is over (no verdict: the caller never got its id), and LMCache's shutdown, which closes the
+    adapter, returns once the other stores completed. Before, the interrupted task stayed counted as open
+    (``queued_stores`` 1) and ``L2Core.close()`` waited for it for ever."""
+    import signal
+
+    from kvstream_hicache.faults import Fault, FaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    plan = FaultPlan()
+    engine = make_engine(tier_dirs[:1], fault_plan=plan, write_backlog="128K")
+    core = l2core.L2Core(engine)
+    closer = None
+    try:
+        plan.add(Fault.hold(), opcode=OP_WRITE)
+        keys = [f"{i:064x}" for i in range(1, 5)]
+        src = Pages(4, size=64 << 10, seed=7)
+        first = core.submit_store(keys[:2], src.segments[:2])  # 128 KiB queued, writes held: the backlog is full
+        wait_until(lambda: plan.hits, what="the first store's writes never started")
+
+        def ctrl_c():  # the next store waits for room: interrupt it
+            wait_until(lambda: engine.stats()["backpressure_waits"], what="the store never waited for room")
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=ctrl_c).start()
+        with pytest.raises(KeyboardInterrupt):
+            core.submit_store(keys[2:], src.segments[2:])
+        plan.release()
+        assert core.wait_completed("store", 1, WAIT_S), "the first store never completed"
+        assert core.pop_stores() == {first: (True, 2 * (64 << 10))}
+        closer = threading.Thread(target=core.close, daemon=True)
+        closer.start()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), (
+            f"L2Core.close() still waits after the last store completed: it counts the interrupted store as "
+            f"open for ever (queued_stores={core.stats()['queued_stores']})")
+    finally:
+        plan.release()
+        if closer is None or not closer.is_alive():
+            core.close()
+        engine.close()
 
 
 class ArenaObj:

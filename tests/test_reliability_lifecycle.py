@@ -7,7 +7,6 @@ Both I/O engines (io_uring, threads); real threads, real os.fork().
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 import weakref
@@ -18,7 +17,7 @@ from kvstream_hicache import EngineClosedError
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ
 
-from helpers import PageSet, make_engine, open_fds, wait_until
+from helpers import PageSet, make_engine, open_fds, run_child, wait_until
 
 TRIES = 20
 WAIT_S = 60
@@ -63,28 +62,6 @@ def test_close_racing_get_and_put_raises_engine_closed_error(tier_dirs, io_engin
     assert seen, "no call ever met the closed engine"
 
 
-def _run_child(child) -> int:
-    """Fork; in the child run ``child()`` and exit with its return code (1 on any exception), never
-    returning into pytest. In the parent: the child's exit code, failing if it does not exit."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 1
-        try:
-            code = child()
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the forked child hung for {WAIT_S} s")
-        time.sleep(0.01)
-
-
 def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_dirs, io_engine):
     pages = PageSet()
     keys = pages.keys(6)
@@ -110,7 +87,7 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
                     return 4
             return 0
 
-        assert _run_child(child) == 0
+        assert run_child(child, WAIT_S) == 0
         # the parent: its rings work as before, and close() returns
         for _ in range(3):
             assert pages.checked_get(engine, keys[:3]) == [True] * 3

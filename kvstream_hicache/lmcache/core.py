@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..io import forks
 from ..locks import ranked_lock
 from ..segments import Segment, copy_payload, nbytes
 from ..errors import ConfigError
@@ -88,8 +89,9 @@ class _Task:
     """One task. ``hold`` keeps the caller's buffers (LMCache's MemoryObjs) alive until the task
     completes: the engine reads and writes their memory by address, and a caller that drops them after
     submitting must not have that memory freed under the I/O. ``done(result)`` runs at completion,
-    before the task's completion is signalled."""
-    __slots__ = ("id", "keys", "pages", "result", "hold", "done")
+    before the task's completion is signalled. ``open``: a store task counted in ``_stores_open``, until
+    its verdict (the count closes once, whoever ends the task first)."""
+    __slots__ = ("id", "keys", "pages", "result", "hold", "done", "open")
 
     def __init__(self, task_id: int, keys: list[str | None], pages: list[Sequence[Segment] | None],
                  hold: Any = None, done: Callable[[list[bool]], None] | None = None):
@@ -99,6 +101,7 @@ class _Task:
         self.result = [False] * len(keys)
         self.hold = hold
         self.done = done
+        self.open = False
 
 
 class L2Core:
@@ -135,6 +138,7 @@ class L2Core:
         self._pins: dict[Any, list[Any]] = {}  # lock key -> pin handles, one per outstanding lock
         self._closing = False  # close() began: tasks submitted from now on fail at once, lookups pin nothing
         self._closed = False  # close() returned (or is returning): no callback, signal or copy any more
+        self._forks = forks()  # a forked child sees another count (_forked)
         self.counters = {k: 0 for k in ("store_tasks", "stored_pages", "store_failed_pages", "lookups",
                                         "lookup_keys", "lookup_hits", "unlocks", "load_tasks", "load_batches",
                                         "loaded_pages", "load_failed_pages", "pooled_tasks_max", "errors")}
@@ -153,11 +157,12 @@ class L2Core:
             closing = self._closing
             if not closing:
                 self._stores_open += 1
+                task.open = True
         if closing:  # after close(): fail at once rather than hang the caller
             self._finish(True, [task])
             return task.id
-        idx = [i for i, (k, p) in enumerate(zip(task.keys, task.pages)) if k is not None and p is not None]
         try:
+            idx = [i for i, (k, p) in enumerate(zip(task.keys, task.pages)) if k is not None and p is not None]
             if self._too_large(task, idx):
                 idx = []
             if not idx:
@@ -168,6 +173,14 @@ class L2Core:
         except Exception:  # adapter boundary: a failed task for LMCache, a warning and a counter for us
             self.report_error("store")
             self._store_done(task, [], [])
+        except BaseException:  # KeyboardInterrupt, SystemExit (while it waits for backlog room): the task
+            # is over, or close() would wait for it for ever; no verdict (the caller gets no task id)
+            with self._lock:
+                if task.open:
+                    task.open = False
+                    self._stores_open -= 1
+                    self._done.notify_all()
+            raise
         return task.id
 
     def _store_done(self, task: _Task, idx: list[int], ok: list[bool]) -> None:
@@ -368,6 +381,14 @@ class L2Core:
                 return
             self._closing = True
             self._work.notify_all()
+            if self._forked():
+                # The tasks still open here (stores, loads queued, signals being sent) are the parent's: the
+                # threads that end them (the engine's writer, the load worker) run there, and they are not
+                # this process's to fail or signal (a signal on the eventfds, shared across fork(), would
+                # wake the parent's LMCache), nor are the pins its to release.
+                self._loads.clear()
+                self._closed = True
+                return
             self._done.wait_for(lambda: not self._stores_open and not self._busy)
         deadline = time.monotonic() + CLOSE_DRAIN_S
         for w in self._workers:
@@ -416,13 +437,20 @@ class L2Core:
     def _enqueue_loads(self, specs: Sequence[tuple[list, list]]) -> list[int]:
         tasks = self._tasks(specs)
         with self._lock:
-            closing = self._closing
+            # after close(), or in a forked child (the load worker is the parent's thread, absent here):
+            # fail at once rather than hang the caller
+            closing = self._closing or self._forked()
             if not closing:
                 self._loads.extend(tasks)
                 self._work.notify_all()
-        if closing:  # after close(): fail at once rather than hang the caller
+        if closing:
             self._finish(False, tasks)
         return [t.id for t in tasks]
+
+    def _forked(self) -> bool:
+        """This is a forked child of the process that built the core: its engine refuses every call
+        (EngineClosedError: stores fail, lookups miss) and its threads stayed in the parent."""
+        return forks() != self._forks
 
     def _next_loads(self) -> list[_Task] | None:
         queue = self._loads
@@ -490,7 +518,10 @@ class L2Core:
         which close() waits for (the adapter closes the store eventfd after it: never under a notify
         still on its way)."""
         with self._lock:
-            if queued:
+            if queued:  # once per task: one whose submit was interrupted after the engine took it is over
+                batch = [task for task in batch if task.open]
+                for task in batch:
+                    task.open = False
                 self._stores_open -= len(batch)
             signal = self._enter_under_lock()  # (after close() returned: counted, never signalled)
             for task in batch:
