@@ -4,8 +4,9 @@ The read path verifies every block against the index's checksums. A block that f
 the file outside the ring (buffered, once) to tell a fault of the transfer (the copy on disk is
 intact: read from a replica) from a copy that differs on disk. That copy is checked against its own
 header: intact, it is another writer's version of the page (two processes of the namespace stored
-this key with other bytes), which leaves the index but stays on disk; it is removed only when it
-fails its own header or checksums (damaged). An I/O error on the way is the tier's health, never a
+this key with other bytes), which leaves the index but stays on disk; so does a page of a later format
+(a newer kvstream's renamed over it: integrity.NewerFormat, never served here); it is removed only when
+it fails its own header or checksums (damaged). An I/O error on the way is the tier's health, never a
 reason to remove a copy. Runs under the read path's lock (reads.py).
 """
 from __future__ import annotations
@@ -52,18 +53,22 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
         problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
         if problem is not None and problem.reason is Reason.UNREADABLE:
             return False  # an I/O error: the tier's health, not this copy, is the problem
-        if problem is not None and problem.reason is not Reason.VANISHED:
+        if problem is not None and problem.reason not in (Reason.VANISHED, Reason.NEWER):
             # only the very file judged goes: a writer may have renamed a valid page over it since
             remove_copy(tier, index, stats, key, f"{why}, block {j}", judged=problem.judged(fd) or not_a_file)
             return True
     finally:
         if fd is not None:
             close_fd(fd)
-    index.remove(key, tier.k)  # kept (another writer's version), or gone
+    index.remove(key, tier.k)  # kept (another writer's version, or another kvstream version's), or gone
     if problem is None:
         stats.add(tier.k, "other_versions")
         log.info("kvstream: page %s on tier %d is another writer's version (intact, other bytes); kept, "
                  "read from a copy of the indexed version or indexed in its place", key, tier.k)
+    elif problem.reason is Reason.NEWER:
+        stats.add(tier.k, "other_versions")
+        log.info("kvstream: page %s on tier %d is a later format's now (%s); kept, read from a copy of the "
+                 "indexed version if one is left", key, tier.k, problem.detail)
     return True
 
 

@@ -5,7 +5,7 @@ Header (one 4096-byte block at file offset 0, little endian)::
     off  size  field
       0     8  magic            b"KVSTPAGE"
       8     2  format version   1
-     10     2  flags            0 (reserved)
+     10     2  flags            0 (none this format knows of)
      12     4  block            bytes per block (multiple of 4096)
      16     8  length           payload bytes (before padding)
      24     8  created_ns       write time (orders LRU at start-up)
@@ -16,7 +16,9 @@ Header (one 4096-byte block at file offset 0, little endian)::
    4092     4  header CRC       crc32c of bytes [0, 4092)
 
 A page is served only when its header CRC, magic, version, namespace digest and key match what
-the reader expects, and each block's crc32c matches the CRC the index holds for it.
+the reader expects, and each block's crc32c matches the CRC the index holds for it. A valid header
+of a later format (a version above this one's, or flags set) is another kvstream version's page on a
+tier the two share during a rolling upgrade: never served here, and never removed (NewerFormat).
 crc32c (Castagnoli) rather than xxh3: the ring module computes it with SSE4.2 and the GIL
 released, so verifying costs a fraction of the memcpy that follows (figures in docs/design.md).
 """
@@ -63,6 +65,15 @@ class HeaderError(ValueError):
     """A page header that must not be trusted; ``str()`` says why."""
 
 
+class NewerFormat(HeaderError):
+    """A valid header (magic and header CRC) of a later format than this one: a format version above
+    VERSION, or flags this format does not know (every writer of version 1 writes 0; a later one may
+    mark a payload compressed, quantized or laid out otherwise). Another kvstream version's page, on a
+    tier old and new nodes share while an upgrade rolls: this version cannot tell what its bytes mean,
+    so it never serves nor indexes it, and it is a valid page of that version, so it never removes it
+    either (Reason.NEWER). A later format keeps the magic, version, flags and header CRC where they are."""
+
+
 class PageHeader(NamedTuple):
     key: str
     digest: str
@@ -96,11 +107,15 @@ def unpack_header(data) -> PageHeader:
     (stored_crc,) = struct.unpack_from("<I", data, _HCRC_OFF)
     if crc32c(data[:_HCRC_OFF]) != stored_crc:
         raise HeaderError("header checksum mismatch")
-    magic, version, _flags, block, length, created, digest, key_len = _FIXED.unpack_from(data, 0)
+    magic, version, flags, block, length, created, digest, key_len = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise HeaderError("bad magic")
-    if version != VERSION:
+    if version > VERSION:
+        raise NewerFormat(f"format version {version}, a later one than this kvstream's ({VERSION})")
+    if version != VERSION:  # (0: no kvstream ever wrote it)
         raise HeaderError(f"unsupported format version {version}")
+    if flags:
+        raise NewerFormat(f"header flags {flags:#06x}, which format version {VERSION} does not know")
     if block <= 0 or block % ALIGN or key_len > KEY_MAX:
         raise HeaderError(f"bad geometry (block={block}, key length={key_len})")
     count = n_blocks(length, block)
@@ -138,13 +153,15 @@ class Reason(str, enum.Enum):
     UNTRUSTED = "untrusted"  # a file or directory of an owner the engine does not trust (trust.py): left alone
     INDEX = "index"  # the index and the disk disagree
     RESTORE = "restore"  # a valid page a removal left under its private name (its process died): goes back
+    NEWER = "newer"  # a later format's page (another kvstream version's, integrity.NewerFormat): left alone
 
 
 class Problem(NamedTuple):
     """One finding of :func:`check_tiers` / ``Engine.check``.
 
     kind: 'damaged' (header unusable), 'corrupt' (a payload block fails its CRC), 'truncated',
-    'misplaced' (header names another key or namespace than the file's place), 'orphan_tmp',
+    'misplaced' (header names another key or namespace than the file's place), 'newer_format' (a page of
+    a later format, :class:`NewerFormat`: another kvstream version's, never served, never removed), 'orphan_tmp',
     'stray' (a file no engine writes, a link, a directory), 'untrusted' (a file or directory of an owner
     this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
     'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version),
@@ -392,8 +409,12 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     def unreadable(kind: str, exc: OSError, size: int = 0) -> ScannedPage:
         return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
 
+    def newer(exc: NewerFormat) -> ScannedPage:
+        return bad("newer_format", f"{exc}: a page of a later kvstream (nodes of two versions share the tier "
+                                   "during an upgrade); never served by this one, never removed", reason=Reason.NEWER)
+
     if name.startswith(REMOVING_PREFIX):
-        return _left_by_removal(layout, digest, shard, path, trust, bad)
+        return _left_by_removal(layout, digest, shard, path, trust, bad, newer)
     key = key_of_page_file(name)
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
@@ -405,6 +426,8 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
     except NotRegularFile as exc:
         return bad("stray", f"{exc.strerror}, not a page file", ident=NOT_A_FILE)
+    except NewerFormat as exc:
+        return newer(exc)
     except HeaderError as exc:
         return bad("damaged", str(exc), st=getattr(exc, "stat", None))
     except OSError as exc:
@@ -427,12 +450,14 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
         close_fd(fd)
 
 
-def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, trust: Trust, bad) -> ScannedPage:
+def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, trust: Trust, bad, newer
+                     ) -> ScannedPage:
     """An entry trust.remove renamed to its private name to judge it (tmpfiles.removing_name). Its
     process alive: left alone (it renames it back, or removes it, in microseconds). Its process died
     between the two renames: the entry may be a valid page another writer renamed over the name judged
     (an acknowledged put): a valid page of this place goes back under its name (Reason.RESTORE,
-    fix_problem); anything else (the file judged) goes."""
+    fix_problem); a later format's page stays (``newer``: this version cannot tell its place; one of
+    that version puts it back); anything else (the file judged) goes."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -448,6 +473,8 @@ def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, tru
                 st.st_size >= file_size(header.length) else "not a page of this place"
         finally:
             close_fd(fd)
+    except NewerFormat as exc:
+        return newer(exc)
     except HeaderError as exc:
         return bad("stray", f"left by a removal cut short: {exc}", st=getattr(exc, "stat", None))
     except NotRegularFile as exc:
@@ -629,7 +656,7 @@ def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None, 
     temporary one only when named as kvstream names them; a page file only when ``held`` from before
     it was judged (Problem.judged: :func:`judge_and_fix` does both). Directories are never removed: one
     may be another tier's tree or anything else an operator keeps there."""
-    if not fix:
+    if not fix or problem.reason is Reason.NEWER:  # (a later format's page: its detail says it stays)
         return problem
     if problem.reason is Reason.UNREADABLE:  # EMFILE, EIO, ESTALE...: the file itself may be valid
         return problem._replace(detail=f"{problem.detail}; left in place: an error kept it from being read, "

@@ -11,6 +11,8 @@ tier, walks that tier's shard directories and:
   have renamed a valid page over the name since the first read: a valid page is never deleted), and
   only the very file judged then, held open from before (integrity.judge_and_fix: one renamed over it
   since stays);
+- counts, and leaves, the pages of a later format (integrity.NewerFormat: a newer kvstream's, on a
+  tier shared across an upgrade): not indexed, never removed;
 - at the end, sorts the pages it found by write time (``Index.settle``: the write order of before the
   restart; reads leave nothing on disk) and trims a tier over its capacity (one lowered since the last run).
 
@@ -65,7 +67,7 @@ class TierScan:
 
     def __init__(self, tier: Tier):
         self.tier = tier
-        self.files = self.indexed = self.damaged = self.tmp = self.kept = 0
+        self.files = self.indexed = self.damaged = self.tmp = self.kept = self.newer = 0
         self.shards = self.shards_done = 0
         self.seconds = 0.0
         self.cpu_seconds = 0.0
@@ -182,7 +184,7 @@ class BackgroundScan:
                          else "exact LRU"),
             "files": files, "indexed": sum(p.indexed for p in parts), "pages": len(self.index),
             "damaged_removed": sum(p.damaged for p in parts), "tmp_removed": sum(p.tmp for p in parts),
-            "kept": sum(p.kept for p in parts), "seconds": seconds,
+            "kept": sum(p.kept for p in parts), "newer_format": sum(p.newer for p in parts), "seconds": seconds,
             "cpu_seconds": sum(p.cpu_seconds for p in parts),
             "rate": files / seconds if seconds > 0 else 0.0,
             "tiers": [{"shards": p.shards, "shards_done": p.shards_done, "files": p.files, "done": p.done,
@@ -265,7 +267,9 @@ class BackgroundScan:
                 pace.step()
                 part.files += 1
                 page = self._visit(part, shard, name, path, added)
-                if page.problem is not None and page.problem.reason is not Reason.VANISHED:
+                if page.problem is not None and page.problem.reason is Reason.NEWER:
+                    part.newer += 1  # (another version's valid page: logged once, at the end)
+                elif page.problem is not None and page.problem.reason is not Reason.VANISHED:
                     # a writer may have put a valid page under the name since: read it again first (a
                     # valid one is indexed), and remove only the very file judged then (judge_and_fix)
                     page, problem = judge_and_fix(path, lambda: self._visit(part, shard, name, path, added),
@@ -288,6 +292,10 @@ class BackgroundScan:
         if part.damaged or part.tmp:
             log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "
                         "leftovers", tier.k, part.damaged, part.tmp)
+        if part.newer:
+            log.warning("kvstream: background scan of tier %d left %d pages of a later format than this kvstream's "
+                        "(a newer version's, on a tier shared during an upgrade): never served nor removed by this "
+                        "one; upgrade it to serve them", tier.k, part.newer)
         log.log(self.level, "kvstream: background scan of tier %d done: %d files read, %d pages added in %.1f s "
                 "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
 

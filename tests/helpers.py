@@ -29,8 +29,8 @@ import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.faults import FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
-from kvstream_hicache.io import RING_ENTRIES, AlignedBuffer, Ring, ThreadRing
-from kvstream_hicache.layout import round_up
+from kvstream_hicache.io import RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, crc32c
+from kvstream_hicache.layout import HEADER_SIZE, round_up
 from pagebytes import CHUNK, NS_FIELDS, PAGE_BYTES, content, key, twin_content  # noqa: F401  (re-exported)
 
 NS = Namespace(NS_FIELDS)
@@ -365,6 +365,20 @@ def messages(caplog, *needles: str, level: int | None = None) -> list[str]:
     """Log messages of the 'kvstream' loggers containing every needle."""
     return [r.getMessage() for r in caplog.records if r.name.startswith("kvstream")
             and (level is None or r.levelno == level) and all(n in r.getMessage() for n in needles)]
+
+
+VERSION_OFF, FLAGS_OFF = 8, 10  # the header's format version and flags (docs/design.md "On-disk format")
+
+
+def set_header_field(path: str, offset: int, value: int) -> None:
+    """A stored page's 16-bit header field at ``offset`` set to ``value`` and the header's CRC made again
+    over it, as a writer of a later format would write it (a page of this format otherwise)."""
+    with open(path, "r+b") as f:
+        header = bytearray(f.read(HEADER_SIZE))
+        header[offset:offset + 2] = value.to_bytes(2, "little")
+        header[HEADER_SIZE - 4:] = crc32c(bytes(header[:HEADER_SIZE - 4])).to_bytes(4, "little")
+        f.seek(0)
+        f.write(header)
 
 
 def tmp_files(tier_dir: str) -> list[str]:
