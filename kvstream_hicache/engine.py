@@ -273,12 +273,17 @@ class Engine:
 
     def pin(self, keys: Sequence[str]) -> list:
         """Keep ``keys`` from being evicted until :meth:`unpin` (LMCache's lookup-and-lock): one
-        handle per key, None for a key the index lacks."""
+        handle per key, None for a key the index lacks. (In a forked child it raises EngineClosedError,
+        as every call: the index lock may have been held by a thread of the parent, which the child
+        lacks, and would never be released.)"""
+        self._refuse_in_fork()
         return self.index.pin(keys)
 
     def unpin(self, handles) -> None:
-        """Release what :meth:`pin` returned (each handle once)."""
-        self.index.unpin(handles)
+        """Release what :meth:`pin` returned (each handle once; in a forked child nothing: the pins are
+        the parent's)."""
+        if not self._in_fork():
+            self.index.unpin(handles)
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove ``keys`` from the index and from every tier (a missing file is already gone), the
@@ -363,7 +368,9 @@ class Engine:
         return None if None in caps else max(caps)
 
     def held(self, key: str) -> bool:
-        """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not)."""
+        """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not).
+        :raises EngineClosedError: in a forked child (:meth:`pin`)."""
+        self._refuse_in_fork()
         return self.index.contains(key)
 
     def on_gone(self, callback: Callable[[str], None] | None) -> None:
@@ -529,6 +536,11 @@ class Engine:
     # -- internals -----------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed or self._in_fork():
+            raise EngineClosedError(self._closed_why)
+
+    def _refuse_in_fork(self) -> None:
+        """The index's own calls, which serve after close() too (LMCache's unlocks as it shuts down)."""
+        if self._in_fork():
             raise EngineClosedError(self._closed_why)
 
     def _healthy_mask(self) -> int:

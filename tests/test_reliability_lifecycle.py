@@ -99,6 +99,36 @@ def test_fork_after_open_refuses_in_the_child_and_leaves_the_parent_intact(tier_
         assert not closer.is_alive(), "the parent's close() hung after the fork"
 
 
+def test_the_index_calls_of_a_forked_child_refuse_while_a_parent_thread_held_the_index_lock(tier_dirs):
+    """fork() while a thread of the parent is inside an index operation (its lock held: a lookup, an
+    eviction, the scan adding pages): in the child that lock is never released, its holder being the
+    parent's. The child's pin() and held() (LMCache's lookup and store; they serve after close() too)
+    raise EngineClosedError naming fork, as every other call does there; unpin() releases nothing. Before,
+    they took the index lock and the child hung for ever (from the review of process lifecycles)."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        handles = engine.pin(keys)
+
+        def child() -> int:
+            for call in (lambda: engine.pin(keys), lambda: engine.held(keys[0])):
+                try:
+                    call()
+                    return 2
+                except EngineClosedError as exc:
+                    if "fork" not in str(exc):
+                        return 3
+            engine.unpin(handles)  # (the parent's pins: nothing done, no lock taken)
+            return 0
+
+        with engine.index._lock:  # (a parent thread inside an index operation as the fork happens)
+            code = run_child(child, WAIT_S)
+        assert code == 0
+        engine.unpin(handles)  # the parent's pins are its own to release, once
+        assert engine.held(keys[0]) and pages.checked_get(engine, keys) == [True] * 2
+
+
 def test_dropped_engines_are_closed_with_a_resource_warning(tier_dirs):
     """30 engines dropped without close(), one page stored by each: each is collected, closed (its
     rings' descriptors and its writer thread gone) and says so with a ResourceWarning, as any file."""
