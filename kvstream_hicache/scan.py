@@ -34,10 +34,12 @@ waits on: only the index's, one page (or one chunk of the final sort) at a time.
 capacity eviction works from the pages known (those written, read or scanned so far), and
 ``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so. For ``kvstream info`` (another
 process) the progress is also written, at most once a second, to this user's file
-``<runtime dir>/kvstream-<uid>/scan-<pid>-<digest>.json`` on this host (removed at close).
+``<runtime dir>/kvstream-<uid>/scan-<pid>-<digest>.json`` on this host (removed at close; one whose
+process is gone, killed, is removed by the next ``kvstream info``: :func:`running_scans`).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -342,7 +344,7 @@ class BackgroundScan:
             if self._stop.is_set() or not force and now - self._written < PROGRESS_S:
                 return
             self._written = now
-            doc = dict(self.progress(), pid=os.getpid(), namespace=self.digest,
+            doc = dict(self.progress(), pid=os.getpid(), started=_started(os.getpid()), namespace=self.digest,
                        tier_dirs=[p.tier.root for p in self.parts])
             try:
                 where = os.path.dirname(self.progress_path)
@@ -369,25 +371,47 @@ def progress_dir() -> str:
 
 
 def running_scans() -> list[dict]:
-    """The progress of every engine of this user on this host whose process is alive (kvstream info)."""
+    """The progress of every engine of this user on this host whose process is alive (kvstream info).
+    The file of a process that is gone (killed: it could not remove it at close), or whose pid another
+    process has now (its start time differs), is removed."""
     out = []
+    where = progress_dir()
     try:
-        names = sorted(os.listdir(progress_dir()))
+        names = sorted(os.listdir(where))
     except OSError:
         return out
     for name in names:
         if not (name.startswith("scan-") and name.endswith(".json")):
             continue
+        path = os.path.join(where, name)
         try:
-            with open(os.path.join(progress_dir(), name)) as f:
+            with open(path) as f:
                 doc = json.load(f)
-            os.kill(int(doc["pid"]), 0)
+            pid = int(doc["pid"])
+            os.kill(pid, 0)
+            if doc.get("started", _started(pid)) != _started(pid):
+                raise ProcessLookupError  # (its pid, reused)
         except PermissionError:  # alive, another user's process (a shared runtime directory)
             pass
-        except (OSError, ValueError, KeyError, TypeError):  # gone, or a file being replaced
+        except ProcessLookupError:
+            if os.stat(where).st_uid == os.getuid():  # (only in this user's own directory)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            continue
+        except (OSError, ValueError, KeyError, TypeError):  # a file being replaced, or not a progress file
             continue
         out.append(doc)
     return out
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat): a pid tells a process
+    apart only with it, pids being reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class _Pace:

@@ -5,7 +5,9 @@ Real files, real io_uring; the scan is held back with its own rate limit (``scan
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -594,3 +596,24 @@ def test_a_scan_resumed_twice_never_reads_again_the_shards_read_whole_before(tie
         assert again == shards[2:], (
             f"the scan resumed after its second stop read {len(again)} shards where {len(shards) - 2} were left "
             f"(from {shards[2]!r}, the shard it was reading when it first failed): {again}")
+
+
+def test_kvstream_info_lists_no_scan_of_a_process_that_is_gone(tmp_path, monkeypatch):
+    """The progress files of scans (``kvstream info``'s "scans") of a process killed before it could
+    remove its own, and of a pid another process has now (its start time differs), are not listed and
+    are removed; a live engine's is listed (one of an earlier version, which kept no start time, too).
+    Before, a killed engine's file stayed for good, and once its pid was reused its scan was shown as
+    running (from the review of process lifecycles)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    where = scan_module.progress_dir()
+    os.makedirs(where, mode=0o700)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me, started = os.getpid(), scan_module._started(os.getpid())
+    docs = {"gone": {"pid": gone.pid, "started": 1}, "reused": {"pid": me, "started": started + 1},
+            "live": {"pid": me, "started": started}, "earlier": {"pid": me}}
+    for name, doc in docs.items():
+        with open(os.path.join(where, f"scan-{name}.json"), "w") as f:
+            json.dump(dict(doc, name=name), f)
+    assert sorted(d["name"] for d in scan_module.running_scans()) == ["earlier", "live"]
+    assert sorted(os.listdir(where)) == ["scan-earlier.json", "scan-live.json"]
