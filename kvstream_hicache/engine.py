@@ -39,11 +39,14 @@ child. The parent is untouched.
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
+import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 
@@ -112,6 +115,21 @@ def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
                     "there again by background replication)", tier.k, len(lost))
     if scan is not None and scan.done:  # (a tier rejoining during the scan: owed at its end)
         replicas.owe_all()
+
+
+_OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet (the exit hook closes them)
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """At interpreter exit, before the daemon threads stop: close the engines still open (one a
+    traceback keeps alive after Ctrl-C, one never closed), so their queued writes land from memory
+    that is still there and their threads end. Later, during finalization, close() waits for nothing."""
+    for engine in list(_OPEN):
+        try:
+            engine.close()
+        except Exception:  # (one engine's error must not leave the others open)
+            log.exception("kvstream: closing an engine at exit failed")
 
 
 def _weak(method: Callable, dead):
@@ -214,6 +232,7 @@ class Engine:
                                     self._writes.trim, level,  # the write path's: the scan holds no engine
                                     self._replicas.owe_all)  # catch-up resumes after a restart (nor does it)
         self._closed = False
+        _OPEN.add(self)
         self._scan.start()
         log.log(level,
                 "kvstream: %s; namespace %s; serving, start-up scan in the background; io %s; %s", config.summary(),
@@ -229,7 +248,8 @@ class Engine:
         :returns: per key, True when >= 1 tier holds a verified copy (already held: True, no I/O).
             Returns when every byte has been read out of the caller's memory, but for the writes
             of a tier that hung (``write_timeout``): abandoned, they may still read it, into a
-            file that is never committed (docs/guarantees.md).
+            file that is never committed (docs/guarantees.md). An exception that ends the wait
+            (Ctrl-C) is raised once nothing reads the caller's memory either: its pages withdrawn.
         :raises ValueError: ``keys`` and ``pages`` differ in length (a caller bug).
         """
         self._check_open()
@@ -243,8 +263,9 @@ class Engine:
 
         Pages go out on each tier when it has no read in flight; ``done(results)`` runs once every
         page is committed (or failed), ``results`` as :meth:`put` returns them: on the engine's
-        writer thread, or before this returns when nothing needed writing, or in :meth:`clear`'s
-        thread for pages it cancels. So it must not block, nor call the engine (it may hold the
+        writer thread, or before this returns when nothing needed writing, or in the thread of
+        :meth:`clear`, or of a put ended by Ctrl-C whose page it waited for, for pages they cancel.
+        So it must not block, nor call the engine (it may hold the
         engine's locks). The caller keeps the pages' memory
         unchanged until then. Waits only while the pages not yet written exceed the
         ``write_backlog`` setting (back-pressure). A page is found by ``contains``/``get`` once
@@ -399,7 +420,13 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         if self._in_fork():  # the rings are the parent's: not touched (the parent still uses them)
+            return
+        if sys.is_finalizing():  # (the exit hook, _close_open_engines, did not reach it) the daemon threads
+            # stopped where they were, maybe holding a lock or a join close() would wait on for ever; none
+            # writes any more, and the rings end with the process. A page file being written stays a
+            # temporary file, removed by the next start
             return
         for tier in self.tiers:  # (first: a tier's settle thread removes nothing more, nor lets it rejoin)
             tier.closed = True
@@ -640,9 +667,8 @@ class Engine:
 
     def __del__(self):
         if not getattr(self, "_closed", True) and not self._in_fork():
-            import warnings
-
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
+            if not sys.is_finalizing():  # (at exit: close() does nothing then, nor would a warning show)
+                warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1)
             self.close()
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
-from .puts import CANCELLED, Job, WritePage
+from .puts import CANCELLED, Job, PutCall, WritePage
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
@@ -136,6 +136,21 @@ class Jobs:
             self.leave_under_writer(job)
             if not job.in_flight:
                 self.discard_abandoned_under_writer(job)
+
+    def withdraw_under_writer(self, call: PutCall) -> None:
+        """A put interrupted while it waits (PutCall.wait): its caller takes the memory back. Its pages
+        leave the FIFOs (WriteQueue.withdraw) and its jobs are cancelled, as clear() cancels them: none
+        reads that memory any more once the writes in flight end (a page written whole and committed
+        before stays: valid). A put that joined one of its pages gets False for it."""
+        for page, k in self.queue.withdraw(call):
+            self.queue.job_over_under_writer(page, k)
+        mine = set(call.pages)
+        for job in [job for jobs in self.active for job in jobs if job.page in mine]:
+            job.err = job.err or CANCELLED
+            if not job.in_flight:  # (held back between two of its writes) nothing else will finish it
+                self.finish_under_writer(job)
+        if not call.left:  # (it waited only for other puts' pages, or the last of its own just ended)
+            call.event.set()
 
     def discard_abandoned_under_writer(self, job: Job) -> None:
         """An abandoned job with no write left in flight: its file goes, in a thread of its own (closing

@@ -2,7 +2,7 @@
 its checksums and header, and the writes that fill its file, from the caller's memory or staged a
 request at a time; a page on one tier (``Job``: its temporary file) and one write request of it in
 flight (``Write``, with its staging copy if any). Plain data, used by writes.py, jobs.py and writequeue.py under the writer's lock
-(``PutCall.signal`` also without it, for a put with nothing to write).
+(``PutCall.signal`` also without it, for a put with nothing to write; ``PutCall.wait`` is the caller's).
 """
 from __future__ import annotations
 
@@ -57,6 +57,30 @@ class PutCall:
                 for owner, i in page.calls:
                     if owner is self:
                         self.results[i] = False
+
+    def wait(self, exclusive: Callable, withdraw: Callable[["PutCall"], None]) -> None:
+        """``put``'s wait for its pages. An exception that ends it (KeyboardInterrupt, SystemExit: any
+        BaseException) goes on to the caller, who takes the pages' memory back then (reuses or frees
+        it), so first, inside ``exclusive`` (the writer's: no write progresses), ``withdraw`` (Jobs.
+        withdraw_under_writer) takes the put's pages from the writer: none starts any more, and the
+        writes already reading that memory end before the exception goes on. A second interrupt does
+        not cut that short (it is dropped: the first one goes on). Left queued, the pages were
+        checksummed and written from the reused memory: a wrong page stored, passing check()."""
+        try:
+            self.event.wait()
+        except BaseException:
+            while True:
+                try:
+                    with exclusive():
+                        withdraw(self)
+                    self.event.wait()
+                    break
+                except Exception:  # (a defect of ours: logged, never a spin)
+                    log.exception("kvstream: withdrawing the pages of an interrupted put")
+                    break
+                except BaseException:  # noqa: BLE001 (another interrupt: withdraw is idempotent, taken again)
+                    continue
+            raise
 
     def lru_order(self) -> list[str]:
         """The keys the put leaves most recent, in batch order (docs/design.md): its new pages that

@@ -129,6 +129,30 @@ class WriteQueue:
                 fifo.clear()
         return dropped
 
+    def withdraw(self, call: PutCall) -> list[tuple[WritePage, int]]:
+        """An interrupted put (Jobs.withdraw_under_writer): its pages leave every FIFO (returned: (page,
+        tier), each still to end there) and no tier replicate=budget skipped takes them after all; the
+        put waits for no other put's page any more. Called again, it finds nothing more to do."""
+        mine = set(call.pages)
+        dropped = []
+        with self.lock:
+            for k, fifo in enumerate(self.fifo):
+                kept = [page for page in fifo if page not in mine]
+                if len(kept) < len(fifo):
+                    dropped += [(page, k) for page in fifo if page in mine]
+                    fifo.clear()
+                    fifo.extend(kept)
+            for page in call.pages:
+                page.spare = 0
+            for page in call.joined:
+                if not page.left:  # (over: it counted itself off the put already)
+                    continue
+                calls = [(owner, i) for owner, i in page.calls if owner is not call]
+                call.left -= len(page.calls) - len(calls)
+                page.calls = calls
+            call.joined = []
+        return dropped
+
     def drop_tier(self, k: int) -> list[WritePage]:
         """Tier ``k`` failed: empty its FIFO; returns the pages dropped (each still to end there)."""
         with self.lock:

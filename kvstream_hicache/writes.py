@@ -18,7 +18,8 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
         when a job's writes are done: jobs.py commits it (rename into place, index; ENOSPC: evict
             and write again, up to SPACE_RETRIES times)
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
-    page directories, then the caller returns (``put``) or its callback runs (``put_deferred``).
+    page directories, then the caller returns (``put``) or its callback runs (``put_deferred``). A put
+    whose wait an exception ends (Ctrl-C) withdraws its pages first (puts.PutCall.wait).
     The caller's memory is never read after that (but by a hung tier's abandoned writes, whose
     files are never renamed into place: see jobs.py, Jobs.hung_under_writer).
 
@@ -113,8 +114,7 @@ class WritePath:
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int) -> list[bool]:
         """See Engine.put. ``mask``: tiers usable for this batch. Returns when its pages are done."""
         call = self.queue.accept(keys, pages, mask, None)
-        if call.event is not None:
-            call.event.wait()
+        call.wait(self.exclusive, self.jobs.withdraw_under_writer)  # (interrupted: nothing of it starts after)
         return call.results
 
     def put_deferred(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,

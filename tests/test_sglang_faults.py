@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import threading
 import time
 
@@ -16,6 +17,7 @@ from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip
 
 from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan  # noqa: E402
 from kvstream_hicache.io import OP_READ  # noqa: E402
+from helpers import wait_for_fault, wait_until  # noqa: E402
 from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage  # noqa: E402
 
 ATTEMPTS = 40  # bounded retries under random injected failures (p=0.3 per call: a miss-all chance < 1e-9)
@@ -526,3 +528,61 @@ def test_a_prefetch_batch_the_engine_never_read_adds_no_retrieval_sample(plugin_
     storage.flush_metrics()
     after = samples()
     assert after == before, f"a batch the engine never read changed retrieval metrics: {before} -> {after}"
+
+
+def test_a_legacy_set_ended_by_ctrl_c_never_stores_the_tensor_the_caller_reused(tier_dirs, monkeypatch):
+    """A script's legacy ``set`` (on its main thread) ended by Ctrl-C while the page waits in the write
+    queue (a legacy get reads the tier: read priority holds the write back). The adapter turns errors
+    into misses, not an interrupt: the KeyboardInterrupt reaches the script, which reuses its tensor
+    for other KV. The key never serves those bytes: the engine's put withdraws its pages before it
+    raises. Before, the writer wrote the reused tensor under the key and the next get served it."""
+    import torch
+
+    plan = FaultPlan()
+    _engines_with(monkeypatch, plan)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:1])),
+                                     pools.host)
+    n = pools.flat_page_nbytes()
+    a, b = "a" * 64, "b" * 64
+    value_a = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    value_b = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    expected = value_b.clone()
+    inside = threading.Event()  # SIGINT raises KeyboardInterrupt only during the set (never into pytest)
+
+    def on_sigint(signum, frame):
+        if inside.is_set():
+            raise KeyboardInterrupt
+
+    default = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        assert backend.set(a, value_a) is True
+        plan.add(Fault.hold(), opcode=OP_READ, times=1)
+        reader = threading.Thread(target=backend.get, args=(a, torch.empty_like(value_a)))
+        reader.start()
+        wait_for_fault(plan, what="the get never submitted its read")
+        interrupted = threading.Event()
+
+        def press():
+            wait_until(lambda: backend.engine._writes.queue.fifo[0], what="the set never queued its page")
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            interrupted.wait(10)
+            plan.release()
+
+        threading.Thread(target=press).start()
+        inside.set()
+        with pytest.raises(KeyboardInterrupt):
+            backend.set(b, value_b)
+        inside.clear()
+        value_b.fill_(0x5A)  # the call raised: the script's tensor holds other KV now
+        interrupted.set()
+        reader.join(60)
+        assert not reader.is_alive()
+        wait_until(lambda: not backend.engine._writes.queue.pending, what="the queue never drained")
+        got = backend.get(b, torch.empty_like(value_b))
+        assert got is None or torch.equal(got, expected), (
+            f"the key serves the tensor the script reused after set raised: {got[:8].tolist()}")
+    finally:
+        signal.signal(signal.SIGINT, default)
+        plan.release()
+        backend.close()
