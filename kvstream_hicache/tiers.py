@@ -49,9 +49,9 @@ from .integrity import (
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import local_fs
-from .tmpfiles import NEW_FILE, ProbeFailed, is_engine_tmp, probe_direct, tier_now, tmp_name
+from .tmpfiles import NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tier_now, tmp_name
 from .trust import (
-    check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
+    CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
     not_a_file, open_below, remove, root_problem, same_file, wall_ns,
 )
 
@@ -66,6 +66,8 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, n
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
 MAX_OWED_DELETES = 1 << 14  # delete()s a failed tier remembers to do before it serves again (owe_delete)
+CLEAR_SKEW_NS = CLOCK_SKEW_NS  # a clear a tier missed takes the pages headed up to this long after it too:
+# another node's clock may run that much ahead, and its page of the old weights must never be served
 MTIME_SLACK_NS = 2 * 10**9  # a file system may keep its times this coarsely (1-2 s): pages modified within it
 # before a clear a tier missed are told apart by their headers (Tier._older_than)
 MAX_RETRY_S = 300.0  # longest back-off between probes of a failed tier, s (or tier_retry, if longer)
@@ -580,7 +582,7 @@ class Tier:
         for key, when in owed.items():
             if self.closed:  # (a settle thread of a closed engine: see _remove_pages)
                 return False
-            self._remove_if_older(key, when)
+            self._remove_if_older(self.layout.page_path(key), when)
             if self._errors != errors:
                 return False
             with self._lock:
@@ -588,33 +590,38 @@ class Tier:
                     del self._deletes[key]
         return True
 
-    def _remove_if_older(self, key: str, when: int, old: Callable[[os.stat_result], bool] | None = None) -> bool:
-        """What a failed tier owes for ``key`` (a delete() or clear() at ``when``, trust.wall_ns) done as it
-        rejoins: its page file removed only if written before then (its header's ``created``): on a shared
-        tier another process or node may have put the key since, and that acknowledged page stays. (The
-        clocks of two nodes are compared: NTP's milliseconds decide only for a put that came that close to
-        the delete or clear; a clock stepped back between them and another process's put may take that
-        put's page: a cached page lost, never a wrong one served: trust.wall_ns.) A file that is no valid
-        page stays for the scan or a read to judge, and a file not kvstream's as a delete leaves it.
-        ``old``: a first judge by the file's own times (:meth:`_older_than`), which spares the header read
-        of a page written well before. Returns whether it stays (written after, or not kvstream's); a look
-        that fails fails the tier."""
-        if old is not None and self.unlink_page(key, old) is None:
-            return False  # (removed, or gone already; else written lately, or not kvstream's: its header says)
+    def _remove_if_older(self, path: str, when: int, old: Callable[[os.stat_result], bool] | None = None) -> bool:
+        """What a failed tier owes for the page file at ``path`` (a delete() or clear() at ``when``,
+        trust.wall_ns) done as it rejoins: the file removed only if written before then (its header's
+        ``created``): on a shared tier another process or node may have put the key since, and that
+        acknowledged page stays. (The clocks of two nodes are compared: NTP's milliseconds decide only for
+        a put that came that close to the delete; a clear leans to removal by CLEAR_SKEW_NS: _remove_pages.
+        A clock stepped back between them may take another process's page: a cached page lost, never a
+        wrong one served: trust.wall_ns.) A file that is no valid page stays for the scan or a read to
+        judge, and a file not kvstream's as a delete leaves it. ``old``: a first judge by the file's own
+        times (:meth:`_older_than`), which spares the header read of a page written well before; a page it
+        finds recent is never moved (another node may rename a new version over it meanwhile). Returns
+        whether it stays (written after, or not kvstream's); a look that fails fails the tier."""
         try:
-            header, st = self.calls.run(read_header, self.layout.page_path(key), self.trust)
+            if old is not None:
+                st = self.calls.run(os.lstat, path)
+                if old(st):  # (that file only, should another writer's have taken the name since: trust.remove)
+                    return self._remove(path, same_file(identity(st))) is not None
+            header, st = self.calls.run(read_header, path, self.trust)
             if header.created_ns < when or header.created_ns > honest_until():  # (a claim, not a time)
-                return self.unlink_page(key, same_file(identity(st))) is not None  # (that file only: trust.remove)
+                return self._remove(path, same_file(identity(st))) is not None
         except UntrustedFile:  # (another owner's: a delete leaves it)
             pass
         except NotRegularFile:  # a socket, a FIFO, ...: a stray under the page's name goes
-            return self.unlink_page(key, not_a_file) is not None
+            return self._remove(path, not_a_file) is not None
         except FileNotFoundError:
             return False
         except HeaderError:
             pass
         except OSError as exc:
-            self.fail(exc.errno or errno.EIO, f"look at {key} to remove it")
+            if not self.copy_gone(exc.errno, path):
+                self.fail(exc.errno or errno.EIO, f"look at {path} to remove it")
+            return False
         return True
 
     def _do_owed_clear(self) -> bool:
@@ -626,13 +633,17 @@ class Tier:
         """Remove this namespace's page files from the tier, as a delete removes one (trust.py: only
         a file the engine names, of a trusted owner, reached following no link). Another owner's
         file, a link, a directory and a name kvstream never writes stay, logged (``kvstream check``
-        lists them); so do the shard directories, which the next writes use again. ``owed``: a clear()
-        the tier missed while failed, which removes only the pages written before it (judged by the
-        file's time, and where that is close, its header: :meth:`_remove_if_older`). Returns whether it went through every shard with no tier error
-        (then the clears asked so far are done)."""
+        lists them); so do the shard directories, which the next writes use again. A page a removal
+        holds under its private name (trust.remove: of this or another node, maybe cut short by a crash)
+        goes too: the scan would put it back. ``owed``: a clear() the tier missed while failed, which
+        removes only the pages written before it (judged by the file's time, and where that is close, its
+        header: :meth:`_remove_if_older`), leaning to removal by CLEAR_SKEW_NS, as far as the nodes'
+        clocks may differ: a page of the old weights is never served; another node's put in the minutes
+        after the clear may be lost. Returns whether it went through every shard with no tier error (then
+        the clears asked so far are done)."""
         with self._lock:
-            asked, errors, before = self._clears, self._errors, self._clear_ns
-        old = self._older_than(before) if owed else None
+            asked, errors, until = self._clears, self._errors, self._clear_ns + CLEAR_SKEW_NS
+        old = self._older_than(until) if owed else None
         kept = newer = 0
         try:  # (listings bounded as every call on a tier that may hang: clear() holds every get and put)
             names = self.calls.run(shards, self.layout)
@@ -647,15 +658,16 @@ class Tier:
             except OSError as exc:
                 self.fail(exc.errno or errno.EIO, f"list {shard} to clear it")
                 return False
-            for name, _ in entries:
+            for name, path in entries:
                 if self.closed:
                     return False
                 key = key_of_page_file(name) if name else None
-                if key is None or key[:2] != shard:  # (misplaced: stays)
+                held = name is not None and name.startswith(REMOVING_PREFIX)
+                if (key is None or key[:2] != shard) and not held:  # (misplaced: stays)
                     kept += 1
                 elif owed:
-                    newer += self._remove_if_older(key, before, old)
-                elif self.unlink_page(key) is not None:
+                    newer += self._remove_if_older(path, until, old)
+                elif self._remove(path) is not None:
                     kept += 1
         if kept:
             log.warning("kvstream: clear left %d entries of tier %d (%s) in place: not kvstream's page files "
@@ -677,7 +689,7 @@ class Tier:
         """A judge of a page file modified well before ``when`` (trust.wall_ns), on the tier's clock
         (tmpfiles.tier_now: on NFS the server's; on GlusterFS each writer stamps its own, as it stamps a
         header): an owed clear removes such a page without reading its header (which doubled the time
-        it took on a disk tier); a page modified in the last MTIME_SLACK_NS before the clear or after it
+        it took on a disk tier); a page modified in the last MTIME_SLACK_NS before ``when`` or after it
         has its header read. None: the tier's clock cannot be read (every header is read)."""
         try:
             now = self.calls.run(tier_now, self.layout.tmp)
@@ -692,12 +704,16 @@ class Tier:
         """Remove ``key``'s page file (only a file of a trusted owner, through its directory; with ``judged``
         only the entry judged damaged: trust.remove). Returns None when it is gone (or was already:
         another rank, an operator), else why it stays."""
+        return self._remove(self.layout.page_path(key), judged)
+
+    def _remove(self, path: str, judged: Callable[[os.stat_result], bool] | None = None) -> str | None:
+        """:meth:`unlink_page` of the entry at ``path`` (a page's name, or a removal's private name)."""
         try:
-            return self.calls.run(remove, self.root, self.layout.page_path(key), self.trust, None, judged)
+            return self.calls.run(remove, self.root, path, self.trust, None, judged)
         except OSError as exc:
-            if self.copy_gone(exc.errno, key):  # (gone: removed concurrently, by another rank or node)
+            if self.copy_gone(exc.errno, path):  # (gone: removed concurrently, by another rank or node)
                 return None
-            self.fail(exc.errno or errno.EIO, f"remove page {key}")
+            self.fail(exc.errno or errno.EIO, f"remove {path}")
             return f"could not remove it ({os.strerror(exc.errno or errno.EIO)})"
 
     def sync_dirs(self, dirs: set[str]) -> None:

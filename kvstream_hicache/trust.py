@@ -31,6 +31,7 @@ it is still the directory checked (tiers.Tier._gone, one ``lstat``), else the ti
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import os
@@ -407,7 +408,8 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
     holds now: another writer may have renamed a valid page over it since. Then it is first renamed
     to a private name in its directory, where no one else renames anything, and removed there only
     when ``judged(lstat)`` (:func:`same_file`, :func:`not_a_file`) says it is the entry judged; else it
-    goes back under its name (a valid page is never deleted). None: whatever is there goes (eviction,
+    goes back under its name (a valid page is never deleted), unless another writer renamed a file there
+    meanwhile: that one is newer and stays (before, the one put back replaced it). None: whatever is there goes (eviction,
     ``clear``, the engine's own temporary file).
     :raises OSError: the directory, the lstat or the unlink failed for an I/O error."""
     directory, name = os.path.split(path)
@@ -434,8 +436,13 @@ def remove(root: str, path: str, trust: Trust, name_ok: Callable[[str], bool] | 
                                             "replaced since it was judged (another writer's page): kept")
         if why is None:
             os.unlink(held, dir_fd=fd)
-        else:  # (over a page renamed there in these microseconds: the newer version, as renames go)
-            os.rename(held, name, src_dir_fd=fd, dst_dir_fd=fd)
+        elif link_new(held, name, fd, fd):  # back under its name, replacing nothing: a file another writer
+            with contextlib.suppress(FileNotFoundError):  # renamed there meanwhile is newer, and stays
+                os.unlink(held, dir_fd=fd)  # (the second name of the link; gone after a rename)
+        elif not _not_removable(st, trust):  # its name taken meanwhile: a newer version has it, this goes
+            os.unlink(held, dir_fd=fd)
+        else:  # (not ours to remove, nor to put over the newer one: left, `kvstream check` lists it)
+            why += "; left under its private name (a newer file has its name)"
         return why
     except FileNotFoundError:  # removed concurrently: gone all the same
         return None

@@ -2,11 +2,12 @@
 # System packages every environment of this project needs: liburing's headers (the io_uring layer),
 # pkg-config and a C compiler (to build it), fio (benchmark reference), venv and Python headers, bindfs
 # (a FUSE mount that maps owners: the owner-mapping case of tests/test_security_shared_tier.py), and
-# GlusterFS (server and FUSE client: the reliability suite's real distributed file system, run as root).
+# GlusterFS (server and FUSE client: the reliability suite's real distributed file system, run as root), and
+# faketime (libfaketime: another node whose clock differs, test_reliability_dfs_clear.py).
 # On Debian/Ubuntu the missing ones are installed with apt-get: directly as root (containers, where
 # sudo is often not installed), through sudo for a user who has it. Otherwise they are only checked.
 set -euo pipefail
-PKGS=(liburing-dev pkg-config gcc g++ fio python3-venv python3-dev bindfs glusterfs-server glusterfs-client)
+PKGS=(liburing-dev pkg-config gcc g++ fio python3-venv python3-dev bindfs glusterfs-server glusterfs-client faketime)
 INSTALL_HINT="install liburing-dev pkg-config gcc fio python3-venv python3-dev bindfs (Debian/Ubuntu) /
 liburing-devel pkgconf gcc fio python3-devel bindfs (Fedora/RHEL), or run this as root or as a user with sudo"
 
