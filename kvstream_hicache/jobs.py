@@ -138,7 +138,7 @@ class Jobs:
                 self.discard_abandoned_under_writer(job)
 
     def withdraw_under_writer(self, call: PutCall) -> None:
-        """A put interrupted while it waits (PutCall.wait): its caller takes the memory back. Its pages
+        """A put interrupted while it queues or waits (PutCall.withdraw): its caller takes the memory back. Its pages
         leave the FIFOs (WriteQueue.withdraw) and its jobs are cancelled, as clear() cancels them: none
         reads that memory any more once the writes in flight end (a page written whole and committed
         before stays: valid). A put that joined one of its pages gets False for it."""

@@ -2,7 +2,7 @@
 its checksums and header, and the writes that fill its file, from the caller's memory or staged a
 request at a time; a page on one tier (``Job``: its temporary file) and one write request of it in
 flight (``Write``, with its staging copy if any). Plain data, used by writes.py, jobs.py and writequeue.py under the writer's lock
-(``PutCall.signal`` also without it, for a put with nothing to write; ``PutCall.wait`` is the caller's).
+(``PutCall.signal`` also without it, for a put with nothing to write; ``PutCall.withdraw`` runs on a thread of its own).
 """
 from __future__ import annotations
 
@@ -58,29 +58,36 @@ class PutCall:
                     if owner is self:
                         self.results[i] = False
 
-    def wait(self, exclusive: Callable, withdraw: Callable[["PutCall"], None]) -> None:
-        """``put``'s wait for its pages. An exception that ends it (KeyboardInterrupt, SystemExit: any
-        BaseException) goes on to the caller, who takes the pages' memory back then (reuses or frees
-        it), so first, inside ``exclusive`` (the writer's: no write progresses), ``withdraw`` (Jobs.
-        withdraw_under_writer) takes the put's pages from the writer: none starts any more, and the
-        writes already reading that memory end before the exception goes on. A second interrupt does
-        not cut that short (it is dropped: the first one goes on). Left queued, the pages were
-        checksummed and written from the reused memory: a wrong page stored, passing check()."""
-        try:
-            self.event.wait()
-        except BaseException:
-            while True:
-                try:
-                    with exclusive():
-                        withdraw(self)
+    def withdraw(self, exclusive: Callable, withdraw: Callable[["PutCall"], None]) -> None:
+        """``put`` was ended by an exception (KeyboardInterrupt, SystemExit: any BaseException) while it
+        queued or waited for its pages, and its caller takes their memory back (reuses or frees it) as
+        the exception goes on. So first, inside ``exclusive`` (the writer's: no write progresses),
+        ``withdraw`` (Jobs.withdraw_under_writer) takes the put's pages from the writer: none starts any
+        more; then this waits for the writes already reading that memory. Left queued, the pages were
+        checksummed and written from the reused memory: a wrong page stored, passing check(). The
+        withdrawal runs on a thread of its own, which no signal reaches (Python delivers them to the main
+        thread): a second Ctrl-C cannot cut it half-way (pages left counted, the put waiting for ever) nor
+        leave the writer paused; it only ends this wait, which is taken again."""
+        done: list[bool] = []
+
+        def run() -> None:
+            try:
+                with exclusive():
+                    withdraw(self)
+                done.append(True)
+            except Exception:  # (a defect of ours: logged; the put does not wait on it)
+                log.exception("kvstream: withdrawing the pages of an interrupted put")
+
+        thread = threading.Thread(target=run, name="kvstream-withdraw", daemon=True)
+        thread.start()
+        while True:
+            try:
+                thread.join()
+                if done:
                     self.event.wait()
-                    break
-                except Exception:  # (a defect of ours: logged, never a spin)
-                    log.exception("kvstream: withdrawing the pages of an interrupted put")
-                    break
-                except BaseException:  # noqa: BLE001 (another interrupt: withdraw is idempotent, taken again)
-                    continue
-            raise
+                return
+            except BaseException:  # noqa: BLE001 (another interrupt: the first one goes on, after this)
+                continue
 
     def lru_order(self) -> list[str]:
         """The keys the put leaves most recent, in batch order (docs/design.md): its new pages that

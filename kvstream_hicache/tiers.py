@@ -49,7 +49,9 @@ from .integrity import (
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import local_fs
-from .tmpfiles import NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tier_now, tmp_name
+from .tmpfiles import (
+    NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tier_now, tmp_name,
+)
 from .trust import (
     CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
     not_a_file, open_below, remove, root_problem, same_file, wall_ns,
@@ -619,6 +621,8 @@ class Tier:
         except HeaderError:
             pass
         except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM):  # one file this user cannot read (root's, left
+                return True  # by an operator): it stays, as a delete leaves another owner's; never served
             if not self.copy_gone(exc.errno, path):
                 self.fail(exc.errno or errno.EIO, f"look at {path} to remove it")
             return False

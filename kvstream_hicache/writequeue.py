@@ -169,11 +169,11 @@ class WriteQueue:
             self.wake_under_queues()
 
     # -- accept ----------------------------------------------------------------------------------
-    def accept(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
-               done: Callable[[list[bool]], None] | None) -> PutCall:
+    def accept(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int, call: PutCall) -> None:
+        """Queue the pages of ``call`` (made by the caller, which can withdraw it if an interrupt lands
+        half-way: PutCall.withdraw)."""
         if len(pages) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
-        call = PutCall(len(keys), done)
         # Pages the index already has are looked at on disk before the queue lock is taken: a get's
         # end takes that lock to wake the writer, and must not wait behind these stats.
         held: set[str] = set()
@@ -191,7 +191,6 @@ class WriteQueue:
             now = not call.left  # else the writer thread ends it
         if now:
             call.signal()  # nothing to write (held, invalid, no tier can take it): done now
-        return call
 
     def _enqueue_under_queues(self, call: PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
                         mask: int, held: set[str]) -> None:

@@ -18,10 +18,9 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
         when a job's writes are done: jobs.py commits it (rename into place, index; ENOSPC: evict
             and write again, up to SPACE_RETRIES times)
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
-    page directories, then the caller returns (``put``) or its callback runs (``put_deferred``). A put
-    whose wait an exception ends (Ctrl-C) withdraws its pages first (puts.PutCall.wait).
-    The caller's memory is never read after that (but by a hung tier's abandoned writes, whose
-    files are never renamed into place: see jobs.py, Jobs.hung_under_writer).
+    page directories, then the caller returns (``put``; one ended by Ctrl-C withdraws its pages first:
+    puts.PutCall.withdraw) or its callback runs (``put_deferred``). The caller's memory is never read
+    after that (but by a hung tier's abandoned writes, never renamed into place: Jobs.hung_under_writer).
 
 Read priority holds new writes back, never the ones in flight: when a get starts on a tier, what the
 tier had in flight (its window) finishes first. ``put_deferred`` is the paper's M2 (the LMCache
@@ -47,7 +46,7 @@ from .flow import MAX_REQUEST
 from .layout import ALIGN, round_up
 from .locks import ranked_lock
 from .priority import ReadPriority
-from .puts import CANCELLED, Job, Write, WritePage
+from .puts import CANCELLED, Job, PutCall, Write, WritePage
 from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
@@ -60,8 +59,7 @@ WAKE_S = 0.002  # longest wait for a write completion: a tier whose reads ended,
 # tier, is noticed within this (the reads' end also wakes the writer when nothing is in flight)
 TRUST_BYTES = 32 << 20  # replicate=budget judges a tier by its write bandwidth only once this much was
 # written to it undisturbed: a few small writes measure latency (and a stall), not bandwidth
-ORPHAN_POLL_S = 0.1  # with only abandoned writes in flight (a hung tier), the writer looks for their end this
-# often, s (their files go when they end)
+ORPHAN_POLL_S = 0.1  # with only abandoned writes in flight (a hung tier), the writer looks for their end this often, s
 TRIM_BYTES = 256 << 20  # a trim (scan end, a capacity lowered) removes this much per hold of the writer's lock
 WRITE_UNIT = 1 << 20  # write requests are whole multiples of this (or of the chunk, if larger), bytes: a
 # smaller chunk is a checksum unit, not a reason for more, smaller writes
@@ -99,8 +97,7 @@ class WritePath:
         self.jobs = Jobs(tiers, index, stats, pool, self.queue, digest)  # each page on each tier (jobs.py)
         self.measured = [0] * n  # bytes written undisturbed by reads (what the flow's rate is measured on)
         self._staged = 0  # staging bytes held by writes in flight (at most staging_limit)
-        self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # bytes of a staged request
-        # at most: one always fits in the staging memory
+        self._piece = max(ALIGN, min(MAX_REQUEST, staging_limit // ALIGN * ALIGN))  # a staged request's most
         self._set_up(ring)
         self.write_timeout = settings.write_timeout
         self._progress = [0.0] * n  # when each tier's writes in flight last progressed (hang clock)
@@ -113,8 +110,13 @@ class WritePath:
     # -- callers ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int) -> list[bool]:
         """See Engine.put. ``mask``: tiers usable for this batch. Returns when its pages are done."""
-        call = self.queue.accept(keys, pages, mask, None)
-        call.wait(self.exclusive, self.jobs.withdraw_under_writer)  # (interrupted: nothing of it starts after)
+        call = PutCall(len(keys), None)
+        try:
+            self.queue.accept(keys, pages, mask, call)
+            call.event.wait()
+        except BaseException:  # (Ctrl-C in accept or the wait: nothing of it starts after, PutCall.withdraw)
+            call.withdraw(self.exclusive, self.jobs.withdraw_under_writer)
+            raise
         return call.results
 
     def put_deferred(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
@@ -124,7 +126,7 @@ class WritePath:
             raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
         self.queue.wait_for_room(sum(n for segments in pages for _, n in segments))
         self.stats.total("deferred_puts")
-        self.queue.accept(keys, pages, mask, done)
+        self.queue.accept(keys, pages, mask, PutCall(len(keys), done))
 
     def copy(self, key: str, address: int, info, created: int, tier: int, evict: bool,
              done: Callable[[bool, float], None]) -> None:
@@ -149,16 +151,17 @@ class WritePath:
     @contextmanager
     def exclusive(self):
         """No write progresses inside (check, clear): the writer finishes its step and waits."""
-        queue = self.queue
-        with queue.lock:
-            queue.exclusive += 1
+        queue, counted = self.queue, False
         try:
+            with queue.lock:  # (no call between the two: an interrupt lands before or after both)
+                queue.exclusive, counted = queue.exclusive + 1, True
             with self.lock:
                 yield
         finally:
-            with queue.lock:
-                queue.exclusive -= 1
-                queue.wake_under_queues()
+            if counted:
+                with queue.lock:
+                    queue.exclusive -= 1
+                    queue.wake_under_queues()
 
     def cancel_under_writer(self) -> None:
         """clear(): drop every queued job and discard the ones in flight (their pages report False).

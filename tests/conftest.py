@@ -23,7 +23,9 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import weakref
+from contextlib import contextmanager
 
 import pytest
 
@@ -165,3 +167,38 @@ def fuse_tier(tier_root):
         if subprocess.run(["fusermount", "-u", mnt], capture_output=True).returncode and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
         daemon.wait(10)
+
+
+# ------------------------------------------------------------------------------------------- Ctrl-C
+class _CtrlC:
+    """Ctrl-C in a test: ``press`` sends SIGINT to the main thread (pytest's, where the call under test
+    runs), which raises KeyboardInterrupt there, as by default, but only ``during`` the call (a press
+    that comes after the call raised, as with a bug, must not end the test session)."""
+
+    def __init__(self):
+        self._inside = False
+
+    def handler(self, signum, frame) -> None:
+        if self._inside:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def during(self):
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
+    @staticmethod
+    def press() -> None:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+@pytest.fixture
+def ctrl_c():
+    """The main thread's SIGINT handler for the test (restored after it)."""
+    presses = _CtrlC()
+    default = signal.signal(signal.SIGINT, presses.handler)
+    yield presses
+    signal.signal(signal.SIGINT, default)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -590,3 +591,50 @@ def test_adapter_params_errors_speak_lmcache_terms(tier_dirs, caplog):
     l2adapter.KVStreamL2Adapter({"tiers": tier_dirs[:1], "capacity": 2000}, environ={}).close()  # as LMCache's tests
     said = [r.getMessage() for r in caplog.records if "a bare number means bytes" in r.getMessage()]
     assert said and all(p in said[0] for p in ("adapter_params 'capacity'", "2000 bytes", "'2000G'")), said
+
+
+@contextmanager
+def _held_by_another_thread(lock):
+    """``lock`` held by another thread of this process for as long as the block runs (as the engine's
+    writer, ending a store in L2Core._finish, or the load worker holds the core's lock for a moment)."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            taken.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(10)
+
+
+@pytest.mark.parametrize("call", ["close", "load"])
+def test_a_forked_child_s_close_and_load_end_while_a_parent_thread_held_the_core_lock(engine, call):
+    """fork() while a thread of the parent holds the core's lock: in the child that holder does not exist
+    and the lock is never released. The child's close() returns and its load fails at once, as in any
+    forked child (the core's locks are new there: a fork hook). Before, both took that lock and hung for
+    ever (from the review of this stop's changes)."""
+    keys = [f"{i:064x}" for i in range(1, 3)]
+    core = l2core.L2Core(engine, on_load=lambda _: None)
+    try:
+        arrays = [np.zeros(8192, np.uint8) for _ in keys]
+        segments = [[(a.ctypes.data, a.nbytes)] for a in arrays]
+
+        def child() -> int:
+            if call == "close":
+                core.close()
+                return 0
+            task = core.submit_load(keys, segments)
+            return 0 if core.wait_load(task, 10) == [False, False] else 4
+
+        with _held_by_another_thread(core._lock):
+            code = run_child(child, 20.0)  # (a hang fails the test: "the forked child hung")
+        assert code == 0
+    finally:
+        core.close()

@@ -123,8 +123,7 @@ class L2Core:
         self.max_pool_pages = max(1, int(max_pool_pages))
         self._on_store, self._on_lookup, self._on_load = on_store, on_lookup, on_load
         self._ids = itertools.count(1)
-        self._lock = ranked_lock("lmcache.core")
-        self._work = threading.Condition(self._lock)
+        self._fresh_locks()
         self._stores_open = 0  # store tasks submitted and not completed
         # Completions being signalled and copies into callers' buffers still running: close() waits for
         # them, and none starts once it has returned (_closed): the adapter closes its eventfds then, and
@@ -134,7 +133,6 @@ class L2Core:
         self._stores_done: dict[int, tuple[bool, int]] = {}
         self._lookups_done: dict[int, list[bool]] = {}
         self._loads_done: dict[int, list[bool]] = {}
-        self._done = threading.Condition(self._lock)
         self._pins: dict[Any, list[Any]] = {}  # lock key -> pin handles, one per outstanding lock
         self._closing = False  # close() began: tasks submitted from now on fail at once, lookups pin nothing
         self._closed = False  # close() returned (or is returning): no callback, signal or copy any more
@@ -446,6 +444,23 @@ class L2Core:
         if closing:
             self._finish(False, tasks)
         return [t.id for t in tasks]
+
+    def _fresh_locks(self) -> None:
+        """New locks: at construction, and in a forked child at their first use there (a thread of the
+        parent may have held them as it forked: the engine's writer ending a store in _finish, the load
+        worker, an LMCache thread; its holder is not in the child, and would never release them)."""
+        lock = ranked_lock("lmcache.core")
+        self._locks = (lock, threading.Condition(lock), threading.Condition(lock))
+        self._locks_forks = forks()
+
+    def _locks_here(self) -> tuple:
+        if self._locks_forks != forks():
+            self._fresh_locks()
+        return self._locks
+
+    _lock = property(lambda self: self._locks_here()[0])  # the state below; _work: the load worker waits
+    _work = property(lambda self: self._locks_here()[1])  # for loads or close(); _done: close() waits for
+    _done = property(lambda self: self._locks_here()[2])  # the stores open and the signals on their way
 
     def _forked(self) -> bool:
         """This is a forked child of the process that built the core: its engine refuses every call
