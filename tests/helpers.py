@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 from kvstream_hicache import Config, Engine, Namespace
-from kvstream_hicache.faults import FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
-from kvstream_hicache.io import RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, crc32c
+from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
+from kvstream_hicache.io import OP_READ, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, crc32c
 from kvstream_hicache.layout import HEADER_SIZE, round_up
 from pagebytes import CHUNK, NS_FIELDS, PAGE_BYTES, content, key, twin_content  # noqa: F401  (re-exported)
 
@@ -350,6 +350,16 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition neve
 def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never reached the ring") -> None:
     """Wait until ``plan`` has applied a fault (a held op is in flight)."""
     wait_until(lambda: plan.hits, timeout, what)
+
+
+def held_read(engine: Engine, pages: "PageSet", plan: FaultPlan, key: str) -> threading.Thread:
+    """A get of ``key`` on a thread of its own, its read held by ``plan`` (until ``plan.release()``):
+    read priority holds the tier's writes back meanwhile. Returns once the read is in flight."""
+    plan.add(Fault.hold(), opcode=OP_READ, times=1)
+    reader = threading.Thread(target=lambda: pages.get(engine, [key]), daemon=True)
+    reader.start()
+    wait_for_fault(plan, what="the get never submitted its read")
+    return reader
 
 
 def flip_byte(path: str, offset: int, mask: int = 0x01) -> None:

@@ -18,13 +18,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from kvstream_hicache.faults import Fault, FaultPlan
-from kvstream_hicache.io import OP_READ
+from kvstream_hicache.faults import FaultPlan
 from kvstream_hicache.jobs import Jobs
 from kvstream_hicache.writequeue import WriteQueue
 from kvstream_hicache.writes import WritePath
 
-from helpers import PageSet, _Memory, make_engine, wait_for_fault, wait_until
+from helpers import PageSet, _Memory, held_read, make_engine, wait_until
 
 HANG_S = 20  # an interrupted put whose writes are all over (nothing in flight) returns in ms: 20 s is a hang
 
@@ -62,15 +61,6 @@ def interrupt_at(func, text: str, nth: int = 1):
         sys.settrace(None)
 
 
-def _held_read(engine, pages, plan, a):
-    """A get of ``a`` whose read is held: read priority holds the tier's writes back meanwhile."""
-    plan.add(Fault.hold(), opcode=OP_READ, times=1)
-    reader = threading.Thread(target=lambda: pages.get(engine, [a]), daemon=True)
-    reader.start()
-    wait_for_fault(plan, what="the get never submitted its read")
-    return reader
-
-
 def test_a_put_whose_ctrl_c_lands_inside_accept_never_stores_the_memory_the_caller_reused(tier_dirs):
     """Ctrl-C comes while the put is still in WriteQueue.accept, its page already in the tier's FIFO (a
     batch of many pages spends its time in that loop). The caller gets KeyboardInterrupt and reuses its
@@ -83,7 +73,7 @@ def test_a_put_whose_ctrl_c_lands_inside_accept_never_stores_the_memory_the_call
     engine = make_engine(tier_dirs[:1], fault_plan=plan)
     try:
         assert pages.put(engine, [a]) == [True]
-        reader = _held_read(engine, pages, plan, a)
+        reader = held_read(engine, pages, plan, a)
         memory = _Memory(pages.size, True)
         memory.array[:] = np.frombuffer(pages.data(b), dtype=np.uint8)
         with pytest.raises(KeyboardInterrupt), \
@@ -109,7 +99,7 @@ def _interrupted_put(engine, pages, plan, ctrl_c, keys, func, text, nth=1):
     HANG_S s after the read was released (then freed by setting its event, so the test ends)."""
     a = pages.keys(1, 100)[0]
     assert pages.put(engine, [a]) == [True]
-    reader = _held_read(engine, pages, plan, a)
+    reader = held_read(engine, pages, plan, a)
     memory = [_Memory(pages.size, True) for _ in keys]
     for m, k in zip(memory, keys):
         m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)

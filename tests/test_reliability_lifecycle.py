@@ -25,7 +25,7 @@ from kvstream_hicache import EngineClosedError
 from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE, AlignedBuffer
 
-from helpers import (HERE, PageSet, _Memory, lockable, make_engine, run_child, tmp_files, wait_for_fault,
+from helpers import (HERE, PageSet, _Memory, held_read, lockable, make_engine, run_child, tmp_files, wait_for_fault,
                      wait_until)
 
 TRIES = 20
@@ -206,10 +206,7 @@ def test_a_put_interrupted_by_ctrl_c_never_stores_the_memory_the_caller_reused(t
     engine = make_engine(tier_dirs[:1], fault_plan=plan)
     try:
         assert pages.put(engine, [a]) == [True]
-        plan.add(Fault.hold(), opcode=OP_READ, times=1)  # a get of ``a`` whose read is held
-        reader = threading.Thread(target=lambda: pages.get(engine, [a]))
-        reader.start()
-        wait_for_fault(plan, what="the get never submitted its read")
+        reader = held_read(engine, pages, plan, a)  # (a get of ``a`` whose read is held)
         memory = _Memory(pages.size, True)
         memory.array[:] = np.frombuffer(pages.data(b), dtype=np.uint8)
         interrupted = threading.Event()
