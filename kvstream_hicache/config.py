@@ -72,7 +72,8 @@ SETTINGS: dict[str, Setting] = {
     "read_timeout": Setting(30.0, "seconds a get waits for its last block before reporting the rest missing"
                                   " (0 = wait forever); a read landing in caller memory is waited for regardless"),
     "write_timeout": Setting(10.0, "seconds a tier's writes in flight may go without progress before the tier "
-                                   "is failed and the puts answer without its copy (0 = wait forever); its writes "
+                                   "is failed and the puts answer without its copy (0 = wait forever, but 10 s in "
+                                   "close(): an exit is bounded); its writes "
                                    "are abandoned, their files never committed; on a tier not on a local file "
                                    "system, also how long a create, rename, unlink or probe there is waited for"),
     "tier_retry": Setting(5.0, "seconds before a failed tier is probed again (doubles up to 300 s)"),

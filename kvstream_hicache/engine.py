@@ -76,6 +76,9 @@ from .writes import WritePath
 log = logging.getLogger("kvstream")
 
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
+CLOSE_HANG_S = 10.0  # with write_timeout=0, close() gives up on a tier whose writes make no progress for this
+# long, s (the default write_timeout): else a hung tier held close(), and the process's exit, for ever
+EXIT_HANG_S = 2 * CLOSE_HANG_S  # the exit hook leaves a close whose writer made no progress for this long, s
 CLOSED = "kvstream engine is closed"
 
 
@@ -124,12 +127,36 @@ _OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet (th
 def _close_open_engines() -> None:
     """At interpreter exit, before the daemon threads stop: close the engines still open (one a
     traceback keeps alive after Ctrl-C, one never closed), so their queued writes land from memory
-    that is still there and their threads end. Later, during finalization, close() waits for nothing."""
-    for engine in list(_OPEN):
-        try:
-            engine.close()
-        except Exception:  # (one engine's error must not leave the others open)
-            log.exception("kvstream: closing an engine at exit failed")
+    that is still there and their threads end. Later, during finalization, close() waits for nothing.
+    An engine whose ``close_at_exit`` is off (the SGLang backend's) is left open for its callers'
+    threads, which go on until the interpreter stops them.
+
+    With write_timeout=0 a tier's file-system calls run in place, unbounded: the writer (or the catch-up
+    thread) in one on a hung tier held close(), and the process's exit, for ever. There, the close runs
+    on a thread of its own and is left once the writer has made no progress for EXIT_HANG_S (its own
+    hang check, CLOSE_HANG_S, fails a tier whose writes are held first): said, and the process exits
+    without it, the page files being written left temporary files the next start removes."""
+    for engine in [e for e in _OPEN if e.close_at_exit]:
+        if engine.config.write_timeout > 0:  # (every wait of close() is bounded by it)
+            _close_at_exit(engine)
+            continue
+        closing = threading.Thread(target=_close_at_exit, args=(engine,), name="kvstream-exit-close", daemon=True)
+        closing.start()
+        start = time.monotonic()
+        while closing.is_alive():
+            closing.join(1.0)  # (the writer's hang clock: when it last sent or reaped a write, any tier)
+            if closing.is_alive() and time.monotonic() - max(start, *engine._writes._progress) > EXIT_HANG_S:
+                log.warning("kvstream: exit: the engine's writes made no progress for %.0f s (a hung tier, "
+                            "write_timeout=0); the process exits without them: pages still queued are not "
+                            "stored", EXIT_HANG_S)
+                break
+
+
+def _close_at_exit(engine: Engine) -> None:
+    try:
+        engine.close()
+    except Exception:  # (one engine's error must not leave the others open)
+        log.exception("kvstream: closing an engine at exit failed")
 
 
 def _weak(method: Callable, dead):
@@ -232,6 +259,9 @@ class Engine:
                                     self._writes.trim, level,  # the write path's: the scan holds no engine
                                     self._replicas.owe_all)  # catch-up resumes after a restart (nor does it)
         self._closed = False
+        # The exit hook closes the engine (its queued writes land; _close_open_engines). Off for a caller
+        # whose own threads go on calling it at exit and has nothing queued (SGLang: puts wait for their pages)
+        self.close_at_exit = True
         _OPEN.add(self)
         self._scan.start()
         log.log(level,
@@ -415,8 +445,10 @@ class Engine:
         self._owed.note()  # (the tiers that missed it: written down, so a restart does not forget)
 
     def close(self) -> None:
-        """Wait briefly for orphan reads, close the rings and free buffers. Idempotent. A call running
-        on another thread finishes first; one that starts later raises EngineClosedError."""
+        """Wait briefly for orphan reads, write what is queued, close the rings and free buffers.
+        Idempotent. A call running on another thread finishes first; one that starts later raises
+        EngineClosedError. With write_timeout=0, a tier whose writes make no progress for CLOSE_HANG_S
+        is failed, as write_timeout fails it: close() (and a process's exit) is bounded."""
         if self._closed:
             return
         self._closed = True
@@ -430,6 +462,7 @@ class Engine:
             return
         for tier in self.tiers:  # (first: a tier's settle thread removes nothing more, nor lets it rejoin)
             tier.closed = True
+        self.bound_writes()
         self._scan.stop(CLOSE_DRAIN_S)
         self._owed.note()  # (a record of clears owed that a clear() or a rejoin could not write: once more)
         left = self._reads.drain(CLOSE_DRAIN_S, closing=True)
@@ -446,6 +479,14 @@ class Engine:
             tier.calls.close()
             tier.reads.close()
         tmpfiles.release(self._token)
+
+    def bound_writes(self) -> None:
+        """Closing (close(), or a caller about to close that waits for its writes first: LMCache's
+        adapter): with write_timeout=0 (wait for ever), a tier whose writes make no progress for
+        CLOSE_HANG_S from now on is failed as write_timeout fails it (its pages fail there), so that
+        the wait ends: a server's shutdown is bounded."""
+        if self._writes.write_timeout <= 0:  # (read by the writer thread at its next step: one float)
+            self._writes.write_timeout = CLOSE_HANG_S
 
     def _in_fork(self) -> bool:
         """This is a forked child of the process that opened the engine: closed, its rings untouched

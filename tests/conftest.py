@@ -145,17 +145,19 @@ def engines_end_consistent(request, monkeypatch):
 
 
 @pytest.fixture
-def fuse_tier(tier_root):
+def fuse_tier(tier_root, request):
     """A tier on a FUSE file system (bindfs, in the foreground) and its daemon: SIGSTOP to the daemon
     hangs every call on the tier, as a FUSE or NFS server that stops answering does. A watchdog
-    resumes the daemon after 30 s, should the test end with it stopped (the unmount would hang)."""
+    resumes the daemon after 30 s (a test module's FUSE_WATCHDOG_S, where its hangs must outlast
+    that), should the test end with it stopped (the unmount would hang)."""
+    watchdog_s = getattr(request.module, "FUSE_WATCHDOG_S", 30)
     if shutil.which("bindfs") is None:
         pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
     src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "fuse")
     os.mkdir(src, 0o700)
     os.mkdir(mnt)
     daemon = subprocess.Popen(["bindfs", "-f", src, mnt])
-    watchdog = subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {daemon.pid}"], start_new_session=True)
+    watchdog = subprocess.Popen(["sh", "-c", f"sleep {watchdog_s}; kill -CONT {daemon.pid}"], start_new_session=True)
     try:
         wait_until(lambda: os.path.ismount(mnt), 10, "bindfs never mounted")
         os.mkdir(os.path.join(mnt, "tier"), 0o700)

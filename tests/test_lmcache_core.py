@@ -383,6 +383,42 @@ def test_close_returns_while_a_load_into_l1_hangs_on_its_tier(tier_dirs, monkeyp
     assert not worker.is_alive() and accessed == [] and adapter.core.stats()["load_tasks"] == 1
 
 
+def test_close_returns_while_a_store_is_held_by_a_hung_tier_with_write_timeout_0(tier_dirs, monkeypatch):
+    """write_timeout=0 (a slow tier is never given up on) and a store whose writes a tier holds (it stopped
+    answering): close() (LMCache's shutdown: `lmcache server` on SIGTERM or SIGINT) waits for its store
+    tasks, but the engine gives the hung tier up after CLOSE_HANG_S without progress, as write_timeout
+    would: the store is answered (stored on the tier that answers) and close() returns. Before, close()
+    waited for the store for ever, and the server never exited."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from helpers import wait_for_fault
+    from kvstream_hicache import engine as engine_module
+    from kvstream_hicache.faults import Fault, TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    page = 65536
+    plan = TierFaultPlan()
+    monkeypatch.setattr(l2core, "_open_engine", lambda config, ns: engine_module.Engine(config, ns, fault_plan=plan))
+    monkeypatch.setattr(engine_module, "CLOSE_HANG_S", 1.0)
+    adapter = l2adapter.KVStreamL2Adapter({"tiers": tier_dirs[:2], "write_timeout": 0})
+    memory = np.frombuffer(os.urandom(2 * page), dtype=np.uint8).copy()
+    base = memory.ctypes.data + (-memory.ctypes.data) % 4096
+    try:
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+        task = adapter.submit_store_task([ObjectKey(chunk_hash=b"\x0a" * 32, model_name="m", kv_rank=0)],
+                                         [ArenaObj(base, page // 2)])
+        wait_for_fault(plan, WAIT_S, "the store's write never reached the ring")
+        closer = threading.Thread(target=adapter.close, daemon=True)
+        closer.start()
+        closer.join(WAIT_S)
+        assert not closer.is_alive(), "close() waits for a store held by a hung tier (write_timeout=0)"
+        assert adapter.core.pop_stores() == {task: (True, page // 2)}
+    finally:
+        plan.clear()
+        plan.release()
+        adapter.close()
+
+
 def test_tasks_submitted_in_a_forked_child_end(engine):
     """A process forked after the adapter started (a fork-start-method worker, any os.fork()) inherits the
     core, but not its load worker nor the engine's writer thread, and the engine refuses every call there

@@ -322,6 +322,8 @@ def test_a_get_interrupted_by_ctrl_c_raises_once_its_reads_into_the_callers_memo
 
 # ----------------------------------------------------------------------------------- process exit
 EXIT_S = 30  # the children's writes answer 1-2 s after they start: far longer than this is a hang
+HUNG_EXIT_S = 90  # a child whose tier hangs exits EXIT_HANG_S (20 s) after its writer last progressed
+FUSE_WATCHDOG_S = 150  # (conftest.fuse_tier: the daemon stays stopped past HUNG_EXIT_S)
 CTRL_C_CHILD = textwrap.dedent("""
     import os, signal, sys, threading
     from helpers import PageSet, make_engine, wait_until
@@ -386,9 +388,9 @@ LATE_HOOK_CHILD = textwrap.dedent("""
 """)
 
 
-def _run_script(tier_root: str, code: str, tiers) -> subprocess.CompletedProcess:
+def _run_script(tier_root: str, code: str, tiers, exit_s: float = EXIT_S) -> subprocess.CompletedProcess:
     """Run ``code`` as a script in a child interpreter (the tests' helpers importable); fail with where
-    its threads waited (faulthandler) if it does not exit within EXIT_S."""
+    its threads waited (faulthandler) if it does not exit within ``exit_s``."""
     script = os.path.join(tier_root, "child.py")
     with open(script, "w") as f:
         f.write(code)
@@ -396,11 +398,11 @@ def _run_script(tier_root: str, code: str, tiers) -> subprocess.CompletedProcess
     child = subprocess.Popen([sys.executable, script, *tiers], env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        out, err = child.communicate(timeout=EXIT_S)
+        out, err = child.communicate(timeout=exit_s)
     except subprocess.TimeoutExpired:
         child.send_signal(signal.SIGABRT)  # faulthandler: where the main thread waits
         out, err = child.communicate()
-        raise AssertionError(f"the process did not exit within {EXIT_S} s ({out.strip()!r}); where it "
+        raise AssertionError(f"the process did not exit within {exit_s} s ({out.strip()!r}); where it "
                              f"waited:\n{err[-2500:]}") from None
     return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
@@ -449,3 +451,67 @@ def test_an_engine_still_open_when_the_interpreter_finalizes_lets_the_process_ex
     with make_engine(tier_dirs[:2]) as engine:
         assert engine.check() == []
         assert not any(tmp_files(d) for d in tier_dirs[:2])
+HUNG_AT_EXIT_CHILD = textwrap.dedent("""
+    import sys
+    from helpers import PageSet, _Memory, make_engine, wait_until
+    from kvstream_hicache.faults import Fault, TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    tiers = sys.argv[1:]
+    plan = TierFaultPlan()
+    engine = make_engine(tiers, fault_plan=plan, write_timeout=0)  # (0: a slow tier is never given up on)
+    pages = PageSet(64 << 10)
+    plan.on(tiers[1], Fault.hold(), opcode=OP_WRITE)  # tier 1 stops answering: its writes never complete
+    memory = [_Memory(pages.size, True) for _ in range(4)]
+    for m, key in zip(memory, pages.keys(4)):
+        m.array[:] = list(pages.data(key))
+    engine.put_deferred(pages.keys(4), [m.segments for m in memory], lambda ok: print("STORED", ok, flush=True))
+    wait_until(lambda: plan.hits)
+    print("EXIT", flush=True)  # the script ends: its engine never closed, writes held on the hung tier
+""")
+
+
+def test_a_process_that_exits_with_writes_held_by_a_hung_tier_exits(tier_dirs, tier_root):
+    """A script (a server) whose engine, with write_timeout=0, has deferred writes held by a tier that
+    stopped answering (a FUSE or NFS server gone quiet) ends. The exit hook's close() gives up on
+    the hung tier once its writes make no progress for a bounded time: the process exits, the pages
+    are stored on the tier that answers (the callback says so) and a new engine finds them there.
+    Before, close() waited for the writer thread, and the writer for the hung tier, for ever: the
+    process never exited."""
+    done = _run_script(tier_root, HUNG_AT_EXIT_CHILD, tier_dirs[:2])
+    assert "EXIT" in done.stdout and done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    assert "STORED [True, True, True, True]" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr
+    pages = PageSet(64 << 10)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.checked_get(engine, pages.keys(4)) == [True] * 4
+HUNG_CALL_AT_EXIT_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    from helpers import PageSet, _Memory, make_engine
+
+    daemon, tiers = int(sys.argv[1]), sys.argv[2:]
+    engine = make_engine(tiers, write_timeout=0, discover=False)  # (0: calls on a tier run in place, unbounded)
+    pages = PageSet(64 << 10)
+    assert pages.put(engine, pages.keys(2)) == [True, True]
+    os.kill(daemon, signal.SIGSTOP)  # tier 1's FUSE server stops answering
+    memory = [_Memory(pages.size, True) for _ in range(4)]
+    engine.put_deferred(pages.keys(4, 100), [m.segments for m in memory], lambda ok: print("STORED", ok, flush=True))
+    print("EXIT", flush=True)  # the script ends: its writer in a call on the hung tier
+""")
+
+
+def test_a_process_whose_writer_is_in_a_call_on_a_hung_tier_exits(tier_dirs, tier_root, fuse_tier):
+    """A script (a server) whose engine, with write_timeout=0, has its writer in a file-system call on
+    a tier whose FUSE server stopped answering (SIGSTOP: the temporary file's create never returns)
+    ends. The exit hook leaves the close once the writer made no progress for a while, says so, and
+    the process exits; once the tier answers again, the next start finds nothing amiss. Before, the
+    exit hook waited for the writer for ever: the process never exited."""
+    network, daemon = fuse_tier
+    done = _run_script(tier_root, HUNG_CALL_AT_EXIT_CHILD, [str(daemon.pid), tier_dirs[0], network],
+                       exit_s=HUNG_EXIT_S)
+    assert "EXIT" in done.stdout and done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    assert "made no progress" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    os.kill(daemon.pid, signal.SIGCONT)
+    with make_engine([tier_dirs[0], network]) as engine:
+        assert engine.check() == []
+        assert PageSet(64 << 10).checked_get(engine, PageSet(64 << 10).keys(2)) == [True, True]

@@ -5,11 +5,14 @@ the host pool ends up with the bytes that were written. Plus an A/B against sgla
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
 
 import pytest
 
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
-from sglang_fixtures import PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, tiers_config  # noqa: F401
+from sglang_fixtures import (PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, run_python,  # noqa: F401
+                             tiers_config)
 
 KINDS = ["mha", "mla"]
 LAYOUTS = ["page_first", "layer_first"]
@@ -318,3 +321,36 @@ def test_an_asymmetric_host_pool_round_trips_and_says_why_it_is_staged(plugin_lo
     assert inside([(k.data_ptr(), 4096)]) and inside([(v.data_ptr(), 4096)])
     assert not inside([(k.data_ptr() + k.numel() * k.element_size(), 4096)])
     _assert_consistent(drv)
+
+
+BACKUPS_AT_EXIT_CHILD = textwrap.dedent("""
+    import sys
+    from kvstream_hicache.tools import cpu_sglang
+
+    cpu_sglang.install_stubs()
+    cpu_sglang.load_kvstream_plugin()
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=16)
+    drv = cpu_sglang.ControllerDriver(pools, "kvstream", extra_config={"tiers": sys.argv[1:]})
+    tokens = cpu_sglang.random_tokens(4 * 16, seed=1)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=1)
+    print("STORED", drv.backup(tokens, src), flush=True)
+    for i in range(300):  # the scheduler's last write-backs, queued for the backup thread as the process ends
+        more = cpu_sglang.random_tokens(4 * 16, seed=100 + i)
+        drv.controller.write_storage(src, more, hash_value=cpu_sglang.page_keys(more, 16))
+    print("EXIT", flush=True)  # a scheduler process that returns (sglang's graceful shutdown: no detach)
+""")
+
+
+def test_a_scheduler_process_that_exits_with_backups_queued_logs_no_failure(tier_dirs):
+    """A scheduler process ends (sglang's graceful shutdown returns from the event loop; the storage
+    threads are never stopped nor the backend detached) while its backup thread still has write-backs
+    queued. sglang's storage threads go on calling the backend until the interpreter stops them: its
+    engine is not closed under them at exit. Before, the exit hook closed the engine first: every
+    later batch_set_v1 raised EngineClosedError, kvstream warned ("batch_set_v1 failed
+    (EngineClosedError ...)") and sglang logged "Write page to storage: 4 pages failed." for each
+    queued write-back, up to hundreds of lines in every server's shutdown log."""
+    code = "import sys; sys.argv[1:] = %r\n" % tier_dirs[:2] + BACKUPS_AT_EXIT_CHILD
+    done = run_python(code, env={"PYTHONPATH": os.pathsep.join(sys.path)}, timeout=240)
+    assert "STORED 64" in done.stdout and "EXIT" in done.stdout, (done.stdout, done.stderr[-3000:])
+    assert "EngineClosedError" not in done.stderr, done.stderr[-3000:]
+    assert "pages failed" not in done.stderr, done.stderr[-3000:]

@@ -387,6 +387,8 @@ class L2Core:
                 self._loads.clear()
                 self._closed = True
                 return
+            if self._stores_open:  # (with write_timeout=0, a hung tier held them, and LMCache's shutdown, for ever)
+                self.engine.bound_writes()
             self._done.wait_for(lambda: not self._stores_open and not self._busy)
         deadline = time.monotonic() + CLOSE_DRAIN_S
         for w in self._workers:

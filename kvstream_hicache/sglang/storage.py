@@ -629,7 +629,13 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
         # The engine would announce itself at INFO on every rank; sglang gets one line instead, from
         # rank 0 (startup_line), which carries the same facts plus the host-pool side.
-        return Engine(self.config, namespace, announce=False, page_bytes=self._page_bytes)
+        engine = Engine(self.config, namespace, announce=False, page_bytes=self._page_bytes)
+        # Not closed by the exit hook: a scheduler process that returns (sglang's graceful shutdown) never
+        # stops its storage threads, which go on backing up and prefetching until the interpreter stops
+        # them; closed under them, each call failed, logged by kvstream and sglang (hundreds of lines per
+        # shutdown). Its puts wait for their pages, so the hook has nothing queued to write for it.
+        engine.close_at_exit = False
+        return engine
 
     def _make_exporter(self):
         from .metrics import Exporter
