@@ -42,10 +42,10 @@ from .layout import (
     is_valid_key, key_of_page_file, n_blocks,
 )
 from .segments import Payload, Segment
-from .tmpfiles import REMOVING_PREFIX, is_engine_tmp, removal_live, stale_tmp
+from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live
 from .trust import (
-    LINK, OTHER, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted,
-    pin, put_back, remove, same_file, scandir_below,
+    Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted, open_below,
+    pin, put_back, remove, same_file,
 )
 
 if TYPE_CHECKING:
@@ -357,6 +357,30 @@ def shard_entries(layout: TierLayout, shard: str) -> list[tuple[str | None, str]
         return [(None, path)]
 
 
+def each_shard_entry(layout: TierLayout, shard: str) -> Iterator[tuple[str | None, str]]:
+    """:func:`shard_entries` one at a time, no list of them (the background scan: another user may keep
+    millions of files in one shard, ~260 B an entry as a list). Entries renamed or made in the shard
+    while it is read may be named twice or not at all (a page written meanwhile is indexed by its put; one
+    named twice is judged twice). :raises OSError: the shard cannot be listed (at its first entry, or
+    while it is read)."""
+    path = os.path.join(layout.pages, shard)
+    try:
+        fd = open_below(layout.root, path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        yield None, path
+        return
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                yield entry.name, f"{path}{os.sep}{entry.name}"
+    finally:
+        close_fd(fd)
+
+
 def scan_entry(layout: TierLayout, digest: str, shard: str, name: str | None, path: str, *,
                trust: Trust | None = None, payload: bool = False) -> ScannedPage:
     """One entry of :func:`shard_entries`, validated (see :func:`scan_pages`): opened O_NOFOLLOW and
@@ -632,21 +656,51 @@ def tmp_problems(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str]
                  trust: Trust) -> list[Problem]:
     """Temporary leftovers (``orphan_tmp``), directories and links (``stray``: kvstream never makes one
     there) in one tier's temporary directory, listed through a descriptor that followed no link; with
-    ``fix`` the leftovers named as kvstream names them and of a trusted owner are removed, nothing else."""
+    ``fix`` the leftovers named as kvstream names them and of a trusted owner are removed, nothing else.
+    The leftovers first, then the strays by name."""
+    found = list(each_tmp_problem(root, tmp_dir, live_tokens, fix, trust))
+    strays = sorted((p for p in found if p.kind == "stray"), key=lambda p: p.path)
+    return [p for p in found if p.kind != "stray"] + strays
+
+
+def each_tmp_problem(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[str] | None, fix: bool,
+                     trust: Trust, step: Callable[[], bool] = lambda: True) -> Iterator[Problem]:
+    """:func:`tmp_problems` one entry at a time, in the directory's order: ``step()`` is called before
+    each entry is judged (and fixed), and the walk ends when it returns False. The background scan
+    paces it so and stops it at close: a tmp directory another user (or a crash loop) filled with a
+    million names costs the scan's pace, no list of them, and no walk after close (before, the whole
+    directory was listed and judged at once, unpaced, at every start).
+    :raises OSError: ``tmp_dir`` cannot be opened or read (a link or a file there: a stray, yielded)."""
     try:
-        entries = scandir_below(root, tmp_dir)
+        fd = open_below(root, tmp_dir)
     except FileNotFoundError:
-        return []
+        return
     except OSError as exc:
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
-        return [Problem("stray", root, tmp_dir, f"{LINKED}; left in place", Reason.INVALID)]
-    strays = {name: "a symbolic link in kvstream's temporary directory: never followed" if kind == LINK
-              else "a directory in kvstream's temporary directory" for name, kind in entries if kind != OTHER}
-    out = [fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER), fix, trust)
-           for path in stale_tmp(tmp_dir, live_tokens) if os.path.basename(path) not in strays]
-    return out + [fix_problem(Problem("stray", root, os.path.join(tmp_dir, name), why, Reason.INVALID), fix, trust)
-                  for name, why in sorted(strays.items())]
+        yield Problem("stray", root, tmp_dir, f"{LINKED}; left in place", Reason.INVALID)
+        return
+    try:
+        judge = Leftovers(tmp_dir, live_tokens)
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if not step():
+                    return
+                path = os.path.join(tmp_dir, entry.name)
+                try:
+                    link = entry.is_symlink()
+                    folder = not link and entry.is_dir(follow_symlinks=False)
+                except OSError:  # vanished meanwhile (or cannot be told): never a leftover on a guess
+                    continue
+                if link or folder:
+                    why = ("a symbolic link in kvstream's temporary directory: never followed" if link
+                           else "a directory in kvstream's temporary directory")
+                    yield fix_problem(Problem("stray", root, path, why, Reason.INVALID), fix, trust)
+                elif judge(entry):
+                    yield fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER),
+                                      fix, trust)
+    finally:
+        close_fd(fd)
 
 
 def fix_problem(problem: Problem, fix: bool = True, trust: Trust | None = None, held: int | None = None) -> Problem:

@@ -4,9 +4,11 @@ Until the scan of a tier ends, a page written before the restart is found on its
 (discovery, engine.py: one header read, verified as the scan would); the scan itself, one thread per
 tier, walks that tier's shard directories and:
 
-- removes stale temporary files (crashed writers'), as the foreground scan did;
-- reads each page file's header and indexes the valid pages the index does not know yet
-  (``Index.add_scanned``: at the oldest end, so a page used since start stays more recent);
+- removes stale temporary files (crashed writers'), as the foreground scan did, one entry of the
+  tmp directory at a time, each paced as a page file (another user may have left millions there);
+- reads each page file's header (a shard one entry at a time, as tmp/) and indexes the valid pages
+  the index does not know yet (``Index.add_scanned``: at the oldest end, so a page used since start
+  stays more recent);
 - removes damaged, truncated and misplaced files, after reading them a second time (a writer may
   have renamed a valid page over the name since the first read: a valid page is never deleted), and
   only the very file judged then, held open from before (integrity.judge_and_fix: one renamed over it
@@ -48,10 +50,12 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .index import RETRY, Index
-from .integrity import Reason, ScannedPage, judge_and_fix, restored, scan_entry, shard_entries, shards, tmp_problems
+from .integrity import (
+    Reason, ScannedPage, each_shard_entry, each_tmp_problem, judge_and_fix, restored, scan_entry, shards,
+)
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
@@ -62,6 +66,7 @@ log = logging.getLogger("kvstream")
 PROGRESS_S = 1.0  # the progress file (kvstream info) is rewritten at most this often, s
 NAP_S = 0.25  # longest sleep between two looks at the limits (set_limits, stop)
 RETRIES = 3  # reads of one file while removals of keys like its own race the scan
+KEPT_LOGGED = 10  # entries a tier's scan must leave (another user's files, strays) logged one by one; the rest counted
 
 
 class TierScan:
@@ -223,18 +228,23 @@ class BackgroundScan:
         at, part.resume_at = part.resume_at or "", None  # the shard being read (a resumed scan's first)
         pace = _Pace(self)  # a directory listing counts as one file
         pace.step()
+
+        def step() -> bool:  # each entry of tmp/ counts as a file (another user may have put millions there)
+            pace.step()
+            return not (self._stop.is_set() or self.index.epoch != self.epoch)
+
         try:
-            leftovers = tmp_problems(tier.root, layout.tmp, None, True, tier.trust)
+            for problem in each_tmp_problem(tier.root, layout.tmp, None, True, tier.trust, step):
+                if problem.fixed:
+                    part.tmp += 1
+                else:
+                    self._kept(part, problem)
         except OSError as exc:  # (EIO, EACCES listing tmp/): its leftovers wait for the next start; the pages don't
-            leftovers = []
             part.kept += 1
             log.warning("kvstream: background scan of tier %d: %s unreadable: %s; going on with the pages", tier.k,
                         layout.tmp, os.strerror(exc.errno or 0))
-        for problem in leftovers:
-            if problem.fixed:
-                part.tmp += 1
-            else:
-                self._kept(part, problem)
+        if self._stop.is_set() or self.index.epoch != self.epoch:
+            return
         pace.step()
         try:
             names = shards(layout)
@@ -254,16 +264,7 @@ class BackgroundScan:
                 break
             at = shard
             pace.step()
-            try:
-                entries = shard_entries(layout, shard)
-            except OSError as exc:
-                entries = []
-                if tier.fail(exc.errno or errno.EIO, f"list shard {shard}"):
-                    continue  # (the tier's error, logged once: its scan goes on from here once it is back)
-                part.kept += 1  # (this shard's alone: its pages are found by discovery)
-                log.warning("kvstream: background scan of tier %d: shard %s unreadable: %s", tier.k, shard,
-                            os.strerror(exc.errno or 0))
-            for name, path in entries:
+            for name, path in self._entries(part, shard):
                 if self._stop.is_set() or self.index.epoch != self.epoch:
                     return
                 pace.step()
@@ -277,7 +278,7 @@ class BackgroundScan:
                     page, problem = judge_and_fix(path, lambda: self._visit(part, shard, name, path, added),
                                                   tier.trust)
                     back = restored(page._replace(problem=problem)) if problem is not None else None
-                    if back is not None:  # (indexed now: the listing never names it)
+                    if back is not None:  # (indexed now: the listing may never name it)
                         log.warning("kvstream: background scan of tier %d: %s", tier.k, problem.detail)
                         self._visit(part, shard, os.path.basename(back.path), back.path, added)
                     elif problem is not None and problem.fixed:
@@ -294,12 +295,32 @@ class BackgroundScan:
         if part.damaged or part.tmp:
             log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "
                         "leftovers", tier.k, part.damaged, part.tmp)
+        if part.kept > KEPT_LOGGED:
+            log.warning("kvstream: background scan of tier %d left %d entries in place (the first %d logged above: "
+                        "files of owners it does not trust, strays, files it could not read); `kvstream check` "
+                        "lists them all", tier.k, part.kept, KEPT_LOGGED)
         if part.newer:
             log.warning("kvstream: background scan of tier %d left %d pages of a later format than this kvstream's "
                         "(a newer version's, on a tier shared during an upgrade): never served nor removed by this "
                         "one; upgrade it to serve them", tier.k, part.newer)
         log.log(self.level, "kvstream: background scan of tier %d done: %d files read, %d pages added in %.1f s "
                 "(%.1f CPU s)", tier.k, part.files, part.indexed, part.seconds, part.cpu_seconds)
+
+    @staticmethod
+    def _entries(part: TierScan, shard: str) -> Iterator[tuple[str | None, str]]:
+        """The entries of one shard, one at a time (integrity.each_shard_entry: another user may leave
+        millions of files in a shard; before, a list of them all was held while it was read). An error
+        listing it ends them: the tier's (it fails, logged once: its scan goes on from this shard once it
+        is back), or this shard's alone (counted and logged: its pages are found by discovery)."""
+        tier = part.tier
+        try:
+            yield from each_shard_entry(tier.layout, shard)
+        except OSError as exc:
+            if tier.fail(exc.errno or errno.EIO, f"list shard {shard}"):
+                return
+            part.kept += 1
+            log.warning("kvstream: background scan of tier %d: shard %s unreadable: %s", tier.k, shard,
+                        os.strerror(exc.errno or 0))
 
     @staticmethod
     def _failed(part: TierScan, at: str = "") -> bool:
@@ -360,9 +381,13 @@ class BackgroundScan:
 
     @staticmethod
     def _kept(part: TierScan, problem) -> None:
-        """What the scan could not (or must not) remove: reported, never fatal."""
+        """What the scan could not (or must not) remove: reported, never fatal. The first KEPT_LOGGED of a
+        tier's scan each on a line, the rest counted (one line at its end): another user may leave
+        millions of files in a shared tier, which must not become millions of lines in the server's log
+        at every start (``kvstream check`` lists them all)."""
         part.kept += 1
-        log.warning("kvstream: background scan: %s %s: %s", problem.kind, problem.path, problem.detail)
+        if part.kept <= KEPT_LOGGED:
+            log.warning("kvstream: background scan: %s %s: %s", problem.kind, problem.path, problem.detail)
 
 
 def progress_dir() -> str:

@@ -185,29 +185,38 @@ def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: 
     but not one of its live engines: ``live``, default every engine open in this process), other
     hosts' and probes older than TMP_STALE_S on the tier's clock (``now``, default :func:`tier_now`),
     and names no engine writes. Never a file another live engine may still be writing."""
-    live = _live_tokens if live is None else live
-    me = os.getpid()
-    out: list[str] = []
-    aged: list[os.DirEntry] = []  # judged by their age
     try:
         entries = list(os.scandir(tmp_dir))
     except OSError:  # gone, or unreadable (EIO, EACCES, ESTALE): nothing is judged a leftover now
-        return out
-    for entry in entries:
-        if not _is_file(entry):  # a link or a directory is a stray (integrity.tmp_problems), never a leftover
-            continue
+        return []
+    judge = Leftovers(tmp_dir, live, now)
+    return [entry.path for entry in entries if _is_file(entry) and judge(entry)]
+
+
+class Leftovers:
+    """Judges the entries of one tier's tmp directory ``tmp_dir``, one at a time (:func:`stale_tmp`;
+    the background scan walks a tmp directory another user may have filled with millions of names
+    an entry at a time, paced, never holding a list of them): ``judge(entry)`` is True for a leftover
+    (see :func:`stale_tmp`; ``entry`` a regular file's ``os.DirEntry``). The tier's clock is read once,
+    at the first entry judged by its age."""
+
+    def __init__(self, tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: float | None = None):
+        self.tmp_dir = tmp_dir
+        self.live = _live_tokens if live is None else live
+        self.me = os.getpid()
+        self.now, self._clock_read = now, now is not None
+
+    def __call__(self, entry: os.DirEntry) -> bool:
         owner = parse_tmp_name(entry.name)
         if owner is None and not entry.name.startswith(PROBE_PREFIX):
-            out.append(entry.path)  # a name no engine writes
-        elif owner is not None and owner.host == HOST:
-            if (owner.token not in live) if owner.pid == me else not _pid_alive(owner.pid):
-                out.append(entry.path)
-        else:  # another host's writer cannot be asked whether it lives, and a probe of another process or
-            aged.append(entry)  # host lives for milliseconds and may be in use right now: only an old one goes
-    if aged:
-        now = tier_now(tmp_dir) if now is None else now
-        out += [entry.path for entry in aged if now is not None and _older(entry, now)]
-    return out
+            return True  # a name no engine writes
+        if owner is not None and owner.host == HOST:
+            return (owner.token not in self.live) if owner.pid == self.me else not _pid_alive(owner.pid)
+        # another host's writer cannot be asked whether it lives, and a probe of another process or host
+        # lives for milliseconds and may be in use right now: only an old one goes
+        if not self._clock_read:
+            self.now, self._clock_read = tier_now(self.tmp_dir), True
+        return self.now is not None and _older(entry, self.now)
 
 
 def tier_now(tmp_dir: str) -> float | None:

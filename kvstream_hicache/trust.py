@@ -38,7 +38,7 @@ import os
 import pwd
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from .errors import ConfigError, TierError
@@ -143,21 +143,20 @@ def list_below(root: str, path: str) -> list[str]:
 LINK, DIRECTORY, OTHER = "link", "directory", "other"
 
 
-def scandir_below(root: str, path: str) -> list[tuple[str, str]]:
+def scandir_below(root: str, path: str) -> Iterator[tuple[str, str]]:
     """(name, LINK | DIRECTORY | OTHER) of every entry of directory ``path`` in tier ``root``, listed
     through a descriptor reached following no link (the kind from the directory entry: no stat per
-    entry where the file system reports it). :raises OSError: as :func:`open_below`."""
+    entry where the file system reports it), one at a time: another user may keep millions of files
+    there, which must cost no list of them. :raises OSError: as :func:`open_below` (at the first entry)."""
     fd = open_below(root, path)
     try:
-        out = []
         with os.scandir(fd) as entries:
             for entry in entries:
                 try:
                     kind = LINK if entry.is_symlink() else DIRECTORY if entry.is_dir(follow_symlinks=False) else OTHER
                 except OSError:  # vanished meanwhile
                     kind = OTHER
-                out.append((entry.name, kind))
-        return out
+                yield entry.name, kind
     finally:
         close_fd(fd)
 
@@ -349,13 +348,16 @@ def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,
     if base:
         passes(layout.tmp)
     if pages and passes(layout.pages):
+        # one entry at a time, no list of them (another user may keep millions of files beside the shards:
+        # start-up must not hold them all); the findings by name, the first the one start-up names
+        first = len(out)
         try:
-            entries = scandir_below(layout.root, layout.pages)
+            for name, kind in scandir_below(layout.root, layout.pages):
+                if kind != OTHER:  # a file where shards belong is a stray: the scan's
+                    passes(os.path.join(layout.pages, name))
         except FileNotFoundError:
-            entries = []
-        for name, kind in sorted(entries):
-            if kind != OTHER:  # a file where shards belong is a stray: the scan's
-                passes(os.path.join(layout.pages, name))
+            pass
+        out[first:] = sorted(out[first:], key=lambda finding: finding[0])
     return out
 
 

@@ -300,7 +300,7 @@ def test_discover_off_finds_pages_of_a_tier_whose_scan_stopped_once_it_is_back(t
 def _failing_at_the_third_shard(monkeypatch) -> tuple[list[str], list]:
     """The scan's reads of shards, listed, the engine appended to the second list failed (EIO) as its
     scan reads the third one: (shards read, [the engine])."""
-    read, engines, entries = [], [], scan_module.shard_entries
+    read, engines, entries = [], [], scan_module.each_shard_entry
 
     def failing_at_the_third(layout, shard):
         read.append(shard)
@@ -308,7 +308,7 @@ def _failing_at_the_third_shard(monkeypatch) -> tuple[list[str], list]:
             engines[0].tiers[0].fail(errno.EIO, "a hiccup while the scan reads a shard")
         return entries(layout, shard)
 
-    monkeypatch.setattr(scan_module, "shard_entries", failing_at_the_third)
+    monkeypatch.setattr(scan_module, "each_shard_entry", failing_at_the_third)
     return read, engines
 
 
@@ -413,7 +413,7 @@ def test_an_error_listing_tmp_leaves_the_scan_of_the_pages_going(tier_dirs, monk
     def unreadable(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(scan_module, "tmp_problems", unreadable)
+    monkeypatch.setattr(scan_module, "each_tmp_problem", unreadable)
     with make_engine(tier_dirs[:1]) as engine:
         assert len(engine.index) == 3 and engine.scan["kept"] == 1
     assert messages(caplog, "tmp unreadable", "going on with the pages")
@@ -535,7 +535,7 @@ def test_a_shard_whose_listing_fails_the_device_fails_the_tier_and_is_scanned_on
     shard of a dead device, the tier healthy, and the pages of the shards it could not list were never
     indexed (found by the review of what an operator sees)."""
     pages, keys = _stored(tier_dirs[:1], 6)
-    listed, entries = [], scan_module.shard_entries
+    listed, entries = [], scan_module.each_shard_entry
 
     def failing_once(layout, shard):
         listed.append(shard)
@@ -543,7 +543,7 @@ def test_a_shard_whose_listing_fails_the_device_fails_the_tier_and_is_scanned_on
             raise OSError(errno.EIO, os.strerror(errno.EIO), shard)
         return entries(layout, shard)
 
-    monkeypatch.setattr(scan_module, "shard_entries", failing_once)
+    monkeypatch.setattr(scan_module, "each_shard_entry", failing_once)
     clock = FakeClock()
     with make_engine(tier_dirs[:1], scan_rate=HELD, discover=False, clock=clock, tier_retry=1) as engine:
         _release(engine)
