@@ -496,8 +496,9 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
     if len(caps) != len(paths):
         dup = _listed_twice([(d, p) for p, ds in twice.items() for d in ds], what("tiers"),
                             "remove the duplicate and its capacity")  # the likely cause of the mismatch, said first
-        raise ConfigError(f"{what('capacity')}: {len(caps)} capacities for {len(paths)} tiers{dup}; give one "
-                          f"value per tier in tier order (empty = unlimited) or a single value for all")
+        raise ConfigError(f"{what('capacity')}: {raw_capacity!r} is {len(caps)} capacities for {len(paths)} tiers"
+                          f"{dup}; give one value per tier in tier order (empty = unlimited) or a single value "
+                          f"for all")  # (the value as written: the operator greps the config for it)
     return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"), written[p],
                                       tuple(twice.get(p, ()))) for p, c in zip(paths, caps))
 

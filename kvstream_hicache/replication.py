@@ -33,7 +33,10 @@ owes every page that lacks a tier again (:meth:`owe_all`; also when a failed tie
 sweep of the index per tier, SWEEP_BATCH pages at a time as the tier takes them (``Index.lacking``):
 no list of every page is made, and a tier without room holds one batch. A tier without room
 stops its catch-up (the page stays owed, ``pending``) until pages leave it; a copy it does take enters
-its LRU as the least recent page (jobs.py), so it never costs a page the tier chose to keep.
+its LRU as the least recent page (jobs.py), so it never costs a page the tier chose to keep. A page
+that finds a tier full (at its capacity when it would be owed, or on a file system full of files no
+copy may evict) is not owed page by page: the tier is looked at once a second for room, and then its
+sweep owes it what it lacks (``_full``, ``_room_again``).
 """
 from __future__ import annotations
 
@@ -102,6 +105,11 @@ class Replicator:
         self._busy: list[str | None] = [None] * len(tiers)  # the page of the tier's job with the writer
         self._next = [0.0] * len(tiers)  # pacing: the tier's next job not before this
         self._sweep = [-1] * len(tiers)  # owe_all: the index slot the tier's sweep goes on from (-1: none)
+        # A tier that had no room for a page it lacks (at its capacity, or a file system full of files this
+        # engine may not evict: another program's, another node's): that page's payload bytes (0: none).
+        # Nothing is owed to it one by one meanwhile (the list would grow with every put and read); once
+        # it has room for such a page, its sweep owes it again what it lacks (_room_again).
+        self._full = [0] * len(tiers)
         self._passed = [0] * len(tiers)  # pages passed over (_pass_over) since a job started
         self._closing = False
         self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
@@ -128,12 +136,17 @@ class Replicator:
                         if not self.tiers[k].healthy:  # out: its sweep of the index owes it what lacks it once
                             self._sweep[k] = max(self._sweep[k], 0)  # back (owe_all); a key per put kept meanwhile
                             continue  # grew for as long as the outage, pages evicted or deleted since and all
-                        if 0 <= self._sweep[k] <= slot:
-                            continue  # the tier's sweep reaches it
+                        if 0 <= self._sweep[k] <= slot or self._full[k]:
+                            continue  # the tier's sweep reaches it (a full tier's, once it has room)
                         if self.index.capacities[k] is not None:
                             info = info or self.index.get(key)
-                            if info is None or not self._room(k, info.length):
-                                continue  # full: a copy never evicts (owed, it would stay so; the next sweep finds it)
+                            if info is None:
+                                continue
+                            if not self._room(k, info.length):  # full: a copy never evicts (owed, it would stay
+                                if info.length <= self.index.capacities[k]:  # so): its sweep finds it once the
+                                    self._full[k] = info.length  # tier has room (before, only a restart's
+                                    woke = True  # did: a replica skipped meanwhile never came back)
+                                continue
                         self._owed[k][key] = None
                         woke = True
             if woke:
@@ -195,10 +208,12 @@ class Replicator:
         """Pages owed to tier ``k`` (a job with the writer included, and those its sweep has yet to reach)."""
         with self._lock:
             owed, at = len(self._owed[k]), self._sweep[k]
-            if at < 0:
+            if self._full[k]:  # its sweep owes it every page it lacks once it has room (the owed among them)
+                owed, at = 0, 0
+            elif at < 0:
                 return owed
-            # promoted pages are owed ahead of the sweep: those it has yet to reach are counted once
-            owed -= sum(1 for key in self._owed[k] if key in self._copies and self.index.slot(key) >= at)
+            else:  # promoted pages are owed ahead of the sweep: those it has yet to reach are counted once
+                owed -= sum(1 for key in self._owed[k] if key in self._copies and self.index.slot(key) >= at)
         return owed + self.index.count_lacking(k, at)
 
     def clear(self) -> None:
@@ -206,6 +221,7 @@ class Replicator:
         with self._lock:
             self._epoch += 1
             self._sweep = [-1] * len(self.tiers)
+            self._full = [0] * len(self.tiers)
             for owed in self._owed:
                 owed.clear()
             copies, self._copies, self._copy_bytes = self._copies, {}, 0
@@ -227,7 +243,7 @@ class Replicator:
         """The end of a get (priority.py): the thread looks again, only if something is owed (else it
         would take the GIL from the reader after every batch for nothing)."""
         with self._lock:
-            if any(self._owed) or max(self._sweep) >= 0:
+            if any(self._owed) or max(self._sweep) >= 0:  # (a full tier is looked at on a timer: _idle_wait)
                 self._work.notify()
 
     def _run(self) -> None:
@@ -247,13 +263,17 @@ class Replicator:
 
     def _idle_wait_under_replicator(self) -> float | None:
         """How long the thread may sleep: until a paced tier may go again, IDLE_S with work it cannot
-        start now (reads, puts, a full tier: the end of a get and a finished job wake it sooner), no
-        limit with nothing owed (owe() wakes it)."""
-        if not any(self._owed) and max(self._sweep) < 0:
-            return None
+        start now (reads, puts, a full tier: the end of a get and a finished job wake it sooner), until
+        a full tier's next look for room (_room_again) with nothing else owed, no limit with nothing
+        owed (owe() wakes it)."""
         now = self.clock()
-        paced = [t - now for t, owed, busy in zip(self._next, self._owed, self._busy)
-                 if owed and busy is None and t > now]
+        if not any(self._owed) and max(self._sweep) < 0:
+            if not any(self._full):
+                return None
+            # only full tiers: their next look (a second apart), never sooner than IDLE_S
+            return max(IDLE_S, min(t for t, full in zip(self._next, self._full) if full) - now)
+        paced = [t - now for t, owed, full, busy in zip(self._next, self._owed, self._full, self._busy)
+                 if (owed or full) and busy is None and t > now]
         return min([IDLE_S, *paced])
 
     def _start(self, k: int) -> bool:
@@ -261,6 +281,8 @@ class Replicator:
         tier = self.tiers[k]
         if self._busy[k] is not None or not tier.healthy or self.clock() < self._next[k] or self.priority.reading(k) \
                 or not self.writes.idle(k):
+            return False
+        if self._full[k] and not self._owed[k] and not self._room_again(k):
             return False
         with self._lock:
             owed = self._owed[k]
@@ -302,11 +324,25 @@ class Replicator:
                     self.pool.put(source.buf)
         if not promoted and not self._room(k, info.length):
             return False  # full: the page stays owed until pages leave the tier
-        if not promoted and not _fs_room(tier, info.length):  # dropped, as a copy the file system refuses
+        need = 2 * file_size(info.length)  # (the copy and as much again: a copy never takes the last free
+        # space, for which a put would evict the tier's pages)
+        free = None if promoted else tier.free_bytes()  # (None: cannot tell: the write's ENOSPC keeps it owed)
+        if free is not None and free < need and _larger_than(tier, need):  # it never fits there: dropped
             with self._lock:
                 self._owed[k].pop(key, None)
-                self._next[k] = self.clock() + FAILED_BACKOFF_S
             self.stats.add(k, "replication_dropped")
+            return True
+        if free is not None and free < need:
+            # The file system is full, of files no copy may evict (another program's, another node's):
+            # what the tier lacks is owed again once it has room for this page, by a sweep of the index
+            # (before, each page met was dropped, and its replica never came back while the engine ran).
+            # Nothing is owed to it one by one meanwhile: the list would grow with every put.
+            with self._lock:
+                for owed_key in [owed_key for owed_key in self._owed[k] if owed_key not in self._copies]:
+                    del self._owed[k][owed_key]  # (a promoted page keeps its place: its copy may evict)
+                self._sweep[k] = -1
+                self._full[k] = info.length
+                self._next[k] = self.clock() + FAILED_BACKOFF_S
             return False
         if not promoted:
             source = self._read_source(key, info)
@@ -380,6 +416,22 @@ class Replicator:
             self._copy_bytes -= file_size(source.info.length)
             self.pool.put(source.buf)
 
+    def _room_again(self, k: int) -> bool:
+        """Tier ``k`` was full (``_full``): True once it has room for the page it had none for, within its
+        capacity and on its file system (a copy and as much again), and its sweep starts again from the
+        first slot (what it lacks is owed); else it looks again in FAILED_BACKOFF_S (nothing else runs
+        for the tier while it is full: one statvfs a second at most)."""
+        length = self._full[k]
+        room = self._room(k, length)
+        free = self.tiers[k].free_bytes() if room else None  # (None: cannot tell: the write's ENOSPC says)
+        with self._lock:
+            if not room or (free is not None and free < 2 * file_size(length)):
+                self._next[k] = self.clock() + FAILED_BACKOFF_S
+                return False
+            self._full[k] = 0
+            self._sweep[k] = 0
+        return True
+
     def _room(self, k: int, nbytes: int) -> bool:
         cap = self.index.capacities[k]
         return cap is None or self.index.used[k] + self.index.reserved[k] + nbytes <= cap
@@ -439,11 +491,13 @@ def _read_whole(tier: Tier, key: str, buf, nbytes: int) -> int:
         return -(exc.errno or errno.EIO)
 
 
-def _fs_room(tier: Tier, length: int) -> bool:
-    """The tier's file system has room for the copy and as much again after it: a catch-up copy never
-    takes its last free space (a put would then evict the tier's pages to make room for it)."""
-    free = tier.free_bytes()
-    return free is None or free >= 2 * file_size(length)  # (None: cannot tell: ENOSPC drops it)
+def _larger_than(tier: Tier, nbytes: int) -> bool:
+    """Is ``nbytes`` more than the tier's whole file system (a copy that can never go there)?"""
+    try:
+        st = tier.calls.run(os.statvfs, tier.root)  # (bounded where the tier may hang: bounded.py)
+    except OSError:
+        return False
+    return nbytes > st.f_blocks * st.f_frsize
 
 
 class _Source:

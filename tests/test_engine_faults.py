@@ -352,18 +352,22 @@ def test_real_enospc_evicts_lru_then_fails_that_tier_only(small_fs, tier_dirs, i
             except OSError:
                 pass
         keys = [key(i, "after-ballast") for i in range(2)]
+        evictions = engine.stats()["tiers"][0]["evictions"]
         assert engine.put(keys, pages.src_segments[:2]) == [True, True]  # stored on tier 1
         t0 = engine.stats()["tiers"][0]
         assert t0["healthy"] and t0["write_failures"] >= 2
         assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
         # Owed to tier 0 now (background replication): its copies meet the same full file system and
-        # are dropped, never evicting, never leaving a temporary file behind.
-        deadline = time.monotonic() + 60
-        while engine.stats()["replication_pending"]:
-            assert time.monotonic() < deadline, "catch-up to the full tier never ended"
-            time.sleep(0.005)
+        # stay owed, never evicting, never leaving a temporary file behind, until the file system has
+        # room again (before: dropped, and never written while the engine ran).
+        wait_until(lambda: engine._replicas._next[0] > 0, 60, "catch-up never looked at the full tier")
         assert [engine.index.holders(k) for k in keys] == [0b10, 0b10]
+        assert engine.stats()["replication_pending"] == 2 and engine.stats()["tiers"][0]["evictions"] == evictions
         assert os.listdir(engine.tiers[0].layout.tmp) == []
+        os.unlink(os.path.join(small_fs, "ballast"))
+        wait_until(lambda: [engine.index.holders(k) for k in keys] == [0b11, 0b11], 60,
+                   "the owed copies never reached the tier once it had room")
+        assert engine.stats()["tiers"][0]["replication_dropped"] == 0 and os.listdir(engine.tiers[0].layout.tmp) == []
         assert engine.check() == []
 
 

@@ -83,6 +83,23 @@ def test_a_capacity_in_a_message_reads_as_a_size(tier_root):
     assert "e-0" not in err, err
 
 
+
+@pytest.mark.parametrize("via", ["extra", "env"])
+def test_a_capacity_count_that_does_not_fit_the_tiers_names_the_value_as_written(tier_root, via):
+    """Three capacities for two tiers: the message names the setting, the value as written (which the
+    operator greps the config for) and the fix (before: only the counts). Found by a review."""
+    tiers = [os.path.join(tier_root, n) for n in ("a", "b")]
+    for t in tiers:
+        os.makedirs(t)
+    value = os.pathsep.join(["1G", "2G", "3G"])
+    if via == "env":
+        err = _start({"tiers": tiers}, {"KVSTREAM_CAPACITY": value})
+        setting = "KVSTREAM_CAPACITY"
+    else:
+        err = _start({"tiers": tiers, "capacity": value})
+        setting = "extra config 'capacity'"
+    _has_all(str(err), setting, repr(value), "3 capacities for 2 tiers", "give one value per tier")
+
 def test_file_in_the_way(tier_root):
     afile = os.path.join(tier_root, "afile")
     open(afile, "w").close()

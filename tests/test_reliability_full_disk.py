@@ -19,7 +19,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from helpers import PageSet, TierFaultPlan, content, loop_fs, make_engine, page_files, put_items, \
-    tmp_files, wait_for_fault  # noqa: F401
+    tmp_files, wait_for_fault, wait_until  # noqa: F401
 
 MIB = 1 << 20
 FS_BYTES = 64 * MIB
@@ -31,13 +31,15 @@ def _free(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _fill(path: str, leave: int) -> None:
-    """Take all but ``leave`` bytes of the file system with a file kvstream does not own."""
-    fd = os.open(os.path.join(path, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+def _fill(path: str, leave: int) -> str:
+    """Take all but ``leave`` bytes of the file system with a file kvstream does not own (its path)."""
+    filler = os.path.join(path, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         os.posix_fallocate(fd, 0, max(_free(path) - leave, 4096))
     finally:
         os.close(fd)
+    return filler
 
 
 def _take_inodes(path: str, leave: int) -> None:
@@ -177,3 +179,56 @@ def test_enospc_on_a_tier_never_marks_it_failed(tier_dirs):
         assert pages.put(engine, pages.keys(4, 4)) == [True] * 4
         assert all(engine.index.holders(k) == 0b11 for k in pages.keys(4, 4))
         assert engine.check() == []
+
+
+
+def test_replicas_a_full_file_system_refused_are_written_once_it_has_room(tier_root, loop_fs):
+    """Tier 1 is a file system another program filled (nothing of this engine to evict there): puts
+    land on tier 0 only, and their replicas stay owed (replication_pending), those of puts made while it
+    is full too, with the tier's catch-up looking at its free space once a second. Once the other
+    program frees its space, catch-up writes them. Before: each replica was dropped when catch-up came
+    to it (replication_dropped; one a second) and never written while the engine ran. Found by a
+    review."""
+    fs = loop_fs(32 * MIB, "full1")
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    pages = PageSet(MIB)
+    first, later = pages.keys(4), pages.keys(4, 100)
+    with make_engine([t0, fs.mnt], replicate="all") as engine:
+        filler = _fill(fs.mnt, leave=64 * 1024)
+        assert pages.put(engine, first) == [True] * 4
+        assert all(engine.index.holders(k) == 0b01 for k in first)
+        # catch-up came to tier 1 and found it full (its next look is a second away)
+        wait_until(lambda: engine._replicas._next[1] > 0, WAIT_S, "catch-up never looked at tier 1")
+        assert pages.put(engine, later) == [True] * 4
+        stats = engine.stats()["tiers"][1]
+        assert stats["healthy"] and stats["replication_done"] == 0 and stats["replication_dropped"] == 0
+        assert stats["replication_pending"] == 8  # owed, not given up
+        os.unlink(filler)
+        keys = first + later
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), WAIT_S,
+                   f"the replicas never reached tier 1 once it had room: {engine.stats()['tiers'][1]}")
+        wait_until(lambda: engine.stats()["tiers"][1]["replication_pending"] == 0, WAIT_S, "still owed")
+        stats = engine.stats()["tiers"][1]
+        assert stats["replication_done"] == 8 and stats["replication_dropped"] == 0
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 8
+        assert tmp_files(fs.mnt) == []
+
+
+def test_a_replica_larger_than_the_file_system_holds_up_no_other(tier_root, loop_fs):
+    """A page owed to a full tier whose file system could never hold it is dropped (replication_dropped),
+    and the pages owed there with it are written once the tier has room: it never keeps the tier's
+    catch-up waiting for room that cannot come."""
+    fs = loop_fs(32 * MIB, "full1")
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    pages, huge = PageSet(MIB), PageSet(40 * MIB, salt="h")
+    with make_engine([t0, fs.mnt], replicate="all") as engine:
+        filler = _fill(fs.mnt, leave=64 * 1024)
+        assert huge.put(engine, huge.keys(1)) == [True]
+        assert pages.put(engine, pages.keys(4)) == [True] * 4
+        wait_until(lambda: engine.stats()["tiers"][1]["replication_dropped"] >= 1, WAIT_S, "the huge page stays owed")
+        os.unlink(filler)
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in pages.keys(4)), WAIT_S,
+                   f"the replicas never reached tier 1 once it had room: {engine.stats()['tiers'][1]}")
+        assert engine.index.holders(huge.keys(1)[0]) == 0b01 and tmp_files(fs.mnt) == []

@@ -219,6 +219,37 @@ def test_catchup_stops_at_the_tiers_capacity(tier_dirs):
         assert sum(on_disk(engine, 1, key) for key in keys) == 3
 
 
+
+def test_a_replica_skipped_while_its_tier_was_at_capacity_is_written_once_it_has_room(tier_dirs):
+    """replicate=budget skips tier 1's replicas of a large put (a tier much slower to write) while tier 1
+    is at its capacity: they are not owed page by page (a copy never evicts), but once pages leave the
+    tier (deleted here; evicted by another process, cleared) its sweep owes them and catch-up writes
+    them. Before: owed only by a restart's sweep, replication_pending 0, never written while the engine
+    ran. Found by a review."""
+    plan = TierFaultPlan()
+    page = 1 << 20
+    pages = PageSet(page)
+    plan.on(tier_dirs[1], Fault.delay(0.2), opcode=OP_WRITE)
+    warm = pages.keys(writes.TRUST_BYTES // page + 2)
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate_slack=0.2,
+                     capacity=f"{os.pathsep}{len(warm) * page}") as engine:
+        assert pages.put(engine, warm) == [True] * len(warm)
+        wait_until(lambda: replicated(engine, warm, 0b11), what="the warm-up pages never reached both tiers")
+        batch = pages.keys(24, 1000)
+        assert pages.put(engine, batch) == [True] * 24
+        skipped = [k for k in batch if engine.index.holders(k) == 0b01]
+        stats = engine.stats()["tiers"][1]
+        assert skipped and stats["replica_skipped_pages"] == len(skipped)
+        assert stats["replication_pending"] >= len(skipped)  # owed once the tier has room (before: 0)
+        plan.clear()
+        assert engine.delete(warm) == len(warm)  # room on tier 1
+        wait_until(lambda: replicated(engine, batch, 0b11), 60,
+                   f"the skipped replicas never reached tier 1 once it had room: {engine.stats()['tiers'][1]}")
+        stats = engine.stats()["tiers"][1]
+        assert stats["replication_done"] == len(skipped) and stats["replication_dropped"] == 0
+        assert stats["evictions"] == 24 - len(skipped)  # (the admitted replicas made their room; no copy evicts)
+        assert pages.checked_get(engine, batch, policy=SingleTier(1)) == [True] * 24
+
 @pytest.mark.parametrize("share", ["0", "1.5", "-1", "x"])
 def test_a_bad_catchup_share_is_one_clear_message(tier_dirs, share):
     with pytest.raises(ConfigError, match=r"catchup_share.*e\.g\. 0\.75"):  # the setting, the value, the fix

@@ -231,15 +231,20 @@ def _lmcache_classes() -> dict[str, type]:
             self._account([])
 
         def get_usage(self) -> Any:
-            """What the tiers hold against the largest tier's capacity (``Engine.usage``), with the
-            base class's per-cache_salt buckets of the keys stored through this adapter."""
+            """The bytes of the keys stored through this adapter that the tiers still hold (the base
+            class's count, per cache_salt too) against the largest tier's capacity (``Engine.usage``).
+            Not every page the index holds: pages of an earlier run and another server's pages found on
+            a shared tier are not LMCache's to delete (it never stored them; the ObjectKey is not
+            recoverable from the engine key), so an LMCache eviction policy counting them deleted every
+            chunk this server stored, at each pass, while they stayed. The engine's capacity eviction
+            takes them (the earlier run's first)."""
             self._account([])
             base = super().get_usage()
             try:
-                used, capacity = self.engine.usage()
+                _, capacity = self.engine.usage()
             except Exception:  # closed engine: LMCache's own count
                 return base
-            return AdapterUsage(total_bytes_used=used, total_capacity_bytes=capacity,
+            return AdapterUsage(total_bytes_used=base.total_bytes_used, total_capacity_bytes=capacity,
                                 bytes_by_cache_salt=base.bytes_by_cache_salt)
 
         # -- housekeeping -----------------------------------------------------------------------

@@ -24,7 +24,7 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_replica_skip_bytes_total``  counter    bytes of those replicas
 ``kvstream:tier_replication_done_total``    counter    replicas background replication wrote to the tier (catch-up)
 ``kvstream:tier_replication_bytes_total``   counter    bytes of those replicas
-``kvstream:tier_replication_dropped_total`` counter    owed replicas given up (no valid copy left, a write that failed)
+``kvstream:tier_replication_dropped_total`` counter    owed replicas given up (no valid copy left, a page too big for the tier)
 ``kvstream:tier_replication_pending``       gauge      pages the tier lacks that background replication owes it
 ``kvstream:tier_healthy``                   gauge      1 while the tier is in service, 0 while failed
 ``kvstream:pages_total{result}``            counter    pages requested by reads: found / missing
@@ -87,7 +87,8 @@ TIER_DOCS = {
                              "pages), from a copy on another tier or a read's memory.",
     "tier_replication_bytes": "Bytes of the replicas background replication wrote to the tier.",
     "tier_replication_dropped": "Replicas owed to the tier that were given up: no valid copy could be read, or "
-                                "the write failed (a full tier, an error).",
+                                "the page can never fit on the tier's file system (a full tier keeps them "
+                                "owed: replication_pending).",
 }
 
 _families: dict | None = None
