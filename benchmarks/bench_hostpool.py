@@ -15,7 +15,8 @@ ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` se
 ``adapter-mem256M-deep``), ``noreg`` sets ``register_memory=off`` (the pool is not registered with the
 read ring, so reads into its 4 KiB pages are staged: the rule before 2026-12-05), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
 requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a two-tier call to one
-block in flight (``slow_capped``: what the second tier's share costs), ``fastinplace`` reads the fastest
+block in flight (``slow_capped``: what the second tier's share costs; since stop 45 the read path does so
+itself in the calls where that reads faster, ``flow.SlowerTiers``), ``open`` never does (the rule before), ``fastinplace`` reads the fastest
 tier's first claims of a two-tier call in place (``fastest_in_place``: what staging replicated pages costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
@@ -180,6 +181,8 @@ for m in modes:
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
         if "inplace" in m:
             rp.memory.takes = lambda segments: True
+        if "open" in m:  # no routed call holds its slower tiers (flow.SlowerTiers: the rule before stop 45)
+            rp.slower.hold = lambda: False
         if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
             for flow in rp.io.flows:
                 def completed(*a, _flow=flow, _completed=flow.completed, **k):
@@ -275,6 +278,7 @@ for m in modes:
     print(f"{m:10s} per GB: main thread {THR[m]/GB:.3f}  engine.get user {ENG[m][0]/GB:.3f} sys {ENG[m][1]/GB:.3f}")
 for m, c in cons.items():
     if m != "nixl":
-        print(f"{m:10s} flow at the end: {rps[m].io.flows}")
+        print(f"{m:10s} flow at the end: {rps[m].io.flows}; calls' MB/s open, held: "
+              f"{[round(r / 1e6) for r in rps[m].slower.rates]}")
 for c in cons.values():
     c.close()

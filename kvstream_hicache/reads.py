@@ -36,7 +36,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .flow import MAX_REQUEST, MIN_REQUESTS
+from .flow import MAX_REQUEST, MIN_REQUESTS, SlowerTiers
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -80,14 +80,10 @@ class ReadPath:
                  after_get: Callable[[Sequence[str], Sequence[Sequence[Segment]], list[bool]], None]
                  = lambda keys, pages, found: None, *, reopen: Callable[[], object], register_memory: bool):
         self.io = InFlight(ring, len(tiers), block, ceiling, reopen, "read")
-        self.recover = recover
-        self.after_get = after_get
-        self.priority = priority
+        self.slower = SlowerTiers()  # which rule a routed call's slower tiers read by
+        self.recover, self.after_get, self.priority = recover, after_get, priority
         self.closed = False
-        self.tiers = tiers
-        self.index = index
-        self.stats = stats
-        self.pool = pool
+        self.tiers, self.index, self.stats, self.pool = tiers, index, stats, pool
         self.read_timeout = read_timeout
         self.lock = ranked_lock("read")
         self.memory = CallerMemory(ring, register_memory)
@@ -172,8 +168,9 @@ class ReadPath:
     def _run_under_reads(self, call: GetCall, policy, mask: int, deadline: float | None) -> None:
         route = call.route = policy.start(len(self.tiers), call.holders)
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
-        unit = call.item_bytes()
+        unit, t0 = call.item_bytes(), time.monotonic()
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
+            call.held = None if call.single else self.slower.hold()
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
         claims = route.start()
@@ -209,6 +206,8 @@ class ReadPath:
             self._complete_under_reads(req, res)
         if call.direct_in_flight:
             self._wait_direct_under_reads(call, timed_out=not route.done)
+        if call.held is not None and route.done:
+            self.slower.done(call.held, sum(call.served), time.monotonic() - t0)
 
     # -- requests --------------------------------------------------------------------------------
     def _submit_under_reads(self, call: GetCall, claims: list) -> None:
@@ -359,14 +358,18 @@ class ReadPath:
         of the batch that leaves every tier a few claims (a batch that one tier alone can deliver is
         not split), and no more than a MIN_REQUESTS-th of its window: a claim as large as the window
         would let the device wait for every round of completions (2 MiB pages: 0.6x nixl; half the
-        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``."""
+        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``; in a routed call
+        whose slower tiers are held (``call.held``: flow.SlowerTiers), one item for every tier but the fastest."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
+        fastest = max(range(len(flows)), key=lambda k: flows[k].rate)
         for k, flow in enumerate(flows):
             depth = max(0, call.queue_bytes(flow) - self.io.orphaned[k]) // unit
             depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
+            if call.held and k != fastest and flow.rate:
+                depth = claim = 1
             route.set_depth(k, depth, claim)
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:

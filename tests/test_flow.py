@@ -12,7 +12,7 @@ import heapq
 
 import pytest
 
-from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUEST, MIN_REQUESTS, STALL_MIN_S, TierFlow
+from kvstream_hicache.flow import EXPLORE_EVERY, MAX_REQUEST, MIN_REQUEST, MIN_REQUESTS, STALL_MIN_S, SlowerTiers, TierFlow
 
 MIB = 1 << 20
 
@@ -136,3 +136,37 @@ def test_overdue_only_with_reads_in_flight_and_after_many_usual_latencies():
     assert not flow.overdue(now + flow.stall_after * 0.99, MIB)
     assert flow.overdue(now + flow.stall_after * 1.01, MIB)
     assert not flow.overdue(now + 1000, 0)  # nothing in flight: idle, not stalled
+
+
+def _calls(rule: SlowerTiers, rates: dict[bool, float], n: int) -> list[bool]:
+    """``n`` routed calls of 64 MiB, each read at ``rates[held]`` by the rule it was given."""
+    chosen = []
+    for _ in range(n):
+        held = rule.hold()
+        chosen.append(held)
+        rule.done(held, 64 * MIB, 64 * MIB / rates[held])
+    return chosen
+
+
+def test_routed_calls_take_the_rule_that_reads_faster_and_try_the_other_now_and_then():
+    """A slower tier that costs the faster one more than it adds (GlusterFS through FUSE beside a local
+    disk on two cores: held, the calls read 1.2x the disk alone; open, 0.74x): after one call by each
+    rule, the calls hold it, and one in EXPLORE_EVERY reads with it open, to see a change."""
+    rule = SlowerTiers()
+    chosen = _calls(rule, {True: 2.0e9, False: 1.2e9}, 2 + 8 * EXPLORE_EVERY)
+    assert chosen[:2] == [False, True]  # each rule once, the open one first
+    assert chosen[2:].count(False) == 8  # then one call in EXPLORE_EVERY open
+    assert rule.rates[True] > rule.rates[False]
+    # Tiers on devices of their own (a deep network tier that needs its queue): the calls keep it open.
+    rule = SlowerTiers()
+    chosen = _calls(rule, {True: 1.0e9, False: 2.5e9}, 2 + 8 * EXPLORE_EVERY)
+    assert chosen[2:].count(True) == 8
+
+
+def test_the_rule_follows_a_change_within_a_few_explorations():
+    """The machine's load ends (or the page size changes): the open rule now reads faster, and the
+    calls go back to it after a few of their explorations."""
+    rule = SlowerTiers()
+    _calls(rule, {True: 2.0e9, False: 1.0e9}, 4 * EXPLORE_EVERY)
+    after = _calls(rule, {True: 1.0e9, False: 2.0e9}, 8 * EXPLORE_EVERY)
+    assert after[-4 * EXPLORE_EVERY:].count(True) == 4, after  # held only in its explorations

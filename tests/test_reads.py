@@ -166,6 +166,47 @@ def test_windows_count_the_bytes_pages_smaller_than_a_block_carry(tier_dirs, io_
         assert 1 < max(policy.in_flight) <= 4, policy.in_flight
 
 
+class _PerTier(CompletionDriven):
+    """The default policy, recording per tier the items it still had in flight at each of its claims."""
+
+    def start(self, n_tiers, holders):
+        route = super().start(n_tiers, holders)
+        record = route._record
+
+        def watched(tier, items, steal):
+            self.in_flight[tier].append(len(route._flight[tier]))
+            return record(tier, items, steal)
+
+        route._record = watched
+        return route
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_routed_call_that_holds_its_slower_tiers_keeps_them_to_one_item(tier_dirs, io_engine, held):
+    """flow.SlowerTiers: a routed call whose rule holds the slower tiers (a tier that shares the reader's
+    CPUs, a FUSE file system's daemons: GlusterFS beside this machine's disk read 0.74x the disk alone
+    at 256 KiB pages, held 1.22x) keeps every tier but the fastest to one item in flight; open, every
+    tier its window. Every page is read whole either way, and the call's rate goes to its rule."""
+    engine, pages, keys = stored(tier_dirs[:2], 64, io_engine, chunk="1M", size=256 * KIB)
+    with engine:
+        reads = engine._reads
+        for flow, rate in zip(reads.io.flows, (4e9, 1e9)):  # tier 1 the slower, and so it stays
+            flow.window, flow.rate = 8 * MIB, rate
+            flow.completed = lambda *a, **k: None
+        reads.slower.hold = lambda: held
+        policy = _PerTier()
+        object.__setattr__(policy, "in_flight", [[], []])
+        assert engine.get(keys, pages.dst_segments, policy=policy) == [True] * 64
+        assert all(pages.equal(i) for i in range(64))
+        assert policy.in_flight[1], "tier 1 claimed nothing"
+        if held:
+            assert set(policy.in_flight[1]) == {0}, policy.in_flight  # claims one item, with none in flight
+        else:
+            assert max(policy.in_flight[1]) > 1, policy.in_flight
+        assert max(policy.in_flight[0]) > 1, policy.in_flight  # the fastest keeps its window either way
+        assert reads.slower.rates[held] > 0 and reads.slower.rates[not held] == 0
+
+
 def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):
     engine, pages, keys = stored(tier_dirs[:2], 6, io_engine)
     with engine:
