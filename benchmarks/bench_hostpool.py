@@ -182,7 +182,7 @@ for m in modes:
         if "inplace" in m:
             rp.memory.takes = lambda segments: True
         if "open" in m:  # no routed call holds its slower tiers (flow.SlowerTiers: the rule before stop 45)
-            rp.slower.hold = lambda: False
+            rp.slower.hold = lambda flows, holders: 0
         if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
             for flow in rp.io.flows:
                 def completed(*a, _flow=flow, _completed=flow.completed, **k):

@@ -29,6 +29,7 @@ and the write path keeps one per tier for its writes (writes.py) under its own.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 REQUEST_TIME_S = 0.001  # a request carries about this much of the tier's bandwidth, s
 MAX_REQUEST = 8 << 20  # largest request, bytes: beyond this the device splits it anyway
@@ -150,23 +151,34 @@ class SlowerTiers:
     needs a deep queue to reach its bandwidth (a parallel file system far away) reads far less so held,
     and no latency tells the two cases apart reliably (tier 0's latency rises under either its own
     queue, another tenant, or the other tier's CPU). So the calls decide, as the router does, with
-    nothing to set: routed calls take the two rules in turn until each has a rate, then the faster
-    (a moving average of bytes per second over calls of each), and one call in EXPLORE_EVERY the other,
-    so that a change (a tier that speeds up, the machine's load, the page size) is seen. Pure: the read
-    path calls it under its lock, passing each call's bytes and seconds."""
+    nothing to set: routed calls (every item on the fastest tier too: :meth:`hold`) take the two rules
+    in turn until each has a rate, then the faster (a moving average of bytes per second over calls of
+    each), and one call in EXPLORE_EVERY the other, so that a change (a tier that speeds up, the
+    machine's load, the page size) is seen. Pure: the read path calls it under its lock, passing each
+    call's bytes and seconds."""
 
     def __init__(self) -> None:
         self.rates = [0.0, 0.0]  # moving average of routed calls' bytes/s: every tier open, slower ones held
         self._calls = 0
 
-    def hold(self) -> bool:
-        """The rule for the next routed call: True holds the slower tiers to one item in flight."""
+    def hold(self, flows: list[TierFlow], holders: Sequence[int]) -> int | None:
+        """The tiers the next routed call holds to one item in flight (a mask; 0: the open rule), its
+        items' ``holders`` (masks) and the tiers' ``flows`` given; None where the call does not decide:
+        fewer than two tiers measured, or an item the fastest tier does not hold (held, a tier that
+        alone can read it would read it one item at a time: no rule of CPUs, a slower call)."""
+        rated = [k for k, flow in enumerate(flows) if flow.rate]
+        if len(rated) < 2:
+            return None
+        fastest = max(rated, key=lambda k: flows[k].rate)
+        if any(not h >> fastest & 1 for h in holders):
+            return None
         self._calls += 1
         open_rate, held_rate = self.rates
         if not open_rate or not held_rate:
-            return not held_rate and bool(open_rate)  # (each rule once, open first)
-        faster = held_rate > open_rate
-        return faster != (self._calls % EXPLORE_EVERY == 0)
+            held = not held_rate and bool(open_rate)  # (each rule once, open first)
+        else:
+            held = (held_rate > open_rate) != (self._calls % EXPLORE_EVERY == 0)
+        return sum(1 << k for k in rated if k != fastest) if held else 0
 
     def done(self, held: bool, nbytes: int, seconds: float) -> None:
         """A routed call read ``nbytes`` in ``seconds`` under rule ``held``."""

@@ -79,7 +79,7 @@ class GetCall:
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
         self.single = False  # every page has one usable holder (plan)
-        self.held: bool | None = None  # routed: whether its slower tiers keep one item in flight (SlowerTiers)
+        self.held: int | None = None  # routed: the tiers it keeps to one item in flight (SlowerTiers; 0: none)
         self.in_place = False  # ... and every page can be read into caller memory (plan)
 
     def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, memory: CallerMemory) -> None:

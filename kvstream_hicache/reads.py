@@ -170,7 +170,7 @@ class ReadPath:
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit, t0 = call.item_bytes(), time.monotonic()
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
-            call.held = None if call.single else self.slower.hold()
+            call.held = None if call.single else self.slower.hold(self.io.flows, call.holders)
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
         claims = route.start()
@@ -207,7 +207,7 @@ class ReadPath:
         if call.direct_in_flight:
             self._wait_direct_under_reads(call, timed_out=not route.done)
         if call.held is not None and route.done:
-            self.slower.done(call.held, sum(call.served), time.monotonic() - t0)
+            self.slower.done(bool(call.held), sum(call.served), time.monotonic() - t0)
 
     # -- requests --------------------------------------------------------------------------------
     def _submit_under_reads(self, call: GetCall, claims: list) -> None:
@@ -363,12 +363,11 @@ class ReadPath:
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
-        fastest = max(range(len(flows)), key=lambda k: flows[k].rate)
         for k, flow in enumerate(flows):
             depth = max(0, call.queue_bytes(flow) - self.io.orphaned[k]) // unit
             depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
-            if call.held and k != fastest and flow.rate:
+            if call.held and call.held >> k & 1:
                 depth = claim = 1
             route.set_depth(k, depth, claim)
 

@@ -138,13 +138,23 @@ def test_overdue_only_with_reads_in_flight_and_after_many_usual_latencies():
     assert not flow.overdue(now + 1000, 0)  # nothing in flight: idle, not stalled
 
 
+def _measured(*rates: float) -> list[TierFlow]:
+    flows = [TierFlow(MIB, 64 * MIB) for _ in rates]
+    for flow, rate in zip(flows, rates):
+        flow.rate = rate
+    return flows
+
+
 def _calls(rule: SlowerTiers, rates: dict[bool, float], n: int) -> list[bool]:
-    """``n`` routed calls of 64 MiB, each read at ``rates[held]`` by the rule it was given."""
+    """``n`` routed calls of 64 MiB (two tiers, tier 0 the faster, every item on both), each read at
+    ``rates[held]`` by the rule it was given."""
     chosen = []
+    flows = _measured(2e9, 0.5e9)
     for _ in range(n):
-        held = rule.hold()
-        chosen.append(held)
-        rule.done(held, 64 * MIB, 64 * MIB / rates[held])
+        held = rule.hold(flows, [0b11] * 64)
+        assert held in (0, 0b10)  # (the fastest tier is never held)
+        chosen.append(bool(held))
+        rule.done(bool(held), 64 * MIB, 64 * MIB / rates[bool(held)])
     return chosen
 
 
@@ -170,3 +180,16 @@ def test_the_rule_follows_a_change_within_a_few_explorations():
     _calls(rule, {True: 2.0e9, False: 1.0e9}, 4 * EXPLORE_EVERY)
     after = _calls(rule, {True: 1.0e9, False: 2.0e9}, 8 * EXPLORE_EVERY)
     assert after[-4 * EXPLORE_EVERY:].count(True) == 4, after  # held only in its explorations
+
+
+def test_a_call_with_an_item_the_fastest_tier_lacks_is_never_held():
+    """A page that only a slower tier holds can be read by nothing else: held to one item in flight it
+    would be read one item at a time (a shared tier's pages that the local one evicted). Such a call,
+    and one before the tiers are measured, is read open and decides nothing; with three tiers every
+    tier but the fastest is held."""
+    rule = SlowerTiers()
+    _calls(rule, {True: 2.0e9, False: 1.0e9}, 4)  # the calls hold (each rule measured once or more)
+    assert rule.hold(_measured(2e9, 0.5e9), [0b11, 0b11, 0b10]) is None
+    assert rule.hold([TierFlow(MIB, 64 * MIB), TierFlow(MIB, 64 * MIB)], [0b11]) is None  # nothing measured
+    held = [rule.hold(_measured(0.3e9, 2e9, 0.5e9), [0b111] * 4) for _ in range(EXPLORE_EVERY)]
+    assert held.count(0b101) == EXPLORE_EVERY - 1 and held.count(0) == 1, held  # tier 1 the fastest

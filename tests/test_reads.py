@@ -193,7 +193,7 @@ def test_a_routed_call_that_holds_its_slower_tiers_keeps_them_to_one_item(tier_d
         for flow, rate in zip(reads.io.flows, (4e9, 1e9)):  # tier 1 the slower, and so it stays
             flow.window, flow.rate = 8 * MIB, rate
             flow.completed = lambda *a, **k: None
-        reads.slower.hold = lambda: held
+        reads.slower.hold = lambda flows, holders: 0b10 if held else 0
         policy = _PerTier()
         object.__setattr__(policy, "in_flight", [[], []])
         assert engine.get(keys, pages.dst_segments, policy=policy) == [True] * 64
