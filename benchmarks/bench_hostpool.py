@@ -182,7 +182,7 @@ for m in modes:
         if "inplace" in m:
             rp.memory.takes = lambda segments: True
         if "open" in m:  # no routed call holds its slower tiers (flow.SlowerTiers: the rule before stop 45)
-            rp.slower.hold = lambda flows, holders: 0
+            rp.slower.hold = lambda nbytes: False
         if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
             for flow in rp.io.flows:
                 def completed(*a, _flow=flow, _completed=flow.completed, **k):
@@ -278,7 +278,7 @@ for m in modes:
     print(f"{m:10s} per GB: main thread {THR[m]/GB:.3f}  engine.get user {ENG[m][0]/GB:.3f} sys {ENG[m][1]/GB:.3f}")
 for m, c in cons.items():
     if m != "nixl":
-        print(f"{m:10s} flow at the end: {rps[m].io.flows}; calls' MB/s open, held: "
-              f"{[round(r / 1e6) for r in rps[m].slower.rates]}")
+        print(f"{m:10s} flow at the end: {rps[m].io.flows}; calls' MB/s open, held, per size class: "
+              f"{ {c: [round(r / 1e6) for r in rates] for c, rates in rps[m].slower.rates.items()} }")
 for c in cons.values():
     c.close()

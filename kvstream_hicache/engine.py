@@ -262,6 +262,7 @@ class Engine:
         # The exit hook closes the engine (its queued writes land; _close_open_engines). Off for a caller
         # whose own threads go on calling it at exit and has nothing queued (SGLang: puts wait for their pages)
         self.close_at_exit = True
+        self._bounds = 0  # callers waiting for their writes before they close (bound_writes)
         _OPEN.add(self)
         self._scan.start()
         log.log(level,
@@ -480,13 +481,16 @@ class Engine:
             tier.reads.close()
         tmpfiles.release(self._token)
 
-    def bound_writes(self) -> None:
+    def bound_writes(self, bounded: bool = True) -> None:
         """Closing (close(), or a caller about to close that waits for its writes first: LMCache's
         adapter): with write_timeout=0 (wait for ever), a tier whose writes make no progress for
         CLOSE_HANG_S from now on is failed as write_timeout fails it (its pages fail there), so that
-        the wait ends: a server's shutdown is bounded."""
-        if self._writes.write_timeout <= 0:  # (read by the writer thread at its next step: one float)
-            self._writes.write_timeout = CLOSE_HANG_S
+        the wait ends: a server's shutdown is bounded. ``bounded=False`` ends such a caller's bound (its
+        wait is over): an engine it was given, which its owner goes on using, waits for ever again as
+        set (before, LMCache's close() left it failing a tier slower than CLOSE_HANG_S for good)."""
+        self._bounds += 1 if bounded else -1
+        if self.config.write_timeout <= 0:  # (read by the writer thread at its next step: one float)
+            self._writes.write_timeout = CLOSE_HANG_S if self._bounds > 0 or self._closed else 0.0
 
     def _in_fork(self) -> bool:
         """This is a forked child of the process that opened the engine: closed, its rings untouched

@@ -79,7 +79,9 @@ class GetCall:
         self.relook: set[str] = set()  # keys whose indexed copies were gone or another writer's version
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
         self.single = False  # every page has one usable holder (plan)
-        self.held: int | None = None  # routed: the tiers it keeps to one item in flight (SlowerTiers; 0: none)
+        self.nbytes = 0  # the bytes of its pages (plan)
+        self.held: bool | None = None  # routed: whether its slower tiers keep one item in flight (SlowerTiers)
+        self.fastest: int | None = None  # ... the tier a held call keeps open (fastest_holder)
         self.in_place = False  # ... and every page can be read into caller memory (plan)
 
     def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, memory: CallerMemory) -> None:
@@ -116,6 +118,7 @@ class GetCall:
         self.arrived = bytearray(len(self.items))
         self.page_tiers = [0] * len(self.pages)
         self.single = all(page.single for page in self.pages)  # one usable holder for every page
+        self.nbytes = sum(page.info.length for page in self.pages)  # (its size class: flow.SlowerTiers)
         self.in_place = self.single and all(page.in_place for page in self.pages)  # no staging at all
 
     def left(self) -> float | None:
@@ -143,6 +146,20 @@ class GetCall:
         if self.in_place:
             return flow.ceiling
         return min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
+
+    def fastest_holder(self, flows: Sequence[TierFlow]) -> int | None:
+        """The tier a routed call whose slower tiers are held (flow.SlowerTiers) keeps open: the fastest
+        (by its flow's rate) of the tiers this call can read, where it holds every page of the call;
+        None where it does not. (The fastest of all tiers may be failed, or hold none of these pages:
+        every tier that could read them was held to one item. And a page only a slower tier holds has
+        no other reader: held, a small fast tier at its capacity beside a large slow one had every page
+        it lacked read one item at a time.)"""
+        holders = set(self.holders)
+        tiers = 0
+        for h in holders:
+            tiers |= h
+        fastest = max((k for k in range(len(flows)) if tiers >> k & 1), key=lambda k: flows[k].rate)
+        return fastest if all(h >> fastest & 1 for h in holders) else None
 
     def pages_done(self) -> list[bool]:
         """Per page, whether every block arrived."""

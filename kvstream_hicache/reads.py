@@ -81,8 +81,7 @@ class ReadPath:
                  = lambda keys, pages, found: None, *, reopen: Callable[[], object], register_memory: bool):
         self.io = InFlight(ring, len(tiers), block, ceiling, reopen, "read")
         self.slower = SlowerTiers()  # which rule a routed call's slower tiers read by
-        self.recover, self.after_get, self.priority = recover, after_get, priority
-        self.closed = False
+        self.recover, self.after_get, self.priority, self.closed = recover, after_get, priority, False
         self.tiers, self.index, self.stats, self.pool = tiers, index, stats, pool
         self.read_timeout = read_timeout
         self.lock = ranked_lock("read")
@@ -170,7 +169,8 @@ class ReadPath:
         adaptive = getattr(policy, "depth", None) is None  # a policy that fixes the depth keeps it
         unit, t0 = call.item_bytes(), time.monotonic()
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
-            call.held = None if call.single else self.slower.hold(self.io.flows, call.holders)
+            call.fastest = None if call.single else call.fastest_holder(self.io.flows)
+            call.held = None if call.fastest is None else self.slower.hold(call.nbytes)
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
         claims = route.start()
@@ -207,7 +207,7 @@ class ReadPath:
         if call.direct_in_flight:
             self._wait_direct_under_reads(call, timed_out=not route.done)
         if call.held is not None and route.done:
-            self.slower.done(bool(call.held), sum(call.served), time.monotonic() - t0)
+            self.slower.done(call.held, call.nbytes, sum(call.served), time.monotonic() - t0)
 
     # -- requests --------------------------------------------------------------------------------
     def _submit_under_reads(self, call: GetCall, claims: list) -> None:
@@ -358,17 +358,18 @@ class ReadPath:
         of the batch that leaves every tier a few claims (a batch that one tier alone can deliver is
         not split), and no more than a MIN_REQUESTS-th of its window: a claim as large as the window
         would let the device wait for every round of completions (2 MiB pages: 0.6x nixl; half the
-        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``; in a routed call
-        whose slower tiers are held (``call.held``: flow.SlowerTiers), one item for every tier but the fastest."""
+        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``; in a held routed call
+        (flow.SlowerTiers), one item for every tier but ``call.fastest``, until it fails or is overdue."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
+        held = call.held and self.tiers[call.fastest].healthy and not self.io.overdue(call.fastest)
         for k, flow in enumerate(flows):
             depth = max(0, call.queue_bytes(flow) - self.io.orphaned[k]) // unit
             depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
             claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
-            if call.held and call.held >> k & 1:
-                depth = claim = 1
+            if held and k != call.fastest and flow.rate:  # (no more than what its orphans left: a stalled
+                depth, claim = min(depth, 1), 1  # tier took one more read per call, past its window)
             route.set_depth(k, depth, claim)
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:

@@ -419,6 +419,33 @@ def test_close_returns_while_a_store_is_held_by_a_hung_tier_with_write_timeout_0
         adapter.close()
 
 
+def test_closing_the_core_leaves_the_write_timeout_of_an_engine_it_was_given_as_set(tier_dirs, monkeypatch):
+    """close() with a store held by a hung tier and write_timeout=0 bounds the engine's writes for its wait
+    (the test above); an engine the core was given (embedding) goes on as its owner set it: a slow tier is
+    waited for again. Before, the engine's write_timeout stayed CLOSE_HANG_S: it failed, for good, any
+    tier whose writes paused that long."""
+    from kvstream_hicache import engine as engine_module
+    from kvstream_hicache.faults import Fault, TierFaultPlan
+    from kvstream_hicache.io import OP_WRITE
+
+    monkeypatch.setattr(engine_module, "CLOSE_HANG_S", 1.0)
+    plan = TierFaultPlan()
+    engine = make_engine(tier_dirs[:2], fault_plan=plan, write_timeout=0)
+    core = l2core.L2Core(engine)
+    try:
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)  # tier 1 stops answering
+        task = core.submit_store([f"{1:064x}"], Pages(1, seed=3).segments)
+        wait_until(lambda: plan.hits, what="the store's write never started")
+        core.close()  # returns once tier 1 is given up
+        assert core.pop_stores() == {task: (True, PAGE)}  # (stored on tier 0)
+        assert engine._writes.write_timeout == 0, engine._writes.write_timeout
+    finally:
+        plan.clear()
+        plan.release()
+        core.close()
+        engine.close()
+
+
 def test_tasks_submitted_in_a_forked_child_end(engine):
     """A process forked after the adapter started (a fork-start-method worker, any os.fork()) inherits the
     core, but not its load worker nor the engine's writer thread, and the engine refuses every call there

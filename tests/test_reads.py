@@ -9,6 +9,7 @@ reuses. Real files with O_DIRECT, both I/O engines; no timing assertions.
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import mmap
 import os
@@ -193,7 +194,7 @@ def test_a_routed_call_that_holds_its_slower_tiers_keeps_them_to_one_item(tier_d
         for flow, rate in zip(reads.io.flows, (4e9, 1e9)):  # tier 1 the slower, and so it stays
             flow.window, flow.rate = 8 * MIB, rate
             flow.completed = lambda *a, **k: None
-        reads.slower.hold = lambda flows, holders: 0b10 if held else 0
+        reads.slower.hold = lambda nbytes: held
         policy = _PerTier()
         object.__setattr__(policy, "in_flight", [[], []])
         assert engine.get(keys, pages.dst_segments, policy=policy) == [True] * 64
@@ -204,7 +205,90 @@ def test_a_routed_call_that_holds_its_slower_tiers_keeps_them_to_one_item(tier_d
         else:
             assert max(policy.in_flight[1]) > 1, policy.in_flight
         assert max(policy.in_flight[0]) > 1, policy.in_flight  # the fastest keeps its window either way
-        assert reads.slower.rates[held] > 0 and reads.slower.rates[not held] == 0
+        [rates] = reads.slower.rates.values()  # (one size of call)
+        assert rates[held] > 0 and rates[not held] == 0
+
+
+def _held_get(engine, pages, keys, rates, prepare=lambda: None) -> list[list[int]]:
+    """A get whose rule holds the slower tiers (flow.SlowerTiers), the tiers' rates set to ``rates``
+    (and kept): per tier, the items it had in flight at each of its claims. Every page is read whole."""
+    reads = engine._reads
+    for flow, rate in zip(reads.io.flows, rates):
+        flow.window, flow.rate = 8 * MIB, rate
+        flow.completed = lambda *a, **k: None
+    reads.slower.hold = lambda nbytes: True
+    policy = _PerTier()
+    object.__setattr__(policy, "in_flight", [[] for _ in rates])
+    prepare()
+    assert engine.get(keys, pages.dst_segments, policy=policy) == [True] * len(keys)
+    assert all(pages.equal(i) for i in range(len(keys)))
+    return policy.in_flight
+
+
+def test_a_held_call_keeps_open_the_fastest_tier_it_can_read(tier_dirs, io_engine):
+    """The fastest tier of all is failed: a held call keeps the fastest of the tiers it can read at its
+    window (before: every tier the call could read was held to one item in flight)."""
+    engine, pages, keys = stored(tier_dirs, 64, io_engine, chunk="1M", size=256 * KIB, tier_retry=3600)
+    with engine:
+        in_flight = _held_get(engine, pages, keys, (4e9, 2e9, 1e9),
+                              lambda: engine.tiers[0].fail(errno.EIO, "test"))
+        assert not in_flight[0] and max(in_flight[1]) > 1, in_flight
+        assert set(in_flight[2]) == {0}, in_flight  # the slower one held
+
+
+def test_a_call_with_pages_only_a_slower_tier_holds_does_not_hold_it(tier_dirs, io_engine):
+    """A small fast tier at its capacity beside a large slower one: half the pages are on the slower
+    tier alone, which is their only reader; the call reads them at its window (before: held, one item
+    at a time, 33 claims each with nothing else in flight)."""
+    n, size = 64, 256 * KIB
+    engine, pages, keys = stored(tier_dirs[:2], n, io_engine, chunk="1M", size=size,
+                                 capacity=f"{n // 2 * size}{os.pathsep}")
+    with engine:
+        assert any(engine.index.get(k).tiers == 0b10 for k in keys)
+        in_flight = _held_get(engine, pages, keys, (4e9, 1e9))
+        assert max(in_flight[1]) > 1, in_flight
+
+
+@pytest.mark.parametrize("fault", ["error", "hold"])
+def test_a_held_call_opens_its_slower_tier_once_the_fastest_fails_or_stalls(tier_dirs, io_engine, fault):
+    """The tier a held call keeps open fails during the call, or stalls (overdue): the slower tier
+    reads (or re-reads) its items at its window (before: one at a time to the end of the call)."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 64, io_engine, plan=plan, chunk="1M", size=256 * KIB,
+                                 tier_retry=3600)
+    with engine:
+        what = Fault.error(errno.EIO) if fault == "error" else Fault.hold()
+        try:
+            in_flight = _held_get(engine, pages, keys, (4e9, 1e9), lambda: plan.on(tier_dirs[0], what, opcode=OP_READ))
+        finally:
+            plan.clear()
+            plan.release()
+        assert engine.tiers[0].healthy == (fault == "hold")
+        assert max(in_flight[1]) > 1, in_flight
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_stalled_slower_tier_takes_no_more_reads_than_its_window_held_or_open(tier_dirs, io_engine, held):
+    """The slower tier hangs (its reads never complete): calls after calls leave their reads there as
+    orphans, which count in its window, held or open (held, before: one more read per call, past it)."""
+    plan = TierFaultPlan()
+    n, per = 128, 16
+    engine, pages, keys = stored(tier_dirs[:2], n, io_engine, plan=plan, chunk="1M", size=256 * KIB)
+    with engine:
+        reads = engine._reads
+        for flow, rate in zip(reads.io.flows, (4e9, 1e9)):
+            flow.window, flow.rate = MIB, rate
+            flow.completed = lambda *a, **k: None
+        reads.slower.hold = lambda nbytes: held
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_READ)
+        try:
+            for i in range(0, n, per):
+                assert engine.get(keys[i:i + per], pages.dst_segments[i:i + per]) == [True] * per
+                assert reads.io.orphaned[1] <= MIB, (i, reads.io.orphaned)
+            assert all(pages.equal(i) for i in range(n))
+        finally:
+            plan.clear()
+            plan.release()
 
 
 def test_replicated_blocks_are_staged_so_a_stalled_tier_cannot_hold_the_call(tier_dirs, io_engine):

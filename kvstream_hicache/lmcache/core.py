@@ -387,9 +387,14 @@ class L2Core:
                 self._loads.clear()
                 self._closed = True
                 return
-            if self._stores_open:  # (with write_timeout=0, a hung tier held them, and LMCache's shutdown, for ever)
+            bounded = bool(self._stores_open)
+            if bounded:  # (with write_timeout=0, a hung tier held them, and LMCache's shutdown, for ever)
                 self.engine.bound_writes()
-            self._done.wait_for(lambda: not self._stores_open and not self._busy)
+            try:
+                self._done.wait_for(lambda: not self._stores_open and not self._busy)
+            finally:  # (an engine it was given goes on as its owner set it)
+                if bounded:
+                    self.engine.bound_writes(False)
         deadline = time.monotonic() + CLOSE_DRAIN_S
         for w in self._workers:
             w.join(max(0.0, deadline - time.monotonic()))
