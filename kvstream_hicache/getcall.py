@@ -219,6 +219,10 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
     stats.total("pages_missing", n_keys - n_found)
     if any(c.timed_out for c in calls):  # (one get, one timeout: its second chance reads within it)
         stats.total("read_timeouts")
+    for c in calls:  # (flow.SlowerTiers: which rule the calls that decide one took)
+        if c.held is not None:
+            stats.total("routed_calls")
+            stats.total("held_calls", bool(c.held))
     batch = batch_figures(elapsed, served, read, busy, served_by)
     batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
                  requests=sum(c.requests for c in calls), direct_bytes=sum(in_place),
@@ -226,5 +230,5 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
                  duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
                  retries=sum(getattr(c.route, "retries", 0) for c in calls),
                  duplicate_bytes=sum(read) - served if served else 0, second_chance=len(calls) - 1,
-                 windows=[f.window for f in flows])
+                 windows=[f.window for f in flows], held=calls[0].held)
     stats.record_batch(batch)

@@ -207,6 +207,8 @@ def test_a_routed_call_that_holds_its_slower_tiers_keeps_them_to_one_item(tier_d
         assert max(policy.in_flight[0]) > 1, policy.in_flight  # the fastest keeps its window either way
         [rates] = reads.slower.rates.values()  # (one size of call)
         assert rates[held] > 0 and rates[not held] == 0
+        stats = engine.stats()  # (what an operator sees: which rule the calls took)
+        assert (stats["routed_calls"], stats["held_calls"], engine.last_batch["held"]) == (1, int(held), held)
 
 
 def _held_get(engine, pages, keys, rates, prepare=lambda: None) -> list[list[int]]:
