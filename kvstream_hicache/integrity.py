@@ -42,7 +42,7 @@ from .layout import (
     is_valid_key, key_of_page_file, n_blocks,
 )
 from .segments import Payload, Segment
-from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live
+from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live, tier_now
 from .trust import (
     Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted, open_below,
     pin, put_back, remove, same_file,
@@ -488,7 +488,7 @@ def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, tru
         return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
     except OSError as exc:
         return bad("stray", f"unreadable: {os.strerror(exc.errno or errno.EIO)}", reason=Reason.UNREADABLE)
-    if removal_live(os.path.basename(path), st.st_ctime, layout.tmp):
+    if removal_live(os.path.basename(path), st.st_ctime, layout.tmp, lambda: tier_clock(layout)):
         return bad("stray", "judged by a removal in progress", reason=Reason.VANISHED)  # (not a problem)
     try:
         fd, header, st = open_with_header(path, trust)
@@ -512,6 +512,20 @@ def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, tru
                             "page written since", st=st)  # (this copy goes: one valid copy, under the name)
     return bad("stray", f"page {header.key} left under a removal's private name (its process died): "
                         "put back under its name", reason=Reason.RESTORE, st=st)._replace(header=header)
+
+
+def tier_clock(layout: TierLayout) -> float | None:
+    """The tier's clock (tmpfiles.tier_now) read in its tmp directory reached following no link: a member
+    of a shared tier's group may make tmp/ a link to another directory at any moment (the clock's file
+    was made and removed in the link's target, and told its file system's clock). None: not read."""
+    try:
+        fd = open_below(layout.root, layout.tmp)
+    except OSError:
+        return None
+    try:
+        return tier_now(layout.tmp, fd)
+    finally:
+        close_fd(fd)
 
 
 def _holds_valid(path: str, like: PageHeader, trust: Trust) -> bool:
@@ -681,7 +695,7 @@ def each_tmp_problem(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[
         yield Problem("stray", root, tmp_dir, f"{LINKED}; left in place", Reason.INVALID)
         return
     try:
-        judge = Leftovers(tmp_dir, live_tokens)
+        judge = Leftovers(tmp_dir, live_tokens, dir_fd=fd)  # (its clock read in the directory walked)
         with os.scandir(fd) as entries:
             for entry in entries:
                 if not step():

@@ -45,12 +45,13 @@ from .bounded import BoundedCalls
 from .fds import close_fd
 from .integrity import (
     HeaderError, NotRegularFile, ScannedPage, UntrustedFile, open_direct, read_header, scan_file, shard_entries, shards,
+    tier_clock,
 )
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import local_fs
 from .tmpfiles import (
-    NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tier_now, tmp_name,
+    NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tmp_name,
 )
 from .trust import (
     CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
@@ -696,7 +697,7 @@ class Tier:
         it took on a disk tier); a page modified in the last MTIME_SLACK_NS before ``when`` or after it
         has its header read. None: the tier's clock cannot be read (every header is read)."""
         try:
-            now = self.calls.run(tier_now, self.layout.tmp)
+            now = self.calls.run(tier_clock, self.layout)  # (through no link: tmp/ may be one by now)
         except OSError:
             now = None
         if now is None:

@@ -19,6 +19,7 @@ import mmap
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from typing import NamedTuple
 
 from .fds import close_fd
@@ -84,25 +85,35 @@ def removing_name(pid: int) -> str:
     return f"{REMOVING_PREFIX}{HOST}.{pid}.{secrets.token_hex(4)}"
 
 
-def removal_live(name: str, ctime: float, tmp_dir: str) -> bool:
+def removal_live(name: str, ctime: float, tmp_dir: str, now: Callable[[], float | None] | None = None) -> bool:
     """Whether the removal that renamed an entry to ``name`` (:func:`removing_name`; ``ctime``: the
     entry's, which the rename set) may still be going on: this host's process is alive, or another
     host's renamed it within TMP_STALE_S on the tier's clock (:func:`tier_now`; ``tmp_dir``: the
-    tier's tmp directory; when it cannot be read, live). Else its process died between the two renames."""
+    tier's tmp directory; when it cannot be read, live; ``now``: reads that clock instead, as a walk that
+    follows no link does: integrity). Else its process died between the two renames."""
     parts = name[len(REMOVING_PREFIX):].split(".")
-    if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit():
-        return _pid_alive(int(parts[1]))
-    now = tier_now(tmp_dir)
-    return now is None or now - ctime <= TMP_STALE_S
+    pid = _pid(parts[1]) if len(parts) == 3 and parts[0] == HOST else None
+    if pid is not None:
+        return _pid_alive(pid)
+    clock = tier_now(tmp_dir) if now is None else now()
+    return clock is None or clock - ctime <= TMP_STALE_S
 
 
 def parse_tmp_name(name: str) -> TmpOwner | None:
     if not name.endswith(TMP_SUFFIX):
         return None
     parts = name[: -len(TMP_SUFFIX)].split(".")
-    if len(parts) != 5 or not parts[2].isdigit():
+    pid = _pid(parts[2]) if len(parts) == 5 else None
+    if pid is None:
         return None
-    return TmpOwner(parts[0], parts[1], int(parts[2]), parts[3])
+    return TmpOwner(parts[0], parts[1], pid, parts[3])
+
+
+def _pid(text: str) -> int | None:
+    """The pid a name written by kvstream gives (ASCII digits), else None. Anyone who may write the tier's
+    tmp directory or a shard names files as they like: str.isdigit() also takes digits int() refuses
+    ('\u00b2'), and a ValueError there stopped the tier's background scan (and check) at every start."""
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 def is_engine_tmp(name: str) -> bool:
@@ -173,8 +184,8 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
+    except (ProcessLookupError, OverflowError):  # (OverflowError: past any pid_t, as only a name another
+        return False  # user made can say: no process has it; raised, it stopped the scan at every start)
     except PermissionError:  # alive, another user's
         return True
     return True
@@ -198,10 +209,12 @@ class Leftovers:
     the background scan walks a tmp directory another user may have filled with millions of names
     an entry at a time, paced, never holding a list of them): ``judge(entry)`` is True for a leftover
     (see :func:`stale_tmp`; ``entry`` a regular file's ``os.DirEntry``). The tier's clock is read once,
-    at the first entry judged by its age."""
+    at the first entry judged by its age, in the directory of ``dir_fd`` where given (the one walked:
+    :func:`tier_now`)."""
 
-    def __init__(self, tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: float | None = None):
-        self.tmp_dir = tmp_dir
+    def __init__(self, tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: float | None = None,
+                 dir_fd: int | None = None):
+        self.tmp_dir, self.dir_fd = tmp_dir, dir_fd
         self.live = _live_tokens if live is None else live
         self.me = os.getpid()
         self.now, self._clock_read = now, now is not None
@@ -215,11 +228,11 @@ class Leftovers:
         # another host's writer cannot be asked whether it lives, and a probe of another process or host
         # lives for milliseconds and may be in use right now: only an old one goes
         if not self._clock_read:
-            self.now, self._clock_read = tier_now(self.tmp_dir), True
+            self.now, self._clock_read = tier_now(self.tmp_dir, self.dir_fd), True
         return self.now is not None and _older(entry, self.now)
 
 
-def tier_now(tmp_dir: str) -> float | None:
+def tier_now(tmp_dir: str, dir_fd: int | None = None) -> float | None:
     """The tier's clock now, s: the modification time of a file made in its tmp directory ``tmp_dir``
     this moment (then removed). The age of a file on a tier (another host's temporary file, a probe, a
     removal's private name) is measured on the clock that stamped it: on NFS the file server's, which
@@ -227,10 +240,13 @@ def tier_now(tmp_dir: str) -> float | None:
     writer's temporary files for leftovers). On a local tier both are this host's clock. GlusterFS
     (features.ctime on, its default) keeps what each client stamps, this host's kernel time here: its
     nodes' clocks must agree within TMP_STALE_S (docs/design.md).
-    None when no file can be made there (read-only, full, gone): then no age is told, nothing judged old."""
-    path = os.path.join(tmp_dir, probe_name("clock"))
+    None when no file can be made there (read-only, full, gone): then no age is told, nothing judged old.
+    ``dir_fd``: the tmp directory's descriptor (``tmp_dir`` then ignored): a walk of tmp/ reads the clock
+    in the directory it walks, not through its path, which a member of a shared tier's group may have
+    made a link to another directory meanwhile (the file was made, and removed, in the link's target)."""
+    path = probe_name("clock") if dir_fd is not None else os.path.join(tmp_dir, probe_name("clock"))
     try:
-        fd = os.open(path, os.O_WRONLY | NEW_FILE, 0o600)
+        fd = os.open(path, os.O_WRONLY | NEW_FILE, 0o600, dir_fd=dir_fd)
     except OSError:
         return None
     try:
@@ -244,7 +260,7 @@ def tier_now(tmp_dir: str) -> float | None:
     finally:
         close_fd(fd)
         try:
-            os.unlink(path)
+            os.unlink(path, dir_fd=dir_fd)
         except OSError:  # (left: an old probe, removed as one by the next cleaning)
             pass
 

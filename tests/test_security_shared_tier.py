@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 import kvstream_hicache
-from kvstream_hicache import Config, ConfigError, check_tiers, tmpfiles
+from kvstream_hicache import Config, ConfigError, check_tiers, integrity, tmpfiles
 from kvstream_hicache.integrity import pack_header, unpack_header
 from kvstream_hicache.io import AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
-from kvstream_hicache.tmpfiles import tmp_name
+from kvstream_hicache.tmpfiles import HOST, REMOVING_PREFIX, tmp_name
 from kvstream_hicache.trust import user_name
 
 from helpers import NS, PageSet, as_user, content, kvstream_cli, make_engine, wait_until
@@ -534,3 +534,92 @@ def test_a_shard_full_of_junk_is_scanned_in_little_memory(shared_tier):
         logging.disable(logging.NOTSET)
     assert len(os.listdir(layout.page_dir(keys[0]))) >= 50_000
     assert peak < 3 << 20, f"the scan took {peak >> 20} MiB for a shard of 50,000 junk files"
+
+
+# ------------------------------------------------------------------ names and links a member makes during the walks
+def _plant(path: str) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o660))
+
+
+ODD_PIDS = {  # names as kvstream gives them, with a pid no process can have: digits int() refuses, past any pid_t
+    "tmp-superscript": ("tmp", f"{NS.digest}.otherhost.\u00b2\u00b3.tok.0.tmp"),
+    "tmp-huge": ("tmp", f"{NS.digest}.{HOST}.{10**20}.tok.0.tmp"),
+    "removing-superscript": ("shard", f"{REMOVING_PREFIX}{HOST}.\u00b9.abcd1234"),
+    "removing-huge": ("shard", f"{REMOVING_PREFIX}{HOST}.{10**20}.abcd1234"),
+}
+
+
+@pytest.mark.leaves_problems("a member's file of an odd name: check reports it")
+@pytest.mark.parametrize("case", sorted(ODD_PIDS))
+def test_a_name_with_a_pid_no_process_has_stops_neither_the_scan_nor_check(shared_tier, case, caplog):
+    """A member names a file in tmp/ (a temporary file's name) or in a shard (a removal's private name)
+    with a pid of digits int() refuses ('\u00b2\u00b3': str.isdigit() takes them) or past any pid_t: the
+    background scan reads every page of the tier and check runs (before: ValueError or OverflowError
+    stopped the tier's scan at every start, its pages left to discovery, and check raised)."""
+    where, name = ODD_PIDS[case]
+    pages = PageSet()
+    keys = pages.keys(6)
+    with make_engine([shared_tier], file_mode="shared") as engine:
+        assert pages.put(engine, keys) == [True] * 6
+    layout = TierLayout(shared_tier, NS.digest)
+    path = os.path.join(layout.tmp if where == "tmp" else layout.page_dir(keys[0]), name)
+    as_user(MEMBER, _plant, path, groups=(GROUP,))
+    with make_engine([shared_tier], file_mode="shared") as engine:
+        assert engine.wait_scan(60)
+        assert not any("background scan of tier 0" in r.getMessage() and "stopped" in r.getMessage()
+                       for r in caplog.records), caplog.text
+        assert engine.scan["pages"] == 6, engine.scan
+        problems = engine.check(fix=True)
+        assert pages.checked_get(engine, keys) == [True] * 6
+    assert [p.path for p in problems if not p.fixed] in ([], [path])
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("walk", ["tmp", "shard"])
+def test_the_walks_read_the_tier_s_clock_through_no_link(shared_tier, tier_root, monkeypatch, walk):
+    """A member replaces tmp/ with a link to a directory of the engine user's at the moment a walk needs
+    the tier's clock (a file made in tmp/ and removed: tmpfiles.tier_now), to judge another host's
+    temporary file (tmp/) or another host's removal's private name (a shard) by its age: nothing is
+    made in the link's target (before: the clock's file was made and removed there, and its file
+    system's clock judged the ages)."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    precious = os.path.join(tier_root, "precious")
+    os.mkdir(precious, 0o700)
+    with make_engine([shared_tier], file_mode="shared") as engine:
+        assert pages.put(engine, keys) == [True, True]
+        assert engine.wait_scan(60)
+        layout = engine.tiers[0].layout
+        tmp = layout.tmp
+        planted = (os.path.join(tmp, f"{NS.digest}.otherhost.123.tok.0.tmp") if walk == "tmp" else
+                   os.path.join(layout.page_dir(keys[0]), f"{REMOVING_PREFIX}otherhost.1.abcd1234"))
+        _plant(planted)  # (just made: young, left by both walks)
+        swapped: list[int] = []
+
+        def swap() -> None:
+            os.rename(tmp, tmp + ".away")
+            os.symlink(precious, tmp)
+
+        def at_the_judgment(real):  # the member's swap, the moment the walk judges the planted entry
+            def call(name, *args):
+                if os.path.basename(planted) in (name, os.path.basename(str(name))) and not swapped:
+                    as_user(MEMBER, swap, groups=(GROUP,))
+                    swapped.append(os.stat(precious).st_mtime_ns)
+                return real(name, *args)
+            return call
+
+        module, attr = (tmpfiles, "parse_tmp_name") if walk == "tmp" else (integrity, "removal_live")
+        monkeypatch.setattr(module, attr, at_the_judgment(getattr(module, attr)))
+        try:
+            engine.check(fix=True)
+        finally:
+            monkeypatch.undo()
+            if swapped:
+                os.unlink(tmp)
+                os.rename(tmp + ".away", tmp)
+        after = os.stat(precious).st_mtime_ns
+        if os.path.exists(planted):
+            os.unlink(planted)
+    assert len(swapped) == 1
+    assert os.listdir(precious) == [] and after == swapped[0], "a file was made (and removed) through the link"
