@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -74,6 +76,25 @@ class Server:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stop()
+
+    def terminate(self, group: bool = True, timeout: float = 60.0) -> list[str]:
+        """SIGTERM, as a user stops a server: the whole group (Ctrl-C in a shell, ``killpg``) or the launcher
+        alone (``docker stop``, systemd: the launcher ends its children). Waits (bounded) for every process
+        of the group to end on its own and returns those still there (``ps`` lines), which ``stop()`` then
+        kills."""
+        pgid = self.proc.proc.pid
+        (os.killpg if group else os.kill)(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        left: list[str] = []
+        while time.monotonic() < deadline:
+            self.proc.proc.poll()  # (reaps the launcher: a zombie is not a process left behind)
+            ps = subprocess.run(["ps", "-o", "pid=,stat=,args=", "-s", str(pgid)], capture_output=True, text=True)
+            left = [ln for ln in ps.stdout.splitlines() if ln.split()[1:2] != ["Z"]]
+            if not left:
+                break
+            time.sleep(0.5)
+        self.stop()
+        return left
 
     def post(self, path: str) -> tuple[int, str]:
         """POST ``path`` (an admin endpoint: /flush_cache, /hicache/storage-backend/clear): (status, body)."""

@@ -18,6 +18,7 @@ pages and damage never decide a later test's outcome.
   kv          kvstream on [t0, t1], page_first; restarted on the same tiers by the restart test
   peer        kvstream on [t0b, t1]: a second server sharing tier 1 with ``kv``
   layer_first kvstream on fresh tiers, --hicache-mem-layout layer_first
+  gfs         kvstream on [a local directory, a GlusterFS volume] (the ``glusterfs`` fixture), its own test
 
 On a GPU the same tests run against a GPU server (docs/sglang.md, "the GPU check"):
 ``KVSTREAM_SERVE_DEVICE=cuda KVSTREAM_SERVE_MODEL=/models/small pytest tests/test_sglang_server.py``.
@@ -25,15 +26,17 @@ On a GPU the same tests run against a GPU server (docs/sglang.md, "the GPU check
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
+import time
 
 import pytest
 
 from kvstream_hicache._uring import Ring
 from kvstream_hicache.tools import serve_cpu
-from helpers import flip_byte, page_files
-from sglang_servers import KV, PAGE, PAGES, Server, prompt, server_dirs
+from helpers import flip_byte, page_files, tmp_files
+from sglang_servers import KV, PAGE, PAGES, Server, prompt, server_dirs, sv
 
 pytestmark = pytest.mark.timeout(900)  # the first test also waits for the first wave
 
@@ -217,3 +220,70 @@ def test_tier_directory_removed_while_serving(servers, expected):
     assert outputs(warm) == expected(4)
     assert kv.proc.alive()
     assert kv.errors_since(mark) == []
+
+
+def _kvstream_trouble(text: str) -> list[str]:
+    """Lines of a server's log that show kvstream (or a read or write it serves) in trouble: a traceback,
+    an error, an exception, a backup sglang says failed, or a kvstream warning. (sglang's own lines about
+    its children on SIGTERM, and the server_args line, which names options like gc_warning, are not.)"""
+    bad = ("Traceback", " ERROR ", "Exception", "EngineClosedError", "to storage failed")
+    return [ln for ln in text.splitlines()
+            if "server_args=" not in ln and "It usually means one child failed" not in ln
+            and (any(b in ln for b in bad) or ("kvstream" in ln.lower() and "warn" in ln.lower()))]
+
+
+def _read_calls(samples: dict) -> dict:
+    return {dict(lab)["rule"]: v for (name, lab), v in samples.items() if name == KV + "read_calls_total"}
+
+
+def test_reads_from_a_fuse_tier_choose_a_rule_that_metrics_count_across_a_sigterm_restart(glusterfs, tmp_path_factory):
+    """Tier 1 a GlusterFS volume (a FUSE client: it shares the reader's CPUs, what flow.SlowerTiers is for).
+    Prompts that share a prefix are served, read back from L3, and the server is stopped with SIGTERM
+    (the whole group), started again and stopped with SIGTERM to the launcher alone; its second life
+    serves the same prompts from L3. Every answer is the first one; /metrics counts each prefetch's
+    read call under one rule, open or held (each rule is taken: the calls of one size try both), and
+    they add up to the read batches, none a second chance; both tiers served; no kvstream trouble in the
+    log, shutdowns included (the SGLang engine is left to its threads at exit); no process and no
+    temporary file is left, and each tier holds every page."""
+    logs, scratch, local = server_dirs(tmp_path_factory, "serve-gfs", ("t0",))
+    shared = os.path.join(glusterfs.mount("a"), f"serve-gfs-{os.getpid()}")
+    os.makedirs(shared)
+    tiers = [local["t0"], shared]
+    srv = Server("gfs", logs, MODEL or serve_cpu.build_model(), tiers)
+    rng = random.Random(45)
+    base = prompt(45)[:4 * PAGE]  # 4 shared pages, 2 of each prompt's own and a partial one
+    prompts = [base + [rng.randrange(3, serve_cpu.VOCAB) for _ in range(2 * PAGE + 17)] for _ in range(3)]
+    try:
+        srv.start()
+        first = [outputs(srv.generate(ids)) for ids in prompts]
+        deadline = time.monotonic() + 60
+        while sv.storage_metrics({}, srv.metrics())["backuped_tokens"] < (4 + 3 * 2) * PAGE:
+            assert time.monotonic() < deadline, "L3 backup not done in 60 s"
+            time.sleep(0.5)
+        assert [outputs(srv.from_l3(ids)[0]) for ids in prompts] == first
+        assert sum(_read_calls(srv.metrics()).values()) == 3
+        left, log = srv.terminate(group=True), srv.log()
+        assert left == [] and _kvstream_trouble(log) == [], (left, _kvstream_trouble(log))
+        assert all(tmp_files(t) == [] for t in tiers)
+        assert len(page_files(tiers[0])) == len(page_files(tiers[1])) == 4 + 3 * 2
+
+        srv.launch().wait()  # a new process: L1 and L2 empty, the pages on both tiers
+        again = srv.generate(prompts[0])
+        assert srv.storage_tokens(again) == 6 * PAGE, again["meta"]
+        answers = [outputs(again)] + [outputs(srv.from_l3(ids)[0]) for _ in range(3) for ids in prompts]
+        assert answers == [first[0]] + first * 3
+        time.sleep(3)  # kvstream's export interval and its owed export
+        samples = srv.metrics()
+        moved = sv.storage_metrics({}, samples)
+        calls, batches = _read_calls(samples), moved["retrieval"]["batches"]
+        assert calls.get("open", 0) >= 1 and calls.get("held", 0) >= 1, calls
+        assert calls["open"] + calls["held"] == batches == 10, (calls, batches)
+        assert moved["tiers"]["0"]["served_bytes"] > 0 and moved["tiers"]["1"]["served_bytes"] > 0, moved
+        mark = len(log)
+        left, log = srv.terminate(group=False), srv.log()
+        assert left == [] and _kvstream_trouble(log[mark:]) == [], (left, _kvstream_trouble(log[mark:]))
+        assert all(tmp_files(t) == [] for t in tiers)
+    finally:
+        srv.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(shared, ignore_errors=True)
