@@ -328,6 +328,7 @@ def test_prometheus_multiprocess_mode(tmp_path):
     code = (
         "from kvstream_hicache.sglang.metrics import Exporter\n"
         "e = Exporter({'tp_rank': '0', 'dp_rank': '0', 'pp_rank': '0'}, ['/t0', '/t1'])\n"
+        "o = Exporter({'tp_rank': '1', 'dp_rank': '0', 'pp_rank': '0'}, ['/t0'])\n"
         "e.sync({'tiers': [{'bytes_served': 300, 'read_share': 0.75, 'healthy': True},"
         " {'bytes_served': 100, 'read_share': 0.25, 'healthy': False, 'replica_skipped_pages': 3,"
         " 'replica_skipped_bytes': 12288, 'replication_done': 2, 'replication_pending': 5}], 'pages_found': 4,"
@@ -349,6 +350,8 @@ def test_prometheus_multiprocess_mode(tmp_path):
     assert 'kvstream:tier_replication_pending{dp_rank="0",pp_rank="0",tier="1",tp_rank="0"} 5.0' in out, out
     assert 'kvstream:read_calls_total{dp_rank="0",pp_rank="0",rule="held",tp_rank="0"} 3.0' in out, out
     assert 'kvstream:read_calls_total{dp_rank="0",pp_rank="0",rule="open",tp_rank="0"} 2.0' in out, out
+    # a backend whose read calls chose no rule yet (one tier) has the series at 0: 0 is an answer
+    assert 'kvstream:read_calls_total{dp_rank="0",pp_rank="0",rule="held",tp_rank="1"} 0.0' in out, out
     assert any(f.name.startswith("counter_") for f in tmp_path.iterdir())
 
 

@@ -163,6 +163,8 @@ class Exporter:
             self.fam["tier_healthy"].labels(**self.labels, tier=str(k)).set(1)
             for name in TIER_COUNTERS.values():  # a series from the start: 0 is an answer (nothing in place)
                 self.fam[name].labels(**self.labels, tier=str(k))
+        for rule in ("open", "held"):  # (0 too: no read call has chosen a rule yet, or one tier alone)
+            self.fam["read_calls"].labels(**self.labels, rule=rule)
 
     def sync(self, stats: Mapping, adapter_counters: Mapping | None = None) -> None:
         """Export the engine's cumulative ``stats()`` dict."""
