@@ -324,15 +324,13 @@ class Replicator:
                     self.pool.put(source.buf)
         if not promoted and not self._room(k, info.length):
             return False  # full: the page stays owed until pages leave the tier
-        need = 2 * file_size(info.length)  # (the copy and as much again: a copy never takes the last free
-        # space, for which a put would evict the tier's pages)
-        free = None if promoted else tier.free_bytes()  # (None: cannot tell: the write's ENOSPC keeps it owed)
-        if free is not None and free < need and _larger_than(tier, need):  # it never fits there: dropped
+        short = not promoted and _fs_short(tier, info.length)
+        if short and _larger_than(tier, 2 * file_size(info.length)):  # it never fits there: dropped
             with self._lock:
                 self._owed[k].pop(key, None)
             self.stats.add(k, "replication_dropped")
             return True
-        if free is not None and free < need:
+        if short:
             # The file system is full, of files no copy may evict (another program's, another node's):
             # what the tier lacks is owed again once it has room for this page, by a sweep of the index
             # (before, each page met was dropped, and its replica never came back while the engine ran).
@@ -422,10 +420,9 @@ class Replicator:
         first slot (what it lacks is owed); else it looks again in FAILED_BACKOFF_S (nothing else runs
         for the tier while it is full: one statvfs a second at most)."""
         length = self._full[k]
-        room = self._room(k, length)
-        free = self.tiers[k].free_bytes() if room else None  # (None: cannot tell: the write's ENOSPC says)
+        room = self._room(k, length) and not _fs_short(self.tiers[k], length)
         with self._lock:
-            if not room or (free is not None and free < 2 * file_size(length)):
+            if not room:
                 self._next[k] = self.clock() + FAILED_BACKOFF_S
                 return False
             self._full[k] = 0
@@ -489,6 +486,14 @@ def _read_whole(tier: Tier, key: str, buf, nbytes: int) -> int:
             close_fd(fd)  # (only read through: a close error loses nothing)
     except OSError as exc:
         return -(exc.errno or errno.EIO)
+
+
+def _fs_short(tier: Tier, length: int) -> bool:
+    """The tier's file system lacks room for a copy of ``length`` payload bytes and as much again after it:
+    a catch-up copy never takes its last free space (a put would then evict the tier's pages to make room
+    for it). False where the free space cannot be told: the write's ENOSPC then keeps the page owed."""
+    free = tier.free_bytes()
+    return free is not None and free < 2 * file_size(length)
 
 
 def _larger_than(tier: Tier, nbytes: int) -> bool:
