@@ -16,7 +16,8 @@ ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` se
 read ring, so reads into its 4 KiB pages are staged: the rule before 2026-12-05), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
 requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a two-tier call to one
 block in flight (``slow_capped``: what the second tier's share costs; since stop 45 the read path does so
-itself in the calls where that reads faster, ``flow.SlowerTiers``), ``open`` never does (the rule before), ``fastinplace`` reads the fastest
+itself in the calls where that reads faster, ``flow.SlowerTiers``), ``open``, ``held`` and ``alone`` have every
+routed call take that rule of ``flow.SlowerTiers`` (``open``: the rule before stop 45), ``fastinplace`` reads the fastest
 tier's first claims of a two-tier call in place (``fastest_in_place``: what staging replicated pages costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
@@ -43,7 +44,7 @@ from kvstream_hicache.tools.bench.geometry import from_model
 from kvstream_hicache.tools.bench.contenders import SglangHost, AdapterReads, _Op
 from kvstream_hicache.tools.bench.nixl import NixlReads
 from kvstream_hicache.tools.bench.drift import round_order
-from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS
+from kvstream_hicache.flow import MAX_REQUEST, MIN_REQUESTS, RULE_NAMES
 from kvstream_hicache import io as kio
 RING = kio.Ring
 
@@ -181,8 +182,9 @@ for m in modes:
         ok = all([host.controller_cls._page_set_zero_copy(c.ctl, ks, host.host_indices) for ks in key_sets])
         if "inplace" in m:
             rp.memory.takes = lambda segments: True
-        if "open" in m:  # no routed call holds its slower tiers (flow.SlowerTiers: the rule before stop 45)
-            rp.slower.hold = lambda nbytes: False
+        for rule, name in enumerate(RULE_NAMES):  # every routed call takes this rule (flow.SlowerTiers; open:
+            if name in m:  # the rule before stop 45)
+                rp.slower.rule = lambda nbytes, _rule=rule: _rule
         if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
             for flow in rp.io.flows:
                 def completed(*a, _flow=flow, _completed=flow.completed, **k):

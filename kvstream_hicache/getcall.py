@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .files import ReadFile
-from .flow import MAX_REQUEST, MIN_REQUESTS, TierFlow
+from .flow import ALONE, HELD, MAX_REQUEST, MIN_REQUESTS, RULE_NAMES, TierFlow
 from .index import Index, PageInfo
 from .io import MAX_VECTOR, PageMap
 from .layout import ALIGN, is_valid_key
@@ -80,8 +80,8 @@ class GetCall:
         self.reading = 0  # tiers this call has submitted reads to: writes there wait until it returns
         self.single = False  # every page has one usable holder (plan)
         self.nbytes = 0  # the bytes of its pages (plan)
-        self.held: bool | None = None  # routed: whether its slower tiers keep one item in flight (SlowerTiers)
-        self.fastest: int | None = None  # ... the tier a held call keeps open (fastest_holder)
+        self.rule: int | None = None  # routed: what its slower tiers keep in flight (flow.SlowerTiers)
+        self.fastest: int | None = None  # ... the tier a call that holds them keeps open (fastest_holder)
         self.in_place = False  # ... and every page can be read into caller memory (plan)
 
     def plan(self, keys, pages, infos: list[PageInfo | None], mask: int, stats: Stats, memory: CallerMemory) -> None:
@@ -131,7 +131,7 @@ class GetCall:
         256 KiB pages held 512 KiB: docs/benchmarks.md, "Two tiers against one".)"""
         return max(min(page.info.block, page.info.length) for page in self.pages)
 
-    def queue_bytes(self, flow: TierFlow) -> int:
+    def queue_bytes(self, flow: TierFlow, alone: bool = False) -> int:
         """Bytes a tier keeps in flight for this call (before what earlier calls still hold there).
 
         A call that another tier could also serve keeps the flow's window, near the point where
@@ -140,10 +140,12 @@ class GetCall:
         queues deeper (a device that serves a deeper queue faster gains): read in place, the tier's
         whole budget, as nixl keeps a whole batch; staged, half of it and at least STAGED_DEPTH, so
         that a staged block is copied out and checked while still in the CPU's cache (the figures:
-        docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
-        if not self.single:
+        docs/benchmarks.md, "A staged single holder keeps half its budget in flight"). So does the
+        fastest tier of a routed call that leaves the others out (``alone``, flow.SlowerTiers): they
+        take over only once it stalls, and its blocks are staged."""
+        if not (self.single or alone):
             return flow.window
-        if self.in_place:
+        if self.in_place and not alone:
             return flow.ceiling
         return min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
 
@@ -220,9 +222,10 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
     if any(c.timed_out for c in calls):  # (one get, one timeout: its second chance reads within it)
         stats.total("read_timeouts")
     for c in calls:  # (flow.SlowerTiers: which rule the calls that decide one took)
-        if c.held is not None:
+        if c.rule is not None:
             stats.total("routed_calls")
-            stats.total("held_calls", bool(c.held))
+            stats.total("held_calls", c.rule == HELD)
+            stats.total("alone_calls", c.rule == ALONE)
     batch = batch_figures(elapsed, served, read, busy, served_by)
     batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
                  requests=sum(c.requests for c in calls), direct_bytes=sum(in_place),
@@ -230,5 +233,5 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
                  duplicates=sum(getattr(c.route, "duplicates", 0) for c in calls),
                  retries=sum(getattr(c.route, "retries", 0) for c in calls),
                  duplicate_bytes=sum(read) - served if served else 0, second_chance=len(calls) - 1,
-                 windows=[f.window for f in flows], held=calls[0].held)
+                 windows=[f.window for f in flows], rule=None if calls[0].rule is None else RULE_NAMES[calls[0].rule])
     stats.record_batch(batch)

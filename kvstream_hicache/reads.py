@@ -36,7 +36,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .flow import MAX_REQUEST, MIN_REQUESTS, SlowerTiers
+from .flow import ALONE, HELD, MAX_REQUEST, MIN_REQUESTS, OPEN, SlowerTiers
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -170,7 +170,7 @@ class ReadPath:
         unit, t0 = call.item_bytes(), time.monotonic()
         if adaptive:  # else the policy's own rule, as written (the paper's fixed m and depth)
             call.fastest = None if call.single else call.fastest_holder(self.io.flows)
-            call.held = None if call.fastest is None else self.slower.hold(call.nbytes)
+            call.rule = None if call.fastest is None else self.slower.rule(call.nbytes)
             self._set_depths_under_reads(call, unit)
             route.may_steal = self._may_steal_under_reads
         claims = route.start()
@@ -206,8 +206,8 @@ class ReadPath:
             self._complete_under_reads(req, res)
         if call.direct_in_flight:
             self._wait_direct_under_reads(call, timed_out=not route.done)
-        if call.held is not None and route.done:
-            self.slower.done(call.held, call.nbytes, sum(call.served), time.monotonic() - t0)
+        if call.rule is not None and route.done:
+            self.slower.done(call.rule, call.nbytes, sum(call.served), time.monotonic() - t0)
 
     # -- requests --------------------------------------------------------------------------------
     def _submit_under_reads(self, call: GetCall, claims: list) -> None:
@@ -347,9 +347,8 @@ class ReadPath:
 
     # -- flow ----------------------------------------------------------------------------------
     def _request_bytes(self, tier: int, single: bool) -> int:
-        """Most bytes one request of ``tier`` carries: the flow's size (small, so that little is left for
-        another tier to wait on when the batch ends), or MAX_REQUEST for blocks one tier alone can
-        deliver (no other tier could take over; fewer, larger requests cost less CPU per byte)."""
+        """Most bytes one request of ``tier`` carries: the flow's size (little left for another tier to wait
+        on when the batch ends), or MAX_REQUEST for blocks one tier reads alone (fewer, larger requests)."""
         return MAX_REQUEST if single else self.io.flows[tier].request
 
     def _set_depths_under_reads(self, call: GetCall, unit: int) -> None:
@@ -358,18 +357,19 @@ class ReadPath:
         of the batch that leaves every tier a few claims (a batch that one tier alone can deliver is
         not split), and no more than a MIN_REQUESTS-th of its window: a claim as large as the window
         would let the device wait for every round of completions (2 MiB pages: 0.6x nixl; half the
-        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``; in a held routed call
-        (flow.SlowerTiers), one item for every tier but ``call.fastest``, until it fails or is overdue."""
+        window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``; a routed call's rule
+        (flow.SlowerTiers) may hold every tier but ``call.fastest`` to one item or none, until it fails or stalls."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
-        held = call.held and self.tiers[call.fastest].healthy and not self.io.overdue(call.fastest)
+        rule = call.rule if call.rule and self.tiers[call.fastest].healthy and not self.io.overdue(call.fastest) else OPEN
         for k, flow in enumerate(flows):
-            depth = max(0, call.queue_bytes(flow) - self.io.orphaned[k]) // unit
+            alone = rule == ALONE and k == call.fastest  # (the others take over only once it stalls)
+            depth = max(0, call.queue_bytes(flow, alone) - self.io.orphaned[k]) // unit
             depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
-            claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
-            if held and k != call.fastest and flow.rate:  # (no more than what its orphans left: a stalled
-                depth, claim = min(depth, 1), 1  # tier took one more read per call, past its window)
+            claim = max(route.m, min(self._request_bytes(k, call.single or alone) // unit, share, depth // MIN_REQUESTS))
+            if rule != OPEN and k != call.fastest and flow.rate:  # (held: no more than what its orphans left,
+                depth, claim = min(depth, int(rule == HELD)), 1  # a stalled tier took one more read per call)
             route.set_depth(k, depth, claim)
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:
