@@ -59,6 +59,7 @@ from .index import Index
 from .integrity import Problem, Reason, ScannedPage, check_tier
 from .io import RING_ENTRIES, ThreadRing, forks, memlock_hint, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
+from .memory import CallerGate
 from .owed import OwedClears
 from .priority import ReadPriority
 from .reads import ReadPath
@@ -78,7 +79,7 @@ log = logging.getLogger("kvstream")
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSE_HANG_S = 10.0  # with write_timeout=0, close() gives up on a tier whose writes make no progress for this
 # long, s (the default write_timeout): else a hung tier held close(), and the process's exit, for ever
-EXIT_HANG_S = 2 * CLOSE_HANG_S  # the exit hook leaves a close whose writer made no progress for this long, s
+EXIT_HANG_S = 2 * CLOSE_HANG_S  # the exit hook and LMCache's close leave a writer without progress this long, s
 CLOSED = "kvstream engine is closed"
 
 
@@ -145,7 +146,7 @@ def _close_open_engines() -> None:
         start = time.monotonic()
         while closing.is_alive():
             closing.join(1.0)  # (the writer's hang clock: when it last sent or reaped a write, any tier)
-            if closing.is_alive() and time.monotonic() - max(start, *engine._writes._progress) > EXIT_HANG_S:
+            if closing.is_alive() and engine.stalled(start):
                 log.warning("kvstream: exit: the engine's writes made no progress for %.0f s (a hung tier, "
                             "write_timeout=0); the process exits without them: pages still queued are not "
                             "stored", EXIT_HANG_S)
@@ -263,6 +264,7 @@ class Engine:
         # whose own threads go on calling it at exit and has nothing queued (SGLang: puts wait for their pages)
         self.close_at_exit = True
         self._bounds = 0  # callers waiting for their writes before they close (bound_writes)
+        self.reads_drained = False  # close() is past its reads: no get touches a caller's memory any more
         _OPEN.add(self)
         self._scan.start()
         log.log(level,
@@ -289,7 +291,7 @@ class Engine:
         return self._writes.put(keys, pages, mask)
 
     def put_deferred(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
-                     done: Callable[[list[bool]], None]) -> None:
+                     done: Callable[[list[bool]], None], gate: CallerGate | None = None) -> None:
         """Queue pages to store behind reads (the paper's M2, the LMCache path) and return.
 
         Pages go out on each tier when it has no read in flight; ``done(results)`` runs once every
@@ -302,12 +304,17 @@ class Engine:
         ``write_backlog`` setting (back-pressure). A page is found by ``contains``/``get`` once
         committed on a tier, not before.
 
+        :param gate: the caller's ``CallerGate("source")``, for a caller that may have to take the
+            memory back before ``done`` (L2Core.close, when a hung tier holds the writer in a call:
+            :meth:`stalled`): once it is shut (``gate.close``), the writer reads that memory no more
+            (a read in progress ends first: it holds the gate), and no page of it commits any more
+            (``done`` reports them False, when the writer gets to them).
         :raises ValueError: ``keys`` and ``pages`` differ in length (a caller bug).
         """
         self._check_open()
         mask = self._usable_mask()
         self._discover(keys, mask)
-        self._writes.put_deferred(keys, pages, mask, done)
+        self._writes.put_deferred(keys, pages, mask, done, gate)
 
     def get(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
             policy: Policy | None = None) -> list[bool]:
@@ -474,6 +481,7 @@ class Engine:
             threading.Thread(target=self._reads.close, name="kvstream-close", daemon=True).start()
         else:
             self._reads.close()
+        self.reads_drained = True  # (LMCache's close may leave the rest, held by a hung tier, to this thread)
         self._replicas.close()
         self._writes.close()
         for tier in self.tiers:
@@ -491,6 +499,17 @@ class Engine:
         self._bounds += 1 if bounded else -1
         if self.config.write_timeout <= 0:  # (read by the writer thread at its next step: one float)
             self._writes.write_timeout = CLOSE_HANG_S if self._bounds > 0 or self._closed else 0.0
+
+    def stalled(self, since: float) -> str | None:
+        """Whether the writer has made no progress (no write sent or completed on any tier) for
+        EXIT_HANG_S since ``since``: then, with write_timeout=0, a call on a hung tier holds it, which
+        nothing can end (its own hang check, CLOSE_HANG_S under bound_writes, fails a tier whose writes
+        the ring holds well before). Returns what holds it ("tier 1 (/mnt/x)": the tier whose create
+        or commit it is in, else "a tier"), or None."""
+        if time.monotonic() - max(since, *self._writes._progress) <= EXIT_HANG_S:
+            return None
+        k = self._writes.jobs.calling
+        return "a tier" if k is None else f"tier {k} ({self.tiers[k].root})"
 
     def _in_fork(self) -> bool:
         """This is a forked child of the process that opened the engine: closed, its rings untouched

@@ -9,6 +9,8 @@
         evicting can make room at all; any other error fails the tier (tiers.py decides for how long)
     a hung tier (no write progress for write_timeout): the tier fails, its jobs are abandoned
         (hung_under_writer)
+    a page whose caller let go of its memory (WritePage.gone: L2Core.close giving up on a hung tier): no
+        job of it starts or submits any more, and one that ends is cancelled, never renamed into place
     a job over (committed, failed, cancelled or abandoned) tells the queue (writequeue.py), which
     ends the page and its put when every tier it targets is over.
 
@@ -46,6 +48,7 @@ class Jobs:
             tiers, index, stats, pool, queue, digest
         self.active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not over, per tier
         self.fds = Shortage()  # temporary files open, and the EMFILE back-off (files.py)
+        self.calling: int | None = None  # the tier whose create or commit the writer is in (a hung one: named)
 
     def _release_under_writer(self, page: WritePage) -> None:
         """No job of the page in flight: its header goes back."""
@@ -57,10 +60,13 @@ class Jobs:
         each from a staging copy if ``staged``; None when the page cannot go there (the reason is
         counted); False when no descriptor is free (try again later)."""
         tier = self.tiers[k]
-        if not tier.healthy:  # failed since the put was accepted: the page misses it (under-replicated)
+        # failed since the put was accepted: the page misses it (under-replicated); or its caller let go
+        # of its memory (gone): it is not written anywhere any more
+        if not tier.healthy or page.gone():
             self.queue.job_over_under_writer(page, k)
             return None
         try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
+            self.calling = k
             fd, tmp = self._create_tmp_under_writer(page, k)
         except OSError as exc:
             if exc.errno in OUT_OF_DESCRIPTORS:
@@ -68,7 +74,13 @@ class Jobs:
             self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
             self.queue.job_over_under_writer(page, k)
             return None
+        finally:
+            self.calling = None
         self.fds.created()
+        if page.gone():  # (let go of while the create was out: a hung tier's, L2Core.close)
+            tier.discard(fd, tmp)
+            self.queue.job_over_under_writer(page, k)
+            return None
         victims = self.index.reserve(k, page.length, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
@@ -79,14 +91,18 @@ class Jobs:
             return None
         self.evicted_under_writer(k, victims)
         page.users += 1
+        ready = False
         try:
-            page.prepare(self.pool, self.digest)
-        except BaseException:
-            page.users -= 1
-            self._release_under_writer(page)
-            tier.discard(fd, tmp)
-            self.index.abort(k, page.length)
-            raise
+            ready = page.prepare(self.pool, self.digest)
+        finally:
+            if not ready:  # raised, or its caller let go of the memory before its checksums were taken
+                page.users -= 1
+                self._release_under_writer(page)
+                tier.discard(fd, tmp)
+                self.index.abort(k, page.length)
+        if not ready:
+            self.queue.job_over_under_writer(page, k)
+            return None
         job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
         page.started = time.monotonic()
         self.active[k].append(job)
@@ -170,9 +186,23 @@ class Jobs:
         return info is not None and not info.tiers >> k & 1 and \
             info.same_content(page.length, page.block, page.crcs) and not self.tiers[k].named(page.key)
 
+    def next_under_writer(self, k: int) -> Job | None:
+        """The started job of tier ``k`` with a write left to submit. One whose caller let go of its
+        memory (gone) submits nothing more: cancelled, never committed (its writes in flight end first)."""
+        for job in list(self.active[k]):
+            if job.err == 0 and job.page.gone():
+                job.err = CANCELLED
+                if not job.in_flight:
+                    self.finish_under_writer(job)
+            elif job.err == 0 and job.next < len(job.ops):
+                return job
+        return None
+
     def finish_under_writer(self, job: Job) -> None:
         page, k = job.page, job.tier
         tier = self.tiers[k]
+        if job.err == 0 and page.gone():  # its caller let go of the memory: a write may have read it after
+            job.err = CANCELLED
         if job.err == 0 and page.copied is not None:
             try:
                 if not self._wanted_under_writer(page, k):
@@ -181,10 +211,11 @@ class Jobs:
                 job.err = exc.errno or errno.EIO
         if job.err == 0:
             try:
-                fd, job.fd = job.fd, None  # commit closes it, whatever happens
+                fd, job.fd, self.calling = job.fd, None, k  # commit closes it, whatever happens
                 page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
                                        self._evict_under_writer(k, page.length), replace=page.copied is None)
             except OSError as exc:
+                self.calling = None
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
                 if not (page.copied is not None and exc.errno == errno.EEXIST):  # (a catch-up copy that another
@@ -192,6 +223,7 @@ class Jobs:
                     self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_under_writer(job)
                 return
+            self.calling = None
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
             # A background copy is the tier's least recent page (the first to go when room is needed: it

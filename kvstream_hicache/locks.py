@@ -34,6 +34,7 @@ ORDER = (
     "index",  # Index: key -> tiers, LRU, capacity, pins
     "priority",  # ReadPriority: readers per tier (listeners are called with it released)
     "scan",  # BackgroundScan: tiers left to scan, its progress file (scan.py; takes nothing under it)
+    "source",  # CallerGate of a deferred put's caller (L2Core): the writer's reads of its memory (nothing under it)
     "owed",  # OwedClears: the record of the clear()s failed tiers owe (owed.py; local file I/O, nothing under it)
     "staging",  # BufferPool: free and held staging buffers
     "stats",  # Stats: counters

@@ -226,10 +226,14 @@ class CallerGate:
     (its reads into caller memory held by a hung tier: they must land before it returns) shuts the
     gate and returns, and the caller's owner may then free the memory (LMCache frees L1 at shutdown).
     The get, back from its wait, finds the gate shut and ends touching nothing of the caller's: a read
-    the kernel still holds lands in the pages it pinned, wherever the freed range is mapped again."""
+    the kernel still holds lands in the pages it pinned, wherever the freed range is mapped again.
 
-    def __init__(self):
-        self._lock = ranked_lock("caller")
+    The write side has one per caller of ``put_deferred`` that may let go of its memory before its
+    stores end (``rank`` "source": LMCache's L2Core, whose close() gives up on a writer a hung tier
+    holds in a call): the writer holds it while it reads that memory (checksums, staging copies)."""
+
+    def __init__(self, rank: str = "caller"):
+        self._lock = ranked_lock(rank)
         self.shut = False
 
     def __enter__(self) -> "CallerGate":

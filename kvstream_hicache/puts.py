@@ -11,6 +11,7 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 
 from .integrity import PageHeader, block_crcs, pack_header
 from .layout import HEADER_SIZE, file_size, is_aligned
@@ -24,9 +25,9 @@ log = logging.getLogger("kvstream")
 class PutCall:
     """One put: results per key, pages not yet done, how the caller learns the end."""
 
-    __slots__ = ("results", "pages", "joined", "held", "repeats", "left", "done", "event", "dirs")
+    __slots__ = ("results", "pages", "joined", "held", "repeats", "left", "done", "event", "dirs", "gate")
 
-    def __init__(self, n: int, done: Callable[[list[bool]], None] | None):
+    def __init__(self, n: int, done: Callable[[list[bool]], None] | None, gate=None):
         self.results = [False] * n
         self.pages: list[WritePage] = []  # its own new pages, in key order (LRU order on completion)
         self.joined: list[WritePage] = []  # other puts' pages of its keys, being written when it came
@@ -36,6 +37,7 @@ class PutCall:
         self.done = done
         self.event = threading.Event() if done is None else None
         self.dirs: dict[int, set[str]] = {}  # page directories committed, per tier (fsync=full)
+        self.gate = gate  # its caller's memory.CallerGate (put_deferred): shut, the memory is no longer to be read
 
     def sync_dirs(self, tiers, stats) -> None:
         """fsync=full: make the put's renames durable on each tier; a page none of whose copies is
@@ -117,7 +119,7 @@ class WritePage:
 
     __slots__ = ("key", "segments", "payload", "length", "block", "file_bytes", "aligned", "crcs", "created",
                  "header", "users", "targets", "expected", "committed", "left", "calls", "spare", "evict", "copied",
-                 "started")
+                 "started", "gate")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -138,17 +140,37 @@ class WritePage:
         self.copied: Callable[[bool, float], None] | None = None  # a catch-up copy (replication.py): its
         # callback, told whether it committed and how long its job took from its start
         self.started = 0.0  # when its (last) job started, monotonic s
+        self.gate = None  # the CallerGate of the put that brought the page (its memory), if it has one
 
-    def prepare(self, pool, digest: str) -> None:
+    def gone(self) -> bool:
+        """Its caller let go of its memory (shut its gate: L2Core.close giving up on a hung tier): no job
+        of it starts, submits or commits any more (the bytes it would write may not be the page's)."""
+        return self.gate is not None and self.gate.shut
+
+    @contextmanager
+    def _source(self):
+        """Held while the caller's memory is read: yields False (read nothing) once its gate is shut.
+        The gate is held meanwhile, so the caller never lets go in the middle of a read."""
+        if self.gate is None:
+            yield True
+            return
+        with self.gate:
+            yield not self.gate.shut
+
+    def prepare(self, pool, digest: str) -> bool:
         """Checksums (once per page, from the caller's memory) and the header (from ``pool``, held
-        while a job of the page is in flight)."""
+        while a job of the page is in flight). False: the caller let go of the memory first (gone)."""
         if self.crcs is None:
-            self.crcs = block_crcs(self.segments, self.length, self.block)
+            with self._source() as readable:
+                if not readable:
+                    return False
+                self.crcs = block_crcs(self.segments, self.length, self.block)
         if self.header is None:
             if not self.created:
                 self.created = wall_ns()  # (never earlier than a delete's before it: trust.wall_ns)
             self.header = pool.get(HEADER_SIZE)
             pack_header(PageHeader(self.key, digest, self.length, self.block, self.crcs, self.created), self.header)
+        return True
 
     def release(self, pool) -> None:
         """The header goes back to ``pool``."""
@@ -182,14 +204,19 @@ class WritePage:
 
     def fill(self, address: int, n: int, start: int) -> None:
         """Copy file bytes ``[start, start + n)`` into staging memory at ``address``: the header, the
-        payload from the caller's memory, zeros past its end."""
+        payload from the caller's memory, zeros past its end. Zeros for the payload too once the caller
+        let go of its memory (gone): such a job is never committed (Jobs.finish_under_writer)."""
         end = start + n
         if start < HEADER_SIZE:
             copy(address, self.header.address + start, min(end, HEADER_SIZE) - start)
         lo = max(start, HEADER_SIZE) - HEADER_SIZE  # payload offsets
         hi = max(lo, min(end - HEADER_SIZE, self.length))
         if hi > lo:
-            self.payload.gather(address + HEADER_SIZE + lo - start, lo, hi - lo)
+            with self._source() as readable:
+                if readable:
+                    self.payload.gather(address + HEADER_SIZE + lo - start, lo, hi - lo)
+                else:
+                    ctypes.memset(address + HEADER_SIZE + lo - start, 0, hi - lo)
         pad = end - HEADER_SIZE - hi
         if pad > 0:
             ctypes.memset(address + n - pad, 0, pad)

@@ -228,6 +228,7 @@ class WriteQueue:
                 continue
             page = WritePage(key, segments, length, block_size_for(length, self.chunk), mask & ~holders)
             page.calls.append((call, i))
+            page.gate = call.gate
             call.pages.append(page)
         self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
         for page in call.pages:

@@ -19,8 +19,8 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
             and write again, up to SPACE_RETRIES times)
     a page is done when every tier it targets is done; a put when its pages are: fsync=full syncs the
     page directories, then the caller returns (``put``; one ended by Ctrl-C withdraws its pages first:
-    puts.PutCall.withdraw) or its callback runs (``put_deferred``). The caller's memory is never read
-    after that (but by a hung tier's abandoned writes, never renamed into place: Jobs.hung_under_writer).
+    puts.PutCall.withdraw) or its callback runs (``put_deferred``), or its caller let go (WritePage.gone). The
+    caller's memory is never read after that (but by a hung tier's abandoned writes, never renamed into place).
 
 Read priority holds new writes back, never the ones in flight: when a get starts on a tier, what the
 tier had in flight (its window) finishes first. ``put_deferred`` is the paper's M2 (the LMCache
@@ -120,13 +120,13 @@ class WritePath:
         return call.results
 
     def put_deferred(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], mask: int,
-                     done: Callable[[list[bool]], None]) -> None:
+                     done: Callable[[list[bool]], None], gate=None) -> None:
         """See Engine.put_deferred: waits only while the backlog is full (back-pressure)."""
         if len(pages) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
         self.queue.wait_for_room(sum(n for segments in pages for _, n in segments))
         self.stats.total("deferred_puts")
-        self.queue.accept(keys, pages, mask, PutCall(len(keys), done))
+        self.queue.accept(keys, pages, mask, PutCall(len(keys), done, gate))
 
     def copy(self, key: str, address: int, info, created: int, tier: int, evict: bool,
              done: Callable[[bool, float], None]) -> None:
@@ -336,7 +336,8 @@ class WritePath:
                     self.io.add(write, OP_WRITE, job.fd, buf, offset, time.monotonic())
                     if not self.io.bytes[k] - write.nbytes - self.io.orphaned[k]:
                         idle.append(k)
-            self.io.submit()
+                self.io.submit()  # per tier: a zero-copy write never waits, unsent, for another tier's
+                writes = []  # call (a hung create), to read its caller's memory after the caller let go
         except BaseException:  # none of the batch is in flight (InFlight.submit): the jobs take it back
             for write in writes:
                 write.job.next -= 1
@@ -383,9 +384,8 @@ class WritePath:
         """The job of tier ``k`` with a write left to submit: a started one, else the next page of
         its FIFO (None: none, or none can start now: descriptors, staging memory)."""
         jobs = self.jobs
-        for job in jobs.active[k]:
-            if job.err == 0 and job.next < len(job.ops):
-                return job
+        if (job := jobs.next_under_writer(k)) is not None:
+            return job
         while True:
             if len(jobs.active[k]) >= TMP_FILES_PER_TIER or jobs.fds.blocked(time.monotonic()):
                 return None

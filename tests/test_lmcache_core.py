@@ -446,6 +446,54 @@ def test_closing_the_core_leaves_the_write_timeout_of_an_engine_it_was_given_as_
         engine.close()
 
 
+@pytest.mark.leaves_problems("the engine closes in the background once the hung tier answers: check() would wait "
+                             "for the writer held in its create")
+def test_close_lets_go_of_a_store_whose_writer_is_held_in_a_call_on_a_hung_tier(tier_dirs, fuse_tier, monkeypatch):
+    """write_timeout=0 and a tier whose file system stops answering (a FUSE daemon stopped) while the engine's
+    writer is in a call there (a store's create): nothing ends that call, and the writer's own hang check
+    (CLOSE_HANG_S) sees only writes on the ring. close() (LMCache's shutdown) lets go of the store once the
+    writer made no progress for EXIT_HANG_S and returns; LMCache frees L1 then. The writer, back from its
+    call once the tier answers, reads no byte of that memory (or: SIGSEGV) and commits none of the store's
+    pages (its verdict, recorded after close: failed). Before, close() waited for ever (found in the review
+    of stop 45)."""
+    import mmap
+    import signal
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    from kvstream_hicache import engine as engine_module
+
+    network, daemon = fuse_tier
+    monkeypatch.setattr(engine_module, "CLOSE_HANG_S", 1.0)
+    monkeypatch.setattr(engine_module, "EXIT_HANG_S", 2.0)
+    page = 65536
+    adapter = l2adapter.KVStreamL2Adapter({"tiers": [tier_dirs[0], network], "write_timeout": 0, "discover": 0})
+    arena = mmap.mmap(-1, page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # L1: page-aligned
+    arena[:] = os.urandom(page)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(arena))
+    writer = adapter.engine._writes._thread
+    closer = threading.Thread(target=adapter.close, daemon=True)
+    try:
+        adapter.engine.wait_scan(WAIT_S)
+        os.kill(daemon.pid, signal.SIGSTOP)  # the FUSE tier stops answering: the writer's create there never returns
+        task = adapter.submit_store_task([ObjectKey(chunk_hash=b"\x0b" * 32, model_name="m", kv_rank=0)],
+                                         [ArenaObj(base, page // 2)])
+        writes = adapter.engine._writes  # tier 0's job started, the page not yet out of tier 1's FIFO: the writer
+        wait_until(lambda: writes.jobs.active[0] and writes.queue.fifo[1], WAIT_S, "no create on tier 1")  # is in its create
+        closer.start()
+        closer.join(15)
+        assert not closer.is_alive(), "close() waits for ever for a store whose writer is in a call on a hung tier"
+        arena.close()  # LMCache frees L1 once the adapter closed: the writer must not read it after (or: SIGSEGV)
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        if closer.ident:
+            closer.join(WAIT_S)
+        writer.join(WAIT_S)  # (the engine's close goes on once the create returns)
+        adapter.close()
+    assert not writer.is_alive(), "the engine's writer never ended after the tier answered"
+    assert adapter.core.pop_stores() == {task: (False, 0)}  # no page of it committed, on either tier
+
+
 def test_tasks_submitted_in_a_forked_child_end(engine):
     """A process forked after the adapter started (a fork-start-method worker, any os.fork()) inherits the
     core, but not its load worker nor the engine's writer thread, and the engine refuses every call there

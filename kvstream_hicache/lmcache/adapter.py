@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -267,11 +268,28 @@ def _lmcache_classes() -> dict[str, type]:
 
         def _release(self) -> None:
             if self._own_engine:
-                self.engine.close()
+                self._close_engine()
             elif getattr(self, "_gone", None) is not None:
                 self.engine.on_gone(None)
             for efd in self._efds:
                 efd.close()
+
+        def _close_engine(self) -> None:
+            """The engine's close. Where the core let go of stores that a hung tier holds the writer for
+            (L2Core.close), that close would wait for the same call: it runs on a thread of its own,
+            left once it is past the reads (no get touches L1 any more: LMCache frees it next) while
+            the writer is still held; it ends when the tier answers (or with the process)."""
+            since = getattr(getattr(self, "core", None), "let_go_at", None)  # (no core: its start failed)
+            if since is None:
+                self.engine.close()
+                return
+            closing = threading.Thread(target=self.engine.close, name="kvstream-lmcache-close", daemon=True)
+            closing.start()
+            while closing.is_alive() and not (self.engine.reads_drained and self.engine.stalled(since)):
+                closing.join(1.0)
+            if closing.is_alive():
+                log.warning("kvstream lmcache: close(): the engine finishes closing in the background, once the "
+                            "hung tier answers")
 
         # -- helpers ----------------------------------------------------------------------------
         def _register_l1(self, desc: Any) -> bool:

@@ -36,6 +36,7 @@ from typing import Any
 
 from ..io import forks
 from ..locks import ranked_lock
+from ..memory import CallerGate
 from ..segments import Segment, copy_payload, nbytes
 from ..errors import ConfigError
 from .keys import ADAPTER_PARAMS, namespace_fields
@@ -136,6 +137,10 @@ class L2Core:
         self._pins: dict[Any, list[Any]] = {}  # lock key -> pin handles, one per outstanding lock
         self._closing = False  # close() began: tasks submitted from now on fail at once, lookups pin nothing
         self._closed = False  # close() returned (or is returning): no callback, signal or copy any more
+        # The stores' memory (LMCache's L1), which the engine's writer reads while it holds this gate:
+        # close() shuts it when it gives up on stores a hung tier holds the writer for (put_deferred's gate)
+        self._gate = CallerGate("source")
+        self.let_go_at: float | None = None  # when close() began, if it let go of stores still open
         self._forks = forks()  # a forked child sees another count (_forked)
         self.counters = {k: 0 for k in ("store_tasks", "stored_pages", "store_failed_pages", "lookups",
                                         "lookup_keys", "lookup_hits", "unlocks", "load_tasks", "load_batches",
@@ -167,7 +172,7 @@ class L2Core:
                 self._store_done(task, idx, [])
             else:
                 self.engine.put_deferred([task.keys[i] for i in idx], [task.pages[i] for i in idx],
-                                         lambda ok: self._store_done(task, idx, ok))
+                                         lambda ok: self._store_done(task, idx, ok), self._gate)
         except Exception:  # adapter boundary: a failed task for LMCache, a warning and a counter for us
             self.report_error("store")
             self._store_done(task, [], [])
@@ -364,6 +369,14 @@ class L2Core:
     def close(self) -> None:
         """Finish queued tasks (stores: until committed), stop the worker, release every pin. Idempotent.
 
+        Stores are waited for as long as the engine's writer makes progress: with write_timeout=0 a
+        tier's file-system calls run in place, unbounded, and one on a hung tier (a create on a FUSE
+        mount whose daemon stopped) holds the writer, and every store behind it, for ever. Once the
+        writer made no progress for EXIT_HANG_S (Engine.stalled, the exit hook's bound), close() lets
+        go of the stores still open: it shuts their gate (a read of L1 in progress ends first), says
+        which tier holds the writer, and goes on. The writer, back from its call, reads no more of
+        their memory, and commits none of their pages (put_deferred's gate); they get no verdict.
+
         The load worker is waited for CLOSE_DRAIN_S (the engine's own bound on reads still in flight at
         its close): a load whose read into the caller's memory is held by a hung tier may wait for ever
         (a read into L1 must land before its task completes, docs/lmcache.md), and LMCache's shutdown
@@ -372,7 +385,7 @@ class L2Core:
         adapter closes its eventfds next, LMCache frees L1). A read the kernel still holds lands in the
         pages it pinned (registered memory, or an O_DIRECT read), wherever the freed range is mapped
         again."""
-        from ..engine import CLOSE_DRAIN_S
+        from ..engine import CLOSE_DRAIN_S, EXIT_HANG_S
 
         with self._lock:
             if self._closing:
@@ -390,11 +403,22 @@ class L2Core:
             bounded = bool(self._stores_open)
             if bounded:  # (with write_timeout=0, a hung tier held them, and LMCache's shutdown, for ever)
                 self.engine.bound_writes()
+            start, hung = time.monotonic(), None
             try:
-                self._done.wait_for(lambda: not self._stores_open and not self._busy)
+                while not self._done.wait_for(lambda: not self._stores_open and not self._busy, 1.0):
+                    if self._stores_open and (hung := self.engine.stalled(start)):
+                        break  # (a call on a hung tier holds the writer: nothing will end it)
             finally:  # (an engine it was given goes on as its owner set it)
                 if bounded:
                     self.engine.bound_writes(False)
+        if hung:
+            if not self._gate.close(CLOSE_DRAIN_S):  # (a read of L1 does not wait for a tier: never seen)
+                log.warning("kvstream lmcache: close(): the writer is still reading a store's memory")
+            self.let_go_at = start
+            log.warning("kvstream lmcache: close(): the engine's writer made no progress for %.0f s, held in a call "
+                        "on %s (a hung tier, write_timeout=0); closing without the %d store tasks still open: "
+                        "their chunks are not stored, and their L1 memory is no longer read", EXIT_HANG_S, hung,
+                        self.stats()["queued_stores"])
         deadline = time.monotonic() + CLOSE_DRAIN_S
         for w in self._workers:
             w.join(max(0.0, deadline - time.monotonic()))
