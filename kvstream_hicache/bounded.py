@@ -5,12 +5,13 @@ hold the call for as long as its server is away: a GlusterFS client gives up aft
 (42 s by default), an NFS hard mount never. The writer thread makes such calls for every tier in
 turn, so a tier that hung in one held the writes of all, and every put waited for it. On a tier that
 may hang, the writer's calls (a temporary file's create, the commit's fdatasync, close and rename, an
-eviction's unlink, fsync=full's directory sync), clear()'s listings, discovery's look at a page file (a put's, get's or
-lookup's own thread), the catch-up thread's look and source read, and a failed tier's recovery probe
-run on the tier's own thread, and the caller waits at most ``timeout`` s (write_timeout): then
-ETIMEDOUT, which fails the tier (tiers.py), and the caller goes on with the other tiers. A get's open
-of a page file runs on a second thread of the tier (reads never queue behind the writer's calls: read
-priority, priority.py), waited for at most what is left of its read_timeout as well: where that ends
+eviction's unlink, fsync=full's directory sync), clear()'s listings, check()'s first look, the catch-up
+thread's look and source read, and a failed tier's recovery probe run on the tier's own thread, and the
+caller waits at most ``timeout`` s (write_timeout): then ETIMEDOUT, which fails the tier (tiers.py),
+and the caller goes on with the other tiers. A get's open of a page file, discovery's look at one (a
+put's, get's or lookup's own thread: SGLang's batch_exists) and usage()'s statvfs run on a second
+thread of the tier (reads never queue behind the writer's calls: read priority, priority.py), waited
+for at most what is left of the caller's read_timeout as well: where that ends
 first, ETIME, and the tier is not failed for it (a get short of time proves no hang; a call out past
 write_timeout does, and fails the next one at once).
 

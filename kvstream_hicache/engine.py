@@ -124,6 +124,11 @@ def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
 _OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet (the exit hook closes them)
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 @atexit.register
 def _close_open_engines() -> None:
     """At interpreter exit, before the daemon threads stop: close the engines still open (one a
@@ -414,7 +419,9 @@ class Engine:
                 caps.append(tier.capacity)
                 continue
             try:
-                st = tier.calls.run(os.statvfs, tier.root)  # (bounded where the tier may hang: bounded.py)
+                # (bounded where the tier may hang, bounded.py: on its read thread, by read_timeout too, as
+                # a lookup: LMCache's get_usage must not wait for ever with write_timeout=0)
+                st = tier.reads.run(os.statvfs, tier.root, within=self.config.read_timeout or None)
                 caps.append(st.f_blocks * st.f_frsize)
             except OSError:  # a tier that cannot say (gone, ESTALE, hung): it bounds nothing
                 pass
@@ -573,16 +580,23 @@ class Engine:
     def check(self, fix: bool = False) -> list[Problem]:
         """Verify every page file of this namespace (headers and block CRCs), temp leftovers, and
         that the index matches the disk. ``fix`` removes damaged files and leftovers and brings
-        the index in line with the disk.
+        the index in line with the disk. A tier that may hang and does not list its pages in
+        write_timeout fails and is reported ``unreadable``, unchecked (its walk would hold every get and put).
 
         :returns: the problems found (``Problem.fixed`` where repaired); empty when consistent.
         """
         self._check_open()
-        # check reads everything anyway: the scan finishes first, unpaced (else the pages it has not
-        # reached yet would read as 'index_missing')
-        self._scan.set_limits(0, 1)
-        self._scan.wait()
         problems: list[Problem] = []
+        for tier in self.tiers:  # (first: check_tier's walk of a hung tier would hold every get and put, under
+            # the locks below, as long as it hangs; one that does not list its pages in write_timeout fails)
+            if tier.healthy and not tier.answers("list its pages to check them"):
+                problems.append(Problem("unreadable", tier.root, tier.layout.pages, f"did not answer in "
+                                        f"{self.config.write_timeout:g} s (write_timeout): a hung file system; "
+                                        "not checked, the tier failed", Reason.UNREADABLE))
+        # check reads everything anyway: the scan finishes first, unpaced (else the pages it has not
+        # reached yet would read as 'index_missing'); a failed tier's is not waited for (it may hang)
+        self._scan.set_limits(0, 1)
+        self._scan.wait_healthy()
         with self._reads.lock, self._writes.exclusive():
             for k, tier in enumerate(self.tiers):
                 if not tier.healthy:
@@ -659,12 +673,14 @@ class Engine:
         given. Returns the keys found."""
         found = 0
         until = honest_until()
+        # a look is a read (tiers.py look): the call's looks, all tiers and keys, end by its read_timeout
+        deadline = time.monotonic() + self.config.read_timeout if self.config.read_timeout > 0 else None
         for key in keys:
             for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read)
                 mark = self.index.mark(key)
                 pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers
                          if mask >> tier.k & 1
-                         for page in [tier.look(self.namespace.digest, key)]  # (None: the tier hung)
+                         for page in [tier.look(self.namespace.digest, key, _left(deadline))]  # (None: no answer)
                          if page is not None and page.problem is None
                          and (sizes is None or page.header.length == sizes[key])]
                 if all([self._index_page(k, page, mark) for _, k, page in sorted(pages, key=lambda e: e[:2])]):

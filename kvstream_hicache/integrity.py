@@ -166,8 +166,8 @@ class Problem(NamedTuple):
     this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
     'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version),
     'missing_tier' (a tier directory that does not exist or is none: nothing there was checked),
-    'unreadable' (a tier directory, or one of kvstream's in it, this user cannot list: the rest of that tier
-    was not checked).
+    'unreadable' (a tier directory, or one of kvstream's in it, this user cannot list, or, Engine.check, a tier
+    that did not answer in write_timeout: the rest of that tier was not checked).
     """
 
     kind: str

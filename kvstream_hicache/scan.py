@@ -134,6 +134,13 @@ class BackgroundScan:
         self.resume()
         return self._done.wait(timeout)
 
+    def wait_healthy(self) -> None:
+        """Wait until every healthy tier is scanned (check()): a failed tier's scan is not waited for, for
+        one that hung may be in a call that never returns (its tier failed by a bounded call meanwhile)."""
+        while not self.wait(NAP_S):
+            if all(part.done or not part.tier.healthy for part in self.parts):
+                return
+
     def stop(self, timeout: float) -> None:
         """Stop between two files (close, clear); wait up to ``timeout`` s for the threads."""
         self._stop.set()

@@ -298,16 +298,36 @@ class Tier:
         deleted by another node of a shared file system), not the tier, whose base still answers."""
         return err in (errno.ENOENT, errno.ESTALE) and not self.gone()
 
-    def look(self, digest: str, key: str) -> ScannedPage | None:
+    def look(self, digest: str, key: str, within: float | None = None) -> ScannedPage | None:
         """``key``'s page file here, read and judged (integrity.scan_file: discovery); None: the tier did
-        not answer in time, and fails (bounded.py)."""
+        not answer in time (write_timeout: it fails) or in ``within`` (the caller's read_timeout: it is not
+        judged, as for a get's open). On the tier's read thread, as a get's open: discovery runs in a
+        lookup's thread (SGLang's batch_exists, LMCache's lookup), which must not wait longer than
+        read_timeout, nor for ever with write_timeout=0 (before, it waited in place, as long as the tier)."""
         try:
-            return self.calls.run(functools.partial(scan_file, self.layout, digest, key, trust=self.trust))
+            return self.reads.run(functools.partial(scan_file, self.layout, digest, key, trust=self.trust),
+                                  within=within)
+        except OSError as exc:
+            if exc.errno == errno.ETIMEDOUT:
+                self.fail(errno.ETIMEDOUT, f"look up {key}")
+            elif exc.errno != errno.ETIME:
+                raise
+            return None
+
+    def answers(self, what: str) -> bool:
+        """The tier lists its page directory in time (on a tier that may hang: write_timeout, bounded.py);
+        False: it did not, and fails (ETIMEDOUT, ``what`` in its last_error). A listing's other errors
+        are left to the caller's own walk (check_tier reports them)."""
+        if self.local:  # (a local file system answers or fails)
+            return True
+        try:
+            self.calls.run(shards, self.layout)
         except OSError as exc:
             if exc.errno != errno.ETIMEDOUT:
-                raise
-            self.fail(errno.ETIMEDOUT, f"look up {key}")
-            return None
+                return True
+            self.fail(errno.ETIMEDOUT, what)
+            return False
+        return True
 
     def named(self, key: str) -> bool:
         """Something has ``key``'s page name on the tier (a file, a link, ...). :raises OSError: (ETIMEDOUT:

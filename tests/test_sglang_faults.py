@@ -594,3 +594,37 @@ def test_a_legacy_set_ended_by_ctrl_c_never_stores_the_tensor_the_caller_reused(
         signal.signal(signal.SIGINT, default)
         plan.release()
         backend.close()
+
+
+def test_batch_exists_and_get_stats_while_a_tier_hangs_return_by_read_timeout(tier_dirs, fuse_tier):
+    """SGLang's prefetch thread asks batch_exists for every request; its first key the index lacks is
+    looked up on every tier (discovery). On a network tier whose server stopped answering (FUSE, SIGSTOP)
+    with write_timeout=0 ("wait for ever" for writes), that look is bounded by read_timeout: batch_exists
+    answers 0 hit pages, and get_stats (a metrics poll) touches no tier. Before, the look ran in place:
+    the scheduler's prefetch thread waited as long as the server. From the review of hung tiers' entry
+    points."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    network, daemon = fuse_tier
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    extra = tiers_config([tier_dirs[0], network], write_timeout=0, read_timeout=0.5, tier_retry=600)
+    backend = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=extra), pools.host)
+    got = []
+    try:
+        backend.register_mem_host_pool_v2(pools.host, PoolName.KV)
+        backend.on_host_pools_registered()
+        assert backend.engine.wait_scan(60)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2)  # (past FUSE's 1 s attribute cache)
+            asking = threading.Thread(target=lambda: got.append((backend.batch_exists(["b" * 64, "c" * 64]),
+                                                                 backend.get_stats())), daemon=True)
+            asking.start()
+            asking.join(20)
+            assert not asking.is_alive(), "batch_exists waited for the hung tier past read_timeout"
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        asking.join(20)
+    finally:
+        backend.close()
+    assert got and got[0][0] == 0, got
