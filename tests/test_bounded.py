@@ -449,9 +449,16 @@ def test_usage_while_a_tier_hangs_returns_by_read_timeout_when_write_timeout_is_
 HUNG_JOIN_S = 30
 
 
-def _stopped(daemon) -> None:
+def _stopped_with_pages(tier_dirs, fuse_tier):
+    """Two pages put on tier 0 and the FUSE tier, then its daemon stopped: (pages, keys, tier, daemon)."""
+    network, daemon = fuse_tier
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine([tier_dirs[0], network], write_timeout=1) as engine:
+        assert pages.put(engine, keys) == [True, True]
     os.kill(daemon.pid, signal.SIGSTOP)
     time.sleep(2)  # (past FUSE's 1 s attribute cache: every look reaches the stopped daemon)
+    return pages, keys, network, daemon
 
 
 def _in_thread(fn, *args):
@@ -472,12 +479,7 @@ def _in_thread(fn, *args):
 @pytest.mark.xfail(strict=True, reason="start-up touches a hung tier unbounded: Config's realpath "
                    "(config.py _parse_tiers), probe_tiers, Tier(), owed.recall")
 def test_an_engine_starts_with_one_tier_hung(tier_dirs, fuse_tier, caplog):
-    network, daemon = fuse_tier
-    pages = PageSet()
-    keys = pages.keys(2)
-    with make_engine([tier_dirs[0], network], write_timeout=1) as engine:
-        assert pages.put(engine, keys) == [True, True]
-    _stopped(daemon)
+    pages, keys, network, daemon = _stopped_with_pages(tier_dirs, fuse_tier)
     engines = []
     try:
         def start():
@@ -507,12 +509,7 @@ def _cli(*args):
                    "touch a hung tier unbounded")
 @pytest.mark.parametrize("command", [["check"]])  # (info and check --fix: the same first call, Config's realpath)
 def test_the_cli_returns_while_a_tier_hangs(tier_dirs, fuse_tier, command):
-    network, daemon = fuse_tier
-    pages = PageSet()
-    keys = pages.keys(2)
-    with make_engine([tier_dirs[0], network], write_timeout=1) as engine:
-        assert pages.put(engine, keys) == [True, True]
-    _stopped(daemon)
+    _pages, _keys, network, daemon = _stopped_with_pages(tier_dirs, fuse_tier)
     proc = _cli(*command, "--tiers", tier_dirs[0], network)
     try:
         try:
