@@ -512,8 +512,18 @@ class Engine:
         EXIT_HANG_S since ``since``: then, with write_timeout=0, a call on a hung tier holds it, which
         nothing can end (its own hang check, CLOSE_HANG_S under bound_writes, fails a tier whose writes
         the ring holds well before). Returns what holds it ("tier 1 (/mnt/x)": the tier whose create
-        or commit it is in, else "a tier"), or None."""
-        if time.monotonic() - max(since, *self._writes._progress) <= EXIT_HANG_S:
+        or commit it is in, else "a tier"), or None.
+
+        Writes that wait for reads (read priority: a tier with writes to do and a get reading from it)
+        are no stall: they go out when the reads end, which progress meanwhile (else they hold no write
+        back: priority.STALL_S). The writer's clock counts such a tier's reads' progress as its own;
+        before, a close() during a long load let go of the stores queued behind it, as if hung."""
+        writes, now = self._writes, time.monotonic()
+        last = max(since, *writes._progress)
+        if self.priority.enabled:  # (lists and deques read unlocked: a glance, the writer may change them)
+            last = max([last] + [now - self.priority.idle_for(k) for k in range(len(self.tiers))
+                                 if writes.queue.fifo[k] or writes.jobs.active[k]])
+        if now - last <= EXIT_HANG_S:
             return None
         k = self._writes.jobs.calling
         return "a tier" if k is None else f"tier {k} ({self.tiers[k].root})"

@@ -94,6 +94,11 @@ class ReadPriority:
         submitted in, with no read since, measured the tier's write bandwidth undisturbed."""
         return self._epoch[k]
 
+    def idle_for(self, k: int) -> float:
+        """Seconds since tier ``k``'s reads last started or completed one (the writer's clock counts
+        that as its progress while writes wait there: Engine.stalled)."""
+        return self.clock() - self._progress[k]
+
     def reading(self, k: int) -> bool:
         return bool(self._reading[k])
 

@@ -313,8 +313,7 @@ class WritePath:
 
     # -- submit ----------------------------------------------------------------------------------
     def _submit_under_writer(self, held: int) -> None:
-        writes = []
-        idle = []  # tiers whose hang clock starts with this batch
+        writes, idle = [], []  # idle: tiers whose hang clock starts with this batch
         bounded = self.priority.enabled  # off: every job in flight at once (the behaviour before)
         try:
             for k in range(len(self.tiers)):
@@ -336,17 +335,18 @@ class WritePath:
                     self.io.add(write, OP_WRITE, job.fd, buf, offset, time.monotonic())
                     if not self.io.bytes[k] - write.nbytes - self.io.orphaned[k]:
                         idle.append(k)
-                self.io.submit()  # per tier: a zero-copy write never waits, unsent, for another tier's
-                writes = []  # call (a hung create), to read its caller's memory after the caller let go
+                if any(not w.job.staged and w.job.page.gate is not None for w in writes):  # a gated put's
+                    self.io.submit()  # zero-copy write (the kernel reads its caller's memory) never waits,
+                    writes = []  # unsent, for another tier's call (a hung create), after which it may let go
+            self.io.submit()  # (else one submit per step, all tiers: the SGLang path's cost, no gate)
         except BaseException:  # none of the batch is in flight (InFlight.submit): the jobs take it back
             for write in writes:
                 write.job.next -= 1
                 write.job.in_flight -= 1
                 self._unstage_under_writer(write)
             raise
-        # An idle tier's hang clock starts when its writes are sent, not when the step began: the step
-        # may have waited on another tier's file system meanwhile (a hung FUSE tier's create), and a
-        # clock started then failed this tier as hung at the first reap.
+        # An idle tier's hang clock starts when its writes are sent, not when the step began: the step may
+        # have waited on another tier's file system (a hung FUSE create), and such a clock failed it at once.
         now = time.monotonic()
         for k in idle:
             self._progress[k] = now

@@ -494,6 +494,50 @@ def test_close_lets_go_of_a_store_whose_writer_is_held_in_a_call_on_a_hung_tier(
     assert adapter.core.pop_stores() == {task: (False, 0)}  # no page of it committed, on either tier
 
 
+def test_close_waits_for_a_store_that_a_long_load_holds_back(tier_dirs, monkeypatch, caplog):
+    """A load (a long get: its reads complete every 0.3 s) holds the tier's writes back (read priority)
+    while close() (LMCache's shutdown) waits for a store queued behind it. The writer is in no call and
+    nothing hangs: the store commits once the reads end, and close() waits for it. Before, the time the
+    writes waited for the reads counted as the writer's stall (Engine.stalled): close() let go of the
+    store after EXIT_HANG_S, as if a hung tier held the writer, and it failed (found in the review of
+    stop 45)."""
+    from kvstream_hicache import engine as engine_module
+    from kvstream_hicache.faults import Fault, TierFaultPlan
+    from kvstream_hicache.io import OP_READ
+
+    monkeypatch.setattr(engine_module, "EXIT_HANG_S", 2.0)
+    size, n = 1 << 20, 60
+    memory = np.zeros((2 * n + 1) * size + 4096, np.uint8)
+    base = memory.ctypes.data + (-memory.ctypes.data) % 4096
+    memory[:] = np.random.default_rng(5).integers(0, 256, memory.size, dtype=np.uint8)
+    segments = [[(base + i * size, size)] for i in range(2 * n + 1)]  # n pages, n to read into, the store's
+    plan = TierFaultPlan()
+    engine = make_engine(tier_dirs[:1], fault_plan=plan, memory="8M")  # (a read window of 4 pages)
+    core = l2core.L2Core(engine)
+    closer = threading.Thread(target=core.close, daemon=True)
+    try:
+        keys = [f"{i:064x}" for i in range(1, n + 1)]
+        assert all(engine.put(keys, segments[:n]))
+        plan.on(tier_dirs[0], Fault.delay(0.3), opcode=OP_READ)  # a slow tier, answering all along
+        got = []
+        reader = threading.Thread(target=lambda: got.append(engine.get(keys, segments[n:2 * n])), daemon=True)
+        reader.start()
+        wait_until(lambda: plan.hits, WAIT_S, "the load never read")
+        task = core.submit_store([f"{99:064x}"], segments[2 * n:])
+        closer.start()
+        reader.join(WAIT_S)
+        closer.join(WAIT_S)
+        assert not closer.is_alive() and got and all(got[0])
+        assert core.pop_stores() == {task: (True, size)}, "close() let go of a store that a read held back"
+        assert engine.held(f"{99:064x}") and core.let_go_at is None
+        assert not [r for r in caplog.records if "made no progress" in r.getMessage()]
+    finally:
+        plan.clear()
+        plan.release()
+        core.close()
+        engine.close()
+
+
 def test_tasks_submitted_in_a_forked_child_end(engine):
     """A process forked after the adapter started (a fork-start-method worker, any os.fork()) inherits the
     core, but not its load worker nor the engine's writer thread, and the engine refuses every call there
