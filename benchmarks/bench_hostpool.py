@@ -16,8 +16,9 @@ ceiling (the memory budget; a queue nearer nixl's whole batch), ``mem<SIZE>`` se
 read ring, so reads into its 4 KiB pages are staged: the rule before 2026-12-05), ``fastdeep`` gives the fastest tier of a two-tier call its ceiling and 8 MiB
 requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a two-tier call to one
 block in flight (``slow_capped``: what the second tier's share costs; since stop 45 the read path does so
-itself in the calls where that reads faster, ``flow.SlowerTiers``), ``open``, ``held`` and ``alone`` have every
-routed call take that rule of ``flow.SlowerTiers`` (``open``: the rule before stop 45), ``fastinplace`` reads the fastest
+itself in the calls where that reads faster, ``flow.SlowerTiers``), ``open`` and ``held`` have every routed
+call take that rule of ``flow.SlowerTiers`` (``open``: the rule before stop 45; docs/data/shared-cpu-46 has
+``alone``, a third rule of 5af2ddb, not taken), ``fastinplace`` reads the fastest
 tier's first claims of a two-tier call in place (``fastest_in_place``: what staging replicated pages costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged

@@ -134,51 +134,51 @@ class TierFlow:
                 f"rate={self.rate / 1e6:.0f} MB/s, latency={self.latency * 1e3:.2f} ms)")
 
 
-EXPLORE_EVERY = 16  # one routed call in this many reads by a rule the recent calls found slower (SlowerTiers)
+EXPLORE_EVERY = 16  # one routed call in this many reads by the rule the recent calls found slower (SlowerTiers)
 CALL_SMOOTH = 0.25  # weight of a call's rate in each rule's moving average
-OPEN, HELD, ALONE = RULES = range(3)  # what a routed call's slower tiers keep in flight: their windows, one
-RULE_NAMES = ("open", "held", "alone")  # item, nothing (unless the fastest fails or stalls): SlowerTiers
+OPEN, HELD = RULES = range(2)  # what a routed call's slower tiers keep in flight: their windows, or one item
+RULE_NAMES = ("open", "held")  # (SlowerTiers)
 
 
 class SlowerTiers:
     """How much a call that several tiers can serve lets every tier but the fastest read: its window
-    (OPEN), one item in flight (HELD), or nothing while the fastest reads and is not overdue (ALONE).
+    (OPEN), or one item in flight (HELD) while the fastest is healthy and not overdue.
 
     The tiers of a ring are meant to be independent devices, each read at its own speed; but two tiers
     may share what moves their bytes: the CPUs (a FUSE client's daemons, a RAM tier's loop device, a
     network file system's client copy every byte on the cores the reader runs on), a disk, a link. Then
     a slower tier's reads cost the faster one more than they add: GlusterFS through FUSE beside this
     machine's disk, on two cores, read 0.42-0.74x the disk alone at 256 KiB pages (four runs); with
-    the slower tier held to one item in flight, 0.63-1.15x (even one item costs its daemons' CPU);
-    left out, as much as the disk alone. On devices of their own a slower tier that
+    the slower tier held to one item in flight, 0.63-1.15x. (Left out altogether, a third rule tried in
+    stop 46, it read no more than held anywhere measured: its pages are staged all the same, and the
+    fastest tier's stale rate chose which tier read alone.) On devices of their own a slower tier that
     needs a deep queue to reach its bandwidth (a parallel file system far away) reads far less so held,
     and no latency tells the two cases apart reliably (tier 0's latency rises under either its own
     queue, another tenant, or the other tier's CPU). So the calls decide, as the router does, with
-    nothing to set: routed calls of each size (within 2x) take the rules in turn until each has a
-    rate, then the fastest (a moving average of bytes per second over calls of each), and one call in
-    EXPLORE_EVERY another (each of the others in turn), so that a change (a tier that speeds up, the
-    machine's load, the page size) is seen. Pure: the read path calls it under its lock, passing each
-    call's bytes and seconds."""
+    nothing to set: routed calls of each size (within 2x) take the two rules in turn until each has a
+    rate, then the faster (a moving average of bytes per second over calls of each), and one call in
+    EXPLORE_EVERY the other, so that a change (a tier that speeds up, the machine's load, the page size)
+    is seen. Pure: the read path calls it under its lock, passing each call's bytes and seconds."""
 
     def __init__(self) -> None:
         # Per size class of call (the bit length of its bytes): a call costs some time besides its bytes
         # (the lock, its plan, its last completions), so a small call reads fewer bytes a second under
-        # any rule; compared across sizes, the calls of two sizes in turn had one rule measured on the
+        # either rule; compared across sizes, the calls of two sizes in turn had one rule measured on the
         # small ones alone (452 calls in 480 open where held read 1.7x faster at every size).
-        self.rates: dict[int, list[float]] = {}  # per class, routed calls' bytes/s (moving average) per rule
+        self.rates: dict[int, list[float]] = {}  # per class, routed calls' bytes/s (moving average): open, held
         self._calls: dict[int, int] = {}
-        # A call's reads on the slower tiers run on past its end (re-read items, its last completions: a
-        # FUSE tier's daemons still busy with them), so the call after a more open one reads slower for
-        # what that one read: after calls left open, a held exploration read 0.3x a held call after held
-        # ones (GlusterFS beside the disk, 256 KiB), and the calls kept the slower rule. Such a call is not
-        # counted; the next call of its size takes its rule again, and counts (calls of two sizes in turn,
-        # each after the other's, would never count otherwise).
+        # A call's reads run on past its end (re-read items, its last completions: a FUSE tier's daemons
+        # still busy with them; a throttled device's debt), so the call after one of the other rule reads at
+        # a rate that is partly that one's: after calls left open, a held exploration read 0.3x a held call
+        # after held ones (GlusterFS beside the disk, 256 KiB), and the calls kept the slower rule. Such a
+        # call is not counted; the next call of its size takes its rule again, and counts (calls of two
+        # sizes in turn, each after the other's, would never count otherwise).
         self._last: int | None = None  # the rule of the last routed call that ended
         self._again: dict[int, int] = {}  # per class, a rule whose call was not counted
         self._retried: set[int] = set()  # classes whose call now in flight takes its rule again
 
     def rule(self, nbytes: int) -> int:
-        """The rule for the next routed call, of ``nbytes``: OPEN, HELD or ALONE."""
+        """The rule for the next routed call, of ``nbytes``: OPEN or HELD."""
         size = nbytes.bit_length()
         calls = self._calls[size] = self._calls.get(size, 0) + 1
         rates = self.rates.setdefault(size, [0.0] * len(RULES))
@@ -186,12 +186,9 @@ class SlowerTiers:
             self._retried.add(size)
             return self._again.pop(size)
         if not all(rates):
-            return rates.index(0.0)  # (each rule once, in order)
+            return rates.index(0.0)  # (each rule in turn, open first)
         best = max(RULES, key=rates.__getitem__)
-        if calls % EXPLORE_EVERY:
-            return best
-        others = [r for r in RULES if r != best]
-        return others[calls // EXPLORE_EVERY % len(others)]
+        return best if calls % EXPLORE_EVERY else 1 - best
 
     def done(self, rule: int, planned: int, nbytes: int, seconds: float) -> None:
         """A routed call of ``planned`` bytes (as given to :meth:`rule`) read ``nbytes`` in ``seconds``
@@ -201,7 +198,7 @@ class SlowerTiers:
         last, self._last = self._last, rule
         if size in self._retried:
             self._retried.discard(size)
-        elif last is not None and last < rule:  # (the one before let the slower tiers read more: RULES' order)
+        elif last is not None and last != rule:
             self._again[size] = rule
             return
         if nbytes > 0 and seconds > 0:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .files import ReadFile
-from .flow import ALONE, HELD, MAX_REQUEST, MIN_REQUESTS, RULE_NAMES, TierFlow
+from .flow import HELD, MAX_REQUEST, MIN_REQUESTS, RULE_NAMES, TierFlow
 from .index import Index, PageInfo
 from .io import MAX_VECTOR, PageMap
 from .layout import ALIGN, is_valid_key
@@ -131,7 +131,7 @@ class GetCall:
         256 KiB pages held 512 KiB: docs/benchmarks.md, "Two tiers against one".)"""
         return max(min(page.info.block, page.info.length) for page in self.pages)
 
-    def queue_bytes(self, flow: TierFlow, alone: bool = False) -> int:
+    def queue_bytes(self, flow: TierFlow) -> int:
         """Bytes a tier keeps in flight for this call (before what earlier calls still hold there).
 
         A call that another tier could also serve keeps the flow's window, near the point where
@@ -140,12 +140,10 @@ class GetCall:
         queues deeper (a device that serves a deeper queue faster gains): read in place, the tier's
         whole budget, as nixl keeps a whole batch; staged, half of it and at least STAGED_DEPTH, so
         that a staged block is copied out and checked while still in the CPU's cache (the figures:
-        docs/benchmarks.md, "A staged single holder keeps half its budget in flight"). So does the
-        fastest tier of a routed call that leaves the others out (``alone``, flow.SlowerTiers): they
-        take over only once it stalls, and its blocks are staged."""
-        if not (self.single or alone):
+        docs/benchmarks.md, "A staged single holder keeps half its budget in flight")."""
+        if not self.single:
             return flow.window
-        if self.in_place and not alone:
+        if self.in_place:
             return flow.ceiling
         return min(flow.ceiling, max(STAGED_DEPTH, flow.ceiling // MIN_REQUESTS))
 
@@ -225,7 +223,6 @@ def record_get(stats: Stats, calls: list[GetCall], n_keys: int, n_found: int, el
         if c.rule is not None:
             stats.total("routed_calls")
             stats.total("held_calls", c.rule == HELD)
-            stats.total("alone_calls", c.rule == ALONE)
     batch = batch_figures(elapsed, served, read, busy, served_by)
     batch.update(pages=n_keys, found=n_found, items=sum(len(c.items) for c in calls),
                  requests=sum(c.requests for c in calls), direct_bytes=sum(in_place),

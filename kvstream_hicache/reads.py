@@ -36,7 +36,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .flow import ALONE, HELD, MAX_REQUEST, MIN_REQUESTS, OPEN, SlowerTiers
+from .flow import HELD, MAX_REQUEST, MIN_REQUESTS, SlowerTiers
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -347,8 +347,9 @@ class ReadPath:
 
     # -- flow ----------------------------------------------------------------------------------
     def _request_bytes(self, tier: int, single: bool) -> int:
-        """Most bytes one request of ``tier`` carries: the flow's size (little left for another tier to wait
-        on when the batch ends), or MAX_REQUEST for blocks one tier reads alone (fewer, larger requests)."""
+        """Most bytes one request of ``tier`` carries: the flow's size (small, so that little is left for
+        another tier to wait on when the batch ends), or MAX_REQUEST for blocks one tier alone can
+        deliver (no other tier could take over; fewer, larger requests cost less CPU per byte)."""
         return MAX_REQUEST if single else self.io.flows[tier].request
 
     def _set_depths_under_reads(self, call: GetCall, unit: int) -> None:
@@ -358,18 +359,17 @@ class ReadPath:
         not split), and no more than a MIN_REQUESTS-th of its window: a claim as large as the window
         would let the device wait for every round of completions (2 MiB pages: 0.6x nixl; half the
         window: 1.0-1.2x). How much each tier keeps in flight: ``GetCall.queue_bytes``; a routed call's rule
-        (flow.SlowerTiers) may hold every tier but ``call.fastest`` to one item or none, until it fails or stalls."""
+        (flow.SlowerTiers) may hold every tier but ``call.fastest`` to one item, until that one fails or stalls."""
         route = call.route
         flows = self.io.flows
         share = route.n if call.single else route.n // (2 * len(flows))
-        rule = call.rule if call.rule and self.tiers[call.fastest].healthy and not self.io.overdue(call.fastest) else OPEN
+        held = call.rule == HELD and self.tiers[call.fastest].healthy and not self.io.overdue(call.fastest)
         for k, flow in enumerate(flows):
-            alone = rule == ALONE and k == call.fastest  # (the others take over only once it stalls)
-            depth = max(0, call.queue_bytes(flow, alone) - self.io.orphaned[k]) // unit
+            depth = max(0, call.queue_bytes(flow) - self.io.orphaned[k]) // unit
             depth = depth or int(not self.io.bytes[k])  # (a block larger than the window: one at a time)
-            claim = max(route.m, min(self._request_bytes(k, call.single or alone) // unit, share, depth // MIN_REQUESTS))
-            if rule != OPEN and k != call.fastest and flow.rate:  # (held: no more than what its orphans left,
-                depth, claim = min(depth, int(rule == HELD)), 1  # a stalled tier took one more read per call)
+            claim = max(route.m, min(self._request_bytes(k, call.single) // unit, share, depth // MIN_REQUESTS))
+            if held and k != call.fastest and flow.rate:  # (no more than what its orphans left: a stalled
+                depth, claim = min(depth, 1), 1  # tier took one more read per call, past its window)
             route.set_depth(k, depth, claim)
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:

@@ -32,7 +32,7 @@ TOTAL_COUNTERS = (
     "gets", "pages_requested", "pages_found", "pages_missing", "puts", "pages_put", "pages_stored",
     "pages_existing", "pages_failed", "under_replicated", "invalid_keys", "size_mismatch", "read_timeouts",
     "duplicate_reads", "orphan_reads", "discovered", "deferred_puts", "backpressure_waits", "backpressure_s",
-    "ring_failures", "routed_calls", "held_calls", "alone_calls",
+    "ring_failures", "routed_calls", "held_calls",
 )
 HISTORY = 256  # read batches kept in stats()["history"]
 

@@ -29,7 +29,7 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_healthy``                   gauge      1 while the tier is in service, 0 while failed
 ``kvstream:pages_total{result}``            counter    pages requested by reads: found / missing
 ``kvstream:under_replicated_pages_total``   counter    pages stored on fewer tiers than configured
-``kvstream:read_calls_total{rule}``         counter    read calls that chose how to use a slower tier: open / held / alone
+``kvstream:read_calls_total{rule}``         counter    read calls that chose how to use a slower tier: open / held
 ``kvstream:retrieval_seconds``              histogram  time of one read batch
 ``kvstream:retrieval_bound_seconds_total``  counter    sum of the batches' aggregate-bandwidth bound D/sum(b_k)
 ``kvstream:retrieval_gap``                  histogram  time / bound - 1 per batch (0 = at the bound)
@@ -128,8 +128,7 @@ def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank")) -> 
                                           "Pages stored on fewer tiers than configured.", ranks)
         fam["read_calls"] = Counter(PREFIX + "read_calls",
                                     "Read calls more than one tier could serve that chose a rule: open (every tier at "
-                                    "its window), held (slower tiers at one item) or alone (the fastest tier alone, "
-                                    "unless it fails or stalls): slower tiers that share the reader's CPUs.",
+                                    "its window) or held (slower tiers at one item: they share the reader's CPUs).",
                                     ranks + ["rule"])
         fam["retrieval_seconds"] = Histogram(PREFIX + "retrieval_seconds", "Time of one read batch, seconds.",
                                              ranks, buckets=RETRIEVAL_BUCKETS)
@@ -193,9 +192,7 @@ class Exporter:
             if delta > 0:
                 self.fam["under_replicated"].labels(**self.labels).inc(delta)
             for rule, count in (("held", lambda t: t.get("held_calls", 0)),  # (flow.SlowerTiers)
-                                ("alone", lambda t: t.get("alone_calls", 0)),
-                                ("open", lambda t: t.get("routed_calls", 0) - t.get("held_calls", 0)
-                                 - t.get("alone_calls", 0))):
+                                ("open", lambda t: t.get("routed_calls", 0) - t.get("held_calls", 0))):
                 delta = count(stats) - count(last)
                 if delta > 0:
                     self.fam["read_calls"].labels(**self.labels, rule=rule).inc(delta)
