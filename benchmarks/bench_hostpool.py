@@ -18,7 +18,8 @@ requests (``fastest_deep``), ``slowcap`` keeps every tier but the fastest of a t
 block in flight (``slow_capped``: what the second tier's share costs; since stop 45 the read path does so
 itself in the calls where that reads faster, ``flow.SlowerTiers``), ``open`` and ``held`` have every routed
 call take that rule of ``flow.SlowerTiers`` (``open``: the rule before stop 45; docs/data/shared-cpu-46 has
-``alone``, a third rule of 5af2ddb, not taken), ``fastinplace`` reads the fastest
+``alone``, a third rule of 5af2ddb, not taken), ``countall`` counts every routed call's rate, also one after
+a call of the other rule (the rule before stop 46), ``fastinplace`` reads the fastest
 tier's first claims of a two-tier call in place (``fastest_in_place``: what staging replicated pages costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
@@ -186,6 +187,11 @@ for m in modes:
         for rule, name in enumerate(RULE_NAMES):  # every routed call takes this rule (flow.SlowerTiers; open:
             if name in m:  # the rule before stop 45)
                 rp.slower.rule = lambda nbytes, _rule=rule: _rule
+        if "countall" in m:  # every routed call's rate counts, even after a call of the other rule (before stop 46)
+            def count_all(*a, _done=rp.slower.done, _slower=rp.slower):
+                _slower._last = None
+                _done(*a)
+            rp.slower.done = count_all
         if "deep" in m:  # the tier's window held at its ceiling (the memory budget) all run long
             for flow in rp.io.flows:
                 def completed(*a, _flow=flow, _completed=flow.completed, **k):
