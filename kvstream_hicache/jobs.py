@@ -215,7 +215,6 @@ class Jobs:
                 page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
                                        self._evict_under_writer(k, page.length), replace=page.copied is None)
             except OSError as exc:
-                self.calling = None
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
                 if not (page.copied is not None and exc.errno == errno.EEXIST):  # (a catch-up copy that another
@@ -223,7 +222,8 @@ class Jobs:
                     self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_under_writer(job)
                 return
-            self.calling = None
+            finally:  # (whatever the commit raised: a tier named later must be the one the writer is in)
+                self.calling = None
             # A copy of other content on another tier (a failed tier's, another writer's) leaves the
             # index, so it is never served against these checksums; its file is a valid page and stays.
             # A background copy is the tier's least recent page (the first to go when room is needed: it

@@ -500,7 +500,7 @@ def test_close_waits_for_a_store_that_a_long_load_holds_back(tier_dirs, monkeypa
     nothing hangs: the store commits once the reads end, and close() waits for it. Before, the time the
     writes waited for the reads counted as the writer's stall (Engine.stalled): close() let go of the
     store after EXIT_HANG_S, as if a hung tier held the writer, and it failed (found in the review of
-    stop 45)."""
+    stop 46)."""
     from kvstream_hicache import engine as engine_module
     from kvstream_hicache.faults import Fault, TierFaultPlan
     from kvstream_hicache.io import OP_READ

@@ -892,10 +892,10 @@ def test_a_gated_put_let_go_of_with_writes_in_flight_commits_nothing_and_release
 
 
 @pytest.mark.xfail(strict=True, reason="open: a joined put shares the fate of the copy it waits for (writequeue.py); "
-                   "giving it a copy of its own is a change of the queue, not made in the review of stop 45")
+                   "giving it a copy of its own is a change of the queue, not made in the review of stop 46")
 def test_a_put_that_joined_a_page_whose_caller_let_go_of_its_memory_still_stores_it(tier_dirs):
     """The put that joined page 0 (the SGLang path, or another core on an engine it was given) never let go
-    of its own memory: its page is stored. Found in the review of stop 45: it gets False, the key is not
+    of its own memory: its page is stored. Found in the review of stop 46: it gets False, the key is not
     stored (the copy it waited for was the gated put's, cancelled)."""
     engine, pages, (gated, other, joined) = _gated_put_let_go_of(tier_dirs, join=True)
     with engine:
@@ -922,7 +922,7 @@ def test_a_writer_step_sends_the_writes_of_every_tier_in_one_submit(tier_dirs):
     """The SGLang path (put, no gate): a page for two tiers goes out in one step, both tiers' writes in one
     submit (one io_uring_enter), as before ae6be7d, which submits per tier for a gated put's zero-copy
     writes (they must not wait, unsent, for another tier's hung call) and so for every put (found in the
-    review of stop 45)."""
+    review of stop 46)."""
     from kvstream_hicache.io import open_ring
 
     rings = []

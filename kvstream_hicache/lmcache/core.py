@@ -416,7 +416,7 @@ class L2Core:
                 log.warning("kvstream lmcache: close(): the writer is still reading a store's memory")
             self.let_go_at = start
             log.warning("kvstream lmcache: close(): the engine's writer made no progress for %.0f s, held in a call "
-                        "on %s (a hung tier, write_timeout=0); closing without the %d store tasks still open: "
+                        "on %s (a hung tier); closing without the %d store tasks still open: "
                         "their chunks are not stored, and their L1 memory is no longer read", EXIT_HANG_S, hung,
                         self.stats()["queued_stores"])
         deadline = time.monotonic() + CLOSE_DRAIN_S
