@@ -93,6 +93,12 @@ class BoundedCalls:
         wait = self.timeout if within is None else min(within, self.timeout)
         if wait <= 0:
             raise OSError(errno.ETIME, f"no time left for a call on {self.name} (read_timeout)")
+        since = self._since
+        if within is not None and since is not None and time.monotonic() - since > wait:
+            # (behind a call out longer than this caller's whole time, it could not start in time: with
+            # write_timeout=0 a hung tier is never judged hung, and each lookup waited all its read_timeout)
+            raise OSError(errno.ETIME, f"a call on {self.name} has been out longer than the caller's {wait:g} s "
+                                       "(read_timeout)")
         call = _Call(fn, args, late)
         self._put(call)
         if not call.done.wait(None if wait == float("inf") else wait):  # (inf: no deadline but the caller's)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvstream_hicache import tiers as tiers_module
-from kvstream_hicache.bounded import BoundedCalls
+from kvstream_hicache.bounded import BoundedCalls, GivenUp
 from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ
 from kvstream_hicache.tiers import LOOK_S
@@ -51,6 +51,31 @@ def test_a_hung_call_times_out_later_ones_fail_at_once_and_what_it_made_is_undon
         gate.set()
         wait_until(lambda: undone == ["made"] and posted == ["clean-up"], what="the late result was never undone")
         assert ran == [] and not calls.hung() and calls.run(lambda: "again") == "again"
+    finally:
+        gate.set()
+        calls.close()
+
+
+def test_a_caller_with_less_time_than_a_call_out_has_taken_is_refused_at_once():
+    """write_timeout=0: a tier's calls have no deadline of their own, so a hung one is never judged hung.
+    A caller with its own time (a lookup's or a get's read_timeout) queued behind a call out longer than
+    that time could not start in it: it is refused at once (ETIME: the tier is not failed for it) and its
+    call never runs. Before, every lookup on the hung tier waited its whole read_timeout, one after another
+    (SGLang's batch_exists: 30 s each)."""
+    calls = BoundedCalls("tier 1", float("inf"))
+    gate, ran = threading.Event(), []
+    try:
+        first = threading.Thread(target=lambda: calls.run(gate.wait), daemon=True)
+        first.start()
+        wait_until(lambda: calls._since is not None, what="the first call never started")
+        time.sleep(0.3)
+        with pytest.raises(OSError) as exc:
+            calls.run(ran.append, 1, within=0.2)
+        assert exc.value.errno == errno.ETIME and "out longer than" in str(exc.value)
+        assert not isinstance(exc.value, GivenUp)  # (refused: it never ran, nor will)
+        gate.set()
+        first.join(10)
+        assert calls.run(lambda: "again", within=0.2) == "again" and ran == []
     finally:
         gate.set()
         calls.close()
