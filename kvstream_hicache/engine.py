@@ -683,14 +683,20 @@ class Engine:
         given. Returns the keys found."""
         found = 0
         until = honest_until()
-        # a look is a read (tiers.py look): the call's looks, all tiers and keys, end by its read_timeout
-        deadline = time.monotonic() + self.config.read_timeout if self.config.read_timeout > 0 else None
+        # A look is a read (tiers.py look): a tier's looks in the call, all keys, end by its read_timeout. Each
+        # tier has its own (from its first look): with one deadline for all, a hung tier first in line spent
+        # it, and a network tier behind it that answers was given no time (its pages missed).
+        timeout, deadlines = self.config.read_timeout, {}
+
+        def within(k: int) -> float | None:
+            return None if timeout <= 0 else _left(deadlines.setdefault(k, time.monotonic() + timeout))
+
         for key in keys:
             for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read)
                 mark = self.index.mark(key)
                 pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers
                          if mask >> tier.k & 1
-                         for page in [tier.look(self.namespace.digest, key, _left(deadline))]  # (None: no answer)
+                         for page in [tier.look(self.namespace.digest, key, within(tier.k))]  # (None: no answer)
                          if page is not None and page.problem is None
                          and (sizes is None or page.header.length == sizes[key])]
                 if all([self._index_page(k, page, mark) for _, k, page in sorted(pages, key=lambda e: e[:2])]):

@@ -158,8 +158,9 @@ class SlowerTiers:
     queue, another tenant, or the other tier's CPU). So the calls decide, as the router does, with
     nothing to set: routed calls of each size (within 2x) take the two rules in turn until each has a
     rate, then the faster (a moving average of bytes per second over calls of each), and one call in
-    EXPLORE_EVERY the other, so that a change (a tier that speeds up, the machine's load, the page size)
-    is seen. Pure: the read path calls it under its lock, passing each call's bytes and seconds."""
+    EXPLORE_EVERY the other, and the next one too (the first is not counted: below), so that a change (a
+    tier that speeds up, the machine's load, the page size) is seen. Pure: the read path calls it under
+    its lock, passing each call's bytes and seconds."""
 
     def __init__(self) -> None:
         # Per size class of call (the bit length of its bytes): a call costs some time besides its bytes

@@ -222,7 +222,7 @@ class WritePage:
             ctypes.memset(address + n - pad, 0, pad)
 
 
-CANCELLED = -1  # Job.err of a job that clear() cancelled
+CANCELLED = -1  # Job.err of a job cancelled: by clear(), a page its caller let go of (WritePage.gone), an unwanted copy
 
 
 class Write:

@@ -148,7 +148,8 @@ class Tier:
         self._dirs.update((self.layout.tmp, self.layout.pages))
         self.local = local_fs(root)  # a local disk file system answers or fails a call; a network one may hang
         self.calls = BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
-        # a get's opens (write_timeout 0, no limit for the tier: its read_timeout still bounds them)
+        # a get's opens, discovery's looks, usage()'s statvfs (write_timeout 0, no limit for the tier: the
+        # caller's read_timeout still bounds them)
         self.reads = BoundedCalls(f"tier {k} reads", 0.0 if self.local else hang_timeout or float("inf"))
 
     # -- health ---------------------------------------------------------------------------------

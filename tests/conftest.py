@@ -144,31 +144,48 @@ def engines_end_consistent(request, monkeypatch):
     assert not problems, "engines closed with problems on their tiers:\n" + "\n".join(problems)
 
 
-@pytest.fixture
-def fuse_tier(tier_root, request):
-    """A tier on a FUSE file system (bindfs, in the foreground) and its daemon: SIGSTOP to the daemon
-    hangs every call on the tier, as a FUSE or NFS server that stops answering does. A watchdog
-    resumes the daemon after 30 s (a test module's FUSE_WATCHDOG_S, where its hangs must outlast
-    that), should the test end with it stopped (the unmount would hang)."""
-    watchdog_s = getattr(request.module, "FUSE_WATCHDOG_S", 30)
+@contextmanager
+def _bindfs(tier_root: str, name: str, watchdog_s: float | None):
+    """A tier directory on a FUSE mount (bindfs, in the foreground) and its daemon, unmounted after; with
+    ``watchdog_s``, a watchdog resumes the daemon after that long (the unmount would hang with it stopped)."""
     if shutil.which("bindfs") is None:
         pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
-    src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "fuse")
+    src, mnt = os.path.join(tier_root, f"src{name}"), os.path.join(tier_root, f"fuse{name}")
     os.mkdir(src, 0o700)
     os.mkdir(mnt)
     daemon = subprocess.Popen(["bindfs", "-f", src, mnt])
-    watchdog = subprocess.Popen(["sh", "-c", f"sleep {watchdog_s}; kill -CONT {daemon.pid}"], start_new_session=True)
+    watchdog = None if watchdog_s is None else subprocess.Popen(["sh", "-c", f"sleep {watchdog_s}; kill -CONT {daemon.pid}"],
+                                                                start_new_session=True)
     try:
         wait_until(lambda: os.path.ismount(mnt), 10, "bindfs never mounted")
         os.mkdir(os.path.join(mnt, "tier"), 0o700)
         yield os.path.join(mnt, "tier"), daemon
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
-        os.killpg(watchdog.pid, signal.SIGKILL)
-        watchdog.wait()
+        if watchdog is not None:
+            os.killpg(watchdog.pid, signal.SIGKILL)
+            watchdog.wait()
         if subprocess.run(["fusermount", "-u", mnt], capture_output=True).returncode and os.path.ismount(mnt):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
         daemon.wait(10)
+
+
+@pytest.fixture
+def fuse_tier(tier_root, request):
+    """A tier on a FUSE file system (bindfs, in the foreground) and its daemon: SIGSTOP to the daemon
+    hangs every call on the tier, as a FUSE or NFS server that stops answering does. A watchdog
+    resumes the daemon after 30 s (a test module's FUSE_WATCHDOG_S, where its hangs must outlast
+    that), should the test end with it stopped (the unmount would hang)."""
+    with _bindfs(tier_root, "", getattr(request.module, "FUSE_WATCHDOG_S", 30)) as tier:
+        yield tier
+
+
+@pytest.fixture
+def second_fuse_tier(tier_root):
+    """A second tier on FUSE (bindfs) beside ``fuse_tier``'s, left answering: a network tier (not local,
+    its calls bounded as on one that may hang) that does not hang."""
+    with _bindfs(tier_root, "2", None) as (tier, _):
+        yield tier
 
 
 # ------------------------------------------------------------------------------------------- Ctrl-C

@@ -387,6 +387,23 @@ def test_a_check_while_a_tier_hangs_holds_no_get_and_reports_the_tier_unchecked(
         assert not engine.tiers[1].healthy
 
 
+def _prefix_len_while_stopped(engine, daemon, keys) -> int:
+    """``engine.prefix_len(keys)`` while ``daemon`` (a FUSE tier's) is stopped: it must return by its
+    read_timeout (a thread of its own, joined at most 20 s)."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    got = []
+    try:
+        time.sleep(2)  # (past FUSE's 1 s attribute cache)
+        looking = threading.Thread(target=lambda: got.append(engine.prefix_len(keys)), daemon=True)
+        looking.start()
+        looking.join(20)
+        assert not looking.is_alive(), "prefix_len waited for the hung tier past its read_timeout"
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    [n] = got
+    return n
+
+
 @pytest.mark.parametrize("write_timeout", [0, 120])
 def test_a_lookup_of_a_key_the_index_lacks_while_a_tier_hangs_returns_by_read_timeout(tier_dirs, fuse_tier,
                                                                                       write_timeout):
@@ -403,18 +420,22 @@ def test_a_lookup_of_a_key_the_index_lacks_while_a_tier_hangs_returns_by_read_ti
                      tier_retry=600) as engine:
         assert not engine.tiers[1].local
         assert pages.put(engine, keys[:1]) == [True]
-        os.kill(daemon.pid, signal.SIGSTOP)
-        got = []
-        try:
-            time.sleep(2)  # (past FUSE's 1 s attribute cache)
-            looking = threading.Thread(target=lambda: got.append(engine.prefix_len(keys)), daemon=True)
-            looking.start()
-            looking.join(20)
-            assert not looking.is_alive(), "prefix_len waited for the hung tier past its read_timeout"
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
-        assert got == [1]
-        looking.join(20)
+        assert _prefix_len_while_stopped(engine, daemon, keys) == 1
+
+
+def test_a_lookup_finds_a_page_a_network_tier_holds_while_the_tier_before_it_hangs(fuse_tier, second_fuse_tier):
+    """write_timeout=0, read_timeout=0.5: tier 0's server stops answering; a page another server stored on
+    tier 1, a network tier that answers, is found by prefix_len (SGLang's batch_exists) all the same: each
+    tier's looks have the call's read_timeout. Before, one deadline served every tier: tier 0's look spent
+    it and tier 1's was refused for want of time, so the page was a miss (found 0). From stop 46's review."""
+    hung, daemon = fuse_tier
+    pages = PageSet()
+    keys = pages.keys(1)
+    with make_engine([hung, second_fuse_tier], write_timeout=0, read_timeout=0.5, tier_retry=600) as engine:
+        assert not engine.tiers[0].local and not engine.tiers[1].local
+        with make_engine([second_fuse_tier]) as other:  # (another server of the namespace)
+            assert pages.put(other, keys) == [True]
+        assert _prefix_len_while_stopped(engine, daemon, keys) == 1
 
 
 def test_a_check_while_the_start_up_scan_of_a_hung_tier_runs_returns(tier_dirs, fuse_tier):

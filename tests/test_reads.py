@@ -264,7 +264,9 @@ def test_an_item_the_fastest_tier_fails_in_transfer_is_read_by_the_tier_a_held_c
         finally:
             plan.clear()
             plan.release()
+        assert plan.hits, "the fastest tier's read never arrived corrupt"
         assert not messages(caplog, "router stalled")
+        assert (engine.last_batch["rule"], engine.last_batch["second_chance"]) == ("held", 0)  # (the same call)
 
 
 @pytest.mark.parametrize("what", ["gone", "directory"])
@@ -286,7 +288,7 @@ def test_a_page_the_fastest_tier_cannot_open_is_read_by_the_tier_a_held_call_hol
             if what == "directory":
                 os.rmdir(path)  # (a stray kvstream leaves in place: the test's own)
         assert not messages(caplog, "router stalled")
-        assert engine.last_batch["second_chance"] == 0
+        assert (engine.last_batch["rule"], engine.last_batch["second_chance"]) == ("held", 0)
 
 
 @pytest.mark.parametrize("fault", ["error", "hold"])
