@@ -124,11 +124,6 @@ def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
 _OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet (the exit hook closes them)
 
 
-def _left(deadline: float | None) -> float | None:
-    """Seconds left until ``deadline`` (None: no deadline)."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
 @atexit.register
 def _close_open_engines() -> None:
     """At interpreter exit, before the daemon threads stop: close the engines still open (one a
@@ -689,7 +684,8 @@ class Engine:
         timeout, deadlines = self.config.read_timeout, {}
 
         def within(k: int) -> float | None:
-            return None if timeout <= 0 else _left(deadlines.setdefault(k, time.monotonic() + timeout))
+            now = time.monotonic()
+            return None if timeout <= 0 else max(0.0, deadlines.setdefault(k, now + timeout) - now)
 
         for key in keys:
             for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read)

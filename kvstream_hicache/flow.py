@@ -176,8 +176,8 @@ class SlowerTiers:
         # call is not counted; the next call of its size takes its rule again, and counts (calls of two
         # sizes in turn, each after the other's, would never count otherwise).
         self._last: int | None = None  # the rule of the last routed call that ended
-        self._again: dict[int, int] = {}  # per class, a rule whose call was not counted
-        self._retried: set[int] = set()  # classes whose call now in flight takes its rule again
+        self._again: dict[int, int] = {}  # per class, a rule whose call was not counted: taken again, until
+        # a call of the class ends (that one counts)
 
     def rule(self, nbytes: int) -> int:
         """The rule for the next routed call, of ``nbytes``: OPEN or HELD."""
@@ -185,8 +185,7 @@ class SlowerTiers:
         calls = self._calls[size] = self._calls.get(size, 0) + 1
         rates = self.rates.setdefault(size, [0.0] * len(RULES))
         if size in self._again:
-            self._retried.add(size)
-            return self._again.pop(size)
+            return self._again[size]
         if not all(rates):
             return rates.index(0.0)  # (each rule in turn, open first)
         best = max(RULES, key=rates.__getitem__)
@@ -198,9 +197,7 @@ class SlowerTiers:
         size = planned.bit_length()
         rates = self.rates.setdefault(size, [0.0] * len(RULES))
         last, self._last = self._last, rule
-        if size in self._retried:
-            self._retried.discard(size)
-        elif last is not None and last != rule:
+        if self._again.pop(size, None) is None and last is not None and last != rule:
             self._again[size] = rule
             return
         if nbytes > 0 and seconds > 0:
