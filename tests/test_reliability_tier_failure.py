@@ -665,7 +665,8 @@ def test_a_clear_owed_keeps_the_pages_another_node_put_after_it(tier_dirs, resta
             _until_back(engine, 1, lambda: pages.checked_get(engine, stale[:1]))
             assert pages.checked_get(engine, stale) == [False] * 3, "pages cleared are served again"
             assert pages.checked_get(engine, fresh) == [True] * 2, "another node's pages put after the clear are gone"
-            assert [engine.index.holders(k) for k in fresh] == [0b10] * 2
+            # (tier 1 holds them; tier 0 may too by now: the catch-up copies a page one tier holds in idle time)
+            assert [engine.index.holders(k) & 0b10 for k in fresh] == [0b10] * 2
             assert len(page_files(dirs[1])) == 2
 
 
