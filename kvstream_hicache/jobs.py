@@ -9,8 +9,9 @@
         evicting can make room at all; any other error fails the tier (tiers.py decides for how long)
     a hung tier (no write progress for write_timeout): the tier fails, its jobs are abandoned
         (hung_under_writer)
-    a page whose caller let go of its memory (WritePage.gone: L2Core.close giving up on a hung tier): no
-        job of it starts or submits any more, and one that ends is cancelled, never renamed into place
+    a page whose caller let go of its memory (WritePage.gone: L2Core.close giving up on a hung tier; a put
+        interrupted, withdrawn): no job of it starts or submits any more, and one that ends is cancelled,
+        never renamed into place; a put that joined it writes it from its own memory (writequeue.py)
     a job over (committed, failed, cancelled or abandoned) tells the queue (writequeue.py), which
     ends the page and its put when every tier it targets is over.
 
@@ -157,7 +158,8 @@ class Jobs:
         """A put interrupted while it queues or waits (PutCall.withdraw): its caller takes the memory back. Its pages
         leave the FIFOs (WriteQueue.withdraw) and its jobs are cancelled, as clear() cancels them: none
         reads that memory any more once the writes in flight end (a page written whole and committed
-        before stays: valid). A put that joined one of its pages gets False for it."""
+        before stays: valid). A put that joined one of its pages, and did not let go of its memory,
+        writes the page from that memory (WriteQueue._hand_over_under_queues)."""
         for page, k in self.queue.withdraw(call):
             self.queue.job_over_under_writer(page, k)
         mine = set(call.pages)

@@ -25,7 +25,7 @@ log = logging.getLogger("kvstream")
 class PutCall:
     """One put: results per key, pages not yet done, how the caller learns the end."""
 
-    __slots__ = ("results", "pages", "joined", "held", "repeats", "left", "done", "event", "dirs", "gate")
+    __slots__ = ("results", "pages", "joined", "held", "repeats", "left", "done", "event", "dirs", "gate", "sources")
 
     def __init__(self, n: int, done: Callable[[list[bool]], None] | None, gate=None):
         self.results = [False] * n
@@ -38,6 +38,12 @@ class PutCall:
         self.event = threading.Event() if done is None else None
         self.dirs: dict[int, set[str]] = {}  # page directories committed, per tier (fsync=full)
         self.gate = gate  # its caller's memory.CallerGate (put_deferred): shut, the memory is no longer to be read
+        self.sources: dict[int, Sequence[Segment]] = {}  # position -> its caller's page, of each key it joined:
+        # written from it if the caller of the copy it waits for lets go first (WriteQueue._hand_over_under_queues)
+
+    def let_go(self) -> bool:
+        """Its caller let go of its memory (shut its gate): none of it is to be read any more."""
+        return self.gate is not None and self.gate.shut
 
     def sync_dirs(self, tiers, stats) -> None:
         """fsync=full: make the put's renames durable on each tier; a page none of whose copies is
@@ -119,7 +125,7 @@ class WritePage:
 
     __slots__ = ("key", "segments", "payload", "length", "block", "file_bytes", "aligned", "crcs", "created",
                  "header", "users", "targets", "expected", "committed", "left", "calls", "spare", "evict", "copied",
-                 "started", "gate")
+                 "started", "gate", "withdrawn", "cleared")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -135,17 +141,22 @@ class WritePage:
         self.users = 0  # jobs started and not finished (they hold the header)
         self.committed: list[int] = []
         self.left = 0  # jobs not finished
-        self.calls: list[tuple[PutCall, int]] = []  # (put, position of the key in it)
+        self.calls: list[tuple[PutCall, int]] = []  # (put, position of the key in it): first the put whose
+        # memory it is written from, then the puts that joined it
         self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
         self.copied: Callable[[bool, float], None] | None = None  # a catch-up copy (replication.py): its
         # callback, told whether it committed and how long its job took from its start
         self.started = 0.0  # when its (last) job started, monotonic s
         self.gate = None  # the CallerGate of the put that brought the page (its memory), if it has one
+        self.withdrawn = False  # the put that brought it was interrupted (PutCall.withdraw): its memory taken back
+        self.cleared = False  # clear() cancelled it: never written again, not even for a put that joined it
 
     def gone(self) -> bool:
-        """Its caller let go of its memory (shut its gate: L2Core.close giving up on a hung tier): no job
-        of it starts, submits or commits any more (the bytes it would write may not be the page's)."""
-        return self.gate is not None and self.gate.shut
+        """Its caller let go of its memory (shut its gate: L2Core.close giving up on a hung tier; or took it
+        back: an interrupted put, withdrawn): no job of it starts, submits or commits any more (the bytes it
+        would write may not be the page's). The puts that joined it still get their page
+        (WriteQueue._hand_over_under_queues)."""
+        return self.withdrawn or self.gate is not None and self.gate.shut
 
     @contextmanager
     def _source(self):

@@ -4,17 +4,18 @@ Accepting a put (the caller's thread)::
 
     keys already held by a usable tier, at the put's length -> touch (most recent), True, no I/O
         (idempotent, cheap); another length is another version: written over it
-    a key another put is writing now -> waits for that page (written once)
+    a key another put is writing now -> waits for that page (written once); should that put's caller let
+        go of its memory before a tier committed it, the first waiting put writes it from its own
     admission (admission.py): capacity, then replicate=budget; a skipped replica is counted,
         not a failure
     -> the page at the back of each target tier's FIFO
 
 State: per tier a FIFO of pages waiting for a job and the bytes accepted and not yet written
 (``queued``, P_k of admission.py); the pages being written, by key (a put of a key already on its
-way waits for that copy); the bytes of pages not done (``backlog``: a deferred put beyond
-``write_backlog`` waits, back-pressure); the writer's two conditions (``work``: new work or a
-wake-up, ``room``: backlog room). The end of a page's last tier ends the page, and a put when its
-pages are done (:meth:`WriteQueue.job_over_under_writer`).
+way waits for that copy, or writes it if that copy's caller lets go first); the bytes of pages not
+done (``backlog``: a deferred put beyond ``write_backlog`` waits, back-pressure); the writer's two
+conditions (``work``: new work or a wake-up, ``room``: backlog room). The end of a page's last tier
+ends the page, and a put when its pages are done (:meth:`WriteQueue.job_over_under_writer`).
 
 Lock: ``lock``, the queues' (callers and the writer, briefly; the writer takes it under
 WritePath.lock, never the other way round): methods ending ``_under_queues`` run with it held.
@@ -124,7 +125,8 @@ class WriteQueue:
             dropped = [(page, k) for queues in (self.fifo, self.copies) for k, fifo in enumerate(queues)
                        for page in fifo]
             for page in self.pending.values():
-                page.spare = 0  # cancelled, not failed: no tier takes it after all
+                page.spare = 0  # cancelled, not failed: no tier takes it after all,
+                page.cleared = True  # nor a put that joined it (the KV it holds may be stale: a weight update)
             for fifo in (*self.fifo, *self.copies):
                 fifo.clear()
         return dropped
@@ -142,8 +144,8 @@ class WriteQueue:
                     dropped += [(page, k) for page in fifo if page in mine]
                     fifo.clear()
                     fifo.extend(kept)
-            for page in call.pages:
-                page.spare = 0
+            for page in call.pages:  # gone: no tier replicate=budget skipped takes it after all (a put that
+                page.withdrawn = True  # joined it writes it from its own memory, there too: _hand_over_under_queues)
             for page in call.joined:
                 if not page.left:  # (over: it counted itself off the put already)
                     continue
@@ -212,9 +214,11 @@ class WriteQueue:
             writing = self.pending.get(key)
             if writing is not None and writing.length != length:  # another version being written now
                 continue  # (another deployment's, another size): not this page; False, the next put writes it
-            if writing is not None:  # another put is writing it: wait for that copy
+            if writing is not None:  # another put is writing it: wait for that copy (or, should its caller
+                # let go first, write it from this put's memory: _hand_over_under_queues)
                 writing.calls.append((call, i))
                 call.joined.append(writing)
+                call.sources[i] = segments
                 call.left += 1
                 for k in writing.committed:  # fsync=full: the tiers done already
                     call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
@@ -316,20 +320,24 @@ class WriteQueue:
             page.left -= 1
             if page.left or self._spare_job_under_queues(page):
                 return
-            if self.pending.get(page.key) is page:
-                del self.pending[page.key]
-            self.backlog -= page.length
-            self.room.notify_all()
+            heir = self._hand_over_under_queues(page)
+            if heir is None:
+                if self.pending.get(page.key) is page:
+                    del self.pending[page.key]
+                self.backlog -= page.length  # (a page handed over keeps its bytes in the backlog)
+                self.room.notify_all()
         ok = bool(page.committed)
         if ok:
             self.stats.total("pages_stored")
             if page.expected & ~self.index.holders(page.key):
                 self.stats.total("under_replicated")
-        else:
+        elif heir is None:  # (a page handed over is counted once, when its heir ends)
             self.stats.total("pages_failed")
         if ok and len(page.committed) < len(self.tiers):
             self.thinned([page.key])  # a skipped or failed replica: background replication owes it
         for call, i in page.calls:
+            if heir is not None and (call, i) in heir.calls:
+                continue  # (waits for the heir now)
             call.results[i] = ok
             call.left -= 1
             if not call.left:
@@ -338,8 +346,9 @@ class WriteQueue:
     def _spare_job_under_queues(self, page: WritePage) -> bool:
         """Every tier of the page failed it (the home tier's quota, EIO): a healthy tier that
         replicate=budget skipped writes it after all, before the put answers (promise 4: writes go to
-        the healthy tiers). True when one took it."""
-        if page.committed:
+        the healthy tiers). True when one took it. Not a page whose caller let go of its memory (gone):
+        what is left of it is for a put that joined it (_hand_over_under_queues)."""
+        if page.committed or page.gone():
             return False
         for k in tiers_in(page.spare):
             page.spare &= ~(1 << k)
@@ -353,6 +362,36 @@ class WriteQueue:
                 self.wake_under_queues()
                 return True
         return False
+
+    def _hand_over_under_queues(self, page: WritePage) -> WritePage | None:
+        """The page's caller let go of its memory (WritePage.gone: a gated put_deferred's caller closed,
+        L2Core.close; a put interrupted, withdrawn) before a tier committed it, so it is cancelled. The
+        puts that joined it (a key being written waits for that copy) did not let go of theirs: the
+        first of them writes the page from its own memory, as a page of its own (withdrawn with it, gone
+        with its gate) that the others join, on the tiers the page was admitted to; the caller that let
+        go gets False. Returns that page, queued (its bytes stay in the backlog), or None: no put waits
+        whose memory can be read, or clear() cancelled the page (never written after it)."""
+        if page.committed or page.cleared or not page.gone():
+            return None
+        heirs = [(call, i) for call, i in page.calls[1:] if not call.let_go()]  # (calls[0]: the one that let go)
+        if not heirs:
+            return None
+        owner, i = heirs[0]
+        heir = WritePage(page.key, owner.sources[i], page.length, page.block, page.targets)
+        heir.expected, heir.spare, heir.gate, heir.calls = page.expected, page.spare, owner.gate, heirs
+        owner.joined.remove(page)
+        owner.pages.append(heir)  # (its own now: withdrawn with it, PutCall.withdraw)
+        for call, _ in heirs[1:]:
+            call.joined[call.joined.index(page)] = heir
+        self.pending[page.key] = heir
+        for k in tiers_in(heir.targets):
+            self.queued[k] += heir.file_bytes
+            self.fifo[k].append(heir)
+            heir.left += 1
+        self.wake_under_queues()
+        log.info("kvstream: page %s: its caller let go of its memory; written from the memory of a put that "
+                 "joined it", page.key)
+        return heir
 
     def _end_call_under_writer(self, call: PutCall) -> None:
         call.sync_dirs(self.tiers, self.stats)

@@ -1,6 +1,7 @@
 """A put ended by Ctrl-C whose interrupt lands elsewhere than in the wait for its event: inside
 WriteQueue.accept (its pages already queued), and a second Ctrl-C while its pages are withdrawn (from
-the review of this stop's changes: each left a wrong page stored, or the put or the writer hung).
+the review of this stop's changes: each left a wrong page stored, or the put or the writer hung); and a
+put ended by Ctrl-C whose page another put joined (that put still stores its page, from its own memory).
 
 Python runs a SIGINT handler (KeyboardInterrupt) in the main thread at a bytecode boundary, wherever
 that thread is. ``interrupt_at`` raises the KeyboardInterrupt at one chosen line (a trace function
@@ -18,8 +19,10 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from kvstream_hicache.faults import FaultPlan
+from kvstream_hicache.faults import Fault, FaultPlan
+from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.jobs import Jobs
+from kvstream_hicache.memory import CallerGate
 from kvstream_hicache.writequeue import WriteQueue
 from kvstream_hicache.writes import WritePath
 
@@ -181,4 +184,117 @@ def test_a_second_ctrl_c_before_exclusive_s_try_does_not_stop_the_writer(tier_di
         engine._writes.queue.exclusive = 0  # (let close() end)
         with engine._writes.queue.lock:
             engine._writes.queue.wake_under_queues()
+        engine.close()
+
+
+@pytest.mark.parametrize("where", ["queued", "in_flight"])
+@pytest.mark.parametrize("joiner", ["put", "put_deferred"])
+def test_a_put_that_joined_the_page_of_a_put_ended_by_ctrl_c_still_stores_it(tier_dirs, ctrl_c, joiner, where):
+    """A put's page waits in the FIFO (a held read) or is being written (its write held); a put of the key
+    from another thread joins it (the SGLang path, or a put_deferred: LMCache's); Ctrl-C ends the first
+    put, whose caller reuses its memory. The joined put never let go of its own: the page is written from
+    it, the joined put answers True and the key reads back with its bytes, never the reused ones (before:
+    the withdrawal cancelled the page, and the joined put got False, its page lost)."""
+    pages = PageSet(64 << 10)
+    k = pages.keys(1)[0]
+    plan = FaultPlan()
+    engine = make_engine(tier_dirs[:1], fault_plan=plan)
+    queue, jobs = engine._writes.queue, engine._writes.jobs
+    first, theirs = _Memory(pages.size, True), _Memory(pages.size, True)
+    for m in (first, theirs):
+        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    joined: list = []
+    try:
+        if where == "queued":
+            assert pages.put(engine, pages.keys(1, 100)) == [True]
+            reader = held_read(engine, pages, plan, pages.keys(1, 100)[0])
+        else:
+            plan.add(Fault.hold(), opcode=OP_WRITE, times=1)
+
+        def press():
+            wait_until(lambda: k in queue.pending and (queue.fifo[0] if where == "queued" else jobs.active[0]),
+                       what="the put never queued its page")
+            page = queue.pending[k]
+            if joiner == "put":
+                threading.Thread(target=lambda: joined.append(engine.put([k], [theirs.segments])), daemon=True).start()
+            else:
+                engine.put_deferred([k], [theirs.segments], joined.append)
+            wait_until(lambda: len(page.calls) == 2, what="the put never joined")
+            ctrl_c.press()
+            # (released once the withdrawal is done: its page out of the FIFO, or its job cancelled)
+            wait_until(lambda: queue.pending.get(k) is not page or any(job.err for job in jobs.active[0]),
+                       what="the interrupted put was never withdrawn")
+            plan.release()
+
+        presser = threading.Thread(target=press, daemon=True)
+        presser.start()
+        with pytest.raises(KeyboardInterrupt), ctrl_c.during():
+            engine.put([k], [first.segments])
+        first.array[:] = 0x5A  # the call raised: the caller's host page holds other KV now
+        presser.join(60)
+        if where == "queued":
+            reader.join(60)
+        wait_until(lambda: joined, HANG_S, "the joined put never ended")
+        assert joined == [[True]], "a put whose memory was never let go lost its page to another put's Ctrl-C"
+        found, got = pages.get(engine, [k])
+        assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
+        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+    finally:
+        plan.release()
+        engine.close()
+
+
+def test_a_put_that_took_over_a_let_go_of_page_and_is_ended_by_ctrl_c_hands_it_on(tier_dirs, ctrl_c):
+    """A gated put_deferred's page (LMCache's) is being written (held); a put (this thread) and then a
+    put_deferred without a gate join it. The gate shuts: the put writes the page from its own memory (its
+    write held in turn), and Ctrl-C ends that put, whose caller reuses its memory. The page goes on to the
+    put_deferred, written from its memory: True, read back with its bytes, never the reused ones (the put
+    owned the copy it took over: withdrawn with it, nothing of its memory read after it raised)."""
+    pages = PageSet(64 << 10)
+    k = pages.keys(1)[0]
+    plan = FaultPlan()
+    engine = make_engine(tier_dirs[:1], fault_plan=plan)
+    queue, jobs = engine._writes.queue, engine._writes.jobs
+    gated_memory, mine, theirs = (_Memory(pages.size, True) for _ in range(3))
+    for m in (gated_memory, mine, theirs):
+        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    gate, gated, deferred, returned = CallerGate("source"), [], [], threading.Event()
+    try:
+        plan.add(Fault.hold(), opcode=OP_WRITE, times=2)  # the gated put's write, then the put's own
+        engine.put_deferred([k], [gated_memory.segments], gated.append, gate)
+        wait_until(lambda: plan.hits, what="the gated put's write never reached the ring")
+        first = queue.pending[k]
+
+        def press():
+            try:
+                wait_until(lambda: len(first.calls) == 2, what="the put never joined")
+                engine.put_deferred([k], [theirs.segments], deferred.append)
+                gate.close(60)
+                plan.release()
+                wait_until(lambda: len(plan.hits) == 2 or returned.is_set(), what="the put never wrote the page")
+                if not returned.is_set():
+                    ctrl_c.press()
+                    # (released once the withdrawal cancelled its job)
+                    wait_until(lambda: any(job.err for job in jobs.active[0]) or returned.is_set(),
+                               what="the interrupted put was never withdrawn")
+            finally:
+                plan.release()
+
+        presser = threading.Thread(target=press, daemon=True)
+        presser.start()
+        try:
+            with pytest.raises(KeyboardInterrupt), ctrl_c.during():
+                engine.put([k], [mine.segments])
+        finally:
+            returned.set()
+        mine.array[:] = 0x5A  # the call raised: the caller's host page holds other KV now
+        presser.join(60)
+        wait_until(lambda: gated and deferred, HANG_S, "the deferred puts never ended")
+        assert gated == [[False]] and deferred == [[True]], "the page was not handed on to the put_deferred"
+        found, got = pages.get(engine, [k])
+        assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
+        stats = engine.stats()
+        assert stats["pages_stored"] == 1 and stats["write_backlog_bytes"] == 0 and engine.check() == []
+    finally:
+        plan.release()
         engine.close()

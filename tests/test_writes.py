@@ -891,17 +891,84 @@ def test_a_gated_put_let_go_of_with_writes_in_flight_commits_nothing_and_release
     assert open_fds() == fds
 
 
-@pytest.mark.xfail(strict=True, reason="open: a joined put shares the fate of the copy it waits for (writequeue.py); "
-                   "giving it a copy of its own is a change of the queue, not made in the review of stop 46")
 def test_a_put_that_joined_a_page_whose_caller_let_go_of_its_memory_still_stores_it(tier_dirs):
     """The put that joined page 0 (the SGLang path, or another core on an engine it was given) never let go
-    of its own memory: its page is stored. Found in the review of stop 46: it gets False, the key is not
-    stored (the copy it waited for was the gated put's, cancelled)."""
+    of its own memory: its page is stored, written from that memory (WriteQueue._hand_over_under_queues).
+    Found in the review of stop 46: it got False, the key was not stored (the copy it waited for was the
+    gated put's, cancelled)."""
     engine, pages, (gated, other, joined) = _gated_put_let_go_of(tier_dirs, join=True)
     with engine:
         assert gated == [[False, False]] and other == [[True]]
         assert joined == [[True]], "a put whose memory was never let go lost its page to another caller's gate"
         assert pages.checked_get(engine, pages.keys(1)) == [True]
+        assert engine.stats()["write_backlog_bytes"] == 0 and tmp_files(tier_dirs[0]) == [] and engine.check() == []
+
+
+def test_a_page_joined_by_several_puts_is_written_once_from_the_first_that_did_not_let_go(tier_dirs):
+    """A gated put_deferred of page 0 (LMCache's L2Core) is being written to two tiers (held); three puts of
+    the key join it: a second store of the same core (the same gate, its memory let go of with the first's:
+    filled with other bytes here, as freed memory may be), a put_deferred without a gate (another caller),
+    and a put. The gate shuts and the writes end. The store of the same core gets False; the page is
+    written once to each tier, from the memory of a joined caller that still has it (never the freed one),
+    and both those callers get True (before: all four False, the key lost)."""
+    from kvstream_hicache.memory import CallerGate
+
+    plan = TierFaultPlan()
+    pages = PageSet(held=1)
+    (k,) = pages.keys(1)
+    freed, deferred, mine = pages.fresh(), pages.fresh(), pages.fresh()
+    for a, b, c, d in zip(freed[0], deferred[0], mine[0], pages.src[0]):
+        a[:], b[:], c[:] = 0x5A, d, d
+    gate, gated, same_core, other = CallerGate("source"), [], [], []
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate="all") as engine, releasing(plan):
+        for tier in tier_dirs[:2]:
+            plan.on(tier, Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred([k], pages.src_segments, gated.append, gate)
+        wait_until(lambda: len(plan.hits) >= 2, WAIT_S, "the writes to both tiers never reached the ring")
+        engine.put_deferred([k], segments_of(freed), same_core.append, gate)
+        engine.put_deferred([k], segments_of(deferred), other.append)
+        putter, joined = in_thread(engine.put, [k], segments_of(mine))
+        wait_until(lambda: len(engine._writes.queue.pending[k].calls) == 4, WAIT_S, "the put never joined")
+        assert gate.close(WAIT_S)
+        plan.clear()
+        plan.release()
+        putter.join(WAIT_S)
+        wait_until(lambda: gated and same_core and other, WAIT_S, "the deferred puts never ended")
+        assert gated == [[False]] and same_core == [[False]]
+        assert other == [[True]] and joined == [[True]], "puts whose memory was never let go lost their page"
+        assert pages.checked_get(engine, [k]) == [True]
+        assert engine.index.get(k).tiers == 0b11 and [t["pages_written"] for t in engine.stats()["tiers"]] == [1, 1]
+        stats = engine.stats()
+        assert stats["pages_stored"] == 1 and stats["pages_failed"] == 0 and stats["write_backlog_bytes"] == 0
+        assert engine.check() == []
+
+
+def test_a_page_clear_cancelled_is_not_written_for_a_put_that_joined_it_when_its_caller_lets_go(tier_dirs):
+    """clear() (SGLang's after a weight update) cancels a gated put_deferred's page being written (held),
+    which a put joined; then the gate shuts and the writes end. The page stays cancelled, the put gets
+    False and nothing is stored: a put that joined a page clear() dropped never writes it after the clear
+    (its KV may be stale), even though its own memory is still there."""
+    from kvstream_hicache.memory import CallerGate
+
+    plan = TierFaultPlan()
+    pages = PageSet(held=1)
+    (k,) = pages.keys(1)
+    gate, gated = CallerGate("source"), []
+    with make_engine(tier_dirs[:1], fault_plan=plan) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred([k], pages.src_segments, gated.append, gate)
+        wait_for_fault(plan)
+        putter, joined = in_thread(engine.put, [k], pages.src_segments)
+        wait_until(lambda: len(engine._writes.queue.pending[k].calls) == 2, WAIT_S, "the put never joined")
+        engine.clear()
+        assert gate.close(WAIT_S)
+        plan.clear()
+        plan.release()
+        putter.join(WAIT_S)
+        wait_until(lambda: gated, WAIT_S, "the deferred put never ended")
+        assert gated == [[False]] and joined == [[False]]
+        assert not engine.held(k) and pages.checked_get(engine, [k]) == [False] and page_files(tier_dirs[0]) == []
+        assert engine.stats()["write_backlog_bytes"] == 0
 
 
 class _CountedRing:
