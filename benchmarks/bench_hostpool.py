@@ -23,7 +23,8 @@ a call of the other rule (the rule before stop 46), ``fastinplace`` reads the fa
 tier's first claims of a two-tier call in place (``fastest_in_place``: what staging replicated pages costs), ``vegas`` gives a call one tier alone serves that tier's flow window (the
 rule before it queued deeper), ``single<N>M`` sets that depth to N MiB (at most the ceiling), staged
 or in place (``singlewin<N>M``: the larger of N MiB and the flow window; main keeps 16 MiB for a staged
-call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03), ``nocoop`` opens the engine's rings without
+call and the ceiling in place, so ``single32M`` is the rule before 2026-12-03; ``indepth<N>M``: a call read in
+place keeps at least N MiB, past the ceiling: tried in stop 47, not taken), ``nocoop`` opens the engine's rings without
 COOP_TASKRUN (every completion interrupts the submitting thread: the rule before 2026-12-05), ``oldunit`` counts
 windows in whole blocks even for pages smaller than a block (the rule before 2026-12-03's second
 change: a 2 MiB window of 256 KiB pages held 2 of them); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
@@ -141,13 +142,28 @@ def fastest_in_place(rp):
         return reqs, failed
     rp._requests_under_reads = requests_in_place
     rp._may_steal_under_reads = lambda tier, owner: owner != now["fast"] and may_steal(tier, owner)
-def capped_single(self, call, flow, cap, grow):
+# GetCall.queue_bytes (how much a call keeps in flight per tier) and item_bytes as each mode has them: a call belongs to no
+# engine, so the mode read now picks it (NOW, set before each read)
+from kvstream_hicache.getcall import GetCall
+NOW, QUEUE_BYTES = [None], {}
+_queue_bytes = GetCall.queue_bytes
+GetCall.queue_bytes = lambda call, flow: QUEUE_BYTES.get(NOW[0], _queue_bytes)(call, flow)
+ITEM_BYTES, _item_bytes = {}, GetCall.item_bytes  # (the same for GetCall.item_bytes)
+GetCall.item_bytes = lambda call: ITEM_BYTES.get(NOW[0], _item_bytes)(call)
+def in_place_deeper(call, flow, depth):
+    """A call one tier alone serves read in place keeps at least ``depth`` bytes in flight, past the
+    tier's ceiling (its share of the staging budget, which reads in place do not spend): tried in stop
+    47 as IN_PLACE_DEPTH = 128 MiB, not taken (docs/data/inplace-47)."""
+    if call.single and call.in_place:
+        return max(flow.ceiling, depth)
+    return _queue_bytes(call, flow)
+def capped_single(call, flow, cap, grow):
     """A call one tier alone serves keeps ``cap`` bytes in flight on it, staged or in place (with
     ``grow``, its flow window where that is larger), never more than the ceiling."""
     if not call.single:
         return flow.window
     return min(flow.ceiling, max(cap, flow.window) if grow else cap)
-def vegas_window(self, call, flow):
+def vegas_window(call, flow):
     """ReadPath._queue_bytes before a single holder queued deeper: every call keeps each tier's flow
     window (for A/B)."""
     return flow.window
@@ -206,13 +222,14 @@ for m in modes:
             rp._set_depths_under_reads = types.MethodType(fastest_deep, rp)
         cap = re.search(r"single(win)?(\d+)M", m)
         if cap:  # a call one tier alone serves keeps this much in flight
-            rp._queue_bytes = types.MethodType(
-                lambda self, call, flow, _cap=int(cap.group(2)) << 20, _win=bool(cap.group(1)):
-                capped_single(self, call, flow, _cap, _win), rp)
+            QUEUE_BYTES[m] = functools.partial(capped_single, cap=int(cap.group(2)) << 20, grow=bool(cap.group(1)))
         if "oldunit" in m:  # windows counted in whole blocks, even for pages smaller than one
-            rp._item_bytes = lambda call: max(page.info.block for page in call.pages)
+            ITEM_BYTES[m] = lambda call: max(page.info.block for page in call.pages)
         if "vegas" in m:
-            rp._queue_bytes = types.MethodType(vegas_window, rp)
+            QUEUE_BYTES[m] = vegas_window
+        deeper = re.search(r"indepth(\d+)M", m)
+        if deeper:  # a call read in place keeps this much in flight, past the ceiling
+            QUEUE_BYTES[m] = functools.partial(in_place_deeper, depth=int(deeper.group(1)) << 20)
         if "claim=window" in m:
             rp._set_depths_under_reads = types.MethodType(claims_up_to_the_window, rp)
     assert ok, m
@@ -251,7 +268,7 @@ def machine_busy():
     return (sum(v[:8]) - v[3] - v[4]) / HZ  # user nice system idle iowait irq softirq steal
 for r in range(rounds):
     for m in round_order(modes, r):  # shuffled, as kvstream bench does
-        c = cons[m]
+        c, NOW[0] = cons[m], m
         t0, c0, h0, b0 = time.perf_counter(), time.process_time(), time.thread_time(), machine_busy()
         n = host.controller_cls._page_get_zero_copy(c.ctl, _Op(), key_sets[(r + 1) % sets], host.host_indices)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0

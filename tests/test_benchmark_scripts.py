@@ -24,7 +24,7 @@ def test_bench_hostpool_one_tier_and_two_with_every_variant(tier_dirs):
     """nixl and the adapter into sglang's real host pool, on one tier and on two, with every variant
     the script applies in the same process."""
     modes = ["nixl", "adapter-1tier", "adapter", "adapter-claim=window", "adapter-deep", "adapter-fastdeep",
-             "adapter-vegas", "adapter-1tier-single16M", "adapter-inplace", "adapter-mem32M",
+             "adapter-vegas", "adapter-1tier-single16M", "adapter-1tier-indepth64M", "adapter-inplace", "adapter-mem32M",
              "adapter-oldunit", "adapter-1tier-noreg", "adapter-slowcap", "adapter-nocoop", "adapter-fastinplace",
              "adapter-open", "adapter-held", "adapter-countall"]
     out = script("bench_hostpool.py", ",".join(tier_dirs[:2]), "2", "4", "2", *modes)
