@@ -146,13 +146,14 @@ class WriteQueue:
                     fifo.extend(kept)
             for page in call.pages:  # gone: no tier replicate=budget skipped takes it after all (a put that
                 page.withdrawn = True  # joined it writes it from its own memory, there too: _hand_over_under_queues)
-            for page in call.joined:
-                if not page.left:  # (over: it counted itself off the put already)
-                    continue
-                calls = [(owner, i) for owner, i in page.calls if owner is not call]
-                call.left -= len(page.calls) - len(calls)
-                page.calls = calls
+            # It waits for no other put's page: out of the calls of every page being written, its joins and
+            # one a Ctrl-C cut short (in page.calls, not yet in call.joined); so its count is taken afresh, its
+            # own pages not over (each ends it once): a cut-short join left it one off, the put waiting for ever
+            for page in self.pending.values():
+                if page.calls[0][0] is not call and any(owner is call for owner, _ in page.calls):
+                    page.calls = [(owner, i) for owner, i in page.calls if owner is not call]
             call.joined = []
+            call.left = sum(1 for page in call.pages if page.left)
         return dropped
 
     def drop_tier(self, k: int) -> list[WritePage]:
@@ -216,9 +217,9 @@ class WriteQueue:
                 continue  # (another deployment's, another size): not this page; False, the next put writes it
             if writing is not None:  # another put is writing it: wait for that copy (or, should its caller
                 # let go first, write it from this put's memory: _hand_over_under_queues)
-                writing.calls.append((call, i))
-                call.joined.append(writing)
-                call.sources[i] = segments
+                call.sources[i] = segments  # (first: a Ctrl-C may land between any two of these lines; a put
+                writing.calls.append((call, i))  # is an heir only once the page is in call.joined, its memory
+                call.joined.append(writing)  # known then; withdraw undoes a join cut short whole)
                 call.left += 1
                 for k in writing.committed:  # fsync=full: the tiers done already
                     call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
@@ -373,7 +374,8 @@ class WriteQueue:
         whose memory can be read, or clear() cancelled the page (never written after it)."""
         if page.committed or page.cleared or not page.gone():
             return None
-        heirs = [(call, i) for call, i in page.calls[1:] if not call.let_go()]  # (calls[0]: the one that let go)
+        heirs = [(call, i) for call, i in page.calls[1:]  # (calls[0]: the one that let go; a put whose join a
+                 if not call.let_go() and page in call.joined]  # Ctrl-C cut short took its memory back)
         if not heirs:
             return None
         owner, i = heirs[0]

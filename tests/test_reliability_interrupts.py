@@ -1,7 +1,8 @@
 """A put ended by Ctrl-C whose interrupt lands elsewhere than in the wait for its event: inside
 WriteQueue.accept (its pages already queued), and a second Ctrl-C while its pages are withdrawn (from
 the review of this stop's changes: each left a wrong page stored, or the put or the writer hung); and a
-put ended by Ctrl-C whose page another put joined (that put still stores its page, from its own memory).
+put ended by Ctrl-C whose page another put joined (that put still stores its page, from its own memory),
+or inside its own join of another put's page.
 
 Python runs a SIGINT handler (KeyboardInterrupt) in the main thread at a bytecode boundary, wherever
 that thread is. ``interrupt_at`` raises the KeyboardInterrupt at one chosen line (a trace function
@@ -23,6 +24,7 @@ from kvstream_hicache.faults import Fault, FaultPlan
 from kvstream_hicache.io import OP_WRITE
 from kvstream_hicache.jobs import Jobs
 from kvstream_hicache.memory import CallerGate
+from kvstream_hicache.puts import PutCall
 from kvstream_hicache.writequeue import WriteQueue
 from kvstream_hicache.writes import WritePath
 
@@ -295,6 +297,65 @@ def test_a_put_that_took_over_a_let_go_of_page_and_is_ended_by_ctrl_c_hands_it_o
         assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
         stats = engine.stats()
         assert stats["pages_stored"] == 1 and stats["write_backlog_bytes"] == 0 and engine.check() == []
+    finally:
+        plan.release()
+        engine.close()
+
+
+def _unhang_main_put(returned: threading.Event, state: dict) -> None:
+    """Watchdog: a put in the main thread still not returned HANG_S s on (its withdrawal waiting for its
+    event): recorded, and that event set so that the test ends."""
+    if returned.wait(HANG_S):
+        return
+    state["hung"] = True
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        call = frame.f_locals.get("self")
+        if isinstance(call, PutCall):
+            state["left"] = call.left
+            call.event.set()
+            return
+        frame = frame.f_back
+
+
+@pytest.mark.parametrize("line", ["call.joined.append(writing)", "call.sources[i] = segments"])
+def test_a_put_ended_by_ctrl_c_inside_its_join_returns_and_the_page_goes_to_the_next_put(tier_dirs, line):
+    """A gated put_deferred's page (LMCache's) is being written (held); a put of the key from this thread
+    is ended by Ctrl-C inside its join of that page (WriteQueue._enqueue_under_queues, at ``line``), and
+    its caller reuses its memory; a put_deferred of the key joins after it. The gate shuts, the write
+    ends. The interrupted put returns (raises) at once, and the page goes to the put_deferred, written from
+    its memory: True, read back with its bytes, backlog 0. Found in the review of 455a878: cut after it
+    entered the page's calls and before the put's own list of joined pages, the put was made the heir
+    and its memory (never recorded) looked up: KeyError in the writer, the put_deferred never answered,
+    the backlog stuck; cut one line later, its count one off, the interrupted put waited for ever."""
+    pages = PageSet(64 << 10)
+    k = pages.keys(1)[0]
+    plan = FaultPlan()
+    engine = make_engine(tier_dirs[:1], fault_plan=plan)
+    gated_memory, mine, theirs = (_Memory(pages.size, True) for _ in range(3))
+    for m in (gated_memory, mine, theirs):
+        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    gate, gated, deferred, returned, state = CallerGate("source"), [], [], threading.Event(), {"hung": False}
+    try:
+        plan.add(Fault.hold(), opcode=OP_WRITE, times=1)
+        engine.put_deferred([k], [gated_memory.segments], gated.append, gate)
+        wait_until(lambda: plan.hits, what="the gated put's write never reached the ring")
+        threading.Thread(target=_unhang_main_put, args=(returned, state), daemon=True).start()
+        try:
+            with pytest.raises(KeyboardInterrupt), interrupt_at(WriteQueue._enqueue_under_queues, line):
+                engine.put([k], [mine.segments])
+        finally:
+            returned.set()
+        assert not state["hung"], f"the put ended by Ctrl-C inside its join never returned: left {state.get('left')}"
+        mine.array[:] = 0x5A  # the call raised: the caller's host page holds other KV now
+        engine.put_deferred([k], [theirs.segments], deferred.append)
+        assert gate.close(60)
+        plan.release()
+        wait_until(lambda: gated and deferred, HANG_S, "the deferred puts never ended")
+        assert gated == [[False]] and deferred == [[True]], "the page was not handed to the put_deferred"
+        found, got = pages.get(engine, [k])
+        assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
+        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
     finally:
         plan.release()
         engine.close()
