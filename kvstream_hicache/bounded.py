@@ -6,7 +6,9 @@ hold the call for as long as its server is away: a GlusterFS client gives up aft
 turn, so a tier that hung in one held the writes of all, and every put waited for it. On a tier that
 may hang, the writer's calls (a temporary file's create, the commit's fdatasync, close and rename, an
 eviction's unlink, fsync=full's directory sync), clear()'s listings, check()'s first look, the catch-up
-thread's look and source read, and a failed tier's recovery probe run on the tier's own thread, and the
+thread's look and source read, a failed tier's recovery probe, and its start-up (its real path, which says
+whether it is local, its probe and set-up: probe.py, tiers.py; one that does not answer starts failed) run
+on the tier's own thread, and the
 caller waits at most ``timeout`` s (write_timeout): then ETIMEDOUT, which fails the tier (tiers.py),
 and the caller goes on with the other tiers. A get's open of a page file, discovery's look at one (a
 put's, get's or lookup's own thread: SGLang's batch_exists) and usage()'s statvfs run on a second

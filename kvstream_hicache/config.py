@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .bounded import BoundedCalls
 from .errors import ConfigError
 from .flow import MIN_REQUESTS
 from .index import MAX_TIERS
@@ -307,7 +308,11 @@ class Config:
             else:
                 raw[key], sources[key] = setting.default, f"default of {env_name(key)}"
         what = lambda key: setting_source(sources, key)  # noqa: E731
-        warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what)
+        try:  # (the bound of a tier's first look, below; a bad value is refused with the others, in __post_init__)
+            bound = parse_number(raw["write_timeout"], what("write_timeout"))
+        except ConfigError:
+            bound = SETTINGS["write_timeout"].default
+        warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what, bound)
         values = {k: v for k, v in raw.items() if k not in ("tiers", "capacity")}
         config = cls(tiers=tiers, **values, sources=dict(sources))
         overridden = [f"{env_name(key)}={env} is overridden by {sources[key]} = {explicit[key]!r} (an explicit "
@@ -321,7 +326,7 @@ class Config:
         try:
             if key in ("tiers", "capacity"):
                 other = _parse_tiers(*(text if k == key else raw[k] for k in ("tiers", "capacity")),
-                                     lambda k: k)[1]
+                                     lambda k: k, self.write_timeout)[1]
                 return [(t.path, t.capacity) for t in other] == [(t.path, t.capacity) for t in self.tiers]
             return getattr(dataclasses.replace(self, **{key: text}), key) == getattr(self, key)
         except ConfigError:
@@ -461,9 +466,13 @@ def _no_tiers() -> ConfigError:
                        "(fastest first) or the extra config key 'tiers' (a list; LMCache: adapter_params 'tiers')")
 
 
-def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
-                 what: Callable[[str], str]) -> tuple[list[str], tuple[TierConfig, ...]]:
-    """(warnings, tiers) from the tier list and capacities as written (lists, or os.pathsep-separated)."""
+def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str],
+                 bound: float = 0.0) -> tuple[list[str], tuple[TierConfig, ...]]:
+    """(warnings, tiers) from the tier list and capacities as written (lists, or os.pathsep-separated).
+    A tier listed twice is told by its real path, looked up on a thread waited for at most ``bound`` s
+    (write_timeout; 0: in place): a realpath through a FUSE or NFS mount whose server stopped never
+    returns, and every start (an engine's, ``kvstream check``'s) waited with it. A tier that does not
+    answer is kept as written (only the same text names it twice); the start fails it (probe.py)."""
     warnings: list[str] = []
     paths: list[str] = []
     written: dict[str, str] = {}
@@ -474,7 +483,7 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any,
             if not entry.strip():
                 continue
             path = _tier_path(entry.strip(), what("tiers"))
-            real = os.path.realpath(path)
+            real = real_path(path, bound) or path
             if real in seen:
                 warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
                                 "the duplicate is ignored, it would add no bandwidth and no redundancy")
@@ -516,6 +525,19 @@ def _size_text(nbytes: int) -> str:
         if nbytes and not nbytes % (1 << shift):
             return f"{nbytes >> shift}{unit}"
     return str(nbytes)
+
+
+def real_path(path: str, bound: float) -> str | None:
+    """``os.path.realpath(path)`` on a thread of its own, waited for at most ``bound`` s (bounded.py; 0: in
+    place, no limit); None: it did not return in time (a hung network or FUSE tier: the thread ends when
+    the tier answers)."""
+    calls = BoundedCalls(f"tier {path}", bound)
+    try:
+        return calls.run(os.path.realpath, path)
+    except OSError:  # (ETIMEDOUT: the one error a realpath raises, being given up on)
+        return None
+    finally:
+        calls.close()
 
 
 def _tier_path(entry: str, what: str) -> str:

@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from . import tmpfiles
 from .config import Config, check_capacities, setting_source
-from .probe import probe_tiers, resolve_capacity
+from .probe import let_go, probe_tiers
 from .errors import ConfigError, EngineClosedError
 from .faults import FaultyRing
 from .index import Index
@@ -204,16 +204,24 @@ class Engine:
             log.setLevel(config.log_level)
         self.config = config
         self.namespace = namespace
-        self.warnings, owners = probe_tiers(config)
+        # (a tier that may hang is probed on its own thread, bounded by write_timeout: one that does not answer
+        # starts failed, probed until it answers, and the engine serves from the others: probe.py, tiers.py)
+        self.warnings, owners, looks, capacities = probe_tiers(config)
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
-        capacities = [resolve_capacity(t.capacity, t.path) for t in config.tiers]
-        check_capacities(config, capacities, page_bytes)
-        self._token = tmpfiles.register()
-        source = config.sources.get("tiers", "KVSTREAM_TIERS")
-        self.tiers = [Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync, config.tier_retry,
-                           self._token, clock, _weak(self._reconcile, ""), source, owners[k], config.write_timeout)
-                      for k, (t, cap) in enumerate(zip(config.tiers, capacities))]
+        self.tiers: list[Tier] = []
+        try:
+            check_capacities(config, capacities, page_bytes)
+            self._token = tmpfiles.register()
+            source = config.sources.get("tiers", "KVSTREAM_TIERS")
+            for k, (t, cap) in enumerate(zip(config.tiers, capacities)):
+                late = t.capacity if looks[k].real is None and t.capacity.share is not None else None
+                self.tiers.append(Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync,
+                                       config.tier_retry, self._token, clock, _weak(self._reconcile, ""), source,
+                                       owners[k], config.write_timeout, looks[k], late))
+        except BaseException:
+            self._let_go(looks)
+            raise
         self._owed = OwedClears(self.tiers, namespace.digest)
         self._owed.recall()  # (before the scan and any lookup: a tier that owes a clear serves nothing)
         self.index = Index([t.capacity for t in self.tiers])
@@ -237,7 +245,7 @@ class Engine:
         except OSError as exc:
             for ring in rings:
                 ring.close()
-            tmpfiles.release(self._token)
+            self._let_go(looks)
             raise ConfigError(f"{setting_source(config.sources, 'io_engine')} = {config.io_engine!r}: cannot open an "
                               f"I/O ring ({exc}{memlock_hint(exc)}); use 'auto' or 'threads' where io_uring is "
                               "blocked (containers, seccomp)") from None
@@ -270,6 +278,16 @@ class Engine:
         log.log(level,
                 "kvstream: %s; namespace %s; serving, start-up scan in the background; io %s; %s", config.summary(),
                 namespace.digest, self.io_engine, self.trust_summary())
+
+    def _let_go(self, looks) -> None:
+        """A start that fails: the calls threads of its tiers (started by their first looks, probe.py) end."""
+        let_go(looks)
+        for tier in self.tiers:
+            tier.calls.close()
+            tier.reads.close()
+        token = getattr(self, "_token", None)
+        if token is not None:
+            tmpfiles.release(token)
 
     # -- pages ---------------------------------------------------------------------------------
     def put(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]]) -> list[bool]:
@@ -543,7 +561,7 @@ class Engine:
     def trust_summary(self) -> str:
         """Whose files the engine trusts on its tiers (trust.py), for start-up lines: 'trusts alice (uid
         1000)' when every tier says the same, else per tier."""
-        texts = [t.trust.describe() for t in self.tiers]
+        texts = [t.trust.describe() if t.trust is not None else "did not answer at start-up" for t in self.tiers]
         if len(set(texts)) == 1:
             return texts[0] + (" on every tier" if len(texts) > 1 else "")
         return "; ".join(f"tier {t.k} {text}" for t, text in zip(self.tiers, texts))
@@ -740,6 +758,10 @@ class Engine:
         tier back must not wait for it (it did). Until then a read of a lost page fails over to a
         replica and forgets that copy, as for any copy that vanished."""
         scan = getattr(self, "_scan", None)
+        # a tier that did not answer at start-up: its capacity given as a share, and a clear a record names it
+        # by its real path for, known now (the clear is done before it serves: tiers.py)
+        self.index.capacities[tier.k] = tier.capacity
+        self._owed.recall_for(tier)
         self._owed.note()  # (its clear owed, if any, is done: _probe)
         threading.Thread(target=_forget_lost, args=(tier, self.index, self._replicas, scan),
                          name="kvstream-rejoin", daemon=True).start()

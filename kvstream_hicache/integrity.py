@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .fds import close_fd
 from .io import crc32c, open_owned  # (crc32c: SSE4.2 or folded, the GIL released for large inputs)
 from .config import setting_source
-from .probe import check_overlap
+from .probe import Look, answering, check_overlap, let_go
 from .layout import (
     ALIGN, HEADER_SIZE, KEY_MAX, MAX_BLOCKS, PAGE_SUFFIX, TierLayout, block_span, file_size, is_digest,
     is_valid_key, key_of_page_file, n_blocks,
@@ -166,8 +166,8 @@ class Problem(NamedTuple):
     this engine does not trust: never read, never removed), 'index_missing' (valid on disk, not indexed),
     'index_stale' (indexed, and not on disk, or on disk with other content: another writer's version),
     'missing_tier' (a tier directory that does not exist or is none: nothing there was checked),
-    'unreadable' (a tier directory, or one of kvstream's in it, this user cannot list, or, Engine.check, a tier
-    that did not answer in write_timeout: the rest of that tier was not checked).
+    'unreadable' (a tier directory, or one of kvstream's in it, this user cannot list, or a tier that did not
+    answer in write_timeout, Engine.check's and check_tiers' first look: the rest of that tier was not checked).
     """
 
     kind: str
@@ -585,7 +585,8 @@ def check_tier(layout: TierLayout, digest: str, *, trust: Trust | None = None, f
 
 
 def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *, fix: bool = False,
-                payload: bool = True, live_tokens: frozenset[str] | set[str] | None = None) -> list[Problem]:
+                payload: bool = True, live_tokens: frozenset[str] | set[str] | None = None,
+                looks: "list[Look] | None" = None) -> list[Problem]:
     """Walk the tiers of ``config`` without an engine: verify every page header (and, with
     ``payload``, every block CRC), report temporary leftovers, stray files and links (never followed),
     and files of owners an engine would not trust (trust.py).
@@ -595,15 +596,29 @@ def check_tiers(config: "Config", namespace: "Namespace | str | None" = None, *,
         trusted owners (``Problem.fixed`` tells which were removed).
     :param live_tokens: engines of this process whose temporary files are live; None = every
         engine open in this process (so a check beside a running engine never takes its writes).
+    :param looks: the tiers' first looks (probe.answering; the caller lets them go), when the caller made
+        them; None: made here.
+        A tier that does not answer one in write_timeout (a hung network or FUSE file system) is reported
+        ``unreadable`` and not walked (before, the check waited as long as the server).
     :returns: the problems found, empty when the store is consistent.
     :raises TierError: two tiers overlap (one inside another's ``kvstream`` tree, or one directory
         twice): walking both would take one tier's files for the other's strays.
     """
-    check_overlap(config)
+    if looks is None:
+        looks = answering(config)
+        try:
+            return check_tiers(config, namespace, fix=fix, payload=payload, live_tokens=live_tokens, looks=looks)
+        finally:
+            let_go(looks)
+    check_overlap(config, looks)
     digest = getattr(namespace, "digest", namespace)
     problems: list[Problem] = []
     source = setting_source(config.sources, "tiers")
-    for tier in config.tiers:
+    for tier, look in zip(config.tiers, looks):
+        if look.real is None or look.calls is not None and look.calls.hung():  # (or it hung since: its stats)
+            problems.append(Problem("unreadable", tier.path, tier.path, f"did not answer in {config.write_timeout:g} "
+                                    "s (write_timeout): a hung file system; not checked", Reason.UNREADABLE))
+            continue
         # A mistyped tier is a problem, never "no problems found": nothing was checked there.
         if not os.path.isdir(tier.path):
             what = "is not a directory" if os.path.lexists(tier.path) else "does not exist"

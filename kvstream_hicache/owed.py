@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, is_digest
@@ -54,8 +54,6 @@ class OwedClears:
     def __init__(self, tiers: Sequence[Tier], digest: str):
         self.tiers = tiers
         self.name = digest + SUFFIX
-        self._where = [where(t.root) for t in tiers]  # (at start, while every tier answers: a realpath
-        # through a hung network mount would hang a clear() that notes its debt)
         self._lock = ranked_lock("owed")  # one rewrite at a time (a clear() and a rejoin's)
         self._recorded: dict[str, int] = {}  # what the records say now
         self._others: dict[str, int] = {}  # tiers recalled that no tier of this engine is: kept in the record
@@ -69,18 +67,29 @@ class OwedClears:
         for tier in self._holders():
             for root, when in self._read(tier).items():
                 owed[root] = max(when, owed.get(root, 0))
-        mine = {t.root: t for t in self.tiers} | dict(zip(self._where, self.tiers))  # (real paths win)
+        # (real paths win; a tier's, Tier.real, learnt at start-up: a realpath through a hung network mount would
+        # hang the start, or a clear() that notes its debt; as written for one that did not answer then)
+        mine = {t.root: t for t in self.tiers} | {t.real: t for t in self.tiers}
         for root in owed.keys() & mine.keys():
             mine[root].owe_clear(owed[root])
         self._others = {root: when for root, when in owed.items() if root not in mine}
         self._recorded = owed
+
+    def recall_for(self, tier: Tier) -> None:
+        """A tier that did not answer at start-up answers (its real path known now, Tier.real): a record
+        recalled then that names it by that path (a link listed, not the path itself) is its clear owed,
+        done before it serves (Engine._reconcile, as it rejoins)."""
+        with self._lock:
+            when = self._others.pop(tier.real, None)
+        if when is not None:
+            tier.owe_clear(when)
 
     def note(self) -> None:
         """Write down which tiers owe a clear now (after a clear(), and as a tier rejoins); nothing
         when that did not change. Never raises: a record not written is logged, and written at the next
         call (a clear(), a rejoin, close())."""
         with self._lock:
-            owed = {self._where[t.k]: t.clear_ns for t in self.tiers if t.clear_owed} | self._others
+            owed = {t.real: t.clear_ns for t in self.tiers if t.clear_owed} | self._others
             if owed == self._recorded:
                 return
             holders = self._holders()
@@ -196,14 +205,17 @@ def _parse(text: object) -> dict[str, int]:
     return owed
 
 
-def recorded(dirs: Sequence[str]) -> list[tuple[int, str, int]]:
+def recorded(dirs: Sequence[str], hung: Collection[int] = ()) -> list[tuple[int, str, int]]:
     """(tier owing a clear, namespace digest, tier holding the record) of the records on ``dirs`` (a tier
     list, as ``kvstream info`` and ``check`` are given it): that tier's pages of that namespace are
     stale, removed before it serves at the next start (a tier a record names that is not in ``dirs``
-    is left out)."""
-    where_k = {d: k for k, d in enumerate(dirs)} | {where(d): k for k, d in enumerate(dirs)}
+    is left out). The tiers ``hung`` (that did not answer a first look, probe.answering) are not touched:
+    no record is read there, and one is named by its path as written."""
+    where_k = {d: k for k, d in enumerate(dirs)} | {where(d): k for k, d in enumerate(dirs) if k not in hung}
     out = set()
     for holder, root in enumerate(dirs):
+        if holder in hung:
+            continue
         try:
             names = list_below(root, os.path.join(root, ROOT_DIR))
         except OSError:

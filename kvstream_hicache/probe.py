@@ -2,6 +2,13 @@
 directory on a storage file system, overlaps no other tier's tree, is writable and supports O_DIRECT;
 two tiers on one file system are warned about; a capacity given as a share is resolved against its
 file system. Each failure is a TierError naming the tier, the setting and the fix.
+
+A tier that may hang (not on a local file system) is probed on its own calls thread (bounded.py), each
+call waited for at most write_timeout, as its calls are once the engine serves: first its real path
+(``look_at``, which also tells a local file system from another: until then nothing says whether a
+call there may hang), then the probe. One that does not answer in time is no error: the engine starts
+it failed and probes it in the background until it answers (tiers.py). Before, a tier on a FUSE or NFS
+mount whose server stopped held ``Engine()`` as long as the server.
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import os
 import re
 from typing import NamedTuple
 
+from .bounded import BoundedCalls
 from .config import Capacity, Config, env_name, setting_source
 from .errors import TierError
 from .fds import close_fd
@@ -35,42 +43,136 @@ LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "bcachefs"
                       "tmpfs", "ramfs"})
 
 
-def local_fs(path: str) -> bool:
-    """Whether the tier at ``path`` is on a LOCAL_FS: its aligned pages are written from the caller's memory."""
-    return fs_type(path) in LOCAL_FS
+def local_fs(path: str, real: str | None = None) -> bool:
+    """Whether the tier at ``path`` (whose real path is ``real``, when known) is on a LOCAL_FS: its aligned
+    pages are written from the caller's memory, and its calls are made in place (they cannot hang)."""
+    return fs_type(path, real) in LOCAL_FS
+
+
+class Look(NamedTuple):
+    """A tier's first look at start-up (:func:`look_at`)."""
+    real: str | None  # its real path; None: it did not answer in write_timeout (it starts failed)
+    local: bool  # on a LOCAL_FS (its calls are made in place)
+    calls: BoundedCalls | None  # a tier that may hang: its calls thread (the Tier takes it); None: local
+
+    def run(self, fn, *args):
+        """``fn(*args)``: in place on a local tier, else on the tier's thread, bounded (bounded.py).
+        :raises OSError: ETIMEDOUT, the tier did not answer in time."""
+        return fn(*args) if self.calls is None else self.calls.run(fn, *args)
+
+
+def look_at(path: str, name: str, bound: float) -> Look:
+    """The real path of the tier at ``path`` and whether it is local, on the tier's calls thread waited for
+    at most ``bound`` s (write_timeout; 0: in place): whether a tier may hang is known only from its real
+    path, and a realpath through a mount whose server stopped never returns. A local tier's thread ends
+    here (its calls are made in place, as before); another's is handed to its Tier (a call that hung still
+    holds it: the tier's next calls fail at once until it returns, bounded.py)."""
+    calls = BoundedCalls(name, bound)
+    try:
+        real = calls.run(os.path.realpath, path)
+    except OSError:  # (ETIMEDOUT: a realpath raises nothing else)
+        return Look(None, False, calls)
+    if local_fs(path, real):
+        calls.close()
+        return Look(real, True, None)
+    return Look(real, False, calls)
+
+
+def answering(config: Config) -> list[Look]:
+    """Each tier's first look (:func:`look_at`), then a stat of it and a listing of its ``kvstream/``, each
+    waited for at most write_timeout, for what walks the tiers without an engine (integrity.check_tiers,
+    ``kvstream check`` and ``info``): a tier that does not answer in time has a real path of None, and is
+    reported, never walked (before, the command waited as long as the server). A tier that may hang keeps
+    its calls thread (the caller's checks of every tier, check_overlap, run there) until :func:`let_go`; the
+    walk of one whose first look answered runs in place, unbounded (an operator's command, as check()'s)."""
+    looks = [look_at(tier.path, f"tier {k}", config.write_timeout) for k, tier in enumerate(config.tiers)]
+    for k, (tier, look) in enumerate(zip(config.tiers, looks)):
+        if look.real is None:
+            continue
+        try:  # (a realpath may be answered from the client's caches: a stat and a listing reach the server)
+            look.run(_first_look, tier.path)
+        except OSError as exc:
+            if exc.errno == errno.ETIMEDOUT:
+                looks[k] = look._replace(real=None)
+    return looks
+
+
+def let_go(looks: list[Look]) -> None:
+    """The calls threads of ``looks`` end (at once where idle; one in a call that hung, when the tier answers)."""
+    for look in looks:
+        if look.calls is not None:
+            look.calls.close()
+
+
+def _first_look(path: str) -> None:
+    for call, where in ((os.stat, path), (os.listdir, os.path.join(path, ROOT_DIR))):
+        try:
+            call(where)
+        except OSError as exc:  # (missing, not a directory, not ours to read: the walk says so; not a hang)
+            if exc.errno == errno.ETIMEDOUT:
+                raise
+
 
 class Probed(NamedTuple):
     warnings: list[str]  # e.g. two tiers on one file system
-    owners: list[int]  # per tier, the uid its probe's file came out owned by (trust.py trusts it)
+    owners: list[int | None]  # per tier, the uid its probe's file came out owned by (trust.py trusts it); None:
+    # the tier did not answer
+    looks: list[Look]  # per tier, its first look (a real path of None: it did not answer in write_timeout)
+    capacities: list[int | None]  # per tier, its capacity in bytes (a share resolved; None: no limit, or unknown
+    # yet for a tier that did not answer: resolved when it does, tiers.py)
 
 
 def probe_tiers(config: Config) -> Probed:
     """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
     tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. One O_DIRECT probe per
-    tier: the owner its file comes out with is handed to the tier's start-up (trust.establish).
+    tier: the owner its file comes out with is handed to the tier's start-up (trust.establish). A tier
+    that may hang is probed on its own calls thread, waited for at most write_timeout; one that does not
+    answer in time is left out of the checks (its look's real path is None: the engine starts it failed).
 
     :raises TierError: naming the tier, the setting and the fix.
     """
     warnings = list(config.warnings)
-    check_overlap(config)
-    devices: dict[int, str] = {}
-    owners = []
-    source = config.sources.get("tiers", env_name("tiers"))
-    for tier in config.tiers:
-        # the entry as written too ('$HOME/kv', 'kv0'), when it is not the path the messages name
-        written = "" if tier.written in (None, tier.path) else f", written {tier.written!r}"
-        owners.append(probe_tier(tier.path, config.modes[1], source + written))
-        dev = os.stat(tier.path).st_dev
-        if dev in devices:
-            warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "
-                            "replicas there add no bandwidth and fail together")
-        devices.setdefault(dev, tier.path)
+    looks = [look_at(tier.path, f"tier {k}", config.write_timeout) for k, tier in enumerate(config.tiers)]
+    try:
+        check_overlap(config, looks)
+        devices: dict[int, str] = {}
+        owners: list[int | None] = []
+        capacities: list[int | None] = []
+        source = config.sources.get("tiers", env_name("tiers"))
+        for k, tier in enumerate(config.tiers):
+            # the entry as written too ('$HOME/kv', 'kv0'), when it is not the path the messages name
+            written = "" if tier.written in (None, tier.path) else f", written {tier.written!r}"
+            try:
+                owner, dev, cap = (None, None, None) if looks[k].real is None else looks[k].run(
+                    _probe_one, tier, config.modes[1], source + written)
+            except OSError as exc:
+                if exc.errno != errno.ETIMEDOUT:
+                    raise
+                owner, dev, cap = None, None, None
+                looks[k] = looks[k]._replace(real=None)  # (did not answer: it starts failed)
+            owners.append(owner)
+            capacities.append(cap)
+            if dev is None:
+                continue
+            if dev in devices:
+                warnings.append(f"tiers {devices[dev]} and {tier.path} are on the same file system: "
+                                "replicas there add no bandwidth and fail together")
+            devices.setdefault(dev, tier.path)
+    except BaseException:
+        let_go(looks)  # (no Tier takes them: their threads end)
+        raise
     for w in warnings:
         log.warning("kvstream: %s", w)
-    return Probed(warnings, owners)
+    return Probed(warnings, owners, looks, capacities)
 
 
-def check_overlap(config: Config) -> None:
+def _probe_one(tier, dir_mode: int, source: str) -> tuple[int, int, int | None]:
+    """(owner, device, capacity) of one tier: probe_tier, then its device and its capacity resolved."""
+    owner = probe_tier(tier.path, dir_mode, source)
+    return owner, os.stat(tier.path).st_dev, resolve_capacity(tier.capacity, tier.path)
+
+
+def check_overlap(config: Config, looks: list[Look] | None = None) -> None:
     """Refuse tiers that share a tree: the same directory under two paths the tier list did not
     catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
     manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
@@ -79,10 +181,17 @@ def check_overlap(config: Config) -> None:
     later start); a tree reached by another path (a bind mount) by its inode. Tiers that do not exist
     yet are otherwise left to the probe.
 
+    ``looks``: the tiers' first looks (:func:`look_at`; None: made here, in place): a tier's stats run
+    as its calls do (bounded where it may hang); one that did not answer is checked by the text of its
+    path as written only (a look there would hang), one whose stat does not answer in time is left out.
+
     :raises TierError: naming both tiers, the setting and the fix.
     """
     source = setting_source(config.sources, "tiers")
-    roots = {tier.path: os.path.realpath(tier.path) for tier in config.tiers}
+    if looks is None:
+        looks = [Look(os.path.realpath(tier.path), True, None) for tier in config.tiers]
+    roots = {tier.path: look.real or tier.path for tier, look in zip(config.tiers, looks)}
+    answered = [(tier, look) for tier, look in zip(config.tiers, looks) if look.real is not None]
     for tier in config.tiers:
         for owner in config.tiers:
             tree = os.path.join(roots[owner.path], ROOT_DIR)
@@ -90,29 +199,39 @@ def check_overlap(config: Config) -> None:
                 raise _inside(tier.path, owner.path, source, roots[tier.path] == tree)
     ids: dict[tuple[int, int], str] = {}
     trees: dict[tuple[int, int], str] = {}
-    for tier in config.tiers:
+    for tier, look in answered:
         for path, table in ((tier.path, ids), (os.path.join(tier.path, ROOT_DIR), trees)):
             try:
-                st = os.stat(path)
+                st = look.run(os.stat, path)
             except (OSError, ValueError):
                 continue
             other = table.setdefault((st.st_dev, st.st_ino), tier.path)
             if table is ids and other != tier.path:
                 raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
                                 "mount or another path to it): list it once")
-    for tier in config.tiers:
-        path = roots[tier.path]
-        while True:
-            try:
-                st = os.stat(path)
-            except OSError:
-                st = None
-            owner = trees.get((st.st_dev, st.st_ino)) if st is not None else None
+    for tier, look in answered:
+        try:
+            above = look.run(_ids_above, roots[tier.path])
+        except OSError:  # (did not answer in time: its probe, next, finds it hung)
+            continue
+        for path, ident in above:
+            owner = trees.get(ident) if ident is not None else None
             if owner is not None and owner != tier.path:
                 raise _inside(tier.path, owner, source, path == roots[tier.path])
-            if path == os.path.dirname(path):
-                break
-            path = os.path.dirname(path)
+
+
+def _ids_above(path: str) -> list[tuple[str, tuple[int, int] | None]]:
+    """(path, (device, inode) or None) of ``path`` and each directory above it, up to ``/``."""
+    out = []
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        out.append((path, (st.st_dev, st.st_ino) if st is not None else None))
+        if path == os.path.dirname(path):
+            return out
+        path = os.path.dirname(path)
 
 
 def _inside(path: str, owner: str, source: str, itself: bool) -> TierError:
@@ -190,10 +309,10 @@ def _unreachable(path: str, source: str, exc: OSError) -> TierError:
                      f"or correct the tier list{hint}")
 
 
-def fs_type(path: str) -> str | None:
+def fs_type(path: str, real: str | None = None) -> str | None:
     """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the deepest mount point
-    above its real path), or None when it cannot be told."""
-    real = os.path.realpath(path)
+    above its real path, ``real`` when known), or None when it cannot be told."""
+    real = os.path.realpath(path) if real is None else real
     best, kind = -1, None
     try:
         with open("/proc/self/mountinfo") as f:

@@ -233,6 +233,8 @@ class BackgroundScan:
         tier, layout = part.tier, part.tier.layout
         w0, c0 = time.monotonic() - part.seconds, time.thread_time() - part.cpu_seconds  # (a resumed scan adds)
         at, part.resume_at = part.resume_at or "", None  # the shard being read (a resumed scan's first)
+        if tier.trust is None and self._failed(part, at):  # did not answer at start-up: scanned once it is back
+            return
         pace = _Pace(self)  # a directory listing counts as one file
         pace.step()
 

@@ -12,6 +12,9 @@ Health lifecycle::
              before a restart: owed.py), and the copies of the keys whose delete() it missed, on a
              thread of its own (_settle: the call whose probe found it back does not wait)
 
+A tier that did not answer at start-up (write_timeout, on its own calls thread: probe.look_at) starts failed,
+and its first probe that answers runs the start-up it missed (:meth:`Tier._start_late`) before it rejoins.
+
 A failed tier is skipped by writes and reads; each change of state is logged once. A tier is
 "gone" when ``<tier>/kvstream`` no longer exists, or is on another device than before while no file
 system is mounted at the tier's mount point: an unmounted file system leaves the empty mount point
@@ -42,6 +45,7 @@ import time
 from collections.abc import Callable
 
 from .bounded import BoundedCalls
+from .errors import KVStreamError
 from .fds import close_fd
 from .integrity import (
     HeaderError, NotRegularFile, ScannedPage, UntrustedFile, open_direct, read_header, scan_file, shard_entries, shards,
@@ -49,7 +53,7 @@ from .integrity import (
 )
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
-from .probe import local_fs
+from .probe import Look, local_fs, probe_tier, resolve_capacity
 from .tmpfiles import (
     NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tmp_name,
 )
@@ -96,13 +100,18 @@ class Tier:
     :param source: where the tier list came from (for messages).
     :param hang_timeout: write_timeout: on a tier that may hang (not on a local file system), how long
         the writer's file-system calls and a probe are waited for (bounded.py).
+    :param look: its first look at start-up (probe.look_at: real path, local, its calls thread); None: made
+        here. A tier that did not answer then (or does not answer its start-up here in ``hang_timeout``)
+        starts failed: its first probe, once it answers, runs start-up's checks (:meth:`_start`).
+    :param share: a capacity given as a share of the file system, when the tier did not answer at start-up:
+        resolved when it does (``capacity`` is None until then).
     :raises ConfigError: a directory of the tier fails the trust checks (trust.py).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
                  on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS", owner: int | None = None,
-                 hang_timeout: float = 0.0):
+                 hang_timeout: float = 0.0, look: Look | None = None, share=None):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -138,19 +147,64 @@ class Tier:
         self._deletes: dict[str, int] = {}  # key -> when (time_ns) a delete() it missed while failed came:
         # the copy written before that is removed before it serves
         self._dirs: set[str] = set()  # page directories known to exist
-        self.mount_point = mount_point(self.layout.base)
-        self.trust = establish(self.layout, self.dir_mode, self.shared, source, token, owner)  # who owns what we use
-        st = os.lstat(self.layout.base)  # the kvstream/ writes go through (:meth:`_gone`), checked as establish did
-        why = self.trust.dir_problem(st)
-        if why is not None:  # (replaced since establish looked: a purge in those microseconds)
-            raise dir_error(self.layout.base, st, why, self.trust, source)
-        self._base = base_identity(st)
-        self._dirs.update((self.layout.tmp, self.layout.pages))
-        self.local = local_fs(root)  # a local disk file system answers or fails a call; a network one may hang
-        self.calls = BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
+        self.source = source
+        self._share = share
+        if look is None:
+            real = os.path.realpath(root)
+            look = Look(real, local_fs(root, real), None)
+        # its real path (owed.py's records name it): as written until a tier that did not answer at start does
+        self.real = look.real or root
+        # a local disk file system answers or fails a call; a network one may hang (and one that did not answer
+        # at start-up proved it may)
+        self.local = look.local
+        self.calls = look.calls or BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
         # a get's opens, discovery's looks, usage()'s statvfs (write_timeout 0, no limit for the tier: the
         # caller's read_timeout still bounds them)
         self.reads = BoundedCalls(f"tier {k} reads", 0.0 if self.local else hang_timeout or float("inf"))
+        self.trust = None  # who owns what we use (trust.establish); None: not started yet (did not answer)
+        self._base: tuple | None = None
+        self.mount_point = ""
+        started = look.real is not None
+        if started:
+            try:  # (bounded where it may hang: the probe before it answered, the tier may stop answering now)
+                self.calls.run(self._start, owner)
+            except OSError as exc:
+                if exc.errno != errno.ETIMEDOUT or self.local:
+                    raise
+                started = False
+        if not started:  # out until it answers: probed as any failed tier (usable), whose probe starts it first
+            with self._lock:
+                self.last_error = (f"did not answer at start-up in {hang_timeout:g} s (write_timeout): a hung "
+                                   "file system; probed until it answers")
+                self._out(False, retry_s)
+
+    def _start(self, owner: int | None) -> None:
+        """Start-up of the tier (trust.establish): its directories checked (made where missing), the owners it
+        trusts learnt; the ``kvstream/`` writes go through (:meth:`_gone`).
+        :raises ConfigError: a directory of the tier fails the trust checks."""
+        self.mount_point = mount_point(self.layout.base)
+        trust = establish(self.layout, self.dir_mode, self.shared, self.source, self.token, owner)
+        st = os.lstat(self.layout.base)  # the kvstream/ writes go through (:meth:`_gone`), checked as establish did
+        why = trust.dir_problem(st)
+        if why is not None:  # (replaced since establish looked: a purge in those microseconds)
+            raise dir_error(self.layout.base, st, why, trust, self.source)
+        self._base = base_identity(st)
+        self._dirs.update((self.layout.tmp, self.layout.pages))
+        self.trust = trust
+
+    def _start_late(self) -> str:
+        """A tier that did not answer at start-up and answers now (its probe, on its calls thread): the start-up
+        checks it missed (probe.probe_tier, then :meth:`_start`), its real path and a capacity given as a
+        share learnt. Returns why it cannot start ('' when it did): as start-up would refuse it."""
+        try:
+            owner = probe_tier(self.root, self.dir_mode, self.source)
+            self._start(owner)
+            self.real = os.path.realpath(self.root)
+            if self._share is not None:
+                self.capacity = resolve_capacity(self._share, self.root)
+        except KVStreamError as exc:  # (the start-up error: said once, as a probe's refusal)
+            return f"start-up would refuse it: {exc}"
+        return ""
 
     # -- health ---------------------------------------------------------------------------------
     def usable(self, now: bool = False) -> bool:
@@ -285,6 +339,8 @@ class Tier:
         and a directory or a link of anyone's (another user's, in a sticky root) has its name now. Without
         ``replaced`` (the probe, a look for a vanished tier), something there on the tier's file system is
         worth a probe, whose checks (:meth:`_recheck`) decide whether the tier rejoins through it."""
+        if self._base is None:  # (not started: it did not answer at start-up; hung, not gone)
+            return False
         try:
             st = os.lstat(self.layout.base)
         except OSError:
@@ -354,6 +410,12 @@ class Tier:
         return os.path.basename(self.layout.page_path(key)) in list_below(self.root, self.layout.page_dir(key))
 
     def _probe(self) -> tuple[bool, str]:
+        if self.trust is None:  # did not answer at start-up: its start-up now (it stays out where that refuses)
+            why = self._start_late()
+            if why:
+                if why != self.last_error:  # (logged once, not at every probe)
+                    log.warning("kvstream: tier %d (%s) stays failed: %s", self.k, self.root, why)
+                return False, why
         if self.gone(replaced=False):
             return False, f"{self.layout.base} is missing or on another file system"
         try:

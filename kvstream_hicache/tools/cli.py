@@ -176,18 +176,32 @@ def _config(tiers: Sequence[str] | None):
     return Config.from_sources({"tiers": os.pathsep.join(tiers)} if tiers else None, labels={"tiers": "--tiers"})
 
 
+def _answering(cfg) -> tuple[list, set[int]]:
+    """(first looks, tiers that did not answer one in write_timeout) (probe.answering: a hung network or FUSE
+    file system): reported as such, never walked (before, the command waited as long as the server)."""
+    from ..probe import answering
+
+    looks = answering(cfg)
+    return looks, {k for k, look in enumerate(looks) if look.real is None}
+
+
 def _check(args) -> int:
     from ..integrity import check_tiers
     from ..owed import recorded
+    from ..probe import let_go
 
     cfg = _config(args.tiers)
-    problems = check_tiers(cfg, fix=args.fix)
+    looks, hung = _answering(cfg)
+    try:
+        problems = check_tiers(cfg, fix=args.fix, looks=looks)  # (a tier in hung: reported 'unreadable', unchecked)
+    finally:
+        let_go(looks)
     left = [p for p in problems if not p.fixed]
     if args.json:
         print(json.dumps([_problem_dict(p) for p in problems], indent=1))
     else:
-        owed = recorded(_tier_dirs(cfg))
-        for line in [_replicas_line(_under_replicated(_tier_dirs(cfg), owed)), *_owed_lines(owed)]:
+        owed = recorded(_tier_dirs(cfg), hung)
+        for line in [_replicas_line(_under_replicated(_tier_dirs(cfg), owed, hung)), *_owed_lines(owed)]:
             print(line)
         for p in problems:
             print(_problem_line(p))
@@ -220,12 +234,19 @@ def _problem_line(p) -> str:
 
 def _info(args) -> int:
     from ..owed import recorded
+    from ..probe import let_go
 
     cfg = _config(args.tiers)
     settings = _settings(cfg)
-    owed = recorded(_tier_dirs(cfg))
-    doc = {"config": settings, "tiers": [_tier_status(d) for d in _tier_dirs(cfg)], "warnings": list(cfg.warnings),
-           "under_replicated": _under_replicated(_tier_dirs(cfg), owed),
+    looks, hung = _answering(cfg)
+    let_go(looks)  # (what follows walks the tiers that answered, in place: an operator's command)
+    owed = recorded(_tier_dirs(cfg), hung)
+    tiers = [_tier_status(d) if k not in hung else
+             {"dir": d, "ok": False, "problem": f"did not answer in {cfg.write_timeout:g} s (write_timeout): a hung "
+                                               "file system (a FUSE or NFS server away); not looked at"}
+             for k, d in enumerate(_tier_dirs(cfg))]
+    doc = {"config": settings, "tiers": tiers, "warnings": list(cfg.warnings),
+           "under_replicated": _under_replicated(_tier_dirs(cfg), owed, hung),
            "clears_owed": [{"tier": k, "namespace": d, "recorded_on": h} for k, d, h in owed]}
     from .bench import testbed as tb
 
@@ -233,10 +254,14 @@ def _info(args) -> int:
     if st["up"]:
         doc["testbed"] = {"profile": st["profile"]["name"], "dirs": [t["mount"] for t in st["tiers"]],
                           "fio": st.get("fio"), "problems": st["problems"]}
+    from ..config import real_path
     from ..scan import running_scans
 
-    asked = {os.path.realpath(t.path) for t in cfg.tiers}  # (another engine's scan of other tiers is not news)
-    doc["scans"] = [s for s in running_scans() if asked & {os.path.realpath(d) for d in s.get("tier_dirs", ())}]
+    asked = {look.real or t.path for t, look in zip(cfg.tiers, looks)}  # (another engine's scan of other tiers is
+    # not news; a scan's tier is looked up as a tier is, bounded: it may be the hung one, or on its mount)
+    bound = cfg.write_timeout
+    doc["scans"] = [s for s in running_scans() if asked & {d if d in asked else real_path(d, bound) or d
+                                                           for d in s.get("tier_dirs", ())}]
     if args.json:
         print(json.dumps(doc, indent=1, default=str))
         return 0
@@ -298,12 +323,14 @@ def _page_names(path: str) -> set[tuple[str, str]]:
             if n.endswith(PAGE_SUFFIX)}
 
 
-def _under_replicated(dirs: Sequence[str], owed: Sequence[tuple[int, str, int]] = ()) -> dict:
+def _under_replicated(dirs: Sequence[str], owed: Sequence[tuple[int, str, int]] = (), hung: set[int] = frozenset()
+                      ) -> dict:
     """Pages some tier lacks, per tier (what background replication still owes, or skipped with it off).
     A tier whose tree cannot be listed counts for nothing here (check and info report it on its own line),
-    nor do the pages of a namespace a tier owes a clear of (``owed``, owed.recorded: stale, never copied)."""
+    nor does one that did not answer (``hung``: not touched), nor do the pages of a namespace a tier owes a
+    clear of (``owed``, owed.recorded: stale, never copied)."""
     stale = {(k, digest) for k, digest, _ in owed}
-    held = [_readable_page_names(d) if os.path.isdir(d) else set() for d in dirs]
+    held = [None if k in hung else _readable_page_names(d) if os.path.isdir(d) else set() for k, d in enumerate(dirs)]
     held = [h if h is None else {(d, n) for d, n in h if (k, d) not in stale} for k, h in enumerate(held)]
     known = [h for h in held if h is not None]
     every = set().union(*known)
