@@ -52,13 +52,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from . import tmpfiles
 from .config import Config, check_capacities, setting_source
-from .probe import let_go, probe_tiers
-from .errors import ConfigError, EngineClosedError
+from .probe import Look, check_overlap, let_go, probe_tiers
+from .errors import ConfigError, EngineClosedError, TierError
 from .faults import FaultyRing
 from .index import Index
 from .integrity import Problem, Reason, ScannedPage, check_tier
 from .io import RING_ENTRIES, ThreadRing, forks, memlock_hint, open_ring
 from .layout import Namespace, is_valid_key, key_of_page_file
+from .locks import ranked_lock
 from .memory import CallerGate
 from .owed import OwedClears
 from .priority import ReadPriority
@@ -210,6 +211,10 @@ class Engine:
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
         self.tiers: list[Tier] = []
+        # the tiers' real paths checked against each other (None: not answered yet; _placed)
+        self._reals = [look.real for look in looks]
+        self._page_bytes = page_bytes  # (a share resolved when a tier answers is checked as above: _reconcile)
+        self._placing = ranked_lock("placing")
         try:
             check_capacities(config, capacities, page_bytes)
             self._token = tmpfiles.register()
@@ -218,7 +223,7 @@ class Engine:
                 late = t.capacity if looks[k].real is None and t.capacity.share is not None else None
                 self.tiers.append(Tier(k, t.path, namespace.digest, cap, config.modes, config.fsync,
                                        config.tier_retry, self._token, clock, _weak(self._reconcile, ""), source,
-                                       owners[k], config.write_timeout, looks[k], late))
+                                       owners[k], config.write_timeout, looks[k], late, _weak(self._placed, "")))
         except BaseException:
             self._let_go(looks)
             raise
@@ -751,6 +756,21 @@ class Engine:
         mark = self.index.mark(h.key) if mark is None else mark
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark) is not None
 
+    def _placed(self, tier: Tier, real: str) -> str:
+        """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its
+        probe): why start-up would have refused it beside the others, checked against those whose real path is
+        known (probe.check_overlap; each one's stats on its calls thread, bounded), '' when none. One at a time:
+        of two paths to one directory that both did not answer, the first to answer serves, the other stays out."""
+        with self._placing:
+            looks = [Look(real, False, None) if t is tier else  # (this one's calls thread runs this)
+                     Look(self._reals[t.k], t.local, None if t.local else t.calls) for t in self.tiers]
+            try:
+                check_overlap(self.config, looks, only=tier.k)
+            except TierError as exc:
+                return str(exc)
+            self._reals[tier.k] = real
+        return ""
+
     def _reconcile(self, tier: Tier) -> str:
         """A failed tier rejoins (its tree checked as start-up checks it: tiers.py): it serves at once,
         and a thread of its own forgets the indexed pages whose files did not survive. Listing a tier
@@ -758,6 +778,14 @@ class Engine:
         tier back must not wait for it (it did). Until then a read of a lost page fails over to a
         replica and forgets that copy, as for any copy that vanished."""
         scan = getattr(self, "_scan", None)
+        try:  # a share resolved now (a tier that did not answer at start-up) that cannot hold a page: out, as
+            # start-up refuses it (serving, every put would skip it: one replica short, quietly)
+            check_capacities(self.config, [tier.capacity if t is tier else None for t in self.tiers], self._page_bytes)
+        except ConfigError as exc:
+            why = f"start-up would refuse it: {exc}"
+            if why != tier.last_error:  # (logged once, not at every probe)
+                log.warning("kvstream: tier %d (%s) stays failed: %s", tier.k, tier.root, why)
+            return why
         # a tier that did not answer at start-up: its capacity given as a share, and a clear a record names it
         # by its real path for, known now (the clear is done before it serves: tiers.py)
         self.index.capacities[tier.k] = tier.capacity

@@ -172,7 +172,7 @@ def _probe_one(tier, dir_mode: int, source: str) -> tuple[int, int, int | None]:
     return owner, os.stat(tier.path).st_dev, resolve_capacity(tier.capacity, tier.path)
 
 
-def check_overlap(config: Config, looks: list[Look] | None = None) -> None:
+def check_overlap(config: Config, looks: list[Look] | None = None, only: int | None = None) -> None:
     """Refuse tiers that share a tree: the same directory under two paths the tier list did not
     catch (a bind mount), or a tier inside another tier's ``kvstream`` directory, which kvstream
     manages (its temporary directory and page trees: start-up cleaning and ``check --fix`` walk
@@ -184,6 +184,8 @@ def check_overlap(config: Config, looks: list[Look] | None = None) -> None:
     ``looks``: the tiers' first looks (:func:`look_at`; None: made here, in place): a tier's stats run
     as its calls do (bounded where it may hang); one that did not answer is checked by the text of its
     path as written only (a look there would hang), one whose stat does not answer in time is left out.
+    ``only``: the tiers overlapping tier ``only`` alone are refused (one that did not answer at start-up
+    and answers now, checked against the others: Engine._placed; the others were checked at start-up).
 
     :raises TierError: naming both tiers, the setting and the fix.
     """
@@ -192,10 +194,14 @@ def check_overlap(config: Config, looks: list[Look] | None = None) -> None:
         looks = [Look(os.path.realpath(tier.path), True, None) for tier in config.tiers]
     roots = {tier.path: look.real or tier.path for tier, look in zip(config.tiers, looks)}
     answered = [(tier, look) for tier, look in zip(config.tiers, looks) if look.real is not None]
+    mine = lambda *paths: only is None or config.tiers[only].path in paths  # noqa: E731
     for tier in config.tiers:
         for owner in config.tiers:
+            if owner is not tier and roots[tier.path] == roots[owner.path] and mine(tier.path, owner.path):
+                raise _same(owner.path, tier.path, source)  # (a second path to one that did not answer at first)
             tree = os.path.join(roots[owner.path], ROOT_DIR)
-            if owner is not tier and (roots[tier.path] == tree or roots[tier.path].startswith(tree + os.sep)):
+            if owner is not tier and (roots[tier.path] == tree or roots[tier.path].startswith(tree + os.sep)) \
+                    and mine(tier.path, owner.path):
                 raise _inside(tier.path, owner.path, source, roots[tier.path] == tree)
     ids: dict[tuple[int, int], str] = {}
     trees: dict[tuple[int, int], str] = {}
@@ -206,9 +212,8 @@ def check_overlap(config: Config, looks: list[Look] | None = None) -> None:
             except (OSError, ValueError):
                 continue
             other = table.setdefault((st.st_dev, st.st_ino), tier.path)
-            if table is ids and other != tier.path:
-                raise TierError(f"tiers {other} and {tier.path} (from {source}) are the same directory (a bind "
-                                "mount or another path to it): list it once")
+            if table is ids and other != tier.path and mine(other, tier.path):
+                raise _same(other, tier.path, source)
     for tier, look in answered:
         try:
             above = look.run(_ids_above, roots[tier.path])
@@ -216,7 +221,7 @@ def check_overlap(config: Config, looks: list[Look] | None = None) -> None:
             continue
         for path, ident in above:
             owner = trees.get(ident) if ident is not None else None
-            if owner is not None and owner != tier.path:
+            if owner is not None and owner != tier.path and mine(owner, tier.path):
                 raise _inside(tier.path, owner, source, path == roots[tier.path])
 
 
@@ -232,6 +237,11 @@ def _ids_above(path: str) -> list[tuple[str, tuple[int, int] | None]]:
         if path == os.path.dirname(path):
             return out
         path = os.path.dirname(path)
+
+
+def _same(one: str, other: str, source: str) -> TierError:
+    return TierError(f"tiers {one} and {other} (from {source}) are the same directory (a bind mount or another path "
+                     "to it): list it once")
 
 
 def _inside(path: str, owner: str, source: str, itself: bool) -> TierError:

@@ -105,13 +105,17 @@ class Tier:
         starts failed: its first probe, once it answers, runs start-up's checks (:meth:`_start`).
     :param share: a capacity given as a share of the file system, when the tier did not answer at start-up:
         resolved when it does (``capacity`` is None until then).
+    :param placed: ``placed(tier, real)``, for a tier that did not answer at start-up and answers now at real
+        path ``real``: why start-up would have refused it beside the other tiers (one directory twice, one
+        inside another's ``kvstream`` tree: probe.check_overlap), '' when it would not.
     :raises ConfigError: a directory of the tier fails the trust checks (trust.py).
     """
 
     def __init__(self, k: int, root: str, digest: str, capacity: int | None, modes: tuple[int, int],
                  fsync: str, retry_s: float, token: str, clock: Callable[[], float],
                  on_rejoin: Callable[["Tier"], str], source: str = "KVSTREAM_TIERS", owner: int | None = None,
-                 hang_timeout: float = 0.0, look: Look | None = None, share=None):
+                 hang_timeout: float = 0.0, look: Look | None = None, share=None,
+                 placed: Callable[["Tier", str], str] | None = None):
         self.on_rejoin = on_rejoin
         self.k = k
         self.layout = TierLayout(root, digest)
@@ -149,6 +153,7 @@ class Tier:
         self._dirs: set[str] = set()  # page directories known to exist
         self.source = source
         self._share = share
+        self._placed = placed
         if look is None:
             real = os.path.realpath(root)
             look = Look(real, local_fs(root, real), None)
@@ -197,9 +202,16 @@ class Tier:
         checks it missed (probe.probe_tier, then :meth:`_start`), its real path and a capacity given as a
         share learnt. Returns why it cannot start ('' when it did): as start-up would refuse it."""
         try:
+            real = os.path.realpath(self.root)
+            # first, as start-up checks it before its probes make anything there: a second path to another tier
+            # (a link, a bind mount) or a tree inside another's would serve beside it, each taking the other's
+            # files for its own (a page evicted from one vanishes from the other) or for strays
+            why = self._placed(self, real) if self._placed is not None else ""
+            if why:
+                return f"start-up would refuse it: {why}"
             owner = probe_tier(self.root, self.dir_mode, self.source)
             self._start(owner)
-            self.real = os.path.realpath(self.root)
+            self.real = real
             if self._share is not None:
                 self.capacity = resolve_capacity(self._share, self.root)
         except KVStreamError as exc:  # (the start-up error: said once, as a probe's refusal)

@@ -12,13 +12,15 @@ import time
 
 import pytest
 
+from kvstream_hicache import Config, Engine
 from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.bounded import BoundedCalls, GivenUp
+from kvstream_hicache.errors import ConfigError
 from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ
 from kvstream_hicache.tiers import LOOK_S
 
-from helpers import FakeClock, PageSet, make_engine, page_files, wait_until
+from helpers import NS, PAGE_BYTES, FakeClock, PageSet, make_engine, page_files, wait_until
 
 FUSE_WATCHDOG_S = 120  # (conftest.fuse_tier: a stopped daemon outlasts every join below, HUNG_JOIN_S included)
 
@@ -552,6 +554,80 @@ def test_an_engine_starts_with_one_tier_hung(tier_dirs, fuse_tier):
         t.join(HUNG_JOIN_S)
         for e in engines:
             e.close()
+
+
+def _started_while_hung(daemon, start):
+    """``start()`` (an engine) with the FUSE daemon stopped, in a thread (:func:`_in_thread`): the engine."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    time.sleep(2)  # (past FUSE's 1 s attribute cache: every look reaches the stopped daemon)
+    t, out = _in_thread(start)
+    assert not t.is_alive() and out and out[0][0] == "ok", out
+    return out[0][1]
+
+
+def test_a_second_path_to_a_tier_that_did_not_answer_at_start_up_never_serves_beside_it(tier_dirs, fuse_tier,
+                                                                                         tier_root):
+    """A link to a network tier listed beside it is one directory twice: start-up ignores it when the tier
+    answers (Config's listed-twice check). Started while the tier hangs, both paths start failed; once it
+    answers, one of them serves, the other stays failed ("same directory", as start-up would refuse it:
+    Engine._placed, before its probe). Before, both rejoined and served the one directory as two replicas:
+    every write of the second failed ('File exists') and check() found its pages on disk, never indexed. From
+    the review of late start-up."""
+    network, daemon = fuse_tier
+    alias = os.path.join(tier_root, "alias")
+    os.symlink(network, alias)
+    with make_engine([tier_dirs[0], network, alias], write_timeout=1) as engine:
+        assert len(engine.tiers) == 2  # (answering: the duplicate is ignored)
+    engine = _started_while_hung(daemon, lambda: make_engine([tier_dirs[0], network, alias], write_timeout=1,
+                                                             tier_retry=0.1))
+    try:
+        assert len(engine.tiers) == 3 and not any(t.healthy for t in engine.tiers[1:])
+        os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: all(t.usable() or "did not answer" not in t.last_error for t in engine.tiers[1:]),
+                   HUNG_JOIN_S, "the paths to the tier were not probed once it answered")
+        pages = PageSet()
+        keys = pages.keys(4)
+        assert pages.put(engine, keys) == [True] * 4
+        rows = engine.stats()["tiers"]
+        serving = [k for k in (1, 2) if rows[k]["healthy"]]
+        assert len(serving) == 1, [(r["healthy"], r["pages"], r["last_error"]) for r in rows]
+        assert "same directory" in rows[3 - serving[0]]["last_error"], rows
+        assert rows[serving[0]]["pages"] == 4
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        engine.close()
+
+
+def test_a_capacity_share_below_a_page_of_a_tier_that_did_not_answer_at_start_up_keeps_it_out(tier_dirs,
+                                                                                              fuse_tier):
+    """A capacity given as a share of the file system that cannot hold one page is refused at start-up
+    (check_capacities: every put on that tier would skip it). The share of a tier that did not answer then
+    is resolved when it does: it stays failed, saying why, as start-up would refuse it (Engine._reconcile).
+    Before, it rejoined and every put skipped it, quietly one replica short. From the review of late
+    start-up."""
+    network, daemon = fuse_tier
+    fs = os.statvfs(network)
+    share = f"{PAGE_BYTES / 4 / (fs.f_blocks * fs.f_frsize) * 100:.12f}%"  # (a quarter of a page)
+    settings = {"tiers": [tier_dirs[0], network], "capacity": ["", share], "write_timeout": 1, "tier_retry": 0.1}
+
+    def start():
+        return Engine(Config.from_sources(settings, environ={}), NS, page_bytes=PAGE_BYTES)
+
+    with pytest.raises(ConfigError, match="less than one page"):  # (answering)
+        start()
+    engine = _started_while_hung(daemon, start)
+    try:
+        os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: engine.tiers[1].usable() or "did not answer" not in engine.tiers[1].last_error,
+                   HUNG_JOIN_S, "the tier was not probed once it answered")
+        pages = PageSet()
+        assert pages.put(engine, pages.keys(2)) == [True, True]
+        row = engine.stats()["tiers"][1]
+        assert not row["healthy"] and "less than one page" in row["last_error"], \
+            (row["healthy"], row["capacity_bytes"], row["skipped_writes"], row["last_error"])
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        engine.close()
 
 
 def _cli(*args):
