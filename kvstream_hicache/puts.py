@@ -148,7 +148,8 @@ class WritePage:
         # callback, told whether it committed and how long its job took from its start
         self.started = 0.0  # when its (last) job started, monotonic s
         self.gate = None  # the CallerGate of the put that brought the page (its memory), if it has one
-        self.withdrawn = False  # the put that brought it was interrupted (PutCall.withdraw): its memory taken back
+        self.withdrawn = False  # the put that brought it was interrupted (PutCall.withdraw): its memory taken back;
+        # or it has not counted the page yet (WriteQueue._enqueue_under_queues: its FIFO entries void till then)
         self.cleared = False  # clear() cancelled it: never written again, not even for a put that joined it
 
     def gone(self) -> bool:

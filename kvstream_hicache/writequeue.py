@@ -240,12 +240,20 @@ class WriteQueue:
             if not page.targets:  # no tier can take it (capacity, every tier failed): False
                 self.stats.total("pages_failed")
                 continue
+            # A Ctrl-C may land between any two of these lines (PutCall.withdraw then undoes what it finds).
+            # So the put counts the page first (one too many never ends it early; withdraw counts afresh),
+            # the page enters its FIFOs gone (its entries void: the writer or withdraw ends them counting
+            # nothing, job_over_under_writer), and one line, no call between its stores, makes it a page
+            # being written: its jobs, its bytes per tier and in the backlog, its key (a later put joins it).
+            # Before, a cut left it in ``pending`` in no FIFO, or in one uncounted: it never ended, its
+            # bytes held in the backlog, and a later put of the key joined it and waited for ever.
             call.left += 1
-            self.pending[page.key] = page
-            self.backlog += page.length
+            page.withdrawn = True
             for k in tiers_in(page.targets):
                 self.fifo[k].append(page)
-                page.left += 1
+            queued = [n + page.file_bytes * (page.targets >> k & 1) for k, n in enumerate(self.queued)]
+            self.pending[page.key], self.backlog, self.queued, page.left, page.withdrawn = \
+                page, self.backlog + page.length, queued, page.targets.bit_count(), False
         call.pages = [p for p in call.pages if p.targets]
         if call.left:
             self.wake_under_queues()
@@ -292,8 +300,10 @@ class WriteQueue:
         return False
 
     def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:
-        """Each new page's target tiers (admission.py), and its bytes queued on them."""
+        """Each new page's target tiers (admission.py), each admitted after the bytes of the ones before it
+        (counted in self.queued as the pages are queued: _enqueue_under_queues)."""
         targets = [page.targets for page in new]
+        queued = list(self.queued)  # (a Ctrl-C in here leaves self.queued as it was)
         for k, n in enumerate(fit_capacity([page.length for page in new], targets, self.index.capacities)):
             if n:
                 self.stats.add(k, "skipped_writes", n)
@@ -301,14 +311,14 @@ class WriteQueue:
         replicate, slack = self.settings.replicate, self.settings.replicate_slack
         for page, wanted in zip(new, targets):
             page.expected = wanted | failed_tiers
-            page.targets = admit(page.file_bytes, wanted, self.queued, bandwidth, replicate, slack)
+            page.targets = admit(page.file_bytes, wanted, queued, bandwidth, replicate, slack)
             for k in tiers_in(wanted & ~page.targets):  # a skipped replica: not expected, not a failure
                 page.expected &= ~(1 << k)
                 page.spare |= 1 << k
                 self.stats.add(k, "replica_skipped_pages")
                 self.stats.add(k, "replica_skipped_bytes", page.file_bytes)
             for k in tiers_in(page.targets):
-                self.queued[k] += page.file_bytes
+                queued[k] += page.file_bytes
 
     # -- the end of a page, and of a put (the writer, under WritePath.lock) ------------------------
     def job_over_under_writer(self, page: WritePage, k: int) -> None:
@@ -317,6 +327,8 @@ class WriteQueue:
             page.copied(bool(page.committed), time.monotonic() - page.started if page.started else 0.0)
             return
         with self.lock:  # (callers add to queued and backlog under it too)
+            if not page.left:  # an entry of a page whose put a Ctrl-C cut short before counting it: void
+                return  # (nothing of it was counted, nothing ends: _enqueue_under_queues)
             self.queued[k] -= page.file_bytes
             page.left -= 1
             if page.left or self._spare_job_under_queues(page):

@@ -2,7 +2,8 @@
 WriteQueue.accept (its pages already queued), and a second Ctrl-C while its pages are withdrawn (from
 the review of this stop's changes: each left a wrong page stored, or the put or the writer hung); and a
 put ended by Ctrl-C whose page another put joined (that put still stores its page, from its own memory),
-or inside its own join of another put's page.
+or inside its own join of another put's page; and one ended at any line of its queueing
+(WriteQueue._enqueue_under_queues and its admission).
 
 Python runs a SIGINT handler (KeyboardInterrupt) in the main thread at a bytecode boundary, wherever
 that thread is. ``interrupt_at`` raises the KeyboardInterrupt at one chosen line (a trace function
@@ -40,12 +41,22 @@ def _line(func, text: str) -> int:
     return hits[0]
 
 
-@contextmanager
-def interrupt_at(func, text: str, nth: int = 1):
-    """Ctrl-C handled in the main thread as it reaches the line of ``func`` holding ``text`` for the
-    ``nth`` time: KeyboardInterrupt raised there. Yields the number of times it was raised (0 or 1)."""
+def _code_lines(func) -> list[tuple[int, str]]:
+    """Every line of ``func``'s body where a Ctrl-C can be handled (a line its code starts): (line
+    number, text)."""
     code = getattr(func, "__wrapped__", func).__code__
-    line = _line(func, text)
+    lines, first = inspect.getsourcelines(func)
+    numbers = sorted({line for _, _, line in code.co_lines() if line is not None and line > code.co_firstlineno})
+    return [(n, lines[n - first].strip()) for n in numbers]
+
+
+@contextmanager
+def interrupt_at(func, text: str | int, nth: int = 1):
+    """Ctrl-C handled in the main thread as it reaches the line of ``func`` holding ``text`` (or line
+    number ``text``) for the ``nth`` time: KeyboardInterrupt raised there. Yields the number of times
+    it was raised (0 or 1)."""
+    code = getattr(func, "__wrapped__", func).__code__
+    line = text if isinstance(text, int) else _line(func, text)
     seen, raised = [0], [0]
 
     def local(frame, event, arg):
@@ -355,6 +366,80 @@ def test_a_put_ended_by_ctrl_c_inside_its_join_returns_and_the_page_goes_to_the_
         assert gated == [[False]] and deferred == [[True]], "the page was not handed to the put_deferred"
         found, got = pages.get(engine, [k])
         assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
+        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+    finally:
+        plan.release()
+        engine.close()
+
+
+_ENQUEUE_LINES = [(func, n, f"{func.__name__.split('_')[1]}+{n - func.__code__.co_firstlineno}:{text[:40]}")
+                  for func in (WriteQueue._enqueue_under_queues, WriteQueue._admit_under_queues)
+                  for n, text in _code_lines(func)]
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+@pytest.mark.parametrize("func, line", [(func, n) for func, n, _ in _ENQUEUE_LINES],
+                         ids=[name for _, _, name in _ENQUEUE_LINES])
+def test_a_put_ended_by_ctrl_c_anywhere_in_its_enqueue_leaves_nothing_behind(tier_dirs, func, line, nth):
+    """A put of a batch (a key two tiers hold already, a key a put_deferred is writing, two new keys, one of
+    them twice, an invalid key) is ended by Ctrl-C at any line of WriteQueue._enqueue_under_queues or of
+    its admission (the ``nth`` time the line is reached: the second page, the second tier), its writes
+    held back by a read; its caller then reuses its memory. The put raises at once; once the read ends, no page of it is left
+    being written, the backlog and the bytes queued per tier are back to 0, the put_deferred stores its
+    page, and a put of the same keys from fresh memory stores every one of them (read back with their
+    bytes, never the reused ones; check() finds nothing). Found in review (enqint): cut inside the loop
+    that queues the put's own pages, a page was left in ``pending`` in no FIFO (or in one, uncounted):
+    it never ended, its bytes stayed in the backlog (put_deferred's back-pressure), and a later put of
+    the key joined it and waited for ever; cut in admission or before that loop's end, the bytes admitted
+    for the pages not queued yet stayed in the tiers' ``queued`` (replicate=budget's pending bytes), for
+    ever."""
+    pages = PageSet(64 << 10)
+    reading, held, joined, new1, new2 = pages.keys(5)
+    keys = [held, joined, new1, "bad/key", new2, new1]
+    plan = FaultPlan()
+    engine = make_engine(tier_dirs[:2], fault_plan=plan)
+    queue = engine._writes.queue
+    memory = {k: _Memory(pages.size, True) for k in (joined, new1, new2)}
+    memory[held] = memory["bad/key"] = _Memory(pages.size, True)
+    for k in (joined, new1, new2):
+        memory[k].array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    theirs = _Memory(pages.size, True)
+    theirs.array[:] = np.frombuffer(pages.data(joined), dtype=np.uint8)
+    deferred, returned, state, later = [], threading.Event(), {"hung": False}, []
+    try:
+        assert pages.put(engine, [reading, held]) == [True, True]
+        reader = held_read(engine, pages, plan, reading)  # tier 0's writes wait for it
+        engine.put_deferred([joined], [theirs.segments], deferred.append)
+        threading.Thread(target=_unhang_main_put, args=(returned, state), daemon=True).start()
+        try:
+            with interrupt_at(func, line, nth) as raised:
+                try:
+                    result = engine.put(keys, [memory[k].segments for k in keys])
+                except KeyboardInterrupt:
+                    result = None
+        finally:
+            returned.set()
+        assert not state["hung"], f"the put ended by Ctrl-C never returned: left {state.get('left')}"
+        assert (result is None) == bool(raised[0]), result  # (not reached the nth time: the put was whole)
+        for m in memory.values():
+            m.array[:] = 0x5A  # the call raised: the caller's host pages hold other KV now
+        plan.release()
+        reader.join(60)
+        try:
+            wait_until(lambda: not queue.pending and deferred, HANG_S)
+        except AssertionError:
+            pass
+        left = {"pending": sorted(k[:6] for k in queue.pending), "backlog": queue.backlog, "queued": list(queue.queued)}
+        putter = threading.Thread(target=lambda: later.append(pages.put(engine, keys[:3] + keys[4:])), daemon=True)
+        putter.start()
+        putter.join(HANG_S)
+        assert left == {"pending": [], "backlog": 0, "queued": [0, 0]} and later == [[True] * 5], (
+            f"after a put ended by Ctrl-C there: {left} (pages still being written, bytes held), and a later put "
+            f"of its keys {'returned ' + repr(later) if later else 'waited for ever'}")
+        assert deferred == [[True]]
+        found, got = pages.get(engine, keys[:3] + keys[4:])
+        assert found == [True] * 5 and all(g == pages.data(k) for g, k in zip(got, keys[:3] + keys[4:])), (
+            "a page was stored from the memory the caller reused after put raised")
         assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
     finally:
         plan.release()
