@@ -77,6 +77,21 @@ def interrupt_at(func, text: str | int, nth: int = 1):
         sys.settrace(None)
 
 
+def _holding(pages: PageSet, key: str) -> _Memory:
+    """Aligned caller memory (the zero-copy path) holding ``key``'s page."""
+    memory = _Memory(pages.size, True)
+    memory.array[:] = np.frombuffer(pages.data(key), dtype=np.uint8)
+    return memory
+
+
+def _stored_whole(engine, pages: PageSet, k: str) -> None:
+    """``k`` reads back with its page's bytes (never the 0x5A a caller reused its memory for), nothing is
+    left in the backlog, and check() finds nothing."""
+    found, got = pages.get(engine, [k])
+    assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
+    assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+
+
 def test_a_put_whose_ctrl_c_lands_inside_accept_never_stores_the_memory_the_caller_reused(tier_dirs):
     """Ctrl-C comes while the put is still in WriteQueue.accept, its page already in the tier's FIFO (a
     batch of many pages spends its time in that loop). The caller gets KeyboardInterrupt and reuses its
@@ -90,8 +105,7 @@ def test_a_put_whose_ctrl_c_lands_inside_accept_never_stores_the_memory_the_call
     try:
         assert pages.put(engine, [a]) == [True]
         reader = held_read(engine, pages, plan, a)
-        memory = _Memory(pages.size, True)
-        memory.array[:] = np.frombuffer(pages.data(b), dtype=np.uint8)
+        memory = _holding(pages, b)
         with pytest.raises(KeyboardInterrupt), \
                 interrupt_at(WriteQueue._enqueue_under_queues, "call.pages = [p for p in call.pages if p.targets]"):
             engine.put([b], [memory.segments])
@@ -116,9 +130,7 @@ def _interrupted_put(engine, pages, plan, ctrl_c, keys, func, text, nth=1):
     a = pages.keys(1, 100)[0]
     assert pages.put(engine, [a]) == [True]
     reader = held_read(engine, pages, plan, a)
-    memory = [_Memory(pages.size, True) for _ in keys]
-    for m, k in zip(memory, keys):
-        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    memory = [_holding(pages, k) for k in keys]
     returned = threading.Event()
     state = {"hung": False}
 
@@ -213,9 +225,7 @@ def test_a_put_that_joined_the_page_of_a_put_ended_by_ctrl_c_still_stores_it(tie
     plan = FaultPlan()
     engine = make_engine(tier_dirs[:1], fault_plan=plan)
     queue, jobs = engine._writes.queue, engine._writes.jobs
-    first, theirs = _Memory(pages.size, True), _Memory(pages.size, True)
-    for m in (first, theirs):
-        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    first, theirs = _holding(pages, k), _holding(pages, k)
     joined: list = []
     try:
         if where == "queued":
@@ -249,9 +259,7 @@ def test_a_put_that_joined_the_page_of_a_put_ended_by_ctrl_c_still_stores_it(tie
             reader.join(60)
         wait_until(lambda: joined, HANG_S, "the joined put never ended")
         assert joined == [[True]], "a put whose memory was never let go lost its page to another put's Ctrl-C"
-        found, got = pages.get(engine, [k])
-        assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
-        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+        _stored_whole(engine, pages, k)
     finally:
         plan.release()
         engine.close()
@@ -268,9 +276,7 @@ def test_a_put_that_took_over_a_let_go_of_page_and_is_ended_by_ctrl_c_hands_it_o
     plan = FaultPlan()
     engine = make_engine(tier_dirs[:1], fault_plan=plan)
     queue, jobs = engine._writes.queue, engine._writes.jobs
-    gated_memory, mine, theirs = (_Memory(pages.size, True) for _ in range(3))
-    for m in (gated_memory, mine, theirs):
-        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    gated_memory, mine, theirs = (_holding(pages, k) for _ in range(3))
     gate, gated, deferred, returned = CallerGate("source"), [], [], threading.Event()
     try:
         plan.add(Fault.hold(), opcode=OP_WRITE, times=2)  # the gated put's write, then the put's own
@@ -304,10 +310,8 @@ def test_a_put_that_took_over_a_let_go_of_page_and_is_ended_by_ctrl_c_hands_it_o
         presser.join(60)
         wait_until(lambda: gated and deferred, HANG_S, "the deferred puts never ended")
         assert gated == [[False]] and deferred == [[True]], "the page was not handed on to the put_deferred"
-        found, got = pages.get(engine, [k])
-        assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
-        stats = engine.stats()
-        assert stats["pages_stored"] == 1 and stats["write_backlog_bytes"] == 0 and engine.check() == []
+        _stored_whole(engine, pages, k)
+        assert engine.stats()["pages_stored"] == 1
     finally:
         plan.release()
         engine.close()
@@ -343,9 +347,7 @@ def test_a_put_ended_by_ctrl_c_inside_its_join_returns_and_the_page_goes_to_the_
     k = pages.keys(1)[0]
     plan = FaultPlan()
     engine = make_engine(tier_dirs[:1], fault_plan=plan)
-    gated_memory, mine, theirs = (_Memory(pages.size, True) for _ in range(3))
-    for m in (gated_memory, mine, theirs):
-        m.array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
+    gated_memory, mine, theirs = (_holding(pages, k) for _ in range(3))
     gate, gated, deferred, returned, state = CallerGate("source"), [], [], threading.Event(), {"hung": False}
     try:
         plan.add(Fault.hold(), opcode=OP_WRITE, times=1)
@@ -364,9 +366,7 @@ def test_a_put_ended_by_ctrl_c_inside_its_join_returns_and_the_page_goes_to_the_
         plan.release()
         wait_until(lambda: gated and deferred, HANG_S, "the deferred puts never ended")
         assert gated == [[False]] and deferred == [[True]], "the page was not handed to the put_deferred"
-        found, got = pages.get(engine, [k])
-        assert found == [True] and got[0] == pages.data(k), f"served {got[0][:8].hex()}: not the joined put's bytes"
-        assert engine.stats()["write_backlog_bytes"] == 0 and engine.check() == []
+        _stored_whole(engine, pages, k)
     finally:
         plan.release()
         engine.close()
@@ -399,12 +399,9 @@ def test_a_put_ended_by_ctrl_c_anywhere_in_its_enqueue_leaves_nothing_behind(tie
     plan = FaultPlan()
     engine = make_engine(tier_dirs[:2], fault_plan=plan)
     queue = engine._writes.queue
-    memory = {k: _Memory(pages.size, True) for k in (joined, new1, new2)}
+    memory = {k: _holding(pages, k) for k in (joined, new1, new2)}
     memory[held] = memory["bad/key"] = _Memory(pages.size, True)
-    for k in (joined, new1, new2):
-        memory[k].array[:] = np.frombuffer(pages.data(k), dtype=np.uint8)
-    theirs = _Memory(pages.size, True)
-    theirs.array[:] = np.frombuffer(pages.data(joined), dtype=np.uint8)
+    theirs = _holding(pages, joined)
     deferred, returned, state, later = [], threading.Event(), {"hung": False}, []
     try:
         assert pages.put(engine, [reading, held]) == [True, True]
