@@ -22,6 +22,9 @@ The :class:`Replicator` owes such a page to each tier that lacks it and writes i
         (foreground puts first), its last catch-up job ended long enough ago (pacing: a job that took
         t keeps the tier's next one back for t * (1 - share) / share, so catch-up takes at most
         ``share`` of the tier's write time), and it has room within its capacity:
+      a file already under the page's name there (another process sharing the namespace wrote it
+      after this engine last looked): a valid page is indexed, as the scan would have (``_learn``),
+      anything else left alone; nothing is written over it. Else
       read the page from a holder (O_DIRECT, the whole file), check its header and every block CRC
       against the index, and hand it to the writer (WritePath.copy), which writes it as any job,
       after the tier's foreground FIFO, held back by reads, without evicting (a promoted page just
@@ -56,6 +59,7 @@ from .integrity import HeaderError, block_crcs, unpack_header
 from .layout import HEADER_SIZE, file_size
 from .locks import ranked_lock
 from .priority import ReadPriority
+from .scan import index_found
 from .segments import Payload, Segment
 from .staging import BufferPool
 from .stats import Stats
@@ -305,12 +309,15 @@ class Replicator:
             epoch = self._epoch
         try:
             named = tier.named(key)
+            if named:
+                self._learn(tier, key)
         except OSError as exc:  # (the tier did not answer in time, bounded.py: it fails; the page stays owed)
             tier.fail(exc.errno or errno.EIO, f"catch-up look at {key}")
             return True
         if named:
-            # A file of that name the index does not list: another writer's version of the page, or a
-            # stray; neither is ours to replace (the read path and check() deal with them).
+            # A file of that name the index did not list: learned if a valid page (_learn); else another
+            # writer's version of the page, or a stray; neither is ours to replace (the read path and
+            # check() deal with them).
             with self._lock:
                 self._owed[k].pop(key, None)
                 self._drop_copy_under_replicator(key)
@@ -394,6 +401,19 @@ class Replicator:
             self.stats.add(k, "replication_bytes", source.info.length)
             if promoted:
                 self.stats.add(k, "replication_promoted")
+
+    def _learn(self, tier: Tier, key: str) -> None:
+        """Tier ``tier`` has a file under ``key``'s name that the index does not list there: index it if
+        it is a valid page (scan.index_found: as the start-up scan would have, and by its rule for
+        another version). Such a page was written there by another process sharing the namespace after
+        this engine last looked: the start-up scan had passed its directory, and a lookup looks only
+        for keys the index lacks on every tier. Left unknown, it was never read from that tier (one
+        replica short for routing) and check() reported it "on disk but not indexed"; owed, it is here
+        already, and is not written again."""
+        epoch, mark = self.index.epoch, self.index.mark(key)
+        page = tier.look(self.digest, key)  # (None: the tier did not answer in time; it failed)
+        if page is not None and page.problem is None:
+            index_found(self.index, tier.k, page, epoch, mark)  # (RETRY: its copy left the index since)
 
     def _pass_over(self, k: int, key: str) -> bool:
         """Tier ``k``'s next page cannot start now for a reason of its own (its holders failed, or read

@@ -84,6 +84,16 @@ class TierScan:
         self.resume_at: str | None = None
 
 
+def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int) -> int:
+    """Index a valid page file found on tier ``k``, read after ``mark`` (Index.mark) by a look that began
+    in index ``epoch``, as the scan does (Index.add_scanned: at the oldest end, unless the index knows
+    better). Returns add_scanned's answer (a slot, -1, RETRY)."""
+    h = page.header
+    # a write time beyond the clock's skew is a claim, not a time: it never wins (trust.py)
+    created = h.created_ns if h.created_ns <= honest_until() else 0
+    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created, epoch, mark)
+
+
 class BackgroundScan:
     """One scan thread per tier over ``tiers`` for the namespace ``digest``.
 
@@ -355,11 +365,7 @@ class BackgroundScan:
             page = scan_entry(tier.layout, self.digest, shard, name, path, trust=tier.trust)
             if page.problem is not None:
                 return page
-            h = page.header
-            # a write time beyond the clock's skew is a claim, not a time: it never wins (trust.py)
-            created = h.created_ns if h.created_ns <= honest_until() else 0
-            slot = self.index.add_scanned(h.key, tier.k, h.length, h.block, h.crcs, h.length, created,
-                                          self.epoch, mark)
+            slot = index_found(self.index, tier.k, page, self.epoch, mark)
             if slot != RETRY:
                 if slot >= 0:
                     added.append(slot)

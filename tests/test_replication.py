@@ -22,7 +22,7 @@ from kvstream_hicache.replication import SWEEP_BATCH
 from kvstream_hicache.router import SingleTier
 
 from helpers import (
-    NS, FakeClock, PageSet, TierFaultPlan, content, flip_byte, io_uring_fds, make_engine, sq_tail, wait_for_fault,
+    NS, PAGE_BYTES, FakeClock, PageSet, TierFaultPlan, content, flip_byte, io_uring_fds, make_engine, sq_tail, wait_for_fault,
     wait_until,
 )
 
@@ -447,3 +447,34 @@ def test_a_full_tier_is_not_owed_every_page_read_past_it(tier_dirs):
         for i in range(0, len(keys), 200):
             assert pages.get(engine, keys[i:i + 200])[0] == [True] * 200
         assert len(engine._replicas._owed[1]) <= SWEEP_BATCH
+
+
+def test_a_replica_another_process_wrote_after_this_engine_looked_is_learned_not_written_again(tier_dirs):
+    """Another process sharing the namespace puts two pages on tier 0; this engine finds them there (tier 1
+    has none yet) and later another puts them on tier 1, one as it was and one as another version.
+    Before, the catch-up that the engine's next read owed tier 1 saw a file under each name and passed it
+    by: the engine never read those pages from tier 1, and check() reported them "on disk but not indexed"
+    (the bench's mixed scenario failed so: its engines' start-up scans raced the data set's write). Now
+    it indexes them as its start-up scan would have: the same page as a second replica, the other version
+    by the scan's rule (the newer wins; tier 0's older file stays, a valid page). Nothing is written over
+    either file, and check() finds nothing wrong with the first."""
+    pages, newer = PageSet(), PageSet(data=lambda k: content("v2" + k, PAGE_BYTES))
+    same, other = pages.keys(2)
+    with make_engine(tier_dirs[:2]) as engine:
+        with make_engine(tier_dirs[:1]) as writer:
+            assert pages.put(writer, [same, other]) == [True] * 2
+        assert engine.prefix_len([same, other]) == 2
+        assert engine.index.holders(same) == engine.index.holders(other) == 0b01
+        with make_engine(tier_dirs[1:2]) as writer:
+            assert pages.put(writer, [same]) == [True] and newer.put(writer, [other]) == [True]
+        files = [TierLayout(tier_dirs[k], NS.digest).page_path(key) for k in (0, 1) for key in (same, other)]
+        before = [os.stat(f).st_ino for f in files]
+        assert pages.checked_get(engine, [same, other]) == [True] * 2  # (from tier 0: the index's copies)
+        wait_until(lambda: engine.index.holders(same) == 0b11 and engine.index.holders(other) == 0b10,
+                   what="the replicas on tier 1 were never learned")
+        wait_until(lambda: engine.stats()["replication_pending"] == 0, what="catch-up never ended")
+        assert engine.stats()["tiers"][1]["replication_done"] == 0  # learned, not written
+        assert [os.stat(f).st_ino for f in files] == before
+        assert pages.checked_get(engine, [same], policy=SingleTier(1)) == [True]
+        assert newer.checked_get(engine, [other], policy=SingleTier(1)) == [True]
+        assert not [p for p in engine.check() if same in p.path]

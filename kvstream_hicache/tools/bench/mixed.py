@@ -197,7 +197,12 @@ def run(args, log=print) -> dict:
             engines[name] = eng
             paths[name] = Path(eng, kind)
             stack.callback(paths[name].close)
-        # the data set, once (every engine's index learns it by discovery: same namespace)
+        # the data set, once (every engine's index learns it by discovery: same namespace). Written after
+        # every engine's start-up scan: a scan that ran beside it indexed a page on the tiers it had not
+        # passed yet, and a lookup looks only for pages the index lacks everywhere; that engine read the
+        # page from one tier alone until its catch-up found the other file (never, with catchup=off)
+        for eng in engines.values():
+            eng.wait_scan()
         first = engines[names[0]]
         s0 = first.stats()
         t0 = time.perf_counter()
