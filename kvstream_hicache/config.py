@@ -192,6 +192,10 @@ class TierConfig:
     # later entries of the tier list that name this directory again, dropped (Config.from_sources): a
     # policy or capacities written for the list as written no longer fit, and the messages say why
     duplicates: tuple[str, ...] = field(default=(), compare=False)
+    # its real path answered when the settings were read (Config.from_sources, in write_timeout); False: it
+    # did not (a network tier whose server is away): the engine and the CLI start it failed at once, and do
+    # not wait for it a second time (probe.look_at)
+    answered: bool = field(default=True, compare=False)
 
 
 def _choice(value: Any, choices: tuple[str, ...], what: str, upper: bool = False) -> str:
@@ -312,21 +316,23 @@ class Config:
             bound = parse_number(raw["write_timeout"], what("write_timeout"))
         except ConfigError:
             bound = SETTINGS["write_timeout"].default
-        warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what, bound)
+        reals: dict[str, str | None] = {}  # (a tier's real path is waited for once: a hung one costs write_timeout)
+        warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what, bound, reals)
         values = {k: v for k, v in raw.items() if k not in ("tiers", "capacity")}
         config = cls(tiers=tiers, **values, sources=dict(sources))
         overridden = [f"{env_name(key)}={env} is overridden by {sources[key]} = {explicit[key]!r} (an explicit "
                       "setting wins over the environment)"  # (a user who exported it expects it to count)
-                      for key, env in shadowed.items() if not config._same(key, env, raw)]
+                      for key, env in shadowed.items() if not config._same(key, env, raw, reals)]
         return dataclasses.replace(config, warnings=tuple(warnings + overridden + unknown_variables(environ)))
 
-    def _same(self, key: str, text: str, raw: Mapping[str, Any]) -> bool:
+    def _same(self, key: str, text: str, raw: Mapping[str, Any], reals: dict[str, str | None]) -> bool:
         """Whether ``text`` (a variable's) parses to the value this config holds for ``key``: the same
-        value written another way ('30' and 30.0, '1M' and 1048576) overrides nothing."""
+        value written another way ('30' and 30.0, '1M' and 1048576) overrides nothing. ``reals``: as
+        _parse_tiers takes it."""
         try:
             if key in ("tiers", "capacity"):
                 other = _parse_tiers(*(text if k == key else raw[k] for k in ("tiers", "capacity")),
-                                     lambda k: k, self.write_timeout)[1]
+                                     lambda k: k, self.write_timeout, reals)[1]
                 return [(t.path, t.capacity) for t in other] == [(t.path, t.capacity) for t in self.tiers]
             return getattr(dataclasses.replace(self, **{key: text}), key) == getattr(self, key)
         except ConfigError:
@@ -466,16 +472,19 @@ def _no_tiers() -> ConfigError:
                        "(fastest first) or the extra config key 'tiers' (a list; LMCache: adapter_params 'tiers')")
 
 
-def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str],
-                 bound: float = 0.0) -> tuple[list[str], tuple[TierConfig, ...]]:
+def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str], bound: float = 0.0,
+                 reals: dict[str, str | None] | None = None) -> tuple[list[str], tuple[TierConfig, ...]]:
     """(warnings, tiers) from the tier list and capacities as written (lists, or os.pathsep-separated).
     A tier listed twice is told by its real path, looked up on a thread waited for at most ``bound`` s
     (write_timeout; 0: in place): a realpath through a FUSE or NFS mount whose server stopped never
     returns, and every start (an engine's, ``kvstream check``'s) waited with it. A tier that does not
-    answer is kept as written (only the same text names it twice); the start fails it (probe.py)."""
+    answer is kept as written (only the same text names it twice) and marked so (TierConfig.answered):
+    the start fails it at once (probe.py). ``reals``: the real paths (None: no answer) already looked up
+    in this reading of the settings, and where the ones looked up here go (each path is waited for once)."""
     warnings: list[str] = []
     paths: list[str] = []
     written: dict[str, str] = {}
+    reals = {} if reals is None else reals
     twice: dict[str, list[str]] = {}  # tier kept -> the later entries naming it again
     if raw_tiers is not None:
         seen: dict[str, str] = {}
@@ -483,7 +492,9 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str],
             if not entry.strip():
                 continue
             path = _tier_path(entry.strip(), what("tiers"))
-            real = real_path(path, bound) or path
+            if path not in reals:
+                reals[path] = real_path(path, bound)
+            real = reals[path] or path
             if real in seen:
                 warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
                                 "the duplicate is ignored, it would add no bandwidth and no redundancy")
@@ -509,7 +520,7 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str],
                           f"{dup}; give one value per tier in tier order (empty = unlimited) or a single value "
                           f"for all")  # (the value as written: the operator greps the config for it)
     return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"), written[p],
-                                      tuple(twice.get(p, ()))) for p, c in zip(paths, caps))
+                                      tuple(twice.get(p, ())), reals[p] is not None) for p, c in zip(paths, caps))
 
 
 def _listed_twice(twice: list[tuple[str, str]], what_tiers: str, fix: str) -> str:

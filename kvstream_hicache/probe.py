@@ -19,7 +19,7 @@ import re
 from typing import NamedTuple
 
 from .bounded import BoundedCalls
-from .config import Capacity, Config, env_name, setting_source
+from .config import Capacity, Config, TierConfig, env_name, setting_source
 from .errors import TierError
 from .fds import close_fd
 from .layout import ROOT_DIR
@@ -61,13 +61,18 @@ class Look(NamedTuple):
         return fn(*args) if self.calls is None else self.calls.run(fn, *args)
 
 
-def look_at(path: str, name: str, bound: float) -> Look:
-    """The real path of the tier at ``path`` and whether it is local, on the tier's calls thread waited for
-    at most ``bound`` s (write_timeout; 0: in place): whether a tier may hang is known only from its real
-    path, and a realpath through a mount whose server stopped never returns. A local tier's thread ends
-    here (its calls are made in place, as before); another's is handed to its Tier (a call that hung still
-    holds it: the tier's next calls fail at once until it returns, bounded.py)."""
+def look_at(tier: TierConfig, name: str, bound: float) -> Look:
+    """The real path of ``tier`` and whether it is local, on the tier's calls thread waited for at most
+    ``bound`` s (write_timeout; 0: in place): whether a tier may hang is known only from its real path,
+    and a realpath through a mount whose server stopped never returns. A local tier's thread ends here
+    (its calls are made in place, as before); another's is handed to its Tier (a call that hung still
+    holds it: the tier's next calls fail at once until it returns, bounded.py). A tier whose real path
+    did not answer when the settings were read is not waited for again: it did not answer (before, a
+    start waited twice write_timeout for it)."""
+    path = tier.path
     calls = BoundedCalls(name, bound)
+    if not tier.answered:
+        return Look(None, False, calls)
     try:
         real = calls.run(os.path.realpath, path)
     except OSError:  # (ETIMEDOUT: a realpath raises nothing else)
@@ -85,7 +90,7 @@ def answering(config: Config) -> list[Look]:
     reported, never walked (before, the command waited as long as the server). A tier that may hang keeps
     its calls thread (the caller's checks of every tier, check_overlap, run there) until :func:`let_go`; the
     walk of one whose first look answered runs in place, unbounded (an operator's command, as check()'s)."""
-    looks = [look_at(tier.path, f"tier {k}", config.write_timeout) for k, tier in enumerate(config.tiers)]
+    looks = [look_at(tier, f"tier {k}", config.write_timeout) for k, tier in enumerate(config.tiers)]
     for k, (tier, look) in enumerate(zip(config.tiers, looks)):
         if look.real is None:
             continue
@@ -132,7 +137,7 @@ def probe_tiers(config: Config) -> Probed:
     :raises TierError: naming the tier, the setting and the fix.
     """
     warnings = list(config.warnings)
-    looks = [look_at(tier.path, f"tier {k}", config.write_timeout) for k, tier in enumerate(config.tiers)]
+    looks = [look_at(tier, f"tier {k}", config.write_timeout) for k, tier in enumerate(config.tiers)]
     try:
         check_overlap(config, looks)
         devices: dict[int, str] = {}

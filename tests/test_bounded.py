@@ -556,6 +556,41 @@ def test_an_engine_starts_with_one_tier_hung(tier_dirs, fuse_tier):
             e.close()
 
 
+def test_a_hung_tier_is_waited_for_once_at_start_up(tier_dirs, fuse_tier, monkeypatch):
+    """Engine(): the hung tier's real path is asked for once, when the settings are read; the start then
+    fails the tier at once (before: asked again by the tier's first look, each waited for write_timeout: a
+    start took twice write_timeout, and a tier listed in both an explicit setting and KVSTREAM_TIERS three
+    times). Counted, not timed: the calls of os.path.realpath on the tier until Engine() returns."""
+    _pages, _keys, network, daemon = _stopped_with_pages(tier_dirs, fuse_tier)
+    asked, realpath = [], os.path.realpath
+
+    def counted(path, *args, **kwargs):
+        if path == network:
+            asked.append(path)
+        return realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", counted)
+    engines, at_start = [], []
+
+    def start():
+        tiers = [tier_dirs[0], network]  # (also in KVSTREAM_TIERS, which the explicit list shadows)
+        config = Config.from_sources({"tiers": tiers, "write_timeout": 1, "scan_rate": 2000},
+                                     environ={"KVSTREAM_TIERS": os.pathsep.join(tiers)})
+        engines.append(Engine(config, NS))
+        at_start.append(len(asked))
+
+    try:
+        t, out = _in_thread(start)
+        assert not t.is_alive() and out and out[0][0] == "ok", out
+        assert at_start == [1], at_start
+        assert "did not answer at start-up" in engines[0].stats()["tiers"][1]["last_error"]
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        t.join(HUNG_JOIN_S)
+        for e in engines:
+            e.close()
+
+
 def _started_while_hung(daemon, start):
     """``start()`` (an engine) with the FUSE daemon stopped, in a thread (:func:`_in_thread`): the engine."""
     os.kill(daemon.pid, signal.SIGSTOP)
