@@ -88,14 +88,22 @@ class WriteQueue:
         self.exclusive = 0  # WritePath.exclusive() sections entered or waiting: the writer waits
         self.closing = False
 
-    def wait_for_room(self, need: int) -> None:
-        """Back-pressure: wait while ``need`` more bytes would take the backlog past write_backlog."""
+    def wait_for_room(self, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        """Back-pressure: wait while the pages of ``keys`` (``sizes`` bytes each) would take the backlog
+        past write_backlog. A page being written already adds nothing (the put joins it): before, a
+        store of pages in flight waited for room for all of them, its caller (LMCache's store thread)
+        held up by bytes it would never add."""
         with self.lock:
             limit = self.settings.write_backlog
-            if self.backlog and self.backlog + need > limit and not self.closing:
+
+            def room() -> bool:
+                return not self.backlog or self.closing or \
+                    self.backlog + sum(n for key, n in zip(keys, sizes) if key not in self.pending) <= limit
+
+            if not room():
                 t0 = time.perf_counter()
                 self.stats.total("backpressure_waits")
-                self.room.wait_for(lambda: not self.backlog or self.backlog + need <= limit or self.closing)
+                self.room.wait_for(room)
                 self.stats.total("backpressure_s", time.perf_counter() - t0)
 
     def wake(self) -> None:

@@ -281,6 +281,34 @@ def test_deferred_puts_wait_when_the_backlog_is_full_and_lose_nothing(tier_dirs)
             assert engine.get(keys[s], src[s].dst_segments) == [True, True] and src[s].equal(1)
 
 
+def test_a_deferred_put_of_pages_being_written_does_not_wait_for_room_they_do_not_take(tier_dirs):
+    """The backlog holds two pages of a bound of three (their writes held): a deferred put of the same two
+    pages joins them and adds nothing, so it does not wait (before, it waited for room for both: LMCache's
+    store thread held up by bytes it would never add); one of one of them and a new page needs room for
+    one page, which there is. Every put completes, each page written once per tier."""
+    plan = TierFaultPlan()
+    size = 64 << 10
+    src = Pages(3, seed=7, size=size)
+    keys = [key(i, "joinroom") for i in range(3)]
+    segs = src.src_segments
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=3 * size) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred(keys[:2], segs[:2], results.append)
+        wait_for_fault(plan)
+        joined, _ = in_thread(engine.put_deferred, keys[:2], segs[:2], results.append)
+        joined.join(WAIT_S)
+        assert not joined.is_alive(), "a put of pages being written waited for backlog room"
+        engine.put_deferred(keys[1:], segs[1:], results.append)  # (one joined, one new: room for one)
+        stats = engine.stats()
+        assert stats["backpressure_waits"] == 0 and stats["write_backlog_bytes"] == 3 * size
+        plan.clear()
+        plan.release()
+        wait_until(lambda: len(results) == 3, WAIT_S, "a deferred put never completed")
+        assert results == [[True, True]] * 3
+        assert [t["pages_written"] for t in engine.stats()["tiers"]] == [3, 3]
+
+
 def test_a_key_being_written_is_written_once(tier_dirs):
     """Two puts of one key while its first write is in flight: one file per tier, both report it."""
     plan = TierFaultPlan()
