@@ -331,8 +331,10 @@ class Config:
         _parse_tiers takes it."""
         try:
             if key in ("tiers", "capacity"):
+                # (a path the settings in use do not name is not asked: the variable is only compared, and
+                # one on a hung mount, a stale KVSTREAM_TIERS, would cost the start another write_timeout)
                 other = _parse_tiers(*(text if k == key else raw[k] for k in ("tiers", "capacity")),
-                                     lambda k: k, self.write_timeout, reals)[1]
+                                     lambda k: k, self.write_timeout, reals, ask=False)[1]
                 return [(t.path, t.capacity) for t in other] == [(t.path, t.capacity) for t in self.tiers]
             return getattr(dataclasses.replace(self, **{key: text}), key) == getattr(self, key)
         except ConfigError:
@@ -473,14 +475,16 @@ def _no_tiers() -> ConfigError:
 
 
 def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str], bound: float = 0.0,
-                 reals: dict[str, str | None] | None = None) -> tuple[list[str], tuple[TierConfig, ...]]:
+                 reals: dict[str, str | None] | None = None, ask: bool = True
+                 ) -> tuple[list[str], tuple[TierConfig, ...]]:
     """(warnings, tiers) from the tier list and capacities as written (lists, or os.pathsep-separated).
     A tier listed twice is told by its real path, looked up on a thread waited for at most ``bound`` s
     (write_timeout; 0: in place): a realpath through a FUSE or NFS mount whose server stopped never
     returns, and every start (an engine's, ``kvstream check``'s) waited with it. A tier that does not
     answer is kept as written (only the same text names it twice) and marked so (TierConfig.answered):
     the start fails it at once (probe.py). ``reals``: the real paths (None: no answer) already looked up
-    in this reading of the settings, and where the ones looked up here go (each path is waited for once)."""
+    in this reading of the settings, and where the ones looked up here go (each path is waited for once);
+    ``ask`` False: a path not in ``reals`` is not looked up, only its text tells it from the others."""
     warnings: list[str] = []
     paths: list[str] = []
     written: dict[str, str] = {}
@@ -492,9 +496,9 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str], 
             if not entry.strip():
                 continue
             path = _tier_path(entry.strip(), what("tiers"))
-            if path not in reals:
+            if path not in reals and ask:
                 reals[path] = real_path(path, bound)
-            real = reals[path] or path
+            real = reals.get(path) or path
             if real in seen:
                 warnings.append(f"tier {path} is listed twice ({what('tiers')}; same directory as {seen[real]}): "
                                 "the duplicate is ignored, it would add no bandwidth and no redundancy")
@@ -520,7 +524,7 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str], 
                           f"{dup}; give one value per tier in tier order (empty = unlimited) or a single value "
                           f"for all")  # (the value as written: the operator greps the config for it)
     return warnings, tuple(TierConfig(p, Capacity.parse(c, f"{what('capacity')} for tier {p}"), written[p],
-                                      tuple(twice.get(p, ())), reals[p] is not None) for p, c in zip(paths, caps))
+                                      tuple(twice.get(p, ())), reals.get(p, p) is not None) for p, c in zip(paths, caps))
 
 
 def _listed_twice(twice: list[tuple[str, str]], what_tiers: str, fix: str) -> str:

@@ -436,6 +436,8 @@ class Engine:
             if tier.capacity is not None:
                 caps.append(tier.capacity)
                 continue
+            if tier.trust is None:  # did not answer at start-up, not started yet: it bounds nothing, unasked (a
+                continue  # statvfs there would wait write_timeout again: LMCache's adapter asks as it starts)
             try:
                 # (bounded where the tier may hang, bounded.py: on its read thread, by read_timeout too, as
                 # a lookup: LMCache's get_usage must not wait for ever with write_timeout=0)

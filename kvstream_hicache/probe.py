@@ -123,8 +123,8 @@ class Probed(NamedTuple):
     owners: list[int | None]  # per tier, the uid its probe's file came out owned by (trust.py trusts it); None:
     # the tier did not answer
     looks: list[Look]  # per tier, its first look (a real path of None: it did not answer in write_timeout)
-    capacities: list[int | None]  # per tier, its capacity in bytes (a share resolved; None: no limit, or unknown
-    # yet for a tier that did not answer: resolved when it does, tiers.py)
+    capacities: list[int | None]  # per tier, its capacity in bytes (a share resolved; None: no limit, or a share
+    # unknown yet for a tier that did not answer: resolved when it does, tiers.py)
 
 
 def probe_tiers(config: Config) -> Probed:
@@ -155,6 +155,8 @@ def probe_tiers(config: Config) -> Probed:
                     raise
                 owner, dev, cap = None, None, None
                 looks[k] = looks[k]._replace(real=None)  # (did not answer: it starts failed)
+            if looks[k].real is None:  # a capacity in bytes needs no answer (a share is resolved when it answers,
+                cap = tier.capacity.nbytes  # tiers.py); else the tier would serve unlimited once it rejoins
             owners.append(owner)
             capacities.append(cap)
             if dev is None:

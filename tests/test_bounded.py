@@ -665,6 +665,53 @@ def test_a_capacity_share_below_a_page_of_a_tier_that_did_not_answer_at_start_up
         engine.close()
 
 
+def test_a_byte_capacity_of_a_tier_that_did_not_answer_at_start_up_holds_once_it_rejoins(tier_dirs, fuse_tier):
+    """A capacity in bytes is known without the tier: a tier that did not answer at start-up keeps it, and
+    once it rejoins its pages stay within it. Before, only a share was kept for later (probe_tiers gave the
+    tier no capacity): it rejoined unlimited and filled its file system. From the review of 06fddc1."""
+    network, daemon = fuse_tier
+    cap = 3 * PAGE_BYTES
+    settings = {"tiers": [tier_dirs[0], network], "capacity": ["", str(cap)], "write_timeout": 1, "tier_retry": 0.1}
+    engine = _started_while_hung(daemon, lambda: Engine(Config.from_sources(settings, environ={}), NS))
+    try:
+        os.kill(daemon.pid, signal.SIGCONT)
+        wait_until(lambda: engine.tiers[1].usable(), HUNG_JOIN_S, "the tier never rejoined once it answered")
+        pages = PageSet()
+        assert pages.put(engine, pages.keys(8)) == [True] * 8
+        row = engine.stats()["tiers"][1]
+        assert row["capacity_bytes"] == cap and row["used_bytes"] <= cap, \
+            (row["capacity_bytes"], row["used_bytes"], row["pages"])
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        engine.close()
+
+
+def test_a_shadowed_tier_variable_naming_another_directory_on_a_hung_mount_is_not_asked(tier_dirs, fuse_tier,
+                                                                                         monkeypatch):
+    """KVSTREAM_TIERS shadowed by an explicit tier list is only compared with it (the 'overridden' warning): a
+    directory only the variable names (a stale one, on the hung tier's mount) is not looked up. Before, its
+    real path was waited for too: the start cost twice write_timeout. Counted, not timed: the calls of
+    os.path.realpath on the mount until the settings are read. From the review of 06fddc1."""
+    network, daemon = fuse_tier
+    old = os.path.join(os.path.dirname(network), "old")
+    asked, realpath = [], os.path.realpath
+
+    def counted(path, *args, **kwargs):
+        if str(path).startswith(os.path.dirname(network)):
+            asked.append(path)
+        return realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", counted)
+    config = _started_while_hung(daemon, lambda: Config.from_sources(
+        {"tiers": [tier_dirs[0], network], "write_timeout": 1},
+        environ={"KVSTREAM_TIERS": os.pathsep.join([tier_dirs[0], old])}))
+    try:
+        assert any("KVSTREAM_TIERS" in w and "overridden" in w for w in config.warnings), config.warnings
+        assert asked == [network], asked
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
 def _cli(*args):
     env = dict(os.environ)
     here = os.path.dirname(os.path.abspath(__file__))

@@ -494,6 +494,41 @@ def test_close_lets_go_of_a_store_whose_writer_is_held_in_a_call_on_a_hung_tier(
     assert adapter.core.pop_stores() == {task: (False, 0)}  # no page of it committed, on either tier
 
 
+def test_the_adapter_starts_waiting_for_a_hung_tier_once(tier_dirs, fuse_tier, monkeypatch):
+    """LMCache's adapter started while a FUSE tier hangs: the tier is waited for once (its real path, as the
+    settings are read; the engine starts it failed, probe.look_at), not again by the capacity the adapter
+    reports to LMCache (Engine.usage: a tier that did not answer at start-up bounds nothing, unasked).
+    Before, usage()'s statvfs there waited write_timeout too: the start cost twice write_timeout. Counted,
+    not timed: the calls of realpath and statvfs on the tier. From the review of 06fddc1."""
+    import signal
+    import time
+
+    network, daemon = fuse_tier
+    asked = []
+    for module, name in ((os.path, "realpath"), (os, "statvfs")):
+        def counted(path, *args, _call=getattr(module, name), _name=name, **kwargs):
+            if str(path).startswith(network):
+                asked.append(_name)
+            return _call(path, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    time.sleep(2)  # (past FUSE's 1 s attribute cache: every look reaches the stopped daemon)
+    out = []
+    start = threading.Thread(target=lambda: out.append(l2adapter.KVStreamL2Adapter(
+        {"tiers": [tier_dirs[0], network], "write_timeout": 1}, environ={})), daemon=True)
+    start.start()
+    start.join(WAIT_S)
+    try:
+        assert out, "the adapter never started"
+        assert asked == ["realpath"], asked
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        start.join(WAIT_S)
+        for adapter in out:
+            adapter.close()
+
+
 def test_close_waits_for_a_store_that_a_long_load_holds_back(tier_dirs, monkeypatch, caplog):
     """A load (a long get: its reads complete every 0.3 s) holds the tier's writes back (read priority)
     while close() (LMCache's shutdown) waits for a store queued behind it. The writer is in no call and
