@@ -88,17 +88,26 @@ class WriteQueue:
         self.exclusive = 0  # WritePath.exclusive() sections entered or waiting: the writer waits
         self.closing = False
 
-    def wait_for_room(self, keys: Sequence[str], sizes: Sequence[int]) -> None:
+    def wait_for_room(self, keys: Sequence[str], sizes: Sequence[int], mask: int) -> None:
         """Back-pressure: wait while the pages of ``keys`` (``sizes`` bytes each) would take the backlog
-        past write_backlog. A page being written already adds nothing (the put joins it): before, a
-        store of pages in flight waited for room for all of them, its caller (LMCache's store thread)
-        held up by bytes it would never add."""
+        past write_backlog. Counted are only the pages the put may add: not a page being written already
+        (the put joins it, or skips another version), nor one a tier of ``mask`` holds (True, no I/O),
+        nor a repeat of a key (the put answers it with its first) or an invalid key (refused). A put that
+        adds nothing never waits, even with the backlog past its bound (a put larger than it is taken
+        whole when the backlog is empty). Before, such a store waited for room for bytes it would never
+        add, its caller (LMCache's store thread) held up by them."""
+        # Held: as the index has it, no stat, outside the lock as in accept (a copy deleted behind the
+        # engine's back is written once uncounted, a page over the bound at most).
+        new: dict[str, int] = {}
+        for key, n in zip(keys, sizes):
+            if is_valid_key(key) and key not in new:
+                new[key] = 0 if self._holders(key, n) & mask else n
         with self.lock:
             limit = self.settings.write_backlog
 
             def room() -> bool:
-                return not self.backlog or self.closing or \
-                    self.backlog + sum(n for key, n in zip(keys, sizes) if key not in self.pending) <= limit
+                need = sum(n for key, n in new.items() if key not in self.pending)
+                return not need or not self.backlog or self.closing or self.backlog + need <= limit
 
             if not room():
                 t0 = time.perf_counter()

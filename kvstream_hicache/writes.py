@@ -124,7 +124,7 @@ class WritePath:
         """See Engine.put_deferred: waits only while the backlog is full (back-pressure)."""
         if len(pages) != len(keys):
             raise ValueError(f"put: {len(keys)} keys but {len(pages)} pages")
-        self.queue.wait_for_room(keys, [sum(n for _, n in segments) for segments in pages])
+        self.queue.wait_for_room(keys, [sum(n for _, n in segments) for segments in pages], mask)
         self.stats.total("deferred_puts")
         self.queue.accept(keys, pages, mask, PutCall(len(keys), done, gate))
 

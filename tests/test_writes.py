@@ -309,6 +309,85 @@ def test_a_deferred_put_of_pages_being_written_does_not_wait_for_room_they_do_no
         assert [t["pages_written"] for t in engine.stats()["tiers"]] == [3, 3]
 
 
+def _waited(engine, thread: threading.Thread) -> int:
+    """The backpressure waits once ``thread`` (a deferred put) either returned or began to wait."""
+    wait_until(lambda: not thread.is_alive() or engine.stats()["backpressure_waits"], WAIT_S,
+               "the put neither returned nor waited")
+    return engine.stats()["backpressure_waits"]
+
+
+def test_a_deferred_put_of_pages_being_written_does_not_wait_with_the_backlog_past_its_bound(tier_dirs):
+    """A put larger than write_backlog is taken whole with the backlog empty (its writes held): the backlog
+    is past its bound. A deferred put of the same pages joins them and adds nothing, so it does not wait
+    (before, it waited until the backlog fell within its bound: LMCache's store thread held up by bytes it
+    would never add)."""
+    plan = TierFaultPlan()
+    size = 64 << 10
+    src = Pages(2, seed=11, size=size)
+    keys = [key(i, "overjoin") for i in range(2)]
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=size) as engine:
+        with releasing(plan):
+            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+            engine.put_deferred(keys, src.src_segments, results.append)
+            wait_for_fault(plan)
+            assert engine.stats()["write_backlog_bytes"] == 2 * size
+            joined, _ = in_thread(engine.put_deferred, keys, src.src_segments, results.append)
+            waits = _waited(engine, joined)
+        joined.join(WAIT_S)
+        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
+        assert waits == 0, "a put of pages being written (adding nothing) waited for backlog room"
+        assert results == [[True, True]] * 2
+        assert [t["pages_written"] for t in engine.stats()["tiers"]] == [2, 2]
+
+
+def test_a_deferred_put_of_a_key_given_twice_waits_for_room_for_one_page(tier_dirs):
+    """Two pages held of a bound of three: a deferred put of one new key given twice adds one page (the
+    repeat is answered with the first), which there is room for: it does not wait (before, it counted the
+    page twice and waited)."""
+    plan = TierFaultPlan()
+    size = 64 << 10
+    src = Pages(3, seed=12, size=size)
+    keys = [key(i, "repeatroom") for i in range(3)]
+    segs = src.src_segments
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=3 * size) as engine:
+        with releasing(plan):
+            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+            engine.put_deferred(keys[:2], segs[:2], results.append)
+            wait_for_fault(plan)
+            twice, _ = in_thread(engine.put_deferred, [keys[2], keys[2]], [segs[2], segs[2]], results.append)
+            waits = _waited(engine, twice)
+        twice.join(WAIT_S)
+        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
+        assert waits == 0, "a put of one page given twice waited for room for two"
+        assert results == [[True, True]] * 2
+
+
+def test_a_deferred_put_of_a_page_held_already_does_not_wait_for_room(tier_dirs):
+    """A page stored already (a put of it answers True, no I/O); the backlog at its bound (writes held): a
+    deferred put of that page adds nothing and does not wait (before, it waited for room for it: LMCache's
+    store of chunks stored already, by this server or another on a shared tier, held up)."""
+    plan = TierFaultPlan()
+    size = 64 << 10
+    src = Pages(3, seed=13, size=size)
+    keys = [key(i, "heldroom") for i in range(3)]
+    segs = src.src_segments
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=2 * size) as engine:
+        assert engine.put(keys[:1], segs[:1]) == [True]
+        with releasing(plan):
+            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+            engine.put_deferred(keys[1:], segs[1:], results.append)
+            wait_for_fault(plan)
+            again, _ = in_thread(engine.put_deferred, keys[:1], segs[:1], results.append)
+            waits = _waited(engine, again)
+        again.join(WAIT_S)
+        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
+        assert waits == 0, "a put of a page held already waited for backlog room"
+        assert sorted(results) == [[True], [True, True]]
+
+
 def test_a_key_being_written_is_written_once(tier_dirs):
     """Two puts of one key while its first write is in flight: one file per tier, both report it."""
     plan = TierFaultPlan()
