@@ -281,34 +281,6 @@ def test_deferred_puts_wait_when_the_backlog_is_full_and_lose_nothing(tier_dirs)
             assert engine.get(keys[s], src[s].dst_segments) == [True, True] and src[s].equal(1)
 
 
-def test_a_deferred_put_of_pages_being_written_does_not_wait_for_room_they_do_not_take(tier_dirs):
-    """The backlog holds two pages of a bound of three (their writes held): a deferred put of the same two
-    pages joins them and adds nothing, so it does not wait (before, it waited for room for both: LMCache's
-    store thread held up by bytes it would never add); one of one of them and a new page needs room for
-    one page, which there is. Every put completes, each page written once per tier."""
-    plan = TierFaultPlan()
-    size = 64 << 10
-    src = Pages(3, seed=7, size=size)
-    keys = [key(i, "joinroom") for i in range(3)]
-    segs = src.src_segments
-    results: list = []
-    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=3 * size) as engine, releasing(plan):
-        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
-        engine.put_deferred(keys[:2], segs[:2], results.append)
-        wait_for_fault(plan)
-        joined, _ = in_thread(engine.put_deferred, keys[:2], segs[:2], results.append)
-        joined.join(WAIT_S)
-        assert not joined.is_alive(), "a put of pages being written waited for backlog room"
-        engine.put_deferred(keys[1:], segs[1:], results.append)  # (one joined, one new: room for one)
-        stats = engine.stats()
-        assert stats["backpressure_waits"] == 0 and stats["write_backlog_bytes"] == 3 * size
-        plan.clear()
-        plan.release()
-        wait_until(lambda: len(results) == 3, WAIT_S, "a deferred put never completed")
-        assert results == [[True, True]] * 3
-        assert [t["pages_written"] for t in engine.stats()["tiers"]] == [3, 3]
-
-
 def _waited(engine, thread: threading.Thread) -> int:
     """The backpressure waits once ``thread`` (a deferred put) either returned or began to wait."""
     wait_until(lambda: not thread.is_alive() or engine.stats()["backpressure_waits"], WAIT_S,
@@ -316,76 +288,43 @@ def _waited(engine, thread: threading.Thread) -> int:
     return engine.stats()["backpressure_waits"]
 
 
-def test_a_deferred_put_of_pages_being_written_does_not_wait_with_the_backlog_past_its_bound(tier_dirs):
-    """A put larger than write_backlog is taken whole with the backlog empty (its writes held): the backlog
-    is past its bound. A deferred put of the same pages joins them and adds nothing, so it does not wait
-    (before, it waited until the backlog fell within its bound: LMCache's store thread held up by bytes it
-    would never add)."""
+@pytest.mark.parametrize("bound, stored, first, second", [
+    pytest.param(3, [], [0, 1], [0, 1], id="being-written"),
+    pytest.param(3, [], [0, 1], [1, 2], id="one-being-written-one-new"),
+    pytest.param(1, [], [0, 1], [0, 1], id="being-written-with-the-backlog-past-its-bound"),
+    pytest.param(3, [], [0, 1], [2, 2], id="one-new-page-given-twice"),
+    pytest.param(2, [0], [1, 2], [0], id="held-already"),
+])
+def test_a_deferred_put_waits_for_backlog_room_only_for_the_pages_it_adds(tier_dirs, bound, stored, first, second):
+    """The first deferred put's pages held in their writes (a backlog bound of ``bound`` pages; a put larger
+    than it is taken whole with the backlog empty), the second adds only its pages that are not being
+    written (it joins those), not held by a tier already (answered True, no I/O) and not repeats within it:
+    with room for those it does not wait, and one that adds nothing never waits, even past the bound.
+    Before, it waited for room for every page it named: LMCache's store thread held up by bytes it would
+    never add. Every put completes, each page written once per tier. (The last three cases from the review
+    of d2977fc.)"""
     plan = TierFaultPlan()
     size = 64 << 10
-    src = Pages(2, seed=11, size=size)
-    keys = [key(i, "overjoin") for i in range(2)]
+    segs = Pages(3, seed=7, size=size).src_segments
+    keys = [key(i, "room") for i in range(3)]
     results: list = []
-    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=size) as engine:
+    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=bound * size) as engine:
+        assert engine.put([keys[i] for i in stored], [segs[i] for i in stored]) == [True] * len(stored)
         with releasing(plan):
             plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
-            engine.put_deferred(keys, src.src_segments, results.append)
+            engine.put_deferred([keys[i] for i in first], [segs[i] for i in first], results.append)
             wait_for_fault(plan)
-            assert engine.stats()["write_backlog_bytes"] == 2 * size
-            joined, _ = in_thread(engine.put_deferred, keys, src.src_segments, results.append)
-            waits = _waited(engine, joined)
-        joined.join(WAIT_S)
+            later, _ = in_thread(engine.put_deferred, [keys[i] for i in second], [segs[i] for i in second],
+                                 results.append)
+            waits = _waited(engine, later)
+            backlog = engine.stats()["write_backlog_bytes"]
+        later.join(WAIT_S)
         wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
-        assert waits == 0, "a put of pages being written (adding nothing) waited for backlog room"
-        assert results == [[True, True]] * 2
-        assert [t["pages_written"] for t in engine.stats()["tiers"]] == [2, 2]
-
-
-def test_a_deferred_put_of_a_key_given_twice_waits_for_room_for_one_page(tier_dirs):
-    """Two pages held of a bound of three: a deferred put of one new key given twice adds one page (the
-    repeat is answered with the first), which there is room for: it does not wait (before, it counted the
-    page twice and waited)."""
-    plan = TierFaultPlan()
-    size = 64 << 10
-    src = Pages(3, seed=12, size=size)
-    keys = [key(i, "repeatroom") for i in range(3)]
-    segs = src.src_segments
-    results: list = []
-    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=3 * size) as engine:
-        with releasing(plan):
-            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
-            engine.put_deferred(keys[:2], segs[:2], results.append)
-            wait_for_fault(plan)
-            twice, _ = in_thread(engine.put_deferred, [keys[2], keys[2]], [segs[2], segs[2]], results.append)
-            waits = _waited(engine, twice)
-        twice.join(WAIT_S)
-        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
-        assert waits == 0, "a put of one page given twice waited for room for two"
-        assert results == [[True, True]] * 2
-
-
-def test_a_deferred_put_of_a_page_held_already_does_not_wait_for_room(tier_dirs):
-    """A page stored already (a put of it answers True, no I/O); the backlog at its bound (writes held): a
-    deferred put of that page adds nothing and does not wait (before, it waited for room for it: LMCache's
-    store of chunks stored already, by this server or another on a shared tier, held up)."""
-    plan = TierFaultPlan()
-    size = 64 << 10
-    src = Pages(3, seed=13, size=size)
-    keys = [key(i, "heldroom") for i in range(3)]
-    segs = src.src_segments
-    results: list = []
-    with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=2 * size) as engine:
-        assert engine.put(keys[:1], segs[:1]) == [True]
-        with releasing(plan):
-            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
-            engine.put_deferred(keys[1:], segs[1:], results.append)
-            wait_for_fault(plan)
-            again, _ = in_thread(engine.put_deferred, keys[:1], segs[:1], results.append)
-            waits = _waited(engine, again)
-        again.join(WAIT_S)
-        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
-        assert waits == 0, "a put of a page held already waited for backlog room"
-        assert sorted(results) == [[True], [True, True]]
+        assert waits == 0, "a deferred put waited for backlog room for pages it does not add"
+        assert backlog == len(set(first) | set(second) - set(stored)) * size
+        assert sorted(results) == sorted([[True] * len(first), [True] * len(second)])
+        written = len(set(stored) | set(first) | set(second))
+        assert [t["pages_written"] for t in engine.stats()["tiers"]] == [written, written]
 
 
 def test_a_key_being_written_is_written_once(tier_dirs):
