@@ -477,6 +477,10 @@ class Engine:
             self.index.clear()
             for tier in self.tiers:
                 tier.clear()
+            # Again, once the files are gone: a lookup (discovery, no lock of these) that read a file of
+            # before the clear while the tiers were being cleared indexed it, in the index's new epoch,
+            # and the file went a moment later (one that indexes after this is refused: _lookup's epoch)
+            self.index.clear()
         self._owed.note()  # (the tiers that missed it: written down, so a restart does not forget)
 
     def close(self) -> None:
@@ -713,14 +717,15 @@ class Engine:
             return None if timeout <= 0 else max(0.0, deadlines.setdefault(k, now + timeout) - now)
 
         for key in keys:
-            for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read)
-                mark = self.index.mark(key)
+            for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read, or
+                # a clear() came: its file may be going, the look again finds it gone or one written since)
+                epoch, mark = self.index.epoch, self.index.mark(key)
                 pages = [(age_key(page.header.created_ns, until), tier.k, page) for tier in self.tiers
                          if mask >> tier.k & 1
                          for page in [tier.look(self.namespace.digest, key, within(tier.k))]  # (None: no answer)
                          if page is not None and page.problem is None
                          and (sizes is None or page.header.length == sizes[key])]
-                if all([self._index_page(k, page, mark) for _, k, page in sorted(pages, key=lambda e: e[:2])]):
+                if all([self._index_page(k, page, mark, epoch) for _, k, page in sorted(pages, key=lambda e: e[:2])]):
                     break
             if pages and self.index.contains(key, mask):  # (pages: a key held at another size found none)
                 found += 1
@@ -749,14 +754,16 @@ class Engine:
         self._lookup([k for k in sorted(relook) if not held(k)], mask, relook)
         return mask
 
-    def _index_page(self, k: int, page: ScannedPage, mark: int | None = None) -> bool:
+    def _index_page(self, k: int, page: ScannedPage, mark: int | None = None, epoch: int | None = None) -> bool:
         """Index a valid page file on tier ``k``, read after ``mark`` (Index.mark; None: now, with every
-        writer held). An indexed copy of other content on another tier leaves the index (one version per
-        key) but not the disk: it is a valid page too. False: a copy of a key like it left the index
-        since ``mark``, maybe this one, its file being deleted: nothing indexed, read it again."""
+        writer held) in index ``epoch``. An indexed copy of other content on another tier leaves the index
+        (one version per key) but not the disk: it is a valid page too. False: a copy of a key like it left
+        the index since ``mark``, maybe this one, its file being deleted, or a clear() came since ``epoch``:
+        nothing indexed, read it again."""
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
-        return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark) is not None
+        return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark,
+                                 epoch=epoch) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

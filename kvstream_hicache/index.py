@@ -287,19 +287,22 @@ class Index:
             self.reserved[tier] -= nbytes
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
-               nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None) -> list[int] | None:
+               nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None,
+               epoch: int | None = None) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
         (discovery, check), not written here; None is returned, and nothing indexed, when a copy of a key
-        like it left the index since (maybe this one, its file being deleted: read it again).
+        like it left the index since (maybe this one, its file being deleted: read it again), or when the
+        index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
 
         :returns: tiers whose copy the index forgot because it describes other content (one key
             holds one content in the index); normally empty. Their files stay: another writer's
             version of the page is valid, and is found again when no indexed copy is left.
         """
         with self._lock:
-            if mark is not None and self._drops[hash(key) & _DROP_BUCKETS] != mark:
+            if mark is not None and self._drops[hash(key) & _DROP_BUCKETS] != mark or \
+                    epoch is not None and epoch != self.epoch:
                 return None
             if reserved:
                 self.reserved[tier] -= nbytes
@@ -323,14 +326,16 @@ class Index:
         return self._drops[hash(key) & _DROP_BUCKETS]
 
     def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
-                    created_ns: int, epoch: int, mark: int) -> int:
+                    created_ns: int, epoch: int, mark: int, versions: bool = True) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
         of the key: one written, read or discovered since start, or a newer file the scan found
         first; an older one it found first is forgotten, its files stay), or the index was cleared
         since the scan began (``epoch``). Returns the slot indexed (for
         :meth:`settle`), -1, or RETRY: a copy of a key like it left the index since :meth:`mark`,
-        maybe this one, its file deleted after the scan read it (read the file again)."""
+        maybe this one, its file deleted after the scan read it (read the file again). ``versions=False``:
+        another version than the indexed one is never indexed, whatever its write time (catch-up's look,
+        replication.py _learn: a file of after this start, next to the version this process uses)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -340,8 +345,8 @@ class Index:
             if slot >= 0 and self._tiers[slot] >> tier & 1:
                 return -1
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
-                if self._created[slot] >= created_ns:  # a newer version (one used since start is newer)
-                    return -1
+                if not versions or self._created[slot] >= created_ns:  # (versions=False: never another)
+                    return -1  # a newer version (one used since start is newer)
                 for t in tiers_in(self._tiers[slot]):  # an older version the scan found: the newest wins
                     self._drop_under_index(slot, t)
                 slot = -1

@@ -23,8 +23,9 @@ The :class:`Replicator` owes such a page to each tier that lacks it and writes i
         t keeps the tier's next one back for t * (1 - share) / share, so catch-up takes at most
         ``share`` of the tier's write time), and it has room within its capacity:
       a file already under the page's name there (another process sharing the namespace wrote it
-      after this engine last looked): a valid page is indexed, as the scan would have (``_learn``),
-      anything else left alone; nothing is written over it. Else
+      after this engine last looked): a valid page of the indexed content is indexed, as the scan would
+      have (``_learn``; not where a clear() came since the key was taken), anything else left alone
+      (another version too: the read path's rule); nothing is written over it. Else
       read the page from a holder (O_DIRECT, the whole file), check its header and every block CRC
       against the index, and hand it to the writer (WritePath.copy), which writes it as any job,
       after the tier's foreground FIFO, held back by reads, without evicting (a promoted page just
@@ -289,6 +290,9 @@ class Replicator:
         if self._full[k] and not self._owed[k] and not self._room_again(k):
             return False
         with self._lock:
+            # the index's epoch before the key is taken: Engine.clear() empties the owed lists (under this
+            # lock) before the index, so a look that spans a clear() indexes nothing (_learn)
+            index_epoch = self.index.epoch
             owed = self._owed[k]
             if not owed and self._sweep[k] >= 0:  # the next pages of the tier's sweep
                 keys, self._sweep[k] = self.index.lacking(k, self._sweep[k], SWEEP_BATCH)
@@ -310,14 +314,14 @@ class Replicator:
         try:
             named = tier.named(key)
             if named:
-                self._learn(tier, key)
+                self._learn(tier, key, index_epoch)
         except OSError as exc:  # (the tier did not answer in time, bounded.py: it fails; the page stays owed)
             tier.fail(exc.errno or errno.EIO, f"catch-up look at {key}")
             return True
         if named:
-            # A file of that name the index did not list: learned if a valid page (_learn); else another
-            # writer's version of the page, or a stray; neither is ours to replace (the read path and
-            # check() deal with them).
+            # A file of that name the index did not list: learned if a valid copy of the indexed page
+            # (_learn); else another writer's version of the page, or a stray; neither is ours to replace
+            # (the read path and check() deal with them).
             with self._lock:
                 self._owed[k].pop(key, None)
                 self._drop_copy_under_replicator(key)
@@ -402,18 +406,30 @@ class Replicator:
             if promoted:
                 self.stats.add(k, "replication_promoted")
 
-    def _learn(self, tier: Tier, key: str) -> None:
+    def _learn(self, tier: Tier, key: str, epoch: int) -> None:
         """Tier ``tier`` has a file under ``key``'s name that the index does not list there: index it if
-        it is a valid page (scan.index_found: as the start-up scan would have, and by its rule for
-        another version). Such a page was written there by another process sharing the namespace after
-        this engine last looked: the start-up scan had passed its directory, and a lookup looks only
-        for keys the index lacks on every tier. Left unknown, it was never read from that tier (one
-        replica short for routing) and check() reported it "on disk but not indexed"; owed, it is here
-        already, and is not written again."""
-        epoch, mark = self.index.epoch, self.index.mark(key)
+        it is a valid page of the content the index holds (scan.index_found: as the start-up scan would
+        have). Such a page was written there by another process sharing the namespace after this engine
+        last looked: the start-up scan had passed its directory, and a lookup looks only for keys the
+        index lacks on every tier. Left unknown, it was never read from that tier (one replica short for
+        routing) and check() reported it "on disk but not indexed"; owed, it is here already, and is not
+        written again.
+
+        Another version is left alone, whatever its write time, as a read leaves one it meets where an
+        indexed copy is left (docs/design.md "Several writers of one key"). By the scan's rule (the newer
+        wins), a version another process wrote on a shared tier after this one's put took the place of
+        the copies this process wrote, on its private tier too: their files stayed, valid, never indexed
+        again nor evicted, room its capacity did not count (and the read that had just forgotten that
+        file for the indexed version is what owed the page to this look).
+
+        ``epoch``: the index's when the key was found owed (Index.epoch). A clear() since then empties the
+        index before it removes the files, tier by tier, and a file this look reads in between is a page
+        of before the clear (read at the look, the epoch was the clear's: the page was indexed after it,
+        found, its file gone a moment later)."""
+        mark = self.index.mark(key)
         page = tier.look(self.digest, key)  # (None: the tier did not answer in time; it failed)
-        if page is not None and page.problem is None:
-            index_found(self.index, tier.k, page, epoch, mark)  # (RETRY: its copy left the index since)
+        if page is not None and page.problem is None:  # (RETRY: its copy left the index since)
+            index_found(self.index, tier.k, page, epoch, mark, versions=False)
 
     def _pass_over(self, k: int, key: str) -> bool:
         """Tier ``k``'s next page cannot start now for a reason of its own (its holders failed, or read

@@ -84,14 +84,15 @@ class TierScan:
         self.resume_at: str | None = None
 
 
-def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int) -> int:
+def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, versions: bool = True) -> int:
     """Index a valid page file found on tier ``k``, read after ``mark`` (Index.mark) by a look that began
     in index ``epoch``, as the scan does (Index.add_scanned: at the oldest end, unless the index knows
-    better). Returns add_scanned's answer (a slot, -1, RETRY)."""
+    better; ``versions=False``: never another version than the indexed one). Returns add_scanned's answer
+    (a slot, -1, RETRY)."""
     h = page.header
     # a write time beyond the clock's skew is a claim, not a time: it never wins (trust.py)
     created = h.created_ns if h.created_ns <= honest_until() else 0
-    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created, epoch, mark)
+    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created, epoch, mark, versions)
 
 
 class BackgroundScan:

@@ -17,6 +17,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +31,7 @@ import pytest
 from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
 from kvstream_hicache.io import OP_READ, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, crc32c
-from kvstream_hicache.layout import HEADER_SIZE, round_up
+from kvstream_hicache.layout import HEADER_SIZE, TierLayout, round_up
 from pagebytes import CHUNK, NS_FIELDS, PAGE_BYTES, content, key, twin_content  # noqa: F401  (re-exported)
 
 NS = Namespace(NS_FIELDS)
@@ -345,6 +346,35 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition neve
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.005)
+
+
+def clear_while_a_look_hangs(engine: Engine, daemon, network: str, k: str, look, looking) -> None:
+    """clear() while a look at page ``k`` on the FUSE tier ``network`` (tier 1; ``daemon`` its server,
+    stopped meanwhile) waits for its server: ``look()`` starts it on a thread of its own, ``looking()``
+    says it reached the tier. Tier 0 gets 20,000 files under page names first, so that clear()'s removal
+    there takes a while: the server answers (resumed once clear() emptied the index) before clear() gets
+    to tier 1. Then the page must be gone, and not indexed: a page of before a clear() never is after it."""
+    layout = TierLayout(engine.tiers[0].root, engine.namespace.digest)
+    for i in range(20000):
+        path = layout.page_path(key(i, "junk"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "wb").close()
+    time.sleep(2)  # (past FUSE's 1 s entry cache: the look at the name reaches the daemon)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        look()
+        wait_until(looking, what="the look never reached the tier")
+        epoch = engine.index.epoch
+        clearing = threading.Thread(target=engine.clear, daemon=True)
+        clearing.start()
+        wait_until(lambda: engine.index.epoch != epoch, what="clear() never emptied the index")
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    clearing.join(60)
+    assert not clearing.is_alive()
+    assert not os.path.exists(TierLayout(network, engine.namespace.digest).page_path(k))
+    assert engine.index.holders(k) == 0, "a page of before the clear() is indexed after it"
+    assert not engine.contains(k)
 
 
 def wait_for_fault(plan, timeout: float = 60.0, what: str = "the held op never reached the ring") -> None:

@@ -20,7 +20,9 @@ from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ
 from kvstream_hicache.tiers import LOOK_S
 
-from helpers import NS, PAGE_BYTES, FakeClock, PageSet, make_engine, page_files, wait_until
+from helpers import (
+    NS, PAGE_BYTES, FakeClock, PageSet, clear_while_a_look_hangs, make_engine, page_files, wait_until,
+)
 
 FUSE_WATCHDOG_S = 120  # (conftest.fuse_tier: a stopped daemon outlasts every join below, HUNG_JOIN_S included)
 
@@ -739,3 +741,23 @@ def test_the_cli_returns_while_a_tier_hangs(tier_dirs, fuse_tier, command):
         os.kill(daemon.pid, signal.SIGCONT)
         proc.kill()
         proc.communicate()
+
+
+def test_a_lookup_that_spans_a_clear_never_indexes_a_page_of_before_it(tier_dirs, fuse_tier):
+    """Another process put a page on tier 1, a network tier; a lookup of it (contains: SGLang's
+    batch_exists) waits on the tier's server while clear() runs, which empties the index and then removes
+    the files tier by tier (tier 0's many take a while). The look answers before tier 1's turn. Before,
+    the page was indexed (the clear did not move the count of removals the lookup checks) and its file
+    removed a moment later: after clear() the engine said it held the page (contains, prefix_len) and
+    check() reported 'indexed but not on disk'. Found by a review."""
+    network, daemon = fuse_tier
+    pages = PageSet()
+    (k,) = pages.keys(1)
+    with make_engine([tier_dirs[0], network], write_timeout=60, read_timeout=60) as engine:
+        with make_engine([network]) as writer:
+            assert pages.put(writer, [k]) == [True]
+        looking = threading.Thread(target=engine.contains, args=(k,), daemon=True)
+        clear_while_a_look_hangs(engine, daemon, network, k, looking.start,
+                                 lambda: engine.tiers[1].reads._since is not None)
+        looking.join(60)
+        assert not looking.is_alive()

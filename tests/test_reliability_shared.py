@@ -16,7 +16,7 @@ from kvstream_hicache.router import SingleTier
 
 from helpers import (
     PAGE_BYTES, VERSION_OFF, PageSet, flip_byte, make_engine, page_files, set_header_field, spawn, store_at_once,
-    twin_content,
+    twin_content, wait_until,
 )
 
 WAIT_S = 240
@@ -85,7 +85,10 @@ def test_another_writers_version_is_served_in_place_of_the_indexed_one(tier_dirs
 def test_another_writers_version_on_a_shared_tier_is_kept(tier_dirs, tier_root):
     """Two servers with private tier 0s sharing tier 1: B's version replaced A's on the shared tier.
     A serves its own bytes from its private tier and keeps B's file; B serves its own; a third
-    process that shares only tier 1 finds B's version there."""
+    process that shares only tier 1 finds B's version there. A's read of tier 1 owed it the pages again,
+    and A's catch-up, finding B's file under each name, leaves it alone: A keeps its own copies indexed
+    and counted on its private tier (a review found that learning B's newer version, the start-up scan's
+    rule, took them out of A's index, there too: never evicted, bytes its capacity did not count)."""
     shared = tier_dirs[2]
     a, b, keys = _twins()
     with make_engine([tier_dirs[0], shared]) as engine_a:
@@ -98,6 +101,9 @@ def test_another_writers_version_on_a_shared_tier_is_kept(tier_dirs, tier_root):
             assert engine_a.stats()["tiers"][1]["quarantined"] == 0  # B's intact file was not taken for damage
             assert engine_a.stats()["tiers"][1]["other_versions"] == 6
             assert [engine_a.index.holders(k) for k in keys] == [0b01] * 6  # B's file: out of A's index
+            wait_until(lambda: engine_a.stats()["replication_pending"] == 0, what="A's catch-up never ended")
+            assert [engine_a.index.holders(k) for k in keys] == [0b01] * 6
+            assert engine_a.index.used[0] == 6 * PAGE_BYTES
             assert engine_a.check() == [] and engine_b.check() == []  # a valid other version is no problem
     assert [len(page_files(d)) for d in (tier_dirs[0], tier_dirs[1], shared)] == [6, 6, 6]
     with make_engine([shared]) as reader:
