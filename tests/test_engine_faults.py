@@ -187,7 +187,8 @@ def test_tier_directory_removed_then_recreated(tier_dirs, io_engine):
         assert not engine.stats()["tiers"][0]["healthy"]  # still gone: stays out
         os.mkdir(os.path.join(tier_dirs[0], "kvstream"))  # the operator restores it (e.g. remount)
         clock.now += 1000
-        assert engine.put([key(1, "x")], Pages(1, seed=10).src_segments) == [True]
+        later = Pages(1, seed=10)  # (held across the put: its segments are this object's memory)
+        assert engine.put([key(1, "x")], later.src_segments) == [True]
         assert engine.stats()["tiers"][0]["healthy"]
         assert engine.index.holders(key(1, "x")) == 0b11
         # the lost pages are forgotten on rejoin and written there again, with the page put while the

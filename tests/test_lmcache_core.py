@@ -174,7 +174,8 @@ def test_pinned_pages_are_not_evicted(tier_dirs):
         keys, _ = stored(eng, 3)
         assert core.pop_lookup(core.submit_lookup(keys[:1])) == [True]  # pin the oldest
         more = [f"{i:064x}" for i in range(100, 102)]
-        assert all(eng.put(more, Pages(2, seed=2).segments))
+        src = Pages(2, seed=2)  # (held across the put: the segments are its memory)
+        assert all(eng.put(more, src.segments))
         assert eng.contains(keys[0])  # pinned: survived although least recent
         assert not eng.contains(keys[1])
         core.unlock(keys[:1])
@@ -434,7 +435,8 @@ def test_closing_the_core_leaves_the_write_timeout_of_an_engine_it_was_given_as_
     core = l2core.L2Core(engine)
     try:
         plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)  # tier 1 stops answering
-        task = core.submit_store([f"{1:064x}"], Pages(1, seed=3).segments)
+        src = Pages(1, seed=3)  # (held while the store may read it)
+        task = core.submit_store([f"{1:064x}"], src.segments)
         wait_until(lambda: plan.hits, what="the store's write never started")
         core.close()  # returns once tier 1 is given up
         assert core.pop_stores() == {task: (True, PAGE)}  # (stored on tier 0)
@@ -593,7 +595,8 @@ def test_tasks_submitted_in_a_forked_child_end(engine):
             store = core.submit_store(keys, dst.segments)
             if core.pop_stores() != {store: (False, 0)}:
                 return 3
-            task = core.submit_load(keys, Pages(4).segments)
+            into = Pages(4)  # (held while the load may write it)
+            task = core.submit_load(keys, into.segments)
             result = core.wait_load(task, 10)
             return 0 if result == [False] * 4 and task in signalled else 4
 

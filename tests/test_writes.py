@@ -305,7 +305,8 @@ def test_a_deferred_put_waits_for_backlog_room_only_for_the_pages_it_adds(tier_d
     of d2977fc.)"""
     plan = TierFaultPlan()
     size = 64 << 10
-    segs = Pages(3, seed=7, size=size).src_segments
+    src = Pages(3, seed=7, size=size)  # (held for the whole test: the segments are its memory)
+    segs = src.src_segments
     keys = [key(i, "room") for i in range(3)]
     results: list = []
     with make_engine(tier_dirs[:2], fault_plan=plan, write_backlog=bound * size) as engine:
@@ -1015,6 +1016,46 @@ def test_a_page_clear_cancelled_is_not_written_for_a_put_that_joined_it_when_its
         assert gated == [[False]] and joined == [[False]]
         assert not engine.held(k) and pages.checked_get(engine, [k]) == [False] and page_files(tier_dirs[0]) == []
         assert engine.stats()["write_backlog_bytes"] == 0
+
+
+@pytest.mark.parametrize("how", ["put", "put_deferred"])
+def test_a_put_after_clear_writes_its_own_page_never_the_one_clear_cancelled(tier_dirs, how):
+    """A put_deferred's page (KV of before a weight update) is being written, its write in flight (its end
+    delayed); clear() cancels it. A put of the key from other memory (``put``, SGLang's, which flushes with
+    clear() and serves the same prefixes again; ``put_deferred``, LMCache's) comes right after clear()
+    returned, its own write held. The cancelled page's write ends: its put gets False, and the new put is
+    not answered with it, its page the one being written. Released, the new put gets True and the key reads
+    back with its bytes: one page file, no temporary file, backlog 0. Found in review (clearput): the put
+    joined the cancelled page, still in ``pending`` until its write ended, and got False, its page not
+    stored."""
+    plan = TierFaultPlan()
+    pages, stale = PageSet(held=1), PageSet(held=1, salt="stale")  # (stale: other bytes, the same size)
+    (k,) = pages.keys(1)
+    old: list = []
+    with make_engine(tier_dirs[:1], fault_plan=plan) as engine, releasing(plan):
+        queue = engine._writes.queue
+        plan.on(tier_dirs[0], Fault.delay(5.0), opcode=OP_WRITE, times=1)  # ends on its own, after the clear
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE, times=1)  # the put after the clear: till released
+        engine.put_deferred([k], stale.src_segments, old.append)
+        wait_for_fault(plan)
+        cancelled = queue.pending[k]
+        engine.clear()
+        if how == "put":
+            _, new = in_thread(engine.put, [k], pages.src_segments)
+        else:
+            new = []
+            engine.put_deferred([k], pages.src_segments, new.append)
+        wait_until(lambda: old, WAIT_S, "the cancelled page's put never ended")
+        assert old == [[False]]  # (its write was in flight at the clear: cancelled)
+        assert not new, f"the put after clear() was answered with the page clear() cancelled: {new}"
+        assert queue.pending.get(k) not in (None, cancelled)  # (the new page, its end not disturbed)
+        wait_until(lambda: len(plan.hits) == 2, WAIT_S, "the put after the clear never wrote its page")
+        plan.release()
+        wait_until(lambda: new, WAIT_S, "the put after the clear never ended")
+        assert new == [[True]]
+        assert pages.checked_get(engine, [k]) == [True] and engine.index.get(k).tiers == 0b1
+        assert len(page_files(tier_dirs[0])) == 1 and tmp_files(tier_dirs[0]) == []
+        assert engine.stats()["write_backlog_bytes"] == 0 and not queue.pending and not queue.cancelled
 
 
 class _CountedRing:
