@@ -12,7 +12,8 @@ Accepting a put (the caller's thread)::
 
 State: per tier a FIFO of pages waiting for a job and the bytes accepted and not yet written
 (``queued``, P_k of admission.py); the pages being written, by key (a put of a key already on its
-way waits for that copy, or writes it if that copy's caller lets go first); the bytes of pages not
+way waits for that copy, or writes it if that copy's caller lets go first); the pages clear()
+cancelled, until their writes in flight end (``cancelled``: no put joins one); the bytes of pages not
 done (``backlog``: a deferred put beyond ``write_backlog`` waits, back-pressure); the writer's two
 conditions (``work``: new work or a wake-up, ``room``: backlog room). The end of a page's last tier
 ends the page, and a put when its pages are done (:meth:`WriteQueue.job_over_under_writer`).
@@ -82,6 +83,8 @@ class WriteQueue:
         self.copies: list[deque[WritePage]] = [deque() for _ in tiers]  # catch-up copies: after the FIFO
         self.thinned = thinned  # pages a put left on fewer tiers than there are (replication.py owes them)
         self.pending: dict[str, WritePage] = {}  # key -> the page being written
+        self.cancelled: set[WritePage] = set()  # pages clear() cancelled, their writes in flight not yet
+        # ended: out of ``pending`` (drop_all), so that a put of the key after the clear writes its own page
         self.queued = [0] * len(tiers)  # bytes accepted for tier k and not yet written (P_k), file bytes
         self.backlog = 0  # bytes of pages accepted and not done
         self.wakes = 0  # wake-ups so far: one during a writer's step cuts its next wait short
@@ -144,6 +147,12 @@ class WriteQueue:
             for page in self.pending.values():
                 page.spare = 0  # cancelled, not failed: no tier takes it after all,
                 page.cleared = True  # nor a put that joined it (the KV it holds may be stale: a weight update)
+            # A page with writes in flight ends when they do (its bytes stay in the backlog till then), out of
+            # ``pending`` now: a put of its key after clear() returned (SGLang's flush, then the same prefixes
+            # served again) writes a page of its own. Before, it joined the cancelled page and got False, its
+            # page not stored; the cancelled page's end leaves the new one alone (job_over_under_writer).
+            self.cancelled.update(self.pending.values())
+            self.pending.clear()
             for fifo in (*self.fifo, *self.copies):
                 fifo.clear()
         return dropped
@@ -166,7 +175,7 @@ class WriteQueue:
             # It waits for no other put's page: out of the calls of every page being written, its joins and
             # one a Ctrl-C cut short (in page.calls, not yet in call.joined); so its count is taken afresh, its
             # own pages not over (each ends it once): a cut-short join left it one off, the put waiting for ever
-            for page in self.pending.values():
+            for page in (*self.pending.values(), *self.cancelled):  # (a page it joined that clear() cancelled too)
                 if page.calls[0][0] is not call and any(owner is call for owner, _ in page.calls):
                     page.calls = [(owner, i) for owner, i in page.calls if owner is not call]
             call.joined = []
@@ -352,8 +361,9 @@ class WriteQueue:
                 return
             heir = self._hand_over_under_queues(page)
             if heir is None:
-                if self.pending.get(page.key) is page:
-                    del self.pending[page.key]
+                if self.pending.get(page.key) is page:  # (not a page clear() cancelled: the key's may be
+                    del self.pending[page.key]  # a later put's, being written now)
+                self.cancelled.discard(page)
                 self.backlog -= page.length  # (a page handed over keeps its bytes in the backlog)
                 self.room.notify_all()
         ok = bool(page.committed)

@@ -372,6 +372,57 @@ def test_a_put_ended_by_ctrl_c_inside_its_join_returns_and_the_page_goes_to_the_
         engine.close()
 
 
+def test_a_put_ended_by_ctrl_c_after_clear_waits_for_its_own_write_not_the_cancelled_page_it_joined(tier_dirs, ctrl_c):
+    """A put_deferred's page is being written (the end of its write delayed); a put (this thread) of its key
+    and a new one joins it and writes the new one (its write held). clear() cancels both pages (out of the
+    pages being written: a put after the clear writes its own, writequeue.py), then Ctrl-C ends the put.
+    Its withdrawal takes it out of the cancelled page it joined too: that page's end answers the
+    put_deferred (False) and does not end the put, whose own write still reads its memory (held); released,
+    the put raises, and nothing is left (backlog 0, no page, check() clean). Taken out of the pages being
+    written only, the put stayed among that page's callers and its end ended the put's wait early."""
+    pages = PageSet(64 << 10)
+    j, n = pages.keys(2)
+    plan = FaultPlan()
+    plan.add(Fault.delay(5.0), opcode=OP_WRITE, times=1)  # the put_deferred's page: ends on its own
+    plan.add(Fault.hold(), opcode=OP_WRITE, times=1)  # the put's own page: till released
+    engine = make_engine(tier_dirs[:1], fault_plan=plan)
+    queue = engine._writes.queue
+    theirs, mine = _holding(pages, j), [_holding(pages, j), _holding(pages, n)]
+    deferred, state = [], {}
+    try:
+        engine.put_deferred([j], [theirs.segments], deferred.append)
+        wait_until(lambda: plan.hits, what="the put_deferred's write never reached the ring")
+        joined = queue.pending[j]
+
+        def press():
+            try:
+                wait_until(lambda: len(plan.hits) == 2 and len(joined.calls) == 2, what="the put never joined")
+                call = joined.calls[1][0]
+                engine.clear()
+                ctrl_c.press()
+                wait_until(lambda: not call.joined, what="the interrupted put was never withdrawn")
+                state["withdrawn before the page ended"] = not deferred
+                wait_until(lambda: deferred, what="the cancelled page never ended")
+                with engine._writes.lock:  # (the writer is past that page's end)
+                    state["ended early"] = call.event.is_set()
+            finally:
+                plan.release()
+
+        presser = threading.Thread(target=press, daemon=True)
+        presser.start()
+        with pytest.raises(KeyboardInterrupt), ctrl_c.during():
+            engine.put([j, n], [m.segments for m in mine])
+        presser.join(60)
+        assert state == {"withdrawn before the page ended": True, "ended early": False}, state
+        assert deferred == [[False]]
+        wait_until(lambda: not queue.pending and not queue.cancelled, HANG_S, "a page never ended")
+        assert engine.stats()["write_backlog_bytes"] == 0 and not engine.held(j) and not engine.held(n)
+        assert engine.check() == []
+    finally:
+        plan.release()
+        engine.close()
+
+
 _ENQUEUE_LINES = [(func, n, f"{func.__name__.split('_')[1]}+{n - func.__code__.co_firstlineno}:{text[:40]}")
                   for func in (WriteQueue._enqueue_under_queues, WriteQueue._admit_under_queues)
                   for n, text in _code_lines(func)]
