@@ -22,6 +22,9 @@ temporary file closed and removed, a buffer handed back). While a call has been 
 deadline, each new one fails at once: the tier is hung, and waiting behind it would hold the caller
 again. A clean-up (``post``: a temporary file to remove) is waited for at most the deadline, and not
 at all on a hung tier: it runs when the thread gets to it.
+
+:func:`shielded` is the other kind of call on a thread of its own: one waited for whole, which no
+Ctrl-C cuts half-way (a put's withdrawal, clear()'s cancelling of the writes).
 """
 from __future__ import annotations
 
@@ -163,3 +166,32 @@ class BoundedCalls:
                         call.late(call.value)
                     except Exception:  # (a clean-up that failed: start-up removes what is left)
                         log.debug("kvstream: %s: undoing a late call failed", self.name, exc_info=True)
+
+
+def shielded(work: Callable[[], None]) -> BaseException | None:
+    """Run ``work`` on a thread of its own, which no signal reaches (Python delivers them to the main
+    thread), and wait for it whole: an interrupt (Ctrl-C) that comes meanwhile cannot cut it half-way
+    (state it changes in steps left between two of them: pages counted for ever, puts never answered).
+    Raises ``work``'s own error once it is over; else returns the first interrupt that came meanwhile
+    (None: none), for the caller to raise or let go on. (One that lands in the instant between the
+    thread's start and the wait goes on at once: the work still runs whole, on its thread.)"""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="kvstream-shielded", daemon=True)
+    thread.start()
+    interrupt: BaseException | None = None
+    while True:
+        try:
+            thread.join()
+            break
+        except BaseException as exc:  # noqa: BLE001 (a Ctrl-C: after the work)
+            interrupt = interrupt or exc
+    if failed:
+        raise failed[0]
+    return interrupt

@@ -51,6 +51,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 from . import tmpfiles
+from .bounded import shielded
 from .config import Config, check_capacities, setting_source
 from .probe import Look, check_overlap, let_go, probe_tiers
 from .errors import ConfigError, EngineClosedError, TierError
@@ -467,10 +468,20 @@ class Engine:
     def clear(self) -> None:
         """Remove every page of this namespace from every tier. A failed tier is probed now (it may be
         back); one still failed removes its pages when it rejoins, before it serves again (tiers.py):
-        a page cleared (stale KV after a weight update) is never served again, nor found."""
+        a page cleared (stale KV after a weight update) is never served again, nor found. A Ctrl-C
+        during it is raised once it is whole (bounded.shielded)."""
         self._check_open()
         for tier in self.tiers:  # (before the locks: a probe of a hung tier holds no get or put up)
             tier.usable(now=True)
+        interrupt = shielded(self._clear_whole)  # (a Ctrl-C cut it half-way: a page dropped from its FIFO
+        # and never ended, its bytes in the backlog for good, its put never answered; or a write in flight
+        # not cancelled, committed after the clear raised)
+        self._owed.note()
+        if interrupt is not None:
+            raise interrupt  # (the tiers that missed it: written down, so a restart does not forget)
+
+    def _clear_whole(self) -> None:
+        """clear()'s work, on a thread no signal reaches (bounded.shielded)."""
         with self._reads.lock, self._writes.exclusive():
             self._writes.cancel_under_writer()  # a put in progress reports its pages False
             self._replicas.clear()
@@ -481,7 +492,6 @@ class Engine:
             # before the clear while the tiers were being cleared indexed it, in the index's new epoch,
             # and the file went a moment later (one that indexes after this is refused: _lookup's epoch)
             self.index.clear()
-        self._owed.note()  # (the tiers that missed it: written down, so a restart does not forget)
 
     def close(self) -> None:
         """Wait briefly for orphan reads, write what is queued, close the rings and free buffers.

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
+from .bounded import shielded
 from .integrity import PageHeader, block_crcs, pack_header
 from .layout import HEADER_SIZE, file_size, is_aligned
 from .io import copy
@@ -76,26 +77,17 @@ class PutCall:
         withdrawal runs on a thread of its own, which no signal reaches (Python delivers them to the main
         thread): a second Ctrl-C cannot cut it half-way (pages left counted, the put waiting for ever) nor
         leave the writer paused; it only ends this wait, which is taken again."""
-        done: list[bool] = []
 
         def run() -> None:
             try:
                 with exclusive():
                     withdraw(self)
-                done.append(True)
             except Exception:  # (a defect of ours: logged; the put does not wait on it)
                 log.exception("kvstream: withdrawing the pages of an interrupted put")
-
-        thread = threading.Thread(target=run, name="kvstream-withdraw", daemon=True)
-        thread.start()
-        while True:
-            try:
-                thread.join()
-                if done:
-                    self.event.wait()
                 return
-            except BaseException:  # noqa: BLE001 (another interrupt: the first one goes on, after this)
-                continue
+            self.event.wait()
+
+        shielded(run)  # (another interrupt meanwhile: the first one goes on, after this)
 
     def lru_order(self) -> list[str]:
         """The keys the put leaves most recent, in batch order (docs/design.md): its new pages that
