@@ -476,9 +476,9 @@ class Engine:
         interrupt = shielded(self._clear_whole)  # (a Ctrl-C cut it half-way: a page dropped from its FIFO
         # and never ended, its bytes in the backlog for good, its put never answered; or a write in flight
         # not cancelled, committed after the clear raised)
-        self._owed.note()
+        self._owed.note()  # (the tiers that missed it: written down, so a restart does not forget)
         if interrupt is not None:
-            raise interrupt  # (the tiers that missed it: written down, so a restart does not forget)
+            raise interrupt
 
     def _clear_whole(self) -> None:
         """clear()'s work, on a thread no signal reaches (bounded.shielded)."""
