@@ -1202,11 +1202,10 @@ def test_a_socket_under_a_page_name_whose_delete_is_owed_never_keeps_the_tier_ou
             os.unlink(path)
         _plant_socket(path)  # a socket under the page's name
         try:
-            for _ in range(3):
-                clock.advance(1000)  # past every back-off: the next call probes the tier
-                engine.prefix_len(other)
-            st = engine.stats()["tiers"][1]
-            assert st["healthy"], f"a socket under a page's name keeps the tier out: {engine.tiers[1].last_error}"
+            clock.advance(1000)  # past every back-off: the next call probes the tier
+            # (its owed delete runs on a thread of its own: waited for, not counted in calls; the landing
+            # CI of stop 48 found three calls too few under load)
+            _until_back(engine, 1, lambda: engine.prefix_len(other))
         finally:
             if os.path.lexists(path):
                 os.unlink(path)
