@@ -24,7 +24,8 @@ The :class:`Replicator` owes such a page to each tier that lacks it and writes i
         ``share`` of the tier's write time), and it has room within its capacity:
       a file already under the page's name there (another process sharing the namespace wrote it
       after this engine last looked): a valid page of the indexed content is indexed, as the scan would
-      have (``_learn``; not where a clear() came since the key was taken), anything else left alone
+      have (``_learn``; not where a clear() came since the key was taken; a tier it leaves over its
+      capacity is trimmed, as at the scan's end), anything else left alone
       (another version too: the read path's rule); nothing is written over it. Else
       read the page from a holder (O_DIRECT, the whole file), check its header and every block CRC
       against the index, and hand it to the writer (WritePath.copy), which writes it as any job,
@@ -430,6 +431,10 @@ class Replicator:
         page = tier.look(self.digest, key)  # (None: the tier did not answer in time; it failed)
         if page is not None and page.problem is None:  # (RETRY: its copy left the index since)
             index_found(self.index, tier.k, page, epoch, mark, versions=False)
+            # indexed whatever the room (the tier's least recent page): a tier it leaves over its capacity
+            # is trimmed, as at the scan's end (else it stayed over, and "full", until a put evicted there)
+            if self.index.over(tier.k):
+                self.writes.trim(tier.k)
 
     def _pass_over(self, k: int, key: str) -> bool:
         """Tier ``k``'s next page cannot start now for a reason of its own (its holders failed, or read

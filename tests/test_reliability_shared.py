@@ -223,3 +223,27 @@ def test_a_size_mismatch_with_no_copy_of_the_callers_size_discovers_nothing(tier
             assert theirs.checked_get(engine, keys) == [False] * 2
         stats = engine.stats()
         assert stats["size_mismatch"] == 6 and stats["discovered"] == 0
+
+
+def test_pages_another_process_wrote_beyond_a_readers_capacity_are_trimmed_to_it(tier_dirs):
+    """A reader (it never writes: an MLA rank, LMCache loading only) with a capacity of 4 pages on tier 1
+    discovers 8 pages another process wrote on both tiers. Its tier 1 is trimmed to its capacity, as the
+    start-up scan's end trims a tier over it (the namespace's least recent pages go, capacity is per
+    process: docs/guarantees.md 7); tier 0's copies are untouched and every page reads back. Before, a
+    discovery indexed them whatever the room: used_bytes 8 pages against capacity_bytes 4, for good on an
+    engine that never writes there (only a put's eviction brought it back). Found by a review."""
+    pages = PageSet()
+    keys = pages.keys(8)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{cap}") as reader:
+        with make_engine(tier_dirs[:2]) as writer:
+            assert pages.put(writer, keys) == [True] * 8
+        assert reader.prefix_len(keys) == 8
+        wait_until(lambda: reader.index.used[1] <= cap, 30, f"tier 1 stayed over its capacity: "
+                   f"used {reader.index.used[1]} > {cap}")  # (trimmed behind the writes)
+        stats = reader.stats()["tiers"][1]
+        assert stats["capacity_bytes"] == cap and stats["used_bytes"] == reader.index.used[1] <= cap
+        assert stats["evictions"] == 4 and len(page_files(tier_dirs[1])) == reader.index.pages_on(1) == 4
+        assert len(page_files(tier_dirs[0])) == 8
+        assert pages.checked_get(reader, keys) == [True] * 8
+        assert reader.check() == []
