@@ -679,6 +679,11 @@ class Engine:
                                             Reason.INDEX, fixed=fix))
                     if fix:
                         self._index_page(k, page)
+        # The pages fixed in are indexed whatever the room (another process wrote them): a tier they left over
+        # its capacity is trimmed, as a discovery's finds are (after the locks: a trim takes the writer's)
+        for k in range(len(self.tiers)) if fix else ():
+            if self.index.over(k):
+                self._writes.trim(k)
         return problems
 
     def _same_version(self, key: str, page: ScannedPage) -> bool:
@@ -759,9 +764,9 @@ class Engine:
         writer's step, which may itself wait for this call (a read's recovery, an eviction's unlink)."""
         thread = self._trims[k]
         if thread is None or not thread.is_alive():  # (the write path's method: the thread holds no engine)
-            thread = self._trims[k] = threading.Thread(target=self._writes.trim, args=(k,), daemon=True,
-                                                       name=f"kvstream-trim-{k}")
-            thread.start()
+            thread = threading.Thread(target=self._writes.trim, args=(k,), daemon=True, name=f"kvstream-trim-{k}")
+            thread.start()  # (then published: close() never joins one not started; two lookups at once may
+            self._trims[k] = thread  # start two, harmless: each step measures the excess under the lock)
 
     def _recover(self, missed: list[str], relook: Mapping[str, int], mask: int) -> int:
         """The read path missed ``missed``: probe now (once per batch, whatever their back-off) the

@@ -247,3 +247,23 @@ def test_pages_another_process_wrote_beyond_a_readers_capacity_are_trimmed_to_it
         assert len(page_files(tier_dirs[0])) == 8
         assert pages.checked_get(reader, keys) == [True] * 8
         assert reader.check() == []
+
+
+def test_pages_another_process_wrote_that_check_fix_indexes_beyond_a_capacity_are_trimmed_to_it(tier_dirs):
+    """A reader (it never writes) with a capacity of 4 pages on tier 1; another process puts 8 pages on
+    both tiers. check(fix=True) indexes them ("on disk but not indexed", fixed): the tier it leaves over
+    its capacity is trimmed, as a discovery's or a catch-up's finds are. Before, it stayed over (used 8
+    pages against a capacity of 4) for good on an engine that never writes there. Found by a review."""
+    pages = PageSet()
+    keys = pages.keys(8)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{cap}") as reader:
+        assert reader.wait_scan(60)
+        with make_engine(tier_dirs[:2]) as writer:
+            assert pages.put(writer, keys) == [True] * 8
+        problems = reader.check(fix=True)
+        assert {p.kind for p in problems} == {"index_missing"} and all(p.fixed for p in problems)
+        wait_until(lambda: reader.index.used[1] <= cap, 30, f"tier 1 stayed over its capacity: "
+                   f"used {reader.index.used[1]} > {cap}")
+        assert pages.checked_get(reader, keys) == [True] * 8
+        assert reader.check() == []

@@ -539,3 +539,31 @@ def test_a_catch_up_look_that_spans_a_clear_never_indexes_a_page_of_before_it(ti
         clear_while_a_look_hangs(  # (a read of tier 0 owes it to tier 1)
             engine, daemon, network, k, lambda: pages.checked_get(engine, [k], policy=SingleTier(0)) == [True],
             lambda: engine.tiers[1].calls._since is not None)
+
+
+def test_a_page_read_and_promoted_to_a_full_tier_where_another_process_wrote_it_stays_there(tier_dirs):
+    """Tier 0 of this engine is at its capacity (4 pages it put). Another process puts page X on tier 1
+    (this engine finds it there), then on tier 0. This engine reads X (from tier 1: promoted, owed to
+    tier 0 first with its copy in memory, which may evict tier 0's least recent page); its catch-up
+    finds X's file on tier 0 and learns it. X, the page just read, stays on tier 0 (the tier's least
+    recent page goes instead, as the promoted copy's write would have evicted it), and its file with it.
+    Before, learned as the least recent page, the trim of the tier it left over its capacity took X at
+    once and removed its file: holders 0b10, the file gone. Found by a review."""
+    pages = PageSet()
+    own, (x,) = pages.keys(4), pages.keys(1, 100)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:2], capacity=f"{cap}{os.pathsep}") as reader:
+        assert pages.put(reader, own) == [True] * 4
+        assert reader.index.used[0] == cap
+        with make_engine(tier_dirs[1:2]) as writer:
+            assert pages.put(writer, [x]) == [True]
+        assert reader.contains(x) and reader.index.holders(x) == 0b10
+        with make_engine(tier_dirs[:1]) as writer:
+            assert pages.put(writer, [x]) == [True]
+        assert pages.checked_get(reader, [x]) == [True]  # from tier 1: promoted to tier 0
+        # its catch-up to tier 0 looks at X (owed first: promoted) and is done with it (learned, or written)
+        wait_until(lambda: x not in reader._replicas._owed[0] and reader._replicas._busy[0] is None,
+                   what="catch-up never looked at X")
+        assert (reader.index.holders(x), on_disk(reader, 0, x)) == (0b11, True), \
+            "X (tier-0 holders bit, its file there): the page just read left tier 0, its file removed"
+        assert reader.index.used[0] <= cap
