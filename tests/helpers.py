@@ -348,6 +348,22 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "the condition neve
         time.sleep(0.005)
 
 
+def tier_stats_once(engine: Engine, k: int, counter: str, n: int, timeout: float = 30.0) -> dict:
+    """Tier ``k``'s row of ``engine.stats()`` once its ``counter`` reached ``n`` (at least: the caller asserts
+    it is ``n``), waited for up to ``timeout`` s. For a counter a thread of the engine moves after the state a
+    test waits for shows: the catch-up's copies are counted (replication_done, replication_promoted) by their
+    callback on the writer thread, after the copy's commit reached the index (holders, replication_pending 0):
+    that thread descheduled in between, the count trailed the wait by one page."""
+    wait_until(lambda: engine.stats()["tiers"][k][counter] >= n, timeout,
+               f"tier {k}'s {counter} never reached {n}: {engine.stats()['tiers'][k][counter]} before the wait")
+    return engine.stats()["tiers"][k]
+
+
+def running(name: str) -> bool:
+    """A thread of that name is alive (the engine's threads are named: kvstream-trim-1, kvstream-settle-1)."""
+    return any(t.name == name for t in threading.enumerate())
+
+
 def clear_while_a_look_hangs(engine: Engine, daemon, network: str, k: str, look, looking) -> None:
     """clear() while a look at page ``k`` on the FUSE tier ``network`` (tier 1; ``daemon`` its server,
     stopped meanwhile) waits for its server: ``look()`` starts it on a thread of its own, ``looking()``

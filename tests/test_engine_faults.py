@@ -20,7 +20,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from helpers import (ARRAY_CHUNK, FakeClock, Pages, flip_byte, gone_or_restored, key, make_array_engine as make_engine,
-                     segments_of, wait_until)
+                     segments_of, tier_stats_once, wait_until)
 
 SENTINEL = 0xAB
 
@@ -91,7 +91,8 @@ def test_corrupted_block_is_served_from_the_other_tier_and_quarantined(tier_dirs
         assert t0["corrupted"] == 1 and t0["quarantined"] == 1 and t0["replica_retries"] >= 1
         assert gone_or_restored(engine, 0, keys[2])  # removed; a fresh copy may be back (catch-up)
         wait_until(lambda: engine.index.holders(keys[2]) == 0b11, what="tier 0's copy was never written again")
-        assert gone_or_restored(engine, 0, keys[2]) and engine.stats()["tiers"][0]["replication_done"] == 1
+        assert gone_or_restored(engine, 0, keys[2])
+        assert tier_stats_once(engine, 0, "replication_done", 1)["replication_done"] == 1  # (counted after the commit)
         assert engine.check() == []
 
 
@@ -195,7 +196,7 @@ def test_tier_directory_removed_then_recreated(tier_dirs, io_engine):
         # tier was out (background replication: 5 copies)
         wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in [*keys, key(0, "x")]),
                    what="the lost pages were never written to tier 0 again")
-        assert engine.stats()["tiers"][0]["replication_done"] == 5
+        assert tier_stats_once(engine, 0, "replication_done", 5)["replication_done"] == 5  # (counted after the commit)
         assert engine.check() == []
 
 

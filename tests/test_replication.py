@@ -23,7 +23,7 @@ from kvstream_hicache.router import SingleTier
 
 from helpers import (
     NS, PAGE_BYTES, FakeClock, PageSet, TierFaultPlan, clear_while_a_look_hangs, content, flip_byte, io_uring_fds,
-    make_engine, sq_tail, wait_for_fault, wait_until,
+    make_engine, sq_tail, tier_stats_once, wait_for_fault, wait_until,
 )
 
 
@@ -64,7 +64,7 @@ def test_a_skipped_replica_is_written_later(tier_dirs):
         skipped = stats["tiers"][1]["replica_skipped_pages"]
         assert skipped > 0 and stats["under_replicated"] == 0 and stats["pages_failed"] == 0
         wait_until(lambda: replicated(engine, batch, 0b11), what="the skipped replicas were never written")
-        stats = engine.stats()["tiers"][1]
+        stats = tier_stats_once(engine, 1, "replication_done", skipped)  # (counted after the commit: helpers.py)
         assert stats["replication_done"] == skipped and stats["replication_dropped"] == 0
         assert stats["replication_bytes"] == skipped * page
         plan.clear()
@@ -105,7 +105,7 @@ def test_a_lost_replica_is_restored_after_the_tier_rejoins(tier_dirs):
         wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, what="tier 1 never rejoined")
         wait_until(lambda: replicated(engine, before + during, 0b11), what="the lost replicas were never restored")
         assert all(on_disk(engine, 1, key) for key in before + during)
-        assert engine.stats()["tiers"][1]["replication_done"] == 7
+        assert tier_stats_once(engine, 1, "replication_done", 7)["replication_done"] == 7
         assert pages.checked_get(engine, before + during, policy=SingleTier(1)) == [True] * 10
 
 
@@ -155,7 +155,7 @@ def test_a_page_read_from_a_slower_tier_alone_is_promoted_and_read_from_tier_0_n
         assert pages.checked_get(reader, keys) == [True] * 8  # discovery: on the shared tier alone
         assert served(reader) == [0, 8 * pages.size]
         wait_until(lambda: replicated(reader, keys, 0b11), what="the shared pages were never promoted")
-        stats = reader.stats()["tiers"][0]
+        stats = tier_stats_once(reader, 0, "replication_promoted", 8)  # (its callback counts done, then promoted)
         assert stats["replication_done"] == 8 and stats["replication_promoted"] == 8  # from the read's memory
         assert reader.stats()["tiers"][1]["replication_read_bytes"] == 0  # the shared tier was read once
         assert pages.checked_get(reader, keys, policy=SingleTier(0)) == [True] * 8
@@ -198,7 +198,7 @@ def test_catchup_resumes_after_a_restart(tier_dirs):
     drop_copies(tier_dirs[1], keys)
     with make_engine(tier_dirs[:2]) as engine:
         wait_until(lambda: replicated(engine, keys, 0b11), what="catch-up did not resume after the restart")
-        assert engine.stats()["tiers"][1]["replication_done"] == 6
+        assert tier_stats_once(engine, 1, "replication_done", 6)["replication_done"] == 6
         assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 6
 
 
@@ -245,7 +245,7 @@ def test_a_replica_skipped_while_its_tier_was_at_capacity_is_written_once_it_has
         assert engine.delete(warm) == len(warm)  # room on tier 1
         wait_until(lambda: replicated(engine, batch, 0b11), 60,
                    f"the skipped replicas never reached tier 1 once it had room: {engine.stats()['tiers'][1]}")
-        stats = engine.stats()["tiers"][1]
+        stats = tier_stats_once(engine, 1, "replication_done", len(skipped))
         assert stats["replication_done"] == len(skipped) and stats["replication_dropped"] == 0
         assert stats["evictions"] == 24 - len(skipped)  # (the admitted replicas made their room; no copy evicts)
         assert pages.checked_get(engine, batch, policy=SingleTier(1)) == [True] * 24
