@@ -274,7 +274,6 @@ class Engine:
                                     self._writes.trim, level,  # the write path's: the scan holds no engine
                                     self._replicas.owe_all)  # catch-up resumes after a restart (nor does it)
         self._closed = False
-        self._trims: list[threading.Thread | None] = [None] * len(self.tiers)  # _trim_behind's
         # The exit hook closes the engine (its queued writes land; _close_open_engines). Off for a caller
         # whose own threads go on calling it at exit and has nothing queued (SGLang: puts wait for their pages)
         self.close_at_exit = True
@@ -526,9 +525,6 @@ class Engine:
         self.reads_drained = True  # (LMCache's close may leave the rest, held by a hung tier, to this thread)
         self._replicas.close()
         self._writes.close()
-        for thread in self._trims:  # (closing: a trim ends after its step, before the tiers' calls go)
-            if thread is not None:
-                thread.join()
         for tier in self.tiers:
             tier.calls.close()
             tier.reads.close()
@@ -679,11 +675,6 @@ class Engine:
                                             Reason.INDEX, fixed=fix))
                     if fix:
                         self._index_page(k, page)
-        # The pages fixed in are indexed whatever the room (another process wrote them): a tier they left over
-        # its capacity is trimmed, as a discovery's finds are (after the locks: a trim takes the writer's)
-        for k in range(len(self.tiers)) if fix else ():
-            if self.index.over(k):
-                self._writes.trim(k)
         return problems
 
     def _same_version(self, key: str, page: ScannedPage) -> bool:
@@ -724,7 +715,7 @@ class Engine:
         """Read the headers of ``keys`` on the tiers in ``mask`` and index the valid pages (where
         tiers hold different versions of a page, the newest is indexed), of ``sizes[key]`` bytes when
         given. Returns the keys found."""
-        found, indexed = 0, set()
+        found = 0
         until = honest_until()
         # A look is a read (tiers.py look): a tier's looks in the call, all keys, end by its read_timeout. Each
         # tier has its own (from its first look): with one deadline for all, a hung tier first in line spent
@@ -749,24 +740,7 @@ class Engine:
             if pages and self.index.contains(key, mask):  # (pages: a key held at another size found none)
                 found += 1
                 self._stats.total("discovered")
-                indexed.update(k for _, k, _ in pages)
-        # Found pages are indexed whatever the tier's room (another process wrote them): a tier they left
-        # over its capacity is trimmed, as the start-up scan's end does. Before, it stayed over for good on
-        # an engine that never writes there (a reader rank, LMCache loading only): its catch-up "full".
-        for k in sorted(indexed):
-            if self.index.over(k):
-                self._trim_behind(k)
         return found
-
-    def _trim_behind(self, k: int) -> None:
-        """Trim tier ``k`` to its capacity on a thread of its own (one per tier at a time; a trim measures
-        the excess at each step): the caller (a lookup, SGLang's prefix query) does not wait for the
-        writer's step, which may itself wait for this call (a read's recovery, an eviction's unlink)."""
-        thread = self._trims[k]
-        if thread is None or not thread.is_alive():  # (the write path's method: the thread holds no engine)
-            thread = threading.Thread(target=self._writes.trim, args=(k,), daemon=True, name=f"kvstream-trim-{k}")
-            thread.start()  # (then published: close() never joins one not started; two lookups at once may
-            self._trims[k] = thread  # start two, harmless: each step measures the excess under the lock)
 
     def _recover(self, missed: list[str], relook: Mapping[str, int], mask: int) -> int:
         """The read path missed ``missed``: probe now (once per batch, whatever their back-off) the

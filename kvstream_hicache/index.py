@@ -271,13 +271,6 @@ class Index:
         with self._lock:
             return self._evict_under_index(tier, self._victims_under_index(tier, nbytes, partial=True) or [])
 
-    def over(self, tier: int) -> bool:
-        """Does ``tier`` hold, with what writes reserved, more than its capacity? A page found on disk (a
-        discovery, a replica catch-up learned) is indexed whatever the room: the finder trims the tier."""
-        with self._lock:
-            excess = self._excess_under_index(tier, 0)
-        return excess is not None and excess > 0
-
     def evict_excess(self, tier: int, limit: int) -> list[str]:
         """Evict least-recent unpinned pages of ``tier`` until what it holds and has reserved fits its
         capacity, at most about ``limit`` bytes of them (a trim: the scan found pages beyond a capacity

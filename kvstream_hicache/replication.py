@@ -24,9 +24,7 @@ The :class:`Replicator` owes such a page to each tier that lacks it and writes i
         ``share`` of the tier's write time), and it has room within its capacity:
       a file already under the page's name there (another process sharing the namespace wrote it
       after this engine last looked): a valid page of the indexed content is indexed, as the scan would
-      have (``_learn``; not where a clear() came since the key was taken; the tier's least recent page,
-      a promoted one its most recent; a tier it leaves over its capacity is trimmed, as at the scan's
-      end), anything else left alone
+      have (``_learn``; not where a clear() came since the key was taken), anything else left alone
       (another version too: the read path's rule); nothing is written over it. Else
       read the page from a holder (O_DIRECT, the whole file), check its header and every block CRC
       against the index, and hand it to the writer (WritePath.copy), which writes it as any job,
@@ -316,7 +314,7 @@ class Replicator:
         try:
             named = tier.named(key)
             if named:
-                self._learn(tier, key, index_epoch, promoted=source is not None)
+                self._learn(tier, key, index_epoch)
         except OSError as exc:  # (the tier did not answer in time, bounded.py: it fails; the page stays owed)
             tier.fail(exc.errno or errno.EIO, f"catch-up look at {key}")
             return True
@@ -408,7 +406,7 @@ class Replicator:
             if promoted:
                 self.stats.add(k, "replication_promoted")
 
-    def _learn(self, tier: Tier, key: str, epoch: int, promoted: bool = False) -> None:
+    def _learn(self, tier: Tier, key: str, epoch: int) -> None:
         """Tier ``tier`` has a file under ``key``'s name that the index does not list there: index it if
         it is a valid page of the content the index holds (scan.index_found: as the start-up scan would
         have). Such a page was written there by another process sharing the namespace after this engine
@@ -427,22 +425,11 @@ class Replicator:
         ``epoch``: the index's when the key was found owed (Index.epoch). A clear() since then empties the
         index before it removes the files, tier by tier, and a file this look reads in between is a page
         of before the clear (read at the look, the epoch was the clear's: the page was indexed after it,
-        found, its file gone a moment later).
-
-        ``promoted``: a get just read the page (its copy in memory, owed first): learned, it is the tier's
-        most recent page, as its copy would have been written. As the least recent, the trim below took it
-        at once on a full tier, and removed its file: the page just read left the fast tier that another
-        process had put it on."""
+        found, its file gone a moment later)."""
         mark = self.index.mark(key)
         page = tier.look(self.digest, key)  # (None: the tier did not answer in time; it failed)
         if page is not None and page.problem is None:  # (RETRY: its copy left the index since)
-            if index_found(self.index, tier.k, page, epoch, mark, versions=False) >= 0 and promoted:
-                self.index.touch(key)  # (the most recent on every tier holding it: it was just read)
-            # indexed whatever the room (the tier's least recent page, or promoted its most recent): a tier
-            # it leaves over its capacity is trimmed, as at the scan's end (else it stayed over, and "full",
-            # until a put evicted there)
-            if self.index.over(tier.k):
-                self.writes.trim(tier.k)
+            index_found(self.index, tier.k, page, epoch, mark, versions=False)
 
     def _pass_over(self, k: int, key: str) -> bool:
         """Tier ``k``'s next page cannot start now for a reason of its own (its holders failed, or read

@@ -359,11 +359,6 @@ def tier_stats_once(engine: Engine, k: int, counter: str, n: int, timeout: float
     return engine.stats()["tiers"][k]
 
 
-def running(name: str) -> bool:
-    """A thread of that name is alive (the engine's threads are named: kvstream-trim-1, kvstream-settle-1)."""
-    return any(t.name == name for t in threading.enumerate())
-
-
 def clear_while_a_look_hangs(engine: Engine, daemon, network: str, k: str, look, looking) -> None:
     """clear() while a look at page ``k`` on the FUSE tier ``network`` (tier 1; ``daemon`` its server,
     stopped meanwhile) waits for its server: ``look()`` starts it on a thread of its own, ``looking()``

@@ -16,7 +16,7 @@ from kvstream_hicache.router import SingleTier
 
 from helpers import (
     PAGE_BYTES, VERSION_OFF, PageSet, flip_byte, make_engine, page_files, set_header_field, spawn, store_at_once,
-    running, twin_content, wait_until,
+    twin_content, wait_until,
 )
 
 WAIT_S = 240
@@ -223,50 +223,3 @@ def test_a_size_mismatch_with_no_copy_of_the_callers_size_discovers_nothing(tier
             assert theirs.checked_get(engine, keys) == [False] * 2
         stats = engine.stats()
         assert stats["size_mismatch"] == 6 and stats["discovered"] == 0
-
-
-def test_pages_another_process_wrote_beyond_a_readers_capacity_are_trimmed_to_it(tier_dirs):
-    """A reader (it never writes: an MLA rank, LMCache loading only) with a capacity of 4 pages on tier 1
-    discovers 8 pages another process wrote on both tiers. Its tier 1 is trimmed to its capacity, as the
-    start-up scan's end trims a tier over it (the namespace's least recent pages go, capacity is per
-    process: docs/guarantees.md 7); tier 0's copies are untouched and every page reads back. Before, a
-    discovery indexed them whatever the room: used_bytes 8 pages against capacity_bytes 4, for good on an
-    engine that never writes there (only a put's eviction brought it back). Found by a review."""
-    pages = PageSet()
-    keys = pages.keys(8)
-    cap = 4 * PAGE_BYTES
-    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{cap}") as reader:
-        with make_engine(tier_dirs[:2]) as writer:
-            assert pages.put(writer, keys) == [True] * 8
-        assert reader.prefix_len(keys) == 8  # (the trim it starts, Engine._trim_behind, is running or over)
-        # Trimmed behind the writes, on a thread of its own: waited for until it ended, not until used_bytes
-        # fits (the index's count drops at each eviction before the files go and the evictions are counted:
-        # two busy loops on the test's core caught it in between, evictions 1 of 4, 3 runs of 4)
-        wait_until(lambda: reader.index.used[1] <= cap and not running("kvstream-trim-1"), 30,
-                   f"tier 1 stayed over its capacity: used {reader.index.used[1]} > {cap}")
-        stats = reader.stats()["tiers"][1]
-        assert stats["capacity_bytes"] == cap and stats["used_bytes"] == reader.index.used[1] <= cap
-        assert stats["evictions"] == 4 and len(page_files(tier_dirs[1])) == reader.index.pages_on(1) == 4
-        assert len(page_files(tier_dirs[0])) == 8
-        assert pages.checked_get(reader, keys) == [True] * 8
-        assert reader.check() == []
-
-
-def test_pages_another_process_wrote_that_check_fix_indexes_beyond_a_capacity_are_trimmed_to_it(tier_dirs):
-    """A reader (it never writes) with a capacity of 4 pages on tier 1; another process puts 8 pages on
-    both tiers. check(fix=True) indexes them ("on disk but not indexed", fixed): the tier it leaves over
-    its capacity is trimmed, as a discovery's or a catch-up's finds are. Before, it stayed over (used 8
-    pages against a capacity of 4) for good on an engine that never writes there. Found by a review."""
-    pages = PageSet()
-    keys = pages.keys(8)
-    cap = 4 * PAGE_BYTES
-    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{cap}") as reader:
-        assert reader.wait_scan(60)
-        with make_engine(tier_dirs[:2]) as writer:
-            assert pages.put(writer, keys) == [True] * 8
-        problems = reader.check(fix=True)
-        assert {p.kind for p in problems} == {"index_missing"} and all(p.fixed for p in problems)
-        wait_until(lambda: reader.index.used[1] <= cap, 30, f"tier 1 stayed over its capacity: "
-                   f"used {reader.index.used[1]} > {cap}")
-        assert pages.checked_get(reader, keys) == [True] * 8
-        assert reader.check() == []

@@ -482,41 +482,6 @@ def test_a_replica_another_process_wrote_after_this_engine_looked_is_learned_not
         assert engine.check() == []
 
 
-def test_replicas_learned_beyond_a_tiers_capacity_are_trimmed_and_its_catch_up_goes_on(tier_dirs):
-    """A reader (it never writes to tier 1) with a capacity of 4 pages there: another process puts 8 pages
-    on tier 0 (the reader finds them), a third the same 8 on tier 1. The reader's catch-up learns them
-    there (Replicator._learn) rather than write them, and a tier a learn leaves over its capacity is
-    trimmed to it, as the start-up scan's end trims one. Then 8 more pages on tier 0 alone are read (owed
-    to tier 1, full) and 4 pages leave tier 1: its catch-up writes copies into the room. Before, the learns
-    left used_bytes at 8 pages against a capacity of 4, for good (only a put there evicts), and the tier
-    "full" for good: after 4 pages left it, replication_pending 8, replication_done 0. Found by a review."""
-    pages = PageSet()
-    first, more = pages.keys(8), pages.keys(8, 100)
-    cap = 4 * PAGE_BYTES
-    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{cap}") as reader:
-        with make_engine(tier_dirs[:1]) as writer:
-            assert pages.put(writer, first) == [True] * 8
-        assert reader.prefix_len(first) == 8
-        assert all(reader.index.holders(k) == 0b01 for k in first)
-        with make_engine(tier_dirs[1:2]) as writer:
-            assert pages.put(writer, first) == [True] * 8
-        assert pages.checked_get(reader, first) == [True] * 8  # owes them to tier 1, where they are
-        wait_until(lambda: reader.stats()["replication_pending"] == 0, what="catch-up never ended")
-        stats = reader.stats()["tiers"][1]
-        assert stats["used_bytes"] == reader.index.used[1] <= cap == stats["capacity_bytes"]
-        assert stats["replication_done"] == 0 and reader.index.pages_on(1) == 4  # learned, not written
-        assert all(on_disk(reader, 0, k) for k in first)  # (tier 0's copies: untouched)
-        with make_engine(tier_dirs[:1]) as writer:
-            assert pages.put(writer, more) == [True] * 8
-        assert pages.checked_get(reader, more) == [True] * 8  # found on tier 0, owed to tier 1 (full)
-        gone = [k for k in first if reader.index.holders(k) & 0b10][:4]
-        assert reader.delete(gone) == 4  # pages leave tier 1
-        wait_until(lambda: reader.stats()["tiers"][1]["replication_done"] == 4,
-                   what=f"tier 1 stayed full: {reader.stats()['tiers'][1]}")
-        assert reader.index.used[1] <= cap and reader.index.pages_on(1) == 4
-        assert pages.checked_get(reader, [k for k in first if k not in gone] + more) == [True] * 12
-
-
 def test_a_catch_up_look_that_spans_a_clear_never_indexes_a_page_of_before_it(tier_dirs, fuse_tier):
     """Another process puts a page on tier 0 (this engine finds it there), later on tier 1, a network tier.
     A read owes it to tier 1; the catch-up's look there (a file under its name?) waits on the tier's server
@@ -539,31 +504,3 @@ def test_a_catch_up_look_that_spans_a_clear_never_indexes_a_page_of_before_it(ti
         clear_while_a_look_hangs(  # (a read of tier 0 owes it to tier 1)
             engine, daemon, network, k, lambda: pages.checked_get(engine, [k], policy=SingleTier(0)) == [True],
             lambda: engine.tiers[1].calls._since is not None)
-
-
-def test_a_page_read_and_promoted_to_a_full_tier_where_another_process_wrote_it_stays_there(tier_dirs):
-    """Tier 0 of this engine is at its capacity (4 pages it put). Another process puts page X on tier 1
-    (this engine finds it there), then on tier 0. This engine reads X (from tier 1: promoted, owed to
-    tier 0 first with its copy in memory, which may evict tier 0's least recent page); its catch-up
-    finds X's file on tier 0 and learns it. X, the page just read, stays on tier 0 (the tier's least
-    recent page goes instead, as the promoted copy's write would have evicted it), and its file with it.
-    Before, learned as the least recent page, the trim of the tier it left over its capacity took X at
-    once and removed its file: holders 0b10, the file gone. Found by a review."""
-    pages = PageSet()
-    own, (x,) = pages.keys(4), pages.keys(1, 100)
-    cap = 4 * PAGE_BYTES
-    with make_engine(tier_dirs[:2], capacity=f"{cap}{os.pathsep}") as reader:
-        assert pages.put(reader, own) == [True] * 4
-        assert reader.index.used[0] == cap
-        with make_engine(tier_dirs[1:2]) as writer:
-            assert pages.put(writer, [x]) == [True]
-        assert reader.contains(x) and reader.index.holders(x) == 0b10
-        with make_engine(tier_dirs[:1]) as writer:
-            assert pages.put(writer, [x]) == [True]
-        assert pages.checked_get(reader, [x]) == [True]  # from tier 1: promoted to tier 0
-        # its catch-up to tier 0 looks at X (owed first: promoted) and is done with it (learned, or written)
-        wait_until(lambda: x not in reader._replicas._owed[0] and reader._replicas._busy[0] is None,
-                   what="catch-up never looked at X")
-        assert (reader.index.holders(x), on_disk(reader, 0, x)) == (0b11, True), \
-            "X (tier-0 holders bit, its file there): the page just read left tier 0, its file removed"
-        assert reader.index.used[0] <= cap
