@@ -67,7 +67,7 @@ from .priority import ReadPriority
 from .reads import ReadPath
 from .replication import PROMOTE_SHARE, Replicator
 from .router import Policy, parse_policy
-from .scan import RETRIES, BackgroundScan
+from .scan import RETRIES, BackgroundScan, written_ns
 from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
@@ -608,7 +608,8 @@ class Engine:
         writes = self._writes
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
-                       pages=self.index.pages_on(k), used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
+                       pages=self.index.pages_on(k), theirs_pages=self.index.theirs(k), used_bytes=self.index.used[k],
+                       capacity_bytes=tier.capacity,
                        write_queued_bytes=writes.queue.queued[k], write_bandwidth=writes.io.flows[k].rate,
                        write_window=writes.io.flows[k].window, replication_pending=self._replicas.pending(k))
         out["write_backlog_bytes"] = writes.queue.backlog
@@ -773,7 +774,7 @@ class Engine:
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark,
-                                 epoch=epoch) is not None
+                                 epoch=epoch, written_ns=written_ns(h)) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

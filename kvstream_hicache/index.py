@@ -32,7 +32,14 @@ re-hashes one small sub-table at a time. About 100 bytes a page at one tier, 4 K
 Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pages from before the
 restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
 in the order it found them: until it is done, eviction works from what is known), ``HOT`` (written,
-read or discovered since start, least recent first).
+read or discovered since start, least recent first); or on ``THEIRS``: a copy found on disk whose file
+was written after this index began (``started_ns``), so by another process sharing the namespace (an MLA
+writer rank, a second server on a shared tier). Such a copy is read as any other, but it is not in the
+tier's used bytes and never a victim of this process's room: a capacity bounds the bytes a process put
+on the tier (its writes, its catch-up copies, and the tier as it found it at start), each process its
+own. Counted, a reader that never writes there stayed over its capacity for good, its catch-up "full";
+trimmed to it, its index's stale view (pages the writer evicted since) removed live pages of the
+writer's while the directory was within its capacity (docs/data/learncap-49).
 """
 from __future__ import annotations
 
@@ -45,8 +52,9 @@ import numpy as np
 from ._uring import KeyTable, unhex
 from .locks import ranked_lock
 
-OLD, SCANNED, HOT = 0, 1, 2
-_LISTS = (OLD, SCANNED, HOT)
+OLD, SCANNED, HOT, THEIRS = 0, 1, 2, 3
+_LISTS = (OLD, SCANNED, HOT)  # eviction order (THEIRS: never a victim)
+_ALL = (*_LISTS, THEIRS)
 _NONE = 255  # not on a list of this tier
 _NIL = -1  # end of a list
 _SUB_BITS = 10  # 1024 sub-tables: a resize re-hashes ~1/1024 of the keys
@@ -101,6 +109,7 @@ class Index:
         self.reserved = [0] * self.n_tiers  # bytes of writes in progress per tier
         self.evictions = [0] * self.n_tiers
         self.epoch = 0  # clear() counts up: pins and scan results of before it are void
+        self.started_ns = time.time_ns()  # a copy found on disk written since: another process's (THEIRS)
         self._drops = array("q", bytes(8 * (_DROP_BUCKETS + 1)))  # removals per bucket of keys, ever
         self._reset()
 
@@ -125,10 +134,10 @@ class Index:
         # 1: this copy was indexed from a read of its file (the scan, discovery), not written here: a
         # removal of the file racing that read takes the copy out again (file_removed)
         self._found = [bytearray() for _ in range(self.n_tiers)]
-        self._head = [[_NIL] * 3 for _ in range(self.n_tiers)]
-        self._tail = [[_NIL] * 3 for _ in range(self.n_tiers)]
+        self._head = [[_NIL] * len(_ALL) for _ in range(self.n_tiers)]
+        self._tail = [[_NIL] * len(_ALL) for _ in range(self.n_tiers)]
         self._count = [0] * self.n_tiers  # pages per tier
-        self._len = [[0] * 3 for _ in range(self.n_tiers)]  # pages per tier and list
+        self._len = [[0] * len(_ALL) for _ in range(self.n_tiers)]  # pages per tier and list
         # The columns above grow in place and are replaced only here: the key table reads them.
         self._table = KeyTable(self._hash, self._key, self._odd, self._tiers, _SUB_BITS)
         # The existence queries are the table's own methods, without the lock: no Python frame on
@@ -155,11 +164,15 @@ class Index:
         return self._table.find(key)
 
     def keys(self, tier: int | None = None) -> list[str]:
-        """Every indexed key, or ``tier``'s in eviction order (oldest first)."""
+        """Every indexed key, or ``tier``'s in eviction order (oldest first; another process's copies last)."""
         with self._lock:
             if tier is None:
                 return [self._key_of_under_index(s) for s in range(len(self._tiers)) if self._tiers[s]]
-            return [self._key_of_under_index(s) for s in self._order_under_index(tier)]
+            return [self._key_of_under_index(s) for s in self._order_under_index(tier, _ALL)]
+
+    def theirs(self, tier: int) -> int:
+        """Copies on ``tier`` another process wrote since this index began (not counted in ``used``)."""
+        return self._len[tier][THEIRS]
 
     def pages_on(self, tier: int) -> int:
         return self._count[tier]
@@ -234,14 +247,16 @@ class Index:
                     self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
     def touch(self, key: str) -> bool:
-        """Make ``key`` the most recent on every tier holding it; False if not held."""
+        """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
+        False if not held."""
         with self._lock:
             slot = self._table.find(key)
             if slot < 0:
                 return False
             for tier in tiers_in(self._tiers[slot]):
+                where = THEIRS if self._on[tier][slot] == THEIRS else HOT
                 self._unlink_under_index(tier, slot)
-                self._append_under_index(tier, HOT, slot)
+                self._append_under_index(tier, where, slot)
             return True
 
     # -- writes ---------------------------------------------------------------------------------
@@ -288,11 +303,12 @@ class Index:
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
                nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None,
-               epoch: int | None = None) -> list[int] | None:
+               epoch: int | None = None, written_ns: int = 0) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
-        (discovery, check), not written here; None is returned, and nothing indexed, when a copy of a key
+        (discovery, check), not written here, by ``written_ns`` (its header's write time: since this index
+        began, another process's: THEIRS); None is returned, and nothing indexed, when a copy of a key
         like it left the index since (maybe this one, its file being deleted: read it again), or when the
         index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
 
@@ -316,7 +332,8 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
-            self._hold_under_index(slot, tier, OLD if oldest else HOT, first=oldest)
+            where = THEIRS if mark is not None and written_ns >= self.started_ns else OLD if oldest else HOT
+            self._hold_under_index(slot, tier, where, first=oldest)
             self._found[tier][slot] = mark is not None
             return displaced
 
@@ -335,7 +352,8 @@ class Index:
         :meth:`settle`), -1, or RETRY: a copy of a key like it left the index since :meth:`mark`,
         maybe this one, its file deleted after the scan read it (read the file again). ``versions=False``:
         another version than the indexed one is never indexed, whatever its write time (catch-up's look,
-        replication.py _learn: a file of after this start, next to the version this process uses)."""
+        replication.py _learn: a file of after this start, next to the version this process uses). A file
+        written since this index began is another process's (THEIRS: not counted, never a victim)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -352,7 +370,7 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
-            self._hold_under_index(slot, tier, SCANNED)
+            self._hold_under_index(slot, tier, THEIRS if created_ns >= self.started_ns else SCANNED)
             self._found[tier][slot] = 1
             return slot
 
@@ -467,16 +485,20 @@ class Index:
         return slot
 
     def _hold_under_index(self, slot: int, tier: int, where: int, first: bool = False) -> None:
-        """``tier`` holds the page of ``slot``: counted once, on list ``where`` (at its end, or with
-        ``first`` at its head: the next to go)."""
+        """``tier`` holds the page of ``slot``: counted once (not on THEIRS), on list ``where`` (at its
+        end, or with ``first`` at its head: the next to go)."""
         if self._tiers[slot] >> tier & 1:
-            self.used[tier] -= self._nbytes[slot]  # re-commit of the same copy: count once
+            self.used[tier] -= self._counted_under_index(slot, tier)  # re-commit of the same copy: count once
             self._unlink_under_index(tier, slot)
         else:
             self._count[tier] += 1
         self._tiers[slot] |= 1 << tier
-        self.used[tier] += self._nbytes[slot]
         self._append_under_index(tier, where, slot, first)
+        self.used[tier] += self._counted_under_index(slot, tier)
+
+    def _counted_under_index(self, slot: int, tier: int) -> int:
+        """The bytes ``tier``'s copy of ``slot`` counts in ``used`` (none for another process's)."""
+        return 0 if self._on[tier][slot] == THEIRS else self._nbytes[slot]
 
     def _drop_under_index(self, slot: int, tier: int) -> bool:
         bit = 1 << tier
@@ -484,7 +506,7 @@ class Index:
             return False
         self._tiers[slot] &= ~bit
         self._found[tier][slot] = 0
-        self.used[tier] -= self._nbytes[slot]
+        self.used[tier] -= self._counted_under_index(slot, tier)
         self._count[tier] -= 1
         self._unlink_under_index(tier, slot)
         self._drops[self._hash[slot] & _DROP_BUCKETS] += 1
@@ -532,9 +554,10 @@ class Index:
         return keys
 
     # -- internals: LRU lists -------------------------------------------------------------------
-    def _order_under_index(self, tier: int) -> Iterable[int]:
+    def _order_under_index(self, tier: int, lists: Sequence[int] = _LISTS) -> Iterable[int]:
+        """``tier``'s copies in eviction order (with ``_ALL``, another process's after them)."""
         nxt = self._next[tier]
-        for where in _LISTS:
+        for where in lists:
             slot = self._head[tier][where]
             while slot != _NIL:
                 following = nxt[slot]  # the caller may not unlink it, but read it before yielding

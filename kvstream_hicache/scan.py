@@ -90,9 +90,14 @@ def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, 
     better; ``versions=False``: never another version than the indexed one). Returns add_scanned's answer
     (a slot, -1, RETRY)."""
     h = page.header
-    # a write time beyond the clock's skew is a claim, not a time: it never wins (trust.py)
-    created = h.created_ns if h.created_ns <= honest_until() else 0
-    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created, epoch, mark, versions)
+    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, written_ns(h), epoch, mark, versions)
+
+
+def written_ns(header) -> int:
+    """A found page file's write time, as its header claims it. A claim beyond the clock's skew is not a
+    time (trust.py): 0, so that it never wins over another version, nor passes for a file written since
+    this engine began (another process's, Index THEIRS: never evicted here)."""
+    return header.created_ns if header.created_ns <= honest_until() else 0
 
 
 class BackgroundScan:

@@ -16,7 +16,7 @@ from kvstream_hicache.router import SingleTier
 
 from helpers import (
     PAGE_BYTES, VERSION_OFF, PageSet, flip_byte, make_engine, page_files, set_header_field, spawn, store_at_once,
-    twin_content, wait_until,
+    tier_stats_once, twin_content, wait_until,
 )
 
 WAIT_S = 240
@@ -223,3 +223,74 @@ def test_a_size_mismatch_with_no_copy_of_the_callers_size_discovers_nothing(tier
             assert theirs.checked_get(engine, keys) == [False] * 2
         stats = engine.stats()
         assert stats["size_mismatch"] == 6 and stats["discovered"] == 0
+
+
+def test_pages_another_process_wrote_since_a_reader_began_are_read_not_counted_nor_removed(tier_dirs):
+    """A reader (it never writes: an MLA rank, LMCache loading only) with a capacity of 4 pages on tier 1
+    finds 8 pages another process wrote on both tiers after it began. They are indexed and read, but are
+    the writer's bytes, not the reader's: tier 1's used bytes stay 0, nothing is removed, and a page the
+    reader lacks there is still copied there by its catch-up (its own bytes, within its capacity). Before,
+    they counted: used 8 pages against 4 for good, catch-up "full" for good (nothing copied); and a trim
+    to the capacity (stop 49, reverted: docs/data/learncap-49) removed live pages of the writer's."""
+    pages = PageSet()
+    both, lone = pages.keys(8), pages.keys(2, start=100)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{cap}") as reader:
+        with make_engine(tier_dirs[:2]) as writer:
+            assert pages.put(writer, both) == [True] * 8
+        with make_engine(tier_dirs[:1]) as writer:  # (two pages on tier 0 alone: the reader lacks them on 1)
+            assert pages.put(writer, lone) == [True] * 2
+        assert reader.prefix_len(both + lone) == 10
+        assert pages.checked_get(reader, both + lone) == [True] * 10  # (read: owes the two to tier 1)
+        stats = tier_stats_once(reader, 1, "replication_done", 2)
+        assert stats["replication_done"] == 2 and stats["used_bytes"] == reader.index.used[1] == 2 * PAGE_BYTES
+        assert reader.index.theirs(1) == 8 and stats["evictions"] == 0
+        assert len(page_files(tier_dirs[1])) == 10 and len(page_files(tier_dirs[0])) == 10  # nothing removed
+        assert pages.checked_get(reader, both + lone) == [True] * 10
+        assert reader.check() == []
+
+
+@pytest.mark.leaves_problems("B's index lacks the pages A wrote (index_missing: another process's pages, "
+                             "never read by B, which discovery finds when asked)")
+def test_a_writers_eviction_never_takes_the_pages_another_process_wrote_since_it_began(tier_dirs):
+    """Two servers on one directory, each with a capacity of 4 pages. A reads the 4 pages B wrote after A
+    began (another process's: not A's bytes), then puts 4 of its own and 2 more: its eviction takes its own
+    least recent pages, never B's, which B still holds and reads. Before, B's pages were A's least recent
+    and went first: B's next gets missed (SGLang recomputes), with the directory within B's capacity."""
+    pages = PageSet()
+    theirs, mine = pages.keys(4), pages.keys(6, start=100)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as a, make_engine(tier_dirs[:1], capacity=str(cap)) as b:
+        assert pages.put(b, theirs) == [True] * 4
+        assert pages.checked_get(a, theirs) == [True] * 4  # discovered: B's
+        for k in mine:  # one put each: their write times order them
+            assert pages.put(a, [k]) == [True]
+        assert a.index.used[0] == cap and a.index.evictions == [2] and a.index.theirs(0) == 4
+        assert [a.contains(k) for k in mine] == [False] * 2 + [True] * 4  # A's own oldest went
+        assert pages.checked_get(b, theirs) == [True] * 4  # B's pages: all there
+        assert len(page_files(tier_dirs[0])) == 8
+        assert a.check() == []  # (B's index lacks A's pages: they are A's, never read by B)
+
+
+@pytest.mark.leaves_problems("the reader's index lists the page the writer evicted (index_stale: another "
+                             "process's eviction, harmless, docs/guarantees.md)")
+def test_a_reader_never_removes_a_page_the_writer_holds(tier_dirs):
+    """A writer and a reader (MLA ranks, two servers) with the same capacity, 4 pages, on one tier. The
+    reader reads the writer's 4 pages; the writer reads its first page again (its most recent) and puts a
+    fifth, evicting its least recent page. The directory holds 4 pages, its capacity; the reader finds the
+    fifth. Its index still lists the page the writer evicted: were those pages the reader's bytes, its view
+    would be over its capacity and a trim would remove a live page of the writer's (stop 49's reverted
+    trim did: the writer's get of its most recent page missed; review trim2)."""
+    pages = PageSet()
+    keys = pages.keys(5)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as reader, \
+            make_engine(tier_dirs[:1], capacity=str(cap)) as writer:
+        assert pages.put(writer, keys[:4]) == [True] * 4
+        assert pages.checked_get(reader, keys[:4]) == [True] * 4  # discovered, read
+        assert pages.checked_get(writer, keys[:1]) == [True]  # the writer's most recent page
+        assert pages.put(writer, keys[4:]) == [True]  # evicts keys[1], the writer's least recent
+        assert reader.prefix_len(keys[4:]) == 1
+        assert reader.index.used[0] == 0 and reader.stats()["tiers"][0]["evictions"] == 0
+        assert len(page_files(tier_dirs[0])) == 4
+        assert pages.checked_get(writer, [keys[0], *keys[2:]]) == [True] * 4
