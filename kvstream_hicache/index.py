@@ -343,7 +343,8 @@ class Index:
         return self._drops[hash(key) & _DROP_BUCKETS]
 
     def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
-                    created_ns: int, epoch: int, mark: int, versions: bool = True) -> int:
+                    created_ns: int, epoch: int, mark: int, versions: bool = True,
+                    written_ns: int | None = None) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
         of the key: one written, read or discovered since start, or a newer file the scan found
@@ -353,7 +354,8 @@ class Index:
         maybe this one, its file deleted after the scan read it (read the file again). ``versions=False``:
         another version than the indexed one is never indexed, whatever its write time (catch-up's look,
         replication.py _learn: a file of after this start, next to the version this process uses). A file
-        written since this index began is another process's (THEIRS: not counted, never a victim)."""
+        written since this index began (``written_ns``, default ``created_ns``: a catch-up copy's file is
+        newer than its header's ``created``) is another process's (THEIRS: not counted, never a victim)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -370,7 +372,8 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
-            self._hold_under_index(slot, tier, THEIRS if created_ns >= self.started_ns else SCANNED)
+            written = created_ns if written_ns is None else written_ns
+            self._hold_under_index(slot, tier, THEIRS if written >= self.started_ns else SCANNED)
             self._found[tier][slot] = 1
             return slot
 

@@ -199,6 +199,9 @@ class ScannedPage(NamedTuple):
     header: PageHeader | None  # None: see problem
     problem: Problem | None
     file_bytes: int
+    # the file's write time (st_mtime_ns): a catch-up copy keeps its header's ``created`` (the page's first
+    # write), its file is new (scan.written_ns: another process's since this one began, Index THEIRS)
+    mtime_ns: int = 0
 
 
 class NotRegularFile(OSError):
@@ -469,7 +472,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
                 return unreadable("corrupt", exc, size)
             if why:
                 return bad("corrupt", why, size, st=st)
-        return ScannedPage(path, header, None, size)
+        return ScannedPage(path, header, None, size, st.st_mtime_ns)
     finally:
         close_fd(fd)
 

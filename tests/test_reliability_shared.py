@@ -294,3 +294,28 @@ def test_a_reader_never_removes_a_page_the_writer_holds(tier_dirs):
         assert reader.index.used[0] == 0 and reader.stats()["tiers"][0]["evictions"] == 0
         assert len(page_files(tier_dirs[0])) == 4
         assert pages.checked_get(writer, [keys[0], *keys[2:]]) == [True] * 4
+
+
+@pytest.mark.leaves_problems("A2's index lacks the pages B wrote (index_missing: another process's pages, never "
+                             "read by A2)")
+def test_a_catchup_copy_another_process_made_since_a_writer_began_is_never_its_victim(tier_dirs):
+    """A page written before B began (A1, on tier 0 only) is copied to B's tier by A2's catch-up after B
+    began: the copy is A2's bytes (A2 counts it), its file written since B began, though its header keeps
+    the page's first write time. B reads it, then fills its capacity of 4 pages with its own: the copy is
+    not B's to count or evict. Before (review theirs2), its old header made it B's (SCANNED, counted) and
+    B's first victim: B deleted A2's live replica, the directory below B's capacity."""
+    pages = PageSet()
+    old, mine = pages.keys(1), pages.keys(4, start=100)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:1]) as a1:
+        assert pages.put(a1, old) == [True]
+    with make_engine(tier_dirs[1:2], capacity=str(cap)) as b:
+        with make_engine(tier_dirs[:2]) as a2:  # began after B: its catch-up copies the page to B's tier
+            stats = tier_stats_once(a2, 1, "replication_done", 1)
+            assert stats["replication_done"] == 1 and a2.index.get(old[0]).tiers == 0b11
+            assert pages.checked_get(b, old) == [True]  # B discovers A2's copy
+            for k in mine:  # B fills its capacity with its own pages
+                assert pages.put(b, [k]) == [True]
+            assert (b.stats()["tiers"][0]["evictions"], len(page_files(tier_dirs[1]))) == (0, 5)
+            assert (b.index.used[0], b.index.theirs(0)) == (cap, 1)
+            assert a2.index.used[1] == PAGE_BYTES
