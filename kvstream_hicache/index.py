@@ -308,7 +308,8 @@ class Index:
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
         (discovery, check), not written here, by ``written_ns`` (its header's write time: since this index
-        began, another process's: THEIRS); None is returned, and nothing indexed, when a copy of a key
+        began, another process's: THEIRS), unless ``tier``'s entry is that copy already (it stays as it is);
+        None is returned, and nothing indexed, when a copy of a key
         like it left the index since (maybe this one, its file being deleted: read it again), or when the
         index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
 
@@ -332,6 +333,11 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
+            elif mark is not None and self._tiers[slot] >> tier & 1:
+                # A copy found on disk that this tier's entry already describes: the index knows better (as
+                # add_scanned). A lookup that read the file of this process's put before the put indexed it
+                # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
+                return displaced
             where = THEIRS if mark is not None and written_ns >= self.started_ns else OLD if oldest else HOT
             self._hold_under_index(slot, tier, where, first=oldest)
             self._found[tier][slot] = mark is not None

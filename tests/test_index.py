@@ -1,11 +1,14 @@
 """Index: per-tier LRU, capacity reservations, pins, holders masks. Pure logic."""
 from __future__ import annotations
 
+import random
 import threading
+import time
+from array import array
 
 import pytest
 
-from kvstream_hicache.index import Index
+from kvstream_hicache.index import THEIRS, Index
 
 CRCS = (1, 2)
 
@@ -409,3 +412,58 @@ def test_crc_runs_freed_by_pages_of_one_size_are_reused_by_pages_of_another():
             serial += 1
     assert len(index) == n and len(index._crcs) <= 2 * n * 8
     assert index.get(f"{serial - 1:064x}").crcs == tuple(range(1, 9))
+
+
+def test_a_found_copy_of_a_page_the_index_holds_there_keeps_its_place_and_count():
+    """A lookup (discovery) that read the file of this process's put before the put indexed it indexes it
+    after: the index knows that copy (this process wrote it), so it stays counted, a victim of this
+    process's eviction. It went to THEIRS: its own page, counted and evicted by no process."""
+    index = Index([1000])
+    key = "ab" * 32
+    mark = index.mark(key)  # (the lookup's, before it reads the file)
+    add(index, key, 0)  # the put's commit
+    assert index.commit(key, 0, 90, 4096, CRCS, 100, reserved=False, mark=mark, written_ns=time.time_ns()) == []
+    assert (index.used[0], index.theirs(0), index.pages_on(0)) == (100, 0, 1)
+    assert index.reserve(0, 1000) == [key]  # still this process's to evict
+
+
+def test_used_bytes_are_the_counted_copies_whatever_moves_them_between_lists():
+    """Copies move between THEIRS and the counted lists (a found copy, a put of the same key or another
+    version, the scan, touch, settle, removal, eviction, clear, a slot reused): ``used`` stays the sum of
+    the counted copies' bytes, and the per-list lengths and counts agree with the copies held."""
+    rng = random.Random(7)
+    index = Index([None, 2000])
+    keys = [f"{i:064x}" for i in range(12)]
+    for _ in range(20_000):
+        op, key, tier = rng.randrange(9), rng.choice(keys), rng.randrange(2)
+        crcs = (rng.randrange(2), 2)  # two versions of each key, of two sizes
+        nbytes = 100 if crcs[0] == 0 else 300
+        written = rng.choice([time.time_ns(), index.started_ns - 10, 0])  # another process's, older, none
+        if op == 0:
+            if index.reserve(tier, nbytes) is not None:
+                index.commit(key, tier, nbytes, 4096, crcs, nbytes, oldest=rng.random() < 0.3)
+        elif op == 1:
+            index.commit(key, tier, nbytes, 4096, crcs, nbytes, reserved=False, mark=index.mark(key),
+                         written_ns=written)
+        elif op == 2:
+            slot = index.add_scanned(key, tier, nbytes, 4096, crcs, nbytes, written, index.epoch,
+                                     index.mark(key), rng.random() < 0.5)
+            if slot >= 0 and rng.random() < 0.5:
+                index.settle(tier, array("i", [slot]), index.epoch)
+        elif op == 3:
+            index.touch(key)
+        elif op == 4:
+            index.remove(key, tier)
+        elif op == 5:
+            index.file_removed(key, tier)
+        elif op == 6:
+            index.evict(tier, rng.randrange(500))
+        elif op == 7:
+            index.evict_excess(tier, 1000)
+        elif rng.random() < 0.01:
+            index.clear()
+        for t in range(2):
+            held = [s for s in range(len(index._tiers)) if index._tiers[s] >> t & 1]
+            lists = [index._on[t][s] for s in held]
+            assert index.used[t] == sum(index._nbytes[s] for s, on in zip(held, lists) if on != THEIRS)
+            assert index._len[t] == [lists.count(where) for where in range(4)] and index.pages_on(t) == len(held)

@@ -7,6 +7,7 @@ a copy that fails its own header or checksums is quarantined. Real processes, re
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -319,3 +320,43 @@ def test_a_catchup_copy_another_process_made_since_a_writer_began_is_never_its_v
             assert (b.stats()["tiers"][0]["evictions"], len(page_files(tier_dirs[1]))) == (0, 5)
             assert (b.index.used[0], b.index.theirs(0)) == (cap, 1)
             assert a2.index.used[1] == PAGE_BYTES
+
+
+def test_a_lookup_racing_this_process_s_put_leaves_its_page_counted_and_evicted(tier_dirs):
+    """This engine's put renames its page into place; a lookup of that key at that moment (another caller's
+    exists, get or put of it: SGLang's prefetch of a prefix being backed up, LMCache's lookup of a chunk
+    being stored) reads the file before the put indexes it, and indexes it after. The file is this
+    engine's: counted, and evicted to keep its capacity (2 pages). Before, the lookup moved it to the
+    pages another process wrote (not counted, never evicted): 3 pages stayed on the tier, the
+    raced one for good. The order is forced (the index calls are the real ones)."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:1], capacity=str(2 * PAGE_BYTES)) as engine:
+        index, real = engine.index, engine.index.commit
+        reached, release = threading.Event(), threading.Event()
+        lookup = threading.Thread(target=engine.contains, args=(keys[0],))
+
+        def commit(key, *args, **kw):
+            if key == keys[0] and kw.get("mark") is None and not lookup.is_alive() and not release.is_set():
+                lookup.start()  # the put's commit: the lookup reads the file first
+                assert reached.wait(30), "the lookup never came to index the file"
+                try:
+                    return real(key, *args, **kw)
+                finally:
+                    release.set()
+            if key == keys[0] and kw.get("mark") is not None and not reached.is_set():  # the lookup's
+                reached.set()
+                assert release.wait(30)
+            return real(key, *args, **kw)
+
+        index.commit = commit
+        try:
+            assert pages.put(engine, keys[:1]) == [True]
+            lookup.join(30)
+        finally:
+            del index.commit
+        assert reached.is_set() and not lookup.is_alive()
+        for k in keys[1:]:  # one put each: the tier keeps the 2 most recent
+            assert pages.put(engine, [k]) == [True]
+        assert (len(page_files(tier_dirs[0])), index.theirs(0)) == (2, 0)
+        assert [engine.contains(k) for k in keys] == [False] * 2 + [True] * 2
