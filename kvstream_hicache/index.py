@@ -27,13 +27,14 @@ where its CRCs start in one shared CRC array, per tier its LRU links); a 64-hex 
 LMCache's) is kept as its 32 bytes; keys map to slots through open-addressing sub-tables of slot
 numbers (``_uring.KeyTable``, in C: a lookup costs about what a dict's does), so growing the table
 re-hashes one small sub-table at a time. About 100 bytes a page at one tier, 4 KiB pages
-(docs/benchmarks.md "Scale"). :class:`PageInfo` is a snapshot made on demand.
+(docs/benchmarks.md "Scale"), and a process that writes a fixed 4 MiB filter of what it wrote (wrote). :class:`PageInfo` is a snapshot made on demand.
 
 Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pages from before the
 restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
 in the order it found them: until it is done, eviction works from what is known), ``HOT`` (written,
 read or discovered since start, least recent first); or on ``THEIRS``: a copy found on disk whose file
-was written after this index began (``started_ns``), so by another process sharing the namespace (an MLA
+was written after this index began (``started_ns``) and not by this process (:meth:`wrote`'s filter), so
+by another process sharing the namespace (an MLA
 writer rank, a second server on a shared tier). Such a copy is read as any other, but it is not in the
 tier's used bytes and never a victim of this process's room: a capacity bounds the bytes a process put
 on the tier (its writes, its catch-up copies, and the tier as it found it at start), each process its
@@ -64,6 +65,9 @@ RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since t
 SWEEP_SLOTS = 1 << 16  # slots lacking/count_lacking look at per lock hold: a 256 KiB copy, well under 1 ms
 SETTLE_CHUNK = 2_000  # slots moved (settle) or keys made (holding) per lock hold: a few ms
 MAX_TIERS = 32  # bits of the tiers column
+MINE_BITS = 1 << 25  # the filter of (key, tier) copies this process wrote (wrote): 4 MiB; 1 in 200 false
+# "may be mine" at a million pages written, 1 in 5 at five million (such a found copy counts, as before THEIRS)
+_MINE_HASHES = 3
 
 
 class PageInfo:
@@ -110,6 +114,8 @@ class Index:
         self.evictions = [0] * self.n_tiers
         self.epoch = 0  # clear() counts up: pins and scan results of before it are void
         self.started_ns = time.time_ns()  # a copy found on disk written since: another process's (THEIRS)
+        self._mine: bytearray | None = None  # (key, tier) this process wrote, a Bloom filter (wrote): made at
+        # the first write (a process that only reads, an MLA reader rank, holds none)
         self._drops = array("q", bytes(8 * (_DROP_BUCKETS + 1)))  # removals per bucket of keys, ever
         self._reset()
 
@@ -246,6 +252,28 @@ class Index:
                 if not self._pins[slot] and not self._tiers[slot]:
                     self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
+    def wrote(self, key: str, tier: int) -> None:
+        """This process starts writing ``key``'s page to ``tier`` (the writer, before its file can be renamed
+        into place): a copy of it found there later may be this process's own, not another's (THEIRS). Its
+        index entry can be lost while the file stays (a rename that answered only after write_timeout on a
+        network tier: the tier failed, the copy never indexed); found again, it was taken for another
+        process's, never counted nor evicted while the engine ran. Only the writer thread sets bits."""
+        mine = self._mine
+        if mine is None:
+            mine = self._mine = bytearray(MINE_BITS // 8)
+        for bit in _mine_bits(key, tier):
+            mine[bit >> 3] |= 1 << (bit & 7)
+
+    def _maybe_mine_under_index(self, key: str, tier: int) -> bool:
+        mine = self._mine
+        return mine is not None and all(mine[bit >> 3] >> (bit & 7) & 1 for bit in _mine_bits(key, tier))
+
+    def _found_on_under_index(self, key: str, tier: int, written_ns: int) -> int:
+        """The list of a copy found on disk, written at ``written_ns``: THEIRS when written since this index
+        began and not by this process (as far as wrote's filter knows), else ``SCANNED`` (counted)."""
+        theirs = written_ns >= self.started_ns and not self._maybe_mine_under_index(key, tier)
+        return THEIRS if theirs else SCANNED
+
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
         False if not held."""
@@ -338,7 +366,9 @@ class Index:
                 # add_scanned). A lookup that read the file of this process's put before the put indexed it
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
-            where = THEIRS if mark is not None and written_ns >= self.started_ns else OLD if oldest else HOT
+            where = OLD if oldest else HOT
+            if mark is not None and self._found_on_under_index(key, tier, written_ns) == THEIRS:
+                where = THEIRS
             self._hold_under_index(slot, tier, where, first=oldest)
             self._found[tier][slot] = mark is not None
             return displaced
@@ -378,8 +408,8 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
-            written = created_ns if written_ns is None else written_ns
-            self._hold_under_index(slot, tier, THEIRS if written >= self.started_ns else SCANNED)
+            self._hold_under_index(slot, tier, self._found_on_under_index(
+                key, tier, created_ns if written_ns is None else written_ns))
             self._found[tier][slot] = 1
             return slot
 
@@ -612,6 +642,14 @@ def _run(n: int) -> int:
     the runs of every block count ever seen, LMCache's short last chunks, to pile up); at most twice
     the CRCs, and nothing more for pages of one block, or of a power of two."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _mine_bits(key: str, tier: int) -> tuple[int, ...]:
+    """The filter's bits of (key, tier): double hashing of one 64-bit hash (per process: a filter is never
+    written to disk)."""
+    h = hash((key, tier)) & 0xFFFF_FFFF_FFFF_FFFF
+    step = h >> 32 | 1
+    return tuple((h + i * step) & (MINE_BITS - 1) for i in range(_MINE_HASHES))
 
 
 def tiers_in(mask: int) -> Iterable[int]:

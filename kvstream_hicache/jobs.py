@@ -91,6 +91,7 @@ class Jobs:
             self.queue.job_over_under_writer(page, k)
             return None
         self.evicted_under_writer(k, victims)
+        self.index.wrote(page.key, k)  # (a copy of it found there later may be ours: Index THEIRS)
         page.users += 1
         ready = False
         try:

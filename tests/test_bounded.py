@@ -761,3 +761,38 @@ def test_a_lookup_that_spans_a_clear_never_indexes_a_page_of_before_it(tier_dirs
                                  lambda: engine.tiers[1].reads._since is not None)
         looking.join(60)
         assert not looking.is_alive()
+
+
+def test_a_puts_copy_whose_rename_answered_late_is_counted_when_found_again(overlay_tier, tier_dirs):
+    """A put's copy on a tier that may hang: its rename is done but answers past write_timeout (the server
+    busy): the tier fails, the copy is not indexed. When the tier is back the engine finds the file (catch-up's
+    look, or discovery): its own page (Index.wrote's filter says so), which it counts and evicts to keep tier
+    1's capacity of 2 pages. Before (review theirs), a file written since the engine began was taken for
+    another process's (Index THEIRS): tier 1 kept 3 pages, that one for good while the engine ran."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    release = threading.Event()
+    with make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=0.5, tier_retry=0.1,
+                     capacity=f"{os.pathsep}{2 * PAGE_BYTES}") as engine:
+        tier = engine.tiers[1]
+        assert not tier.local
+        real = tier._place
+
+        def place(*args):
+            out = real(*args)  # in place; its answer comes late
+            release.wait(30)
+            return out
+
+        tier._place = place
+        try:
+            assert pages.put(engine, keys[:1]) == [True]  # (tier 0's copy)
+            wait_until(lambda: not tier.healthy, 30, "tier 1 never failed")
+        finally:
+            tier._place = real
+            release.set()
+        assert os.path.exists(tier.layout.page_path(keys[0]))
+        wait_until(lambda: engine.prefix_len(keys[:1]) and engine.index.holders(keys[0]) == 0b11, 60,
+                   "tier 1's copy was never found")
+        for k in keys[1:]:  # one put each: tier 1 keeps this engine's 2 most recent pages
+            assert pages.put(engine, [k]) == [True]
+        assert (len(page_files(overlay_tier)), engine.index.theirs(1)) == (2, 0)

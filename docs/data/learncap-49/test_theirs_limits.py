@@ -1,38 +1,16 @@
 """Review theirs: this engine's own pages taken for another process's (Index THEIRS: never counted nor
-evicted by it, nor by any process). Fails on 92bf00a; not fixed here (see the report)."""
+evicted by it, nor by any process). Fails on 92bf00a and on main (the other test of the review, a late
+rename, is fixed and in tests/test_bounded.py)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import threading
 import time
-
-import pytest
 
 from kvstream_hicache._uring import crc32c
 from kvstream_hicache.layout import HEADER_SIZE
 
-from helpers import PAGE_BYTES, PageSet, make_engine, page_files, wait_until
+from helpers import PAGE_BYTES, PageSet, make_engine, page_files
 
 CREATED_OFF = 24  # the header's created_ns, 8 bytes (integrity.py)
-
-
-@pytest.fixture
-def overlay_tier(tier_root):
-    """A tier on an overlay mount: not a local file system, so its calls are bounded (as test_bounded's)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root (mount)")
-    base = os.path.join(tier_root, "ovl")
-    dirs = {n: os.path.join(base, n) for n in ("lower", "upper", "work", "mnt")}
-    for d in dirs.values():
-        os.makedirs(d)
-    opts = f"lowerdir={dirs['lower']},upperdir={dirs['upper']},workdir={dirs['work']}"
-    if subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, dirs["mnt"]]).returncode:
-        pytest.skip("overlay mount refused")
-    try:
-        yield dirs["mnt"]
-    finally:
-        subprocess.run(["umount", "-l", dirs["mnt"]])
 
 
 def _set_created(path: str, created_ns: int) -> None:
@@ -63,37 +41,3 @@ def test_pages_of_before_a_restart_stamped_a_minute_ahead_are_counted_and_trimme
         assert pages.put(engine, new) == [True] * 2
         assert pages.checked_get(engine, new) == [True] * 2
         assert (len(page_files(tier_dirs[0])), engine.index.theirs(0)) == (2, 0)
-
-
-def test_a_put_s_copy_whose_rename_answered_late_is_counted_when_found_again(overlay_tier, tier_dirs):
-    """A put's copy on a tier that may hang: its rename is done but answers past write_timeout (the server
-    busy): the tier fails, the copy is not indexed. When the tier is back, the engine finds the file (catch-up's
-    look, or discovery): its own page, which it must count and evict to keep tier 1's capacity (2 pages).
-    On 92bf00a it is THEIRS: tier 1 keeps 3 pages, that one for good."""
-    pages = PageSet()
-    keys = pages.keys(4)
-    release = threading.Event()
-    with make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=0.5, tier_retry=0.1,
-                     capacity=f"{os.pathsep}{2 * PAGE_BYTES}") as engine:
-        tier = engine.tiers[1]
-        assert not tier.local
-        real = tier._place
-
-        def place(*args):
-            out = real(*args)  # in place; its answer comes late
-            release.wait(30)
-            return out
-
-        tier._place = place
-        try:
-            assert pages.put(engine, keys[:1]) == [True]  # (tier 0's copy)
-            wait_until(lambda: not tier.healthy, 30, "tier 1 never failed")
-        finally:
-            tier._place = real
-            release.set()
-        assert os.path.exists(tier.layout.page_path(keys[0]))
-        wait_until(lambda: engine.prefix_len(keys[:1]) and engine.index.holders(keys[0]) == 0b11, 60,
-                   "tier 1's copy was never found")
-        for k in keys[1:]:  # one put each: tier 1 keeps this engine's 2 most recent pages
-            assert pages.put(engine, [k]) == [True]
-        assert (len(page_files(overlay_tier)), engine.index.theirs(1)) == (2, 0)
