@@ -52,6 +52,7 @@ import numpy as np
 
 from ._uring import KeyTable, unhex
 from .locks import ranked_lock
+from .trust import wall_ns
 
 OLD, SCANNED, HOT, THEIRS = 0, 1, 2, 3
 _LISTS = (OLD, SCANNED, HOT)  # eviction order (THEIRS: never a victim)
@@ -113,7 +114,9 @@ class Index:
         self.reserved = [0] * self.n_tiers  # bytes of writes in progress per tier
         self.evictions = [0] * self.n_tiers
         self.epoch = 0  # clear() counts up: pins and scan results of before it are void
-        self.started_ns = time.time_ns()  # a copy found on disk written since: another process's (THEIRS)
+        # a copy found on disk written since, not by this process: another's (THEIRS). The clock of the times
+        # this process writes in headers (trust.wall_ns: never back, whatever a clock step did before)
+        self.started_ns = wall_ns()
         self._mine: bytearray | None = None  # (key, tier) this process wrote, a Bloom filter (wrote): made at
         # the first write (a process that only reads, an MLA reader rank, holds none)
         self._drops = array("q", bytes(8 * (_DROP_BUCKETS + 1)))  # removals per bucket of keys, ever
