@@ -774,7 +774,7 @@ class Engine:
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark,
-                                 epoch=epoch, written_ns=written_ns(page)) is not None
+                                 epoch=epoch, written_ns=written_ns(page), created_ns=h.created_ns) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

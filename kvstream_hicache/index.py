@@ -33,7 +33,8 @@ Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pa
 restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
 in the order it found them: until it is done, eviction works from what is known), ``HOT`` (written,
 read or discovered since start, least recent first); or on ``THEIRS``: a copy found on disk whose file
-was written after this index began (``started_ns``) and not by this process (:meth:`wrote`'s filter), so
+was written after this index began (``started_ns``) and not by this process (:meth:`wrote`'s filter of
+the (key, tier, header's created) copies it wrote), so
 by another process sharing the namespace (an MLA
 writer rank, a second server on a shared tier). Such a copy is read as any other, but it is not in the
 tier's used bytes and never a victim of this process's room: a capacity bounds the bytes a process put
@@ -66,7 +67,7 @@ RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since t
 SWEEP_SLOTS = 1 << 16  # slots lacking/count_lacking look at per lock hold: a 256 KiB copy, well under 1 ms
 SETTLE_CHUNK = 2_000  # slots moved (settle) or keys made (holding) per lock hold: a few ms
 MAX_TIERS = 32  # bits of the tiers column
-MINE_BITS = 1 << 25  # the filter of (key, tier) copies this process wrote (wrote): 4 MiB; 1 in 200 false
+MINE_BITS = 1 << 25  # the filter of (key, tier, created) copies this process wrote (wrote): 4 MiB; 1 in 200 false
 # "may be mine" at a million pages written, 1 in 5 at five million (such a found copy counts, as before THEIRS)
 _MINE_HASHES = 3
 
@@ -255,26 +256,31 @@ class Index:
                 if not self._pins[slot] and not self._tiers[slot]:
                     self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
-    def wrote(self, key: str, tier: int) -> None:
-        """This process starts writing ``key``'s page to ``tier`` (the writer, before its file can be renamed
-        into place): a copy of it found there later may be this process's own, not another's (THEIRS). Its
-        index entry can be lost while the file stays (a rename that answered only after write_timeout on a
-        network tier: the tier failed, the copy never indexed); found again, it was taken for another
-        process's, never counted nor evicted while the engine ran. Only the writer thread sets bits."""
+    def wrote(self, key: str, tier: int, created_ns: int) -> None:
+        """This process starts writing ``key``'s page, stamped ``created_ns`` (its header's), to ``tier`` (the
+        writer, before its file can be renamed into place): a copy of it found there later may be this
+        process's own, not another's (THEIRS). Its index entry can be lost while the file stays (a rename that
+        answered only after write_timeout on a network tier: the tier failed, the copy never indexed); found
+        again, it was taken for another process's, never counted nor evicted while the engine ran. The stamp
+        is in the filter's key: a page another process wrote under that key since (this process's copy evicted
+        or deleted meanwhile: two servers of one model share prefixes) carries its own, and stays theirs
+        (review mine: on (key, tier) alone it was counted, and this process's eviction took it, live). Only
+        the writer thread sets bits."""
         mine = self._mine
         if mine is None:
             mine = self._mine = bytearray(MINE_BITS // 8)
-        for bit in _mine_bits(key, tier):
+        for bit in _mine_bits(key, tier, created_ns):
             mine[bit >> 3] |= 1 << (bit & 7)
 
-    def _maybe_mine_under_index(self, key: str, tier: int) -> bool:
+    def _maybe_mine_under_index(self, key: str, tier: int, created_ns: int) -> bool:
         mine = self._mine
-        return mine is not None and all(mine[bit >> 3] >> (bit & 7) & 1 for bit in _mine_bits(key, tier))
+        return mine is not None and all(mine[bit >> 3] >> (bit & 7) & 1 for bit in _mine_bits(key, tier, created_ns))
 
-    def _found_on_under_index(self, key: str, tier: int, written_ns: int) -> int:
-        """The list of a copy found on disk, written at ``written_ns``: THEIRS when written since this index
-        began and not by this process (as far as wrote's filter knows), else ``SCANNED`` (counted)."""
-        theirs = written_ns >= self.started_ns and not self._maybe_mine_under_index(key, tier)
+    def _found_on_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> int:
+        """The list of a copy found on disk, its header stamped ``created_ns``, its file written at
+        ``written_ns``: THEIRS when written since this index began and not by this process (as far as wrote's
+        filter knows), else ``SCANNED`` (counted)."""
+        theirs = written_ns >= self.started_ns and not self._maybe_mine_under_index(key, tier, created_ns)
         return THEIRS if theirs else SCANNED
 
     def touch(self, key: str) -> bool:
@@ -334,12 +340,13 @@ class Index:
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
                nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None,
-               epoch: int | None = None, written_ns: int = 0) -> list[int] | None:
+               epoch: int | None = None, written_ns: int = 0, created_ns: int = 0) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
-        (discovery, check), not written here, by ``written_ns`` (its header's write time: since this index
-        began, another process's: THEIRS), unless ``tier``'s entry is that copy already (it stays as it is);
+        (discovery, check), not written here, by ``written_ns`` (its file's write time: since this index
+        began, another process's: THEIRS, unless its header's ``created_ns`` is one this process wrote there:
+        :meth:`wrote`), unless ``tier``'s entry is that copy already (it stays as it is);
         None is returned, and nothing indexed, when a copy of a key
         like it left the index since (maybe this one, its file being deleted: read it again), or when the
         index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
@@ -370,7 +377,7 @@ class Index:
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
             where = OLD if oldest else HOT
-            if mark is not None and self._found_on_under_index(key, tier, written_ns) == THEIRS:
+            if mark is not None and self._found_on_under_index(key, tier, created_ns, written_ns) == THEIRS:
                 where = THEIRS
             self._hold_under_index(slot, tier, where, first=oldest)
             self._found[tier][slot] = mark is not None
@@ -412,7 +419,7 @@ class Index:
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
             self._hold_under_index(slot, tier, self._found_on_under_index(
-                key, tier, created_ns if written_ns is None else written_ns))
+                key, tier, created_ns, created_ns if written_ns is None else written_ns))
             self._found[tier][slot] = 1
             return slot
 
@@ -647,10 +654,10 @@ def _run(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _mine_bits(key: str, tier: int) -> tuple[int, ...]:
-    """The filter's bits of (key, tier): double hashing of one 64-bit hash (per process: a filter is never
-    written to disk)."""
-    h = hash((key, tier)) & 0xFFFF_FFFF_FFFF_FFFF
+def _mine_bits(key: str, tier: int, created_ns: int) -> tuple[int, ...]:
+    """The filter's bits of (key, tier, the header's created): double hashing of one 64-bit hash (per
+    process: a filter is never written to disk)."""
+    h = hash((key, tier, created_ns)) & 0xFFFF_FFFF_FFFF_FFFF
     step = h >> 32 | 1
     return tuple((h + i * step) & (MINE_BITS - 1) for i in range(_MINE_HASHES))
 

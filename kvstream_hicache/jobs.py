@@ -91,7 +91,6 @@ class Jobs:
             self.queue.job_over_under_writer(page, k)
             return None
         self.evicted_under_writer(k, victims)
-        self.index.wrote(page.key, k)  # (a copy of it found there later may be ours: Index THEIRS)
         page.users += 1
         ready = False
         try:
@@ -105,6 +104,9 @@ class Jobs:
         if not ready:
             self.queue.job_over_under_writer(page, k)
             return None
+        # (a copy of it found there later, its header's created this one, may be ours: Index THEIRS). Before
+        # the file can be renamed into place; once prepared, the page's created is known
+        self.index.wrote(page.key, k, page.created)
         job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
         page.started = time.monotonic()
         self.active[k].append(job)

@@ -360,3 +360,28 @@ def test_a_lookup_racing_this_process_s_put_leaves_its_page_counted_and_evicted(
             assert pages.put(engine, [k]) == [True]
         assert (len(page_files(tier_dirs[0])), index.theirs(0)) == (2, 0)
         assert [engine.contains(k) for k in keys] == [False] * 2 + [True] * 2
+
+
+@pytest.mark.leaves_problems("B's index lacks the pages A wrote (index_missing: another process's pages, "
+                             "never read by B)")
+def test_a_page_another_process_wrote_under_a_key_this_one_evicted_is_never_its_victim(tier_dirs):
+    """Two servers on one directory (one model: a shared prefix gives both the same keys). A (capacity 2
+    pages) puts X, then Y and Z: its eviction removes X's file. B puts X since (B's bytes, B's live page). A
+    reads X (discovery): another process's page written since A began, not A's to count or evict
+    (docs/guarantees.md "Capacity is per process"). Before (review mine), A's filter of what it wrote
+    (Index.wrote, on (key, tier) alone) said X there "may be mine" (it was, once): X was counted, and A's
+    next puts evicted it: B's get of X missed."""
+    pages = PageSet()
+    x, y, z, w, v = pages.keys(5)
+    cap = 2 * PAGE_BYTES
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as a, make_engine(tier_dirs[:1]) as b:
+        for k in (x, y, z):  # one put each: X is A's least recent, evicted by Z's
+            assert pages.put(a, [k]) == [True]
+        assert not a.contains(x) and len(page_files(tier_dirs[0])) == 2
+        assert pages.put(b, [x]) == [True]  # B's own page now
+        assert pages.checked_get(a, [x]) == [True]  # A discovers and reads B's page
+        assert a.index.theirs(0) == 1, "B's page, written since A began, counted as A's"
+        for k in (w, v):
+            assert pages.put(a, [k]) == [True]
+        assert pages.checked_get(b, [x]) == [True], "A evicted B's live page"
+        assert os.path.exists(b.tiers[0].layout.page_path(x))
