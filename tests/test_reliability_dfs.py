@@ -551,6 +551,9 @@ def test_a_put_after_another_node_removed_the_page_writes_it_again(dfs, how):
             k, other = pages.keys(2, start=2 * attempt)
             assert pages.put(engine, [k, other]) == [True, True]  # tier 0 keeps `other`: k on tier 1 alone
             assert engine.index.holders(k) == 0b10
+            if how == "evict":  # B evicts k only as a page it found at its start: one A wrote since B began is
+                node("close")  # A's, never B's victim (guarantees.md "Capacity is per process")
+                node("open", b, {"capacity": f"{os.pathsep}{PAGE_BYTES}"})
             assert node("get", pages.salt, 2 * attempt, 1, 0)["exact"] == [True]  # B indexes k
             assert pages.checked_get(engine, [k], SingleTier(1)) == [True]  # A's client caches k's name
             if how == "delete":
