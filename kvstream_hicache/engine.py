@@ -608,8 +608,8 @@ class Engine:
         writes = self._writes
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
-                       pages=self.index.pages_on(k), theirs_pages=self.index.theirs(k), used_bytes=self.index.used[k],
-                       capacity_bytes=tier.capacity,
+                       pages=self.index.pages_on(k), theirs_pages=self.index.theirs(k),
+                       used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
                        write_queued_bytes=writes.queue.queued[k], write_bandwidth=writes.io.flows[k].rate,
                        write_window=writes.io.flows[k].window, replication_pending=self._replicas.pending(k))
         out["write_backlog_bytes"] = writes.queue.backlog

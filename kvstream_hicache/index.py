@@ -27,16 +27,16 @@ where its CRCs start in one shared CRC array, per tier its LRU links); a 64-hex 
 LMCache's) is kept as its 32 bytes; keys map to slots through open-addressing sub-tables of slot
 numbers (``_uring.KeyTable``, in C: a lookup costs about what a dict's does), so growing the table
 re-hashes one small sub-table at a time. About 100 bytes a page at one tier, 4 KiB pages
-(docs/benchmarks.md "Scale"), and a process that writes a fixed 4 MiB filter of what it wrote (wrote). :class:`PageInfo` is a snapshot made on demand.
+(docs/benchmarks.md "Scale"), and in a process that writes a fixed 4 MiB filter of what it wrote
+(:meth:`Index.wrote`). :class:`PageInfo` is a snapshot made on demand.
 
 Per tier a page is on one of three LRU lists, evicted in this order: ``OLD`` (pages from before the
 restart, sorted by write time once the scan is done, :meth:`settle`), ``SCANNED`` (found by the scan,
 in the order it found them: until it is done, eviction works from what is known), ``HOT`` (written,
 read or discovered since start, least recent first); or on ``THEIRS``: a copy found on disk whose file
-was written after this index began (``started_ns``) and not by this process (:meth:`wrote`'s filter of
-the (key, tier, header's created) copies it wrote), so
-by another process sharing the namespace (an MLA
-writer rank, a second server on a shared tier). Such a copy is read as any other, but it is not in the
+was written after this index began (``started_ns``) and not by this process (:meth:`Index.wrote`'s filter
+of the (key, tier, header's created) copies it wrote), so by another process sharing the namespace (an
+MLA writer rank, a second server on a shared tier). Such a copy is read as any other, but it is not in the
 tier's used bytes and never a victim of this process's room: a capacity bounds the bytes a process put
 on the tier (its writes, its catch-up copies, and the tier as it found it at start), each process its
 own. Counted, a reader that never writes there stayed over its capacity for good, its catch-up "full";
@@ -67,8 +67,8 @@ RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since t
 SWEEP_SLOTS = 1 << 16  # slots lacking/count_lacking look at per lock hold: a 256 KiB copy, well under 1 ms
 SETTLE_CHUNK = 2_000  # slots moved (settle) or keys made (holding) per lock hold: a few ms
 MAX_TIERS = 32  # bits of the tiers column
-MINE_BITS = 1 << 25  # the filter of (key, tier, created) copies this process wrote (wrote): 4 MiB; 1 in 200 false
-# "may be mine" at a million pages written, 1 in 5 at five million (such a found copy counts, as before THEIRS)
+MINE_BITS = 1 << 25  # the filter of (key, tier, created) copies this process wrote (Index.wrote): 4 MiB; 1 in
+# 200 false "may be mine" at a million pages written, 1 in 5 at five million (such a copy counts, as before)
 _MINE_HASHES = 3
 
 
@@ -118,8 +118,8 @@ class Index:
         # a copy found on disk written since, not by this process: another's (THEIRS). The clock of the times
         # this process writes in headers (trust.wall_ns: never back, whatever a clock step did before)
         self.started_ns = wall_ns()
-        self._mine: bytearray | None = None  # (key, tier) this process wrote, a Bloom filter (wrote): made at
-        # the first write (a process that only reads, an MLA reader rank, holds none)
+        self._mine: bytearray | None = None  # (key, tier, created) this process wrote, a Bloom filter (wrote):
+        # made at the first write (a process that only reads, an MLA reader rank, holds none)
         self._drops = array("q", bytes(8 * (_DROP_BUCKETS + 1)))  # removals per bucket of keys, ever
         self._reset()
 
@@ -274,7 +274,7 @@ class Index:
 
     def _maybe_mine_under_index(self, key: str, tier: int, created_ns: int) -> bool:
         mine = self._mine
-        return mine is not None and all(mine[bit >> 3] >> (bit & 7) & 1 for bit in _mine_bits(key, tier, created_ns))
+        return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, created_ns))
 
     def _found_on_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> int:
         """The list of a copy found on disk, its header stamped ``created_ns``, its file written at
