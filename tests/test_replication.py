@@ -239,15 +239,17 @@ def test_a_replica_skipped_while_its_tier_was_at_capacity_is_written_once_it_has
         assert pages.put(engine, batch) == [True] * 24
         skipped = [k for k in batch if engine.index.holders(k) == 0b01]
         stats = engine.stats()["tiers"][1]
-        assert skipped and stats["replica_skipped_pages"] == len(skipped)
-        assert stats["replication_pending"] >= len(skipped)  # owed once the tier has room (before: 0)
+        # (the figures in the messages: a failure seen once in a loaded local run left none to read)
+        assert skipped and stats["replica_skipped_pages"] == len(skipped), (len(skipped), stats)
+        assert stats["replication_pending"] >= len(skipped), (len(skipped), stats)  # owed once the tier has room
         plan.clear()
         assert engine.delete(warm) == len(warm)  # room on tier 1
         wait_until(lambda: replicated(engine, batch, 0b11), 60,
                    f"the skipped replicas never reached tier 1 once it had room: {engine.stats()['tiers'][1]}")
         stats = tier_stats_once(engine, 1, "replication_done", len(skipped))
-        assert stats["replication_done"] == len(skipped) and stats["replication_dropped"] == 0
-        assert stats["evictions"] == 24 - len(skipped)  # (the admitted replicas made their room; no copy evicts)
+        assert stats["replication_done"] == len(skipped) and stats["replication_dropped"] == 0, (len(skipped), stats)
+        # (the admitted replicas made their room; no copy evicts)
+        assert stats["evictions"] == 24 - len(skipped), (len(skipped), stats)
         assert pages.checked_get(engine, batch, policy=SingleTier(1)) == [True] * 24
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-1", "x"])
