@@ -276,12 +276,11 @@ class Index:
         mine = self._mine
         return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, created_ns))
 
-    def _found_on_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> int:
-        """The list of a copy found on disk, its header stamped ``created_ns``, its file written at
-        ``written_ns``: THEIRS when written since this index began and not by this process (as far as wrote's
-        filter knows), else ``SCANNED`` (counted)."""
-        theirs = written_ns >= self.started_ns and not self._maybe_mine_under_index(key, tier, created_ns)
-        return THEIRS if theirs else SCANNED
+    def _theirs_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> bool:
+        """A copy found on disk, its header stamped ``created_ns``, its file written at ``written_ns``, is
+        another process's (THEIRS): written since this index began and not by this process (as far as
+        wrote's filter knows)."""
+        return written_ns >= self.started_ns and not self._maybe_mine_under_index(key, tier, created_ns)
 
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
@@ -376,10 +375,8 @@ class Index:
                 # add_scanned). A lookup that read the file of this process's put before the put indexed it
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
-            where = OLD if oldest else HOT
-            if mark is not None and self._found_on_under_index(key, tier, created_ns, written_ns) == THEIRS:
-                where = THEIRS
-            self._hold_under_index(slot, tier, where, first=oldest)
+            theirs = mark is not None and self._theirs_under_index(key, tier, created_ns, written_ns)
+            self._hold_under_index(slot, tier, THEIRS if theirs else OLD if oldest else HOT, first=oldest)
             self._found[tier][slot] = mark is not None
             return displaced
 
@@ -418,8 +415,8 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
-            self._hold_under_index(slot, tier, self._found_on_under_index(
-                key, tier, created_ns, created_ns if written_ns is None else written_ns))
+            theirs = self._theirs_under_index(key, tier, created_ns, created_ns if written_ns is None else written_ns)
+            self._hold_under_index(slot, tier, THEIRS if theirs else SCANNED)
             self._found[tier][slot] = 1
             return slot
 

@@ -421,12 +421,13 @@ def messages(caplog, *needles: str, level: int | None = None) -> list[str]:
 VERSION_OFF, FLAGS_OFF = 8, 10  # the header's format version and flags (docs/design.md "On-disk format")
 
 
-def set_header_field(path: str, offset: int, value: int) -> None:
-    """A stored page's 16-bit header field at ``offset`` set to ``value`` and the header's CRC made again
-    over it, as a writer of a later format would write it (a page of this format otherwise)."""
+def set_header_field(path: str, offset: int, value: int, width: int = 2) -> None:
+    """A stored page's header field of ``width`` bytes (16 bits unless said) at ``offset`` set to ``value``
+    and the header's CRC made again over it, as a writer of a later format would write it (a page of this
+    format otherwise), or one whose clock differs (the 8-byte ``created``)."""
     with open(path, "r+b") as f:
         header = bytearray(f.read(HEADER_SIZE))
-        header[offset:offset + 2] = value.to_bytes(2, "little")
+        header[offset:offset + width] = value.to_bytes(width, "little")
         header[HEADER_SIZE - 4:] = crc32c(bytes(header[:HEADER_SIZE - 4])).to_bytes(4, "little")
         f.seek(0)
         f.write(header)

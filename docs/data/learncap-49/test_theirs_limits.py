@@ -5,23 +5,9 @@ from __future__ import annotations
 
 import time
 
-from kvstream_hicache._uring import crc32c
-from kvstream_hicache.layout import HEADER_SIZE
-
-from helpers import PAGE_BYTES, PageSet, make_engine, page_files
+from helpers import PAGE_BYTES, PageSet, make_engine, page_files, set_header_field
 
 CREATED_OFF = 24  # the header's created_ns, 8 bytes (integrity.py)
-
-
-def _set_created(path: str, created_ns: int) -> None:
-    """A page's header ``created_ns`` set and the header's CRC made again: as a writer whose clock was
-    that far ahead of this host's wrote it."""
-    with open(path, "r+b") as f:
-        header = bytearray(f.read(HEADER_SIZE))
-        header[CREATED_OFF:CREATED_OFF + 8] = created_ns.to_bytes(8, "little")
-        header[HEADER_SIZE - 4:] = crc32c(bytes(header[:HEADER_SIZE - 4])).to_bytes(4, "little")
-        f.seek(0)
-        f.write(header)
 
 
 def test_pages_of_before_a_restart_stamped_a_minute_ahead_are_counted_and_trimmed(tier_dirs):
@@ -36,7 +22,7 @@ def test_pages_of_before_a_restart_stamped_a_minute_ahead_are_counted_and_trimme
         assert pages.put(engine, old) == [True] * 4
     ahead = time.time_ns() + 60 * 10**9
     for path in page_files(tier_dirs[0]):
-        _set_created(path, ahead)
+        set_header_field(path, CREATED_OFF, ahead, width=8)
     with make_engine(tier_dirs[:1], capacity=str(2 * PAGE_BYTES)) as engine:
         assert pages.put(engine, new) == [True] * 2
         assert pages.checked_get(engine, new) == [True] * 2
