@@ -37,6 +37,11 @@ from pagebytes import CHUNK, NS_FIELDS, PAGE_BYTES, content, key, twin_content  
 NS = Namespace(NS_FIELDS)
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCAN_WAIT_S = 120  # the longest a start-up scan of a test's few pages may take on a loaded machine
+# An engine with a fault plan: a write the plan holds is the test's to release, and the hang clock (write_timeout,
+# 10 s by default) is not what it tests (a test of it sets its own). At 10 s, a stall of the landing CI's loaded
+# cores while a write was held failed the tier, which ended the put waiting on that write early (stop 49's landing
+# CI: test_reliability_interrupts). A test that hangs for real fails at its own bound first (wait_until: 60 s).
+HELD_WRITE_TIMEOUT_S = 120
 # The engine tests' pages (``Pages``: 192 KiB, in 64 KiB blocks: several items per page, blocks
 # straddling segments): test_engine, test_reads, test_engine_faults build engines with these.
 ARRAY_NS = Namespace({"model": "test-model", "layout": "page_first", "dtype": "bf16", "page": 64, "tp": [0, 1]})
@@ -169,6 +174,8 @@ def make_engine(dirs: Sequence[str], io_engine: str = "auto", *, clock=None, fau
     """The tests' engine: the tiers ``dirs``, settings as a caller passes them (no environment).
     Its start-up scan is over when it returns, unless the test sets ``scan_rate`` (the scan's own
     tests): a test that damages or removes files must not race the engine's scan of them."""
+    if fault_plan is not None:
+        settings.setdefault("write_timeout", HELD_WRITE_TIMEOUT_S)
     explicit = {"tiers": list(dirs), "io_engine": io_engine, "chunk": chunk, **settings}
     kwargs = {"fault_plan": fault_plan}
     if clock is not None:
