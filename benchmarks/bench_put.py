@@ -4,12 +4,14 @@
 Each round runs one child process per tree (interleaved: drift on a shared machine hits both alike):
 an engine on two tiers under ``--dir`` (replicate=all), one put of ``--pages`` pages of
 ``--page-mib`` MiB from one buffer, 4096-aligned or 1 byte off (``--unaligned``: the staged path).
-Reports per tree the median GB/s, CPU s/GB (the whole process: the writer thread and io_uring's
+With ``--capacity-pages N`` each tier holds N pages: the put evicts the rest as it goes (one eviction
+per page and tier, the steady state of a full tier). Reports per tree the median GB/s, CPU s/GB (the whole process: the writer thread and io_uring's
 workers included) and the write pool's peak (``stats()["memory"]["write_peak_bytes"]``), and the
 per-round ratios of the second tree to the first.
 
     python benchmarks/bench_put.py --trees /work/main,. --unaligned --page-mib 4 --pages 64
     python benchmarks/bench_put.py --trees /work/main,. --unaligned --page-mib 384 --pages 1 --rounds 1
+    python benchmarks/bench_put.py --trees /work/main,. --page-mib 0.25 --pages 2048 --capacity-pages 256
 """
 from __future__ import annotations
 
@@ -35,7 +37,10 @@ page, n, root = {int(args.page_mib * (1 << 20))}, {args.pages}, {args.root!r}
 dirs = [os.path.join(root, f"t{{k}}") for k in range(2)]
 for d in dirs:
     os.makedirs(d)
-engine = Engine(Config.from_sources({{"tiers": dirs, "replicate": "all", "memory": {args.memory!r}}}, environ={{}}),
+settings = {{"tiers": dirs, "replicate": "all", "memory": {args.memory!r}}}
+if {args.capacity_pages}:  # (the file's bytes: the page and its 4 KiB header)
+    settings["capacity"] = os.pathsep.join([str({args.capacity_pages} * (page + 4096))] * 2)
+engine = Engine(Config.from_sources(settings, environ={{}}),
                 Namespace({{"model": "bench-put", "page": 1}}))
 buf = AlignedBuffer(page * n + 4096)
 arr = np.frombuffer(buf, dtype=np.uint8)
@@ -47,9 +52,10 @@ t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
 assert all(ok), ok
 gb = page * n / 1e9
 peak = engine.stats()["memory"]["write_peak_bytes"]
+evictions = sum(row["evictions"] for row in engine.stats()["tiers"])
 engine.close()
 print(json.dumps({{"gbps": gb / (t1 - t0), "cpu_s_per_gb": (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / gb,
-                  "write_peak_mib": peak / 2**20}}))
+                  "write_peak_mib": peak / 2**20, "evictions": evictions}}))
 """
     try:
         out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
@@ -67,6 +73,7 @@ def main() -> None:
     ap.add_argument("--memory", default="64M")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm", help="where the two tiers go (O_DIRECT-capable)")
+    ap.add_argument("--capacity-pages", type=int, default=0, help="each tier's capacity, in pages (0: unbounded)")
     args = ap.parse_args()
     trees = args.trees.split(",")
     runs: dict[str, list[dict]] = {t: [] for t in trees}
@@ -78,7 +85,8 @@ def main() -> None:
         rows = runs[tree]
         print(f"{tree}: {statistics.median(r['gbps'] for r in rows):.3f} GB/s, "
               f"{statistics.median(r['cpu_s_per_gb'] for r in rows):.2f} CPU s/GB, "
-              f"write staging peak {max(r['write_peak_mib'] for r in rows):.0f} MiB")
+              f"write staging peak {max(r['write_peak_mib'] for r in rows):.0f} MiB, "
+              f"evictions {max(r['evictions'] for r in rows)}")
     ref, new = runs[trees[0]], runs[trees[1]]
     print("per-round ratios (candidate / reference): GB/s", [round(b["gbps"] / a["gbps"], 2) for a, b in zip(ref, new)],
           "CPU s/GB", [round(b["cpu_s_per_gb"] / a["cpu_s_per_gb"], 2) for a, b in zip(ref, new)])

@@ -67,12 +67,12 @@ from .priority import ReadPriority
 from .reads import ReadPath
 from .replication import PROMOTE_SHARE, Replicator
 from .router import Policy, parse_policy
-from .scan import RETRIES, BackgroundScan, written_ns
+from .scan import RETRIES, BackgroundScan
 from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
-from .trust import age_key, honest_until
+from .trust import age_key, honest_until, written_ns
 from .writequeue import WriteSettings
 from .writes import WritePath
 
@@ -773,8 +773,9 @@ class Engine:
         nothing indexed, read it again."""
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
-        return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark,
-                                 epoch=epoch, written_ns=written_ns(page), created_ns=h.created_ns) is not None
+        written = written_ns(h.created_ns, page.mtime_ns)
+        return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark, epoch=epoch,
+                                 written_ns=written, created_ns=h.created_ns) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

@@ -53,7 +53,7 @@ import numpy as np
 
 from ._uring import KeyTable, unhex
 from .locks import ranked_lock
-from .trust import wall_ns
+from .trust import wall_ns, written_ns
 
 OLD, SCANNED, HOT, THEIRS = 0, 1, 2, 3
 _LISTS = (OLD, SCANNED, HOT)  # eviction order (THEIRS: never a victim)
@@ -275,6 +275,13 @@ class Index:
     def _maybe_mine_under_index(self, key: str, tier: int, created_ns: int) -> bool:
         mine = self._mine
         return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, created_ns))
+
+    def mine(self, key: str, tier: int, created_ns: int, mtime_ns: int) -> bool:
+        """A copy on disk, its header stamped ``created_ns``, its file's mtime ``mtime_ns``, is this process's to
+        count and to evict (not THEIRS): written before this index began (an earlier run's), or by this process.
+        An eviction asks it of the file under the victim's name (Tier.evict_page): another process may have
+        replaced this one's copy since. (Lock-free: started_ns is fixed, the filter only gains bits.)"""
+        return not self._theirs_under_index(key, tier, created_ns, written_ns(created_ns, mtime_ns))
 
     def _theirs_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> bool:
         """A copy found on disk, its header stamped ``created_ns``, its file written at ``written_ns``, is

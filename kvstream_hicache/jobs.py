@@ -289,8 +289,14 @@ class Jobs:
         return errno.ENOSPC if free is not None and free < 2 * job.page.file_bytes else errno.EIO
 
     def evicted_under_writer(self, k: int, victims: list[str]) -> None:
+        """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's
+        copy (Tier.evict_page; another process's page written under the name since stays, and counts nowhere
+        here: it is found again, as another's, when read)."""
         for key in victims:
-            self.tiers[k].unlink_page(key)
+            if self.tiers[k].evict_page(key, lambda header, st: self.index.mine(key, k, header.created_ns,
+                                                                                 st.st_mtime_ns)):
+                log.info("kvstream: tier %d: the file of evicted page %s stays: another process's page (or not a "
+                         "file kvstream removes)", k, key)
             self.index.file_removed(key, k)
         if victims:
             self.stats.add(k, "evictions", len(victims))

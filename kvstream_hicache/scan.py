@@ -59,7 +59,7 @@ from .integrity import (
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
-from .trust import honest_until
+from .trust import created_ns, written_ns
 
 log = logging.getLogger("kvstream")
 
@@ -91,22 +91,7 @@ def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, 
     (a slot, -1, RETRY)."""
     h = page.header
     return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created_ns(h.created_ns), epoch, mark,
-                             versions, written_ns(page))
-
-
-def created_ns(claimed: int) -> int:
-    """A found page's write time, as its header (or its file's stat) claims it. A claim beyond the clock's
-    skew is not a time (trust.py): 0, so that it never wins over another version, nor passes for a file
-    written since this engine began (another process's, Index THEIRS: never evicted here)."""
-    return claimed if claimed <= honest_until() else 0
-
-
-def written_ns(page: ScannedPage) -> int:
-    """When a found page's file was written: the later of its header's ``created`` and its file's mtime. A
-    catch-up copy keeps the page's ``created`` (the order of versions and of the LRU at a restart), but its
-    file is new: made since this engine began, it is the copying process's bytes (Index THEIRS), never this
-    one's to count or evict (review theirs2: a copy of an older page was this process's first victim)."""
-    return max(created_ns(page.header.created_ns), created_ns(page.mtime_ns))
+                             versions, written_ns(h.created_ns, page.mtime_ns))
 
 
 class BackgroundScan:

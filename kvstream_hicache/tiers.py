@@ -48,8 +48,8 @@ from .bounded import BoundedCalls
 from .errors import KVStreamError
 from .fds import close_fd
 from .integrity import (
-    HeaderError, NotRegularFile, ScannedPage, UntrustedFile, open_direct, read_header, scan_file, shard_entries, shards,
-    tier_clock,
+    HeaderError, NotRegularFile, PageHeader, ScannedPage, UntrustedFile, open_direct, read_header, scan_file,
+    shard_entries, shards, tier_clock,
 )
 from .layout import TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
@@ -58,8 +58,8 @@ from .tmpfiles import (
     NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tmp_name,
 )
 from .trust import (
-    CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below, make_dir,
-    not_a_file, open_below, remove, root_problem, same_file, wall_ns,
+    CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below,
+    make_dir, not_a_file, open_below, remove, root_problem, same_file, wall_ns,
 )
 
 log = logging.getLogger("kvstream")
@@ -695,34 +695,56 @@ class Tier:
         acknowledged page stays. (The clocks of two nodes are compared: NTP's milliseconds decide only for
         a put that came that close to the delete; a clear leans to removal by CLEAR_SKEW_NS: _remove_pages.
         A clock stepped back between them may take another process's page: a cached page lost, never a
-        wrong one served: trust.wall_ns.) A file that is no valid page stays for the scan or a read to
-        judge, and a file not kvstream's as a delete leaves it. ``old``: a first judge by the file's own
-        times (:meth:`_older_than`), which spares the header read of a page written well before; a page it
+        wrong one served: trust.wall_ns.) ``old``: a first judge by the file's own times
+        (:meth:`_older_than`), which spares the header read of a page written well before; a page it
         finds recent is never moved (another node may rename a new version over it meanwhile). Returns
-        whether it stays (written after, or not kvstream's); a look that fails fails the tier."""
-        try:
-            if old is not None:
+        whether it stays (written after, or not kvstream's, or no valid page: :meth:`_remove_unless`)."""
+        if old is not None:
+            try:
                 st = self.calls.run(os.lstat, path)
-                if old(st):  # (that file only, should another writer's have taken the name since: trust.remove)
-                    return self._remove(path, same_file(identity(st))) is not None
+            except OSError as exc:
+                return self._look_failed(exc, path)
+            if old(st):  # (that file only, should another writer's have taken the name since: trust.remove)
+                return self._remove(path, same_file(identity(st))) is not None
+        return self._remove_unless(path, lambda header, _: when <= header.created_ns <= honest_until())
+        # (a time past honest_until is a claim, not a time: the file goes)
+
+    def evict_page(self, key: str, mine: Callable[[PageHeader, os.stat_result], bool]) -> bool:
+        """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
+        Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
+        written its own under the name (two servers of one model share prefixes, their KV often the same
+        bytes): that is its live page, and stays (before, the eviction removed it). Returns whether the file
+        stays (another's page, or not kvstream's: :meth:`_remove_unless`). Costs a header read and, for the
+        file removed, a rename (trust.remove ``judged``) beyond the unlink: docs/benchmarks.md."""
+        return self._remove_unless(self.layout.page_path(key), lambda header, st: not mine(header, st))
+
+    def _remove_unless(self, path: str, stays: Callable[[PageHeader, os.stat_result], bool]) -> bool:
+        """Remove the page file at ``path`` unless ``stays(header, stat)`` says its page is to stay: that
+        file only, should another writer rename its own over the name meanwhile (trust.remove ``judged``).
+        A file that is no valid page stays for the scan or a read to judge, and a file not kvstream's (another
+        owner's, one this user cannot read) stays as a delete leaves it; a stray that is no regular file goes.
+        Returns whether something stays; a look that fails fails the tier."""
+        try:
             header, st = self.calls.run(read_header, path, self.trust)
-            if header.created_ns < when or header.created_ns > honest_until():  # (a claim, not a time)
+            if not stays(header, st):
                 return self._remove(path, same_file(identity(st))) is not None
         except UntrustedFile:  # (another owner's: a delete leaves it)
             pass
         except NotRegularFile:  # a socket, a FIFO, ...: a stray under the page's name goes
             return self._remove(path, not_a_file) is not None
-        except FileNotFoundError:
-            return False
         except HeaderError:
             pass
         except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EPERM):  # one file this user cannot read (root's, left
-                return True  # by an operator): it stays, as a delete leaves another owner's; never served
-            if not self.copy_gone(exc.errno, path):
-                self.fail(exc.errno or errno.EIO, f"look at {path} to remove it")
-            return False
+            return self._look_failed(exc, path)
         return True
+
+    def _look_failed(self, exc: OSError, path: str) -> bool:
+        """:meth:`_remove_unless`'s look at ``path`` failed: whether something stays there."""
+        if exc.errno in (errno.EACCES, errno.EPERM):  # one file this user cannot read (root's, left
+            return True  # by an operator): it stays, as a delete leaves another owner's; never served
+        if not isinstance(exc, FileNotFoundError) and not self.copy_gone(exc.errno, path):  # (gone already)
+            self.fail(exc.errno or errno.EIO, f"look at {path} to remove it")
+        return False
 
     def _do_owed_clear(self) -> bool:
         """A failed tier about to rejoin: the clear()s it missed are done (now, if owed). False: it

@@ -564,6 +564,21 @@ def honest_until(now_ns: int | None = None) -> int:
     return (time.time_ns() if now_ns is None else now_ns) + CLOCK_SKEW_NS
 
 
+def created_ns(claimed: int) -> int:
+    """A found page's write time, as its header (or its file's stat) claims it. A claim beyond the clock's
+    skew is not a time (honest_until): 0, so that it never wins over another version, nor passes for a file
+    written since this engine began (another process's, Index THEIRS: never evicted here)."""
+    return claimed if claimed <= honest_until() else 0
+
+
+def written_ns(header_created_ns: int, mtime_ns: int) -> int:
+    """When a found page's file was written: the later of its header's ``created`` and its file's mtime. A
+    catch-up copy keeps the page's ``created`` (the order of versions and of the LRU at a restart), but its
+    file is new: made since this engine began, it is the copying process's bytes (Index THEIRS), never this
+    one's to count or evict (review theirs2: a copy of an older page was this process's first victim)."""
+    return max(created_ns(header_created_ns), created_ns(mtime_ns))
+
+
 _wall_lock = ranked_lock("clock")
 _wall_last = 0  # the latest time wall_ns() answered in this process
 

@@ -574,6 +574,51 @@ def test_a_put_after_another_node_removed_the_page_writes_it_again(dfs, how):
         engine.close()
 
 
+def test_a_page_another_node_stored_again_after_removing_ours_is_never_our_victim(dfs):
+    """Node A stores K on the shared tier (room for two pages there); node B, opened after (its scan counts
+    K), deletes K and stores it again: B's live page under the name, the same bytes. A's index still lists K
+    as its own copy there; A's next puts evict it, and the file under K's name, B's, stays (Index.mine: its
+    header's ``created`` is not one A wrote, its file written since A began). Before (review dfs, stop 49),
+    A's eviction removed it: B's next get missed."""
+    fs, a, b, node = dfs
+    pages = PageSet()
+    k0, k1, k2 = pages.keys(3)
+    with make_engine(a, replicate="all", capacity=os.pathsep.join(["", str(PAGE_BYTES * 5 // 2)])) as engine:
+        assert pages.put(engine, [k0]) == [True]
+        assert engine.index.holders(k0) == 0b11
+        assert node("open", b, {"replicate": "all"})["pages"] == 1
+        assert node("delete", pages.salt, 0, 1)["held"] == 1
+        assert node("put", pages.salt, 0, 1, 0)["stored"] == [True]  # B's page now, the same bytes
+        path = engine.tiers[1].layout.page_path(k0)
+        wait_until(lambda: os.path.exists(path), WAIT_S, "B's page never showed on A's mount")
+        ino = os.stat(path).st_ino
+        assert pages.put(engine, [k1, k2]) == [True, True]  # K's room: A's least recent there
+        assert engine.stats()["tiers"][1]["evictions"] == 1 and engine.index.holders(k0) == 0b01
+        assert os.path.exists(path) and os.stat(path).st_ino == ino, "A's eviction removed B's live page"
+        assert node("get", pages.salt, 0, 1, 0)["exact"] == [True]
+        assert [p.kind for p in engine.check(fix=True)] == ["index_missing"]  # B's page: A indexes it,
+        assert engine.index.theirs(1) == 1  # as another's (not counted); its check at close is clean
+
+
+def test_a_restart_counts_and_trims_the_shared_tier_as_found(dfs):
+    """Node A (an earlier run) and node B each left two pages on the shared tier; A starts again with room
+    for two there: its start-up scan counts the four (found at its start: none is another's written since)
+    and trims them to two (guarantees.md "Capacity is per process")."""
+    fs, a, b, node = dfs
+    mine = PageSet(salt="a-old")
+    with make_engine(a, replicate="all") as engine:
+        assert mine.put(engine, mine.keys(2)) == [True, True]
+        assert all(engine.index.holders(k) == 0b11 for k in mine.keys(2))
+    node("open", b, {"replicate": "all"})
+    assert node("put", "b-pages", 0, 2, 0)["stored"] == [True, True]
+    wait_until(lambda: len(page_files(a[1])) == 4, WAIT_S, "B's pages never showed on A's mount")
+    node("close")
+    with make_engine(a, replicate="all", capacity=os.pathsep.join(["", str(PAGE_BYTES * 5 // 2)])) as engine:
+        row = engine.stats()["tiers"][1]
+        assert row["theirs_pages"] == 0 and row["used_bytes"] <= row["capacity_bytes"], row
+        assert len(page_files(a[1])) == 2
+
+
 def test_a_catchup_copy_never_replaces_the_version_another_node_renamed_in_before_its_commit(dfs, monkeypatch):
     """Node A's page K lacks the shared tier (its replica failed with the tier: EIO) and is owed there.
     When the tier is back, A's catch-up copy is written; node B stores its own version of K on the shared

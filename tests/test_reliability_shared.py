@@ -385,3 +385,31 @@ def test_a_page_another_process_wrote_under_a_key_this_one_evicted_is_never_its_
             assert pages.put(a, [k]) == [True]
         assert pages.checked_get(b, [x]) == [True], "A evicted B's live page"
         assert os.path.exists(b.tiers[0].layout.page_path(x))
+
+
+def test_a_page_another_process_stored_again_after_removing_this_ones_is_never_its_victim(tier_dirs):
+    """Two servers on one directory. A (capacity 2 pages) puts X; B, begun after (its scan counts X), deletes X
+    and puts it again: B's live page under the name, the same bytes (one model, one prefix). A's index still
+    lists X as its own copy; A's next puts evict X there: the file under X's name is B's, and stays (its
+    header's ``created`` is not one A wrote, its file was written since A began: Index.mine). A forgets X and
+    finds B's page when it reads X again (another's: not counted). Before (review dfs, stop 49), A's eviction
+    removed the file: B's get of X missed."""
+    pages = PageSet()
+    x, y, z = pages.keys(3)
+    cap = 2 * PAGE_BYTES
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as a:
+        assert pages.put(a, [x]) == [True]
+        with make_engine(tier_dirs[:1]) as b:
+            assert b.index.holders(x) == 1  # (found at B's start: B's to count, evict or delete)
+            b.delete([x])
+            assert pages.put(b, [x]) == [True]  # B's page now
+            path = b.tiers[0].layout.page_path(x)
+            b_file = os.stat(path)
+            for k in (y, z):  # Z's room: A's least recent, X, is evicted
+                assert pages.put(a, [k]) == [True]
+            assert a.stats()["tiers"][0]["evictions"] == 1 and not a.index.holders(x)
+            assert pages.checked_get(b, [x]) == [True], "A's eviction removed B's live page"
+            assert os.stat(path).st_ino == b_file.st_ino
+            assert pages.checked_get(a, [x]) == [True]  # A finds B's page: read, not counted
+            assert (a.index.used[0], a.index.theirs(0)) == (cap, 1)
+            assert b.contains(y) and b.contains(z)  # (B indexes A's pages: its check at close is clean)
