@@ -48,7 +48,7 @@ from .bounded import BoundedCalls
 from .errors import KVStreamError
 from .fds import close_fd
 from .integrity import (
-    HeaderError, NotRegularFile, PageHeader, ScannedPage, UntrustedFile, open_direct, read_header, scan_file,
+    HeaderError, NotRegularFile, PageHeader, ScannedPage, UntrustedFile, open_direct, open_with_header, scan_file,
     shard_entries, shards, tier_clock,
 )
 from .layout import TMP_DIR, TierLayout, key_of_page_file
@@ -725,9 +725,12 @@ class Tier:
         owner's, one this user cannot read) stays as a delete leaves it; a stray that is no regular file goes.
         Returns whether something stays; a look that fails fails the tier."""
         try:
-            header, st = self.calls.run(read_header, path, self.trust)
-            if not stays(header, st):
-                return self._remove(path, same_file(identity(st))) is not None
+            fd, header, st = self.calls.run(open_with_header, path, self.trust)
+            try:  # (held open till the removal: the inode judged cannot be freed and handed to another
+                if not stays(header, st):  # page meanwhile, of one size and timestamp: trust.pin)
+                    return self._remove(path, same_file(identity(st))) is not None
+            finally:
+                close_fd(fd)
         except UntrustedFile:  # (another owner's: a delete leaves it)
             pass
         except NotRegularFile:  # a socket, a FIFO, ...: a stray under the page's name goes

@@ -683,8 +683,8 @@ def test_an_owed_clear_reads_the_headers_of_recent_pages_only(tier_dirs, monkeyp
     pages = PageSet()
     old, recent, fresh = pages.keys(4), pages.keys(2, 4), pages.keys(2, 6)
     read: list[str] = []
-    real = tiers_module.read_header
-    monkeypatch.setattr(tiers_module, "read_header", lambda path, trust=None: (read.append(path), real(path, trust))[1])
+    real = tiers_module.open_with_header
+    monkeypatch.setattr(tiers_module, "open_with_header", lambda path, trust: (read.append(path), real(path, trust))[1])
     with make_engine(dirs, tier_retry=RETRY_S) as engine:
         assert pages.put(engine, old + recent) == [True] * 6
         hour_ago = time.time() - 3600
