@@ -4,14 +4,14 @@
 Each round runs one child process per tree (interleaved: drift on a shared machine hits both alike):
 an engine on two tiers under ``--dir`` (replicate=all), one put of ``--pages`` pages of
 ``--page-mib`` MiB from one buffer, 4096-aligned or 1 byte off (``--unaligned``: the staged path).
-With ``--capacity-pages N`` each tier holds N pages: the put evicts the rest as it goes (one eviction
-per page and tier, the steady state of a full tier). Reports per tree the median GB/s, CPU s/GB (the whole process: the writer thread and io_uring's
+With ``--capacity-pages N`` each tier holds N pages: the puts (``--batch`` pages each) evict the rest as
+they go (one eviction per page and tier, the steady state of a full tier). Reports per tree the median GB/s, CPU s/GB (the whole process: the writer thread and io_uring's
 workers included) and the write pool's peak (``stats()["memory"]["write_peak_bytes"]``), and the
 per-round ratios of the second tree to the first.
 
     python benchmarks/bench_put.py --trees /work/main,. --unaligned --page-mib 4 --pages 64
     python benchmarks/bench_put.py --trees /work/main,. --unaligned --page-mib 384 --pages 1 --rounds 1
-    python benchmarks/bench_put.py --trees /work/main,. --page-mib 0.25 --pages 2048 --capacity-pages 256
+    python benchmarks/bench_put.py --trees /work/main,. --page-mib 0.25 --pages 2048 --capacity-pages 256 --batch 64
 """
 from __future__ import annotations
 
@@ -47,7 +47,10 @@ arr = np.frombuffer(buf, dtype=np.uint8)
 arr[:] = 7
 base = arr.ctypes.data + {1 if args.unaligned else 0}
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-ok = engine.put([f"k{{i:06d}}" for i in range(n)], [[(base + i * page, page)] for i in range(n)])
+ok, batch = [], {args.batch} or n
+for s in range(0, n, batch):  # (a batch larger than a tier's capacity writes only its newest pages there)
+    ok += engine.put([f"k{{i:06d}}" for i in range(s, min(n, s + batch))],
+                     [[(base + i * page, page)] for i in range(s, min(n, s + batch))])
 t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
 assert all(ok), ok
 gb = page * n / 1e9
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm", help="where the two tiers go (O_DIRECT-capable)")
     ap.add_argument("--capacity-pages", type=int, default=0, help="each tier's capacity, in pages (0: unbounded)")
+    ap.add_argument("--batch", type=int, default=0, help="pages per put call (0: all in one)")
     args = ap.parse_args()
     trees = args.trees.split(",")
     runs: dict[str, list[dict]] = {t: [] for t in trees}

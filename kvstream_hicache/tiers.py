@@ -48,10 +48,10 @@ from .bounded import BoundedCalls
 from .errors import KVStreamError
 from .fds import close_fd
 from .integrity import (
-    HeaderError, NotRegularFile, PageHeader, ScannedPage, UntrustedFile, open_direct, open_with_header, scan_file,
-    shard_entries, shards, tier_clock,
+    HeaderError, NewerFormat, NotRegularFile, PageHeader, ScannedPage, UntrustedFile, open_direct, open_with_header,
+    scan_file, shard_entries, shards, tier_clock, unpack_header,
 )
-from .layout import TMP_DIR, TierLayout, key_of_page_file
+from .layout import HEADER_SIZE, TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import Look, local_fs, probe_tier, resolve_capacity
 from .tmpfiles import (
@@ -59,7 +59,7 @@ from .tmpfiles import (
 )
 from .trust import (
     CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below,
-    make_dir, not_a_file, open_below, remove, root_problem, same_file, wall_ns,
+    make_dir, not_a_file, open_below, remove, root_problem, same_file, unlink_unless, wall_ns,
 )
 
 log = logging.getLogger("kvstream")
@@ -713,10 +713,23 @@ class Tier:
         """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
         Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
         written its own under the name (two servers of one model share prefixes, their KV often the same
-        bytes): that is its live page, and stays (before, the eviction removed it). Returns whether the file
-        stays (another's page, or not kvstream's: :meth:`_remove_unless`). Costs a header read and, for the
-        file removed, a rename (trust.remove ``judged``) beyond the unlink: docs/benchmarks.md."""
-        return self._remove_unless(self.layout.page_path(key), lambda header, st: not mine(header, st))
+        bytes): that is its live page, and stays (before, the eviction removed it). A file that is no valid
+        page goes, as any eviction's unlink took it; a later format's page stays. One header read beyond the
+        unlink (trust.unlink_unless): docs/benchmarks.md. Returns whether the file stays."""
+        def stays(fd: int, st: os.stat_result) -> str | None:
+            try:
+                header = unpack_header(os.pread(fd, HEADER_SIZE, 0))
+            except NewerFormat:
+                return "a later format's page"
+            except HeaderError:
+                return None
+            return None if mine(header, st) else "another process's page, written under the name since"
+
+        path = self.layout.page_path(key)
+        try:
+            return self.calls.run(unlink_unless, self.root, path, self.trust, stays) is not None
+        except OSError as exc:
+            return self._look_failed(exc, path)
 
     def _remove_unless(self, path: str, stays: Callable[[PageHeader, os.stat_result], bool]) -> bool:
         """Remove the page file at ``path`` unless ``stays(header, stat)`` says its page is to stay: that
