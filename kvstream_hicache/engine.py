@@ -775,7 +775,7 @@ class Engine:
         mark = self.index.mark(h.key) if mark is None else mark
         written = written_ns(h.created_ns, page.mtime_ns)
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark, epoch=epoch,
-                                 written_ns=written, created_ns=h.created_ns) is not None
+                                 written_ns=written, created_ns=h.created_ns, mtime_ns=page.mtime_ns) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

@@ -264,8 +264,13 @@ class Index:
         again, it was taken for another process's, never counted nor evicted while the engine ran. The stamp
         is in the filter's key: a page another process wrote under that key since (this process's copy evicted
         or deleted meanwhile: two servers of one model share prefixes) carries its own, and stays theirs
-        (review mine: on (key, tier) alone it was counted, and this process's eviction took it, live). Only
-        the writer thread sets bits."""
+        (review mine: on (key, tier) alone it was counted, and this process's eviction took it, live)."""
+        with self._lock:
+            self._mark_mine_under_index(key, tier, created_ns)
+
+    def _mark_mine_under_index(self, key: str, tier: int, created_ns: int) -> None:
+        """The copy (key, tier, header's created) is this process's (the filter: wrote, _found_mine_under_index).
+        Under the index lock: a byte's bits set by two threads at once (read, or, store back) could lose one."""
         mine = self._mine
         if mine is None:
             mine = self._mine = bytearray(MINE_BITS // 8)
@@ -280,8 +285,17 @@ class Index:
         """A copy on disk, its header stamped ``created_ns``, its file's mtime ``mtime_ns``, is this process's to
         count and to evict (not THEIRS): written before this index began (an earlier run's), or by this process.
         An eviction asks it of the file under the victim's name (Tier.evict_page): another process may have
-        replaced this one's copy since. (Lock-free: started_ns is fixed, the filter only gains bits.)"""
+        replaced this one's copy since. A copy the index counted when found stays its to evict
+        (_found_mine_under_index). (Lock-free: started_ns is fixed, the filter only gains bits.)"""
         return not self._theirs_under_index(key, tier, created_ns, written_ns(created_ns, mtime_ns))
+
+    def _found_mine_under_index(self, key: str, tier: int, stamp: tuple[int, int] | None) -> None:
+        """A copy found on disk was counted as this process's (not THEIRS), its header's created and its
+        file's mtime ``stamp`` as found: one claiming a time at or after this index began (beyond the skew,
+        so no time then) goes in the filter of this process's copies: once the clock reaches the stamp, mine()
+        would take it for another's, and its eviction would leave the file, counted nowhere (review evict)."""
+        if stamp is not None and max(stamp) >= self.started_ns:
+            self._mark_mine_under_index(key, tier, stamp[0])
 
     def _theirs_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> bool:
         """A copy found on disk, its header stamped ``created_ns``, its file written at ``written_ns``, is
@@ -346,7 +360,8 @@ class Index:
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
                nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None,
-               epoch: int | None = None, written_ns: int = 0, created_ns: int = 0) -> list[int] | None:
+               epoch: int | None = None, written_ns: int = 0, created_ns: int = 0,
+               mtime_ns: int = 0) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
@@ -383,6 +398,8 @@ class Index:
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
             theirs = mark is not None and self._theirs_under_index(key, tier, created_ns, written_ns)
+            if mark is not None and not theirs:  # (``mtime_ns``: the found file's)
+                self._found_mine_under_index(key, tier, (created_ns, mtime_ns))
             self._hold_under_index(slot, tier, THEIRS if theirs else OLD if oldest else HOT, first=oldest)
             self._found[tier][slot] = mark is not None
             return displaced
@@ -394,7 +411,7 @@ class Index:
 
     def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
                     created_ns: int, epoch: int, mark: int, versions: bool = True,
-                    written_ns: int | None = None) -> int:
+                    written_ns: int | None = None, stamp: tuple[int, int] | None = None) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
         of the key: one written, read or discovered since start, or a newer file the scan found
@@ -405,7 +422,8 @@ class Index:
         another version than the indexed one is never indexed, whatever its write time (catch-up's look,
         replication.py _learn: a file of after this start, next to the version this process uses). A file
         written since this index began (``written_ns``, default ``created_ns``: a catch-up copy's file is
-        newer than its header's ``created``) is another process's (THEIRS: not counted, never a victim)."""
+        newer than its header's ``created``) is another process's (THEIRS: not counted, never a victim).
+        ``stamp``: the file's header ``created`` and mtime as found (claims included: _found_mine_under_index)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -423,6 +441,8 @@ class Index:
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
             theirs = self._theirs_under_index(key, tier, created_ns, created_ns if written_ns is None else written_ns)
+            if not theirs:
+                self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else SCANNED)
             self._found[tier][slot] = 1
             return slot

@@ -91,7 +91,7 @@ def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, 
     (a slot, -1, RETRY)."""
     h = page.header
     return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created_ns(h.created_ns), epoch, mark,
-                             versions, written_ns(h.created_ns, page.mtime_ns))
+                             versions, written_ns(h.created_ns, page.mtime_ns), (h.created_ns, page.mtime_ns))
 
 
 class BackgroundScan:

@@ -426,6 +426,7 @@ def messages(caplog, *needles: str, level: int | None = None) -> list[str]:
 
 
 VERSION_OFF, FLAGS_OFF = 8, 10  # the header's format version and flags (docs/design.md "On-disk format")
+CREATED_OFF = 24  # the header's 8-byte ``created`` (set_header_field(path, CREATED_OFF, ns, 8))
 
 
 def set_header_field(path: str, offset: int, value: int, width: int = 2) -> None:

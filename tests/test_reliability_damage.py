@@ -226,3 +226,17 @@ def test_damaged_copies_count_once_in_corrupted_and_replica_retries(tier_dirs):
         assert (t0["corrupted"], t0["replica_retries"]) == (N_DAMAGED, N_DAMAGED), t0
     finally:
         engine.close()
+
+
+def test_an_evicted_page_whose_header_was_damaged_since_leaves_with_its_file(tier_dirs):
+    """A counted page's header damaged on disk since it was written (a bit flipped by the medium): its
+    eviction removes its file, as it did before stop 50 (an unlink by name). Else the index forgets it and
+    the damaged file stays beyond the capacity: nothing looks at it again in this run (no read, no scan)."""
+    pages = PageSet()
+    x, y = pages.keys(2)
+    with make_engine(tier_dirs[:1], capacity=str(PAGE_BYTES)) as a:
+        assert pages.put(a, [x]) == [True]
+        flip_byte(a.tiers[0].layout.page_path(x), 30)  # (in created: the header's CRC fails)
+        assert pages.put(a, [y]) == [True]  # X evicted
+        assert a.stats()["tiers"][0]["evictions"] == 1 and not a.index.holders(x)
+        assert not os.path.exists(a.tiers[0].layout.page_path(x)), "the evicted page's damaged file stays"

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
 from kvstream_hicache import check_tiers
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
+from kvstream_hicache.trust import CLOCK_SKEW_NS
 
 from helpers import (
-    PAGE_BYTES, VERSION_OFF, PageSet, flip_byte, make_engine, page_files, set_header_field, spawn, store_at_once,
-    tier_stats_once, twin_content, wait_until,
+    CREATED_OFF, PAGE_BYTES, VERSION_OFF, PageSet, flip_byte, make_engine, page_files, set_header_field, spawn,
+    store_at_once, tier_stats_once, twin_content, wait_until,
 )
 
 WAIT_S = 240
@@ -413,3 +415,26 @@ def test_a_page_another_process_stored_again_after_removing_this_ones_is_never_i
             assert pages.checked_get(a, [x]) == [True]  # A finds B's page: read, not counted
             assert (a.index.used[0], a.index.theirs(0)) == (cap, 1)
             assert b.contains(y) and b.contains(z)  # (B indexes A's pages: its check at close is clean)
+
+
+def test_an_earlier_runs_page_stamped_ahead_beyond_the_skew_is_evicted_with_its_file(tier_dirs):
+    """An earlier run's pages whose header ``created`` was stamped by a clock then ahead by over the 300 s of
+    honest skew (a node booted before NTP stepped it back): the start-up scan takes the claim for no time
+    and counts them (written before this run). Once the clock reaches the claim, this run's eviction of
+    them must remove their files, as it counts them: else the tier holds more than its capacity."""
+    pages = PageSet()
+    old, new = pages.keys(2), pages.keys(2, start=2)
+    with make_engine(tier_dirs[:1]) as a:
+        assert pages.put(a, old) == [True, True]
+    ahead = time.time_ns() + CLOCK_SKEW_NS + 2 * 10**9  # 2 s past the skew: no time at B's start
+    for path in page_files(tier_dirs[0]):
+        set_header_field(path, CREATED_OFF, ahead, 8)
+    with make_engine(tier_dirs[:1], capacity=str(2 * PAGE_BYTES)) as b:
+        assert [b.index.holders(k) for k in old] == [1, 1] and b.index.theirs(0) == 0  # counted: b's
+        while time.time_ns() + CLOCK_SKEW_NS <= ahead:  # (the claim becomes a time: the clock caught up)
+            time.sleep(0.1)
+        assert pages.put(b, new) == [True, True]  # room made by evicting the two old pages
+        assert b.stats()["tiers"][0]["evictions"] == 2
+        assert not any(b.index.holders(k) for k in old)
+        left = page_files(tier_dirs[0])
+        assert len(left) == 2, f"{len(left)} page files on a tier of 2 pages' capacity: evicted pages' files stay"
