@@ -117,10 +117,14 @@ def open_below(root: str, path: str) -> int:
     """Open directory ``path`` inside tier ``root`` through descriptors, following no link below the
     root (the root itself is the operator's configured path, links and all).
     :raises OSError: ELOOP or ENOTDIR where a link or a file is on the way, ENOENT, ..."""
-    rel = os.path.relpath(path, root)
+    prefix = root.rstrip(os.sep) + os.sep
+    parts = path[len(prefix):].split(os.sep) if path.startswith(prefix) else []
+    if not parts or {"", ".", ".."} & set(parts):  # (the layout's own paths take the fast way: relpath
+        rel = os.path.relpath(path, root)  # costs 11 us, a fifth of an eviction's unlink on tmpfs)
+        parts = [] if rel == "." else rel.split(os.sep)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in [] if rel == "." else rel.split(os.sep):
+        for part in parts:
             below = open_dir(part, fd)
             close_fd(fd)
             fd = below
