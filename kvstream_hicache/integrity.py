@@ -44,8 +44,8 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live, tier_now
 from .trust import (
-    Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted, open_below,
-    pin, put_back, remove, same_file,
+    NODE_ERRNOS, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted,
+    open_below, pin, put_back, remove, same_file,
 )
 
 if TYPE_CHECKING:
@@ -219,12 +219,6 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-# What opening a special file may answer: a socket ENXIO, a device without its driver ENXIO or ENODEV, any
-# device on a nodev mount (/tmp, removable, many network mounts) EACCES, in a device cgroup EPERM. Each is
-# also a tier's error for a regular file: the entry's lstat tells which (open_regular).
-_NODE_ERRNOS = frozenset({errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EACCES, errno.EPERM})
-
-
 def file_kind(mode: int) -> str:
     """'a directory', 'a FIFO (named pipe)', ... for an ``st_mode`` that is not a regular file's."""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
@@ -246,7 +240,7 @@ def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotRegularFile(errno.EINVAL, "a symbolic link", path) from None
-        if exc.errno in _NODE_ERRNOS:  # a socket, a device: the entry's, not the tier's (_NODE_ERRNOS)
+        if exc.errno in NODE_ERRNOS:  # a socket, a device: the entry's, not the tier's (trust.NODE_ERRNOS)
             st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode):
                 raise NotRegularFile(errno.EINVAL, file_kind(st.st_mode), path) from None

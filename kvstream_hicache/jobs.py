@@ -292,9 +292,11 @@ class Jobs:
         """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's
         copy (Tier.evict_page; another process's page written under the name since stays, and counts nowhere
         here: it is found again, as another's, when read)."""
+        def mine(key: str, header, st) -> bool:  # (the key handed in: the judge may run after this loop moved on,
+            return self.index.mine(key, k, header.created_ns, st.st_mtime_ns)  # on a tier that answered late)
+
         for key in victims:
-            if self.tiers[k].evict_page(key, lambda header, st: self.index.mine(key, k, header.created_ns,
-                                                                                 st.st_mtime_ns)):
+            if self.tiers[k].evict_page(key, mine):
                 log.info("kvstream: tier %d: the file of evicted page %s stays: another process's page (or not a "
                          "file kvstream removes)", k, key)
             self.index.file_removed(key, k)

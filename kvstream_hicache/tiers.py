@@ -709,7 +709,7 @@ class Tier:
         return self._remove_unless(path, lambda header, _: when <= header.created_ns <= honest_until())
         # (a time past honest_until is a claim, not a time: the file goes)
 
-    def evict_page(self, key: str, mine: Callable[[PageHeader, os.stat_result], bool]) -> bool:
+    def evict_page(self, key: str, mine: Callable[[str, PageHeader, os.stat_result], bool]) -> bool:
         """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
         Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
         written its own under the name (two servers of one model share prefixes, their KV often the same
@@ -723,7 +723,7 @@ class Tier:
                 return "a later format's page"
             except HeaderError:
                 return None
-            return None if mine(header, st) else "another process's page, written under the name since"
+            return None if mine(key, header, st) else "another process's page, written under the name since"
 
         path = self.layout.page_path(key)
         try:

@@ -49,6 +49,11 @@ from .tmpfiles import probe_direct, removing_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 CLOCK_SKEW_NS = 300 * 10**9  # a header's created_ns further ahead of this host's clock is not clock skew
+# What opening a special file may answer: a socket ENXIO, a device without its driver ENXIO or ENODEV (a misc
+# minor no driver registered), any device on a nodev mount (/tmp, removable, many network mounts) EACCES, in a
+# device cgroup EPERM. Each is also a tier's error for a regular file: the entry's lstat tells which
+# (integrity.open_regular, unlink_unless).
+NODE_ERRNOS = frozenset({errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP, errno.EACCES, errno.EPERM})
 
 
 class Trust(NamedTuple):
@@ -469,9 +474,13 @@ def unlink_unless(root: str, path: str, trust: Trust,
     except FileNotFoundError:
         close_fd(dir_fd)
         return None
-    except OSError as exc:
-        close_fd(dir_fd)
-        if exc.errno in (errno.ELOOP, errno.ENXIO):  # (a link; a socket: ENXIO. A FIFO opens, O_NONBLOCK)
+    except OSError as exc:  # (a link: ELOOP. A FIFO opens, O_NONBLOCK)
+        try:  # a socket, a device: the entry's errno (NODE_ERRNOS), not the tier's: its lstat tells which
+            special = exc.errno == errno.ELOOP or (exc.errno in NODE_ERRNOS and not stat.S_ISREG(
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode))
+        finally:  # (before, a device answering ENODEV failed the tier at its eviction: review unlink)
+            close_fd(dir_fd)
+        if special:
             return "not a regular file: left for the scan or `kvstream check` to judge"
         raise
     try:

@@ -8,6 +8,7 @@ overlapping tiers are refused at start-up. Real files, real processes for everyt
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import subprocess
@@ -19,7 +20,7 @@ import pytest
 from kvstream_hicache import Config, TierError, check_tiers
 from kvstream_hicache.router import SingleTier
 
-from helpers import HERE, PageSet, gone_or_restored, kvstream_cli, loop_devices_usable, make_engine
+from helpers import HERE, PAGE_BYTES, PageSet, gone_or_restored, kvstream_cli, loop_devices_usable, make_engine
 
 HANG_S = 60  # a call that has not returned by then is hung (a FIFO opened blocking waits forever)
 
@@ -254,3 +255,37 @@ def test_start_up_scan_removes_a_device_under_a_page_name_on_a_nodev_tier(tier_d
                 f"a stray device node failed the tier at start-up: {engine.tiers[0].last_error}")
             assert not os.path.lexists(path), "the start-up scan left a stray device node under a page's name"
             assert pages.checked_get(engine, keys[1:]) == [True]
+
+
+def _plant_driverless_misc_device(path: str) -> None:
+    """A char device of the misc major (10) at a minor no driver registered: its open answers ENODEV, a
+    tier errno (on a mount without ``nodev``: the test's scratch file system)."""
+    os.unlink(path)
+    os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(10, 250))
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    except OSError as exc:
+        if exc.errno == errno.ENODEV:
+            return
+        pytest.skip(f"opening a driverless misc device answers {errno.errorcode.get(exc.errno)} here, not ENODEV")
+    pytest.skip("misc minor 250 has a driver on this machine")
+
+
+def test_an_eviction_that_meets_a_device_under_the_victims_name_keeps_the_tier_healthy(tier_dirs):
+    """The eviction's look at the victim's file (trust.unlink_unless, stop 50) opens the name: a device
+    planted there whose open answers ENODEV is the entry's error, a stray left for the scan or ``check``,
+    never the tier's (review unlink: before, the tier failed, every page on it missed until its probe)."""
+    pages = PageSet()
+    x, y = pages.keys(2)
+    with make_engine(tier_dirs[:1], capacity=str(PAGE_BYTES), catchup="off") as engine:
+        assert pages.put(engine, [x]) == [True]
+        path = engine.tiers[0].layout.page_path(x)
+        _plant_driverless_misc_device(path)
+        assert pages.put(engine, [y]) == [True]  # X evicted: its name holds the device
+        st = engine.stats()["tiers"][0]
+        assert st["evictions"] == 1
+        assert st["healthy"] and st["failures"] == 0, (
+            f"a stray device under an evicted page's name failed the tier: {engine.tiers[0].last_error}")
+        assert stat.S_ISCHR(os.lstat(path).st_mode)  # (left, as a link or a FIFO is: the scan or check judges)
+        assert pages.checked_get(engine, [y]) == [True]
+        os.unlink(path)  # (the check at close reports strays)
