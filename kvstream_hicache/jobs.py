@@ -217,8 +217,8 @@ class Jobs:
         if job.err == 0:
             try:
                 fd, job.fd, self.calling = job.fd, None, k  # commit closes it, whatever happens
-                page_dir = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
-                                       self._evict_under_writer(k, page.length), replace=page.copied is None)
+                page_dir, sealed = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
+                                               self._evict_under_writer(k, page.length), replace=page.copied is None)
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
@@ -233,6 +233,8 @@ class Jobs:
             # index, so it is never served against these checksums; its file is a valid page and stays.
             # A background copy is the tier's least recent page (the first to go when room is needed: it
             # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
+            if sealed is not None:  # (its eviction knows it by its stat: no header read)
+                self.index.committed_file(page.key, k, sealed.st_ino, sealed.st_mtime_ns)
             self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
                               oldest=not page.evict)
             page.committed.append(k)
@@ -292,8 +294,10 @@ class Jobs:
         """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's
         copy (Tier.evict_page; another process's page written under the name since stays, and counts nowhere
         here: it is found again, as another's, when read)."""
-        def mine(key: str, header, st) -> bool:  # (the key handed in: the judge may run after this loop moved on,
-            return self.index.mine(key, k, header.created_ns, st.st_mtime_ns)  # on a tier that answered late)
+        def mine(key: str, st, header) -> bool | None:  # (the key handed in: the judge may run after this loop
+            if header is None:  # moved on, on a tier that answered late)
+                return self.index.mine_file(key, k, st.st_ino, st.st_mtime_ns) or None
+            return self.index.mine(key, k, header.created_ns, st.st_mtime_ns)
 
         for key in victims:
             if self.tiers[k].evict_page(key, mine):

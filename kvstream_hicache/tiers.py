@@ -557,32 +557,36 @@ class Tier:
                 raise
         return fd, path
 
-    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool], replace: bool = True) -> str:
+    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool],
+               replace: bool = True) -> tuple[str, os.stat_result | None]:
         """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
         Closes ``fd``. A full tier may refuse the rename itself (a new shard directory or directory
         block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
         left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
-        the caller under fsync=full). ``replace``: see :meth:`place`. :raises OSError: the temporary
-        file is left for :meth:`discard`
+        the caller under fsync=full) and, on a local tier, the file's stat as sealed (Index.committed_file;
+        a network tier's would cost a round trip more per page: its evictions read the header instead).
+        ``replace``: see :meth:`place`. :raises OSError: the temporary file is left for :meth:`discard`
         (a failed fdatasync is never retried: the data is not sealed). An error from close is one too:
         on a network file system it says the server did not take the data."""
-        self.calls.run(self._seal, fd)
+        sealed = self.calls.run(self._seal, fd)
         for _ in range(SPACE_RETRIES):  # (make_room runs here, in the caller's thread: it evicts under its lock)
             try:
-                return self.calls.run(self._place, tmp_path, key, replace)
+                return self.calls.run(self._place, tmp_path, key, replace), sealed
             except OSError as exc:
                 if exc.errno not in SPACE_ERRNOS or not make_room():
                     raise
-        return self.calls.run(self._place, tmp_path, key, replace)
+        return self.calls.run(self._place, tmp_path, key, replace), sealed
 
-    def _seal(self, fd: int) -> None:
+    def _seal(self, fd: int) -> os.stat_result | None:
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)
+            sealed = os.fstat(fd) if self.local else None  # (its last write done: its mtime is final)
         finally:
             err = close_fd(fd)
         if err:
             raise OSError(err, f"close: {os.strerror(err)}")
+        return sealed
 
     def free_bytes(self, fd: int | None = None) -> int | None:
         """Bytes free for us on the tier's file system, plus what ``fd``'s file already holds; None:
@@ -709,21 +713,25 @@ class Tier:
         return self._remove_unless(path, lambda header, _: when <= header.created_ns <= honest_until())
         # (a time past honest_until is a claim, not a time: the file goes)
 
-    def evict_page(self, key: str, mine: Callable[[str, PageHeader, os.stat_result], bool]) -> bool:
+    def evict_page(self, key: str, mine: Callable[[str, os.stat_result, PageHeader | None], bool | None]) -> bool:
         """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
         Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
         written its own under the name (two servers of one model share prefixes, their KV often the same
-        bytes): that is its live page, and stays (before, the eviction removed it). A file that is no valid
-        page goes, as any eviction's unlink took it; a later format's page stays. One header read beyond the
-        unlink (trust.unlink_unless): docs/benchmarks.md. Returns whether the file stays."""
+        bytes): that is its live page, and stays (before, the eviction removed it). ``mine(key, stat, None)``
+        judges by the file's stat alone (True, or None: the header tells), then ``mine(key, stat, header)``. A
+        file that is no valid page goes, as any eviction's unlink took it; a later format's page stays. One
+        look beyond the unlink (trust.unlink_unless; the header only where the stat does not tell):
+        docs/benchmarks.md. Returns whether the file stays."""
         def stays(fd: int, st: os.stat_result) -> str | None:
+            if mine(key, st, None):
+                return None
             try:
                 header = unpack_header(os.pread(fd, HEADER_SIZE, 0))
             except NewerFormat:
                 return "a later format's page"
             except HeaderError:
                 return None
-            return None if mine(key, header, st) else "another process's page, written under the name since"
+            return None if mine(key, st, header) else "another process's page, written under the name since"
 
         path = self.layout.page_path(key)
         try:
