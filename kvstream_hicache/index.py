@@ -280,7 +280,7 @@ class Index:
     def mine_file(self, key: str, tier: int, ino: int, mtime_ns: int) -> bool:
         """The file under ``key``'s name on ``tier`` is this process's by its stat alone: written before this
         index began (found at its start: counted), or committed by it (committed_file). False: its header
-        tells (mine). (Lock-free, as mine.)"""
+        tells (mine). For a local tier only (its mtime on this host's clock). (Lock-free, as mine.)"""
         return mtime_ns < self.started_ns or self._maybe_mine_under_index(key, tier, (ino, mtime_ns))
 
     def _mark_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, int]) -> None:

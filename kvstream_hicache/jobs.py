@@ -294,9 +294,12 @@ class Jobs:
         """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's
         copy (Tier.evict_page; another process's page written under the name since stays, and counts nowhere
         here: it is found again, as another's, when read)."""
+        local = self.tiers[k].local  # (by its stat alone on a local tier only: a network tier's mtime is its server's
+        # clock, which may lag this host's: another node's page written since this start could pass for older)
+
         def mine(key: str, st, header) -> bool | None:  # (the key handed in: the judge may run after this loop
             if header is None:  # moved on, on a tier that answered late)
-                return self.index.mine_file(key, k, st.st_ino, st.st_mtime_ns) or None
+                return (local and self.index.mine_file(key, k, st.st_ino, st.st_mtime_ns)) or None
             return self.index.mine(key, k, header.created_ns, st.st_mtime_ns)
 
         for key in victims:
