@@ -53,7 +53,7 @@ import numpy as np
 
 from ._uring import KeyTable, unhex
 from .locks import ranked_lock
-from .trust import wall_ns, written_ns
+from .trust import CLOCK_SKEW_NS, wall_ns, written_ns
 
 OLD, SCANNED, HOT, THEIRS = 0, 1, 2, 3
 _LISTS = (OLD, SCANNED, HOT)  # eviction order (THEIRS: never a victim)
@@ -279,9 +279,12 @@ class Index:
 
     def mine_file(self, key: str, tier: int, ino: int, mtime_ns: int) -> bool:
         """The file under ``key``'s name on ``tier`` is this process's by its stat alone: written before this
-        index began (found at its start: counted), or committed by it (committed_file). False: its header
-        tells (mine). For a local tier only (its mtime on this host's clock). (Lock-free, as mine.)"""
-        return mtime_ns < self.started_ns or self._maybe_mine_under_index(key, tier, (ino, mtime_ns))
+        index began (found at its start: counted) by more than the clock's honest skew (a file system keeping
+        whole seconds stamps a page another process wrote in the second this one began before it, review stat;
+        a clock stepped back stamps one written since before it), or committed by it (committed_file). False:
+        its header tells (mine). For a local tier only (its mtime on this host's clock). (Lock-free, as mine.)"""
+        return (mtime_ns < self.started_ns - CLOCK_SKEW_NS
+                or self._maybe_mine_under_index(key, tier, (ino, mtime_ns)))
 
     def _mark_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, int]) -> None:
         """The copy (key, tier, header's created) is this process's (the filter: wrote, _found_mine_under_index).

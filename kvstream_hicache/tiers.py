@@ -582,6 +582,11 @@ class Tier:
             if self.fsync != "never":
                 os.fdatasync(fd)
             sealed = os.fstat(fd) if self.local else None  # (its last write done: its mtime is final)
+            if sealed is not None and sealed.st_mtime_ns % 10**9 == 0:
+                # (whole seconds: a file system that keeps no finer time, ext2/ext3, ext4 with 128-byte inodes,
+                # reuses a freed inode at once: another process's page under the name within the second would
+                # have this stat. Its eviction reads the header; review stat)
+                sealed = None
         finally:
             err = close_fd(fd)
         if err:

@@ -462,8 +462,9 @@ class LoopFs:
     can make for root: unmount, read-only remount, a full disk. Built with the bench testbed's
     command builders (kvstream_hicache.tools.bench.testbed), so both build loop tiers the same way."""
 
-    def __init__(self, root: str, name: str, size: int):
+    def __init__(self, root: str, name: str, size: int, inode_size: int | None = None):
         self.image = os.path.join(root, f"{name}.img")
+        self.inode_size = inode_size  # 128: ext4 keeps whole seconds (an ext3-era file system's inodes)
         self.mnt = os.path.join(root, name)
         self.size = size
         self.device: str | None = None
@@ -474,7 +475,8 @@ class LoopFs:
         with open(self.image, "wb") as f:
             f.truncate(self.size)
         self.device = _run(tb.losetup_attach_cmd(self.image)).strip()
-        _run(tb.mkfs_cmd(self.device, "kvs-rel"))
+        cmd = tb.mkfs_cmd(self.device, "kvs-rel")
+        _run(cmd if self.inode_size is None else [*cmd[:-1], "-I", str(self.inode_size), cmd[-1]])
         os.makedirs(self.mnt, exist_ok=True)
         self.mount()
         return self
@@ -541,15 +543,15 @@ def loop_devices_usable() -> str | None:
 
 @pytest.fixture
 def loop_fs(tier_root):
-    """Factory: ``loop_fs(size=64 MiB, name=...)`` -> a mounted LoopFs, destroyed at teardown
+    """Factory: ``loop_fs(size=64 MiB, name=..., inode_size=...)`` -> a mounted LoopFs, destroyed at teardown
     (even when the test fails)."""
     why = loop_devices_usable()
     if why:
         pytest.skip(f"loop-device file systems unavailable: {why}")
     made: list[LoopFs] = []
 
-    def make(size: int = 64 << 20, name: str | None = None) -> LoopFs:
-        fs = LoopFs(tier_root, name or f"loop{len(made)}", size)
+    def make(size: int = 64 << 20, name: str | None = None, inode_size: int | None = None) -> LoopFs:
+        fs = LoopFs(tier_root, name or f"loop{len(made)}", size, inode_size)
         made.append(fs)
         return fs.create()
 

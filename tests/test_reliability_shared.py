@@ -20,7 +20,7 @@ from kvstream_hicache.trust import CLOCK_SKEW_NS
 
 from helpers import (
     CREATED_OFF, PAGE_BYTES, VERSION_OFF, PageSet, flip_byte, make_engine, page_files, set_header_field, spawn,
-    store_at_once, tier_stats_once, twin_content, wait_until,
+    loop_fs, store_at_once, tier_stats_once, twin_content, wait_until,
 )
 
 WAIT_S = 240
@@ -454,6 +454,8 @@ def test_an_eviction_knows_this_process_s_own_files_by_their_stat(tier_dirs, mon
     old, new, x = pages.keys(2), pages.keys(4, start=2), pages.keys(1, start=9)
     with make_engine(tier_dirs[:1]) as a:
         assert pages.put(a, old) == [True, True]
+    for path in page_files(tier_dirs[0]):  # an earlier run's: written before this start by more than the skew
+        os.utime(path, ns=(time.time_ns() - 2 * CLOCK_SKEW_NS,) * 2)  # (Index.mine_file)
     with make_engine(tier_dirs[:1], capacity=str(2 * PAGE_BYTES)) as a:
         for k in new:  # evicts the two found at start, then the first two it wrote
             assert pages.put(a, [k]) == [True]
@@ -466,3 +468,57 @@ def test_an_eviction_knows_this_process_s_own_files_by_their_stat(tier_dirs, mon
             assert reads == [1] and pages.checked_get(b, new[2:3]) == [True]
             assert b.contains(new[3]) and b.contains(x[0])  # (each indexes the other's pages: their checks
             assert a.contains(new[2]) and a.index.theirs(0) == 1  # at close are clean)
+
+
+def _at_a_second_s_start(after: float = 0.0) -> None:
+    """Wait for a wall-clock second to begin (later than ``after``): what follows runs within it."""
+    while int(time.time()) <= after or time.time() % 1 > 0.2:
+        time.sleep(0.02)
+
+
+def test_an_eviction_leaves_another_process_s_page_on_this_one_s_reused_inode_within_its_second(loop_fs):
+    """Two servers share a local tier on a file system keeping whole seconds (ext4 with 128-byte inodes, an
+    ext3-era one). B deletes a page A wrote and puts its own under the name: ext4 hands B's file the inode
+    A's freed, and its mtime is A's second. A's eviction of its copy must leave B's live page (review stat:
+    its (inode, mtime) matched what A's commit sealed, and B's page was deleted)."""
+    fs = loop_fs(inode_size=128)
+    tier = os.path.join(fs.mnt, "tier0")
+    os.makedirs(tier)
+    pages = PageSet()
+    k, y = pages.keys(2)
+    with make_engine([tier], capacity=str(PAGE_BYTES)) as a, make_engine([tier]) as b:
+        _at_a_second_s_start(after=time.time())  # (a second after A began: its start is not what judges)
+        assert pages.put(a, [k]) == [True]
+        path = a.tiers[0].layout.page_path(k)
+        mine = os.stat(path)
+        b.delete([k])
+        assert pages.put(b, [k]) == [True]
+        theirs = os.stat(path)
+        assert (theirs.st_ino, theirs.st_mtime_ns) == (mine.st_ino, mine.st_mtime_ns)  # the case: one stat
+        assert pages.put(a, [y]) == [True]  # A evicts k
+        assert pages.checked_get(b, [k]) == [True], "A's eviction deleted B's page: its stat passed for A's"
+        assert b.contains(y) and a.contains(k)  # (each indexes the other's pages: their checks at close are clean)
+
+
+def test_an_eviction_leaves_another_process_s_page_written_in_the_second_this_one_began(loop_fs):
+    """On a file system keeping whole seconds, a page B writes in the second A began has an mtime before A's
+    start: it is not an earlier run's (found at A's start), and A's eviction of its own copy of the key, which
+    B replaced, must leave it (review stat: A took it for one older than its start and deleted it)."""
+    fs = loop_fs(inode_size=128)
+    tier = os.path.join(fs.mnt, "tier0")
+    os.makedirs(tier)
+    pages = PageSet()
+    k, x, y = pages.keys(3)
+    with make_engine([tier]) as b:
+        _at_a_second_s_start()
+        with make_engine([tier], capacity=str(PAGE_BYTES)) as a:
+            assert pages.put(a, [k]) == [True]
+            path = a.tiers[0].layout.page_path(k)
+            mine = os.stat(path)
+            b.delete([k])
+            assert pages.put(b, [x, k]) == [True, True]  # (x takes the inode A's copy freed)
+            theirs = os.stat(path)
+            assert theirs.st_ino != mine.st_ino and theirs.st_mtime_ns < a.index.started_ns  # the case
+            assert pages.put(a, [y]) == [True]  # A evicts k
+            assert pages.checked_get(b, [k]) == [True], "A's eviction deleted B's page, written since it began"
+            assert b.contains(y) and a.contains(k) and a.contains(x)
