@@ -268,25 +268,26 @@ class Index:
         with self._lock:
             self._mark_mine_under_index(key, tier, created_ns)
 
-    def committed_file(self, key: str, tier: int, ino: int, mtime_ns: int) -> None:
-        """This process committed ``key``'s file on ``tier``, whose inode and mtime (after its last write) are
-        ``ino`` and ``mtime_ns`` (a local tier's: Tier.commit): its eviction knows it by its stat alone
+    def committed_file(self, key: str, tier: int, identity: tuple[int, ...]) -> None:
+        """This process committed ``key``'s file on ``tier``, whose identity as sealed after its last write is
+        ``identity`` (a local tier's: trust.sealed_identity, Tier.commit): its eviction knows it by that alone
         (mine_file), with no header read, a disk read for a file written O_DIRECT (a fifth more CPU per page
         put at full eviction churn on this machine's disk). Another process's file under the name since has
-        another inode, or the same one reused and another mtime."""
+        another inode, or the same one reused under another generation (or mtime, where none is kept)."""
         with self._lock:
-            self._mark_mine_under_index(key, tier, (ino, mtime_ns))
+            self._mark_mine_under_index(key, tier, identity)
 
-    def mine_file(self, key: str, tier: int, ino: int, mtime_ns: int) -> bool:
-        """The file under ``key``'s name on ``tier`` is this process's by its stat alone: written before this
-        index began (found at its start: counted) by more than the clock's honest skew (a file system keeping
-        whole seconds stamps a page another process wrote in the second this one began before it, review stat;
-        a clock stepped back stamps one written since before it), or committed by it (committed_file). False:
-        its header tells (mine). For a local tier only (its mtime on this host's clock). (Lock-free, as mine.)"""
-        return (mtime_ns < self.started_ns - CLOCK_SKEW_NS
-                or self._maybe_mine_under_index(key, tier, (ino, mtime_ns)))
+    def mine_file(self, key: str, tier: int, identity: tuple[int, ...] | None, mtime_ns: int) -> bool:
+        """The file under ``key``'s name on a local ``tier`` (its mtime on this host's clock) is this process's
+        by its stat alone: written before this index began (found at its start: counted) by more than the
+        clock's honest skew (a file system keeping whole seconds stamps a page another process wrote in the
+        second this one began before it, review stat; a clock stepped back stamps one written since before
+        it), or its ``identity`` (trust.sealed_identity) is one this process committed (committed_file).
+        False: its header tells (mine). (Lock-free, as mine.)"""
+        return mtime_ns < self.started_ns - CLOCK_SKEW_NS or (
+            identity is not None and self._maybe_mine_under_index(key, tier, identity))
 
-    def _mark_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, int]) -> None:
+    def _mark_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> None:
         """The copy (key, tier, header's created) is this process's (the filter: wrote, _found_mine_under_index).
         Under the index lock: a byte's bits set by two threads at once (read, or, store back) could lose one."""
         mine = self._mine
@@ -295,7 +296,7 @@ class Index:
         for bit in _mine_bits(key, tier, created_ns):
             mine[bit >> 3] |= 1 << (bit & 7)
 
-    def _maybe_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, int]) -> bool:
+    def _maybe_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> bool:
         mine = self._mine
         return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, created_ns))
 
@@ -696,8 +697,8 @@ def _run(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _mine_bits(key: str, tier: int, stamp: int | tuple[int, int]) -> tuple[int, ...]:
-    """The filter's bits of (key, tier, the header's created, or the committed file's (inode, mtime)): double
+def _mine_bits(key: str, tier: int, stamp: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The filter's bits of (key, tier, the header's created, or the committed file's identity): double
     hashing of one 64-bit hash (per process: a filter is never written to disk)."""
     h = hash((key, tier, stamp)) & 0xFFFF_FFFF_FFFF_FFFF
     step = h >> 32 | 1

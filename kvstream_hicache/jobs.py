@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
+from .integrity import PageHeader
 from .puts import CANCELLED, Job, PutCall, WritePage
 from .staging import BufferPool
 from .stats import Stats
@@ -233,8 +234,8 @@ class Jobs:
             # index, so it is never served against these checksums; its file is a valid page and stays.
             # A background copy is the tier's least recent page (the first to go when room is needed: it
             # never costs a page the tier chose to keep); a put's page, or a promoted one, the most recent.
-            if sealed is not None:  # (its eviction knows it by its stat: no header read)
-                self.index.committed_file(page.key, k, sealed.st_ino, sealed.st_mtime_ns)
+            if sealed is not None:  # (its eviction knows it by its identity: no header read)
+                self.index.committed_file(page.key, k, sealed)
             self.index.commit(page.key, k, page.length, page.block, page.crcs, page.length,
                               oldest=not page.evict)
             page.committed.append(k)
@@ -294,13 +295,10 @@ class Jobs:
         """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's
         copy (Tier.evict_page; another process's page written under the name since stays, and counts nowhere
         here: it is found again, as another's, when read)."""
-        local = self.tiers[k].local  # (by its stat alone on a local tier only: a network tier's mtime is its server's
-        # clock, which may lag this host's: another node's page written since this start could pass for older)
-
-        def mine(key: str, st, header) -> bool | None:  # (the key handed in: the judge may run after this loop
-            if header is None:  # moved on, on a tier that answered late)
-                return (local and self.index.mine_file(key, k, st.st_ino, st.st_mtime_ns)) or None
-            return self.index.mine(key, k, header.created_ns, st.st_mtime_ns)
+        def mine(key: str, st, seen) -> bool | None:  # (the key handed in: the judge may run after this loop
+            if isinstance(seen, PageHeader):  # moved on, on a tier that answered late)
+                return self.index.mine(key, k, seen.created_ns, st.st_mtime_ns)
+            return self.index.mine_file(key, k, seen, st.st_mtime_ns) or None
 
         for key in victims:
             if self.tiers[k].evict_page(key, mine):

@@ -59,7 +59,7 @@ from .tmpfiles import (
 )
 from .trust import (
     CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below,
-    make_dir, not_a_file, open_below, remove, root_problem, same_file, unlink_unless, wall_ns,
+    make_dir, not_a_file, open_below, remove, root_problem, same_file, sealed_identity, unlink_unless, wall_ns,
 )
 
 log = logging.getLogger("kvstream")
@@ -558,13 +558,14 @@ class Tier:
         return fd, path
 
     def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool],
-               replace: bool = True) -> tuple[str, os.stat_result | None]:
+               replace: bool = True) -> tuple[str, tuple[int, ...] | None]:
         """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
         Closes ``fd``. A full tier may refuse the rename itself (a new shard directory or directory
         block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
         left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
-        the caller under fsync=full) and, on a local tier, the file's stat as sealed (Index.committed_file;
-        a network tier's would cost a round trip more per page: its evictions read the header instead).
+        the caller under fsync=full) and, on a local tier, the file's identity as sealed (trust.sealed_identity,
+        Index.committed_file; a network tier's would cost a round trip more per page: its evictions read the
+        header instead).
         ``replace``: see :meth:`place`. :raises OSError: the temporary file is left for :meth:`discard`
         (a failed fdatasync is never retried: the data is not sealed). An error from close is one too:
         on a network file system it says the server did not take the data."""
@@ -577,16 +578,12 @@ class Tier:
                     raise
         return self.calls.run(self._place, tmp_path, key, replace), sealed
 
-    def _seal(self, fd: int) -> os.stat_result | None:
+    def _seal(self, fd: int) -> tuple[int, ...] | None:
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)
-            sealed = os.fstat(fd) if self.local else None  # (its last write done: its mtime is final)
-            if sealed is not None and sealed.st_mtime_ns % 10**9 == 0:
-                # (whole seconds: a file system that keeps no finer time, ext2/ext3, ext4 with 128-byte inodes,
-                # reuses a freed inode at once: another process's page under the name within the second would
-                # have this stat. Its eviction reads the header; review stat)
-                sealed = None
+            # (its last write done: its mtime is final. A network tier's would cost a round trip per page)
+            sealed = sealed_identity(fd, os.fstat(fd)) if self.local else None
         finally:
             err = close_fd(fd)
         if err:
@@ -718,17 +715,20 @@ class Tier:
         return self._remove_unless(path, lambda header, _: when <= header.created_ns <= honest_until())
         # (a time past honest_until is a claim, not a time: the file goes)
 
-    def evict_page(self, key: str, mine: Callable[[str, os.stat_result, PageHeader | None], bool | None]) -> bool:
+    def evict_page(self, key: str,
+                   mine: Callable[[str, os.stat_result, PageHeader | tuple[int, ...] | None], bool | None]) -> bool:
         """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
         Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
         written its own under the name (two servers of one model share prefixes, their KV often the same
-        bytes): that is its live page, and stays (before, the eviction removed it). ``mine(key, stat, None)``
-        judges by the file's stat alone (True, or None: the header tells), then ``mine(key, stat, header)``. A
+        bytes): that is its live page, and stays (before, the eviction removed it). On a local tier,
+        ``mine(key, stat, identity)`` judges by the file's stat and identity alone (trust.sealed_identity; True,
+        or None: the header tells; a network tier's mtime is its server's clock), then ``mine(key, stat,
+        header)``. A
         file that is no valid page goes, as any eviction's unlink took it; a later format's page stays. One
         look beyond the unlink (trust.unlink_unless; the header only where the stat does not tell):
         docs/benchmarks.md. Returns whether the file stays."""
         def stays(fd: int, st: os.stat_result) -> str | None:
-            if mine(key, st, None):
+            if self.local and mine(key, st, sealed_identity(fd, st)):
                 return None
             try:
                 header = unpack_header(os.pread(fd, HEADER_SIZE, 0))
