@@ -720,13 +720,12 @@ class Tier:
         """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
         Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
         written its own under the name (two servers of one model share prefixes, their KV often the same
-        bytes): that is its live page, and stays (before, the eviction removed it). On a local tier,
-        ``mine(key, stat, identity)`` judges by the file's stat and identity alone (trust.sealed_identity; True,
-        or None: the header tells; a network tier's mtime is its server's clock), then ``mine(key, stat,
-        header)``. A
-        file that is no valid page goes, as any eviction's unlink took it; a later format's page stays. One
-        look beyond the unlink (trust.unlink_unless; the header only where the stat does not tell):
-        docs/benchmarks.md. Returns whether the file stays."""
+        bytes): that is its live page, and stays (before, the eviction removed it). On a local tier
+        ``mine(key, stat, identity)`` judges by the file's stat and identity alone (trust.sealed_identity;
+        True, or None: the header tells; a network tier's mtime is its server's clock), then ``mine(key, stat,
+        header)``. A file that is no valid page goes, as any eviction's unlink took it; a later format's page
+        stays. One look beyond the unlink (trust.unlink_unless; the header only where the stat does not
+        tell): docs/benchmarks.md. Returns whether the file stays."""
         def stays(fd: int, st: os.stat_result) -> str | None:
             if self.local and mine(key, st, sealed_identity(fd, st)):
                 return None
