@@ -203,17 +203,19 @@ def _contains_between_drop_and_unlink(engine, monkeypatch, tier: int) -> list:
     """Every unlink of a page file on ``tier`` is preceded by another thread's ``contains`` of that key
     (SGLang's prefetch thread asking batch_exists then): the index has dropped the copy, its file is
     still there, discovery reads it."""
-    t = engine.tiers[tier]
-    unlink, seen = t.unlink_page, []
+    t, seen = engine.tiers[tier], []
 
-    def racing_unlink(key, *args, **kwargs):
-        seen.append(key)
-        other = threading.Thread(target=engine.contains, args=(key,))
-        other.start()
-        other.join()
-        return unlink(key, *args, **kwargs)
+    def racing(remove):
+        def run(key, *args, **kwargs):
+            seen.append(key)
+            other = threading.Thread(target=engine.contains, args=(key,))
+            other.start()
+            other.join()
+            return remove(key, *args, **kwargs)
+        return run
 
-    monkeypatch.setattr(t, "unlink_page", racing_unlink)
+    for name in ("unlink_page", "evict_page"):  # (a delete's removal; an eviction's)
+        monkeypatch.setattr(t, name, racing(getattr(t, name)))
     return seen
 
 
