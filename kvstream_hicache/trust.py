@@ -596,8 +596,8 @@ def sealed_identity(fd: int, st: os.stat_result) -> tuple[int, ...] | None:
     try:
         generation = struct.unpack("q", fcntl.ioctl(fd, FS_IOC_GETVERSION, bytes(8)))[0]
     except OSError:
-        generation = None
-    if generation is not None:
+        generation = 0
+    if generation:  # (0: none kept; a file system that answers 0 for every inode tells nothing by it)
         return st.st_ino, generation, st.st_mtime_ns
     return None if st.st_mtime_ns % 10**9 == 0 else (st.st_ino, st.st_mtime_ns)
 
