@@ -72,7 +72,7 @@ from .segments import Segment
 from .staging import BufferPool
 from .stats import Stats
 from .tiers import Tier
-from .trust import age_key, honest_until, written_ns
+from .trust import age_key, honest_until
 from .writequeue import WriteSettings
 from .writes import WritePath
 
@@ -773,9 +773,8 @@ class Engine:
         nothing indexed, read it again."""
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
-        written = written_ns(h.created_ns, page.mtime_ns)
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark, epoch=epoch,
-                                 written_ns=written, created_ns=h.created_ns, mtime_ns=page.mtime_ns) is not None
+                                 stamp=(h.created_ns, page.mtime_ns)) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

@@ -53,7 +53,7 @@ import numpy as np
 
 from ._uring import KeyTable, unhex
 from .locks import ranked_lock
-from .trust import CLOCK_SKEW_NS, wall_ns, written_ns
+from .trust import CLOCK_SKEW_NS, created_ns, wall_ns, written_ns
 
 OLD, SCANNED, HOT, THEIRS = 0, 1, 2, 3
 _LISTS = (OLD, SCANNED, HOT)  # eviction order (THEIRS: never a victim)
@@ -306,21 +306,21 @@ class Index:
         An eviction asks it of the file under the victim's name (Tier.evict_page): another process may have
         replaced this one's copy since. A copy the index counted when found stays its to evict
         (_found_mine_under_index). (Lock-free: started_ns is fixed, the filter only gains bits.)"""
-        return not self._theirs_under_index(key, tier, created_ns, written_ns(created_ns, mtime_ns))
+        return not self._theirs_under_index(key, tier, (created_ns, mtime_ns))
 
-    def _found_mine_under_index(self, key: str, tier: int, stamp: tuple[int, int] | None) -> None:
+    def _found_mine_under_index(self, key: str, tier: int, stamp: tuple[int, int]) -> None:
         """A copy found on disk was counted as this process's (not THEIRS), its header's created and its
         file's mtime ``stamp`` as found: one claiming a time at or after this index began (beyond the skew,
         so no time then) goes in the filter of this process's copies: once the clock reaches the stamp, mine()
         would take it for another's, and its eviction would leave the file, counted nowhere (review evict)."""
-        if stamp is not None and max(stamp) >= self.started_ns:
+        if max(stamp) >= self.started_ns:
             self._mark_mine_under_index(key, tier, stamp[0])
 
-    def _theirs_under_index(self, key: str, tier: int, created_ns: int, written_ns: int) -> bool:
-        """A copy found on disk, its header stamped ``created_ns``, its file written at ``written_ns``, is
-        another process's (THEIRS): written since this index began and not by this process (as far as
+    def _theirs_under_index(self, key: str, tier: int, stamp: tuple[int, int]) -> bool:
+        """A copy found on disk, its header's ``created`` and its file's mtime ``stamp``, is another process's
+        (THEIRS): written since this index began (trust.written_ns) and not by this process (as far as
         wrote's filter knows)."""
-        return written_ns >= self.started_ns and not self._maybe_mine_under_index(key, tier, created_ns)
+        return written_ns(*stamp) >= self.started_ns and not self._maybe_mine_under_index(key, tier, stamp[0])
 
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
@@ -379,14 +379,13 @@ class Index:
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
                nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None,
-               epoch: int | None = None, written_ns: int = 0, created_ns: int = 0,
-               mtime_ns: int = 0) -> list[int] | None:
+               epoch: int | None = None, stamp: tuple[int, int] = (0, 0)) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
-        (discovery, check), not written here, by ``written_ns`` (its file's write time: since this index
-        began, another process's: THEIRS, unless its header's ``created_ns`` is one this process wrote there:
-        :meth:`wrote`), unless ``tier``'s entry is that copy already (it stays as it is);
+        (discovery, check), not written here, its header's ``created`` and its file's mtime ``stamp`` (written
+        since this index began, another process's: THEIRS, unless this process wrote that ``created`` there:
+        :meth:`wrote`; trust.written_ns), unless ``tier``'s entry is that copy already (it stays as it is);
         None is returned, and nothing indexed, when a copy of a key
         like it left the index since (maybe this one, its file being deleted: read it again), or when the
         index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
@@ -416,9 +415,9 @@ class Index:
                 # add_scanned). A lookup that read the file of this process's put before the put indexed it
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
-            theirs = mark is not None and self._theirs_under_index(key, tier, created_ns, written_ns)
-            if mark is not None and not theirs:  # (``mtime_ns``: the found file's)
-                self._found_mine_under_index(key, tier, (created_ns, mtime_ns))
+            theirs = mark is not None and self._theirs_under_index(key, tier, stamp)
+            if mark is not None and not theirs:
+                self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else OLD if oldest else HOT, first=oldest)
             self._found[tier][slot] = mark is not None
             return displaced
@@ -429,8 +428,7 @@ class Index:
         return self._drops[hash(key) & _DROP_BUCKETS]
 
     def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
-                    created_ns: int, epoch: int, mark: int, versions: bool = True,
-                    written_ns: int | None = None, stamp: tuple[int, int] | None = None) -> int:
+                    stamp: tuple[int, int], epoch: int, mark: int, versions: bool = True) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
         of the key: one written, read or discovered since start, or a newer file the scan found
@@ -439,10 +437,11 @@ class Index:
         :meth:`settle`), -1, or RETRY: a copy of a key like it left the index since :meth:`mark`,
         maybe this one, its file deleted after the scan read it (read the file again). ``versions=False``:
         another version than the indexed one is never indexed, whatever its write time (catch-up's look,
-        replication.py _learn: a file of after this start, next to the version this process uses). A file
-        written since this index began (``written_ns``, default ``created_ns``: a catch-up copy's file is
-        newer than its header's ``created``) is another process's (THEIRS: not counted, never a victim).
-        ``stamp``: the file's header ``created`` and mtime as found (claims included: _found_mine_under_index)."""
+        replication.py _learn: a file of after this start, next to the version this process uses). ``stamp``:
+        the file's header ``created`` and its mtime, as found (a claim beyond the clock's skew included:
+        _found_mine_under_index): the page's version is its ``created`` (trust.created_ns: a claim is none);
+        a file written since this index began (trust.written_ns: a catch-up copy's file is newer than its
+        header's ``created``) is another process's (THEIRS: not counted, never a victim)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -451,15 +450,16 @@ class Index:
             slot = self._table.find(key)
             if slot >= 0 and self._tiers[slot] >> tier & 1:
                 return -1
+            created = created_ns(stamp[0])
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
-                if not versions or self._created[slot] >= created_ns:  # (versions=False: never another)
+                if not versions or self._created[slot] >= created:  # (versions=False: never another)
                     return -1  # a newer version (one used since start is newer)
                 for t in tiers_in(self._tiers[slot]):  # an older version the scan found: the newest wins
                     self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created_ns)
-            theirs = self._theirs_under_index(key, tier, created_ns, created_ns if written_ns is None else written_ns)
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created)
+            theirs = self._theirs_under_index(key, tier, stamp)
             if not theirs:
                 self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else SCANNED)

@@ -25,10 +25,10 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
-from .integrity import PageHeader
 from .puts import CANCELLED, Job, PutCall, WritePage
 from .staging import BufferPool
 from .stats import Stats
@@ -295,13 +295,9 @@ class Jobs:
         """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's
         copy (Tier.evict_page; another process's page written under the name since stays, and counts nowhere
         here: it is found again, as another's, when read)."""
-        def mine(key: str, st, seen) -> bool | None:  # (the key handed in: the judge may run after this loop
-            if isinstance(seen, PageHeader):  # moved on, on a tier that answered late)
-                return self.index.mine(key, k, seen.created_ns, st.st_mtime_ns)
-            return self.index.mine_file(key, k, seen, st.st_mtime_ns) or None
-
-        for key in victims:
-            if self.tiers[k].evict_page(key, mine):
+        for key in victims:  # (the judges bound to their key: one may run after this loop moved on, on a
+            # tier that answered late)
+            if self.tiers[k].evict_page(key, partial(self.index.mine_file, key, k), partial(self.index.mine, key, k)):
                 log.info("kvstream: tier %d: the file of evicted page %s stays: another process's page (or not a "
                          "file kvstream removes)", k, key)
             self.index.file_removed(key, k)

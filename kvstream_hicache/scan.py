@@ -59,7 +59,6 @@ from .integrity import (
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
-from .trust import created_ns, written_ns
 
 log = logging.getLogger("kvstream")
 
@@ -90,8 +89,8 @@ def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, 
     better; ``versions=False``: never another version than the indexed one). Returns add_scanned's answer
     (a slot, -1, RETRY)."""
     h = page.header
-    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, created_ns(h.created_ns), epoch, mark,
-                             versions, written_ns(h.created_ns, page.mtime_ns), (h.created_ns, page.mtime_ns))
+    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, (h.created_ns, page.mtime_ns), epoch,
+                             mark, versions)
 
 
 class BackgroundScan:

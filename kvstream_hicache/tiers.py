@@ -48,7 +48,7 @@ from .bounded import BoundedCalls
 from .errors import KVStreamError
 from .fds import close_fd
 from .integrity import (
-    HeaderError, NewerFormat, NotRegularFile, PageHeader, ScannedPage, UntrustedFile, open_direct, open_with_header,
+    HeaderError, NewerFormat, NotRegularFile, ScannedPage, UntrustedFile, open_direct, open_with_header,
     scan_file, shard_entries, shards, tier_clock, unpack_header,
 )
 from .layout import HEADER_SIZE, TMP_DIR, TierLayout, key_of_page_file
@@ -704,7 +704,9 @@ class Tier:
         wrong one served: trust.wall_ns.) ``old``: a first judge by the file's own times
         (:meth:`_older_than`), which spares the header read of a page written well before; a page it
         finds recent is never moved (another node may rename a new version over it meanwhile). Returns
-        whether it stays (written after, or not kvstream's, or no valid page: :meth:`_remove_unless`)."""
+        whether it stays: written after; not kvstream's (another owner's, one this user cannot read: as a
+        delete leaves it); no valid page (for the scan or a read to judge). A stray that is no regular file
+        goes; a look that fails: :meth:`_look_failed`."""
         if old is not None:
             try:
                 st = self.calls.run(os.lstat, path)
@@ -712,47 +714,12 @@ class Tier:
                 return self._look_failed(exc, path)
             if old(st):  # (that file only, should another writer's have taken the name since: trust.remove)
                 return self._remove(path, same_file(identity(st))) is not None
-        return self._remove_unless(path, lambda header, _: when <= header.created_ns <= honest_until())
-        # (a time past honest_until is a claim, not a time: the file goes)
-
-    def evict_page(self, key: str,
-                   mine: Callable[[str, os.stat_result, PageHeader | tuple[int, ...] | None], bool | None]) -> bool:
-        """An eviction: remove ``key``'s page file only while it is this process's copy (``mine``: Index.mine).
-        Another process of the namespace may have removed this one's copy since (its eviction, a delete) and
-        written its own under the name (two servers of one model share prefixes, their KV often the same
-        bytes): that is its live page, and stays (before, the eviction removed it). On a local tier
-        ``mine(key, stat, identity)`` judges by the file's stat and identity alone (trust.sealed_identity;
-        True, or None: the header tells; a network tier's mtime is its server's clock), then ``mine(key, stat,
-        header)``. A file that is no valid page goes, as any eviction's unlink took it; a later format's page
-        stays. One look beyond the unlink (trust.unlink_unless; the header only where the stat does not
-        tell): docs/benchmarks.md. Returns whether the file stays."""
-        def stays(fd: int, st: os.stat_result) -> str | None:
-            if self.local and mine(key, st, sealed_identity(fd, st)):
-                return None
-            try:
-                header = unpack_header(os.pread(fd, HEADER_SIZE, 0))
-            except NewerFormat:
-                return "a later format's page"
-            except HeaderError:
-                return None
-            return None if mine(key, st, header) else "another process's page, written under the name since"
-
-        path = self.layout.page_path(key)
-        try:
-            return self.calls.run(unlink_unless, self.root, path, self.trust, stays) is not None
-        except OSError as exc:
-            return self._look_failed(exc, path)
-
-    def _remove_unless(self, path: str, stays: Callable[[PageHeader, os.stat_result], bool]) -> bool:
-        """Remove the page file at ``path`` unless ``stays(header, stat)`` says its page is to stay: that
-        file only, should another writer rename its own over the name meanwhile (trust.remove ``judged``).
-        A file that is no valid page stays for the scan or a read to judge, and a file not kvstream's (another
-        owner's, one this user cannot read) stays as a delete leaves it; a stray that is no regular file goes.
-        Returns whether something stays; a look that fails fails the tier."""
         try:
             fd, header, st = self.calls.run(open_with_header, path, self.trust)
             try:  # (held open till the removal: the inode judged cannot be freed and handed to another
-                if not stays(header, st):  # page meanwhile, of one size and timestamp: trust.pin)
+                # page meanwhile, of one size and timestamp: trust.pin; a time past honest_until is a claim,
+                # not a time: the file goes)
+                if not when <= header.created_ns <= honest_until():
                     return self._remove(path, same_file(identity(st))) is not None
             finally:
                 close_fd(fd)
@@ -766,8 +733,39 @@ class Tier:
             return self._look_failed(exc, path)
         return True
 
+    def evict_page(self, key: str, mine_file: Callable[[tuple[int, ...] | None, int], bool],
+                   mine: Callable[[int, int], bool]) -> bool:
+        """An eviction: remove ``key``'s page file only while it is this process's copy. Another process of the
+        namespace may have removed this one's copy since (its eviction, a delete) and written its own under the
+        name (two servers of one model share prefixes, their KV often the same bytes): that is its live page,
+        and stays (before, the eviction removed it). On a local tier ``mine_file(identity, mtime)``
+        (Index.mine_file) may tell this process's own file by its stat alone (trust.sealed_identity; a network
+        tier's mtime is its server's clock); else its header does: ``mine(created, mtime)`` (Index.mine). A file
+        that is no valid page goes, as any eviction's unlink took it; a later format's page stays. One look
+        beyond the unlink (trust.unlink_unless; the header only where the stat does not tell):
+        docs/benchmarks.md. Returns whether the file stays."""
+        def stays(fd: int, st: os.stat_result) -> str | None:
+            if self.local and mine_file(sealed_identity(fd, st), st.st_mtime_ns):
+                return None
+            try:
+                header = unpack_header(os.pread(fd, HEADER_SIZE, 0))
+            except NewerFormat:
+                return "a later format's page"
+            except HeaderError:
+                return None
+            if mine(header.created_ns, st.st_mtime_ns):
+                return None
+            return "another process's page, written under the name since"
+
+        path = self.layout.page_path(key)
+        try:
+            return self.calls.run(unlink_unless, self.root, path, self.trust, stays) is not None
+        except OSError as exc:
+            return self._look_failed(exc, path)
+
     def _look_failed(self, exc: OSError, path: str) -> bool:
-        """:meth:`_remove_unless`'s look at ``path`` failed: whether something stays there."""
+        """A removal's look at ``path`` failed (:meth:`_remove_if_older`, :meth:`evict_page`): whether something
+        stays there (a file this user cannot read); a gone copy is none; anything else fails the tier."""
         if exc.errno in (errno.EACCES, errno.EPERM):  # one file this user cannot read (root's, left
             return True  # by an operator): it stays, as a delete leaves another owner's; never served
         if not isinstance(exc, FileNotFoundError) and not self.copy_gone(exc.errno, path):  # (gone already)
