@@ -13,6 +13,7 @@ cdef extern from "<fcntl.h>" nogil:
     enum: O_RDONLY
     enum: O_NONBLOCK
     enum: O_NOFOLLOW
+    enum: O_NOCTTY
     enum: O_CLOEXEC
 
 cdef extern from "<sys/stat.h>" nogil:
@@ -32,16 +33,16 @@ def open_owned(bytes path, int flags, uids, long gid=-1) -> int:
     link: O_NOFOLLOW) whose owner is in ``uids`` or, with ``gid`` >= 0, whose group is ``gid``; -1
     otherwise, or when a call failed, with nothing left open.
 
-    The same steps as integrity.open_regular: opened O_NONBLOCK (a FIFO under a page's name would
-    block an open for reading until a writer came), fstat, the owner, then ``F_SETFL`` sets ``flags``
-    and clears O_NONBLOCK (which io_uring would honour with EAGAIN). The GIL is released for the open
+    The same steps as integrity.open_regular: opened with trust.LOOK_FLAGS (O_NONBLOCK: a FIFO under a
+    page's name would block an open for reading until a writer came; O_NOCTTY), fstat, the owner, then
+    ``F_SETFL`` sets ``flags`` and clears O_NONBLOCK (which io_uring would honour with EAGAIN). The GIL is released for the open
     and the fstat, which a network file system may take long to answer."""
     cdef const char *p = path
     cdef int fd
     cdef int rc
     cdef c_stat_t st
     with nogil:
-        fd = c_open(p, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC)
+        fd = c_open(p, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC)  # (trust.LOOK_FLAGS)
         rc = c_fstat(fd, &st) if fd >= 0 else -1
     if fd < 0:
         return -1

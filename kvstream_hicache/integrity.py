@@ -44,8 +44,8 @@ from .layout import (
 from .segments import Payload, Segment
 from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live, tier_now
 from .trust import (
-    NODE_ERRNOS, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file, not_trusted,
-    open_below, pin, put_back, remove, same_file,
+    LOOK_FLAGS, NODE_ERRNOS, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file,
+    not_trusted, open_below, pin, put_back, remove, same_file,
 )
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ def open_regular(path: str, flags: int | None = None, *, trust: Trust) -> tuple[
     :raises NotRegularFile: not a regular file (:class:`UntrustedFile`: not a trusted owner's).
     :raises OSError: the open failed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, LOOK_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise NotRegularFile(errno.EINVAL, "a symbolic link", path) from None

@@ -39,7 +39,7 @@ from .layout import ROOT_DIR, TMP_DIR, is_digest
 from .locks import ranked_lock
 from .tiers import Tier
 from .tmpfiles import NEW_FILE
-from .trust import Trust, list_below, make_dir, open_below
+from .trust import LOOK_FLAGS, Trust, list_below, make_dir, open_below
 
 log = logging.getLogger("kvstream")
 
@@ -166,7 +166,7 @@ def read_record(root: str, name: str, trust: Trust) -> dict[str, int]:
     except OSError:
         return {}
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=base)
+        fd = os.open(name, LOOK_FLAGS, dir_fd=base)
     except OSError as exc:
         if exc.errno != errno.ENOENT:
             log.warning("kvstream: the record of clears owed %s/%s/%s is unreadable (%s): ignored", root, ROOT_DIR,

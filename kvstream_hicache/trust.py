@@ -50,6 +50,11 @@ from .locks import ranked_lock
 from .tmpfiles import probe_direct, removing_name
 
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# A file under a tier's name, opened to read or judge it: never a link's target (O_NOFOLLOW: ELOOP), never
+# blocking (O_NONBLOCK: a FIFO's open for reading waits for a writer), and never made this process's controlling
+# terminal (O_NOCTTY: a server started as a daemon is a session leader without one, and a terminal's open would
+# give it one: a hangup there signals the server). _uring.open_owned opens with the same flags.
+LOOK_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 CLOCK_SKEW_NS = 300 * 10**9  # a header's created_ns further ahead of this host's clock is not clock skew
 # What opening a special file may answer: a socket ENXIO, a device without its driver ENXIO or ENODEV (a misc
 # minor no driver registered), any device on a nodev mount (/tmp, removable, many network mounts) EACCES, in a
@@ -472,7 +477,7 @@ def unlink_unless(root: str, path: str, trust: Trust,
     if dir_fd is None:
         return why
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, LOOK_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         close_fd(dir_fd)
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import subprocess
@@ -289,3 +290,108 @@ def test_an_eviction_that_meets_a_device_under_the_victims_name_keeps_the_tier_h
         assert stat.S_ISCHR(os.lstat(path).st_mode)  # (left, as a link or a FIFO is: the scan or check judges)
         assert pages.checked_get(engine, [y]) == [True]
         os.unlink(path)  # (the check at close reports strays)
+
+
+_TTY_CHILD = r'''
+import errno, fcntl, json, os, signal, stat, sys, termios
+sys.path.insert(0, sys.argv[1])
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (took: giving a controlling terminal up hangs its group up)
+dirs = json.loads(sys.argv[2])
+os.setsid()  # a session leader with no controlling terminal: a daemon's main process (systemd's services)
+from helpers import PAGE_BYTES, PageSet, make_engine
+from kvstream_hicache.router import SingleTier
+
+
+def has_terminal():
+    try:
+        os.close(os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY))
+        return True
+    except OSError as exc:
+        assert exc.errno == errno.ENXIO, exc
+        return False
+
+
+def took(what):
+    """``what`` made a terminal this process's controlling one: recorded and given up (TIOCNOTTY; its SIGHUP to
+    this process's group ignored), so each open is tried on its own."""
+    if not has_terminal():
+        return []
+    fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    fcntl.ioctl(fd, termios.TIOCNOTTY)
+    os.close(fd)
+    assert not has_terminal()
+    return [what]
+
+
+def plant(path):
+    if os.path.lexists(path):  # (the page's file, or the device a step before removed or left)
+        os.unlink(path)
+    os.mknod(path, stat.S_IFCHR | 0o600, rdev)
+
+
+def terminal():
+    """A terminal device that a session leader's open makes its controlling terminal, from outside /dev (a
+    pty's slave opens only on devpts; a console that is another session's stays theirs): a serial line or a
+    virtual console, tried in a child of its own session."""
+    probe = os.path.join(dirs[2], "probe")
+    for rdev in (os.makedev(4, 64), os.makedev(4, 65), os.makedev(4, 1), os.makedev(4, 2), os.makedev(4, 7)):
+        os.mknod(probe, stat.S_IFCHR | 0o600, rdev)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                os.close(os.open(probe, os.O_RDONLY | os.O_NONBLOCK))
+                os._exit(0 if has_terminal() else 1)
+            except BaseException:
+                os._exit(2)
+        acquired = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        os.unlink(probe)
+        if acquired:
+            return rdev
+    print(json.dumps("no terminal device here becomes a controlling terminal"))
+    sys.exit(0)
+
+
+rdev = terminal()
+assert not has_terminal()
+taken = []
+pages = PageSet()
+x, y, z = pages.keys(3)
+with make_engine(dirs[:2], catchup="off") as engine:
+    assert pages.put(engine, [x]) == [True]
+    path = engine.tiers[0].layout.page_path(x)
+    plant(path)
+    assert pages.checked_get(engine, [x], SingleTier(0)) == [True]  # (from tier 1)
+    taken += took("get")
+    plant(path)  # (the get removed it, as a stray)
+    engine.check()
+    taken += took("check")
+    plant(path)
+with make_engine(dirs[:2], catchup="off") as engine:  # (the start-up scan meets it)
+    taken += took("start-up scan")
+    assert not os.path.lexists(path)  # (removed, as a stray)
+with make_engine(dirs[2:], capacity=str(PAGE_BYTES), catchup="off") as engine:
+    assert pages.put(engine, [y]) == [True]
+    path = engine.tiers[0].layout.page_path(y)
+    plant(path)
+    assert pages.put(engine, [z]) == [True]  # y evicted: its look opens the name
+    assert engine.stats()["tiers"][0]["evictions"] == 1
+    taken += took("eviction")
+    os.unlink(path)
+print(json.dumps(taken))
+'''
+
+
+def test_a_terminal_under_a_page_name_never_becomes_the_engine_s_controlling_terminal(tier_dirs):
+    """Opening a terminal device without O_NOCTTY in a session leader that has no controlling terminal (a
+    daemon's main process: every systemd service) makes it that process's controlling terminal: a hangup on
+    it would then signal the server (SIGHUP), and its line discipline's keys (^C) would reach it. Every open of
+    a file under a tier's page name (a get's, check's, the start-up scan's, an eviction's look) is O_NOCTTY
+    (noticed by the reviews of stop 50; planting a device takes root, trusted here)."""
+    out = subprocess.run([sys.executable, "-c", _TTY_CHILD, HERE, json.dumps(tier_dirs)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    taken = json.loads(out.stdout.splitlines()[-1])
+    if isinstance(taken, str):
+        pytest.skip(taken)
+    assert taken == [], f"a page's open made a terminal the controlling one: {taken}"
