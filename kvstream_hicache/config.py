@@ -5,8 +5,9 @@ LMCache config) and an environment variable ``KVSTREAM_<KEY upper case>``; the e
 over the variable, which wins over the default. The table :data:`SETTINGS` is the single source of
 names, defaults and documentation (docs/design.md lists the same).
 
-Pure: no I/O (a path is made absolute, a duplicate tier found by its real path). probe.py does the
-checks that touch the tiers (directory exists, writable, O_DIRECT works, two tiers on one file
+No I/O but names: a path is made absolute, and a duplicate tier found by its real path (``realpath``, on a
+thread of its own and bounded: real_path; a hung tier is not waited for). probe.py does the checks that
+touch the tiers (directory exists, writable, O_DIRECT works, two tiers on one file
 system, capacities as a share of a file system) once when an engine starts.
 """
 from __future__ import annotations
@@ -586,15 +587,19 @@ def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_
                           f"{policy!r}, which {'fixes its own m' if 'm=' in opts else 'would ignore it'}: drop "
                           f"{what_claim}, or write m into the policy, e.g. {example!r}")
     spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
+    tiers = f"'tier0' .. 'tier{n_tiers - 1}'" if n_tiers > 1 else "'tier0'"
+    valid = f"valid: 'kvstream', 'kvstream:m=4', 'static-0.75', {tiers}"
     try:
-        parse_policy(spec).validate(n_tiers)
+        parsed = parse_policy(spec)
+    except ValueError as exc:  # (its name, options, shares, claim and depth: whatever the tiers)
+        raise ConfigError(f"{what}: {policy!r} is not a routing policy ({exc}); {valid}") from None
+    try:
+        parsed.validate(n_tiers)
     except ValueError as exc:
-        tiers = f"'tier0' .. 'tier{n_tiers - 1}'" if n_tiers > 1 else "'tier0'"
         counted = f"{n_tiers} tier{'s' * (n_tiers != 1)}"
         dup = _listed_twice(twice or [], what_tiers, f"the duplicate is dropped, leaving {counted}; remove it and "
                                                      f"write the policy for {counted}")
-        raise ConfigError(f"{what}: {policy!r} cannot route reads over {counted} ({exc}){dup}; "
-                          f"valid: 'kvstream', 'kvstream:m=4', 'static-0.75', {tiers}") from None
+        raise ConfigError(f"{what}: {policy!r} cannot route reads over {counted} ({exc}){dup}; {valid}") from None
 
 
 def check_capacities(config: "Config", capacities: list[int | None], page_bytes: int | None) -> None:

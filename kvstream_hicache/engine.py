@@ -18,18 +18,9 @@ write is done by the engine's writer thread (put waits for it, put_deferred does
 its own lock; existence queries read the index, and look on disk for a key it lacks (discovery).
 ``close()`` racing a call on another thread: the call either completes or raises EngineClosedError.
 
-Locks, outermost first (locks.ORDER; a lock is taken only under those above it; docs/design.md
-"Locks" has the full table, the adapters' locks included):
-
-    lock      guards                                           taken under it
-    read      a whole get: pins, read ring and pool, router    write (clear/check), replicator, queue, tier, index, leaves
-    write     the writer's step: write ring, pool, jobs        replicator, queue, tier, index, leaves
-    replicator  pages owed per tier, promoted sources          queue, index, staging
-    queue     WriteQueue: FIFOs, backlog, closing (never I/O)  index, stats
-    tier      health, back-off, probe schedule                 none (probes and rejoins run outside it)
-    index     key -> tiers, LRU, capacity, pins                none
-    scan      tier scans left, the progress file               none
-    leaves    priority, staging, stats, ring, faults            none
+Locks: one order, outermost first, in locks.ORDER (a lock is taken only under those before it; the
+tests fail a run that breaks it); docs/design.md "Locks" has the table of what each guards and what is
+taken under it, the adapters' locks included.
 
 fork(): an engine belongs to the process that opened it. Its io_uring rings are memory shared with
 the kernel (a child using them would corrupt the parent's) and its I/O threads do not exist in a
@@ -774,7 +765,7 @@ class Engine:
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark, epoch=epoch,
-                                 stamp=(h.created_ns, page.mtime_ns)) is not None
+                                 stamp=(h.writer_ns, page.mtime_ns)) is not None
 
     def _placed(self, tier: Tier, real: str) -> str:
         """A tier that did not answer at start-up answers, at real path ``real`` (Tier._start_late, before its

@@ -257,9 +257,10 @@ class Index:
                     self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
     def wrote(self, key: str, tier: int, created_ns: int) -> None:
-        """This process starts writing ``key``'s page, stamped ``created_ns`` (its header's), to ``tier`` (the
-        writer, before its file can be renamed into place): a copy of it found there later may be this
-        process's own, not another's (THEIRS). Its index entry can be lost while the file stays (a rename that
+        """This process starts writing ``key``'s page, its file stamped ``created_ns`` (PageHeader.writer_ns: a
+        catch-up copy's own stamp, else the page's created), to ``tier`` (the writer, before its file can be
+        renamed into place): a copy of it found there later with that stamp may be this process's own, not
+        another's (THEIRS). Its index entry can be lost while the file stays (a rename that
         answered only after write_timeout on a network tier: the tier failed, the copy never indexed); found
         again, it was taken for another process's, never counted nor evicted while the engine ran. The stamp
         is in the filter's key: a page another process wrote under that key since (this process's copy evicted
@@ -270,7 +271,7 @@ class Index:
 
     def committed_file(self, key: str, tier: int, identity: tuple[int, ...]) -> None:
         """This process committed ``key``'s file on ``tier``, whose identity as sealed after its last write is
-        ``identity`` (a local tier's: trust.sealed_identity, Tier.commit): its eviction knows it by that alone
+        ``identity`` (a local tier's: trust.sealed_identity, Tier.seal): its eviction knows it by that alone
         (mine_file), with no header read, a disk read for a file written O_DIRECT (a fifth more CPU per page
         put at full eviction churn on this machine's disk). Another process's file under the name since has
         another inode, or the same one reused under another generation (or mtime, where none is kept)."""
@@ -285,7 +286,7 @@ class Index:
         it), or its ``identity`` (trust.sealed_identity) is one this process committed (committed_file).
         False: its header tells (mine). (Lock-free, as mine.)"""
         return mtime_ns < self.started_ns - CLOCK_SKEW_NS or (
-            identity is not None and self._maybe_mine_under_index(key, tier, identity))
+            identity is not None and self._maybe_mine(key, tier, identity))
 
     def _mark_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> None:
         """The copy (key, tier, header's created) is this process's (the filter: wrote, _found_mine_under_index).
@@ -296,31 +297,34 @@ class Index:
         for bit in _mine_bits(key, tier, created_ns):
             mine[bit >> 3] |= 1 << (bit & 7)
 
-    def _maybe_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> bool:
+    def _maybe_mine(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> bool:
+        """Whether the filter says (key, tier, created or identity) may be this process's copy (no false no).
+        Lock-free, with or without the index lock: a reader sees a bit set or not yet, and bits are never cleared."""
         mine = self._mine
         return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, created_ns))
 
     def mine(self, key: str, tier: int, created_ns: int, mtime_ns: int) -> bool:
-        """A copy on disk, its header stamped ``created_ns``, its file's mtime ``mtime_ns``, is this process's to
+        """A copy on disk, its header's write stamp ``created_ns`` (PageHeader.writer_ns), its file's mtime
+        ``mtime_ns``, is this process's to
         count and to evict (not THEIRS): written before this index began (an earlier run's), or by this process.
         An eviction asks it of the file under the victim's name (Tier.evict_page): another process may have
         replaced this one's copy since. A copy the index counted when found stays its to evict
         (_found_mine_under_index). (Lock-free: started_ns is fixed, the filter only gains bits.)"""
-        return not self._theirs_under_index(key, tier, (created_ns, mtime_ns))
+        return not self._theirs(key, tier, (created_ns, mtime_ns))
 
     def _found_mine_under_index(self, key: str, tier: int, stamp: tuple[int, int]) -> None:
-        """A copy found on disk was counted as this process's (not THEIRS), its header's created and its
-        file's mtime ``stamp`` as found: one claiming a time at or after this index began (beyond the skew,
+        """A copy found on disk was counted as this process's (not THEIRS), its write stamp and its file's
+        mtime ``stamp`` as found: one claiming a time at or after this index began (beyond the skew,
         so no time then) goes in the filter of this process's copies: once the clock reaches the stamp, mine()
         would take it for another's, and its eviction would leave the file, counted nowhere (review evict)."""
         if max(stamp) >= self.started_ns:
             self._mark_mine_under_index(key, tier, stamp[0])
 
-    def _theirs_under_index(self, key: str, tier: int, stamp: tuple[int, int]) -> bool:
-        """A copy found on disk, its header's ``created`` and its file's mtime ``stamp``, is another process's
-        (THEIRS): written since this index began (trust.written_ns) and not by this process (as far as
-        wrote's filter knows)."""
-        return written_ns(*stamp) >= self.started_ns and not self._maybe_mine_under_index(key, tier, stamp[0])
+    def _theirs(self, key: str, tier: int, stamp: tuple[int, int]) -> bool:
+        """A copy found on disk, its write stamp (PageHeader.writer_ns) and its file's mtime ``stamp``, is
+        another process's (THEIRS): written since this index began (trust.written_ns) and not by this process (as far as
+        wrote's filter knows). Lock-free, as _maybe_mine."""
+        return written_ns(*stamp) >= self.started_ns and not self._maybe_mine(key, tier, stamp[0])
 
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
@@ -344,7 +348,7 @@ class Index:
             room without eviction); nothing is evicted then.
         """
         with self._lock:
-            excess = self._excess_under_index(tier, nbytes)
+            excess = self._excess(tier, nbytes)
             if excess is None:
                 self.reserved[tier] += nbytes
                 return []
@@ -368,7 +372,7 @@ class Index:
         lowered since the last run). The excess is measured under the lock, at this call: writes that
         made room meanwhile are not evicted for twice."""
         with self._lock:
-            excess = self._excess_under_index(tier, 0)
+            excess = self._excess(tier, 0)
             if excess is None or excess <= 0:
                 return []
             return self._evict_under_index(tier, self._victims_under_index(tier, min(excess, limit), partial=True))
@@ -383,9 +387,9 @@ class Index:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
-        (discovery, check), not written here, its header's ``created`` and its file's mtime ``stamp`` (written
-        since this index began, another process's: THEIRS, unless this process wrote that ``created`` there:
-        :meth:`wrote`; trust.written_ns), unless ``tier``'s entry is that copy already (it stays as it is);
+        (discovery, check), not written here, its write stamp (PageHeader.writer_ns) and its file's mtime
+        ``stamp`` (written since this index began, another process's: THEIRS, unless this process wrote that
+        stamp there: :meth:`wrote`; trust.written_ns), unless ``tier``'s entry is that copy already (it stays as it is);
         None is returned, and nothing indexed, when a copy of a key
         like it left the index since (maybe this one, its file being deleted: read it again), or when the
         index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
@@ -415,7 +419,7 @@ class Index:
                 # add_scanned). A lookup that read the file of this process's put before the put indexed it
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
-            theirs = mark is not None and self._theirs_under_index(key, tier, stamp)
+            theirs = mark is not None and self._theirs(key, tier, stamp)
             if mark is not None and not theirs:
                 self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else OLD if oldest else HOT, first=oldest)
@@ -428,7 +432,8 @@ class Index:
         return self._drops[hash(key) & _DROP_BUCKETS]
 
     def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
-                    stamp: tuple[int, int], epoch: int, mark: int, versions: bool = True) -> int:
+                    created: int, epoch: int, mark: int, versions: bool = True,
+                    stamp: tuple[int, int] | None = None) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
         of the key: one written, read or discovered since start, or a newer file the scan found
@@ -437,11 +442,12 @@ class Index:
         :meth:`settle`), -1, or RETRY: a copy of a key like it left the index since :meth:`mark`,
         maybe this one, its file deleted after the scan read it (read the file again). ``versions=False``:
         another version than the indexed one is never indexed, whatever its write time (catch-up's look,
-        replication.py _learn: a file of after this start, next to the version this process uses). ``stamp``:
-        the file's header ``created`` and its mtime, as found (a claim beyond the clock's skew included:
-        _found_mine_under_index): the page's version is its ``created`` (trust.created_ns: a claim is none);
-        a file written since this index began (trust.written_ns: a catch-up copy's file is newer than its
-        header's ``created``) is another process's (THEIRS: not counted, never a victim)."""
+        replication.py _learn: a file of after this start, next to the version this process uses). The page's
+        version is its header's ``created`` (trust.created_ns: a claim beyond the clock's skew is none).
+        ``stamp``: the file's write stamp (PageHeader.writer_ns) and its mtime, as found (a claim included:
+        _found_mine_under_index; default: ``created`` for both): a file written since this index began
+        (trust.written_ns) is another process's (THEIRS: not counted, never a victim) unless this process
+        wrote that stamp there (wrote)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -450,7 +456,7 @@ class Index:
             slot = self._table.find(key)
             if slot >= 0 and self._tiers[slot] >> tier & 1:
                 return -1
-            created = created_ns(stamp[0])
+            stamp, created = stamp or (created, created), created_ns(created)
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
                 if not versions or self._created[slot] >= created:  # (versions=False: never another)
                     return -1  # a newer version (one used since start is newer)
@@ -459,7 +465,7 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created)
-            theirs = self._theirs_under_index(key, tier, stamp)
+            theirs = self._theirs(key, tier, stamp)
             if not theirs:
                 self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else SCANNED)
@@ -618,11 +624,18 @@ class Index:
         self._free.append(slot)
 
     # -- internals: eviction --------------------------------------------------------------------
-    def _excess_under_index(self, tier: int, nbytes: int) -> int | None:
+    def _excess(self, tier: int, nbytes: int) -> int | None:
         """Bytes by which ``tier`` would exceed its capacity, with what it holds, what writes in
-        progress reserved and ``nbytes`` more (<= 0: it fits); None when it has no capacity limit."""
+        progress reserved and ``nbytes`` more (<= 0: it fits); None when it has no capacity limit.
+        Under the lock for a decision (reserve, evict_excess); without it, a look (fits)."""
         cap = self.capacities[tier]
         return None if cap is None else self.used[tier] + self.reserved[tier] + nbytes - cap
+
+    def fits(self, tier: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit ``tier``'s capacity now, with no eviction (a catch-up copy never evicts:
+        replication.py). A look without the lock, as holders: reserve decides when the copy is written."""
+        excess = self._excess(tier, nbytes)
+        return excess is None or excess <= 0
 
     def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[int] | None:
         victims: list[int] = []

@@ -55,11 +55,14 @@ if TYPE_CHECKING:
 MAGIC = b"KVSTPAGE"
 VERSION = 1
 _FIXED = struct.Struct("<8sHHIQQ16sH")  # magic .. key length (50 bytes)
+_COPIED = struct.Struct("<Q")  # at 50: a catch-up copy's own write time (bytes 50..63 were zero in every writer of
+# format 1 before it, and readers of format 1 skip them: a copy's header reads the same to them)
 _KEY_OFF = 64
 _CRC_OFF = 272
 _HCRC_OFF = HEADER_SIZE - 4
 
 assert _CRC_OFF + 4 * MAX_BLOCKS <= _HCRC_OFF and _KEY_OFF + KEY_MAX <= _CRC_OFF
+assert _FIXED.size + _COPIED.size <= _KEY_OFF
 
 class HeaderError(ValueError):
     """A page header that must not be trusted; ``str()`` says why."""
@@ -80,7 +83,15 @@ class PageHeader(NamedTuple):
     length: int
     block: int
     crcs: tuple[int, ...]
-    created_ns: int = 0
+    created_ns: int = 0  # the page's version: its put's time (a catch-up copy keeps it)
+    copied_ns: int = 0  # a catch-up copy's own time, by its copier's clock (0: the put's own file)
+
+    @property
+    def writer_ns(self) -> int:
+        """This file's write stamp, which its writer's filter knows (Index.wrote): a catch-up copy's own
+        time, else the put's. Another process's copy of this process's page keeps the page's ``created``
+        but carries its own stamp (review simp: before, it passed for this process's)."""
+        return self.copied_ns or self.created_ns
 
 
 def pack_header(header: PageHeader, into) -> None:
@@ -91,6 +102,7 @@ def pack_header(header: PageHeader, into) -> None:
         key = header.key.encode("ascii")
         _FIXED.pack_into(view, 0, MAGIC, VERSION, 0, header.block, header.length, header.created_ns,
                          bytes.fromhex(header.digest), len(key))
+        _COPIED.pack_into(view, _FIXED.size, header.copied_ns)
         view[_KEY_OFF:_KEY_OFF + len(key)] = key
         struct.pack_into(f"<{len(header.crcs)}I", view, _CRC_OFF, *header.crcs)
         struct.pack_into("<I", view, _HCRC_OFF, crc32c(view[:_HCRC_OFF]))
@@ -124,7 +136,8 @@ def unpack_header(data) -> PageHeader:
     key = data[_KEY_OFF:_KEY_OFF + key_len].decode("ascii", "replace")
     if not is_valid_key(key):
         raise HeaderError(f"invalid key {key!r}")
-    return PageHeader(key, digest.hex(), length, block, struct.unpack_from(f"<{count}I", data, _CRC_OFF), created)
+    return PageHeader(key, digest.hex(), length, block, struct.unpack_from(f"<{count}I", data, _CRC_OFF), created,
+                      _COPIED.unpack_from(data, _FIXED.size)[0])
 
 
 def block_crcs(segments: Sequence[Segment], length: int, block: int) -> tuple[int, ...]:
@@ -200,7 +213,7 @@ class ScannedPage(NamedTuple):
     problem: Problem | None
     file_bytes: int
     # the file's write time (st_mtime_ns): a catch-up copy keeps its header's ``created`` (the page's first
-    # write), its file is new (scan.written_ns: another process's since this one began, Index THEIRS)
+    # write), its file is new (trust.written_ns: another process's since this one began, Index THEIRS)
     mtime_ns: int = 0
 
 

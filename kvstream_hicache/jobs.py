@@ -4,9 +4,11 @@
         tier, files.py; EMFILE waits; ENOSPC, out of inodes too: evict LRU and try again) -> room (LRU
         victims evicted, their files removed) -> checksums and header (once per page)
     (writes.py submits the job's requests and reaps them; a failed or short write sets ``job.err``)
-    finish: a catch-up copy still wanted? -> Tier.commit ([fdatasync] -> rename into place) -> the
-        index; ENOSPC -> evict LRU on that tier and write it all again, up to SPACE_RETRIES times, while
-        evicting can make room at all; any other error fails the tier (tiers.py decides for how long)
+    finish: a catch-up copy still wanted? -> Tier.seal ([fdatasync], close) -> Tier.place (rename into
+        place) -> the index; a write's ENOSPC -> evict LRU on that tier and write it all again, up to
+        SPACE_RETRIES times, while evicting can make room at all (a temporary file's creation or a rename
+        refused for room: evict and try that again, _with_room_under_writer); any other error fails the
+        tier (tiers.py decides for how long)
     a hung tier (no write progress for write_timeout): the tier fails, its jobs are abandoned
         (hung_under_writer)
     a page whose caller let go of its memory (WritePage.gone: L2Core.close giving up on a hung tier; a put
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import TypeVar
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
@@ -35,6 +38,7 @@ from .stats import Stats
 from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
 from .writequeue import WriteQueue
 
+T = TypeVar("T")
 log = logging.getLogger("kvstream")
 
 
@@ -69,7 +73,7 @@ class Jobs:
             return None
         try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
             self.calling = k
-            fd, tmp = self._create_tmp_under_writer(page, k)
+            fd, tmp = self._with_room_under_writer(page, k, self.tiers[k].create_tmp)
         except OSError as exc:
             if exc.errno in OUT_OF_DESCRIPTORS:
                 return self._out_of_descriptors_under_writer(page, k)
@@ -107,25 +111,24 @@ class Jobs:
             return None
         # (a copy of it found there later, its header's created this one, may be ours: Index THEIRS). Before
         # the file can be renamed into place; once prepared, the page's created is known
-        self.index.wrote(page.key, k, page.created)
+        self.index.wrote(page.key, k, page.copied_ns or page.created)  # (PageHeader.writer_ns)
         job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
         page.started = time.monotonic()
         self.active[k].append(job)
         return job
 
-    def _create_tmp_under_writer(self, page: WritePage, k: int) -> tuple[int, str]:
-        """The job's temporary file. A tier out of room for a new file (ENOSPC, EDQUOT: no block, or no
-        inode left, with bytes to spare) evicts LRU pages and tries again, as a write or a rename does,
-        up to SPACE_RETRIES times while there is a page to evict. :raises OSError:"""
-        tries = 0
-        while True:
+    def _with_room_under_writer(self, page: WritePage, k: int, op: Callable[[], T]) -> T:
+        """``op()`` on tier ``k`` for ``page``: the creation of its temporary file, or its rename into place.
+        A tier out of room (ENOSPC, EDQUOT: no block, or no inode left, with bytes to spare; a rename may need
+        a new directory block) evicts LRU pages and tries again, as a write does, up to SPACE_RETRIES times
+        while there is a page to evict; a catch-up copy never evicts (page.evict). :raises OSError:"""
+        for _ in range(SPACE_RETRIES):
             try:
-                return self.tiers[k].create_tmp()
+                return op()
             except OSError as exc:
-                if exc.errno not in SPACE_ERRNOS or not page.evict or tries == SPACE_RETRIES or \
-                        not self._evict_under_writer(k, page.length):
+                if exc.errno not in SPACE_ERRNOS or not page.evict or not self._evict_under_writer(k, page.length):
                     raise
-                tries += 1
+        return op()
 
     def _out_of_descriptors_under_writer(self, page: WritePage, k: int) -> bool | None:
         """EMFILE/ENFILE (files.py): False to try again later, or None: this (page, tier) fails."""
@@ -217,9 +220,10 @@ class Jobs:
                 job.err = exc.errno or errno.EIO
         if job.err == 0:
             try:
-                fd, job.fd, self.calling = job.fd, None, k  # commit closes it, whatever happens
-                page_dir, sealed = tier.commit(fd, job.tmp, page.key, lambda: page.evict and
-                                               self._evict_under_writer(k, page.length), replace=page.copied is None)
+                fd, job.fd, self.calling = job.fd, None, k  # seal closes it, whatever happens
+                sealed = tier.seal(fd)  # (the data sealed: a rename refused for room is tried again)
+                page_dir = self._with_room_under_writer(page, k, lambda: tier.place(job.tmp, page.key,
+                                                                                    replace=page.copied is None))
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)

@@ -30,7 +30,7 @@ ORDER = (
     "replicator",  # Replicator: pages owed per tier, promoted sources (hands a copy to the queue under it)
     "queue",  # WriteQueue: the per-tier FIFOs, backlog, closing flag (callers and the writer, briefly)
     "lmcache.core",  # LMCache core: tasks, results, pins (a put's done callback runs under write/queue)
-    "tier",  # Tier: health state, back-off, probe schedule (takes nothing under it: probes and rejoins run outside)
+    "tier",  # Tier: health state, back-off, probe schedule (only clock under it: probes and rejoins run outside)
     "placing",  # Engine: a tier that did not answer at start-up checked against the others as it answers (a
     # tier's calls thread; bounded stats of the tiers under it, nothing else)
     "index",  # Index: key -> tiers, LRU, capacity, pins

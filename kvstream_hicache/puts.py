@@ -116,8 +116,8 @@ class WritePage:
     """A page to write: its sources, checksums, the tiers it goes to and the puts waiting for it."""
 
     __slots__ = ("key", "segments", "payload", "length", "block", "file_bytes", "aligned", "crcs", "created",
-                 "header", "users", "targets", "expected", "committed", "left", "calls", "spare", "evict", "copied",
-                 "started", "gate", "withdrawn", "cleared")
+                 "copied_ns", "header", "users", "targets", "expected", "committed", "left", "calls", "spare", "evict",
+                 "copied", "started", "gate", "withdrawn", "cleared")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -129,6 +129,7 @@ class WritePage:
         self.spare = 0  # tiers replicate=budget skipped: written after all if no tier committed the page
         self.crcs: tuple[int, ...] | None = None  # computed when its first job starts
         self.created = 0
+        self.copied_ns = 0  # a catch-up copy's own write stamp (PageHeader.copied_ns), set with its header
         self.header = None  # the page header, held while a job of the page is in flight
         self.users = 0  # jobs started and not finished (they hold the header)
         self.committed: list[int] = []
@@ -172,8 +173,11 @@ class WritePage:
         if self.header is None:
             if not self.created:
                 self.created = wall_ns()  # (never earlier than a delete's before it: trust.wall_ns)
+            if self.copied is not None and not self.copied_ns:  # (a copy keeps the page's created: its own stamp
+                self.copied_ns = wall_ns()  # tells its file from its source's, PageHeader.writer_ns)
             self.header = pool.get(HEADER_SIZE)
-            pack_header(PageHeader(self.key, digest, self.length, self.block, self.crcs, self.created), self.header)
+            pack_header(PageHeader(self.key, digest, self.length, self.block, self.crcs, self.created, self.copied_ns),
+                        self.header)
         return True
 
     def release(self, pool) -> None:

@@ -147,7 +147,7 @@ class Replicator:
                             info = info or self.index.get(key)
                             if info is None:
                                 continue
-                            if not self._room(k, info.length):  # full: a copy never evicts (owed, it would stay
+                            if not self.index.fits(k, info.length):  # full: a copy never evicts (owed, it would stay
                                 if info.length <= self.index.capacities[k]:  # so): its sweep finds it once the
                                     self._full[k] = info.length  # tier has room (before, only a restart's
                                     woke = True  # did: a replica skipped meanwhile never came back)
@@ -201,7 +201,7 @@ class Replicator:
                 if source is not None:
                     self._copies[key] = source
                 for k in tiers_in(faster):
-                    if source is None and not self._room(k, info.length):
+                    if source is None and not self.index.fits(k, info.length):
                         continue  # (without a copy it may not evict: a full tier would hold it owed for good)
                     self._owed[k][key] = None
                     if source is not None:  # ahead of the rest only with its copy (which may evict)
@@ -333,7 +333,7 @@ class Replicator:
                 if key not in self._busy and self._copies.pop(key, None) is source:
                     self._copy_bytes -= file_size(source.info.length)
                     self.pool.put(source.buf)
-        if not promoted and not self._room(k, info.length):
+        if not promoted and not self.index.fits(k, info.length):
             return False  # full: the page stays owed until pages leave the tier
         short = not promoted and _fs_short(tier, info.length)
         if short and _larger_than(tier, 2 * file_size(info.length)):  # it never fits there: dropped
@@ -456,7 +456,7 @@ class Replicator:
         first slot (what it lacks is owed); else it looks again in FAILED_BACKOFF_S (nothing else runs
         for the tier while it is full: one statvfs a second at most)."""
         length = self._full[k]
-        room = self._room(k, length) and not _fs_short(self.tiers[k], length)
+        room = self.index.fits(k, length) and not _fs_short(self.tiers[k], length)
         with self._lock:
             if not room:
                 self._next[k] = self.clock() + FAILED_BACKOFF_S
@@ -464,10 +464,6 @@ class Replicator:
             self._full[k] = 0
             self._sweep[k] = 0
         return True
-
-    def _room(self, k: int, nbytes: int) -> bool:
-        cap = self.index.capacities[k]
-        return cap is None or self.index.used[k] + self.index.reserved[k] + nbytes <= cap
 
     def _read_source(self, key: str, info) -> "_Source | bool":
         """The page file read whole (O_DIRECT) from a holder with no read in flight, its header and

@@ -406,6 +406,14 @@ class Policy:
     """A routing policy: data (name, parameters) plus ``start`` that builds one batch's route."""
 
     name: str = "policy"
+    m: int  # items per claim (every policy's dataclass field)
+    depth: int | None  # items in flight per tier (None: 2 * m)
+
+    def __post_init__(self):
+        # Every policy's claim and depth, checked when it is made: a bad one is a setting's error at start-up
+        # (config._check_policy), never a get's (BatchRoute raised it into every read).
+        if self.m < 1 or (self.depth is not None and self.depth < self.m):
+            raise ValueError(f"{self.name} policy needs 1 <= m <= depth, got m={self.m}, depth={self.depth}")
 
     def validate(self, n_tiers: int) -> None:
         """:raises ValueError: the policy cannot route reads over ``n_tiers`` tiers (it names a tier, or
@@ -427,10 +435,6 @@ class CompletionDriven(Policy):
 
     m: int = DEFAULT_CLAIM
     depth: int | None = None
-
-    def __post_init__(self):
-        if self.m < 1 or (self.depth is not None and self.depth < self.m):
-            raise ValueError(f"kvstream policy needs 1 <= m <= depth, got m={self.m}, depth={self.depth}")
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -458,8 +462,7 @@ class StaticSplit(Policy):
             raise ValueError(f"static split share(s) must be in [0, 1], got {self.g}")
         if isinstance(self.g, tuple) and sum(self.g) <= 0:
             raise ValueError(f"static split shares must not all be zero, got {self.g}")
-        if self.m < 1 or (self.depth is not None and self.depth < self.m):
-            raise ValueError(f"static policy needs 1 <= m <= depth, got m={self.m}, depth={self.depth}")
+        super().__post_init__()
 
     @property
     def name(self) -> str:  # type: ignore[override]

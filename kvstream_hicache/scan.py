@@ -31,8 +31,9 @@ scan is not done until that ends (discovery stays on, whatever the ``discover`` 
 
 Its cost is bounded, for a shared file system many servers restart against at once: at most
 ``scan_rate`` page files a second per tier (each an open, one 4 KiB read, a close), and at most
-``scan_cpu`` of a core per tier thread (it sleeps to stay within both). It takes no lock a request
-waits on: only the index's, one page (or one chunk of the final sort) at a time. Until it is done,
+``scan_cpu`` of a core per tier thread (it sleeps to stay within both). While it reads, it takes no lock a
+request waits on: only the index's, one page (or one chunk of the final sort) at a time; a trim at its end
+(a tier over its capacity) takes the writer's, as a put's eviction does (WritePath.trim). Until it is done,
 capacity eviction works from the pages known (those written, read or scanned so far), and
 ``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so. For ``kvstream info`` (another
 process) the progress is also written, at most once a second, to this user's file
@@ -89,8 +90,8 @@ def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, 
     better; ``versions=False``: never another version than the indexed one). Returns add_scanned's answer
     (a slot, -1, RETRY)."""
     h = page.header
-    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, (h.created_ns, page.mtime_ns), epoch,
-                             mark, versions)
+    return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, h.created_ns, epoch, mark, versions,
+                             (h.writer_ns, page.mtime_ns))
 
 
 class BackgroundScan:

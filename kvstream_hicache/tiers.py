@@ -557,26 +557,21 @@ class Tier:
                 raise
         return fd, path
 
-    def commit(self, fd: int, tmp_path: str, key: str, make_room: Callable[[], bool],
-               replace: bool = True) -> tuple[str, tuple[int, ...] | None]:
-        """Make a fully written temporary file the page of ``key`` (fsync per setting, rename).
-        Closes ``fd``. A full tier may refuse the rename itself (a new shard directory or directory
-        block needs room): the data is sealed, so ``make_room()`` (evict LRU pages; False: none
-        left) and place it again, up to SPACE_RETRIES times. Returns the page directory (fsynced by
-        the caller under fsync=full) and, on a local tier, the file's identity as sealed (trust.sealed_identity,
+    def seal(self, fd: int) -> tuple[int, ...] | None:
+        """Seal a fully written temporary file: fdatasync (per ``fsync``), then close ``fd``, whatever
+        happens. Returns, on a local tier, the file's identity as sealed (trust.sealed_identity,
         Index.committed_file; a network tier's would cost a round trip more per page: its evictions read the
-        header instead).
-        ``replace``: see :meth:`place`. :raises OSError: the temporary file is left for :meth:`discard`
-        (a failed fdatasync is never retried: the data is not sealed). An error from close is one too:
-        on a network file system it says the server did not take the data."""
-        sealed = self.calls.run(self._seal, fd)
-        for _ in range(SPACE_RETRIES):  # (make_room runs here, in the caller's thread: it evicts under its lock)
-            try:
-                return self.calls.run(self._place, tmp_path, key, replace), sealed
-            except OSError as exc:
-                if exc.errno not in SPACE_ERRNOS or not make_room():
-                    raise
-        return self.calls.run(self._place, tmp_path, key, replace), sealed
+        header instead). :raises OSError: a failed fdatasync is never retried (the data is not sealed); an
+        error from close is one too: on a network file system it says the server did not take the data."""
+        return self.calls.run(self._seal, fd)
+
+    def place(self, tmp_path: str, key: str, replace: bool = True) -> str:
+        """Rename a sealed temporary file into place as the page of ``key`` (:meth:`_place`, bounded): the
+        page directory, fsynced by the caller under fsync=full. A full tier may refuse the rename itself (a
+        new shard directory or directory block needs room): safe to call again once room is made (the
+        writer: Jobs._with_room_under_writer). :raises OSError: the temporary file is left for
+        :meth:`discard`."""
+        return self.calls.run(self._place, tmp_path, key, replace)
 
     def _seal(self, fd: int) -> tuple[int, ...] | None:
         try:
@@ -740,7 +735,7 @@ class Tier:
         name (two servers of one model share prefixes, their KV often the same bytes): that is its live page,
         and stays (before, the eviction removed it). On a local tier ``mine_file(identity, mtime)``
         (Index.mine_file) may tell this process's own file by its stat alone (trust.sealed_identity; a network
-        tier's mtime is its server's clock); else its header does: ``mine(created, mtime)`` (Index.mine). A file
+        tier's mtime is its server's clock); else its header does: ``mine(writer_ns, mtime)`` (Index.mine). A file
         that is no valid page goes, as any eviction's unlink took it; a later format's page stays. One look
         beyond the unlink (trust.unlink_unless; the header only where the stat does not tell):
         docs/benchmarks.md. Returns whether the file stays."""
@@ -753,7 +748,7 @@ class Tier:
                 return "a later format's page"
             except HeaderError:
                 return None
-            if mine(header.created_ns, st.st_mtime_ns):
+            if mine(header.writer_ns, st.st_mtime_ns):
                 return None
             return "another process's page, written under the name since"
 

@@ -659,12 +659,13 @@ def created_ns(claimed: int) -> int:
     return claimed if claimed <= honest_until() else 0
 
 
-def written_ns(header_created_ns: int, mtime_ns: int) -> int:
-    """When a found page's file was written: the later of its header's ``created`` and its file's mtime. A
-    catch-up copy keeps the page's ``created`` (the order of versions and of the LRU at a restart), but its
-    file is new: made since this engine began, it is the copying process's bytes (Index THEIRS), never this
-    one's to count or evict (review theirs2: a copy of an older page was this process's first victim)."""
-    return max(created_ns(header_created_ns), created_ns(mtime_ns))
+def written_ns(writer_ns: int, mtime_ns: int) -> int:
+    """When a found page's file was written: the later of its header's write stamp (PageHeader.writer_ns) and
+    its file's mtime. A catch-up copy keeps the page's ``created`` (the order of versions and of the LRU at a
+    restart), but its file is new: made since this engine began, it is the copying process's bytes (Index
+    THEIRS), never this one's to count or evict (review theirs2: a copy of an older page was this process's
+    first victim; the mtime tells it from a copier that stamps none, of before copied_ns)."""
+    return max(created_ns(writer_ns), created_ns(mtime_ns))
 
 
 _wall_lock = ranked_lock("clock")

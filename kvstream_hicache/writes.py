@@ -413,13 +413,8 @@ class WritePath:
             return
         for k in range(len(self.tiers)):
             if self.io.bytes[k] > self.io.orphaned[k] and now - self._progress[k] > self.write_timeout:
-                self._progress[k] = now
-                self._hung_under_writer(k)
-
-    def _hung_under_writer(self, k: int) -> None:
-        """Tier ``k``'s writes in flight made no progress for write_timeout: the tier fails and its jobs
-        are abandoned (Jobs.hung_under_writer); their writes in flight stay on the ring as orphans."""
-        self.jobs.hung_under_writer(k, self.write_timeout, self._orphan_under_writer)
+                self._progress[k] = now  # (the tier fails, its jobs abandoned: their writes stay as orphans)
+                self.jobs.hung_under_writer(k, self.write_timeout, self._orphan_under_writer)
 
     def _orphan_under_writer(self, job: Job) -> None:
         """An abandoned job's writes in flight: orphans until they end. Their staging leaves the budget
@@ -472,7 +467,7 @@ class WritePath:
             for write in self.io.replace():  # (closed: what it took has ended; writes go on on a new one)
                 self._give_up_under_writer(write)
         for k in sorted({write.tier for write in self.io.requests() if not write.orphan}):
-            self._hung_under_writer(k)  # (no end within write_timeout)
+            self.jobs.hung_under_writer(k, self.write_timeout, self._orphan_under_writer)  # (no end in time)
         for jobs in self.jobs.active:
             for job in jobs:
                 job.in_flight = 0

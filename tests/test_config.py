@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import re
 from unittest import mock
 
 import pytest
@@ -290,7 +291,6 @@ def test_the_design_settings_table_is_settings():
 def test_config_does_no_io():
     """Parsing is pure: the checks that touch the tiers are probe.py's."""
     import inspect
-    import re
 
     from kvstream_hicache import config
 
@@ -308,3 +308,11 @@ def test_a_policy_validates_against_the_tier_count_without_building_a_route():
         SingleTier(2).validate(2)
     with pytest.raises(ValueError, match="3 shares for 2 tiers"):
         StaticSplit((0.5, 0.3, 0.2)).validate(2)
+
+
+def test_a_single_tier_policy_with_a_bad_claim_is_refused_at_start_up(tier_dirs):
+    """'tier0:m=0' was accepted (SingleTier checked no claim), and every get raised ValueError from its route
+    (found reading the house, stop 51): a setting's error, named at start-up with the value as written."""
+    for spec in ("tier0:m=0", "tier1:m=4,depth=2"):
+        with pytest.raises(ConfigError, match=re.escape(repr(spec))):
+            Config.from_sources({"tiers": tier_dirs[:2], "policy": spec}, environ={})

@@ -142,7 +142,7 @@ HEX = [f"{i:064x}" for i in range(6)]
 
 def scanned(index, key, tier=0, created=0, crcs=CRCS, mark=None):
     mark = index.mark(key) if mark is None else mark
-    return index.add_scanned(key, tier, 90, 4096, crcs, 100, (created, created), index.epoch, mark)
+    return index.add_scanned(key, tier, 90, 4096, crcs, 100, created, index.epoch, mark)
 
 
 def test_hex_and_other_keys_round_trip_and_slots_are_reused():
@@ -217,7 +217,7 @@ def test_the_scan_never_overrides_what_the_index_knows():
     assert index.holders("b") == 0b10 and index.get("b").crcs == (2,)
     epoch = index.epoch
     index.clear()
-    assert index.add_scanned("c", 0, 90, 4096, CRCS, 100, (0, 0), epoch, index.mark("c")) == -1
+    assert index.add_scanned("c", 0, 90, 4096, CRCS, 100, 0, epoch, index.mark("c")) == -1
 
 
 def test_a_copy_that_left_the_index_after_the_scan_read_it_is_read_again():
@@ -235,7 +235,7 @@ def test_a_background_copy_is_the_least_recent_and_reserve_without_eviction_refu
     """commit(oldest=True) (a catch-up copy, replication.py) goes first when room is needed, before
     the pages of before the restart too; reserve(evict=False) never evicts."""
     index = Index([300])
-    index.add_scanned("old", 0, 90, 4096, CRCS, 100, (5, 5), index.epoch, index.mark("old"))
+    index.add_scanned("old", 0, 90, 4096, CRCS, 100, 5, index.epoch, index.mark("old"))
     add(index, "hot", 0)
     assert index.reserve(0, 100) == []
     index.commit("copy", 0, 90, 4096, CRCS, 100, oldest=True)
@@ -378,7 +378,7 @@ def test_a_copy_read_from_a_file_being_removed_leaves_the_index(between):
     if between == "discovered":
         assert index.commit(key, 0, 100, 4096, crcs, 100, reserved=False, mark=mark) == []
     else:
-        slot = index.add_scanned(key, 0, 100, 4096, crcs, 100, (1, 1), index.epoch, mark)
+        slot = index.add_scanned(key, 0, 100, 4096, crcs, 100, 1, index.epoch, mark)
         if between == "settle":
             index.settle(0, array("i", [slot]), index.epoch)
         else:
@@ -446,7 +446,7 @@ def test_used_bytes_are_the_counted_copies_whatever_moves_them_between_lists():
             index.commit(key, tier, nbytes, 4096, crcs, nbytes, reserved=False, mark=index.mark(key),
                          stamp=(written, written))
         elif op == 2:
-            slot = index.add_scanned(key, tier, nbytes, 4096, crcs, nbytes, (written, written), index.epoch,
+            slot = index.add_scanned(key, tier, nbytes, 4096, crcs, nbytes, written, index.epoch,
                                      index.mark(key), rng.random() < 0.5)
             if slot >= 0 and rng.random() < 0.5:
                 index.settle(tier, array("i", [slot]), index.epoch)

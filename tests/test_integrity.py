@@ -50,6 +50,9 @@ def test_crc32c_check_value_and_chaining():
 def test_header_round_trip():
     h = header()
     assert unpack_header(packed(h)) == h
+    copy = header(copied_ns=9)  # (a catch-up copy's own stamp, in bytes 50..57: its writer's filter key)
+    assert unpack_header(packed(copy)) == copy and copy.writer_ns == 9 and h.writer_ns == 7
+    assert packed(copy)[:50] == packed(h)[:50] and packed(copy)[58:4092] == packed(h)[58:4092]
 
 
 @pytest.mark.parametrize("offset", [0, 9, 13, 17, 33, 64, 272, HEADER_SIZE - 1])

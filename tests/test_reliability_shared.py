@@ -390,6 +390,43 @@ def test_a_page_another_process_wrote_under_a_key_this_one_evicted_is_never_its_
         assert os.path.exists(b.tiers[0].layout.page_path(x))
 
 
+def test_another_process_s_catch_up_copy_under_a_key_this_one_evicted_is_never_its_victim(tier_dirs):
+    """A (tier d0, capacity 2 pages) and B (tiers d1, d0: d0 shared with A). A puts X. B starts, its scan finds
+    X on d0 and its catch-up copies it to d1 (keeping X's header ``created``, A's). A's eviction removes its X
+    on d0. B's read of X there misses and B's catch-up copies X back to d0 from d1: B's live page, B's bytes,
+    written after A began, its header's ``created`` still A's put's. A reads X (discovery): it must be another
+    process's copy (THEIRS: docs/design.md "a page another process wrote since under a key this one evicted
+    there ... stays THEIRS"), and A's next evictions must leave B's file in place. Before (review simp, stop
+    51), Index.wrote's filter, keyed by (key, tier, created), took the copy, which carries A's ``created``, for
+    A's: counted by A and A's victim. A copy's header carries its own stamp now (PageHeader.copied_ns)."""
+    pages = PageSet()
+    x, y, z, w, v = pages.keys(5)
+    d0, d1 = tier_dirs[:2]
+    with make_engine([d0], capacity=str(2 * PAGE_BYTES)) as a:
+        assert pages.put(a, [x]) == [True]
+        with make_engine([d1, d0]) as b:  # (X found by B's scan: its sweep copies it to d1, created kept)
+            wait_until(lambda: b.index.holders(x) == 0b11, what="B's catch-up never copied X to d1")
+            for k in (y, z):  # A's eviction removes its own X on d0
+                assert pages.put(a, [k]) == [True]
+            path = a.tiers[0].layout.page_path(x)
+            assert not a.contains(x) and not os.path.exists(path)
+            pages.get(b, [x], SingleTier(1))  # B misses on d0 (reads d1): owes d0 a copy
+            wait_until(lambda: b.index.holders(x) == 0b11 and os.path.exists(path),
+                       what="B's catch-up never copied X back to d0")
+            b_file = os.stat(path)
+            assert pages.checked_get(a, [x]) == [True]  # A discovers B's copy
+            theirs, used = a.index.theirs(0), a.index.used[0]
+            for k in (w, v):
+                assert pages.put(a, [k]) == [True]
+            survived = os.path.exists(path) and os.stat(path).st_ino == b_file.st_ino
+            b.delete([x])  # (both indexes consistent at close, whatever happened)
+            assert pages.get(a, [x])[0] == [False]
+            for k in (y, z, w, v):  # (each index learns the other's pages on d0)
+                a.contains(k), b.contains(k)
+            assert (theirs, used) == (1, 2 * PAGE_BYTES), "B's catch-up copy, written since A began, counted as A's"
+            assert survived, "A's eviction removed B's live copy"
+
+
 def test_a_page_another_process_stored_again_after_removing_this_ones_is_never_its_victim(tier_dirs):
     """Two servers on one directory. A (capacity 2 pages) puts X; B, begun after (its scan counts X), deletes X
     and puts it again: B's live page under the name, the same bytes (one model, one prefix). A's index still

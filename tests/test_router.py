@@ -249,7 +249,8 @@ def test_parse_policy():
     assert parse_policy("tier1:m=4").name == "tier1"
     assert parse_policy("static-0.5/0.3/0.2").name == "static-0.5/0.3/0.2"
     assert parse_policy(" KVStream ").name == "kvstream"
-    for bad in ["", "fastest", "static-1.5", "kvstream:m=0", "kvstream:q=1", "kvstream:m=4,depth=2"]:
+    for bad in ["", "fastest", "static-1.5", "kvstream:m=0", "kvstream:q=1", "kvstream:m=4,depth=2", "tier0:m=0",
+                "tier1:m=4,depth=2", "static-0.5:m=0"]:
         with pytest.raises(ValueError):
             parse_policy(bad)
 

@@ -20,7 +20,10 @@ import tempfile
 
 import pytest
 
-from helpers import HERE, Node, PageSet, make_engine, page_files
+from kvstream_hicache.integrity import unpack_header
+from kvstream_hicache.layout import HEADER_SIZE
+
+from helpers import HERE, Node, PageSet, make_engine, page_files, wait_until
 
 ROOT = os.path.dirname(HERE)
 BEFORE_REAL_PATHS = "2e0121e"  # stop 43 before cdf2983: the record named its tiers as listed, a link kept
@@ -135,3 +138,28 @@ def test_a_clear_owed_is_still_done_when_the_node_is_rolled_back_to_stop_43(tree
     got = old("get", "p", 0, 4, 0)
     assert got["found"] == [False] * 4, f"{sum(got['found'])} of 4 pages cleared are served by {STOP_43} after a rollback"
 
+
+
+BEFORE_COPIED = "afeed1e"  # stop 51 before a catch-up copy's header carried its own stamp (PageHeader.copied_ns)
+
+
+def test_a_catch_up_copy_this_tree_wrote_is_served_by_a_tree_of_before_its_stamp(trees, versions, tier_dirs):
+    """A catch-up copy's header now carries its copier's stamp in bytes 50..57 (``copied``), which every
+    writer of format 1 before it left zero (review simp, stop 51). A node rolled back to a tree of before
+    reads such a copy as any page: bytes it skips, covered by the header CRC it checks."""
+    d0, d1 = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine([d0]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+    with make_engine([d0, d1]) as engine:  # (its scan finds them on d0, its catch-up copies them to d1)
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), what="catch-up never copied to d1")
+    copies = []
+    for path in page_files(d1):
+        with open(path, "rb") as f:
+            copies.append(unpack_header(f.read(HEADER_SIZE)))
+    assert len(copies) == 4 and all(h.copied_ns > h.created_ns > 0 for h in copies)
+    old = versions(trees(BEFORE_COPIED))
+    old("open", [d1], {})
+    got = old("get", "p", 0, 4, 0)
+    assert got["found"] == got["exact"] == [True] * 4, f"{BEFORE_COPIED} did not serve this tree's catch-up copies: {got}"
