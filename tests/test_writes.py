@@ -512,7 +512,7 @@ def test_a_slow_tier_skips_replicas_that_would_drain_after_the_home_copy(tier_di
     replicate=all keeps every replica."""
     plan = TierFaultPlan()
     page = 1 << 20
-    warm = writes.TRUST_BYTES // page + 2
+    warm = 2 * writes.TRUST_BYTES // page  # (a page's short last write measures nothing: test_replication.py)
     for mode in ("budget", "all"):
         pages = PageSet(page, salt=mode)
         plan.clear()
@@ -711,7 +711,7 @@ def test_a_home_tier_write_failure_is_written_to_a_tier_that_skipped_it(tier_dir
     21 of 24 pages False, again on the put after)."""
     plan = TierFaultPlan()
     page = 1 << 20
-    warm = writes.TRUST_BYTES // page + 2
+    warm = 2 * writes.TRUST_BYTES // page  # (a page's short last write measures nothing: test_replication.py)
     pages = PageSet(page)
     plan.on(tier_dirs[1], Fault.delay(0.5), opcode=OP_WRITE)
     # memory=16M: a tier's write window is at most 4 MiB, so tier 1 measures at most 8 MiB/s whatever
