@@ -173,8 +173,9 @@ class WritePage:
         if self.header is None:
             if not self.created:
                 self.created = wall_ns()  # (never earlier than a delete's before it: trust.wall_ns)
-            if self.copied is not None and not self.copied_ns:  # (a copy keeps the page's created: its own stamp
-                self.copied_ns = wall_ns()  # tells its file from its source's, PageHeader.writer_ns)
+            if self.copied is not None and not self.copied_ns:  # (a catch-up copy keeps the page's created, a
+                self.copied_ns = wall_ns()  # promoted one takes a new one: its own stamp tells its file from
+                # its source's, PageHeader.writer_ns)
             self.header = pool.get(HEADER_SIZE)
             pack_header(PageHeader(self.key, digest, self.length, self.block, self.crcs, self.created, self.copied_ns),
                         self.header)

@@ -14,6 +14,7 @@ import pytest
 
 from kvstream_hicache import check_tiers
 from kvstream_hicache import tiers as tiers_module
+from kvstream_hicache.integrity import unpack_header
 from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.trust import CLOCK_SKEW_NS
@@ -425,6 +426,40 @@ def test_another_process_s_catch_up_copy_under_a_key_this_one_evicted_is_never_i
                 a.contains(k), b.contains(k)
             assert (theirs, used) == (1, 2 * PAGE_BYTES), "B's catch-up copy, written since A began, counted as A's"
             assert survived, "A's eviction removed B's live copy"
+
+
+def test_this_process_s_own_catch_up_copies_stay_counted_when_found_again_and_after_a_restart(tier_dirs):
+    """The other side of the copy's stamp (review copied, stop 51): this process's own catch-up copies carry
+    its own stamp (PageHeader.copied_ns, in its filter: Index.wrote), so one whose index entry was lost and
+    is found again (catch-up's look after a read, check --fix) stays counted here, and after a restart the
+    scan counts the earlier run's copies and evicts them with their files."""
+    pages = PageSet()
+    x, y, z, w = pages.keys(4)
+    d0, d1 = tier_dirs[:2]
+
+    def header(path):
+        with open(path, "rb") as f:
+            return unpack_header(f.read(HEADER_SIZE))
+
+    with make_engine([d1]) as p:
+        assert pages.put(p, [x, y]) == [True, True]
+    cap = os.pathsep.join(["", str(2 * PAGE_BYTES)])
+    with make_engine([d1, d0], capacity=cap) as a:
+        wait_until(lambda: all(a.index.holders(k) == 0b11 for k in (x, y)), what="no catch-up copy")
+        assert all(header(f).copied_ns for f in page_files(d0))
+        a.index.remove(x, 1)  # (a copy whose index entry was lost)
+        assert pages.checked_get(a, [x]) == [True]  # (read from d1: owes d0 the page; catch-up finds the file)
+        wait_until(lambda: a.index.holders(x) == 0b11, what="catch-up never learned its own copy back")
+        assert (a.index.used[1], a.index.theirs(1)) == (2 * PAGE_BYTES, 0), "own copy taken for another's"
+        a.index.remove(y, 1)
+        assert a.contains(y)  # (held on d1: no lookup)
+        assert a.check(fix=True) is not None
+        assert (a.index.used[1], a.index.theirs(1)) == (2 * PAGE_BYTES, 0), "own copy, check --fix: another's"
+    with make_engine([d1, d0], capacity=cap) as a2:
+        assert (a2.index.used[1], a2.index.theirs(1)) == (2 * PAGE_BYTES, 0)
+        assert pages.put(a2, [z, w]) == [True, True]
+        assert len(page_files(d0)) <= 2, "an earlier run's copies not evicted with their files"
+        assert a2.index.theirs(1) == 0
 
 
 def test_a_page_another_process_stored_again_after_removing_this_ones_is_never_its_victim(tier_dirs):
