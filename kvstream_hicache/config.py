@@ -572,6 +572,13 @@ def _tier_path(entry: str, what: str) -> str:
     return os.path.abspath(expanded)
 
 
+def check_policy(policy: str, what: str, n_tiers: int) -> None:
+    """A routing policy given elsewhere than in the settings (``kvstream bench --policies``), checked as the
+    setting is: it parses and fits ``n_tiers`` tiers; ``what`` names where it was given.
+    :raises ConfigError: naming ``what``, the policy as written and the valid forms."""
+    _check_policy(str(policy).strip().lower(), None, what, n_tiers)
+
+
 def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_claim: str = "claim",
                   twice: list[tuple[str, str]] | None = None, what_tiers: str = "tiers") -> None:
     """The policy parses and fits the tiers (``tier2`` with two tiers, three static shares for two

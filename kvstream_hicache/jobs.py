@@ -77,7 +77,8 @@ class Jobs:
         except OSError as exc:
             if exc.errno in OUT_OF_DESCRIPTORS:
                 return self._out_of_descriptors_under_writer(page, k)
-            self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
+            if not self._copy_refused(page, exc.errno):  # (a catch-up copy a full tier refused: still owed)
+                self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
             self.queue.job_over_under_writer(page, k)
             return None
         finally:
@@ -227,8 +228,9 @@ class Jobs:
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
-                if not (page.copied is not None and exc.errno == errno.EEXIST):  # (a catch-up copy that another
-                    # writer's file beat to the name, since it looked: not wanted, as above)
+                if not (page.copied is not None and exc.errno == errno.EEXIST or self._copy_refused(page, exc.errno)):
+                    # (a catch-up copy that another writer's file beat to the name, since it looked: not
+                    # wanted, as above; or one a full tier refused the rename of)
                     self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_under_writer(job)
                 return
@@ -258,10 +260,17 @@ class Jobs:
                 return
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.length)
-        if job.err != CANCELLED and not (page.copied is not None and job.err in SPACE_ERRNOS):  # (a full
-            # tier refusing a catch-up copy: dropped, replication.py)
+        if job.err != CANCELLED and not self._copy_refused(page, job.err):
             self._failed_under_writer(k, job.err, f"write {page.key}")
         self._close_under_writer(job)
+
+    @staticmethod
+    def _copy_refused(page: WritePage, err: int | None) -> bool:
+        """A full tier (ENOSPC, EDQUOT) refused a catch-up copy, at its temporary file's creation, a write or
+        its rename: no failure of the tier, counted nowhere (the copy never evicts; it stays owed,
+        replication.py). Before, a tier out of inodes or over a quota (statvfs shows bytes free: the
+        catch-up tries again every FAILED_BACKOFF_S) counted a write failure and an error at each try."""
+        return page.copied is not None and err in SPACE_ERRNOS
 
     def _close_under_writer(self, job: Job) -> None:
         """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""

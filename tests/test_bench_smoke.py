@@ -221,3 +221,19 @@ def test_the_reads_right_after_the_put_are_a_phase_of_their_own(tmp_path, tier_d
     assert doc["policies"]["kvstream@put"]["speedup_vs_tier0"] == pytest.approx(after_put)
     timed = [b for b in timed if b["bound_s"]]
     assert doc["bound_gbps"] == pytest.approx(sum(b["nbytes"] for b in timed) / sum(b["bound_s"] for b in timed) / 1e9)
+
+
+@pytest.mark.parametrize("policy, why", [("tier2", "cannot route reads over 2 tiers"),
+                                         ("static-0.5/0.3/0.2", "cannot route reads over 2 tiers"),
+                                         ("tier0:m=0", "is not a routing policy")])
+def test_bench_refuses_a_policy_the_tiers_cannot_take_before_writing(tmp_path, tier_dirs, capsys, policy, why):
+    """A policy is checked as the engine's policy setting is (config.check_policy): one that names a tier,
+    or gives shares, the tiers do not have, or a bad m, is refused before anything is written, and the
+    message names --policies, the policy as written and the valid forms. Before: 'tier2' for two tiers
+    wrote every page and the baselines, then its first read raised a traceback (ValueError). Found by a
+    review."""
+    assert cli.main(["bench", *tier_dirs[:2], *SMALL, "--policies", f"kvstream,{policy}"]) == 2
+    out = capsys.readouterr()
+    assert f"--policies: {policy!r} {why}" in out.err and "valid: 'kvstream'" in out.err, out.err
+    assert "replicated write" not in out.out
+    assert not any(os.listdir(d) for d in tier_dirs[:2])

@@ -232,3 +232,24 @@ def test_a_replica_larger_than_the_file_system_holds_up_no_other(tier_root, loop
         wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in pages.keys(4)), WAIT_S,
                    f"the replicas never reached tier 1 once it had room: {engine.stats()['tiers'][1]}")
         assert engine.index.holders(huge.keys(1)[0]) == 0b01 and tmp_files(fs.mnt) == []
+
+
+def test_catchup_copies_a_tier_out_of_inodes_refuses_stay_owed_and_count_no_failure(tier_root, loop_fs):
+    """Tier 1 has bytes to spare (statvfs says so: catch-up tries) but no inode left, nothing of this engine to
+    evict there: each catch-up copy's temporary file is refused (ENOSPC). The copies stay owed, and a refusal
+    counts nowhere, as a full tier's refusal of a copy's write does (a copy never evicts). Before: every try, one
+    a second while the tier stayed full, counted a write failure and an error. Found by a review."""
+    fs = loop_fs(32 * MIB, "inodes1")
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    keys = [f"aa{i:04d}" for i in range(4)]
+    with make_engine([t0, fs.mnt], replicate="all") as engine:
+        _take_inodes(fs.mnt, leave=0)
+        assert [put_items(engine, [(k, content(k, 8192), True)]) for k in keys] == [[True]] * len(keys)
+        # a catch-up copy tried and refused (its failure sets the tier's next look a back-off away)
+        wait_until(lambda: engine._replicas._next[1] > 0 and engine._replicas._busy[1] is None, WAIT_S,
+                   "catch-up never tried tier 1")
+        stats = engine.stats()["tiers"][1]
+        assert stats["healthy"] and stats["replication_pending"] == len(keys)
+        assert stats["write_failures"] == len(keys) and stats["errors"] == len(keys), stats  # the puts' only
+        assert all(engine.index.holders(k) == 0b01 for k in keys) and tmp_files(fs.mnt) == []

@@ -135,7 +135,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------------- the run
 def run(args: argparse.Namespace, log=print) -> dict:
-    from ...config import Config
+    from ...config import Config, check_policy
     from ...layout import Namespace
     from ...router import parse_policy
 
@@ -167,6 +167,9 @@ def run(args: argparse.Namespace, log=print) -> dict:
             os.makedirs(d)
         if not args.keep_data:
             stack.callback(lambda: [shutil.rmtree(d, ignore_errors=True) for d in dirs])
+        for spec in specs:  # checked as the engine's policy setting is, for these tiers, before anything is
+            if spec not in peers.NOT_POLICIES:  # written (a 'tier2' for two tiers failed the first read)
+                check_policy(spec, "--policies", len(dirs))
         _check_space(dirs, ds, specs, _baseline_tiers(args.write_baseline, bed, len(dirs)))
         try:
             scenario = drift.make(args.scenario, testbed=bed, dirs=dirs, bs=geom.page_bytes, tier=args.drift_tier,
