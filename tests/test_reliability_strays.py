@@ -293,7 +293,7 @@ def test_an_eviction_that_meets_a_device_under_the_victims_name_keeps_the_tier_h
 
 
 _TTY_CHILD = r'''
-import errno, fcntl, json, os, signal, stat, sys, termios
+import errno, fcntl, json, os, signal, stat, subprocess, sys, termios
 sys.path.insert(0, sys.argv[1])
 signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (took: giving a controlling terminal up hangs its group up)
 dirs = json.loads(sys.argv[2])
@@ -324,35 +324,25 @@ def took(what):
 
 
 def plant(path):
-    if os.path.lexists(path):  # (the page's file, or the device a step before removed or left)
-        os.unlink(path)
-    os.mknod(path, stat.S_IFCHR | 0o600, rdev)
+    """This test's own pty's slave under the page's name: its devpts node bind-mounted there (a mknod'ed pty
+    node opens nothing: a slave opens only as devpts's inode). No session has it, so a session leader's open
+    without O_NOCTTY makes it the controlling terminal. (A serial line or a console, which the test used
+    before, is the machine's: the probe's exit holding it hung it up, a serial getty or a root shell on it
+    with it. The mounts are in a mount namespace of the child's own: none outlives it.)"""
+    unplant(path)
+    if not os.path.lexists(path):
+        open(path, "wb").close()
+    subprocess.run(["mount", "--bind", slave_path, path], check=True)
 
 
-def terminal():
-    """A terminal device that a session leader's open makes its controlling terminal, from outside /dev (a
-    pty's slave opens only on devpts; a console that is another session's stays theirs): a serial line or a
-    virtual console, tried in a child of its own session."""
-    probe = os.path.join(dirs[2], "probe")
-    for rdev in (os.makedev(4, 64), os.makedev(4, 65), os.makedev(4, 1), os.makedev(4, 2), os.makedev(4, 7)):
-        os.mknod(probe, stat.S_IFCHR | 0o600, rdev)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setsid()
-                os.close(os.open(probe, os.O_RDONLY | os.O_NONBLOCK))
-                os._exit(0 if has_terminal() else 1)
-            except BaseException:
-                os._exit(2)
-        acquired = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-        os.unlink(probe)
-        if acquired:
-            return rdev
-    print(json.dumps("no terminal device here becomes a controlling terminal"))
-    sys.exit(0)
+def unplant(path):
+    while os.path.ismount(path):
+        subprocess.run(["umount", path], check=True)
 
 
-rdev = terminal()
+master, slave = os.openpty()
+slave_path = os.ttyname(slave)
+os.close(slave)
 assert not has_terminal()
 taken = []
 pages = PageSet()
@@ -363,13 +353,13 @@ with make_engine(dirs[:2], catchup="off") as engine:
     plant(path)
     assert pages.checked_get(engine, [x], SingleTier(0)) == [True]  # (from tier 1)
     taken += took("get")
-    plant(path)  # (the get removed it, as a stray)
+    plant(path)  # (the get tried to remove it, as a stray: a mount point stays)
     engine.check()
     taken += took("check")
     plant(path)
 with make_engine(dirs[:2], catchup="off") as engine:  # (the start-up scan meets it)
     taken += took("start-up scan")
-    assert not os.path.lexists(path)  # (removed, as a stray)
+    unplant(path)  # (a mount point: the scan cannot remove it)
 with make_engine(dirs[2:], capacity=str(PAGE_BYTES), catchup="off") as engine:
     assert pages.put(engine, [y]) == [True]
     path = engine.tiers[0].layout.page_path(y)
@@ -377,6 +367,7 @@ with make_engine(dirs[2:], capacity=str(PAGE_BYTES), catchup="off") as engine:
     assert pages.put(engine, [z]) == [True]  # y evicted: its look opens the name
     assert engine.stats()["tiers"][0]["evictions"] == 1
     taken += took("eviction")
+    unplant(path)
     os.unlink(path)
 print(json.dumps(taken))
 '''
@@ -388,8 +379,11 @@ def test_a_terminal_under_a_page_name_never_becomes_the_engine_s_controlling_ter
     it would then signal the server (SIGHUP), and its line discipline's keys (^C) would reach it. Every open of
     a file under a tier's page name (a get's, check's, the start-up scan's, an eviction's look) is O_NOCTTY
     (noticed by the reviews of stop 50; planting a device takes root, trusted here)."""
-    out = subprocess.run([sys.executable, "-c", _TTY_CHILD, HERE, json.dumps(tier_dirs)], capture_output=True,
-                         text=True, timeout=300)
+    private = ["unshare", "--mount", "--propagation", "private"]  # (the child's mounts die with it)
+    if subprocess.run([*private, "true"], capture_output=True).returncode != 0:
+        pytest.skip("no mount namespace here (unshare --mount: root, util-linux)")
+    out = subprocess.run([*private, sys.executable, "-c", _TTY_CHILD, HERE, json.dumps(tier_dirs)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     taken = json.loads(out.stdout.splitlines()[-1])
     if isinstance(taken, str):
