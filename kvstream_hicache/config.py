@@ -380,8 +380,9 @@ class Config:
                               "smaller chunk")
         put("memory", memory)
         put("claim", None if self.claim is None else parse_number(self.claim, what("claim"), int, 1))
+        written = self.policy
         put("policy", str(self.policy).strip().lower())  # the router reads 'KVStream' as 'kvstream' too
-        _check_policy(self.policy, self.claim, what("policy"), len(tiers), what("claim"),
+        _check_policy(written, self.claim, what("policy"), len(tiers), what("claim"),
                       [(d, t.path) for t in tiers for d in t.duplicates], what("tiers"))
         if self.log_level is not None:
             put("log_level", _choice(self.log_level, LOG_LEVELS, what("log_level"), upper=True))
@@ -576,22 +577,23 @@ def check_policy(policy: str, what: str, n_tiers: int) -> None:
     """A routing policy given elsewhere than in the settings (``kvstream bench --policies``), checked as the
     setting is: it parses and fits ``n_tiers`` tiers; ``what`` names where it was given.
     :raises ConfigError: naming ``what``, the policy as written and the valid forms."""
-    _check_policy(str(policy).strip().lower(), None, what, n_tiers)
+    _check_policy(policy, None, what, n_tiers)
 
 
-def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_claim: str = "claim",
+def _check_policy(written: str, claim: int | None, what: str, n_tiers: int, what_claim: str = "claim",
                   twice: list[tuple[str, str]] | None = None, what_tiers: str = "tiers") -> None:
-    """The policy parses and fits the tiers (``tier2`` with two tiers, three static shares for two
-    tiers would fail every read); ``claim`` goes with the bare 'kvstream' policy only (any other spec
-    would silently override or ignore it: Config.policy_spec). ``twice``: (duplicate, tier kept) of the
-    entries dropped from the tier list, named first when the policy does not fit (it was likely
-    written for the tiers as listed)."""
+    """The policy ``written`` (as the user wrote it: the messages quote it so) parses and fits the tiers
+    (``tier2`` with two tiers, three static shares for two tiers would fail every read); ``claim`` goes
+    with the bare 'kvstream' policy only (any other spec would silently override or ignore it:
+    Config.policy_spec). ``twice``: (duplicate, tier kept) of the entries dropped from the tier list, named
+    first when the policy does not fit (it was likely written for the tiers as listed)."""
+    policy = str(written).strip().lower()
     if claim is not None and policy != "kvstream":
         base, _, opts = policy.partition(":")
         example = base + ":" + ",".join([o for o in opts.split(",") if o and not o.strip().startswith("m=")]
                                         + [f"m={claim}"])
         raise ConfigError(f"{what_claim}: {claim} sets m for the bare 'kvstream' policy only, but {what} is "
-                          f"{policy!r}, which {'fixes its own m' if 'm=' in opts else 'would ignore it'}: drop "
+                          f"{written!r}, which {'fixes its own m' if 'm=' in opts else 'would ignore it'}: drop "
                           f"{what_claim}, or write m into the policy, e.g. {example!r}")
     spec = f"kvstream:m={claim}" if claim is not None and policy == "kvstream" else policy
     tiers = f"'tier0' .. 'tier{n_tiers - 1}'" if n_tiers > 1 else "'tier0'"
@@ -599,14 +601,14 @@ def _check_policy(policy: str, claim: int | None, what: str, n_tiers: int, what_
     try:
         parsed = parse_policy(spec)
     except ValueError as exc:  # (its name, options, shares, claim and depth: whatever the tiers)
-        raise ConfigError(f"{what}: {policy!r} is not a routing policy ({exc}); {valid}") from None
+        raise ConfigError(f"{what}: {written!r} is not a routing policy ({exc}); {valid}") from None
     try:
         parsed.validate(n_tiers)
     except ValueError as exc:
         counted = f"{n_tiers} tier{'s' * (n_tiers != 1)}"
         dup = _listed_twice(twice or [], what_tiers, f"the duplicate is dropped, leaving {counted}; remove it and "
                                                      f"write the policy for {counted}")
-        raise ConfigError(f"{what}: {policy!r} cannot route reads over {counted} ({exc}){dup}; {valid}") from None
+        raise ConfigError(f"{what}: {written!r} cannot route reads over {counted} ({exc}){dup}; {valid}") from None
 
 
 def check_capacities(config: "Config", capacities: list[int | None], page_bytes: int | None) -> None:

@@ -267,10 +267,11 @@ class Jobs:
     @staticmethod
     def _copy_refused(page: WritePage, err: int | None) -> bool:
         """A full tier (ENOSPC, EDQUOT) refused a catch-up copy, at its temporary file's creation, a write or
-        its rename: no failure of the tier, counted nowhere (the copy never evicts; it stays owed,
-        replication.py). Before, a tier out of inodes or over a quota (statvfs shows bytes free: the
-        catch-up tries again every FAILED_BACKOFF_S) counted a write failure and an error at each try."""
-        return page.copied is not None and err in SPACE_ERRNOS
+        its rename: no failure of the tier (before, a tier out of inodes or over a quota, statvfs showing
+        bytes free, counted a write failure and an error at each try); marked on the page, for the catch-up
+        to take the tier for full (Replicator._finished: no page read at each look)."""
+        page.refused = page.refused or page.copied is not None and err in SPACE_ERRNOS
+        return page.refused
 
     def _close_under_writer(self, job: Job) -> None:
         """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""

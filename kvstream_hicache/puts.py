@@ -117,7 +117,7 @@ class WritePage:
 
     __slots__ = ("key", "segments", "payload", "length", "block", "file_bytes", "aligned", "crcs", "created",
                  "copied_ns", "header", "users", "targets", "expected", "committed", "left", "calls", "spare", "evict",
-                 "copied", "started", "gate", "withdrawn", "cleared")
+                 "copied", "refused", "started", "gate", "withdrawn", "cleared")
 
     def __init__(self, key: str, segments: Sequence[Segment], length: int, block: int, targets: int):
         self.key, self.segments, self.length, self.block = key, segments, length, block
@@ -137,8 +137,10 @@ class WritePage:
         self.calls: list[tuple[PutCall, int]] = []  # (put, position of the key in it): first the put whose
         # memory it is written from, then the puts that joined it
         self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
-        self.copied: Callable[[bool, float], None] | None = None  # a catch-up copy (replication.py): its
-        # callback, told whether it committed and how long its job took from its start
+        self.copied: Callable[[bool, float, bool], None] | None = None  # a catch-up copy (replication.py):
+        # its callback, told whether it committed, how long its job took from its start, and whether a full
+        # tier refused it (``refused``: Jobs._copy_refused)
+        self.refused = False
         self.started = 0.0  # when its (last) job started, monotonic s
         self.gate = None  # the CallerGate of the put that brought the page (its memory), if it has one
         self.withdrawn = False  # the put that brought it was interrupted (PutCall.withdraw): its memory taken back;

@@ -70,6 +70,8 @@ log = logging.getLogger("kvstream")
 
 IDLE_S = 0.25  # longest wait of the replicator thread with work it cannot start now (held, paced, full), s
 FAILED_BACKOFF_S = 1.0  # a catch-up write that failed on a tier (no room, an error): its catch-up waits, s
+REFUSED_BACKOFF_MAX = 64  # a tier that keeps refusing copies for room it seems to have (a quota): its looks
+# back off, doubling from FAILED_BACKOFF_S up to this many times it (each look reads a page to try again)
 PROMOTE_SHARE = 4  # promoted pages kept in memory as sources: at most 1/this of the `memory` setting
 SWEEP_BATCH = 256  # pages the sweep of the index (owe_all) owes a tier at a time
 
@@ -115,6 +117,7 @@ class Replicator:
         # Nothing is owed to it one by one meanwhile (the list would grow with every put and read); once
         # it has room for such a page, its sweep owes it again what it lacks (_room_again).
         self._full = [0] * len(tiers)
+        self._refused = [0] * len(tiers)  # copies the tier refused for room in a row (_finished)
         self._passed = [0] * len(tiers)  # pages passed over (_pass_over) since a job started
         self._closing = False
         self._epoch = 0  # bumped by clear(): a job of before it leaves no trace
@@ -347,11 +350,7 @@ class Replicator:
             # (before, each page met was dropped, and its replica never came back while the engine ran).
             # Nothing is owed to it one by one meanwhile: the list would grow with every put.
             with self._lock:
-                for owed_key in [owed_key for owed_key in self._owed[k] if owed_key not in self._copies]:
-                    del self._owed[k][owed_key]  # (a promoted page keeps its place: its copy may evict)
-                self._sweep[k] = -1
-                self._full[k] = info.length
-                self._next[k] = self.clock() + FAILED_BACKOFF_S
+                self._full_under_replicator(k, info.length, self.clock() + FAILED_BACKOFF_S)
             return False
         if not promoted:
             source = self._read_source(key, info)
@@ -365,8 +364,8 @@ class Replicator:
         self._busy[k] = key
         self._passed[k] = 0
 
-        def done(ok: bool, took: float) -> None:
-            self._finished(k, key, source, promoted, ok, took, epoch)
+        def done(ok: bool, took: float, refused: bool) -> None:
+            self._finished(k, key, source, promoted, ok, took, epoch, refused)
 
         with self._lock:  # (clear() since this began: the copy would bring a cleared page back)
             if epoch != self._epoch:  # (clear() freed the promoted copies but this one: it was busy)
@@ -379,7 +378,7 @@ class Replicator:
         return True
 
     def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, took: float,
-                  epoch: int) -> None:
+                  epoch: int, refused: bool = False) -> None:
         """The writer's callback (its thread): account, pace the tier, free the source if no tier needs
         it. ``took``: the job's time from its start on the tier (not its wait behind puts and reads)."""
         now = self.clock()
@@ -393,6 +392,12 @@ class Replicator:
                     self._owed[k].move_to_end(key)  # still owed; the next look decides again)
                 # Pacing: catch-up takes at most `share` of the tier's write time.
                 self._next[k] = now + (took * (1 - self.share) / self.share if ok else FAILED_BACKOFF_S)
+                self._refused[k] = self._refused[k] + 1 if refused else 0
+                if refused:  # the tier is full, whatever statvfs showed (out of inodes, over a quota): as
+                    # _start's look at its file system finds one (no page read each look), and a quota that
+                    # no look can see is tried again less and less often
+                    back_off = FAILED_BACKOFF_S * min(1 << self._refused[k] - 1, REFUSED_BACKOFF_MAX)
+                    self._full_under_replicator(k, source.info.length, now + back_off)
                 if promoted:
                     self._drop_copy_under_replicator(key)
             elif promoted and key not in self._busy:  # cleared meanwhile: clear() left this copy to us
@@ -405,6 +410,19 @@ class Replicator:
             self.stats.add(k, "replication_bytes", source.info.length)
             if promoted:
                 self.stats.add(k, "replication_promoted")
+        elif refused and self._refused[k] == 1:  # (once a streak: a quota's looks would repeat it)
+            log.info("kvstream: tier %d refused a catch-up copy for room its file system seemed to have (out of "
+                     "inodes, over a quota?): what it lacks is owed again once a copy fits", k)
+
+    def _full_under_replicator(self, k: int, length: int, until: float) -> None:
+        """Tier ``k`` has no room for a page of ``length`` payload bytes it lacks (_full): nothing is owed to it
+        one by one until it has (a promoted page keeps its place: its copy may evict), and it is looked at
+        again at ``until`` (_room_again)."""
+        for owed_key in [owed_key for owed_key in self._owed[k] if owed_key not in self._copies]:
+            del self._owed[k][owed_key]
+        self._sweep[k] = -1
+        self._full[k] = length
+        self._next[k] = until
 
     def _learn(self, tier: Tier, key: str, epoch: int) -> None:
         """Tier ``tier`` has a file under ``key``'s name that the index does not list there: index it if
@@ -521,11 +539,16 @@ def _read_whole(tier: Tier, key: str, buf, nbytes: int) -> int:
 
 
 def _fs_short(tier: Tier, length: int) -> bool:
-    """The tier's file system lacks room for a copy of ``length`` payload bytes and as much again after it:
-    a catch-up copy never takes its last free space (a put would then evict the tier's pages to make room
-    for it). False where the free space cannot be told: the write's ENOSPC then keeps the page owed."""
-    free = tier.free_bytes()
-    return free is not None and free < 2 * file_size(length)
+    """The tier's file system lacks room for a copy of ``length`` payload bytes and as much again after it,
+    or for two more files (a copy takes an inode, maybe its shard directory one more; a file system that
+    counts none answers f_files 0): a catch-up copy never takes its last free space (a put would then evict
+    the tier's pages to make room for it). False where it cannot be told: a refusal then marks the tier
+    full (Replicator._finished)."""
+    try:
+        st = tier.calls.run(os.statvfs, tier.root)  # (bounded where the tier may hang: bounded.py)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 2 * file_size(length) or 0 < st.f_files and st.f_favail < 2
 
 
 def _larger_than(tier: Tier, nbytes: int) -> bool:

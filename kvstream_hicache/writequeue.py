@@ -350,7 +350,7 @@ class WriteQueue:
     def job_over_under_writer(self, page: WritePage, k: int) -> None:
         """One tier of the page is done (written, failed or skipped); the last one ends the page."""
         if page.copied is not None:  # a catch-up copy: no put waits, nothing was counted for it
-            page.copied(bool(page.committed), time.monotonic() - page.started if page.started else 0.0)
+            page.copied(bool(page.committed), time.monotonic() - page.started if page.started else 0.0, page.refused)
             return
         with self.lock:  # (callers add to queued and backlog under it too)
             if not page.left:  # an entry of a page whose put a Ctrl-C cut short before counting it: void

@@ -313,6 +313,6 @@ def test_a_policy_validates_against_the_tier_count_without_building_a_route():
 def test_a_single_tier_policy_with_a_bad_claim_is_refused_at_start_up(tier_dirs):
     """'tier0:m=0' was accepted (SingleTier checked no claim), and every get raised ValueError from its route
     (found reading the house, stop 51): a setting's error, named at start-up with the value as written."""
-    for spec in ("tier0:m=0", "tier1:m=4,depth=2"):
+    for spec in ("tier0:m=0", "tier1:m=4,depth=2", "Tier0:M=0"):  # (quoted as written)
         with pytest.raises(ConfigError, match=re.escape(repr(spec))):
             Config.from_sources({"tiers": tier_dirs[:2], "policy": spec}, environ={})

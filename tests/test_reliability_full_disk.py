@@ -7,15 +7,17 @@ evicted for nothing, the tier stays healthy (full is not failed).
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import shutil
 import threading
 
 import pytest
 
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_READ
-from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.layout import HEADER_SIZE, file_size
 from kvstream_hicache.router import SingleTier
 
 from helpers import PageSet, TierFaultPlan, content, loop_fs, make_engine, page_files, put_items, \
@@ -234,22 +236,80 @@ def test_a_replica_larger_than_the_file_system_holds_up_no_other(tier_root, loop
         assert engine.index.holders(huge.keys(1)[0]) == 0b01 and tmp_files(fs.mnt) == []
 
 
-def test_catchup_copies_a_tier_out_of_inodes_refuses_stay_owed_and_count_no_failure(tier_root, loop_fs):
-    """Tier 1 has bytes to spare (statvfs says so: catch-up tries) but no inode left, nothing of this engine to
-    evict there: each catch-up copy's temporary file is refused (ENOSPC). The copies stay owed, and a refusal
-    counts nowhere, as a full tier's refusal of a copy's write does (a copy never evicts). Before: every try, one
-    a second while the tier stayed full, counted a write failure and an error. Found by a review."""
-    fs = loop_fs(32 * MIB, "inodes1")
+@contextlib.contextmanager
+def _out_of_inodes(tier_root: str, loop_fs, name: str):
+    """An engine on a directory (tier 0) and a loop file system ``name`` with bytes free and every inode taken
+    (tier 1), and 4 small pages put, on tier 0 alone: (engine, tier 1's mount, their keys)."""
+    fs = loop_fs(32 * MIB, name)
     t0 = os.path.join(tier_root, "t0")
     os.makedirs(t0)
-    keys = [f"aa{i:04d}" for i in range(4)]
+    keys = [f"{name}-{i:04d}" for i in range(4)]
     with make_engine([t0, fs.mnt], replicate="all") as engine:
         _take_inodes(fs.mnt, leave=0)
         assert [put_items(engine, [(k, content(k, 8192), True)]) for k in keys] == [[True]] * len(keys)
-        # a catch-up copy tried and refused (its failure sets the tier's next look a back-off away)
-        wait_until(lambda: engine._replicas._next[1] > 0 and engine._replicas._busy[1] is None, WAIT_S,
+        yield engine, fs.mnt, keys
+
+
+def test_catchup_copies_a_tier_out_of_inodes_refuses_stay_owed_and_count_no_failure(tier_root, loop_fs,
+                                                                                     monkeypatch):
+    """Tier 1 has bytes to spare but no inode left, nothing of this engine to evict there, and the catch-up's
+    look at its file system sees bytes only (as for a quota on files, which statvfs does not show: the look is
+    narrowed so, the refusal is the kernel's): each catch-up copy's temporary file is refused (ENOSPC). The
+    copies stay owed, and a refusal counts nowhere, as a full tier's refusal of a copy's write does (a copy
+    never evicts). Before: every try, one a second while the tier stayed full, counted a write failure and an
+    error. Found by a review."""
+    from kvstream_hicache import replication
+
+    monkeypatch.setattr(replication, "_fs_short", lambda tier, length: False)
+    with _out_of_inodes(tier_root, loop_fs, "inodes1") as (engine, mnt, keys):
+        # a catch-up copy tried and refused (the tier taken for full, its next look a back-off away)
+        wait_until(lambda: engine._replicas._refused[1] > 0 and engine._replicas._busy[1] is None, WAIT_S,
                    "catch-up never tried tier 1")
         stats = engine.stats()["tiers"][1]
         assert stats["healthy"] and stats["replication_pending"] == len(keys)
         assert stats["write_failures"] == len(keys) and stats["errors"] == len(keys), stats  # the puts' only
-        assert all(engine.index.holders(k) == 0b01 for k in keys) and tmp_files(fs.mnt) == []
+        assert all(engine.index.holders(k) == 0b01 for k in keys) and tmp_files(mnt) == []
+
+
+def test_a_tier_out_of_inodes_is_looked_at_without_reading_a_page_each_time(tier_root, loop_fs):
+    """Tier 1 has bytes free but no inode: every catch-up copy would be refused at its temporary file. As for a
+    tier full of bytes (Replicator._full, _room_again: one statvfs a look), the catch-up reads no page from
+    its holder, checks no block and hands nothing to the writer while nothing changes: its look at the file
+    system counts free inodes (review final, stop 51: a page read every second, for as long as the tier
+    stayed so). Once inodes are free, the copies are written."""
+    with _out_of_inodes(tier_root, loop_fs, "inodes2") as (engine, mnt, keys):
+        looks = []  # the tier's next look, each time it was set again (one a FAILED_BACKOFF_S)
+        wait_until(lambda: (looks.append(engine._replicas._next[1]) or len(set(looks)) > 5), WAIT_S,
+                   "the catch-up stopped looking at tier 1")
+        stats = engine.stats()["tiers"]
+        assert stats[0].get("replication_read_bytes", 0) == 0, (
+            f"{stats[0]['replication_read_bytes'] // file_size(8192)} page reads of tier 0 for copies tier 1 "
+            f"could not take ({len(set(looks))} looks)")
+        assert stats[1]["replication_pending"] == len(keys) and tmp_files(mnt) == []
+        shutil.rmtree(os.path.join(mnt, "inodes"))  # (_take_inodes' files)
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), WAIT_S,
+                   "the copies were never written once tier 1 had inodes")
+
+
+def test_a_tier_that_keeps_refusing_copies_it_seems_to_have_room_for_is_tried_less_often(tier_dirs):
+    """A quota (EDQUOT) or a thin pool refuses every write of tier 1 while statvfs shows room: each refusal
+    marks the tier full (Replicator._finished) and its next look, which reads a page to try again, comes
+    later each time (doubling from FAILED_BACKOFF_S), where it came every second (review final, stop 51).
+    No refusal counts as a failure of the tier."""
+    from kvstream_hicache.replication import FAILED_BACKOFF_S
+
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+    plan = TierFaultPlan().on(tier_dirs[1], Fault.error(errno.EDQUOT), opcode=None)
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        replicas = engine._replicas
+        wait_until(lambda: replicas._refused[1] >= 3, WAIT_S, "tier 1 never refused three copies")
+        with replicas._lock:
+            wait = replicas._next[1] - replicas.clock()
+            full = replicas._full[1]
+        assert full and wait > 2 * FAILED_BACKOFF_S, (full, wait)
+        stats = engine.stats()["tiers"][1]
+        assert stats["healthy"] and stats["write_failures"] == 0 and stats["errors"] == 0, stats
+        plan.clear()
