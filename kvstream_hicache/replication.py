@@ -230,6 +230,8 @@ class Replicator:
             self._epoch += 1
             self._sweep = [-1] * len(self.tiers)
             self._full = [0] * len(self.tiers)
+            self._refused = [0] * len(self.tiers)  # (and no back-off of before carried over: _finished)
+            self._next = [0.0] * len(self.tiers)
             for owed in self._owed:
                 owed.clear()
             copies, self._copies, self._copy_bytes = self._copies, {}, 0
@@ -397,7 +399,11 @@ class Replicator:
                     # _start's look at its file system finds one (no page read each look), and a quota that
                     # no look can see is tried again less and less often
                     back_off = FAILED_BACKOFF_S * min(1 << self._refused[k] - 1, REFUSED_BACKOFF_MAX)
-                    self._full_under_replicator(k, source.info.length, now + back_off)
+                    # A promoted copy refused evicted all it could: the tier's other promoted pages would be
+                    # refused too, their sources held in memory for as long as it refuses (and, promote_bytes
+                    # taken, no page read promoted with its copy to any tier): they leave the owed list, the
+                    # sweep owes them again, from a holder, once the tier has room
+                    self._full_under_replicator(k, source.info.length, now + back_off, keep_promoted=not promoted)
                 if promoted:
                     self._drop_copy_under_replicator(key)
             elif promoted and key not in self._busy:  # cleared meanwhile: clear() left this copy to us
@@ -414,12 +420,13 @@ class Replicator:
             log.info("kvstream: tier %d refused a catch-up copy for room its file system seemed to have (out of "
                      "inodes, over a quota?): what it lacks is owed again once a copy fits", k)
 
-    def _full_under_replicator(self, k: int, length: int, until: float) -> None:
+    def _full_under_replicator(self, k: int, length: int, until: float, keep_promoted: bool = True) -> None:
         """Tier ``k`` has no room for a page of ``length`` payload bytes it lacks (_full): nothing is owed to it
-        one by one until it has (a promoted page keeps its place: its copy may evict), and it is looked at
-        again at ``until`` (_room_again)."""
-        for owed_key in [owed_key for owed_key in self._owed[k] if owed_key not in self._copies]:
+        one by one until it has (a promoted page keeps its place: its copy may evict, unless ``keep_promoted``
+        is False: such a copy was refused too), and it is looked at again at ``until`` (_room_again)."""
+        for owed_key in [owed_key for owed_key in self._owed[k] if not keep_promoted or owed_key not in self._copies]:
             del self._owed[k][owed_key]
+            self._drop_copy_under_replicator(owed_key)  # (its source, once no tier is owed it)
         self._sweep[k] = -1
         self._full[k] = length
         self._next[k] = until

@@ -313,3 +313,42 @@ def test_a_tier_that_keeps_refusing_copies_it_seems_to_have_room_for_is_tried_le
         stats = engine.stats()["tiers"][1]
         assert stats["healthy"] and stats["write_failures"] == 0 and stats["errors"] == 0, stats
         plan.clear()
+
+
+def test_a_promoted_copy_a_tier_refused_leaves_memory_and_is_written_from_a_holder_once_it_has_room(tier_dirs,
+                                                                                                   monkeypatch):
+    """Tier 0 refuses every write (a quota: statvfs shows room) and holds nothing of this engine to evict; the
+    pages are on tier 1 alone. A get of them promotes them to tier 0: their sources are kept in memory (the
+    caller's copy, which may evict) and written there ahead of the rest. Tier 0 refuses each: evicting made
+    no room. The source then leaves memory (the sweep owes the page again, from its holder, once the tier
+    has room). Before, it stayed for as long as the tier refused (tried every 64 s at most), and sources so
+    held filled promote_bytes, after which no page read was promoted with its copy to any tier (review
+    refused, stop 51)."""
+    from kvstream_hicache import replication
+
+    monkeypatch.setattr(replication, "REFUSED_BACKOFF_MAX", 1)  # (a try a second: the test's time only)
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[1:2]) as engine:
+        assert pages.put(engine, keys) == [True] * 2
+    plan = TierFaultPlan().on(tier_dirs[0], Fault.error(errno.EDQUOT), opcode=None)
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        replicas = engine._replicas
+        wait_until(lambda: replicas._refused[0] >= 1 and replicas._busy[0] is None, WAIT_S,
+                   "tier 0 never refused a catch-up copy")
+        assert pages.checked_get(engine, keys) == [True] * 2
+        assert set(replicas._copies) == set(keys)  # promoted, their sources in memory
+        refused = replicas._refused[0]
+        wait_until(lambda: replicas._refused[0] >= refused + 4 and replicas._busy[0] is None, WAIT_S,
+                   "tier 0 stopped trying its copies")
+        assert all(engine.index.holders(k) == 0b10 for k in keys)
+        with replicas._lock:
+            held, held_bytes = sorted(replicas._copies), replicas._copy_bytes
+        assert held == [] and held_bytes == 0, (
+            f"promoted sources held in memory after tier 0 refused {replicas._refused[0] - refused} copies: "
+            f"{held} ({held_bytes} bytes)")
+        stats = engine.stats()["tiers"][0]
+        assert stats["healthy"] and stats["write_failures"] == 0 and stats["replication_pending"] == 2, stats
+        plan.clear()
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), WAIT_S,
+                   "the copies never reached tier 0 once it took writes again")
