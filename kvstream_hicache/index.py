@@ -256,8 +256,8 @@ class Index:
                 if not self._pins[slot] and not self._tiers[slot]:
                     self._free_slot_under_index(slot)  # removed while pinned: the row goes now
 
-    def wrote(self, key: str, tier: int, created_ns: int) -> None:
-        """This process starts writing ``key``'s page, its file stamped ``created_ns`` (PageHeader.writer_ns: a
+    def wrote(self, key: str, tier: int, writer_ns: int) -> None:
+        """This process starts writing ``key``'s page, its file stamped ``writer_ns`` (PageHeader.writer_ns: a
         catch-up copy's own stamp, else the page's created), to ``tier`` (the writer, before its file can be
         renamed into place): a copy of it found there later with that stamp may be this process's own, not
         another's (THEIRS). Its index entry can be lost while the file stays (a rename that
@@ -267,7 +267,7 @@ class Index:
         or deleted meanwhile: two servers of one model share prefixes) carries its own, and stays theirs
         (review mine: on (key, tier) alone it was counted, and this process's eviction took it, live)."""
         with self._lock:
-            self._mark_mine_under_index(key, tier, created_ns)
+            self._mark_mine_under_index(key, tier, writer_ns)
 
     def committed_file(self, key: str, tier: int, identity: tuple[int, ...]) -> None:
         """This process committed ``key``'s file on ``tier``, whose identity as sealed after its last write is
@@ -288,29 +288,30 @@ class Index:
         return mtime_ns < self.started_ns - CLOCK_SKEW_NS or (
             identity is not None and self._maybe_mine(key, tier, identity))
 
-    def _mark_mine_under_index(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> None:
-        """The copy (key, tier, header's created) is this process's (the filter: wrote, _found_mine_under_index).
+    def _mark_mine_under_index(self, key: str, tier: int, stamp: int | tuple[int, ...]) -> None:
+        """The copy (key, tier, write stamp or sealed identity) is this process's (the filter: wrote,
+        committed_file, _found_mine_under_index).
         Under the index lock: a byte's bits set by two threads at once (read, or, store back) could lose one."""
         mine = self._mine
         if mine is None:
             mine = self._mine = bytearray(MINE_BITS // 8)
-        for bit in _mine_bits(key, tier, created_ns):
+        for bit in _mine_bits(key, tier, stamp):
             mine[bit >> 3] |= 1 << (bit & 7)
 
-    def _maybe_mine(self, key: str, tier: int, created_ns: int | tuple[int, ...]) -> bool:
-        """Whether the filter says (key, tier, created or identity) may be this process's copy (no false no).
+    def _maybe_mine(self, key: str, tier: int, stamp: int | tuple[int, ...]) -> bool:
+        """Whether the filter says (key, tier, write stamp or identity) may be this process's copy (no false no).
         Lock-free, with or without the index lock: a reader sees a bit set or not yet, and bits are never cleared."""
         mine = self._mine
-        return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, created_ns))
+        return mine is not None and all(mine[b >> 3] >> (b & 7) & 1 for b in _mine_bits(key, tier, stamp))
 
-    def mine(self, key: str, tier: int, created_ns: int, mtime_ns: int) -> bool:
-        """A copy on disk, its header's write stamp ``created_ns`` (PageHeader.writer_ns), its file's mtime
+    def mine(self, key: str, tier: int, writer_ns: int, mtime_ns: int) -> bool:
+        """A copy on disk, its header's write stamp ``writer_ns`` (PageHeader.writer_ns), its file's mtime
         ``mtime_ns``, is this process's to
         count and to evict (not THEIRS): written before this index began (an earlier run's), or by this process.
         An eviction asks it of the file under the victim's name (Tier.evict_page): another process may have
         replaced this one's copy since. A copy the index counted when found stays its to evict
         (_found_mine_under_index). (Lock-free: started_ns is fixed, the filter only gains bits.)"""
-        return not self._theirs(key, tier, (created_ns, mtime_ns))
+        return not self._theirs(key, tier, (writer_ns, mtime_ns))
 
     def _found_mine_under_index(self, key: str, tier: int, stamp: tuple[int, int]) -> None:
         """A copy found on disk was counted as this process's (not THEIRS), its write stamp and its file's
@@ -456,7 +457,8 @@ class Index:
             slot = self._table.find(key)
             if slot >= 0 and self._tiers[slot] >> tier & 1:
                 return -1
-            stamp, created = stamp or (created, created), created_ns(created)
+            stamp = stamp or (created, created)  # (the header's value as found: the filter's key is that)
+            created = created_ns(created)  # (the version: a claim beyond the skew is none)
             if slot >= 0 and not self._same_under_index(slot, length, block, crcs):
                 if not versions or self._created[slot] >= created:  # (versions=False: never another)
                     return -1  # a newer version (one used since start is newer)
@@ -711,7 +713,7 @@ def _run(n: int) -> int:
 
 
 def _mine_bits(key: str, tier: int, stamp: int | tuple[int, ...]) -> tuple[int, ...]:
-    """The filter's bits of (key, tier, the header's created, or the committed file's identity): double
+    """The filter's bits of (key, tier, the header's write stamp, or the committed file's identity): double
     hashing of one 64-bit hash (per process: a filter is never written to disk)."""
     h = hash((key, tier, stamp)) & 0xFFFF_FFFF_FFFF_FFFF
     step = h >> 32 | 1
