@@ -79,3 +79,14 @@ def test_bench_ring_against_fio(tier_root):
                  "--depths", "2", "--repeat", "1", "--chunk-mib", "1")
     for engine in ("fio io_uring", "Ring", "ThreadRing"):
         assert f"| 2 | {engine} |" in out
+
+
+def test_bench_check_times_the_check_three_ways_per_request_size(tier_root):
+    path = os.path.join(tier_root, "check.dat")
+    with open(path, "wb") as f:
+        f.write(os.urandom(4 << 20))
+    out = script("bench_check.py", path, "--total", str(2 << 20), "--sizes", "256K,1M", "--depth", "2",
+                 "--rounds", "1")
+    rows = [line.split()[:4] for line in out.splitlines()]
+    assert rows == [[way, "request", size, "KiB:"] for size in ("256", "1024") for way in ("sync", "cold", "ring")]
+    assert all("check " in line and " s/GB" in line for line in out.splitlines())
