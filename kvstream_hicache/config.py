@@ -545,16 +545,22 @@ def _size_text(nbytes: int) -> str:
 
 
 def real_path(path: str, bound: float) -> str | None:
-    """``os.path.realpath(path)`` on a thread of its own, waited for at most ``bound`` s (bounded.py; 0: in
-    place, no limit); None: it did not return in time (a hung network or FUSE tier: the thread ends when
-    the tier answers)."""
+    """The real path of ``path`` (:func:`real_path_on`) on a thread of its own, waited for at most ``bound`` s
+    (bounded.py; 0: in place, no limit); None: it did not return in time (the thread ends when the tier answers)."""
     calls = BoundedCalls(f"tier {path}", bound)
+    try:
+        return real_path_on(calls, path)
+    finally:
+        calls.close()
+
+
+def real_path_on(calls: BoundedCalls, path: str) -> str | None:
+    """``os.path.realpath(path)`` on ``calls`` (a tier's calls thread, bounded.py): a realpath through a mount
+    whose server stopped never returns. None: it did not return in time (a hung network or FUSE tier)."""
     try:
         return calls.run(os.path.realpath, path)
     except OSError:  # (ETIMEDOUT: the one error a realpath raises, being given up on)
         return None
-    finally:
-        calls.close()
 
 
 def _tier_path(entry: str, what: str) -> str:

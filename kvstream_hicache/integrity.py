@@ -88,10 +88,16 @@ class PageHeader(NamedTuple):
 
     @property
     def writer_ns(self) -> int:
-        """This file's write stamp, which its writer's filter knows (Index.wrote): a catch-up copy's own
-        time, else the put's. Another process's copy of this process's page keeps the page's ``created``
-        but carries its own stamp (review simp: before, it passed for this process's)."""
-        return self.copied_ns or self.created_ns
+        """This file's write stamp (write_stamp)."""
+        return write_stamp(self.created_ns, self.copied_ns)
+
+
+def write_stamp(created_ns: int, copied_ns: int) -> int:
+    """A page file's write stamp, which its writer's filter knows (Index.wrote): a catch-up copy's own
+    time, else the put's. Another process's copy of this process's page keeps the page's ``created``
+    but carries its own stamp (review simp: before, it passed for this process's). The one rule for a
+    header read back (PageHeader.writer_ns) and a page about to be written (WritePage.writer_ns)."""
+    return copied_ns or created_ns
 
 
 def pack_header(header: PageHeader, into) -> None:

@@ -77,8 +77,8 @@ class Jobs:
         except OSError as exc:
             if exc.errno in OUT_OF_DESCRIPTORS:
                 return self._out_of_descriptors_under_writer(page, k)
-            if not self._copy_refused(page, exc.errno):  # (a catch-up copy a full tier refused: still owed)
-                self._failed_under_writer(k, exc.errno or errno.EIO, f"create temporary file for {page.key}")
+            self._refused_or_failed_under_writer(page, k, exc.errno or errno.EIO,
+                                                 f"create temporary file for {page.key}")
             self.queue.job_over_under_writer(page, k)
             return None
         finally:
@@ -110,9 +110,9 @@ class Jobs:
         if not ready:
             self.queue.job_over_under_writer(page, k)
             return None
-        # (a copy of it found there later, its header's created this one, may be ours: Index THEIRS). Before
-        # the file can be renamed into place; once prepared, the page's created is known
-        self.index.wrote(page.key, k, page.copied_ns or page.created)  # (PageHeader.writer_ns)
+        # (a copy of it found there later, its header's write stamp this one, may be ours: Index THEIRS). Before
+        # the file can be renamed into place; once prepared, the page's write stamp is known
+        self.index.wrote(page.key, k, page.writer_ns)
         job = Job(page, k, fd, tmp, page.spans(request, staged), staged)
         page.started = time.monotonic()
         self.active[k].append(job)
@@ -228,10 +228,10 @@ class Jobs:
             except OSError as exc:
                 tier.discard(None, job.tmp)
                 self.index.abort(k, page.length)
-                if not (page.copied is not None and exc.errno == errno.EEXIST or self._copy_refused(page, exc.errno)):
+                if not (page.copied is not None and exc.errno == errno.EEXIST):
                     # (a catch-up copy that another writer's file beat to the name, since it looked: not
-                    # wanted, as above; or one a full tier refused the rename of)
-                    self._failed_under_writer(k, exc.errno or errno.EIO, f"commit {page.key}")
+                    # wanted, as above)
+                    self._refused_or_failed_under_writer(page, k, exc.errno or errno.EIO, f"commit {page.key}")
                 self._close_under_writer(job)
                 return
             finally:  # (whatever the commit raised: a tier named later must be the one the writer is in)
@@ -260,18 +260,21 @@ class Jobs:
                 return
         tier.discard(job.fd, job.tmp)
         self.index.abort(k, page.length)
-        if job.err != CANCELLED and not self._copy_refused(page, job.err):
-            self._failed_under_writer(k, job.err, f"write {page.key}")
+        if job.err != CANCELLED:
+            self._refused_or_failed_under_writer(page, k, job.err, f"write {page.key}")
         self._close_under_writer(job)
 
-    @staticmethod
-    def _copy_refused(page: WritePage, err: int | None) -> bool:
-        """A full tier (ENOSPC, EDQUOT) refused a catch-up copy, at its temporary file's creation, a write or
-        its rename: no failure of the tier (before, a tier out of inodes or over a quota, statvfs showing
-        bytes free, counted a write failure and an error at each try); marked on the page, for the catch-up
-        to take the tier for full (Replicator._finished: no page read at each look)."""
-        page.refused = page.refused or page.copied is not None and err in SPACE_ERRNOS
-        return page.refused
+    def _refused_or_failed_under_writer(self, page: WritePage, k: int, err: int, what: str) -> None:
+        """``what`` failed with ``err`` for ``page`` on tier ``k``. A full tier (ENOSPC, EDQUOT) that refused a
+        catch-up copy, at its temporary file's creation, a write or its rename, does not fail (before, a tier
+        out of inodes or over a quota, statvfs showing bytes free, counted a write failure and an error at
+        each try): the refusal is marked on the page, for the catch-up to take the tier for full
+        (Replicator._finished: no page read at each look), and the copy stays owed. Anything else fails the
+        tier (_failed_under_writer)."""
+        if page.copied is not None and err in SPACE_ERRNOS:
+            page.refused = True
+        else:
+            self._failed_under_writer(k, err, what)
 
     def _close_under_writer(self, job: Job) -> None:
         """The job's file is closed (committed or discarded): its slot and its page's buffers free up."""
@@ -295,15 +298,15 @@ class Jobs:
         """Could evicting every page of this namespace on the tier make room for the job? If not
         (a page larger than the file system, or one full of other data), evicting would only
         throw pages away: the write fails for this tier and nothing is evicted."""
-        free = self.tiers[job.tier].free_bytes(job.fd)  # (what the job already holds is reused)
-        return free is None or free + self.index.used[job.tier] >= job.page.file_bytes  # (None: cannot
+        room = self.tiers[job.tier].room(job.fd)  # (what the job already holds is reused)
+        return room is None or room.free + self.index.used[job.tier] >= job.page.file_bytes  # (None: cannot
         # tell: try eviction)
 
     def short_write_errno_under_writer(self, job: Job) -> int:
         """A write that stopped early: the ring reports the bytes done, not the error that
         followed. A nearly full file system means ENOSPC (evict and retry), else EIO."""
-        free = self.tiers[job.tier].free_bytes()
-        return errno.ENOSPC if free is not None and free < 2 * job.page.file_bytes else errno.EIO
+        room = self.tiers[job.tier].room()
+        return errno.ENOSPC if room is not None and room.free < 2 * job.page.file_bytes else errno.EIO
 
     def evicted_under_writer(self, k: int, victims: list[str]) -> None:
         """Remove the files of pages evicted from tier ``k``'s index: each only while it is this process's

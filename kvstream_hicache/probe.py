@@ -19,7 +19,7 @@ import re
 from typing import NamedTuple
 
 from .bounded import BoundedCalls
-from .config import Capacity, Config, TierConfig, env_name, setting_source
+from .config import Capacity, Config, TierConfig, env_name, real_path_on, setting_source
 from .errors import TierError
 from .fds import close_fd
 from .layout import ROOT_DIR
@@ -73,9 +73,8 @@ def look_at(tier: TierConfig, name: str, bound: float) -> Look:
     calls = BoundedCalls(name, bound)
     if not tier.answered:
         return Look(None, False, calls)
-    try:
-        real = calls.run(os.path.realpath, path)
-    except OSError:  # (ETIMEDOUT: a realpath raises nothing else)
+    real = real_path_on(calls, path)
+    if real is None:
         return Look(None, False, calls)
     if local_fs(path, real):
         calls.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
 from .bounded import shielded
-from .integrity import PageHeader, block_crcs, pack_header
+from .integrity import PageHeader, block_crcs, pack_header, write_stamp
 from .layout import HEADER_SIZE, file_size, is_aligned
 from .io import copy
 from .segments import Payload, Segment
@@ -139,13 +139,18 @@ class WritePage:
         self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
         self.copied: Callable[[bool, float, bool], None] | None = None  # a catch-up copy (replication.py):
         # its callback, told whether it committed, how long its job took from its start, and whether a full
-        # tier refused it (``refused``: Jobs._copy_refused)
+        # tier refused it (``refused``: Jobs._refused_or_failed_under_writer)
         self.refused = False
         self.started = 0.0  # when its (last) job started, monotonic s
         self.gate = None  # the CallerGate of the put that brought the page (its memory), if it has one
         self.withdrawn = False  # the put that brought it was interrupted (PutCall.withdraw): its memory taken back;
         # or it has not counted the page yet (WriteQueue._enqueue_under_queues: its FIFO entries void till then)
         self.cleared = False  # clear() cancelled it: never written again, not even for a put that joined it
+
+    @property
+    def writer_ns(self) -> int:
+        """Its file's write stamp (integrity.write_stamp), as its header carries it: known once prepared."""
+        return write_stamp(self.created, self.copied_ns)
 
     def gone(self) -> bool:
         """Its caller let go of its memory (shut its gate: L2Core.close giving up on a hung tier; or took it

@@ -551,20 +551,14 @@ def _fs_short(tier: Tier, length: int) -> bool:
     counts none answers f_files 0): a catch-up copy never takes its last free space (a put would then evict
     the tier's pages to make room for it). False where it cannot be told: a refusal then marks the tier
     full (Replicator._finished)."""
-    try:
-        st = tier.calls.run(os.statvfs, tier.root)  # (bounded where the tier may hang: bounded.py)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < 2 * file_size(length) or 0 < st.f_files and st.f_favail < 2
+    room = tier.room()
+    return room is not None and (room.free < 2 * file_size(length) or room.inodes is not None and room.inodes < 2)
 
 
 def _larger_than(tier: Tier, nbytes: int) -> bool:
     """Is ``nbytes`` more than the tier's whole file system (a copy that can never go there)?"""
-    try:
-        st = tier.calls.run(os.statvfs, tier.root)  # (bounded where the tier may hang: bounded.py)
-    except OSError:
-        return False
-    return nbytes > st.f_blocks * st.f_frsize
+    room = tier.room()
+    return room is not None and nbytes > room.size
 
 
 class _Source:

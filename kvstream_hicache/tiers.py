@@ -43,6 +43,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from .bounded import BoundedCalls
 from .errors import KVStreamError
@@ -82,6 +83,13 @@ LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for 
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
 
 TMP_FLAGS = os.O_WRONLY | NEW_FILE | os.O_DIRECT
+
+
+class Room(NamedTuple):
+    """A tier's file system's room, as statvfs tells it (Tier.room)."""
+    free: int  # bytes free for us, plus what the file asked about already holds
+    size: int  # its size, in bytes
+    inodes: int | None  # inodes free for us; None: it counts none (it answers f_files 0)
 
 
 class Tier:
@@ -585,18 +593,19 @@ class Tier:
             raise OSError(err, f"close: {os.strerror(err)}")
         return sealed
 
-    def free_bytes(self, fd: int | None = None) -> int | None:
-        """Bytes free for us on the tier's file system, plus what ``fd``'s file already holds; None:
-        cannot tell."""
+    def room(self, fd: int | None = None) -> Room | None:
+        """The room on the tier's file system, ``fd``'s file's blocks counted free (a job's own file is
+        reused), bounded where the tier may hang (bounded.py); None: cannot tell (an error, a call given up on).
+        The one place that asks the file system how much room a tier has."""
         try:
-            return self.calls.run(self._free_bytes, fd)
+            return self.calls.run(self._room, fd)
         except OSError:
             return None
 
-    def _free_bytes(self, fd: int | None) -> int:
+    def _room(self, fd: int | None) -> Room:
         st = os.statvfs(self.root)
         held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
-        return st.f_bavail * st.f_frsize + held
+        return Room(st.f_bavail * st.f_frsize + held, st.f_blocks * st.f_frsize, st.f_favail if st.f_files else None)
 
     def _place(self, tmp_path: str, key: str, replace: bool = True) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (creating its shard
