@@ -151,6 +151,17 @@ class Capacity(NamedTuple):
 
     @classmethod
     def parse(cls, text: str | int | float | None, what: str) -> "Capacity":
+        try:
+            return cls._parse(text, what)
+        except ConfigError as exc:  # '1G,2G': a list in another separator reads as one value that does not parse
+            sep = next((c for c in ",; " if isinstance(text, str) and _sizes(text.strip().split(c))), None)
+            if sep is None:
+                raise
+            raise ConfigError(f"{exc}; capacities are separated by '{os.pathsep}' (one per tier, in tier order), "
+                              f"not {sep!r}") from None
+
+    @classmethod
+    def _parse(cls, text: str | int | float | None, what: str) -> "Capacity":
         if text is None or (isinstance(text, str) and text.strip() in ("", "none", "unlimited")):
             return cls()
         if isinstance(text, str) and text.strip().endswith("%"):
@@ -182,6 +193,11 @@ class Capacity(NamedTuple):
                            if self.nbytes >= 1 << p)
         x = self.nbytes / scale
         return f"{x:.0f} {unit}" if x >= 100 else f"{x:.3g} {unit}"  # '1.5 TiB', '977 KiB': not '3.81e-06 GiB'
+
+
+def _sizes(parts: list[str]) -> bool:
+    """Whether ``parts`` are two or more sizes or shares, each as a capacity takes it."""
+    return len(parts) > 1 and all(_SIZE_RE.fullmatch(p) or re.fullmatch(r"\s*[0-9.]+\s*%\s*", p) for p in parts)
 
 
 @dataclass(frozen=True)

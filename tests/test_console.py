@@ -55,3 +55,17 @@ def test_disabled_writes_nothing_and_eta_follows_the_pace(monkeypatch):
     assert out.getvalue() == ""
     now[0] = 104.0  # 4 s into the run
     assert p.eta(10) == 0.0 and p.eta(5) == 4.0 and p.eta(2) == 16.0 and math.isnan(p.eta(0))
+
+
+def test_info_says_a_file_given_as_a_tier_is_not_a_directory(tmp_path, capsys):
+    """A file where a tier directory should be: kvstream info said 'missing', and the user looked for a
+    typo in a path that exists (kvstream check and the engine say 'is not a directory')."""
+    from kvstream_hicache.tools import cli
+
+    afile, gone, tier = tmp_path / "afile", tmp_path / "gone", tmp_path / "tier"
+    afile.write_text("")
+    tier.mkdir()
+    assert cli.main(["info", "--tiers", str(afile), str(gone), str(tier)]) == 1
+    out = capsys.readouterr().out
+    assert f"{afile}: PROBLEM: not a directory" in out
+    assert f"{gone}: PROBLEM: missing" in out

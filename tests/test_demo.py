@@ -4,8 +4,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -72,3 +74,63 @@ def test_demo_small_on_plain_directories(tier_root, tmp_path):
     assert png.stat().st_size > 1000
     for t in tiers:  # the demo removed its own run directories, and only those
         assert os.path.isdir(t) and os.listdir(t) == []
+
+
+# The child: `kvstream serve-cpu --no-testbed` with a stand-in server (a sleeping process that records its pid,
+# its KVSTREAM_TIERS and a file in its TMPDIR, as sglang's IPC sockets are), model and health wait.
+_SERVE_CPU_CHILD = """
+import sys
+from kvstream_hicache.tools import cli, serve_cpu
+server = ("import os, time; open(os.path.join(os.environ['TMPDIR'], 'ipc'), 'w').close(); "
+          "print('KVSTREAM_TIERS', os.getpid(), os.environ['KVSTREAM_TIERS'], flush=True); time.sleep(600)")
+serve_cpu.ensure_packages = lambda: None
+serve_cpu.build_model = lambda: "tiny-model"
+serve_cpu.launch_command = lambda model, **kw: [sys.executable, "-c", server]
+serve_cpu.ServerProcess.wait = lambda self, timeout=0: self
+sys.exit(cli.main(["serve-cpu", "--no-testbed", "--port", "1", "--log", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_serve_cpu_stopped_by_a_signal_removes_its_server_and_tiers(tmp_path, sig):
+    """`kill`, `timeout` or a closed terminal stop `kvstream serve-cpu` as Ctrl-C does (before, it died at
+    once: its server, in a session of its own, went on serving, and a testbed's mounts stayed); it prints
+    the directories the server stores pages in (KVSTREAM_TIERS: what kvstream info/check take), and the
+    server's temporary files go with it."""
+    demo_dir, tmp, log = tmp_path / "demo", tmp_path / "tmp", tmp_path / "server.log"
+    demo_dir.mkdir()
+    tmp.mkdir()
+    env = dict(os.environ, KVSTREAM_DEMO_DIR=str(demo_dir), TMPDIR=str(tmp),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    child = subprocess.Popen([sys.executable, "-c", _SERVE_CPU_CHILD, str(log)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    server = None
+    try:
+        out = []
+        for line in child.stdout:  # (ends when the child does: never waits forever)
+            out.append(line)
+            if "serving at" in line:
+                break
+        assert "serving at" in out[-1], "".join(out)
+        deadline = time.monotonic() + 60
+        while "KVSTREAM_TIERS" not in (log.read_text() if log.exists() else ""):  # (the stand-in's line)
+            assert time.monotonic() < deadline and child.poll() is None, "".join(out)
+            time.sleep(0.05)
+        pid, tiers = log.read_text().splitlines()[-1].split()[1:]
+        server = int(pid)
+        child.send_signal(getattr(signal, sig))
+        child.communicate(timeout=120)
+        assert child.returncode == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(server, 0)
+        assert os.listdir(demo_dir) == [] and os.listdir(tmp) == []
+        assert f"[serve-cpu] KVSTREAM_TIERS={tiers}\n" in out
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+        if server is not None:
+            try:
+                os.killpg(server, signal.SIGKILL)  # (the stand-in leads its own group: ServerProcess)
+            except ProcessLookupError:
+                pass

@@ -54,6 +54,19 @@ def test_a_tier_list_separated_by_commas_says_which_separator(tier_root):
     _has_all(str(err), "does not exist", f"separated by '{os.pathsep}', not ','")
 
 
+@pytest.mark.parametrize("written", ["1G,2G", "1G 50%", "1G;2G"])
+def test_capacities_separated_by_commas_say_which_separator(tier_root, written):
+    """'1G,2G' (as a user writes a list) read as one size that does not parse: the message says why."""
+    paths = [os.path.join(tier_root, n) for n in ("a", "b")]
+    with pytest.raises(ConfigError) as info:
+        Config.from_sources(None, environ={"KVSTREAM_TIERS": os.pathsep.join(paths), "KVSTREAM_CAPACITY": written})
+    _has_all(str(info.value), "KVSTREAM_CAPACITY", repr(written), f"separated by '{os.pathsep}'",
+             f"not {written[2]!r}")
+    with pytest.raises(ConfigError) as info:  # a size that does not parse is no list: no separator named
+        Config.from_sources(None, environ={"KVSTREAM_TIERS": paths[0], "KVSTREAM_CAPACITY": "1 gig"})
+    assert "separated" not in str(info.value)
+
+
 def test_an_environment_variable_an_explicit_setting_overrides_is_warned_about(tier_root):
     """Extra config wins over KVSTREAM_*: a user who exported a variable is told it does not count."""
     config = Config.from_sources({"tiers": [tier_root], "replicate": "all"},

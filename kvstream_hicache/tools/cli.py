@@ -368,8 +368,9 @@ def _tier_dirs(cfg) -> list[str]:
 
 def _tier_status(path: str) -> dict:
     out: dict = {"dir": path, "ok": False}
-    if not os.path.isdir(path):
-        out["problem"] = "missing (create it, or fix KVSTREAM_TIERS / --tiers)"
+    if not os.path.isdir(path):  # (a file there is no directory to create: said as what it is)
+        out["problem"] = (f"{'not a directory' if os.path.exists(path) else 'missing'} (create it, or fix "
+                          "KVSTREAM_TIERS / --tiers)")
         return out
     if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
         out["problem"] = "not readable and writable by this user (fix its permissions or owner)"

@@ -115,9 +115,10 @@ def prepare_tiers(args) -> Tiers:
     roots = [os.path.join(base, f"tier{i}") for i in range(2)]
     for r in roots:
         os.makedirs(r)
+    how = "run as root" if os.geteuid() else "drop --no-testbed" if args.no_testbed else "fix the testbed (above)"
     t = Tiers("temporary", roots,
               f"plain temporary directories on one disk ({base}): NOT throttled and sharing one device, so no "
-              "aggregate-bandwidth gain is expected; run as root for throttled loop-device tiers, or pass "
+              f"aggregate-bandwidth gain is expected; {how} for throttled loop-device tiers, or pass "
               "--tiers DIR1:DIR2 on two real devices")
     if not args.keep:
         t.cleanup.append(lambda: shutil.rmtree(base, ignore_errors=True))

@@ -310,31 +310,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", default="page_first", help="--hicache-mem-layout (page_first, layer_first, ...)")
     p.add_argument("--no-testbed", action="store_true", help="plain directories even as root")
     p.add_argument("--profile", default="testbed2-1:20", help="the testbed's throttle profile (root)")
-    p.add_argument("--keep", action="store_true", help="keep the tier directories' pages on exit")
+    p.add_argument("--keep", action="store_true", help="keep the run's directories in the tiers (and their pages) "
+                                                       "on exit; a later run starts in new ones")
     p.add_argument("--log", help="server log file (default: a new file in the temporary directory)")
     p.add_argument("--server-args", default="", help="more sglang.launch_server arguments, one quoted string")
     p.add_argument("--startup-timeout", type=float, default=600.0)
 
 
+def _stop(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args) -> int:
+    # A kill, a closed terminal or `timeout` stop the server as Ctrl-C does: it runs in a session of its
+    # own (no SIGHUP reaches it) and the testbed's mounts outlive this process, so dying at once left both.
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _run(args) -> int:
     from . import demo
 
     ensure_packages()
     model = build_model()
     print(f"[serve-cpu] model: {model}", flush=True)
     tiers = demo.prepare_tiers(args)
+    # sglang names its IPC sockets with tempfile and leaves them when its processes are killed: its TMPDIR
+    # is a directory of this run's, removed with the tiers
+    scratch = tempfile.mkdtemp(prefix="kvstream-serve-cpu-")
+    tiers.cleanup.insert(0, lambda: shutil.rmtree(scratch, ignore_errors=True))
     try:
         dirs = tiers.run_dirs(args.backend)
         env = server_env(KVSTREAM_TIERS=os.pathsep.join(dirs),  # sglang's file and nixl: tier 0's directory
                          SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=dirs[0],
-                         SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR=dirs[0])
+                         SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR=dirs[0], TMPDIR=scratch)
         cmd = launch_command(model, port=args.port, host=args.host, backend=args.backend, layout=args.layout,
                              extra=shlex.split(args.server_args))
         log = args.log or os.path.join(tempfile.gettempdir(), f"kvstream-serve-cpu-{os.getpid()}.log")
         url = f"http://{args.host}:{args.port}"
-        print(f"[serve-cpu] tiers: {tiers.note}\n[serve-cpu] {shlex.join(cmd)}\n[serve-cpu] log: {log}", flush=True)
+        # (the pages are in the run's directories inside the tiers: kvstream info/check --tiers takes these)
+        print(f"[serve-cpu] tiers: {tiers.note}\n[serve-cpu] KVSTREAM_TIERS={os.pathsep.join(dirs)}\n"
+              f"[serve-cpu] {shlex.join(cmd)}\n[serve-cpu] log: {log}", flush=True)
         with ServerProcess(cmd, env, log, url=url).start(args.startup_timeout) as srv:
-            print(f"[serve-cpu] serving at {url} (Ctrl-C stops the server)", flush=True)
+            print(f"[serve-cpu] serving at {url} (Ctrl-C stops the server); try: curl {url}/generate -H "
+                  "'Content-Type: application/json' -d '{\"text\": \"Hello\", \"sampling_params\": "
+                  "{\"max_new_tokens\": 8}}'", flush=True)
             while srv.alive():
                 time.sleep(1.0)
             print(f"[serve-cpu] the server exited; last lines of {log}:\n{srv.tail()}", file=sys.stderr)
