@@ -89,6 +89,7 @@ def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
     (its file in place then); one indexed again meanwhile may be missed (not forgotten: found gone when
     it is read). Its keys are one set, each listed file's key taken out of it (no second set of every
     file: ~140 B a page)."""
+    replicas.rejoined(tier.k)  # (its catch-up's back-offs were the tier's before it failed)
     unlisted: set[str] = set()  # (here, not in the call that found the tier back: millions of keys)
     start = 0
     while start >= 0:

@@ -38,9 +38,9 @@ sweep of the index per tier, SWEEP_BATCH pages at a time as the tier takes them 
 no list of every page is made, and a tier without room holds one batch. A tier without room
 stops its catch-up (the page stays owed, ``pending``) until pages leave it; a copy it does take enters
 its LRU as the least recent page (jobs.py), so it never costs a page the tier chose to keep. A page
-that finds a tier full (at its capacity when it would be owed, or on a file system full of files no
-copy may evict) is not owed page by page: the tier is looked at once a second for room, and then its
-sweep owes it what it lacks (``_full``, ``_room_again``).
+that finds a tier full (at its capacity when it would be owed or its sweep reaches it, or on a file
+system full of files no copy may evict) is not owed page by page: the tier is looked at once a second for
+room, and then its sweep owes it what it lacks (``_full``, ``_room_again``).
 """
 from __future__ import annotations
 
@@ -170,6 +170,15 @@ class Replicator:
             for owed in self._owed:  # the sweeps owe them again, but promoted pages: they stay first
                 for key in [key for key in owed if key not in self._copies]:
                     del owed[key]
+            self._work.notify()
+
+    def rejoined(self, k: int) -> None:
+        """Tier ``k`` failed and rejoins (Engine's rejoin thread, before what it lacks is owed again): it is
+        looked at as a fresh tier. Its back-offs and fullness were the tier's before it failed (a quota raised,
+        a file system remounted since): before, a tier that had refused copies kept its catch-up waiting up to
+        REFUSED_BACKOFF_MAX s after it rejoined. One still full is found so again by its first look."""
+        with self._lock:
+            self._refused[k], self._next[k], self._full[k] = 0, 0.0, 0
             self._work.notify()
 
     def read(self, keys: Sequence[str], pages: Sequence[Sequence[Segment]], found: Sequence[bool]) -> None:
@@ -339,7 +348,12 @@ class Replicator:
                     self._copy_bytes -= file_size(source.info.length)
                     self.pool.put(source.buf)
         if not promoted and not self.index.fits(k, info.length):
-            return False  # full: the page stays owed until pages leave the tier
+            # At its capacity (a copy never evicts): full for the catch-up, as owe() finds it, until pages leave
+            # (_room_again: the index alone). Before, the page stayed owed and each wake (IDLE_S, every get's
+            # end) looked its name up on the tier again, for as long as the tier stayed at its capacity.
+            with self._lock:
+                self._full_under_replicator(k, info.length, self.clock() + FAILED_BACKOFF_S)
+            return False
         short = not promoted and _fs_short(tier, info.length)
         if short and _larger_than(tier, 2 * file_size(info.length)):  # it never fits there: dropped
             with self._lock:

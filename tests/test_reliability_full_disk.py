@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE, file_size
 from kvstream_hicache.router import SingleTier
 
-from helpers import PageSet, TierFaultPlan, content, loop_fs, make_engine, page_files, put_items, \
+from helpers import FakeClock, PageSet, TierFaultPlan, content, loop_fs, make_engine, page_files, put_items, \
     tier_stats_once, tmp_files, wait_for_fault, wait_until  # noqa: F401
 
 MIB = 1 << 20
@@ -313,6 +314,53 @@ def test_a_tier_that_keeps_refusing_copies_it_seems_to_have_room_for_is_tried_le
         stats = engine.stats()["tiers"][1]
         assert stats["healthy"] and stats["write_failures"] == 0 and stats["errors"] == 0, stats
         plan.clear()
+
+
+def test_a_tier_that_refused_copies_takes_them_without_the_back_off_once_it_rejoins(tier_dirs):
+    """Tier 1 refuses every copy for a quota until its catch-up looks back off to REFUSED_BACKOFF_MAX (64 s);
+    then it fails (its server gone) and rejoins with room (remounted, the quota raised): what it lacks is owed
+    again, and written within a second, as to any tier that rejoins. Before, the back-off of the tier as it was
+    held: its copies waited up to 64 s more after the rejoin. Found by a review."""
+    from kvstream_hicache.io import OP_WRITE
+    from kvstream_hicache.replication import FAILED_BACKOFF_S, REFUSED_BACKOFF_MAX
+
+    within_s = 10 * FAILED_BACKOFF_S  # (5 copies, paced: seconds, not the back-off's 64)
+
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+    plan = TierFaultPlan().on(tier_dirs[1], Fault.error(errno.EDQUOT), opcode=None)
+    with make_engine(tier_dirs[:2], fault_plan=plan, tier_retry=0.1) as engine:
+        replicas = engine._replicas
+        clock = replicas.clock = FakeClock(time.monotonic())  # (the catch-up's back-offs: moved, not waited for)
+        while replicas._refused[1] <= REFUSED_BACKOFF_MAX.bit_length():  # (its back-off at the most)
+            refused = replicas._refused[1]
+            clock.advance(REFUSED_BACKOFF_MAX + 1)
+            with replicas._lock:
+                replicas._work.notify()
+            wait_until(lambda: replicas._refused[1] > refused and replicas._busy[1] is None, WAIT_S,
+                       "tier 1 stopped trying its copies")
+        plan.clear()
+        plan.on(tier_dirs[1], Fault.error(errno.EIO), opcode=OP_WRITE)
+        extra = pages.keys(1, 100)
+        assert pages.put(engine, extra) == [True]  # tier 1 fails on it
+        assert not engine.tiers[1].healthy
+        plan.clear()
+        wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, WAIT_S, "tier 1 never rejoined")
+        rejoined = clock()
+
+        def copied() -> bool:  # (the catch-up's clock moves on by 10 ms a look with no copy under way: its pacing)
+            if replicas._busy[1] is None:
+                clock.advance(0.01)
+            with replicas._lock:
+                replicas._work.notify()
+            return all(engine.index.holders(k) == 0b11 for k in keys + extra) or clock() > rejoined + within_s
+
+        wait_until(copied, WAIT_S, "the catch-up stopped")
+        assert clock() <= rejoined + within_s, (
+            f"the rejoined tier 1 got {engine.stats()['tiers'][1]['replication_done']} copies of 5 in {within_s} s: "
+            f"its next look {replicas._next[1] - clock():.0f} s away ({replicas._refused[1]} refusals before)")
 
 
 def test_a_promoted_copy_a_tier_refused_leaves_memory_and_is_written_from_a_holder_once_it_has_room(tier_dirs,

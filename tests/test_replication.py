@@ -238,6 +238,40 @@ def test_catchup_stops_at_the_tiers_capacity(tier_dirs):
         assert sum(on_disk(engine, 1, key) for key in keys) == 3
 
 
+def test_a_tier_at_its_capacity_is_not_looked_at_again_and_again_for_a_page_it_has_no_room_for(tier_dirs,
+                                                                                               monkeypatch):
+    """Tier 1 can hold 3 of the 8 pages its start-up sweep owes it. Once it is at its capacity, the catch-up
+    waits for room without a look at the tier each time it wakes (every IDLE_S, and at the end of every get):
+    before, each wake looked up the next owed page's name there (an lstat, a round trip on a network tier) and
+    found no room, for as long as the tier stayed at its capacity (a cache tier's steady state). Found by a
+    review. Once pages leave the tier, the rest is written."""
+    from kvstream_hicache import replication
+
+    monkeypatch.setattr(replication, "IDLE_S", 0.01)  # (wakes come quickly: counted, not timed)
+    monkeypatch.setattr(replication, "FAILED_BACKOFF_S", 0.01)
+    pages = PageSet()
+    keys = pages.keys(8)
+    with make_engine(tier_dirs[:2], catchup=False) as engine:
+        assert pages.put(engine, keys) == [True] * 8
+        nbytes = engine.index.get(keys[0]).nbytes
+    drop_copies(tier_dirs[1], keys)
+    with make_engine(tier_dirs[:2], capacity=f"{os.pathsep}{3 * nbytes + 100}") as engine:
+        replicas, tier = engine._replicas, engine.tiers[1]
+        wait_until(lambda: engine.stats()["tiers"][1]["replication_done"] == 3, what="catch-up wrote nothing")
+        looks, wakes = [], []
+        named, start = tier.named, replicas._start
+        monkeypatch.setattr(tier, "named", lambda key: looks.append(key) or named(key))
+        monkeypatch.setattr(replicas, "_start", lambda k: (k != 1 or not wakes.append(k)) and start(k))
+        wait_until(lambda: len(wakes) >= 50, what="the catch-up stopped waking")
+        assert len(looks) <= 1, f"{len(looks)} looks at tier 1 in {len(wakes)} wakes for pages it has no room for"
+        assert engine.stats()["tiers"][1]["replication_pending"] == 5
+        held = [key for key in keys if engine.index.holders(key) == 0b11]
+        assert engine.delete(held) == 3  # room for the rest on tier 1
+        rest = [key for key in keys if key not in held]
+        wait_until(lambda: sum(engine.index.holders(key) == 0b11 for key in rest) == 3,
+                   what="the pages owed were never written once tier 1 had room")
+
+
 
 def test_a_replica_skipped_while_its_tier_was_at_capacity_is_written_once_it_has_room(tier_dirs):
     """replicate=budget skips tier 1's replicas of a large put (a tier much slower to write) while tier 1
