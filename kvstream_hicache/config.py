@@ -334,7 +334,13 @@ class Config:
         except ConfigError:
             bound = SETTINGS["write_timeout"].default
         reals: dict[str, str | None] = {}  # (a tier's real path is waited for once: a hung one costs write_timeout)
-        warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what, bound, reals)
+        try:
+            warnings, tiers = _parse_tiers(raw["tiers"], raw["capacity"], what, bound, reals)
+        except ConfigError as exc:  # a misspelt KVSTREAM_TIERS is why there are no tiers: said in the error,
+            hints = unknown_variables(environ)  # as it is said in a warning when the start goes on
+            if not hints:
+                raise
+            raise ConfigError(f"{exc}; {'; '.join(hints)}") from None
         values = {k: v for k, v in raw.items() if k not in ("tiers", "capacity")}
         config = cls(tiers=tiers, **values, sources=dict(sources))
         overridden = [f"{env_name(key)}={env} is overridden by {sources[key]} = {explicit[key]!r} (an explicit "
@@ -510,9 +516,13 @@ def _parse_tiers(raw_tiers: Any, raw_capacity: Any, what: Callable[[str], str], 
     twice: dict[str, list[str]] = {}  # tier kept -> the later entries naming it again
     if raw_tiers is not None:
         seen: dict[str, str] = {}
-        for entry in _split(raw_tiers, what("tiers")):
+        entries = _split(raw_tiers, what("tiers"))
+        for entry in entries:
             if not entry.strip():
-                continue
+                if any(e.strip() for e in entries):  # ["/nvme/kv", "$PFS"] with PFS unset: a tier lost unsaid
+                    raise ConfigError(f"{what('tiers')}: {raw_tiers!r} has an empty entry; give every tier's "
+                                      "directory, or remove the empty entry (and its capacity)")
+                continue  # (every entry empty: unset, as an empty variable)
             path = _tier_path(entry.strip(), what("tiers"))
             if path not in reals and ask:
                 reals[path] = real_path(path, bound)

@@ -51,6 +51,30 @@ def test_no_tiers_names_the_variable():
         cfg({"tiers": []})
 
 
+def test_no_tiers_names_a_misspelt_tiers_variable():
+    """KVSTREAM_TEIRS=/nvme/kv: the start failed with 'no tier directories' alone; the 'did you mean' of an
+    unknown variable came only when the start went on (a warning), never here where it is the cause."""
+    with pytest.raises(ConfigError) as err:
+        cfg({}, {"KVSTREAM_TEIRS": "/nvme/kv"})
+    assert "no tier directories" in str(err.value) and "KVSTREAM_TEIRS" in str(err.value)
+    assert "did you mean KVSTREAM_TIERS?" in str(err.value)
+
+
+def test_an_empty_tier_entry_is_refused_not_dropped(tier_dirs):
+    """["/nvme/kv", ""] (an unset variable in a template) started on one tier without a word, or with
+    per-tier capacities failed with '2 capacities for 1 tiers', naming no empty entry."""
+    a = tier_dirs[0]
+    for explicit, env, source in [({"tiers": [a, ""], "capacity": "1G:2G"}, {}, "extra config 'tiers'"),
+                                  ({"tiers": [a, " "]}, {}, "extra config 'tiers'"),
+                                  ({}, {"KVSTREAM_TIERS": a + os.pathsep}, "KVSTREAM_TIERS")]:
+        with pytest.raises(ConfigError) as err:
+            cfg(explicit, env)
+        msg = str(err.value)
+        assert msg.startswith(source) and "empty entry" in msg and a in msg, msg
+    with pytest.raises(ConfigError, match="no tier directories"):  # every entry empty: unset, as before
+        cfg({}, {"KVSTREAM_TIERS": os.pathsep})
+
+
 def test_unknown_key_lists_valid_keys(tier_dirs):
     with pytest.raises(ConfigError) as err:
         cfg({"tiers": tier_dirs, "tier": "/x", "fsnyc": "data"})

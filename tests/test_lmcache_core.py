@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -608,6 +610,43 @@ def test_tasks_submitted_in_a_forked_child_end(engine):
         core.close()
 
 
+def test_usage_in_a_forked_child_does_not_raise(tier_dirs):
+    """get_usage (and pop_completed_store_tasks, delete) in a child forked while a key's gone event was queued:
+    its accounting asked the engine, which refuses every call there, and EngineClosedError went out of
+    get_usage into the caller (LMCache's L2 eviction controller polls it)."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    adapter = l2adapter.KVStreamL2Adapter({"tiers": tier_dirs[:1], "chunk": "4K"}, environ={})
+    try:
+        src = Pages(1, 4096, seed=3)
+        key = ObjectKey(chunk_hash=b"forked-1", model_name="m", kv_rank=0, cache_salt="")
+
+        class Obj:  # the two things the adapter asks of a MemoryObj
+            data_ptr = src.segments[0][0][0]
+
+            def get_size(self):
+                return 4096
+
+        task = adapter.submit_store_task([key], [Obj()])
+        assert adapter.core.wait_completed("store", 1, WAIT_S)
+        assert adapter.pop_completed_store_tasks()[task].is_successful()
+        adapter.engine.delete([l2keys.engine_key(key)])  # its gone event waits for the next accounting
+
+        def child() -> int:
+            try:
+                usage = adapter.get_usage()
+                adapter.pop_completed_store_tasks()
+                adapter.delete([key])
+            except BaseException:
+                return 2
+            return 0 if usage.total_bytes_used == 4096 else 3  # (cannot tell: still counted)
+
+        assert run_child(child, WAIT_S) == 0, "2: a call raised in the forked child"
+        assert adapter.get_usage().total_bytes_used == 0  # the parent accounts as before
+    finally:
+        adapter.close()
+
+
 def test_close_in_a_forked_child_returns_while_the_parent_s_store_is_open(tier_dirs):
     """A child forked while a store task of the parent's is open (its writes in flight) closes the
     adapter (a worker's shutdown): close() returns at once. That store is the parent's, ended by the
@@ -759,6 +798,23 @@ def test_bad_settings_raise_at_construction(tmp_path):
     # the engine settings' flag parser: a typo is an error, not "true" (refused before an engine opens)
     with pytest.raises(KVStreamError, match="pool_loads.*'flase'"):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "pool_loads": "flase"})
+
+
+def test_the_start_up_line_is_logged_where_no_one_configured_logging(tier_dirs):
+    """As in ``lmcache server``: LMCache sets up its own loggers only. The adapter's start-up line (L1
+    registered or staged, trust) went nowhere, even with log_level INFO, and warnings came out bare."""
+    code = ("import sys; from kvstream_hicache.lmcache.adapter import KVStreamL2Adapter as A; "
+            "A({'tiers': sys.argv[1:]}, environ={}).close()")
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code, *tier_dirs[:2]], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    up = [line for line in out.stderr.splitlines() if "kvstream lmcache: L2 adapter up" in line]
+    assert len(up) == 1 and " INFO " in up[0], out.stderr[-3000:]
+    warned = [line for line in out.stderr.splitlines() if "are on the same file system" in line]
+    assert warned and " WARNING kvstream: " in warned[0], out.stderr[-3000:]  # with a time and a level
 
 
 def test_adapter_params_errors_speak_lmcache_terms(tier_dirs, caplog):

@@ -42,6 +42,21 @@ def _shared_mapping(address: int, nbytes: int) -> bool:
     return False
 
 
+def _log_somewhere() -> None:
+    """Give the 'kvstream' logger a handler where the process configured none: ``lmcache server`` sets up
+    only LMCache's own loggers (each with its handler, at INFO), so the adapter's start-up line (tiers,
+    L1 registered or staged, trust) and every INFO line went nowhere, even with ``log_level: INFO``,
+    and warnings came out bare through Python's last resort. A host that configured logging (SGLang,
+    pytest, a root handler) is left as it set it."""
+    if log.hasHandlers():
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s"))  # (each says "kvstream")
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:  # LMCache's own default level (LMCACHE_LOG_LEVEL); log_level overrides it
+        log.setLevel(logging.INFO)
+
+
 def _row(key: Any, i: int) -> Any:
     """The row of a lookup key: LMCache's lookup holds one row of chunk keys per object group and kv
     rank (its GroupedObjectKeys), and serves a prefix of each (L2Core._discover). A key without those
@@ -115,6 +130,7 @@ def _lmcache_classes() -> dict[str, type]:
             super().__init__()  # the capacity is the engine's, known once it is open (below)
             if isinstance(params, KVStreamL2AdapterConfig):
                 params = params.params
+            _log_somewhere()  # first: the start-up's own warnings and errors go there too
             opts, settings = split_params(params)
             # The adapter's own options are checked before the engine opens: a bad one leaves nothing open.
             pool_loads = parse_flag(opts.get("pool_loads", True), "adapter_params 'pool_loads'")
@@ -330,17 +346,26 @@ def _lmcache_classes() -> dict[str, type]:
                     # while not yet in _held, and would stay counted for good. The index drops a key
                     # before it queues the key's gone event, so a drop after this check leaves its event
                     # queued, and the drain below (or the next one) removes the key again.
-                    if ekey not in self._held and self.engine.held(ekey):
+                    if ekey not in self._held and self._engine_holds(ekey):
                         self._held[ekey] = (key, size)
                         new.append((key, size))
                 while self._gone:
                     ekey = self._gone.popleft()
-                    if ekey in self._held and not self.engine.held(ekey):
+                    if ekey in self._held and self._engine_holds(ekey) is False:
                         gone.append(self._held.pop(ekey))
             if new:
                 self._notify_safely(self._notify_keys_stored, [k for k, _ in new], [n for _, n in new])
             if gone:
                 self._notify_safely(self._notify_keys_deleted, [k for k, _ in gone], [n for _, n in gone])
+
+        def _engine_holds(self, ekey: str) -> bool | None:
+            """engine.held, None where it fails: a forked child's engine refuses every call, and get_usage,
+            pop_completed_store_tasks and delete (which account through here) never raise into LMCache."""
+            try:
+                return self.engine.held(ekey)
+            except Exception:
+                self.core.report_error("usage accounting")
+                return None
 
         def _map_objects(self, keys: list, objects: list) -> tuple[list[str | None], list]:
             """ObjectKeys + MemoryObjs -> engine keys + one-segment pages of the object's logical
