@@ -314,8 +314,12 @@ class Config:
         explicit = {k: v for k, v in (explicit or {}).items() if k not in ignore}
         unknown = sorted(set(explicit) - set(SETTINGS))
         if unknown:
+            # (a typo names the setting meant, as a misspelt KVSTREAM_* variable does: unknown_variables)
+            close = [(k, m[0]) for k in unknown if (m := difflib.get_close_matches(k, SETTINGS, n=1))]
+            close = [repr(m) if len(unknown) == 1 else f"{m!r} for {k!r}" for k, m in close]
             raise ConfigError(f"unknown kvstream setting(s) {', '.join(map(repr, unknown))} in the extra config; "
-                              f"valid keys: {', '.join(SETTINGS)}")
+                              + (f"did you mean {', '.join(close)}? " if close else "")
+                              + f"valid keys: {', '.join(SETTINGS)}")
         raw: dict[str, Any] = {}
         sources: dict[str, str] = {}
         shadowed: dict[str, str] = {}  # key -> the variable's text an explicit setting overrides

@@ -93,6 +93,9 @@ TIER_DOCS = {
                                 "owed: replication_pending).",
 }
 
+# The storage calls sglang's threads make (adapter_errors_total{op}: a series each from the start).
+DATA_OPS = ("batch_exists", "batch_get_v1", "batch_set_v1")
+
 _families: dict | None = None
 _families_lock = ranked_lock("metrics")
 
@@ -166,6 +169,15 @@ class Exporter:
                 self.fam[name].labels(**self.labels, tier=str(k))
         for rule in RULE_NAMES:  # (0 too: no read call has chosen a rule yet, or one tier alone)
             self.fam["read_calls"].labels(**self.labels, rule=rule)
+        # The series docs/sglang.md tells a user to watch, at 0 until something happens: a counter that
+        # appears only at its first event shows nothing at /metrics (under_replicated, adapter_errors "should
+        # stay 0" were absent on a real server), and rate()/increase() lose that first event.
+        for result in ("found", "missing"):
+            self.fam["pages"].labels(**self.labels, result=result)
+        self.fam["under_replicated"].labels(**self.labels)
+        self.fam["retrieval_bound"].labels(**self.labels)
+        for op in DATA_OPS:
+            self.fam["adapter_errors"].labels(**self.labels, op=op)
 
     def sync(self, stats: Mapping, adapter_counters: Mapping | None = None) -> None:
         """Export the engine's cumulative ``stats()`` dict."""

@@ -11,6 +11,9 @@ backend name and a working server in sglang 0.5.23, and ``register`` fixes each:
    list -> when the factory builds our backend, patch ``HiCacheController._start_storage_threads`` so that,
    for ``kvstream``, the zero-copy page functions are selected before the storage threads start.
 
+It also hooks ``ServerArgs.check_server_args`` (BEFORE), which the launcher runs before it starts a
+scheduler, to refuse a kvstream extra config there (:func:`check_extra_config`).
+
 Import-light by design: this module imports nothing from sglang or torch at import time, and ``register``
 touches only modules the process has already loaded (``server_args``) or cheap ones (``backend_factory``).
 The controller module (~1.5 s to import) is patched lazily from inside the factory hook, where it is
@@ -26,14 +29,21 @@ rewrite, and the ``dynamic`` shm allocator.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import sys
+from collections.abc import Mapping
 
 NAME = "kvstream"
 MODULE = "kvstream_hicache.sglang.storage"
 CLASS = "KVStreamHiCacheStorage"
 
 _FACTORY_TARGET = "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory._create_builtin_backend"
+_CHECK_TARGET = "sglang.srt.server_args.ServerArgs.check_server_args"
+EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+EXAMPLE = '\'{"tiers": ["/mnt/nvme0/kv", "/mnt/nvme1/kv"]}\''
+_UNREAD = object()  # an extra config only sglang can read (a format it refuses, a parser not installed here)
 _CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 _PATCH_MARK = "_kvstream_zero_copy"
 
@@ -57,12 +67,95 @@ def register() -> None:
     if NAME not in StorageBackendFactory._registry:
         StorageBackendFactory.register_backend(NAME, MODULE, CLASS)
     HookRegistry.register(_FACTORY_TARGET, _create_builtin_backend, HookType.AROUND)
+    # The launcher checks its arguments before it starts any scheduler: a bad extra config is refused there,
+    # in seconds and naming the flag, not after the model loaded, as a traceback in the scheduler (sglang
+    # parses the JSON there: a trailing comma read "JSONDecodeError: Expecting value: line 1 column 34").
+    HookRegistry.register(_CHECK_TARGET, _check_server_args, HookType.BEFORE)
     _registered = True
     try:
         allow_cli_choice()
     except Exception as exc:  # the backend still works through sglang.Engine(...) and the dynamic spelling
         logger.warning("kvstream: could not add 'kvstream' to --hicache-storage-backend choices (%s); use the "
                        "'dynamic' spelling documented in docs/sglang.md", exc)
+
+
+def _check_server_args(server_args, *_args, **_kwargs) -> None:
+    """BEFORE hook on ``ServerArgs.check_server_args`` (the launcher, before the schedulers start)."""
+    check_extra_config(getattr(server_args, "hicache_storage_backend", None),
+                       getattr(server_args, "hicache_storage_backend_extra_config", None))
+
+
+def check_extra_config(backend: str | None, text: str | None, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a kvstream extra config the schedulers would refuse, as they would read it: the flag's JSON
+    (or ``@file``) as sglang parses it, then every kvstream setting as the backend reads it (extra config
+    over ``KVSTREAM_*`` over defaults). Other backends' configs, and a ``dynamic`` one that does not name
+    kvstream's module, are sglang's to judge.
+
+    :raises kvstream_hicache.errors.ConfigError: naming the flag or the setting, the value as written, the fix.
+    """
+    from ..config import Config
+    from ..errors import ConfigError
+
+    if backend not in (NAME, "dynamic"):
+        return
+    try:
+        extra = _load_extra_config(text)
+    except ConfigError:
+        if backend == NAME:
+            raise
+        return  # (dynamic: whose config it is cannot be told; sglang reports it)
+    if extra is _UNREAD:
+        return
+    if backend == "dynamic" and not (isinstance(extra, dict)
+                                     and str(extra.get("module_path", "")).startswith("kvstream_hicache")):
+        return
+    if not isinstance(extra, dict):
+        kind = {list: "list", str: "string", bool: "true/false", type(None): "null"}.get(type(extra), "number")
+        raise ConfigError(f"{EXTRA_FLAG}: {text!r} is a JSON {kind}, not an object of settings; "
+                          f"write e.g. {EXAMPLE}")
+    from .storage import SGLANG_KEYS  # (sglang's own keys: its loader's, its controller's)
+
+    Config.from_sources(extra, os.environ if environ is None else environ, ignore=SGLANG_KEYS)
+
+
+def _load_extra_config(text: str | None):
+    """The extra config as sglang 0.5.23 reads it (HybridCacheController.parse_storage_backend_extra_config):
+    a JSON string, or ``@path`` to a .json, .toml or .yaml file; ``_UNREAD`` where sglang alone can tell."""
+    from ..errors import ConfigError
+
+    if not text:
+        return {}
+    if not text.startswith("@"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{EXTRA_FLAG}: {text!r} is not valid JSON ({exc.msg} at line {exc.lineno} column "
+                              f"{exc.colno}); write one JSON object, e.g. {EXAMPLE} (double quotes, no trailing "
+                              "comma), or @kvstream.json") from None
+    path = text[1:]
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".json", ".toml", ".yaml", ".yml"):
+        return _UNREAD  # (sglang refuses the format itself)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+        if ext == ".json":
+            return json.loads(data)
+        if ext == ".toml":
+            import tomllib
+
+            return tomllib.loads(data.decode())
+        import yaml
+
+        return yaml.safe_load(data)
+    except OSError as exc:
+        raise ConfigError(f"{EXTRA_FLAG}: cannot read {path!r} ({exc.strerror or exc}); give the path of the "
+                          "settings file after '@'") from None
+    except ImportError:
+        return _UNREAD  # (no YAML parser here: sglang reports it)
+    except Exception as exc:  # (JSON, TOML and YAML each raise their own error class)
+        raise ConfigError(f"{EXTRA_FLAG}: {path!r} does not parse as {ext[1:].upper()} ({exc}); correct the "
+                          f"file") from None
 
 
 def allow_cli_choice() -> bool:
