@@ -348,6 +348,11 @@ class Replicator:
                     self._copy_bytes -= file_size(source.info.length)
                     self.pool.put(source.buf)
         if not promoted and not self.index.fits(k, info.length):
+            if info.length > (self.index.capacities[k] or 0):  # never fits there (as owe() leaves it): dropped;
+                with self._lock:  # taken for full, the tier waited for room that never comes, its catch-up over
+                    self._owed[k].pop(key, None)
+                self.stats.add(k, "replication_dropped")
+                return True
             # At its capacity (a copy never evicts): full for the catch-up, as owe() finds it, until pages leave
             # (_room_again: the index alone). Before, the page stayed owed and each wake (IDLE_S, every get's
             # end) looked its name up on the tier again, for as long as the tier stayed at its capacity.

@@ -91,19 +91,38 @@ sys.exit(cli.main(["serve-cpu", "--no-testbed", "--port", "1", "--log", sys.argv
 """
 
 
+def _start_serve_cpu(tmp_path, source: str):
+    """The child ``source`` (a form of _SERVE_CPU_CHILD) with a demo directory and a TMPDIR of its own:
+    (the process, its demo directory, its TMPDIR, the stand-in server's log)."""
+    demo_dir, tmp, log = tmp_path / "demo", tmp_path / "tmp", tmp_path / "server.log"
+    demo_dir.mkdir()
+    tmp.mkdir()
+    env = dict(os.environ, KVSTREAM_DEMO_DIR=str(demo_dir), TMPDIR=str(tmp),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    child = subprocess.Popen([sys.executable, "-c", source, str(log)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    return child, demo_dir, tmp, log
+
+
+def _end_serve_cpu(child: subprocess.Popen, server: int | None) -> None:
+    """Whatever a failed test left: the child, and the stand-in server (it leads its own group: ServerProcess)."""
+    if child.poll() is None:
+        child.kill()
+        child.communicate()
+    if server is not None:
+        try:
+            os.killpg(server, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
 def test_serve_cpu_stopped_by_a_signal_removes_its_server_and_tiers(tmp_path, sig):
     """`kill`, `timeout` or a closed terminal stop `kvstream serve-cpu` as Ctrl-C does (before, it died at
     once: its server, in a session of its own, went on serving, and a testbed's mounts stayed); it prints
     the directories the server stores pages in (KVSTREAM_TIERS: what kvstream info/check take), and the
     server's temporary files go with it."""
-    demo_dir, tmp, log = tmp_path / "demo", tmp_path / "tmp", tmp_path / "server.log"
-    demo_dir.mkdir()
-    tmp.mkdir()
-    env = dict(os.environ, KVSTREAM_DEMO_DIR=str(demo_dir), TMPDIR=str(tmp),
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    child = subprocess.Popen([sys.executable, "-c", _SERVE_CPU_CHILD, str(log)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    child, demo_dir, tmp, log = _start_serve_cpu(tmp_path, _SERVE_CPU_CHILD)
     server = None
     try:
         out = []
@@ -126,11 +145,41 @@ def test_serve_cpu_stopped_by_a_signal_removes_its_server_and_tiers(tmp_path, si
         assert os.listdir(demo_dir) == [] and os.listdir(tmp) == []
         assert f"[serve-cpu] KVSTREAM_TIERS={tiers}\n" in out
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
-        if server is not None:
-            try:
-                os.killpg(server, signal.SIGKILL)  # (the stand-in leads its own group: ServerProcess)
-            except ProcessLookupError:
-                pass
+        _end_serve_cpu(child, server)
+
+
+def test_serve_cpu_stopped_by_a_second_signal_still_stops_its_server_and_removes_its_tiers(tmp_path):
+    """A closed terminal sends SIGHUP twice (the kernel's hang-up to the foreground job, then the shell's to its
+    jobs), an impatient user `kill`s twice. The second came while the first's stop waited for the server (its
+    grace before SIGKILL) and raised KeyboardInterrupt there: no SIGKILL, and a server slow to stop (here: one
+    that ignores SIGTERM; sglang's schedulers outlive its launcher) stayed, its tiers unmounted under it. Found by
+    a review."""
+    slow = _SERVE_CPU_CHILD.replace(
+        "server = (\"import os, time; ",
+        "serve_cpu.STOP_GRACE_S = 10.0\nserver = (\"import os, signal, time; "
+        "signal.signal(signal.SIGTERM, lambda *a: print('TERM', flush=True)); ")
+    assert slow != _SERVE_CPU_CHILD
+    child, demo_dir, tmp, log = _start_serve_cpu(tmp_path, slow)
+    server = None
+
+    def wait_log(text: str) -> str:
+        deadline = time.monotonic() + 60
+        while text not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "(no log)"
+            time.sleep(0.05)
+        return log.read_text()
+
+    try:
+        for line in child.stdout:
+            if "serving at" in line:
+                break
+        server = int(wait_log("KVSTREAM_TIERS").splitlines()[-1].split()[1])
+        child.send_signal(signal.SIGHUP)
+        wait_log("TERM")  # the server is being stopped
+        child.send_signal(signal.SIGHUP)
+        child.communicate(timeout=120)
+        with pytest.raises(ProcessLookupError):
+            os.kill(server, 0)
+        assert os.listdir(demo_dir) == [] and os.listdir(tmp) == []
+    finally:
+        _end_serve_cpu(child, server)

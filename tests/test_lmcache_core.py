@@ -800,21 +800,38 @@ def test_bad_settings_raise_at_construction(tmp_path):
         l2adapter.KVStreamL2Adapter({"tiers": [str(tmp_path)], "pool_loads": "flase"})
 
 
+def _adapter_child(code: str, tiers: list[str]) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter (logging as the process sets it up, not as pytest does), the tiers
+    as its arguments; it must succeed."""
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code, *tiers], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 def test_the_start_up_line_is_logged_where_no_one_configured_logging(tier_dirs):
     """As in ``lmcache server``: LMCache sets up its own loggers only. The adapter's start-up line (L1
     registered or staged, trust) went nowhere, even with log_level INFO, and warnings came out bare."""
     code = ("import sys; from kvstream_hicache.lmcache.adapter import KVStreamL2Adapter as A; "
             "A({'tiers': sys.argv[1:]}, environ={}).close()")
-    env = dict(os.environ, LMCACHE_TRACK_USAGE="false",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                        os.environ.get("PYTHONPATH")])))
-    out = subprocess.run([sys.executable, "-c", code, *tier_dirs[:2]], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _adapter_child(code, tier_dirs[:2])
     up = [line for line in out.stderr.splitlines() if "kvstream lmcache: L2 adapter up" in line]
     assert len(up) == 1 and " INFO " in up[0], out.stderr[-3000:]
     warned = [line for line in out.stderr.splitlines() if "are on the same file system" in line]
     assert warned and " WARNING kvstream: " in warned[0], out.stderr[-3000:]  # with a time and a level
+
+
+def test_a_host_that_configures_logging_after_the_adapter_gets_each_line_once(tier_dirs):
+    """A script that makes the adapter, then configures logging (logging.basicConfig): every kvstream line
+    came out twice, once through the adapter's own handler and once through the host's. Found by a review."""
+    code = ("import logging, sys; from kvstream_hicache.lmcache.adapter import KVStreamL2Adapter as A; "
+            "A({'tiers': sys.argv[1:]}, environ={}).close(); logging.basicConfig(format='HOST %(message)s'); "
+            "logging.getLogger('kvstream').warning('kvstream: a warning after the host configured logging')")
+    out = _adapter_child(code, tier_dirs[:1])
+    lines = [line for line in out.stderr.splitlines() if "after the host configured logging" in line]
+    assert lines == ["HOST kvstream: a warning after the host configured logging"], out.stderr[-3000:]
 
 
 def test_adapter_params_errors_speak_lmcache_terms(tier_dirs, caplog):

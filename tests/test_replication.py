@@ -559,3 +559,32 @@ def test_a_catch_up_look_that_spans_a_clear_never_indexes_a_page_of_before_it(ti
         clear_while_a_look_hangs(  # (a read of tier 0 owes it to tier 1)
             engine, daemon, network, k, lambda: pages.checked_get(engine, [k], policy=SingleTier(0)) == [True],
             lambda: engine.tiers[1].calls._since is not None)
+
+
+def test_a_page_larger_than_a_tiers_capacity_does_not_stop_its_catch_up(tier_dirs):
+    """Tier 1's capacity holds 3 small pages and no large one (a page of another size: LMCache's chunks, a
+    last partial page). Its sweep reaches the large page it lacks before the small ones (tier 1 failed while
+    they were put, and rejoined): the large page can never go there, and the small ones are still written.
+    Before, the sweep's look marked the tier full for the large page's size (Replicator._full), a room that
+    never comes: nothing was owed to tier 1 again, not even once the large page was deleted (and before 710f7e1
+    the large page stayed first in the owed list, looked at again at every wake). Found by a review."""
+    small, large = PageSet(salt="s"), PageSet(4 * PAGE_BYTES, salt="l")
+    keys = small.keys(3)
+    plan = TierFaultPlan()
+    nbytes = PAGE_BYTES  # (the payload: what a capacity counts)
+    with make_engine(tier_dirs[:2], fault_plan=plan, tier_retry=0.1,
+                     capacity=f"{os.pathsep}{3 * nbytes + 100}") as engine:
+        assert large.put(engine, large.keys(1)) == [True]  # tier 0 alone: tier 1 has no room for it
+        assert engine.index.holders(large.keys(1)[0]) == 0b01
+        plan.on(tier_dirs[1], Fault.error(errno.EIO), opcode=OP_WRITE)
+        assert small.put(engine, keys) == [True] * 3
+        wait_until(lambda: not engine.tiers[1].healthy, what="tier 1 never failed")
+        plan.clear()
+        wait_until(lambda: engine.get([], []) == [] and engine.tiers[1].healthy, what="tier 1 never rejoined")
+        try:
+            wait_until(lambda: all(engine.index.holders(key) == 0b11 for key in keys), 20)
+        except AssertionError:
+            raise AssertionError(
+                f"tier 1's catch-up stopped: {sum(engine.index.holders(key) == 0b11 for key in keys)} of 3 small "
+                f"pages written, tier 1 taken for full for {engine._replicas._full[1]} B (capacity "
+                f"{3 * nbytes + 100})") from None

@@ -145,3 +145,21 @@ def test_the_sglang_endpoints_the_docs_name_exist_in_sglang():
     assert named, "no endpoint found in the docs: the pattern no longer matches how they write them"
     missing = sorted(n for n in named if n not in routes)
     assert not missing, f"docs name endpoints sglang does not serve: {missing}"
+
+
+
+def test_the_launcher_check_leaves_a_config_no_scheduler_reads(tier):
+    """Without --enable-hierarchical-cache no scheduler builds a storage backend: its extra config is never
+    read (a launch script that passes the backend's flags and turns HiCache on and off, for an A/B run). The
+    launcher accepted such a launch before the check; the check refused it for an extra config that is never
+    used (here: no tiers anywhere). The plugin's hook is called as the launcher calls it, on the arguments as
+    sglang parsed them (sglang's own checks need a real model). Found by a review."""
+    argv = ["--model-path", "dummy", "--page-size", "64", "--hicache-storage-backend", "kvstream",
+            "--hicache-storage-backend-extra-config", "{}"]
+    code = LAUNCHER.replace("json.loads(sys.argv[1])", repr(argv)).replace(
+        "args.check_server_args()", "from kvstream_hicache.sglang.plugin import _check_server_args\n"
+                                    "    _check_server_args(args)")
+    proc = run_python(code, env={"KVSTREAM_TIERS": ""})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert json.loads(lines[-1][len("RESULT "):]) == "accepted"

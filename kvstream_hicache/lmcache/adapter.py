@@ -42,6 +42,19 @@ def _shared_mapping(address: int, nbytes: int) -> bool:
     return False
 
 
+class _Fallback(logging.StreamHandler):
+    """_log_somewhere's handler: it writes a record only while no handler of the host's would (one configured
+    later, logging.basicConfig in a script: each line came out twice)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        at: logging.Logger | None = log
+        while at is not None:  # (as Logger.callHandlers walks them)
+            if any(h is not self for h in at.handlers):
+                return
+            at = at.parent if at.propagate else None
+        super().emit(record)
+
+
 def _log_somewhere() -> None:
     """Give the 'kvstream' logger a handler where the process configured none: ``lmcache server`` sets up
     only LMCache's own loggers (each with its handler, at INFO), so the adapter's start-up line (tiers,
@@ -50,7 +63,7 @@ def _log_somewhere() -> None:
     pytest, a root handler) is left as it set it."""
     if log.hasHandlers():
         return
-    handler = logging.StreamHandler()
+    handler = _Fallback()
     handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(message)s"))  # (each says "kvstream")
     log.addHandler(handler)
     if log.level == logging.NOTSET:  # LMCache's own default level (LMCACHE_LOG_LEVEL); log_level overrides it

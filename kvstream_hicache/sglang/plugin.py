@@ -81,6 +81,9 @@ def register() -> None:
 
 def _check_server_args(server_args, *_args, **_kwargs) -> None:
     """BEFORE hook on ``ServerArgs.check_server_args`` (the launcher, before the schedulers start)."""
+    if not (getattr(server_args, "enable_hierarchical_cache", True)
+            or getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False)):
+        return  # no scheduler builds a storage backend: its extra config is never read (sglang started it)
     check_extra_config(getattr(server_args, "hicache_storage_backend", None),
                        getattr(server_args, "hicache_storage_backend_extra_config", None))
 

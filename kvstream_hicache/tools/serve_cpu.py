@@ -318,6 +318,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _stop(signum, _frame) -> None:
+    # Once: a second (a closed terminal's SIGHUP comes twice, the kernel's and the shell's) raised again inside
+    # the stop of the server or the tiers' clean-up, and left what it cut short (Ctrl-C still can)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt(f"signal {signum}")
 
 
