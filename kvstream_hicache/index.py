@@ -321,11 +321,13 @@ class Index:
         if max(stamp) >= self.started_ns:
             self._mark_mine_under_index(key, tier, stamp[0])
 
-    def _theirs(self, key: str, tier: int, stamp: tuple[int, int]) -> bool:
+    def _theirs(self, key: str, tier: int, stamp: tuple[int, int], since: bool = False) -> bool:
         """A copy found on disk, its write stamp (PageHeader.writer_ns) and its file's mtime ``stamp``, is
-        another process's (THEIRS): written since this index began (trust.written_ns) and not by this process (as far as
-        wrote's filter knows). Lock-free, as _maybe_mine."""
-        return written_ns(*stamp) >= self.started_ns and not self._maybe_mine(key, tier, stamp[0])
+        another process's (THEIRS): written since this index began (trust.written_ns), or found ``since``
+        the start-up scan listed every tier (it was not there then, whatever its stamps say: another node's
+        clock may run behind this one's, within the honest skew), and not by this process (as far as wrote's
+        filter knows). Lock-free, as _maybe_mine."""
+        return (since or written_ns(*stamp) >= self.started_ns) and not self._maybe_mine(key, tier, stamp[0])
 
     def touch(self, key: str) -> bool:
         """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
@@ -384,7 +386,7 @@ class Index:
 
     def commit(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int],
                nbytes: int, *, reserved: bool = True, oldest: bool = False, mark: int | None = None,
-               epoch: int | None = None, stamp: tuple[int, int] = (0, 0)) -> list[int] | None:
+               epoch: int | None = None, stamp: tuple[int, int] = (0, 0), since: bool = False) -> list[int] | None:
         """Record that ``tier`` holds ``key`` (most recent, or with ``oldest`` the least recent: a
         catch-up copy, replication.py). With ``reserved`` the bytes move from the reservation to the
         used count. ``mark`` (:meth:`mark`, read before the file was read): the copy was found on disk
@@ -394,6 +396,7 @@ class Index:
         None is returned, and nothing indexed, when a copy of a key
         like it left the index since (maybe this one, its file being deleted: read it again), or when the
         index was cleared since ``epoch`` (read with ``mark``: the file may be one the clear is removing).
+        ``since``: the copy was found after this process's start-up scan listed every tier (_theirs).
 
         :returns: tiers whose copy the index forgot because it describes other content (one key
             holds one content in the index); normally empty. Their files stay: another writer's
@@ -420,7 +423,7 @@ class Index:
                 # add_scanned). A lookup that read the file of this process's put before the put indexed it
                 # moved it to THEIRS: its own page, never counted nor evicted by it (nor by anyone)
                 return displaced
-            theirs = mark is not None and self._theirs(key, tier, stamp)
+            theirs = mark is not None and self._theirs(key, tier, stamp, since)
             if mark is not None and not theirs:
                 self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else OLD if oldest else HOT, first=oldest)
@@ -434,7 +437,7 @@ class Index:
 
     def add_scanned(self, key: str, tier: int, length: int, block: int, crcs: Sequence[int], nbytes: int,
                     created: int, epoch: int, mark: int, versions: bool = True,
-                    stamp: tuple[int, int] | None = None) -> int:
+                    stamp: tuple[int, int] | None = None, since: bool = False) -> int:
         """The background scan found a valid page file from before the restart: index it at the
         oldest end of ``tier`` unless the index knows better (that copy already, or a newer version
         of the key: one written, read or discovered since start, or a newer file the scan found
@@ -448,7 +451,8 @@ class Index:
         ``stamp``: the file's write stamp (PageHeader.writer_ns) and its mtime, as found (a claim included:
         _found_mine_under_index; default: ``created`` for both): a file written since this index began
         (trust.written_ns) is another process's (THEIRS: not counted, never a victim) unless this process
-        wrote that stamp there (wrote)."""
+        wrote that stamp there (wrote); so is one found ``since`` the scan listed every tier (catch-up's look:
+        _theirs)."""
         with self._lock:
             if epoch != self.epoch:
                 return -1
@@ -467,7 +471,7 @@ class Index:
                 slot = -1
             if slot < 0:
                 slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created)
-            theirs = self._theirs(key, tier, stamp)
+            theirs = self._theirs(key, tier, stamp, since)
             if not theirs:
                 self._found_mine_under_index(key, tier, stamp)
             self._hold_under_index(slot, tier, THEIRS if theirs else SCANNED)

@@ -84,14 +84,15 @@ class TierScan:
         self.resume_at: str | None = None
 
 
-def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, versions: bool = True) -> int:
+def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, versions: bool = True,
+                since: bool = False) -> int:
     """Index a valid page file found on tier ``k``, read after ``mark`` (Index.mark) by a look that began
     in index ``epoch``, as the scan does (Index.add_scanned: at the oldest end, unless the index knows
-    better; ``versions=False``: never another version than the indexed one). Returns add_scanned's answer
-    (a slot, -1, RETRY)."""
+    better; ``versions=False``: never another version than the indexed one; ``since``: the look began once
+    the scan had listed every tier). Returns add_scanned's answer (a slot, -1, RETRY)."""
     h = page.header
     return index.add_scanned(h.key, k, h.length, h.block, h.crcs, h.length, h.created_ns, epoch, mark, versions,
-                             (h.writer_ns, page.mtime_ns))
+                             (h.writer_ns, page.mtime_ns), since)
 
 
 class BackgroundScan:

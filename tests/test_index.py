@@ -467,3 +467,29 @@ def test_used_bytes_are_the_counted_copies_whatever_moves_them_between_lists():
             lists = [index._on[t][s] for s in held]
             assert index.used[t] == sum(index._nbytes[s] for s, on in zip(held, lists) if on != THEIRS)
             assert index._len[t] == [lists.count(where) for where in range(4)] and index.pages_on(t) == len(held)
+
+
+def test_a_copy_found_once_the_scan_listed_every_tier_is_another_process_s_whatever_its_stamps_say():
+    """Another node whose clock runs a minute behind this one's (within the honest skew) stamps a page it puts
+    after this process began as older than this start: found by discovery or a catch-up look before the
+    start-up scan is done, it passes for a page of before the restart (counted, evicted by this process);
+    found once the scan has listed every tier, it was not there then: THEIRS, unless this process wrote it."""
+    index = Index([None])
+    behind = index.started_ns - 60 * 10**9
+
+    def found(key: str, since: bool, look: str = "discovery") -> int:
+        before = index.used[0]
+        if look == "discovery":
+            index.commit(key, 0, 90, 4096, CRCS, 100, reserved=False, mark=index.mark(key), stamp=(behind, behind),
+                         since=since)
+        else:  # catch-up's look (replication._learn) and the scan
+            index.add_scanned(key, 0, 90, 4096, CRCS, 100, behind, index.epoch, index.mark(key),
+                              stamp=(behind, behind), since=since)
+        return index.used[0] - before
+
+    assert found("during-scan", False) == 100 and found("during-scan-look", False, "look") == 100
+    assert found("after-scan", True) == 0 and found("after-scan-look", True, "look") == 0
+    index.wrote("mine", 0, behind)  # (this process's own copy, its index entry lost, found again)
+    assert found("mine", True) == 100
+    index.wrote("mine-look", 0, behind)
+    assert found("mine-look", True, "look") == 100

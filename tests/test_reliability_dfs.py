@@ -25,6 +25,7 @@ import uuid
 
 import pytest
 
+from kvstream_hicache import check_tiers, integrity
 from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_READ, OP_WRITE
@@ -720,3 +721,161 @@ def test_a_get_whose_open_answers_estale_as_the_brick_hangs_answers_from_the_oth
         _resume(fs, engine, *rescue)
         first.join(WAIT_S)
         second.join(WAIT_S)
+
+
+@pytest.mark.parametrize("how", ["delete", "replace"])
+def test_check_never_reports_a_page_another_node_removes_or_replaces_while_it_is_read(dfs, monkeypatch, how):
+    """``kvstream check`` (check_tiers) on node A while node B serves: B deletes a page of the shared tier,
+    or renames its own version over it, while A's check reads that page's payload through the descriptor
+    it read the header from. guarantees.md "Several processes on the same tiers": a page removed or
+    replaced while it is read is judged as the file it read, never ``corrupt`` (on GlusterFS the
+    descriptor still reads the file another node removed: no ESTALE), and --fix removes nothing."""
+    fs, a, b, node = dfs
+    node("open", b[1:], {"discover": False})  # (no lookup: B's put renames its version over A's file)
+    pages = PageSet()
+    keys = pages.keys(N)
+    real = integrity.verify_payload
+    hit: list[str] = []  # (one page per check, never one hit before)
+    armed = threading.Event()
+
+    def verify_payload(fd, header):
+        shared = os.readlink(f"/proc/self/fd/{fd}").startswith(a[1] + os.sep)
+        if armed.is_set() and shared and header.key not in hit:
+            armed.clear()
+            hit.append(header.key)
+            i = keys.index(header.key)
+            if how == "delete":
+                node("delete", pages.salt, i, 1)
+            else:
+                assert node("put", pages.salt, i, 1, 1)["stored"] == [True]
+        return real(fd, header)
+
+    with make_engine(a, replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * N
+        monkeypatch.setattr(integrity, "verify_payload", verify_payload)
+        for fix in (False, True):
+            armed.set()
+            problems = check_tiers(engine.config, fix=fix)
+            assert not armed.is_set(), "the check never read a page of the shared tier"
+            assert problems == [], f"a valid page another node {how}d mid-check was reported: {problems}"
+        monkeypatch.undo()
+        engine.check(fix=True)  # (B's removals and versions: A reconciles)
+
+
+def test_check_fix_and_info_while_both_nodes_put_evict_and_replace_report_and_remove_nothing(dfs):
+    """The operator runs ``kvstream check``, ``check --fix`` and ``info`` on node A while both nodes serve:
+    each puts batches on the shared tier under a capacity there of 4 pages (evicting its own pages), B
+    also replaces A's pages with its own version and deletes some. Nothing is reported, nothing of a
+    live writer removed: every batch a node's put just acknowledged is read back whole by it."""
+    fs, a, b, node = dfs
+    cap = {"capacity": os.pathsep.join(["", str(PAGE_BYTES * 4)]), "replicate": "all"}
+    node("open", b, cap)
+    stop, errors = threading.Event(), []
+
+    def b_serves():
+        r = 0
+        while not stop.is_set():
+            try:
+                assert node("put", "b-pages", r % 16, 3, 0)["stored"] == [True] * 3
+                got = node("get", "b-pages", r % 16, 3, 0)
+                assert got["found"] == got["exact"] == [True] * 3, got
+                node("put", "a-pages", r % 8, 1, 1)  # B's version of one of A's pages
+                node("delete", "a-pages", (r + 3) % 8, 1)
+            except AssertionError as exc:
+                errors.append(f"round {r}: {exc}")
+            r += 1
+
+    serving = threading.Thread(target=b_serves)
+    mine = PageSet(salt="a-pages")
+    with make_engine(a, **cap) as engine:
+        serving.start()
+        try:
+            outs = []
+            for r in range(3):
+                keys = mine.keys(3, start=r * 3 % 8)
+                assert mine.put(engine, keys) == [True] * 3
+                for args in (("check",), ("check", "--fix"), ("info",)):
+                    proc = kvstream_cli(*args, "--tiers", *a)
+                    outs.append((args, proc.returncode, proc.stdout + proc.stderr))
+        finally:
+            stop.set()
+            serving.join(WAIT_S)
+        bad = [o for o in outs if o[1] != 0]
+        assert not bad, "\n".join(f"{args}: exit {rc}\n{out}" for args, rc, out in bad)
+        assert not errors, errors
+        kinds = {p.kind for p in engine.check(fix=True)}
+        assert kinds <= {"index_missing", "index_stale"}, kinds
+
+
+def test_pages_another_node_put_since_a_node_began_are_never_its_victims_on_the_shared_tier(dfs):
+    """guarantees.md promise 7 (lines 103-105): a page another process wrote since a process began is never
+    evicted by it, even once it found and read it. Node B (room for 2 pages on the shared tier) starts; A
+    stores 6 pages; B reads them all (discovered), then stores 8 of its own, evicting its own only."""
+    fs, a, b, node = dfs
+    node("open", b, {"capacity": os.pathsep.join(["", str(PAGE_BYTES * 5 // 2)]), "replicate": "all"})
+    mine = PageSet(salt="a-pages")
+    keys = mine.keys(6)
+    with make_engine(a, replicate="all") as engine:
+        assert mine.put(engine, keys) == [True] * 6
+        got = node("get", "a-pages", 0, 6, 0)
+        assert got["found"] == got["exact"] == [True] * 6
+        for i in range(8):
+            assert node("put", "b-pages", i, 1, 0)["stored"] == [True]
+        assert mine.checked_get(engine, keys, SingleTier(1)) == [True] * 6, "B evicted A's pages"
+        assert [t["pages"] for t in node("stats")["tiers"]][1] <= 8
+        engine.check(fix=True)
+
+
+def test_two_nodes_storing_one_key_with_other_bytes_keep_one_whole_version_and_delete_nothing(dfs):
+    """guarantees.md promise 7 (lines 106-110): two nodes store the same keys at the same moment with other
+    bytes; each tier keeps one writer's version, none is deleted for being the other's, and each node reads
+    one whole version of every page, verified."""
+    fs, a, b, node = dfs
+    node("open", b, {"replicate": "all"})
+    mine = PageSet(salt="both")
+    theirs = PageSet(PAGE_BYTES, salt="both", data=lambda k: twin_content(k, 1))
+    keys = mine.keys(N)
+    with make_engine(a, replicate="all") as engine:
+        for _ in range(3):
+            other = threading.Thread(target=lambda: node("put", "both", 0, N, 1))
+            other.start()
+            assert mine.put(engine, keys) == [True] * N
+            other.join(WAIT_S)
+        found, got = mine.get(engine, keys)
+        assert found == [True] * N
+        assert all(d in (mine.data(k), theirs.data(k)) for k, d in zip(keys, got)), "a mix of two versions"
+        v0, v1 = node("get", "both", 0, N, 0), node("get", "both", 0, N, 1)
+        assert v0["found"] == [True] * N and all(x or y for x, y in zip(v0["exact"], v1["exact"]))
+        for tier in (a[0], a[1], b[0]):
+            assert len(page_files(tier)) == N, f"a version deleted on {tier}"
+        engine.check(fix=True)
+
+
+def test_one_nodes_clear_while_the_other_puts_leaves_every_page_put_after_it(dfs):
+    """SGLang's /clear_hicache_storage_backend on node B while node A keeps putting on the shared tier: A's
+    puts all answer True (B's clear never takes A's temporary files), every page A put after B's clear
+    returned is found by both nodes, and B's index lists those alone."""
+    fs, a, b, node = dfs
+    node("open", b, {"replicate": "all"})
+    mine = PageSet(salt="a-pages")
+    stop, stored = threading.Event(), []
+    with make_engine(a, replicate="all") as engine:
+        def a_serves():
+            i = 0
+            while not stop.is_set() or i < 48:
+                stored.append(mine.put(engine, mine.keys(2, start=i)))
+                i += 2
+        serving = threading.Thread(target=a_serves)
+        serving.start()
+        node("clear")
+        after = len(stored) * 2 + 2  # (the batch in flight as the clear returned may be before it)
+        stop.set()
+        serving.join(WAIT_S)
+        assert all(s == [True, True] for s in stored), stored
+        keys = mine.keys(len(stored) * 2)[after:]
+        assert keys, "A put nothing after the clear"
+        assert mine.checked_get(engine, keys, SingleTier(1)) == [True] * len(keys)
+        got = node("get", "a-pages", after, len(keys), 0)
+        assert got["found"] == got["exact"] == [True] * len(keys)
+        assert node("stats")["tiers"][1]["pages"] == len(keys)
+        engine.check(fix=True)

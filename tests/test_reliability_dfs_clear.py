@@ -21,7 +21,9 @@ import pytest
 from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache import trust as trust_module
 
-from helpers import Node, PageSet, make_engine, page_files, twin_content, wait_until
+from kvstream_hicache.router import SingleTier
+
+from helpers import PAGE_BYTES, Node, PageSet, make_engine, page_files, twin_content, wait_until
 
 LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 N = 4
@@ -331,4 +333,23 @@ def test_a_clear_of_another_node_during_the_settle_removes_the_page_the_settle_j
         by_a = pages.checked_get(engine, [k])
         by_b = node("get", "cleared-by-b", 0, 1, 0)["found"]
         assert by_a == by_b == [False], f"a page put before node B's clear is served after it: by A {by_a}, by B {by_b}"
+        engine.check(fix=True)
+
+
+def test_pages_a_node_whose_clock_runs_behind_put_since_another_began_are_never_its_victims(share):
+    """guarantees.md promise 7 (lines 103-105): a page another process wrote since a process began is never
+    evicted by it. Node B's clock runs a minute behind A's (within the 300 s of skew the project calls
+    honest, trust.CLOCK_SKEW_NS); A starts with room for 2 pages on the shared tier, then B puts 2 pages
+    there, A reads them (found by discovery) and puts 4 of its own."""
+    fs, a, node_b = share
+    b, node = node_b("-60s")
+    node("open", b, {"replicate": "all"})
+    mine, theirs = PageSet(salt="a-pages"), PageSet(salt="b-pages")
+    cap = os.pathsep.join(["", str(PAGE_BYTES * 5 // 2)])
+    with make_engine(a, replicate="all", capacity=cap) as engine:
+        assert node("put", "b-pages", 0, 2, 0)["stored"] == [True, True]  # (after A began)
+        assert theirs.checked_get(engine, theirs.keys(2), SingleTier(1)) == [True, True]
+        assert mine.put(engine, mine.keys(4)) == [True] * 4
+        assert theirs.checked_get(engine, theirs.keys(2), SingleTier(1)) == [True, True], \
+            "A evicted pages node B put on the shared tier after A began"
         engine.check(fix=True)
