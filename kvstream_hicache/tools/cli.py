@@ -350,7 +350,8 @@ def _replicas_line(u: dict) -> str:
         return "replicas: every page is on every tier"
     return (f"under-replicated: {u['pages']} page(s) lack a tier (" + ", ".join(
         f"tier{k} lacks {n}" for k, n in enumerate(u["lacking_per_tier"]) if n) + "); a running engine writes "
-        "them (background replication, KVSTREAM_CATCHUP) while the tiers have room")
+        "those it knows (put, read, or found by its start-up scan; another node's pages on a shared tier once it "
+        "reads them) while the tiers have room (background replication, KVSTREAM_CATCHUP)")
 
 
 def _owed_lines(owed: Sequence[tuple[int, str, int]]) -> list[str]:
