@@ -265,7 +265,7 @@ class Engine:
         self._scan = BackgroundScan(self.tiers, self.index, namespace.digest, config.scan_rate, config.scan_cpu,
                                     self._writes.trim, level,  # the write path's: the scan holds no engine
                                     self._replicas.owe_all)  # catch-up resumes after a restart (nor does it)
-        self._replicas.scanned = lambda: self._scan.done  # (catch-up's look: what it finds after is another's)
+        self._replicas.scanned = self._scan.listed  # (catch-up's look: what it finds after is another's)
         self._closed = False
         # The exit hook closes the engine (its queued writes land; _close_open_engines). Off for a caller
         # whose own threads go on calling it at exit and has nothing queued (SGLang: puts wait for their pages)
@@ -720,7 +720,8 @@ class Engine:
             now = time.monotonic()
             return None if timeout <= 0 else max(0.0, deadlines.setdefault(k, now + timeout) - now)
 
-        since = self._scan.done  # (before the reads: a file found now was not there when the scan listed it)
+        # (before the reads: a file found now on a tier whose scan listed it whole was not there then)
+        since = [self._scan.listed(tier.k) for tier in self.tiers]
         for key in keys:
             for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read, or
                 # a clear() came: its file may be going, the look again finds it gone or one written since)
@@ -730,7 +731,7 @@ class Engine:
                          for page in [tier.look(self.namespace.digest, key, within(tier.k))]  # (None: no answer)
                          if page is not None and page.problem is None
                          and (sizes is None or page.header.length == sizes[key])]
-                if all([self._index_page(k, page, mark, epoch, since)
+                if all([self._index_page(k, page, mark, epoch, since[k])
                         for _, k, page in sorted(pages, key=lambda e: e[:2])]):
                     break
             if pages and self.index.contains(key, mask):  # (pages: a key held at another size found none)
@@ -763,14 +764,14 @@ class Engine:
     def _index_page(self, k: int, page: ScannedPage, mark: int | None = None, epoch: int | None = None,
                     since: bool | None = None) -> bool:
         """Index a valid page file on tier ``k``, read after ``mark`` (Index.mark; None: now, with every
-        writer held) in index ``epoch``; ``since``: read once the start-up scan was done (Index.commit;
-        None: whether it is now). An indexed copy of other content on another tier leaves the index
-        (one version per key) but not the disk: it is a valid page too. False: a copy of a key like it left
-        the index since ``mark``, maybe this one, its file being deleted, or a clear() came since ``epoch``:
-        nothing indexed, read it again."""
+        writer held) in index ``epoch``; ``since``: read once the start-up scan had listed tier ``k``
+        whole (BackgroundScan.listed, Index.commit; None: whether it has now). An indexed copy of other
+        content on another tier leaves the index (one version per key) but not the disk: it is a valid page
+        too. False: a copy of a key like it left the index since ``mark``, maybe this one, its file being
+        deleted, or a clear() came since ``epoch``: nothing indexed, read it again."""
         h = page.header
         mark = self.index.mark(h.key) if mark is None else mark
-        since = self._scan.done if since is None else since
+        since = self._scan.listed(k) if since is None else since
         return self.index.commit(h.key, k, h.length, h.block, h.crcs, h.length, reserved=False, mark=mark, epoch=epoch,
                                  stamp=(h.writer_ns, page.mtime_ns), since=since) is not None
 

@@ -101,7 +101,7 @@ class Replicator:
         self.tiers, self.index, self.writes, self.priority, self.stats = tiers, index, writes, priority, stats
         self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, catchup, catchup_share, clock
         self.promote_bytes = promote_bytes
-        self.scanned: Callable[[], bool] = lambda: False  # the start-up scan has listed every tier (the engine's)
+        self.scanned: Callable[[int], bool] = lambda k: False  # the start-up scan listed tier k whole (the engine's)
         self.all_tiers = (1 << len(tiers)) - 1
         self._lock = ranked_lock("replicator")  # under it: the index, the write queue (a copy handed to the
         # writer), the staging pool; taken under the read and write paths' locks (a get's end, the writer's
@@ -470,9 +470,10 @@ class Replicator:
         ``epoch``: the index's when the key was found owed (Index.epoch). A clear() since then empties the
         index before it removes the files, tier by tier, and a file this look reads in between is a page
         of before the clear (read at the look, the epoch was the clear's: the page was indexed after it,
-        found, its file gone a moment later). Once the start-up scan has listed every tier, a file found
-        here was not there at the start: another process's, whatever its stamps say (Index._theirs)."""
-        since = self.scanned()  # (before the look: a file read now was not there when the scan listed it)
+        found, its file gone a moment later). Once the start-up scan has listed this tier whole, a file found
+        here was not there at the start: another process's, whatever its stamps say (Index._theirs; a tier
+        whose scan stopped when it failed holds pages of before the restart in the shards it did not list)."""
+        since = self.scanned(tier.k)  # (before the look: a file read now was not there when the scan listed it)
         mark = self.index.mark(key)
         page = tier.look(self.digest, key)  # (None: the tier did not answer in time; it failed)
         if page is not None and page.problem is None:  # (RETRY: its copy left the index since)

@@ -82,6 +82,11 @@ class TierScan:
         self.stopped = ""  # why it ended before its last file, if it did
         # the tier failed during the scan: the shard to scan on from once it is back (resume); else None
         self.resume_at: str | None = None
+        # every shard of the tier was listed (its scan went through them all, a resumed one included): a
+        # page file found there after was not there then (BackgroundScan.listed). Never set for a tier
+        # whose scan stopped when it failed (nor one that did not answer at start-up) until its scan resumed
+        # and ended: the shards not listed hold pages of before the restart, this process's to count
+        self.listed = False
 
 
 def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, versions: bool = True,
@@ -138,6 +143,12 @@ class BackgroundScan:
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def listed(self, k: int) -> bool:
+        """Tier ``k``'s scan has listed every shard of it: a page file found there now was not there then
+        (Index._theirs ``since``). Per tier, not :attr:`done`: a tier whose scan stopped when it failed
+        ends the scan too, its shards not read yet holding pages of before the restart (lock-free: set once)."""
+        return self.parts[k].listed
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every tier is scanned (a tier back whose scan stopped when it failed: resumed
@@ -308,7 +319,8 @@ class BackgroundScan:
             part.shards_done += 1
             part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
             self._publish()
-        self._failed(part, at)
+        if not self._failed(part, at):  # (a stop or a clear returned above)
+            part.listed = True  # (before the settle and the trim: every file listed is indexed now)
         self.index.settle(tier.k, added, self.epoch)
         self.trim(tier.k)
         part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0

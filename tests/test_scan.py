@@ -617,3 +617,56 @@ def test_kvstream_info_lists_no_scan_of_a_process_that_is_gone(tmp_path, monkeyp
             json.dump(dict(doc, name=name), f)
     assert sorted(d["name"] for d in scan_module.running_scans()) == ["earlier", "live"]
     assert sorted(os.listdir(where)) == ["scan-earlier.json", "scan-live.json"]
+
+
+def test_pages_of_before_the_restart_that_catch_up_learns_on_a_tier_back_before_its_scan_resumed_are_counted(
+        tier_dirs, monkeypatch):
+    """A capacity bounds "the tier as it found it at start" (index.py): pages of before the restart are
+    counted, and evicted by this process. Tier 1 fails as its scan reads its third shard; tier 0's scan ends,
+    so the scan is "done" with tier 1's other shards never listed. Tier 1 rejoins on its own (it owed a
+    delete: Tier._settle), no call resumes its scan, and catch-up's look (replication._learn) finds the
+    pages of before the restart in the shards not listed. Before, the look read the scan's one done flag,
+    took them for another process's pages (found "since" the scan listed every tier: Index._theirs), and
+    they were never counted nor evicted by anyone (the resumed scan finds them indexed): a single-node
+    tier held more than its capacity for the process's life (here 20 page files on a tier of 12)."""
+    pages = PageSet()
+    keys = pages.keys(12)
+    with make_engine(tier_dirs[:2], replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * 12
+        assert engine.index.holders(keys[0]) == 0b11
+    shards = sorted({k[:2] for k in keys})
+    assert len(shards) >= 4
+    engines, read, entries = [], [], scan_module.each_shard_entry
+
+    def failing_at_the_third(layout, shard):
+        if layout.pages == engines[0].tiers[1].layout.pages:
+            read.append(shard)
+            if len(read) == 3:
+                engines[0].tiers[1].fail(errno.EIO, "a hiccup while the scan reads a shard")
+        return entries(layout, shard)
+
+    monkeypatch.setattr(scan_module, "each_shard_entry", failing_at_the_third)
+    clock = FakeClock()
+    cap = os.pathsep.join(["", str(12 * PAGE_BYTES)])
+    with make_engine(tier_dirs[:2], scan_rate=HELD, clock=clock, tier_retry=1, replicate="all",
+                     capacity=cap) as engine:
+        engines.append(engine)
+        _release(engine)
+        assert engine.scan["tiers"][1]["stopped"].startswith("tier failed") and engine._scan.done
+        assert engine.delete(keys[-1:]) == 1  # tier 1 owes it: once back, it rejoins from its own thread
+        clock.advance(1)
+        assert pages.checked_get(engine, keys[:1]) == [True]  # its probe starts the owed delete (Tier._settle)
+        wait_until(lambda: engine.tiers[1].healthy and engine.index.pages_on(1) == 11, WAIT_S,
+                   "tier 1 did not rejoin, or catch-up did not learn its pages")
+        learned = engine.index.used[1] // PAGE_BYTES, engine.index.theirs(1)
+        assert pages.checked_get(engine, keys[:1]) == [True]  # (the next call resumes tier 1's scan)
+        assert engine.wait_scan(WAIT_S) and engine.scan["tiers"][1]["shards_done"] == len(shards)
+        ended = engine.index.used[1] // PAGE_BYTES, engine.index.theirs(1)
+        more = pages.keys(12, start=100)
+        assert pages.put(engine, more) == [True] * 12
+        wait_until(lambda: engine.index.holders(more[-1]) == 0b11, WAIT_S, "tier 1 did not take the new pages")
+        files = len(page_files(tier_dirs[1]))
+        assert (learned, ended, files) == ((11, 0), (11, 0), 12), (
+            f"tier 1 holds 11 pages of this process's last run; (counted, taken for another process's): "
+            f"{learned} once catch-up looked, {ended} once the resumed scan ended; after 12 puts, {files} "
+            f"page files on a tier of 12")
