@@ -643,6 +643,12 @@ class Index:
         excess = self._excess(tier, nbytes)
         return excess is None or excess <= 0
 
+    def ever_fits(self, tier: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` are within ``tier``'s capacity at all (no limit: True): a page larger never fits
+        there, whatever leaves the tier."""
+        cap = self.capacities[tier]
+        return cap is None or nbytes <= cap
+
     def _victims_under_index(self, tier: int, nbytes: int, partial: bool = False) -> list[int] | None:
         victims: list[int] = []
         freed = 0

@@ -152,7 +152,7 @@ class Replicator:
                             if info is None:
                                 continue
                             if not self.index.fits(k, info.length):  # full: a copy never evicts (owed, it would stay
-                                if info.length <= self.index.capacities[k]:  # so): its sweep finds it once the
+                                if self.index.ever_fits(k, info.length):  # so): its sweep finds it once the
                                     self._full[k] = info.length  # tier has room (before, only a restart's
                                     woke = True  # did: a replica skipped meanwhile never came back)
                                 continue
@@ -348,39 +348,32 @@ class Replicator:
                 if key not in self._busy and self._copies.pop(key, None) is source:
                     self._copy_bytes -= file_size(source.info.length)
                     self.pool.put(source.buf)
-        if not promoted and not self.index.fits(k, info.length):
-            if info.length > (self.index.capacities[k] or 0):  # never fits there (as owe() leaves it): dropped;
-                with self._lock:  # taken for full, the tier waited for room that never comes, its catch-up over
-                    self._owed[k].pop(key, None)
-                self.stats.add(k, "replication_dropped")
+        if not promoted:  # (a promoted copy may evict: its tier's room is the writer's to make)
+            # Full: at its capacity (a copy never evicts; the index tells, no I/O), or its file system is, of
+            # files no copy may evict (another program's, another node's). A page that never fits there (larger
+            # than the capacity, or than the file system) is dropped: taken for full, the tier would wait for
+            # room that never comes. Otherwise the tier is full for the catch-up, as owe() finds it: nothing is
+            # owed to it one by one (the list would grow with every put), and once it has room for this page
+            # its sweep owes it again what it lacks (before, at its capacity the page stayed owed and each wake
+            # looked its name up on the tier again; on a full file system each page met was dropped, and its
+            # replica never came back while the engine ran).
+            full = not self.index.fits(k, info.length)
+            if full:
+                never = not self.index.ever_fits(k, info.length)
+            else:
+                full = _fs_short(tier, info.length)
+                never = full and _larger_than(tier, 2 * file_size(info.length))
+            if never:
+                self._dropped(k, key)
                 return True
-            # At its capacity (a copy never evicts): full for the catch-up, as owe() finds it, until pages leave
-            # (_room_again: the index alone). Before, the page stayed owed and each wake (IDLE_S, every get's
-            # end) looked its name up on the tier again, for as long as the tier stayed at its capacity.
-            with self._lock:
-                self._full_under_replicator(k, info.length, self.clock() + FAILED_BACKOFF_S)
-            return False
-        short = not promoted and _fs_short(tier, info.length)
-        if short and _larger_than(tier, 2 * file_size(info.length)):  # it never fits there: dropped
-            with self._lock:
-                self._owed[k].pop(key, None)
-            self.stats.add(k, "replication_dropped")
-            return True
-        if short:
-            # The file system is full, of files no copy may evict (another program's, another node's):
-            # what the tier lacks is owed again once it has room for this page, by a sweep of the index
-            # (before, each page met was dropped, and its replica never came back while the engine ran).
-            # Nothing is owed to it one by one meanwhile: the list would grow with every put.
-            with self._lock:
-                self._full_under_replicator(k, info.length, self.clock() + FAILED_BACKOFF_S)
-            return False
-        if not promoted:
+            if full:
+                with self._lock:
+                    self._full_under_replicator(k, info.length, self.clock() + FAILED_BACKOFF_S)
+                return False
             source = self._read_source(key, info)
             if not isinstance(source, _Source):
                 if source:  # holders were read and none had a valid copy: dropped
-                    with self._lock:
-                        self._owed[k].pop(key, None)
-                    self.stats.add(k, "replication_dropped")
+                    self._dropped(k, key)
                     return False
                 return self._pass_over(k, key)  # (no holder can be read now)
         self._busy[k] = key
@@ -439,6 +432,13 @@ class Replicator:
         elif refused and self._refused[k] == 1:  # (once a streak: a quota's looks would repeat it)
             log.info("kvstream: tier %d refused a catch-up copy for room its file system seemed to have (out of "
                      "inodes, over a quota?): what it lacks is owed again once a copy fits", k)
+
+    def _dropped(self, k: int, key: str) -> None:
+        """The page of ``key`` will not be copied to tier ``k`` (it never fits there, or no holder has a valid
+        copy): no longer owed, counted."""
+        with self._lock:
+            self._owed[k].pop(key, None)
+        self.stats.add(k, "replication_dropped")
 
     def _full_under_replicator(self, k: int, length: int, until: float, keep_promoted: bool = True) -> None:
         """Tier ``k`` has no room for a page of ``length`` payload bytes it lacks (_full): nothing is owed to it
