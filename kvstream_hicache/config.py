@@ -17,7 +17,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -154,7 +154,7 @@ class Capacity(NamedTuple):
         try:
             return cls._parse(text, what)
         except ConfigError as exc:  # '1G,2G': a list in another separator reads as one value that does not parse
-            sep = next((c for c in ",; " if isinstance(text, str) and _sizes(text.strip().split(c))), None)
+            sep = next((c for c in ",; " if isinstance(text, str) and _capacities(text.strip().split(c), what)), None)
             if sep is None:
                 raise
             raise ConfigError(f"{exc}; capacities are separated by '{os.pathsep}' (one per tier, in tier order), "
@@ -195,9 +195,16 @@ class Capacity(NamedTuple):
         return f"{x:.0f} {unit}" if x >= 100 else f"{x:.3g} {unit}"  # '1.5 TiB', '977 KiB': not '3.81e-06 GiB'
 
 
-def _sizes(parts: list[str]) -> bool:
-    """Whether ``parts`` are two or more sizes or shares, each as a capacity takes it."""
-    return len(parts) > 1 and all(_SIZE_RE.fullmatch(p) or re.fullmatch(r"\s*[0-9.]+\s*%\s*", p) for p in parts)
+def _capacities(parts: list[str], what: str) -> bool:
+    """Whether ``parts`` are two or more capacities, each as Capacity.parse takes it."""
+    if len(parts) < 2:
+        return False
+    try:
+        for part in parts:
+            Capacity._parse(part, what)
+    except ConfigError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -315,7 +322,7 @@ class Config:
         unknown = sorted(set(explicit) - set(SETTINGS))
         if unknown:
             # (a typo names the setting meant, as a misspelt KVSTREAM_* variable does: unknown_variables)
-            close = [(k, m[0]) for k in unknown if (m := difflib.get_close_matches(k, SETTINGS, n=1))]
+            close = [(k, m) for k in unknown if (m := _closest(k, SETTINGS))]
             close = [repr(m) if len(unknown) == 1 else f"{m!r} for {k!r}" for k, m in close]
             raise ConfigError(f"unknown kvstream setting(s) {', '.join(map(repr, unknown))} in the extra config; "
                               + (f"did you mean {', '.join(close)}? " if close else "")
@@ -491,10 +498,16 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     for var in sorted(environ):
         if (var.startswith(ENV_PREFIX) and var not in names and var not in OTHER_VARIABLES
                 and not var.startswith(OTHER_PREFIXES)):
-            close = difflib.get_close_matches(var, names, n=1)
+            close = _closest(var, names)
             out.append(f"environment variable {var} is not a kvstream setting and is ignored"
-                       + (f"; did you mean {close[0]}?" if close else f"; the settings are {', '.join(names)}"))
+                       + (f"; did you mean {close}?" if close else f"; the settings are {', '.join(names)}"))
     return out
+
+
+def _closest(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` a typo of ``name`` most likely meant (a misspelt key or variable), or None."""
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return close[0] if close else None
 
 
 def _no_tiers() -> ConfigError:
