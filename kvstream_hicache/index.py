@@ -278,14 +278,17 @@ class Index:
         with self._lock:
             self._mark_mine_under_index(key, tier, identity)
 
-    def mine_file(self, key: str, tier: int, identity: tuple[int, ...] | None, mtime_ns: int) -> bool:
-        """The file under ``key``'s name on a local ``tier`` (its mtime on this host's clock) is this process's
-        by its stat alone: written before this index began (found at its start: counted) by more than the
-        clock's honest skew (a file system keeping whole seconds stamps a page another process wrote in the
-        second this one began before it, review stat; a clock stepped back stamps one written since before
-        it), or its ``identity`` (trust.sealed_identity) is one this process committed (committed_file).
+    def mine_file(self, key: str, tier: int, identity: tuple[int, ...] | None, changed_ns: int) -> bool:
+        """The file under ``key``'s name on a local ``tier`` (``changed_ns``: the later of its mtime and ctime,
+        this host's clock) is this process's by its stat alone: written and put under the name before this
+        index began (found at its start: counted) by more than the clock's honest skew (a file system keeping
+        whole seconds stamps a page another process wrote in the second this one began before it, review
+        stat; a clock stepped back stamps one written since before it), or its ``identity``
+        (trust.sealed_identity) is one this process committed (committed_file). The ctime, which no writer
+        sets: a file put under the name since with its times kept (rsync -a, cp -p: another node's page, a
+        later format's) has an old mtime, and was taken for one found at the start (review upgrade).
         False: its header tells (mine). (Lock-free, as mine.)"""
-        return mtime_ns < self.started_ns - CLOCK_SKEW_NS or (
+        return changed_ns < self.started_ns - CLOCK_SKEW_NS or (
             identity is not None and self._maybe_mine(key, tier, identity))
 
     def _mark_mine_under_index(self, key: str, tier: int, stamp: int | tuple[int, ...]) -> None:

@@ -742,14 +742,14 @@ class Tier:
         """An eviction: remove ``key``'s page file only while it is this process's copy. Another process of the
         namespace may have removed this one's copy since (its eviction, a delete) and written its own under the
         name (two servers of one model share prefixes, their KV often the same bytes): that is its live page,
-        and stays (before, the eviction removed it). On a local tier ``mine_file(identity, mtime)``
-        (Index.mine_file) may tell this process's own file by its stat alone (trust.sealed_identity; a network
-        tier's mtime is its server's clock); else its header does: ``mine(writer_ns, mtime)`` (Index.mine). A file
-        that is no valid page goes, as any eviction's unlink took it; a later format's page stays. One look
-        beyond the unlink (trust.unlink_unless; the header only where the stat does not tell):
-        docs/benchmarks.md. Returns whether the file stays."""
+        and stays (before, the eviction removed it). On a local tier ``mine_file(identity, changed)``
+        (Index.mine_file) may tell this process's own file by its stat alone (trust.sealed_identity; changed:
+        the later of its mtime and ctime; a network tier's times are its server's clock); else its header does:
+        ``mine(writer_ns, mtime)`` (Index.mine). A file that is no valid page goes, as any eviction's unlink took
+        it; a later format's page stays. One look beyond the unlink (trust.unlink_unless; the header only where
+        the stat does not tell): docs/benchmarks.md. Returns whether the file stays."""
         def stays(fd: int, st: os.stat_result) -> str | None:
-            if self.local and mine_file(sealed_identity(fd, st), st.st_mtime_ns):
+            if self.local and mine_file(sealed_identity(fd, st), max(st.st_mtime_ns, st.st_ctime_ns)):
                 return None
             try:
                 header = unpack_header(os.pread(fd, HEADER_SIZE, 0))

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from kvstream_hicache import check_tiers
+from kvstream_hicache import index as index_module
 from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.integrity import unpack_header
 from kvstream_hicache.layout import HEADER_SIZE
@@ -26,6 +27,7 @@ from helpers import (
 
 WAIT_S = 240
 N = 64
+SHORT_SKEW_NS = 50_000_000  # a clock skew short enough to wait out in a test (Index.mine_file)
 
 
 def test_two_processes_storing_one_key_with_other_bytes_delete_nothing(tier_dirs, tier_root):
@@ -189,6 +191,33 @@ def test_a_later_formats_page_renamed_over_an_indexed_copy_is_kept_and_never_ser
     with make_engine([shared]) as old_node:  # a node of this version with no other copy: a miss, never B's bytes
         assert b.get(old_node, keys)[0] == [False] * 3 and a.get(old_node, keys)[0] == [False] * 3
     assert len(page_files(shared)) == 3
+
+
+def test_a_later_formats_page_put_under_a_counted_pages_name_with_its_times_kept_is_never_evicted(tier_dirs):
+    """A rolling upgrade: a node of the next format has its version of key X (format version 2) put under the
+    name on the tier this node shares, with its file's times kept (rsync -a, cp -p, tar: moved or restored
+    from where it was written an hour ago). This node counts X (its own put) and evicts it once the tier is
+    at its capacity: the file under the name is a later format's page, which an eviction never takes
+    (docs/design.md "On-disk format"). Before, the eviction took a file whose mtime was older than this
+    start for one found at it (Index.mine_file, no header read) and removed the other version's page."""
+    pages = PageSet()
+    x, y, z = pages.keys(3)
+    with make_engine(tier_dirs[:1], capacity=str(2 * PAGE_BYTES)) as a:
+        assert pages.put(a, [x]) == [True] and pages.put(a, [y]) == [True]
+        path = a.tiers[0].layout.page_path(x)
+        theirs = path + ".next"  # (the next format's copy, renamed over X's name as any writer of a key does)
+        with open(path, "rb") as src, open(theirs, "wb") as dst:
+            dst.write(src.read())
+        set_header_field(theirs, VERSION_OFF, 2)
+        an_hour_ago = time.time_ns() - 3600 * 10**9
+        os.utime(theirs, ns=(an_hour_ago, an_hour_ago))
+        os.rename(theirs, path)
+        assert pages.put(a, [z]) == [True]  # X, the least recent, is evicted
+        assert not a.contains(x) and a.stats()["tiers"][0]["evictions"] == 1
+        assert os.path.exists(path), "the eviction removed a later format's page put under X's name"
+        with open(path, "rb") as f:
+            assert f.read(HEADER_SIZE)[8:10] == (2).to_bytes(2, "little")
+        os.remove(path)  # (a check at close would name it)
 
 
 def test_a_newer_version_of_another_size_does_not_hide_a_copy_of_the_callers_size(tier_dirs):
@@ -526,8 +555,12 @@ def test_an_eviction_knows_this_process_s_own_files_by_their_stat(tier_dirs, mon
     old, new, x = pages.keys(2), pages.keys(4, start=2), pages.keys(1, start=9)
     with make_engine(tier_dirs[:1]) as a:
         assert pages.put(a, old) == [True, True]
-    for path in page_files(tier_dirs[0]):  # an earlier run's: written before this start by more than the skew
-        os.utime(path, ns=(time.time_ns() - 2 * CLOCK_SKEW_NS,) * 2)  # (Index.mine_file)
+    # An earlier run's: written and put under its name before this start by more than the skew (Index.mine_file
+    # takes the later of the mtime and the ctime, which no utime sets back: the skew shortened, then waited out).
+    monkeypatch.setattr(index_module, "CLOCK_SKEW_NS", SHORT_SKEW_NS)
+    changed = max(max(st.st_mtime_ns, st.st_ctime_ns) for st in map(os.stat, page_files(tier_dirs[0])))
+    while time.time_ns() <= changed + 2 * SHORT_SKEW_NS:
+        time.sleep(0.01)
     with make_engine(tier_dirs[:1], capacity=str(2 * PAGE_BYTES)) as a:
         for k in new:  # evicts the two found at start, then the first two it wrote
             assert pages.put(a, [k]) == [True]
