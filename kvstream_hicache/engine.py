@@ -258,7 +258,8 @@ class Engine:
                                  staging_limit=half, ceiling=share, thinned=_weak(self._thinned, None))
         self._replicas = Replicator(self.tiers, self.index, self._writes, self.priority, self._stats,
                                     self._writes.pool, namespace.digest, catchup=config.catchup,
-                                    catchup_share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE)
+                                    catchup_share=config.catchup_share, promote_bytes=config.memory // PROMOTE_SHARE,
+                                    copy_bytes=config.memory)
         self.io_engine = type(rings[0].inner if fault_plan is not None else rings[0]).__name__
         # Served from now on: pages of before the restart are found by discovery until the scan has them.
         level = logging.INFO if announce else logging.DEBUG

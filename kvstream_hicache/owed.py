@@ -19,8 +19,9 @@ page; the time entries name no tier of its own, and it keeps them) and this vers
 path with no time: every page goes). Stop 43's commits before cdf2983 wrote paths as listed, a link in
 them kept: a tier is matched by the path it is listed by as well as by its real path.
 Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
-and renamed over the record; read following no link, only a regular file of a trusted owner that no
-one else may write. With no local tier healthy to hold it, the debt stays in memory (logged).
+and renamed over the record; read following no link, only a regular file of this user's (its uid on the tier) that no
+one else may write (nor its group: in shared mode the tier's group is trusted with pages, not with a record
+naming this engine's other tiers). With no local tier healthy to hold it, the debt stays in memory (logged).
 
 A record that could not be rewritten when its tier was out may name a tier that has cleared since:
 that tier is cleared once more at the next start. That costs cached pages, never a stale one served.
@@ -131,7 +132,7 @@ class OwedClears:
             tmp_dir = make_dir(TMP_DIR, base, tier.dir_mode)  # (emptied away under a healthy tier: made again)
             tmp = tier.fresh_tmp_name()
             try:
-                fd = os.open(tmp, os.O_WRONLY | NEW_FILE, tier.file_mode, dir_fd=tmp_dir)
+                fd = os.open(tmp, os.O_WRONLY | NEW_FILE, 0o600, dir_fd=tmp_dir)  # (the user's alone: read_record)
                 try:
                     os.write(fd, json.dumps(_text(owed)).encode())
                     os.fsync(fd)
@@ -176,8 +177,14 @@ def read_record(root: str, name: str, trust: Trust) -> dict[str, int]:
         close_fd(base)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or not trust.owns(st) or st.st_mode & stat.S_IWOTH or st.st_size > MAX_BYTES:
-            raise ValueError("not a regular file of a trusted owner")
+        # This user's alone (its uid on the tier), written by no one else: a tier's group, trusted with its pages in
+        # shared mode, is not trusted with the record, which names this engine's other tiers (its private tier 0:
+        # a member's record there, or a member's edit of ours, 0660 before, had every page of it removed)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in trust.uids or st.st_size > MAX_BYTES:
+            raise ValueError("not a regular file of this user's")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # (versions before 2026-12-07 wrote it 0660 in shared mode)
+            raise ValueError(f"mode {stat.S_IMODE(st.st_mode):o}: others may write it; if a clear() of this namespace "
+                             "was owed when it was written (an upgrade from before 2026-12-07), clear again")
         return _parse(json.loads(os.read(fd, MAX_BYTES)))
     except (OSError, ValueError) as exc:
         log.warning("kvstream: the record of clears owed %s/%s/%s is not kvstream's (%s): ignored", root, ROOT_DIR,

@@ -90,6 +90,7 @@ class Replicator:
     :param catchup: the setting: off, nothing is owed and the thread does not run.
     :param catchup_share: the setting: the most of a tier's write time catch-up takes.
     :param promote_bytes: memory promoted pages may hold as their sources, bytes.
+    :param copy_bytes: the largest page file a catch-up copy reads (``memory``), bytes.
 
     Lock: ``_lock`` (rank ``replicator``, condition ``_work``): methods ending ``_under_replicator``
     run with it held.
@@ -97,10 +98,12 @@ class Replicator:
 
     def __init__(self, tiers: list[Tier], index: Index, writes, priority: ReadPriority, stats: Stats,
                  pool: BufferPool, digest: str, *, catchup: bool, catchup_share: float,
-                 promote_bytes: int = 16 << 20, clock: Callable[[], float] = time.monotonic):
+                 promote_bytes: int = 16 << 20, copy_bytes: int = 64 << 20,
+                 clock: Callable[[], float] = time.monotonic):
         self.tiers, self.index, self.writes, self.priority, self.stats = tiers, index, writes, priority, stats
         self.pool, self.digest, self.enabled, self.share, self.clock = pool, digest, catchup, catchup_share, clock
-        self.promote_bytes = promote_bytes
+        self.promote_bytes, self.copy_bytes = promote_bytes, copy_bytes
+        self._told_too_large = False
         self.scanned: Callable[[int], bool] = lambda k: False  # the start-up scan listed tier k whole (the engine's)
         self.all_tiers = (1 << len(tiers)) - 1
         self._lock = ranked_lock("replicator")  # under it: the index, the write queue (a copy handed to the
@@ -357,6 +360,10 @@ class Replicator:
             # its sweep owes it again what it lacks (before, at its capacity the page stayed owed and each wake
             # looked its name up on the tier again; on a full file system each page met was dropped, and its
             # replica never came back while the engine ran).
+            if file_size(info.length) > self.copy_bytes:  # (read whole into one buffer: a shared tier's member
+                # writes pages of any size, and a sparse one of 64 GiB was read into a buffer of 64 GiB)
+                self._too_large(k, key, info.length)
+                return True
             full = not self.index.fits(k, info.length)
             if full:
                 never = not self.index.ever_fits(k, info.length)
@@ -439,6 +446,15 @@ class Replicator:
         with self._lock:
             self._owed[k].pop(key, None)
         self.stats.add(k, "replication_dropped")
+
+    def _too_large(self, k: int, key: str, length: int) -> None:
+        """The page of ``key`` is larger than a catch-up copy may read into memory: dropped, said once."""
+        self._dropped(k, key)
+        if not self._told_too_large:
+            self._told_too_large = True
+            log.warning("kvstream: catch-up does not copy a page of %d bytes (%s) to tier %d: larger than `memory` "
+                        "(%d bytes), which holds a copy whole; raise `memory` to replicate pages of that size", length,
+                        key, k, self.copy_bytes)
 
     def _full_under_replicator(self, k: int, length: int, until: float, keep_promoted: bool = True) -> None:
         """Tier ``k`` has no room for a page of ``length`` payload bytes it lacks (_full): nothing is owed to it

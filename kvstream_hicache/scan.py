@@ -47,6 +47,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -60,10 +61,12 @@ from .integrity import (
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
+from .trust import DIR_FLAGS, LOOK_FLAGS
 
 log = logging.getLogger("kvstream")
 
 PROGRESS_S = 1.0  # the progress file (kvstream info) is rewritten at most this often, s
+PROGRESS_MAX = 1 << 20  # a progress file longer than this is none (kvstream info reads it whole)
 NAP_S = 0.25  # longest sleep between two looks at the limits (set_limits, stop)
 RETRIES = 3  # reads of one file while removals of keys like its own race the scan
 KEPT_LOGGED = 10  # entries a tier's scan must leave (another user's files, strays) logged one by one; the rest counted
@@ -427,34 +430,53 @@ def running_scans() -> list[dict]:
     """The progress of every engine of this user on this host whose process is alive (kvstream info).
     The file of a process that is gone (killed: it could not remove it at close), or whose pid another
     process has now (its start time differs), is removed."""
-    out = []
-    where = progress_dir()
+    out: list[dict] = []
+    # Only this user's own directory, reached following no link, that no one else may write: its name in /tmp is
+    # anyone's to take first (a directory of another user's held a FIFO that hung `kvstream info` and forged
+    # scans listed as this user's; a link to a directory of this user's had its files named so removed)
     try:
-        names = sorted(os.listdir(where))
+        fd = os.open(progress_dir(), DIR_FLAGS)
     except OSError:
         return out
-    for name in names:
-        if not (name.startswith("scan-") and name.endswith(".json")):
-            continue
-        path = os.path.join(where, name)
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-            pid = int(doc["pid"])
-            os.kill(pid, 0)
-            if doc.get("started", _started(pid)) != _started(pid):
-                raise ProcessLookupError  # (its pid, reused)
-        except PermissionError:  # alive, another user's process (a shared runtime directory)
-            pass
-        except ProcessLookupError:
-            if os.stat(where).st_uid == os.getuid():  # (only in this user's own directory)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            continue
-        except (OSError, ValueError, KeyError, TypeError):  # a file being replaced, or not a progress file
-            continue
-        out.append(doc)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return out
+        for name in sorted(os.listdir(fd)):
+            if name.startswith("scan-") and name.endswith(".json"):
+                doc = _live_scan(name, fd)
+                if doc is not None:
+                    out.append(doc)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return out
+
+
+def _live_scan(name: str, dir_fd: int) -> dict | None:
+    """The progress file ``name`` in this user's progress directory (open on ``dir_fd``) of a live process;
+    None where it is not one (a link, a FIFO, another owner's file: never followed nor waited for), and
+    removed where its process is gone."""
+    try:
+        with open(os.open(name, LOOK_FLAGS, dir_fd=dir_fd)) as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > PROGRESS_MAX:
+                return None
+            doc = json.loads(f.read(PROGRESS_MAX))
+        pid = int(doc["pid"])
+        os.kill(pid, 0)
+        if doc.get("started", _started(pid)) != _started(pid):
+            raise ProcessLookupError  # (its pid, reused)
+    except PermissionError:  # alive, another user's process (a shared runtime directory)
+        pass
+    except ProcessLookupError:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        return None
+    except (OSError, ValueError, KeyError, TypeError):  # a file being replaced, or not a progress file
+        return None
+    return doc
 
 
 def _started(pid: int) -> int | None:

@@ -39,6 +39,7 @@ import functools
 import itertools
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
@@ -535,8 +536,11 @@ class Tier:
         return open_direct(self.layout.page_path(key), self.trust)
 
     def fresh_tmp_name(self) -> str:
-        """A new name in ``tmp/`` for a file this engine writes there (start-up cleaning knows it: tmpfiles.py)."""
-        return tmp_name(os.path.basename(self.layout.pages), os.getpid(), self.token, next(self._seq))
+        """A new name in ``tmp/`` for a file this engine writes there (start-up cleaning knows it: tmpfiles.py).
+        Its seq is a count and 32 random bits: anyone who may write ``tmp/`` (a shared tier's member) sees the
+        names there, and files of theirs at the next counts failed this engine's writes, one each (EEXIST)."""
+        seq = next(self._seq) << 32 | secrets.randbits(32)
+        return tmp_name(os.path.basename(self.layout.pages), os.getpid(), self.token, seq)
 
     def create_tmp(self) -> tuple[int, str]:
         """A new private temporary file for one page: (fd, path). :raises OSError: (ETIMEDOUT: the tier

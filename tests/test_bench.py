@@ -520,3 +520,90 @@ def test_headline_leads_with_the_adapter_and_gives_per_round_spreads():
     assert "| 1210 (1080..2400); 1.20 (1.08..1.21); 1.10 (1.00..1.20); 0.050 |" in row
     assert lines[2].startswith("| deepseek-v3 P=64 (MLA) (3 rounds) |")
     assert summary.spread([]) == "-"
+
+
+def test_a_ram_tier_s_image_is_never_made_through_a_link_another_user_planted(monkeypatch, tmp_path):
+    """A ram tier's image is ``/dev/shm/<name>-tier<i>.img``: a name in a directory every user writes, known in
+    advance (``kvstream serve-cpu`` and the demo build ``demo``'s as root). Another user's link there to a file
+    only root may write had that file truncated to the image's size by up()'s open (and then a loop device
+    formatted over it: mkfs.ext4 -F); a file of theirs became the image of root's mounted tier, theirs to read
+    and rewrite under the kernel. The image is made new, following no link (O_EXCL|O_NOFOLLOW); another
+    owner's file there is refused, naming it. Found by an attacker's trial."""
+    ram = tmp_path / "shm"
+    ram.mkdir()
+    ram.chmod(0o1777)
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"root's own file\n")
+    monkeypatch.setattr(testbed, "STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(testbed, "preflight", lambda *a, **k: [])
+    monkeypatch.setattr(testbed, "down", lambda *a, **k: False)
+    ran = []
+
+    def run(cmd):  # (nothing real: the first command, losetup, is where the image was already made)
+        ran.append(cmd)
+        raise testbed.TestbedError("stop here")
+
+    monkeypatch.setattr(testbed, "_run", run)
+    link = ram / "attack-tier0.img"
+    os.symlink(precious, link)
+    profile = testbed.parse_profile("ram:700/0")
+    with pytest.raises(testbed.TestbedError) as exc:
+        testbed.up(profile, name="attack", sizes=[1 << 20], image_dir=str(tmp_path / "img"), ram_image_dir=str(ram),
+                   fio_bs=None, log=lambda _: None)
+    assert precious.read_bytes() == b"root's own file\n"
+    assert ran == [] and str(link) in str(exc.value), exc.value
+    os.unlink(link)
+    ours = ram / "attack-tier0.img"  # (a leftover of this user's own, as a crash leaves it: reused)
+    ours.write_bytes(b"x")
+    with pytest.raises(testbed.TestbedError, match="stop here"):
+        testbed.up(profile, name="attack", sizes=[1 << 20], image_dir=str(tmp_path / "img"), ram_image_dir=str(ram),
+                   fio_bs=None, log=lambda _: None)
+    assert ours.stat().st_size == 1 << 20 and ran[0][-1] == str(ours)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")
+@pytest.mark.parametrize("planted", ["link", "file"])
+def test_the_glusterfs_lock_follows_no_link_and_takes_no_file_of_another_user(monkeypatch, tmp_path, planted):
+    """GlusterFS's one-per-machine lock is /var/tmp/kvstream-glusterd.lock, a name known in advance in a directory
+    every user writes, opened O_CREAT as root. Another user's link there had root create (or open) its target,
+    anywhere (/etc/nologin: no one else logs in); a file of theirs there, flocked, held root's tests waiting
+    15 minutes, then blamed "another GlusterFS of this machine". Either is refused at once, naming the path
+    and the fix. Found by an attacker's trial."""
+    from kvstream_hicache.tools.bench import glusterfs
+
+    shared = tmp_path / "vartmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    lock, target = shared / "kvstream-glusterd.lock", tmp_path / "nologin"
+    monkeypatch.setattr(glusterfs, "LOCK_PATH", str(lock))
+    monkeypatch.setattr(glusterfs, "LOCK_WAIT_S", 0.0)
+    if planted == "link":
+        os.symlink(target, lock)
+    else:
+        lock.write_bytes(b"")
+        os.chown(lock, 54321, 54321)
+    fs = glusterfs.GlusterFS(str(tmp_path / "gluster"))
+    with pytest.raises(glusterfs.GlusterError, match=str(lock)) as exc:
+        fs._lock()
+    assert not target.exists() and fs._lock_fd is None
+    assert "another GlusterFS" not in str(exc.value)
+
+
+def test_down_detaches_no_loop_device_through_a_link_another_user_planted(monkeypatch, tmp_path):
+    """down() looks for this name's images at their default places too (a half-built testbed's): a link another
+    user put at ``/dev/shm/<name>-tier0.img`` to an image some loop device reads (another testbed's, a VM's)
+    had that device detached as root (``losetup -j`` follows the link). Only a file of this user's there is the
+    testbed's image. Found by an attacker's trial."""
+    ram = tmp_path / "shm"
+    ram.mkdir()
+    ram.chmod(0o1777)
+    other = tmp_path / "other.img"  # (an image a loop device of someone else's reads)
+    other.write_bytes(b"")
+    os.symlink(other, ram / "attack-tier0.img")
+    for where in ("STATE_DIR", "BLKIO_ROOT", "MOUNT_ROOT"):
+        monkeypatch.setattr(testbed, where, str(tmp_path / where.lower()))
+    ran = []
+    monkeypatch.setattr(testbed, "_run", lambda cmd: ran.append(cmd) or "/dev/loop99: []: (%s)\n" % other)
+    testbed.down("attack", image_dir=str(tmp_path / "img"), ram_image_dir=str(ram), log=lambda _: None)
+    assert [cmd for cmd in ran if cmd[0] == "losetup"] == []
+    assert other.exists()

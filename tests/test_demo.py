@@ -183,3 +183,49 @@ def test_serve_cpu_stopped_by_a_second_signal_still_stops_its_server_and_removes
         assert os.listdir(demo_dir) == [] and os.listdir(tmp) == []
     finally:
         _end_serve_cpu(child, server)
+
+
+def test_serve_cpu_s_default_log_follows_no_link_another_user_planted(tmp_path):
+    """`kvstream serve-cpu` without --log, its TMPDIR a shared sticky directory (/tmp): another user who plants a
+    link at the log's name (before: kvstream-serve-cpu-<pid>.log, a pid anyone can guess) to a file only the
+    victim may write has the server's log appended to that file (open "ab" followed the link; a FIFO there hung
+    the start, a file of theirs received the log). Found by an attacker's trial."""
+    planted = """
+import os, tempfile
+target = os.path.join(os.path.dirname(tempfile.gettempdir()), 'victim.conf')
+with open(target, 'w') as fh:
+    fh.write('secret\\n')
+link = os.path.join(tempfile.gettempdir(), f'kvstream-serve-cpu-{os.getpid()}.log')
+os.symlink(target, link)  # (another user's: the name is the one the old code took)
+os.lchown(link, 65534, 65534)
+"""
+    source = _SERVE_CPU_CHILD.replace(', "--log", sys.argv[1]]', "]").replace("import sys\n", "import sys\n" + planted)
+    assert source != _SERVE_CPU_CHILD
+    child, demo_dir, tmp, _ = _start_serve_cpu(tmp_path, source)
+    tmp.chmod(0o1777)
+    server = None
+    try:
+        out = []
+        for line in child.stdout:
+            out.append(line)
+            if "serving at" in line:
+                break
+        text = "".join(out)
+        logs = [line.split("log: ", 1)[1].strip() for line in out if line.startswith("[serve-cpu] log: ")]
+        assert "serving at" in text and len(logs) == 1, text
+        deadline = time.monotonic() + 60
+        while True:
+            with open(logs[0]) as fh:
+                written = fh.read()
+            if "KVSTREAM_TIERS" in written:  # (the stand-in server's line)
+                break
+            assert time.monotonic() < deadline and child.poll() is None, text
+            time.sleep(0.05)
+        server = int(written.split("KVSTREAM_TIERS", 1)[1].split()[0])
+        child.send_signal(signal.SIGTERM)
+        child.communicate(timeout=120)
+        assert (tmp_path / "victim.conf").read_text() == "secret\n"
+        assert os.path.dirname(logs[0]) == str(tmp) and not os.path.islink(logs[0])
+        assert os.stat(logs[0]).st_mode & 0o077 == 0  # (the server's log is the user's alone, as mkstemp makes it)
+    finally:
+        _end_serve_cpu(child, server)

@@ -128,6 +128,23 @@ def test_a_lost_replica_is_restored_after_the_tier_rejoins(tier_dirs):
         assert pages.checked_get(engine, before + during, policy=SingleTier(1)) == [True] * 10
 
 
+def test_a_lost_replica_larger_than_half_of_memory_is_restored(tier_dirs):
+    """LMCache's 32 MiB chunks at the default ``memory`` (64M: its write half 32 MiB, less than a chunk's file):
+    a replica lost while no engine ran is restored by catch-up. A copy is read whole into one buffer, so a page
+    larger than ``memory`` is not copied (a shared tier's member may write one of any size:
+    test_security_shared_tier.py); the bound is ``memory``, not its write half, which dropped every such chunk."""
+    pages = PageSet(32 << 20)
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2], memory="64M") as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        wait_until(lambda: replicated(engine, keys, 0b11), what="the pages never reached both tiers")
+    drop_copies(tier_dirs[1], keys[:1])
+    with make_engine(tier_dirs[:2], memory="64M") as engine:
+        wait_until(lambda: replicated(engine, keys, 0b11), what="the lost replica was never restored")
+        assert engine.stats()["tiers"][1]["replication_dropped"] == 0
+        assert pages.checked_get(engine, keys[:1], policy=SingleTier(1)) == [True]
+
+
 @pytest.mark.parametrize("gone", ["evicted", "deleted"])
 def test_pages_owed_to_a_failed_tier_stay_bounded_by_the_pages_held(tier_dirs, gone):
     """Tier 1 fails (EIO on its writes) and stays out while 2000 pages are put, as SGLang's backup thread

@@ -28,8 +28,8 @@ from kvstream_hicache.tmpfiles import tmp_name
 from kvstream_hicache.tiers import LOOK_S
 
 from helpers import (
-    NS, PAGE_BYTES, VERSION_OFF, FakeClock, PageSet, flip_byte, kvstream_cli, make_engine, messages, page_files,
-    run_children, set_header_field, spawn, wait_for_file, wait_until,
+    NS, PAGE_BYTES, VERSION_OFF, FakeClock, PageSet, as_user, flip_byte, kvstream_cli, make_engine, messages,
+    page_files, run_child, run_children, set_header_field, spawn, wait_for_file, wait_until,
 )
 
 HELD = 0.001  # scan_rate: one file in 1000 s, the scan has not read a file while the test runs
@@ -617,6 +617,41 @@ def test_kvstream_info_lists_no_scan_of_a_process_that_is_gone(tmp_path, monkeyp
             json.dump(dict(doc, name=name), f)
     assert sorted(d["name"] for d in scan_module.running_scans()) == ["earlier", "live"]
     assert sorted(os.listdir(where)) == ["scan-earlier.json", "scan-live.json"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")
+@pytest.mark.parametrize("planted", ["directory", "link"])
+def test_kvstream_info_reads_no_scan_file_in_a_directory_another_user_made(tier_root, monkeypatch, planted):
+    """The progress files' directory is ``kvstream-<uid>`` in the temporary directory: a name anyone can take
+    first in /tmp. Another user who made it (0777) and put a FIFO and a forged scan there hung ``kvstream info``
+    (open() of the FIFO waited for a writer) and had their scan listed as this user's; a link there to a
+    directory of this user's had its ``scan-*.json`` files of no live process removed (the owner was read with
+    stat, through the link). Neither is read nor removed: only this user's own directory is. Found by an
+    attacker's trial."""
+    os.chmod(tier_root, 0o755)
+    shared = os.path.join(tier_root, "tmp")  # (a TMPDIR every user writes, as /tmp)
+    mine = os.path.join(tier_root, "mine")
+    os.mkdir(shared)
+    os.chmod(shared, 0o1777)
+    os.mkdir(mine, 0o755)
+    with open(os.path.join(mine, "scan-kept.json"), "w") as f:
+        json.dump({"pid": 1 << 30}, f)  # (a file of this user's named as a progress file, of no live process)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", shared)
+    where = scan_module.progress_dir()
+    me, started = os.getpid(), scan_module._started(os.getpid())
+
+    def plant() -> None:
+        if planted == "link":
+            os.symlink(mine, where)
+            return
+        os.mkdir(where, 0o777)
+        with open(os.path.join(where, "scan-forged.json"), "w") as f:
+            json.dump({"pid": me, "started": started, "namespace": "forged"}, f)
+        os.mkfifo(os.path.join(where, "scan-fifo.json"))
+
+    as_user(54321, plant)
+    assert run_child(lambda: 0 if scan_module.running_scans() == [] else 3, 30) == 0
+    assert os.path.exists(os.path.join(mine, "scan-kept.json"))
 
 
 def test_pages_of_before_the_restart_that_catch_up_learns_on_a_tier_back_before_its_scan_resumed_are_counted(

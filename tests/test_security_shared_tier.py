@@ -10,6 +10,7 @@ the engine trusts owners, not permissions).
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import re
@@ -623,3 +624,100 @@ def test_the_walks_read_the_tier_s_clock_through_no_link(shared_tier, tier_root,
             os.unlink(planted)
     assert len(swapped) == 1
     assert os.listdir(precious) == [] and after == swapped[0], "a file was made (and removed) through the link"
+
+
+def test_a_member_s_record_of_clears_owed_never_clears_the_victim_s_private_tier(tier_dirs, shared_tier):
+    """A member of the shared tier's group may write, replace and delete pages of that tier, nothing else. The
+    record of clears owed (``kvstream/<digest>.clears-owed``, owed.py) is written on every local tier, the
+    shared one too, and its ``kvstream/`` is the group's to write: a record a member put there naming the
+    victim's private tier 0 had every page of tier 0 removed at the victim's next start (the record was read
+    if its file was of the tier's group). Only a record this engine's user wrote is honoured. Found by an
+    attacker's trial."""
+    pages = PageSet()
+    keys = pages.keys(3)
+    tiers = [tier_dirs[0], shared_tier]
+    with make_engine(tiers, file_mode="shared", replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * 3
+        own = [engine.tiers[0].layout.page_path(k) for k in keys]
+    record = os.path.join(shared_tier, "kvstream", NS.digest + ".clears-owed")
+
+    def plant() -> None:
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)  # (as the engine writes it, shared)
+        with open(fd, "w") as fh:
+            fh.write(json.dumps([os.path.realpath(tier_dirs[0])]))
+
+    as_user(MEMBER, plant, groups=(GROUP,))
+    assert os.stat(record).st_gid == GROUP  # (the setgid directory gave it the tier's group)
+    with make_engine(tiers, file_mode="shared") as engine:
+        found, got = pages.get(engine, keys)  # (a call probes a failed tier that is due: a clear owed runs)
+        assert found == [True] * 3 and got == [pages.data(k) for k in keys]
+        wait_until(lambda: pages.get(engine, keys[:1])[0] == [True] and engine.tiers[0].healthy)
+        assert [os.path.exists(p) for p in own] == [True] * 3, "the victim's private tier lost its pages"
+
+
+def test_a_member_who_plants_the_names_of_the_victim_s_next_temporary_files_fails_none_of_its_writes(
+        shared_tier, caplog):
+    """A member lists ``tmp/`` (the group's to read and write) and sees the names of the victim's temporary files:
+    ``<digest>.<host>.<pid>.<token>.<seq>.tmp``, the seq counting up. Files of the member's at the next names
+    (O_EXCL: EEXIST) failed one write of the victim's each, with a warning line each: a million names planted, a
+    million failed writes and lines. The names are unpredictable now. Found by an attacker's trial."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine([shared_tier], file_mode="shared") as engine:
+        assert pages.put(engine, keys[:1]) == [True]
+        tier = engine.tiers[0]
+        seen = tier.fresh_tmp_name()  # (as the member sees one in tmp/: the token, the pid, the seq)
+        head, seq = seen[: -len(".tmp")].rsplit(".", 1)
+        planted = [os.path.join(tier.layout.tmp, f"{head}.{int(seq) + i}.tmp") for i in range(1, 41)]
+
+        def plant() -> None:
+            for path in planted:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660))
+
+        as_user(MEMBER, plant, groups=(GROUP,))
+        caplog.set_level("WARNING", logger="kvstream")
+        try:
+            assert pages.put(engine, keys[1:]) == [True] * 3
+            assert engine.stats()["tiers"][0]["write_failures"] == 0
+            assert not [r for r in caplog.records if "File exists" in r.getMessage()], caplog.text
+        finally:
+            for path in planted:
+                os.unlink(path)
+
+
+def test_a_member_s_page_larger_than_memory_is_never_read_whole_into_memory(tier_dirs, shared_tier):
+    """A member writes a valid page of any size on the shared tier: a sparse file of zeros, its header and block
+    CRCs right, costs them no disk. The victim's catch-up copied it to its private tier 0, read whole into one
+    buffer of the page's size (256 MiB here with ``memory=8M``; 64 GiB would end the server): a copy is read into
+    one buffer of at most ``memory`` (docs/design.md), and a larger page is never copied (counted
+    ``replication_dropped``); it stays where it is. Found by an attacker's trial."""
+    from kvstream_hicache.integrity import PageHeader, pack_header
+    from kvstream_hicache.io import crc32c
+
+    length, block = 256 << 20, 4 << 20
+    key = "f" * 64
+    header = PageHeader(key, NS.digest, length, block, (crc32c(bytes(block)),) * (length // block), time.time_ns())
+    buf = AlignedBuffer(HEADER_SIZE)
+    pack_header(header, buf)
+    layout = TierLayout(shared_tier, NS.digest)
+    with make_engine([tier_dirs[0], shared_tier], file_mode="shared"):
+        pass  # (the tree, made by the victim)
+
+    def plant() -> None:
+        os.makedirs(layout.page_dir(key), 0o2770, exist_ok=True)
+        fd = os.open(layout.page_path(key), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.write(fd, bytes(buf))
+            os.ftruncate(fd, HEADER_SIZE + length)
+        finally:
+            os.close(fd)
+
+    as_user(MEMBER, plant, groups=(GROUP,))
+    with make_engine([tier_dirs[0], shared_tier], file_mode="shared", memory="8M") as engine:
+        tier0 = lambda: engine.stats()["tiers"][0]  # noqa: E731
+        wait_until(lambda: tier0()["replication_done"] + tier0()["replication_dropped"] > 0)
+        pool = engine._writes.pool
+        assert pool.peak_bytes <= pool.max_bytes, f"{pool.peak_bytes >> 20} MiB staged of {pool.max_bytes >> 20}"
+        assert tier0()["replication_dropped"] == 1 and not os.path.exists(TierLayout(tier_dirs[0], NS.digest)
+                                                                            .page_path(key))
+    os.unlink(layout.page_path(key))

@@ -336,6 +336,16 @@ def run(args) -> int:
             signal.signal(sig, handler)
 
 
+def _new_log() -> str:
+    """A new file for the server's log in the temporary directory, the user's alone (0600). Made with O_EXCL
+    under a random name: /tmp is everyone's, and a name anyone can guess (the pid's alone, as before) let
+    another user put a link there first (the log was appended to its target: a file only this user may
+    write), a FIFO (the start hung) or a file of theirs (they read the log)."""
+    fd, path = tempfile.mkstemp(prefix=f"kvstream-serve-cpu-{os.getpid()}-", suffix=".log")
+    os.close(fd)
+    return path
+
+
 def _run(args) -> int:
     from . import demo
 
@@ -354,7 +364,7 @@ def _run(args) -> int:
                          SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR=dirs[0], TMPDIR=scratch)
         cmd = launch_command(model, port=args.port, host=args.host, backend=args.backend, layout=args.layout,
                              extra=shlex.split(args.server_args))
-        log = args.log or os.path.join(tempfile.gettempdir(), f"kvstream-serve-cpu-{os.getpid()}.log")
+        log = args.log or _new_log()
         url = f"http://{args.host}:{args.port}"
         # (the pages are in the run's directories inside the tiers: kvstream info/check --tiers takes these)
         print(f"[serve-cpu] tiers: {tiers.note}\n[serve-cpu] KVSTREAM_TIERS={os.pathsep.join(dirs)}\n"

@@ -28,6 +28,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 
@@ -173,7 +174,18 @@ class GlusterFS:
         return self
 
     def _lock(self) -> None:
-        fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # /var/tmp is every user's and the name known: never through a link (root made its target, anywhere),
+        # never a file of another user's (theirs to flock: root's tests waited, blaming another GlusterFS)
+        try:
+            fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise GlusterError(f"cannot open the lock {LOCK_PATH}: {exc.strerror} (not the testbed's: rm "
+                               f"{LOCK_PATH}, then run again)") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise GlusterError(f"the lock {LOCK_PATH} is not a file of this user's (uid {st.st_uid}): another user "
+                               f"may have put it there; rm {LOCK_PATH}, then run again")
         deadline = time.monotonic() + LOCK_WAIT_S
         while True:
             try:

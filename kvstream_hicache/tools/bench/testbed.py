@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import time
 from contextlib import suppress
@@ -436,8 +437,7 @@ def up(profile: Profile, *, name: str = DEFAULT_NAME, sizes: Sequence[int] | Non
                 continue
             ram = backing == "ram"
             image, mnt = paths["ram_images" if ram else "images"][i], paths["mounts"][i]
-            with open(image, "wb") as f:
-                f.truncate(sizes[i])
+            _make_image(image, sizes[i])
             device = _run(losetup_attach_cmd(image, direct_io=not ram)).strip()
             bed.tiers.append(Tier(image, device, "", mnt, sizes[i], backing))
             bed.save()
@@ -464,6 +464,34 @@ def up(profile: Profile, *, name: str = DEFAULT_NAME, sizes: Sequence[int] | Non
     return bed
 
 
+def _make_image(path: str, size: int) -> None:
+    """A sparse image of ``size`` bytes at ``path``, a new file of this user's, or its own left by a run cut short.
+    A ram tier's is in /dev/shm, which every user writes: its name is known in advance, and open(path, "wb")
+    followed a link another user put there (the target, a file only root may write, was truncated, then
+    formatted through the loop device) or took a file of theirs for the image (theirs to read and rewrite under
+    the mounted tier). Never a link (O_NOFOLLOW), never another owner's file, nor one with other names.
+    :raises TestbedError: something else has the name (what, and the fix)."""
+    flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (O_NONBLOCK: a FIFO there never waits)
+    try:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(path, flags)
+    except OSError as exc:
+        raise TestbedError(f"cannot make the tier image {path}: {exc.strerror} (a link or a special file there is "
+                           f"not made by the testbed: rm {path}, then run again)") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            raise TestbedError(f"the tier image {path} exists and is not a file of this user's alone (uid "
+                               f"{st.st_uid}, {st.st_nlink} names): another user may have put it there; rm {path}, "
+                               "then run again")
+        os.ftruncate(fd, 0)  # (a leftover's old file system goes: mkfs makes a new one)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 def _limit_text(bps: int) -> str:
     return f"{bps / MB:.0f} MB/s" if bps else "not throttled"
 
@@ -487,7 +515,7 @@ def down(name: str = DEFAULT_NAME, *, image_dir: str = IMAGE_DIR, ram_image_dir:
             removed = True
     recorded = [t for t in recorded if t.backing != "gluster"]
     images = _unique([t.image for t in recorded if t.image]
-                     + [p for p in paths["images"] + paths["ram_images"] if os.path.exists(p)])
+                     + [p for p in paths["images"] + paths["ram_images"] if _own_file(p)])
     dir_tiers = _unique([t.mount for t in recorded if t.backing == "dir"]
                         + [p for p in paths["dir_tiers"] if os.path.isdir(p)])
     mounts = _unique([t.mount for t in recorded if t.backing != "dir"] + paths["mounts"])
@@ -579,6 +607,16 @@ def _backing_file(device: str) -> str | None:
             return f.read().strip()
     except OSError:
         return None
+
+
+def _own_file(path: str) -> bool:
+    """``path`` is a file of this user's (lstat: never a link's target). At /dev/shm's known names, another user's
+    link to an image a loop device reads had that device detached by down() (losetup -j follows links)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
 
 def _devices_of(image: str) -> list[str]:
