@@ -34,6 +34,8 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     (a copy the index does not list: one the start-up scan has not reached yet, or another process's).
     ``in_transfer`` is called when the copy on disk is intact (the fault was the transfer's)."""
     fd = None  # the file read, held open to the end: only that very file may be removed (Problem.judged)
+    other = False  # an intact page of another writer or format: no corruption (on an MLA reader rank, every
+    # page the writer rank evicted and stored again from a new prefill: `corrupted` climbed on a healthy server)
     try:
         try:
             fd, st = open_regular(tier.layout.page_path(key), trust=tier.trust)
@@ -51,6 +53,7 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
             in_transfer()
             return False
         problem = scan_file(tier.layout, digest, key, payload=True, trust=tier.trust).problem
+        other = problem is None or problem.reason is Reason.NEWER
         if problem is not None and problem.reason is Reason.UNREADABLE:
             return False  # an I/O error: the tier's health, not this copy, is the problem
         if problem is not None and problem.reason not in (Reason.VANISHED, Reason.NEWER):
@@ -60,6 +63,8 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
     finally:
         if fd is not None:
             close_fd(fd)
+        if not other:  # (a transfer fault, a damaged or vanished copy, a tier failing under the look)
+            stats.add(tier.k, "corrupted")
     index.remove(key, tier.k)  # kept (another writer's version, or another kvstream version's), or gone
     if problem is None:
         stats.add(tier.k, "other_versions")

@@ -63,8 +63,8 @@ class Delivery:
             else:
                 ok = False
                 call.failed.append((tier, item))
-                if res >= 0 and (tier, req.p) not in call.bad:  # (a copy counts once, whatever its blocks)
-                    self.stats.add(tier, "corrupted")
+                if res >= 0 and (tier, req.p) not in call.bad:  # (a copy counts once, whatever its blocks:
+                    # `corrupted` unless it is another writer's intact version, damage.block_failed)
                     self._quarantine_under_reads(call, tier, req.p, req.j0 + i,
                                                  "checksum" if i < complete else "truncated", req.bufs is None)
             results.append((item, ok))

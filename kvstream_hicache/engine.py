@@ -223,6 +223,9 @@ class Engine:
         self._owed = OwedClears(self.tiers, namespace.digest)
         self._owed.recall()  # (before the scan and any lookup: a tier that owes a clear serves nothing)
         self.index = Index([t.capacity for t in self.tiers])
+        for tier, look in zip(self.tiers, looks):
+            if look.real is not None:  # (one that did not answer: its calls thread is held; when it rejoins)
+                self._bound_theirs(tier)
         self._stats = Stats(len(self.tiers))
         rings = []
         choice = config.io_engine
@@ -603,6 +606,7 @@ class Engine:
         for k, (tier, row) in enumerate(zip(self.tiers, out["tiers"])):
             row.update(path=tier.root, healthy=tier.healthy, last_error=tier.last_error, failures=tier.failures,
                        pages=self.index.pages_on(k), theirs_pages=self.index.theirs(k),
+                       theirs_forgotten=self.index.forgotten[k],
                        used_bytes=self.index.used[k], capacity_bytes=tier.capacity,
                        write_queued_bytes=writes.queue.queued[k], write_bandwidth=writes.io.flows[k].rate,
                        write_window=writes.io.flows[k].window, replication_pending=self._replicas.pending(k))
@@ -693,6 +697,13 @@ class Engine:
     def _usable_mask(self) -> int:
         """Healthy tiers, after probing failed ones whose back-off expired."""
         return sum(1 << t.k for t in self.tiers if t.usable())
+
+    def _bound_theirs(self, tier: Tier) -> None:
+        """Another process's copies indexed on ``tier`` add up to at most its file system's size (Index.theirs_limits;
+        a tier that does not answer now: when it rejoins)."""
+        room = tier.room()
+        if room is not None and room.size > 0:
+            self.index.theirs_limits[tier.k] = room.size
 
     def _discover(self, keys: Sequence[str], mask: int) -> int:
         """Index pages of ``keys`` the index lacks but a tier in ``mask`` holds: written by another
@@ -809,6 +820,7 @@ class Engine:
         # a tier that did not answer at start-up: its capacity given as a share, and a clear a record names it
         # by its real path for, known now (the clear is done before it serves: tiers.py)
         self.index.capacities[tier.k] = tier.capacity
+        self._bound_theirs(tier)
         self._owed.recall_for(tier)
         self._owed.note()  # (its clear owed, if any, is done: _probe)
         threading.Thread(target=_forget_lost, args=(tier, self.index, self._replicas, scan),

@@ -114,6 +114,12 @@ class Index:
         self.used = [0] * self.n_tiers  # committed bytes per tier
         self.reserved = [0] * self.n_tiers  # bytes of writes in progress per tier
         self.evictions = [0] * self.n_tiers
+        # Per tier, the most bytes of another process's copies (THEIRS) indexed: its file system's size (Engine).
+        # Never evicted here nor read again once their writer evicted them (an MLA reader rank: sglang reads
+        # the MIN of the ranks' hits), such entries stayed for the process's life; past it the oldest are
+        # forgotten (their files stay: discovery finds a live one again)
+        self.theirs_limits: list[int | None] = [None] * self.n_tiers
+        self.forgotten = [0] * self.n_tiers
         self.epoch = 0  # clear() counts up: pins and scan results of before it are void
         # a copy found on disk written since, not by this process: another's (THEIRS). The clock of the times
         # this process writes in headers (trust.wall_ns: never back, whatever a clock step did before)
@@ -148,6 +154,7 @@ class Index:
         self._tail = [[_NIL] * len(_ALL) for _ in range(self.n_tiers)]
         self._count = [0] * self.n_tiers  # pages per tier
         self._len = [[0] * len(_ALL) for _ in range(self.n_tiers)]  # pages per tier and list
+        self._theirs_bytes = [0] * self.n_tiers  # bytes of the copies on THEIRS, per tier
         # The columns above grow in place and are replaced only here: the key table reads them.
         self._table = KeyTable(self._hash, self._key, self._odd, self._tiers, _SUB_BITS)
         # The existence queries are the table's own methods, without the lock: no Python frame on
@@ -602,6 +609,19 @@ class Index:
         self._tiers[slot] |= 1 << tier
         self._append_under_index(tier, where, slot, first)
         self.used[tier] += self._counted_under_index(slot, tier)
+        if where == THEIRS:
+            self._forget_theirs_under_index(tier, slot)
+
+    def _forget_theirs_under_index(self, tier: int, keep: int) -> None:
+        """Forget the oldest of another process's copies on ``tier`` (not ``keep``, just indexed) while they
+        add up to more than the tier can hold (theirs_limits): some are gone, evicted by their writer."""
+        limit = self.theirs_limits[tier]
+        while limit is not None and self._theirs_bytes[tier] > limit:
+            victim = self._head[tier][THEIRS]
+            if victim in (_NIL, keep):
+                return
+            self._drop_under_index(victim, tier)
+            self.forgotten[tier] += 1
 
     def _counted_under_index(self, slot: int, tier: int) -> int:
         """The bytes ``tier``'s copy of ``slot`` counts in ``used`` (none for another process's)."""
@@ -698,6 +718,8 @@ class Index:
         ends[where] = slot
         self._on[tier][slot] = where
         self._len[tier][where] += 1
+        if where == THEIRS:
+            self._theirs_bytes[tier] += self._nbytes[slot]
 
     def _unlink_under_index(self, tier: int, slot: int) -> None:
         where = self._on[tier][slot]
@@ -715,6 +737,8 @@ class Index:
             prev[n] = p
         self._on[tier][slot] = _NONE
         self._len[tier][where] -= 1
+        if where == THEIRS:
+            self._theirs_bytes[tier] -= self._nbytes[slot]
 
 
 def _run(n: int) -> int:

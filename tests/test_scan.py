@@ -64,6 +64,19 @@ def test_a_restart_serves_before_the_scan_ends(tier_dirs):
         assert engine.check() == []
 
 
+def test_kvstream_info_counts_a_scans_copies_as_copies(tier_dirs):
+    """3 pages on 2 tiers: the scan indexes 6 copies of 3 pages. `kvstream info` said '6 pages indexed'
+    (a TP or MLA server's ranks on 2 tiers each showed twice their pages)."""
+    _stored(tier_dirs[:2], 3)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert engine.wait_scan(WAIT_S)
+        engine._scan._publish(force=True)
+        env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        out = kvstream_cli("info", "--tiers", os.pathsep.join(tier_dirs[:2]), env=env).stdout
+        line = next(x for x in out.splitlines() if f"start-up scan of pid {os.getpid()} " in x)
+        assert "6 files in " in line and "6 copies indexed (3 pages in its index)" in line, line
+
+
 def test_kvstream_info_shows_a_running_scan(tier_dirs):
     _stored(tier_dirs[:1], 3)
     with make_engine(tier_dirs[:1], scan_rate=HELD) as engine:

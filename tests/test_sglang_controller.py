@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
+from helpers import loop_fs  # noqa: F401  (fixture)
 from sglang_fixtures import (PAGE, cpu_sglang, drivers, plugin_loaded, round_trip, run_python,  # noqa: F401
                              tiers_config)
 
@@ -135,6 +136,102 @@ def test_mla_pages_are_shared_and_only_the_writer_writes(plugin_loaded, tier_dir
     got = rank1.prefetch(tokens)
     assert got.tokens == len(tokens)
     assert pools.page_bytes(got.host_indices) == pools.page_bytes(src)
+
+
+def test_an_mla_reader_rank_finds_the_writers_new_pages_with_discover_off(plugin_loaded, tier_dirs, drivers):
+    """discover=0 (index only, for one process per namespace) on an MLA TP server: a reader rank never
+    writes, it learns of rank 0's pages by discovery alone. Off, it found none of the pages rank 0 wrote
+    after its start-up scan, and sglang's MIN over the ranks' hit counts made every L3 lookup a miss, with
+    no word about it. The reader rank keeps discovery on and says why, once."""
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    extra = tiers_config(tier_dirs[:2], discover=0)
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    reader = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=extra, tp_rank=1, tp_size=2),
+                                    pools.host)
+    try:
+        assert reader.engine.wait_scan(30)  # (its scan done: from now on only discovery finds a new page)
+        tokens = cpu_sglang.random_tokens(4 * PAGE, seed=43)
+        src = cpu_sglang.fill_random(pools, len(tokens), seed=43)
+        writer = drivers(pools, "kvstream", extra_config=extra, tp_rank=0, tp_size=2)
+        assert not writer.storage.engine.config.discover  # the writer rank keeps the setting
+        assert writer.backup(tokens, src) == len(tokens)
+        keys = cpu_sglang.page_keys(tokens, PAGE)
+        assert reader.batch_exists(keys) == 4
+        assert reader.engine.config.discover
+    finally:
+        reader.close()
+
+
+def test_an_mla_reader_rank_counts_the_writers_new_version_of_a_page_as_no_corruption(plugin_loaded, tier_dirs):
+    """MLA TP: rank 0 evicts a page rank 1 has read, and stores it again from a new prefill (KV need not be
+    bit-identical). Rank 1's next read finds the indexed copy replaced by an intact page: another
+    writer's version (design.md), served, kept, counted in `other_versions`. It was also counted in
+    `corrupted` (kvstream:tier_corrupted_pages_total: 'copies that failed verification'), which climbed
+    on every reader rank of a healthy server."""
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    page = pools.flat_page_nbytes()
+    cfg = {r: cpu_sglang.storage_config(pools, tp_rank=r, tp_size=2,
+                                        extra_config=tiers_config(tier_dirs[:2], capacity=str(4 * page)))
+           for r in (0, 1)}
+    writer, reader = (KVStreamHiCacheStorage(cfg[r], pools.host) for r in (0, 1))
+    try:
+        keys = cpu_sglang.page_keys(cpu_sglang.random_tokens(4 * PAGE, seed=44), PAGE)
+        other = cpu_sglang.page_keys(cpu_sglang.random_tokens(4 * PAGE, seed=45), PAGE)
+        old = cpu_sglang.fill_random(pools, 4 * PAGE, seed=44)
+        assert writer.batch_set_v1(keys, old) == [True] * 4
+        dst = pools.alloc(4 * PAGE)
+        assert reader.batch_get_v1(keys, dst) == [True] * 4
+        assert writer.batch_set_v1(other, cpu_sglang.fill_random(pools, 4 * PAGE, seed=45)) == [True] * 4
+        assert writer.batch_exists(keys) == 0  # evicted from both tiers
+        new = cpu_sglang.fill_random(pools, 4 * PAGE, seed=46)
+        assert writer.batch_set_v1(keys, new) == [True] * 4  # the same keys, other bytes
+        cpu_sglang.scramble(pools, dst)
+        assert reader.batch_get_v1(keys, dst) == [True] * 4
+        assert pools.page_bytes(dst) == pools.page_bytes(new)
+        tiers = reader.stats()["tiers"]
+        assert sum(t["other_versions"] for t in tiers) >= 4 and sum(t["quarantined"] for t in tiers) == 0
+        assert [t["corrupted"] for t in tiers] == [0, 0]
+    finally:
+        writer.close()
+        reader.close()
+
+
+@pytest.mark.leaves_problems("rank 1's index keeps entries of pages rank 0 evicted (index_stale, by design: never read "
+                             "again), as many as the tier can hold")
+def test_an_mla_reader_ranks_index_stays_within_its_tier_as_rank_0_evicts(plugin_loaded, loop_fs):
+    """MLA TP: rank 0 (capacity of 8 pages) cycles pages through the tier; rank 1 finds each by discovery
+    (sglang's hit query on every rank) as another process's copy, never evicted by it, and sglang never
+    reads it again once rank 0 evicted it (MIN of the ranks' hits). Such an entry stayed in rank 1's
+    index for the process's life: more than the file system can hold, growing with every page rank 0
+    ever stored. Past the tier's size, the oldest are forgotten (their files, if any, are found again)."""
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    fs = loop_fs(16 << 20, "mla")
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE, layers=8)
+    page = pools.flat_page_nbytes()
+    cfg = {r: cpu_sglang.storage_config(pools, tp_rank=r, tp_size=2,
+                                        extra_config=tiers_config([fs.mnt], capacity=str(8 * page)))
+           for r in (0, 1)}
+    writer, reader = (KVStreamHiCacheStorage(cfg[r], pools.host) for r in (0, 1))
+    try:
+        for r in range(40):
+            keys = cpu_sglang.page_keys(cpu_sglang.random_tokens(4 * PAGE, seed=1000 + r), PAGE)
+            idx = cpu_sglang.fill_random(pools, 4 * PAGE, seed=r)
+            assert writer.batch_set_v1(keys, idx) == [True] * 4
+            pools.free(idx)
+            assert reader.batch_exists(keys) == 4
+        st = os.statvfs(fs.mnt)
+        fits = st.f_blocks * st.f_frsize // page
+        assert writer.stats()["tiers"][0]["pages"] <= 8
+        assert reader.batch_exists(keys) == 4  # the newest still found
+        held = reader.stats()["tiers"][0]["pages"]
+        assert held <= fits, f"rank 1 indexes {held} pages; the tier holds at most {fits}"
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_namespace_keeps_models_layouts_and_mha_ranks_apart(tier_dirs):

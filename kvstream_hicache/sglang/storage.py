@@ -83,6 +83,13 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             # Every rank reads the shared MLA pages and sglang writes them from the writer rank only;
             # catch-up is a write too, so the writer rank's engine does it (replication.py).
             self.config = dataclasses.replace(self.config, catchup=False)
+            if not self.config.discover:
+                # This rank finds the writer's pages by discovery alone: index-only, it found none written
+                # after its scan, and sglang's MIN over the ranks' hits made every L3 lookup a miss.
+                log.warning("kvstream: discover=0 (KVSTREAM_DISCOVER) ignored on MLA TP rank %d: it never writes and "
+                            "finds the pages TP rank 0 stores only by discovery (off, every L3 lookup of the "
+                            "server would miss)", storage_config.tp_rank)
+                self.config = dataclasses.replace(self.config, discover=True)
         self.mem_pool_host = None
         self.engine = None
         self.namespace: Namespace | None = None

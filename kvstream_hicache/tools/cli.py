@@ -281,9 +281,11 @@ def _info(args) -> int:
     for scan in doc["scans"]:  # engines of this user on this host (scan.py's progress files)
         shards = sum(t["shards_done"] for t in scan["tiers"]), sum(t["shards"] for t in scan["tiers"])
         state = "done" if scan["done"] else f"running, {shards[0]}/{shards[1]} shard directories"
+        # 'indexed' counts copies, one per tier holding a page ("N pages indexed" said twice them on 2 tiers)
         print(f"start-up scan of pid {scan['pid']} (namespace {scan['namespace']}, {', '.join(scan['tier_dirs'])}): "
               f"{state}; {scan['files']} files in {scan['seconds']:.1f} s ({scan['rate']:,.0f}/s), "
-              f"{scan['indexed']} pages indexed, {scan['damaged_removed']} damaged and {scan['tmp_removed']} "
+              f"{scan['indexed']} copies indexed ({scan.get('pages', '?')} pages in its index), "
+              f"{scan['damaged_removed']} damaged and {scan['tmp_removed']} "
               f"leftovers removed; eviction {scan['eviction']}")
     for line in [_replicas_line(doc["under_replicated"]), *_owed_lines(owed)]:
         print(line)
