@@ -20,8 +20,9 @@ path with no time: every page goes). Stop 43's commits before cdf2983 wrote path
 them kept: a tier is matched by the path it is listed by as well as by its real path.
 Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
 and renamed over the record; read following no link, only a regular file of this user's (its uid on the tier) that no
-one else may write (nor its group: in shared mode the tier's group is trusted with pages, not with a record
-naming this engine's other tiers). With no local tier healthy to hold it, the debt stays in memory (logged).
+one else may write (its group only for the tiers it is trusted with: in shared mode the tier's group is trusted with
+pages, not with a record naming this engine's other tiers). With no local tier healthy to hold it, the debt stays
+in memory (logged).
 
 A record that could not be rewritten when its tier was out may name a tier that has cleared since:
 that tier is cleared once more at the next start. That costs cached pages, never a stale one served.
@@ -33,14 +34,14 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, is_digest
 from .locks import ranked_lock
 from .tiers import Tier
 from .tmpfiles import NEW_FILE
-from .trust import LOOK_FLAGS, Trust, list_below, make_dir, open_below
+from .trust import LOOK_FLAGS, Trust, list_below, make_dir, open_below, tier_group
 
 log = logging.getLogger("kvstream")
 
@@ -117,7 +118,13 @@ class OwedClears:
         return [t for t in self.tiers if t.local and t.healthy and not t.clear_owed]
 
     def _read(self, tier: Tier) -> dict[str, int]:
-        return read_record(tier.root, self.name, tier.trust)
+        return read_record(tier.root, self.name, tier.trust, self._group_tiers)
+
+    def _group_tiers(self, gid: int) -> set[str]:
+        """The paths (as listed, real) of this engine's tiers whose pages group ``gid`` is trusted with (shared
+        mode): the tiers a record of this user's that group may write may name (its members may remove those
+        pages anyway)."""
+        return {p for t in self.tiers if t.trust is not None and t.trust.gid == gid for p in (t.root, t.real) if p}
 
     def _write(self, tier: Tier, owed: dict[str, int]) -> None:
         """The record on ``tier`` names ``owed`` (none: it goes)."""
@@ -158,10 +165,15 @@ def where(root: str) -> str:
     return os.path.realpath(root)
 
 
-def read_record(root: str, name: str, trust: Trust) -> dict[str, int]:
+def read_record(root: str, name: str, trust: Trust,
+                group_tiers: Callable[[int], Collection[str]] | None = None) -> dict[str, int]:
     """The tiers the record ``name`` in ``<root>/kvstream/`` says owe a clear, and the time of the last
     clear each missed, read following no link; {} where there is none, and where it is not kvstream's
-    (logged: a link, a FIFO, another owner's file, text that is no record of clears)."""
+    (logged: a link, a FIFO, another owner's file, text that is no record of clears). A record of this user's
+    that its group may write (written 0660 by versions before 2026-12-07 in shared mode; a tree made shared
+    with ``chmod -R g+rwX``, as docs/guarantees.md says) names only the tiers ``group_tiers(its gid)`` lists,
+    whose pages that group is trusted with: a clear owed there is done (ignored, the stale pages were served
+    after the restart), one it names elsewhere (a member's edit naming a private tier) is not (logged)."""
     try:
         base = open_below(root, os.path.join(root, ROOT_DIR))
     except OSError:
@@ -182,10 +194,18 @@ def read_record(root: str, name: str, trust: Trust) -> dict[str, int]:
         # a member's record there, or a member's edit of ours, 0660 before, had every page of it removed)
         if not stat.S_ISREG(st.st_mode) or st.st_uid not in trust.uids or st.st_size > MAX_BYTES:
             raise ValueError("not a regular file of this user's")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):  # (versions before 2026-12-07 wrote it 0660 in shared mode)
-            raise ValueError(f"mode {stat.S_IMODE(st.st_mode):o}: others may write it; if a clear() of this namespace "
-                             "was owed when it was written (an upgrade from before 2026-12-07), clear again")
-        return _parse(json.loads(os.read(fd, MAX_BYTES)))
+        if st.st_mode & stat.S_IWOTH:
+            raise ValueError(f"mode {stat.S_IMODE(st.st_mode):o}: every user may write it")
+        owed = _parse(json.loads(os.read(fd, MAX_BYTES)))
+        if st.st_mode & stat.S_IWGRP:  # (versions before 2026-12-07 wrote it 0660 in shared mode)
+            shared = set(group_tiers(st.st_gid)) if group_tiers is not None else set()
+            if owed.keys() - shared:
+                log.warning("kvstream: the record of clears owed %s/%s/%s (mode %o) names tiers its group may not "
+                            "write (%s): ignored there; if a clear() of this namespace was owed when it was written, "
+                            "clear again", root, ROOT_DIR, name, stat.S_IMODE(st.st_mode),
+                            ", ".join(sorted(owed.keys() - shared)))
+            owed = {r: when for r, when in owed.items() if r in shared}
+        return owed
     except (OSError, ValueError) as exc:
         log.warning("kvstream: the record of clears owed %s/%s/%s is not kvstream's (%s): ignored", root, ROOT_DIR,
                     name, exc)
@@ -219,6 +239,10 @@ def recorded(dirs: Sequence[str], hung: Collection[int] = ()) -> list[tuple[int,
     is left out). The tiers ``hung`` (that did not answer a first look, probe.answering) are not touched:
     no record is read there, and one is named by its path as written."""
     where_k = {d: k for k, d in enumerate(dirs)} | {where(d): k for k, d in enumerate(dirs) if k not in hung}
+
+    def group_tiers(gid: int) -> set[str]:  # (as the engine's shared mode trusts a tier's group: trust._trust)
+        return {p for k, d in enumerate(dirs) if k not in hung and _group_of(d) == gid for p in (d, where(d))}
+
     out = set()
     for holder, root in enumerate(dirs):
         if holder in hung:
@@ -230,5 +254,15 @@ def recorded(dirs: Sequence[str], hung: Collection[int] = ()) -> list[tuple[int,
         for name in names:
             digest = name[: -len(SUFFIX)]
             if name.endswith(SUFFIX) and is_digest(digest):
-                out.update((where_k[r], digest, holder) for r in read_record(root, name, Trust.user()) if r in where_k)
+                out.update((where_k[r], digest, holder) for r in read_record(root, name, Trust.user(), group_tiers)
+                           if r in where_k)
     return sorted(out)
+
+
+def _group_of(root: str) -> int | None:
+    """The group shared mode trusts on tier ``root``: the root's, or in a root every user may write, that of its
+    ``kvstream/`` (trust._trust); None where it cannot be told."""
+    try:
+        return tier_group(os.stat(root), lambda: os.lstat(os.path.join(root, ROOT_DIR)))
+    except OSError:
+        return None

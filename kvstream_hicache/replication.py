@@ -90,7 +90,8 @@ class Replicator:
     :param catchup: the setting: off, nothing is owed and the thread does not run.
     :param catchup_share: the setting: the most of a tier's write time catch-up takes.
     :param promote_bytes: memory promoted pages may hold as their sources, bytes.
-    :param copy_bytes: the largest page file a catch-up copy reads (``memory``), bytes.
+    :param copy_bytes: the largest page file a catch-up copy reads (``memory``), bytes, but of a page a tier of
+        this user's alone holds (_users_own).
 
     Lock: ``_lock`` (rank ``replicator``, condition ``_work``): methods ending ``_under_replicator``
     run with it held.
@@ -360,8 +361,9 @@ class Replicator:
             # its sweep owes it again what it lacks (before, at its capacity the page stayed owed and each wake
             # looked its name up on the tier again; on a full file system each page met was dropped, and its
             # replica never came back while the engine ran).
-            if file_size(info.length) > self.copy_bytes:  # (read whole into one buffer: a shared tier's member
-                # writes pages of any size, and a sparse one of 64 GiB was read into a buffer of 64 GiB)
+            if file_size(info.length) > self.copy_bytes and not self._users_own(info.tiers):  # (read whole into
+                # one buffer: a shared tier's member writes pages of any size, and a sparse one of 64 GiB was read
+                # into a buffer of 64 GiB)
                 self._too_large(k, key, info.length)
                 return True
             full = not self.index.fits(k, info.length)
@@ -446,6 +448,14 @@ class Replicator:
         with self._lock:
             self._owed[k].pop(key, None)
         self.stats.add(k, "replication_dropped")
+
+    def _users_own(self, holders: int) -> bool:
+        """Whether a tier of ``holders`` (a mask) trusts this user alone: no one else writes there, so the page held
+        there (written by this user, or copied by a catch-up within ``copy_bytes``) is of a size its caller puts,
+        copied whatever ``memory`` (puts and reads take pages larger than it: LMCache's 80 MiB chunk of a 70B
+        model at the default 64M; bounded on every tier, such a lost replica was dropped for good)."""
+        me = frozenset({os.geteuid()})
+        return any((t := self.tiers[h].trust) is not None and t.gid is None and t.uids == me for h in tiers_in(holders))
 
     def _too_large(self, k: int, key: str, length: int) -> None:
         """The page of ``key`` is larger than a catch-up copy may read into memory: dropped, said once."""

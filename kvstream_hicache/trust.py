@@ -313,8 +313,13 @@ def _trust(root: str, base_fd: int, tmp_fd: int, shared: bool, tag: str, owner: 
     uids = frozenset({os.geteuid(), probe_direct("", tag, dir_fd=tmp_fd) if owner is None else owner})
     if not shared:
         return Trust(uids)
-    root_st = os.stat(root)
-    return Trust(uids, (os.fstat(base_fd) if root_st.st_mode & stat.S_IWOTH else root_st).st_gid)
+    return Trust(uids, tier_group(os.stat(root), lambda: os.fstat(base_fd)))
+
+
+def tier_group(root_st: os.stat_result, base_st: Callable[[], os.stat_result]) -> int:
+    """The group shared mode trusts on a tier whose root has stat ``root_st``: the root's, or in a root every
+    user may write (sticky), that of the engine's own ``kvstream/`` (``base_st()``)."""
+    return (base_st() if root_st.st_mode & stat.S_IWOTH else root_st).st_gid
 
 
 def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag: str,

@@ -24,6 +24,7 @@ from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.errors import ConfigError
 from kvstream_hicache.index import SETTLE_CHUNK, Index
 from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.owed import recorded
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tiers import LOOK_S
 from kvstream_hicache.tmpfiles import TMP_SUFFIX
@@ -530,6 +531,36 @@ def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs)
         assert [engine.index.holders(k) for k in keys] == [0b11] * 3
     with make_engine(dirs, tier_retry=RETRY_S) as engine:  # (nothing owed any more: nothing cleared)
         assert engine.tiers[1].healthy and pages.checked_get(engine, keys) == [True] * 3
+
+
+@pytest.mark.parametrize("group", ["the tiers'", "another"])
+def test_a_clear_owed_survives_a_tree_made_shared_with_chmod_g_rwx(tier_dirs, group):
+    """A clear() owed by tier 1 is recorded on tier 0 (0600), then the operator makes the tree shared as
+    docs/guarantees.md says (``chmod -R g+rwX``, ``chmod g+s`` on its directories) and starts in shared mode: the
+    record, this user's, is now 0660. It names tiers the tiers' group is trusted with (its members may remove
+    their pages anyway): the clear is done, no stale page served (before, the record was ignored for its mode,
+    and the pages of before the clear were served). A record another group may write names no tier of theirs
+    (a member's edit naming a private tier): ignored, as before."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    record = _cleared_while_tier_1_is_away(dirs, pages, keys)
+    os.rename(dirs[1] + ".away", dirs[1])
+    for root, subdirs, files in (*os.walk(dirs[0]), *os.walk(dirs[1])):
+        os.chmod(root, 0o2770)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o660)
+    if group == "another":
+        os.chown(record, -1, os.stat(dirs[1]).st_gid + 4242)
+    assert stat.S_IMODE(os.stat(record).st_mode) == 0o660
+    assert recorded(dirs) == ([] if group == "another" else [(1, NS.digest, 0)])  # (kvstream info and check)
+    with make_engine(dirs, tier_retry=RETRY_S, file_mode="shared") as engine:
+        if group == "another":
+            assert pages.checked_get(engine, keys) == [True] * 3  # (the record ignored: tier 1 serves)
+            return
+        assert pages.checked_get(engine, keys) == [False] * 3, "pages cleared are served after the restart"
+        wait_until(lambda: engine.tiers[1].healthy, 30, "tier 1 never rejoined")
+        assert page_files(dirs[1]) == [] and not os.path.exists(record)
 
 
 def test_info_and_check_say_which_tier_owes_a_clear(tier_dirs, capsys):

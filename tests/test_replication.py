@@ -145,6 +145,26 @@ def test_a_lost_replica_larger_than_half_of_memory_is_restored(tier_dirs):
         assert pages.checked_get(engine, keys[:1], policy=SingleTier(1)) == [True]
 
 
+def test_a_lost_replica_of_the_user_s_own_page_larger_than_memory_is_restored(tier_dirs):
+    """Pages larger than ``memory`` are stored and served (written and read in pieces): LMCache's 256-token chunk
+    of a 70B model is 80 MiB, at the default 64M. On tiers only this user may write, such a page is the user's
+    own, and a replica lost while no engine ran is restored by catch-up as before: the bound of a copy's buffer
+    (``memory``) is against a shared tier's member (test_security_shared_tier.py), who cannot write here. With
+    it on every tier, the lost replica was dropped for good (``replication_dropped``), one warning."""
+    pages = PageSet(16 << 20)
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2], memory="8M") as engine:
+        assert pages.put(engine, keys) == [True] * 2
+        wait_until(lambda: replicated(engine, keys, 0b11), what="the pages never reached both tiers")
+    drop_copies(tier_dirs[1], keys[:1])
+    with make_engine(tier_dirs[:2], memory="8M") as engine:
+        wait_until(lambda: replicated(engine, keys, 0b11) or engine.stats()["tiers"][1]["replication_dropped"],
+                   what="catch-up never looked at the lost replica")
+        assert engine.stats()["tiers"][1]["replication_dropped"] == 0
+        assert replicated(engine, keys, 0b11)
+        assert pages.checked_get(engine, keys[:1], policy=SingleTier(1)) == [True]
+
+
 @pytest.mark.parametrize("gone", ["evicted", "deleted"])
 def test_pages_owed_to_a_failed_tier_stay_bounded_by_the_pages_held(tier_dirs, gone):
     """Tier 1 fails (EIO on its writes) and stays out while 2000 pages are put, as SGLang's backup thread
