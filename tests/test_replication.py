@@ -128,36 +128,21 @@ def test_a_lost_replica_is_restored_after_the_tier_rejoins(tier_dirs):
         assert pages.checked_get(engine, before + during, policy=SingleTier(1)) == [True] * 10
 
 
-def test_a_lost_replica_larger_than_half_of_memory_is_restored(tier_dirs):
-    """LMCache's 32 MiB chunks at the default ``memory`` (64M: its write half 32 MiB, less than a chunk's file):
-    a replica lost while no engine ran is restored by catch-up. A copy is read whole into one buffer, so a page
-    larger than ``memory`` is not copied (a shared tier's member may write one of any size:
-    test_security_shared_tier.py); the bound is ``memory``, not its write half, which dropped every such chunk."""
-    pages = PageSet(32 << 20)
+@pytest.mark.parametrize("page_mib, memory", [(32, "64M"), (16, "8M")], ids=["half-of-memory", "over-memory"])
+def test_a_lost_replica_of_the_user_s_own_page_larger_than_staging_is_restored(tier_dirs, page_mib, memory):
+    """Pages larger than the write half of ``memory``, or than all of it, are stored and served (written and read
+    in pieces): LMCache's 32 MiB chunk at the default 64M, its 256-token chunk of a 70B model (80 MiB). On tiers
+    only this user may write, such a page is the user's own, and a replica lost while no engine ran is restored
+    by catch-up, read whole into one buffer: the bound of that buffer (``memory``) is against a shared tier's
+    member (test_security_shared_tier.py), who cannot write here. Bounded by the write half, every such chunk was
+    dropped; by ``memory`` on every tier, the larger page was dropped for good (``replication_dropped``)."""
+    pages = PageSet(page_mib << 20)
     keys = pages.keys(2)
-    with make_engine(tier_dirs[:2], memory="64M") as engine:
+    with make_engine(tier_dirs[:2], memory=memory) as engine:
         assert pages.put(engine, keys) == [True] * 2
         wait_until(lambda: replicated(engine, keys, 0b11), what="the pages never reached both tiers")
     drop_copies(tier_dirs[1], keys[:1])
-    with make_engine(tier_dirs[:2], memory="64M") as engine:
-        wait_until(lambda: replicated(engine, keys, 0b11), what="the lost replica was never restored")
-        assert engine.stats()["tiers"][1]["replication_dropped"] == 0
-        assert pages.checked_get(engine, keys[:1], policy=SingleTier(1)) == [True]
-
-
-def test_a_lost_replica_of_the_user_s_own_page_larger_than_memory_is_restored(tier_dirs):
-    """Pages larger than ``memory`` are stored and served (written and read in pieces): LMCache's 256-token chunk
-    of a 70B model is 80 MiB, at the default 64M. On tiers only this user may write, such a page is the user's
-    own, and a replica lost while no engine ran is restored by catch-up as before: the bound of a copy's buffer
-    (``memory``) is against a shared tier's member (test_security_shared_tier.py), who cannot write here. With
-    it on every tier, the lost replica was dropped for good (``replication_dropped``), one warning."""
-    pages = PageSet(16 << 20)
-    keys = pages.keys(2)
-    with make_engine(tier_dirs[:2], memory="8M") as engine:
-        assert pages.put(engine, keys) == [True] * 2
-        wait_until(lambda: replicated(engine, keys, 0b11), what="the pages never reached both tiers")
-    drop_copies(tier_dirs[1], keys[:1])
-    with make_engine(tier_dirs[:2], memory="8M") as engine:
+    with make_engine(tier_dirs[:2], memory=memory) as engine:
         wait_until(lambda: replicated(engine, keys, 0b11) or engine.stats()["tiers"][1]["replication_dropped"],
                    what="catch-up never looked at the lost replica")
         assert engine.stats()["tiers"][1]["replication_dropped"] == 0
