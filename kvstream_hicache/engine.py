@@ -698,12 +698,22 @@ class Engine:
         """Healthy tiers, after probing failed ones whose back-off expired."""
         return sum(1 << t.k for t in self.tiers if t.usable())
 
-    def _bound_theirs(self, tier: Tier) -> None:
+    def _bound_theirs(self, tier: Tier, **how) -> None:
         """Another process's copies indexed on ``tier`` add up to at most its file system's size (Index.theirs_limits;
-        a tier that does not answer now: when it rejoins)."""
-        room = tier.room()
+        a tier that does not answer now: when it rejoins). ``how``: Tier.room's (asked for a get)."""
+        room = tier.room(**how)
         if room is not None and room.size > 0:
             self.index.theirs_limits[tier.k] = room.size
+
+    def _rebound_theirs(self, k: int, nbytes: int, within: Callable[[int], float | None], asked: set[int]) -> None:
+        """A page of ``nbytes`` discovery found on tier ``k`` would take another process's copies there past
+        their bound (the file system's size when last asked): ask it again first, once per lookup (a file system
+        grown since, an online resize, held the bound of before: the index forgot live pages of the very get
+        that discovered them, and the get missed them). On the tier's read thread, within the lookup's time;
+        no answer: the bound stays."""
+        if k not in asked and not self.index.theirs_fit(k, nbytes):
+            asked.add(k)
+            self._bound_theirs(self.tiers[k], read=True, within=within(k))
 
     def _discover(self, keys: Sequence[str], mask: int) -> int:
         """Index pages of ``keys`` the index lacks but a tier in ``mask`` holds: written by another
@@ -734,6 +744,7 @@ class Engine:
 
         # (before the reads: a file found now on a tier whose scan listed it whole was not there then)
         since = [self._scan.listed(tier.k) for tier in self.tiers]
+        asked: set[int] = set()  # tiers whose size this lookup asked again (_rebound_theirs)
         for key in keys:
             for _ in range(RETRIES):  # (a copy of a key like it left the index while its file was read, or
                 # a clear() came: its file may be going, the look again finds it gone or one written since)
@@ -743,6 +754,8 @@ class Engine:
                          for page in [tier.look(self.namespace.digest, key, within(tier.k))]  # (None: no answer)
                          if page is not None and page.problem is None
                          and (sizes is None or page.header.length == sizes[key])]
+                for _, k, page in pages:
+                    self._rebound_theirs(k, page.header.length, within, asked)
                 if all([self._index_page(k, page, mark, epoch, since[k])
                         for _, k, page in sorted(pages, key=lambda e: e[:2])]):
                     break

@@ -191,6 +191,12 @@ class Index:
         """Copies on ``tier`` another process wrote since this index began (not counted in ``used``)."""
         return self._len[tier][THEIRS]
 
+    def theirs_fit(self, tier: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of another process's copies on ``tier`` stay within theirs_limits (nothing
+        forgotten for them). A look without the lock, as fits."""
+        limit = self.theirs_limits[tier]
+        return limit is None or self._theirs_bytes[tier] + nbytes <= limit
+
     def pages_on(self, tier: int) -> int:
         return self._count[tier]
 

@@ -597,12 +597,13 @@ class Tier:
             raise OSError(err, f"close: {os.strerror(err)}")
         return sealed
 
-    def room(self, fd: int | None = None) -> Room | None:
+    def room(self, fd: int | None = None, *, read: bool = False, within: float | None = None) -> Room | None:
         """The room on the tier's file system, ``fd``'s file's blocks counted free (a job's own file is
         reused), bounded where the tier may hang (bounded.py); None: cannot tell (an error, a call given up on).
+        ``read``: asked for a get, on the tier's read thread within ``within`` s (what is left of its time).
         The one place that asks the file system how much room a tier has."""
         try:
-            return self.calls.run(self._room, fd)
+            return self.reads.run(self._room, fd, within=within) if read else self.calls.run(self._room, fd)
         except OSError:
             return None
 

@@ -649,3 +649,34 @@ def test_an_eviction_tells_another_process_s_page_on_a_reused_inode_in_the_same_
         assert pages.put(a, [y]) == [True]  # A evicts k
         assert pages.checked_get(b, [k]) == [True], "A's eviction deleted B's page on A's reused inode"
         assert b.contains(y) and a.contains(k)  # (each indexes the other's pages: their checks at close are clean)
+
+
+def test_a_get_discovering_another_process_s_pages_keeps_them_when_the_tier_grew_since_the_start(tier_dirs,
+                                                                                                   monkeypatch):
+    """Another process's copies a reader indexes on a tier add up to at most its file system's size, asked at
+    start-up (Index.theirs_limits). A file system grown since (an online resize, a tmpfs remount) held the
+    bound of before: one get of 30 live pages, 30 MiB on a tier of 16 MiB then, discovered them all and forgot
+    the first 14 as it indexed the rest (theirs_forgotten 14), and missed them; check() found them on disk,
+    never indexed (review rev2). The size is asked again before anything is forgotten. (The file system's
+    size is os.statvfs's, made 16 MiB while the reader starts: growing a real one needs root.)"""
+    statvfs, small = os.statvfs, [True]
+
+    def sized(path, *args):
+        st = statvfs(path, *args)
+        if not small[0] or not os.path.realpath(path).startswith(os.path.realpath(tier_dirs[0])):
+            return st
+        fields = list(st)
+        fields[2] = (16 << 20) // st.f_frsize  # f_blocks
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", sized)
+    pages = PageSet(1 << 20)
+    keys = pages.keys(30)
+    with make_engine(tier_dirs[:1]) as reader:
+        assert reader.index.theirs_limits == [16 << 20]
+        small[0] = False  # the file system grows
+        with make_engine(tier_dirs[:1]) as writer:
+            assert pages.put(writer, keys) == [True] * 30
+            assert pages.checked_get(reader, keys) == [True] * 30
+            row = reader.stats()["tiers"][0]
+            assert (row["theirs_pages"], row["theirs_forgotten"]) == (30, 0), row
