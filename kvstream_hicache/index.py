@@ -150,6 +150,9 @@ class Index:
         # 1: this copy was indexed from a read of its file (the scan, discovery), not written here: a
         # removal of the file racing that read takes the copy out again (file_removed)
         self._found = [bytearray() for _ in range(self.n_tiers)]
+        # 1: this tier evicted its copy in this run (and holds none since): not what it lacks (lacking,
+        # count_lacking), so a sweep never writes it back there (the tier chose to keep hotter pages)
+        self._evicted = [bytearray() for _ in range(self.n_tiers)]
         self._head = [[_NIL] * len(_ALL) for _ in range(self.n_tiers)]
         self._tail = [[_NIL] * len(_ALL) for _ in range(self.n_tiers)]
         self._count = [0] * self.n_tiers  # pages per tier
@@ -220,7 +223,8 @@ class Index:
             end = min(n, start + SWEEP_SLOTS)
             held = np.frombuffer(self._tiers[start:end], dtype=np.uint32)  # (a copy: the column may grow)
             on = (held >> tier) & 1 == 1
-            found = np.flatnonzero(on if holds else (held != 0) & ~on)[:limit]
+            lacks = None if holds else (held != 0) & ~on & self._not_evicted_under_index(tier, start, end)
+            found = np.flatnonzero(on if holds else lacks)[:limit]
             keys = [self._key_of_under_index(start + i) for i in found.tolist()]
             if len(found) == limit > 0:
                 return keys, start + int(found[-1]) + 1
@@ -235,9 +239,28 @@ class Index:
                 n = len(self._tiers)
                 if start >= n:
                     return count
-                held = np.frombuffer(self._tiers[start:start + SWEEP_SLOTS], dtype=np.uint32)
-                count += int(np.count_nonzero((held != 0) & ((held >> tier) & 1 == 0)))
+                end = min(n, start + SWEEP_SLOTS)
+                held = np.frombuffer(self._tiers[start:end], dtype=np.uint32)
+                count += int(np.count_nonzero((held != 0) & ((held >> tier) & 1 == 0)
+                                              & self._not_evicted_under_index(tier, start, end)))
             start += SWEEP_SLOTS
+
+    def evicted_from(self, key: str, tier: int) -> bool:
+        """``tier`` evicted its copy of ``key`` in this run and holds none since (not what it lacks)."""
+        with self._lock:
+            slot = self._table.find(key)
+            return slot >= 0 and bool(self._evicted[tier][slot])
+
+    def owed_again(self, key: str, tier: int) -> None:
+        """``key`` is owed to ``tier`` once more (read, or a put's replica there skipped or failed): a copy
+        it evicted is what it lacks again, for its sweep too."""
+        with self._lock:
+            slot = self._table.find(key)
+            if slot >= 0:
+                self._evicted[tier][slot] = 0
+
+    def _not_evicted_under_index(self, tier: int, start: int, end: int) -> np.ndarray:
+        return np.frombuffer(self._evicted[tier][start:end], dtype=np.uint8) == 0
 
     def old_pages(self, tier: int) -> tuple[int, int]:
         """(pages on ``tier`` whose LRU place is their write time, pages found by the scan and not
@@ -580,6 +603,8 @@ class Index:
             self._nbytes[slot], self._created[slot], self._crc_at[slot] = nbytes, created_ns, at
             self._ncrc[slot] = n
             self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES] = raw or bytes(_KEY_BYTES)
+            for evicted in self._evicted:  # (a new page: no tier evicted it)
+                evicted[slot] = 0
         else:
             slot = len(self._tiers)
             self._hash.append(hash(key))
@@ -597,6 +622,7 @@ class Index:
                 self._next[tier].append(_NIL)
                 self._on[tier].append(_NONE)
                 self._found[tier].append(0)
+                self._evicted[tier].append(0)
         if raw is None:
             self._odd[slot] = key
         self._table.insert(slot)
@@ -613,6 +639,7 @@ class Index:
         else:
             self._count[tier] += 1
         self._tiers[slot] |= 1 << tier
+        self._evicted[tier][slot] = 0
         self._append_under_index(tier, where, slot, first)
         self.used[tier] += self._counted_under_index(slot, tier)
         if where == THEIRS:
@@ -696,6 +723,7 @@ class Index:
         keys = [self._key_of_under_index(slot) for slot in victims]
         for slot in victims:
             self._drop_under_index(slot, tier)
+            self._evicted[tier][slot] = 1  # (reset when the slot is reused or the tier holds it again)
         self.evictions[tier] += len(victims)
         return keys
 

@@ -146,6 +146,7 @@ class Replicator:
                     slot = self.index.slot(key) if sweeping else -1
                     info = None
                     for k in tiers_in(self.all_tiers & ~holders):
+                        self.index.owed_again(key, k)  # (a copy it evicted: owed by this read or put)
                         if not self.tiers[k].healthy:  # out: its sweep of the index owes it what lacks it once
                             self._sweep[k] = max(self._sweep[k], 0)  # back (owe_all); a key per put kept meanwhile
                             continue  # grew for as long as the outage, pages evicted or deleted since and all
@@ -235,7 +236,8 @@ class Replicator:
             elif at < 0:
                 return owed
             else:  # promoted pages are owed ahead of the sweep: those it has yet to reach are counted once
-                owed -= sum(1 for key in self._owed[k] if key in self._copies and self.index.slot(key) >= at)
+                owed -= sum(1 for key in self._owed[k] if key in self._copies and self.index.slot(key) >= at
+                            and not self.index.evicted_from(key, k))  # (one it evicted: the sweep passes it)
         return owed + self.index.count_lacking(k, at)
 
     def clear(self) -> None:

@@ -327,6 +327,33 @@ def test_a_replica_skipped_while_its_tier_was_at_capacity_is_written_once_it_has
         assert stats["evictions"] == 24 - len(skipped), (len(skipped), stats)
         assert pages.checked_get(engine, batch, policy=SingleTier(1)) == [True] * 24
 
+def test_a_copy_a_tier_evicted_is_not_owed_back_once_the_full_tier_has_room(tier_dirs):
+    """A copy a tier evicted is not owed back while the engine runs, unless it is read again (docs/guarantees.md
+    promise 2). After a restart tier 0 is at its capacity and lacks pages (the start-up scan owes them: its
+    sweep, the tier full); this run's puts evict its copies of before; once pages leave it, the sweep owes it
+    what it lacks but the copies it evicted. Before: they counted in replication_pending (a soak's gauge stuck
+    at the pages tier 1 held beyond tier 0, never 0 in idle time, while a fresh engine in the same state said
+    0) and were written back to tier 0 once it had room."""
+    pages = PageSet()
+    cap = f"{2 * pages.size}{os.pathsep}"  # tier 0: two pages; tier 1: unlimited
+    a, b = pages.keys(4), pages.keys(2, 100)
+    with make_engine(tier_dirs[:2], capacity=cap, replicate="all") as engine:
+        assert pages.put(engine, a) == [True] * 4
+        assert [engine.index.holders(k) for k in a] == [0b10, 0b10, 0b11, 0b11]
+    with make_engine(tier_dirs[:2], capacity=cap, replicate="all") as engine:
+        assert pages.put(engine, b) == [True] * 2  # evicts tier 0's copies of a[2:] (this run)
+        assert engine.stats()["tiers"][0]["evictions"] == 2
+        engine._replicas.promote_bytes = 0  # (no promoted copy: a[3] read is owed to the full tier's sweep)
+        assert pages.checked_get(engine, a[3:]) == [True]  # read again: owed again
+        assert engine.delete(a[:2] + b) == 4  # tier 0 has room again
+        wait_until(lambda: engine.index.holders(a[3]) == 0b11, what="a page read again never reached tier 0")
+        assert engine.index.holders(a[2]) == 0b10  # evicted, not read since: not written back
+        assert engine.stats()["tiers"][0]["replication_pending"] == 0, engine.stats()["tiers"][0]
+        engine._replicas.promote_bytes = 16 << 20
+        assert pages.checked_get(engine, a[2:3]) == [True]  # read again: promoted, as before
+        wait_until(lambda: engine.index.holders(a[2]) == 0b11, what="a page read from tier 1 alone never promoted")
+
+
 @pytest.mark.parametrize("share", ["0", "1.5", "-1", "x"])
 def test_a_bad_catchup_share_is_one_clear_message(tier_dirs, share):
     with pytest.raises(ConfigError, match=r"catchup_share.*e\.g\. 0\.75"):  # the setting, the value, the fix
