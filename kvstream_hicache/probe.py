@@ -325,6 +325,12 @@ def _unreachable(path: str, source: str, exc: OSError) -> TierError:
                      f"or correct the tier list{hint}")
 
 
+def mount_field(field: str) -> str:
+    """A field of /proc/self/mounts or mountinfo as it is: the kernel writes a space, tab, newline and
+    backslash in it as octal escapes (\\040 ...), and a source such as MooseFS's 'mfs#host:port' with \\043."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def fs_type(path: str, real: str | None = None) -> str | None:
     """The type of the file system holding ``path`` (``/proc/self/mountinfo``: the deepest mount point
     above its real path, ``real`` when known), or None when it cannot be told."""
@@ -337,7 +343,7 @@ def fs_type(path: str, real: str | None = None) -> str | None:
                 fields = left.split()
                 if len(fields) < 5 or not right:
                     continue
-                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040: a space
+                mnt = mount_field(fields[4])
                 inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
                 if inside and len(mnt) >= best:  # later lines mount over earlier ones at the same point
                     best, kind = len(mnt), right.split()[0]

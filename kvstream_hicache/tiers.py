@@ -49,6 +49,7 @@ from typing import NamedTuple
 from .bounded import BoundedCalls
 from .errors import KVStreamError
 from .fds import close_fd
+from .files import TMP_FILES_PER_TIER
 from .integrity import (
     HeaderError, NewerFormat, NotRegularFile, ScannedPage, UntrustedFile, open_direct, open_with_header,
     scan_file, shard_entries, shards, tier_clock, unpack_header,
@@ -75,6 +76,8 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, n
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
 MAX_OWED_DELETES = 1 << 14  # delete()s a failed tier remembers to do before it serves again (owe_delete)
+MAX_LEFTOVERS = 4096  # temporary files a failed tier kept that it removes when it rejoins (more: the next
+# start's scan does)
 CLEAR_SKEW_NS = CLOCK_SKEW_NS  # a clear a tier missed takes the pages headed up to this long after it too:
 # another node's clock may run that much ahead, and its page of the old weights must never be served
 MTIME_SLACK_NS = 2 * 10**9  # a file system may keep its times this coarsely (1-2 s): pages modified within it
@@ -84,6 +87,10 @@ LOOK_S = 0.5  # a tier that failed because its directory vanished is looked for 
 # a directory that is back (remounted, moved back) rejoins within a second, not after the back-off
 
 TMP_FLAGS = os.O_WRONLY | NEW_FILE | os.O_DIRECT
+SLOW_CLOSE_S = 0.2  # a temporary file's close on a network tier slower than this halves the files it keeps open
+FIRST_TMP_FILES = 4  # temporary files open at once a network tier starts with: one more after as many quick
+# closes, up to files.TMP_FILES_PER_TIER (Tier.tmp_files: MooseFS's client waits longer in close() the more files it
+# has open for writing, and with 32 a close outlasted write_timeout, the healthy tier failed; trial moosefs)
 
 
 class Room(NamedTuple):
@@ -160,6 +167,8 @@ class Tier:
         self._deletes: dict[str, int] = {}  # key -> when (time_ns) a delete() it missed while failed came:
         # the copy written before that is removed before it serves
         self._dirs: set[str] = set()  # page directories known to exist
+        self._leftovers: set[str] = set()  # temporary files of this engine whose removal failed with the tier
+        # (a FUSE client killed mid-put): removed when it answers again, before it rejoins (_probe)
         self.source = source
         self._share = share
         self._placed = placed
@@ -171,6 +180,9 @@ class Tier:
         # a local disk file system answers or fails a call; a network one may hang (and one that did not answer
         # at start-up proved it may)
         self.local = look.local
+        self.tmp_files = TMP_FILES_PER_TIER if self.local else FIRST_TMP_FILES  # (the writer's: seal)
+        self._close_s = 0.0  # how long the last temporary file's close took (_seal)
+        self._quick = 0  # quick closes since tmp_files last changed
         self.calls = look.calls or BoundedCalls(f"tier {k}", 0.0 if self.local else hang_timeout)
         # a get's opens, discovery's looks, usage()'s statvfs (write_timeout 0, no limit for the tier: the
         # caller's read_timeout still bounds them)
@@ -453,6 +465,10 @@ class Tier:
             return False, why
         self._dirs.update((self.layout.tmp, self.layout.pages))
         with self._lock:
+            leftovers, self._leftovers = self._leftovers, set()
+        for tmp_path in leftovers:  # (kept in tmp/ of a shared tier until this process's next start, before)
+            self._discard(None, tmp_path)
+        with self._lock:
             owes, settling = self.clear_owed or bool(self._deletes), self._settling
             self._settling = owes
         if owes:  # (before it serves: never a page cleared or deleted meanwhile, found again and served)
@@ -575,7 +591,14 @@ class Tier:
         Index.committed_file; a network tier's would cost a round trip more per page: its evictions read the
         header instead). :raises OSError: a failed fdatasync is never retried (the data is not sealed); an
         error from close is one too: on a network file system it says the server did not take the data."""
-        return self.calls.run(self._seal, fd)
+        sealed = self.calls.run(self._seal, fd)
+        if not self.local:  # (the writer thread's alone: its jobs are the files counted)
+            self._quick = 0 if self._close_s > SLOW_CLOSE_S else self._quick + 1
+            if not self._quick:
+                self.tmp_files = max(1, self.tmp_files // 2)
+            elif self._quick >= self.tmp_files:  # (a round of quick closes at this count: one more)
+                self.tmp_files, self._quick = min(TMP_FILES_PER_TIER, self.tmp_files + 1), 0
+        return sealed
 
     def place(self, tmp_path: str, key: str, replace: bool = True) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (:meth:`_place`, bounded): the
@@ -592,7 +615,9 @@ class Tier:
             # (its last write done: its mtime is final. A network tier's would cost a round trip per page)
             sealed = sealed_identity(fd, os.fstat(fd)) if self.local else None
         finally:
+            began = time.monotonic()
             err = close_fd(fd)
+            self._close_s = time.monotonic() - began
         if err:
             raise OSError(err, f"close: {os.strerror(err)}")
         return sealed
@@ -640,7 +665,8 @@ class Tier:
 
     def discard(self, fd: int | None, tmp_path: str) -> None:
         """Close (if open) and remove a temporary file; never raises (it runs on error paths). Where it
-        cannot go (the tier failed, the tmp directory is gone), start-up cleaning removes the leftover.
+        cannot go (the tier failed: a FUSE client killed), it goes when the tier answers again, before it
+        rejoins (:meth:`_probe`); where the tmp directory is gone, start-up cleaning removes the leftover.
         On a tier that does not answer in time it is done when the tier answers (bounded.py)."""
         self.calls.post(self._discard, fd, tmp_path)
 
@@ -650,7 +676,9 @@ class Tier:
         try:
             remove(self.root, tmp_path, self.trust, is_engine_tmp)
         except OSError:
-            pass
+            with self._lock:
+                if len(self._leftovers) < MAX_LEFTOVERS:
+                    self._leftovers.add(tmp_path)
 
     def clear(self) -> None:
         """Remove this namespace's page files from the tier (Engine.clear). A failed tier is not

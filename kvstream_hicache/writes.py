@@ -8,7 +8,7 @@ Data flow (``put`` waits for its pages; ``put_deferred`` returns at once and cal
         target tier's FIFO
     the writer thread, per tier, while the tier has no read in flight (priority.py) and its bytes in
     flight are within its window (flow.py: the window and request size follow the device):
-        start the next job (jobs.py: a temporary file, at most TMP_FILES_PER_TIER per tier, so a
+        start the next job (jobs.py: a temporary file, at most Tier.tmp_files per tier, so a
             put of any size holds a bounded number of descriptors; room; checksums and header)
         submit its header and payload in requests of the flow's size (inflight.py): from the caller's
             memory (aligned pages, local tiers), else each request from a staging copy of its own (the
@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
-from .files import TMP_FILES_PER_TIER
 from .index import Index
 from .inflight import InFlight
 from .io import OP_WRITE
@@ -388,7 +387,7 @@ class WritePath:
         if (job := jobs.next_under_writer(k)) is not None:
             return job
         while True:
-            if len(jobs.active[k]) >= TMP_FILES_PER_TIER or jobs.fds.blocked(time.monotonic()):
+            if len(jobs.active[k]) >= self.tiers[k].tmp_files or jobs.fds.blocked(time.monotonic()):
                 return None
             with self.queue.lock:
                 fifo = self.queue.fifo[k] or self.queue.copies[k]  # catch-up copies only when no put waits

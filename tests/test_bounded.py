@@ -796,3 +796,45 @@ def test_a_puts_copy_whose_rename_answered_late_is_counted_when_found_again(over
         for k in keys[1:]:  # one put each: tier 1 keeps this engine's 2 most recent pages
             assert pages.put(engine, [k]) == [True]
         assert (len(page_files(overlay_tier)), engine.index.theirs(1)) == (2, 0)
+
+
+def test_a_network_tier_whose_closes_slow_with_the_files_open_is_not_failed_by_the_puts_own_files(
+        overlay_tier, tier_dirs, monkeypatch):
+    """MooseFS 3.0.117's client waits longer in close() the more files it has open for writing (30 pages of
+    48 KiB: 0.02 s with up to 4 open at once, 0.9 s with 8, 8.4 s with 32; two nodes putting 64 pages each
+    at once: a close took 7.5 s, and with the engine's 32 a close outlasted write_timeout and the healthy
+    tier failed on both nodes, 61 and 63 replicas lost). Stood in for here: a close of a temporary file on
+    the overlay tier takes 0.1 s for each of its temporary files open past 4; write_timeout 1 s. (Before, every
+    tier kept up to files.TMP_FILES_PER_TIER open at once; a network tier now starts at 4, one more after each
+    quick close, half after a slow one: Tier.tmp_files.)"""
+    import kvstream_hicache.fds as fds
+
+    tmp = os.path.join(overlay_tier, "kvstream", "tmp") + os.sep
+
+    def open_tmp_files() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith(tmp)
+            except OSError:
+                pass
+        return n
+
+    def close_fd(fd: int) -> int:
+        try:
+            mine = os.readlink(f"/proc/self/fd/{fd}").startswith(tmp)
+        except OSError:
+            mine = False
+        if mine:
+            time.sleep(0.1 * max(0, open_tmp_files() - 4))
+        return fds.close_fd(fd)
+
+    pages = PageSet()
+    keys = pages.keys(32)
+    with make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=1.0) as engine:
+        monkeypatch.setattr(tiers_module, "close_fd", close_fd)
+        assert pages.put(engine, keys) == [True] * 32
+        monkeypatch.undo()
+        tier = engine.stats()["tiers"][1]
+        assert tier["healthy"] and tier["write_timeouts"] == 0, tier["last_error"]
+        assert [engine.index.holders(k) for k in keys] == [0b11] * 32

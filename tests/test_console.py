@@ -69,3 +69,27 @@ def test_info_says_a_file_given_as_a_tier_is_not_a_directory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{afile}: PROBLEM: not a directory" in out
     assert f"{gone}: PROBLEM: missing" in out
+
+
+def test_info_names_the_file_system_of_a_tier_whose_mount_point_has_a_space(tmp_path, capsys):
+    """/proc/self/mounts writes a space in a mount point as \\040 (and '#' in a source, MooseFS's
+    'mfs#host:port', as \\043): kvstream info compared the raw field with the tier's path, never matched
+    the mount, and named the file system above it (a MooseFS tier at '/mnt/mfs a' shown as 'ext4 on
+    /dev/vda', trial moosefs)."""
+    import os
+    import subprocess
+
+    import pytest
+
+    from kvstream_hicache.tools import cli
+
+    if os.geteuid() != 0:
+        pytest.skip("mounts a tmpfs (root)")
+    mnt = tmp_path / "a tier"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "kv#src", str(mnt)], check=True)
+    try:
+        assert cli.main(["info", "--tiers", str(mnt)]) == 0
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    assert f"tier0 {mnt}: tmpfs on kv#src," in capsys.readouterr().out

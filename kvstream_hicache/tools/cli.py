@@ -393,13 +393,14 @@ def _tier_usage(path: str, out: dict) -> None:
     """File system, free space, namespaces and pages of the tier at ``path`` into ``out``.
     :raises OSError: a directory cannot be listed."""
     from ..layout import ROOT_DIR, is_digest
+    from ..probe import mount_field
 
     usage = shutil.disk_usage(path)
     out.update(size_gib=usage.total / (1 << 30), free_gib=usage.free / (1 << 30), fstype="?", device="?")
     real, best = os.path.realpath(path), ""
     with open("/proc/self/mounts") as f:
         for line in f:
-            dev, mnt, fstype = line.split()[:3]
+            dev, mnt, fstype = (mount_field(field) for field in line.split()[:3])  # (a space in mnt: \040)
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, out["fstype"], out["device"] = mnt, fstype, dev
     base = os.path.join(path, ROOT_DIR)
