@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import functools
 import logging
 import os
 import sys
@@ -113,6 +114,13 @@ def _forget_lost(tier: Tier, index: Index, replicas: Replicator, scan) -> None:
                     "there again by background replication)", tier.k, len(lost))
     if scan is not None and scan.done:  # (a tier rejoining during the scan: owed at its end)
         replicas.owe_all()
+
+
+def _scan_done(index: Index, replicas: Replicator) -> None:
+    """The start-up scan has read every tier: the index forgets the keys it remembered as evicted meanwhile
+    (Index.scan_over), and catch-up resumes after a restart (Replicator.owe_all: what each tier lacks)."""
+    index.scan_over()
+    replicas.owe_all()
 
 
 _OPEN: weakref.WeakSet[Engine] = weakref.WeakSet()  # engines not closed yet (the exit hook closes them)
@@ -268,7 +276,7 @@ class Engine:
         level = logging.INFO if announce else logging.DEBUG
         self._scan = BackgroundScan(self.tiers, self.index, namespace.digest, config.scan_rate, config.scan_cpu,
                                     self._writes.trim, level,  # the write path's: the scan holds no engine
-                                    self._replicas.owe_all)  # catch-up resumes after a restart (nor does it)
+                                    functools.partial(_scan_done, self.index, self._replicas))  # (holds no engine)
         self._replicas.scanned = self._scan.listed  # (catch-up's look: what it finds after is another's)
         self._closed = False
         # The exit hook closes the engine (its queued writes land; _close_open_engines). Off for a caller

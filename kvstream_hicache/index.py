@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -67,6 +68,7 @@ RETRY = -2  # add_scanned: a copy of a key of that bucket left the index since t
 SWEEP_SLOTS = 1 << 16  # slots lacking/count_lacking look at per lock hold: a 256 KiB copy, well under 1 ms
 SETTLE_CHUNK = 2_000  # slots moved (settle) or keys made (holding) per lock hold: a few ms
 MAX_TIERS = 32  # bits of the tiers column
+GONE_EVICTED_MAX = 1 << 16  # keys remembered as evicted while the start-up scan runs (Index.scan_over), at most
 MINE_BITS = 1 << 25  # the filter of (key, tier, created) copies this process wrote (Index.wrote): 4 MiB; 1 in
 # 200 false "may be mine" at a million pages written, 1 in 5 at five million (such a copy counts, as before)
 _MINE_HASHES = 3
@@ -127,6 +129,12 @@ class Index:
         self._mine: bytearray | None = None  # (key, tier, created) this process wrote, a Bloom filter (wrote):
         # made at the first write (a process that only reads, an MLA reader rank, holds none)
         self._drops = array("q", bytes(8 * (_DROP_BUCKETS + 1)))  # removals per bucket of keys, ever
+        # Until the start-up scan has read every tier (scan_over): key -> the tiers that evicted its last indexed
+        # copy (its slot freed, the _evicted marks with it). The scan (or discovery) may index another tier's copy
+        # of it afterwards, in a new slot: the marks go there (_new_slot_under_index). Before, such a copy, evicted
+        # in this run, was owed back by the sweep (a restart under constant eviction: every page tier 0 evicted
+        # before tier 1's scan reached it). None once the scan is over (a page evicted from its last copy is gone).
+        self._gone_evicted: OrderedDict[str, int] | None = OrderedDict()
         self._reset()
 
     def _reset(self) -> None:
@@ -258,6 +266,12 @@ class Index:
             slot = self._table.find(key)
             if slot >= 0:
                 self._evicted[tier][slot] = 0
+
+    def scan_over(self) -> None:
+        """The start-up scan has read every tier: a page evicted from its last indexed copy is gone from now on
+        (no tier's copy is indexed later by the scan), nothing more is remembered of it (_gone_evicted)."""
+        with self._lock:
+            self._gone_evicted = None
 
     def _not_evicted_under_index(self, tier: int, start: int, end: int) -> np.ndarray:
         return np.frombuffer(self._evicted[tier][start:end], dtype=np.uint8) == 0
@@ -456,7 +470,7 @@ class Index:
                     self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns())
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, time.time_ns(), mark is not None)
             elif mark is not None and self._tiers[slot] >> tier & 1:
                 # A copy found on disk that this tier's entry already describes: the index knows better (as
                 # add_scanned). A lookup that read the file of this process's put before the put indexed it
@@ -509,7 +523,7 @@ class Index:
                     self._drop_under_index(slot, t)
                 slot = -1
             if slot < 0:
-                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created)
+                slot = self._new_slot_under_index(key, length, block, crcs, nbytes, created, True)
             theirs = self._theirs(key, tier, stamp, since)
             if not theirs:
                 self._found_mine_under_index(key, tier, stamp)
@@ -537,6 +551,8 @@ class Index:
     def clear(self) -> None:
         with self._lock:
             self.epoch += 1
+            if self._gone_evicted is not None:
+                self._gone_evicted.clear()
             if self.on_gone is not None:  # every key leaves the index (LMCache's accounting: on_gone)
                 for slot in range(len(self._tiers)):
                     if self._tiers[slot]:
@@ -586,7 +602,11 @@ class Index:
         return odd if odd is not None else self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES].hex()
 
     def _new_slot_under_index(self, key: str, length: int, block: int, crcs: Sequence[int], nbytes: int,
-                  created_ns: int) -> int:
+                  created_ns: int, found: bool = False) -> int:
+        """A row for ``key``; ``found``: from a copy found on disk (the scan, discovery), which carries the
+        marks of the tiers that evicted the key's last indexed copy during the scan (_gone_evicted); a put's
+        row none."""
+        gone = self._gone_evicted.pop(key, 0) if self._gone_evicted else 0
         raw = unhex(key)
         n = len(crcs)
         runs = self._crc_free.get(_run(n))
@@ -623,6 +643,8 @@ class Index:
                 self._on[tier].append(_NONE)
                 self._found[tier].append(0)
                 self._evicted[tier].append(0)
+        for tier in tiers_in(gone if found else 0):
+            self._evicted[tier][slot] = 1  # (cleared when the tier holds it: the copy found may be its own)
         if raw is None:
             self._odd[slot] = key
         self._table.insert(slot)
@@ -721,9 +743,14 @@ class Index:
 
     def _evict_under_index(self, tier: int, victims: list[int]) -> list[str]:
         keys = [self._key_of_under_index(slot) for slot in victims]
-        for slot in victims:
+        gone = self._gone_evicted
+        for slot, key in zip(victims, keys):
             self._drop_under_index(slot, tier)
             self._evicted[tier][slot] = 1  # (reset when the slot is reused or the tier holds it again)
+            if gone is not None and not self._tiers[slot]:  # its last indexed copy: the scan may find another
+                gone[key] = gone.pop(key, 0) | 1 << tier
+                if len(gone) > GONE_EVICTED_MAX:
+                    gone.popitem(last=False)
         self.evictions[tier] += len(victims)
         return keys
 

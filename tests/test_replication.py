@@ -637,3 +637,35 @@ def test_a_page_larger_than_a_tiers_capacity_does_not_stop_its_catch_up(tier_dir
                 f"tier 1's catch-up stopped: {sum(engine.index.holders(key) == 0b11 for key in keys)} of 3 small "
                 f"pages written, tier 1 taken for full for {engine._replicas._full[1]} B (capacity "
                 f"{3 * nbytes + 100})") from None
+
+
+def test_a_copy_a_tier_evicts_during_the_start_up_scan_is_not_owed_back(tier_dirs):
+    """A copy tier 0 evicts in this run is not what it lacks (Index._evicted), also while the start-up scan has
+    not yet indexed the page's other copies: tier 0's scan is over, tier 1's has not reached the page, this run's
+    puts evict tier 0's copy (the index then knew no other tier held it: the slot was freed, and the mark with it),
+    and tier 1's scan indexes the page afterwards. Before: a fresh slot, no mark; the sweep owed the copy back
+    (replication_pending counted it; written back once tier 0 had room), as a soak's restarts under constant
+    eviction showed, unlike a copy evicted once the scan was over. Found by a review."""
+    pages = PageSet()
+    cap = f"{2 * pages.size}{os.pathsep}"  # tier 0: two pages; tier 1: unlimited
+    cands = pages.keys(400, 500)
+    late = [k for k in cands if k[:2] >= "f0"][:2]  # in the last shards: tier 1's scan reaches them last
+    fill = [k for k in cands if k[:2] < "80"][:30]  # tier 1's alone, in its first shards
+    b = [k for k in cands if "80" <= k[:2] < "f0"][:2]
+    assert len(late) == 2 and len(fill) == 30 and len(b) == 2
+    with make_engine(tier_dirs[:2], capacity=cap, replicate="all") as engine:
+        assert pages.put(engine, fill + late) == [True] * 32
+        assert [engine.index.holders(k) for k in late] == [0b11, 0b11]
+    with make_engine(tier_dirs[:2], capacity=cap, replicate="all", scan_rate=5) as engine:
+        wait_until(lambda: engine.stats()["scan"]["tiers"][0]["done"], what="tier 0's scan never ended")
+        assert [engine.index.holders(k) for k in late] == [0b01, 0b01]  # tier 1's scan has not reached them
+        assert pages.put(engine, b) == [True] * 2  # evicts tier 0's copies of `late` (this run)
+        assert engine.stats()["tiers"][0]["evictions"] == 2
+        engine._scan.set_limits(0, 1)  # (the rest of the scan at once)
+        assert engine.wait_scan(60)
+        assert [engine.index.holders(k) for k in late] == [0b10, 0b10]
+        assert not any(engine.index.evicted_from(k, 0) for k in fill)
+        # owed to tier 0: the 30 pages it lacked at the start, not the two it evicted in this run
+        wait_until(lambda: engine.stats()["tiers"][0]["replication_pending"] <= 30, timeout=10,
+                   what=f"tier 0 owed its evicted copies back: {engine.stats()['tiers'][0]['replication_pending']}")
+        assert [engine.index.evicted_from(k, 0) for k in late] == [True, True]
