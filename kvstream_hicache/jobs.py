@@ -1,6 +1,6 @@
 """A page on one tier (a ``Job``), from its temporary file to its commit: the write path's jobs.
 
-    start: the tier still in service -> a temporary file (a descriptor: at most TMP_FILES_PER_TIER per
+    start: the tier still in service -> a temporary file (a descriptor: at most Tier.tmp_files per
         tier, files.py; EMFILE waits; ENOSPC, out of inodes too: evict LRU and try again) -> room (LRU
         victims evicted, their files removed) -> checksums and header (once per page)
     (writes.py submits the job's requests and reaps them; a failed or short write sets ``job.err``)
@@ -222,7 +222,8 @@ class Jobs:
         if job.err == 0:
             try:
                 fd, job.fd, self.calling = job.fd, None, k  # seal closes it, whatever happens
-                sealed = tier.seal(fd)  # (the data sealed: a rename refused for room is tried again)
+                # (the data sealed: a rename refused for room is tried again. Its own file counted open)
+                sealed = tier.seal(fd, len(self.active[k]))
                 page_dir = self._with_room_under_writer(page, k, lambda: tier.place(job.tmp, page.key,
                                                                                     replace=page.copied is None))
             except OSError as exc:

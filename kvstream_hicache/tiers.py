@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .bounded import BoundedCalls
+from .bounded import BoundedCalls, GivenUp
 from .errors import KVStreamError
 from .fds import close_fd
 from .files import TMP_FILES_PER_TIER
@@ -585,20 +585,37 @@ class Tier:
                 raise
         return fd, path
 
-    def seal(self, fd: int) -> tuple[int, ...] | None:
+    def seal(self, fd: int, open_files: int = 0) -> tuple[int, ...] | None:
         """Seal a fully written temporary file: fdatasync (per ``fsync``), then close ``fd``, whatever
         happens. Returns, on a local tier, the file's identity as sealed (trust.sealed_identity,
         Index.committed_file; a network tier's would cost a round trip more per page: its evictions read the
-        header instead). :raises OSError: a failed fdatasync is never retried (the data is not sealed); an
-        error from close is one too: on a network file system it says the server did not take the data."""
-        sealed = self.calls.run(self._seal, fd)
-        if not self.local:  # (the writer thread's alone: its jobs are the files counted)
-            self._quick = 0 if self._close_s > SLOW_CLOSE_S else self._quick + 1
-            if not self._quick:
-                self.tmp_files = max(1, self.tmp_files // 2)
-            elif self._quick >= self.tmp_files:  # (a round of quick closes at this count: one more)
+        header instead). ``open_files``: the tier's temporary files open at this close, its own counted (the
+        writer's jobs): only a quick close made with :attr:`tmp_files` open counts toward one more.
+        :raises OSError: a failed fdatasync is never retried (the data is not sealed); an error from close is
+        one too: on a network file system it says the server did not take the data."""
+        ran: list[bool] = []
+        try:
+            sealed = self.calls.run(self._seal, fd, ran)
+        except GivenUp:  # (a close that outlasted write_timeout is a slow one: else the tier rejoined with
+            self._slow_close()  # as many files open as it failed with, and failed again at its next burst)
+            raise
+        except OSError:
+            if not ran:  # refused at once (an earlier call hung): the descriptor, a file open for writing
+                self.calls.post(close_fd, fd)  # (kept for good, and counted by MooseFS's client), closes later
+            raise
+        if self._close_s > SLOW_CLOSE_S:
+            self._slow_close()
+        elif not self.local and open_files >= self.tmp_files:  # (one with fewer open says nothing of this count)
+            self._quick += 1
+            if self._quick >= self.tmp_files:  # (a round of quick closes at this count: one more)
                 self.tmp_files, self._quick = min(TMP_FILES_PER_TIER, self.tmp_files + 1), 0
         return sealed
+
+    def _slow_close(self) -> None:
+        """A temporary file's close was slow: a network tier keeps half as many open (the writer thread's alone:
+        its jobs are the files counted)."""
+        if not self.local:
+            self._quick, self.tmp_files = 0, max(1, self.tmp_files // 2)
 
     def place(self, tmp_path: str, key: str, replace: bool = True) -> str:
         """Rename a sealed temporary file into place as the page of ``key`` (:meth:`_place`, bounded): the
@@ -608,7 +625,8 @@ class Tier:
         :meth:`discard`."""
         return self.calls.run(self._place, tmp_path, key, replace)
 
-    def _seal(self, fd: int) -> tuple[int, ...] | None:
+    def _seal(self, fd: int, ran: list[bool]) -> tuple[int, ...] | None:
+        ran.append(True)  # (it closes fd, whatever happens)
         try:
             if self.fsync != "never":
                 os.fdatasync(fd)

@@ -807,28 +807,7 @@ def test_a_network_tier_whose_closes_slow_with_the_files_open_is_not_failed_by_t
     the overlay tier takes 0.1 s for each of its temporary files open past 4; write_timeout 1 s. (Before, every
     tier kept up to files.TMP_FILES_PER_TIER open at once; a network tier now starts at 4, one more after each
     quick close, half after a slow one: Tier.tmp_files.)"""
-    import kvstream_hicache.fds as fds
-
-    tmp = os.path.join(overlay_tier, "kvstream", "tmp") + os.sep
-
-    def open_tmp_files() -> int:
-        n = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                n += os.readlink(f"/proc/self/fd/{fd}").startswith(tmp)
-            except OSError:
-                pass
-        return n
-
-    def close_fd(fd: int) -> int:
-        try:
-            mine = os.readlink(f"/proc/self/fd/{fd}").startswith(tmp)
-        except OSError:
-            mine = False
-        if mine:
-            time.sleep(0.1 * max(0, open_tmp_files() - 4))
-        return fds.close_fd(fd)
-
+    close_fd = _slow_closes_past(os.path.join(overlay_tier, "kvstream", "tmp") + os.sep, 0.1)
     pages = PageSet()
     keys = pages.keys(32)
     with make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=1.0) as engine:
@@ -838,3 +817,86 @@ def test_a_network_tier_whose_closes_slow_with_the_files_open_is_not_failed_by_t
         tier = engine.stats()["tiers"][1]
         assert tier["healthy"] and tier["write_timeouts"] == 0, tier["last_error"]
         assert [engine.index.holders(k) for k in keys] == [0b11] * 32
+
+
+def _open_tmp_files(tmp: str) -> int:
+    """Descriptors this process has open on files in ``tmp`` (removed ones too)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(tmp)
+        except OSError:
+            pass
+    return n
+
+
+def _slow_closes_past(tmp: str, per_file_s: float):
+    """A close_fd whose close of a temporary file in ``tmp`` waits ``per_file_s`` for each of the temporary
+    files this process has open there past 4 (MooseFS's client: test above)."""
+    import kvstream_hicache.fds as fds
+
+    def close_fd(fd: int) -> int:
+        try:
+            mine = os.readlink(f"/proc/self/fd/{fd}").startswith(tmp)
+        except OSError:
+            mine = False
+        if mine:
+            time.sleep(per_file_s * max(0, _open_tmp_files(tmp) - 4))
+        return fds.close_fd(fd)
+
+    return close_fd
+
+
+def test_a_network_tier_keeps_its_open_files_down_after_puts_of_one_page_each(overlay_tier, tier_dirs, monkeypatch):
+    """Tier.tmp_files grows by one after a round of quick closes 'at this count': closes made with one file
+    open (SGLang's puts of a page or two, between bursts) said nothing of closes with tmp_files open, yet
+    raised it (4 -> 12 after 60 single-page puts). The next put of many pages then opened 12 at once on
+    MooseFS, whose close with 12 open outlasted write_timeout: the healthy tier failed, as before the limit.
+    Stood in for: 0.2 s per temporary file open past 4 at a close, write_timeout 1 s."""
+    pages = PageSet()
+    tmp = os.path.join(overlay_tier, "kvstream", "tmp") + os.sep
+    with make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=1.0) as engine:
+        monkeypatch.setattr(tiers_module, "close_fd", _slow_closes_past(tmp, 0.2))
+        for k in pages.keys(60):
+            assert pages.put(engine, [k]) == [True]
+        burst = pages.keys(32, start=60)
+        assert pages.put(engine, burst) == [True] * 32
+        monkeypatch.undo()
+        tier = engine.stats()["tiers"][1]
+        assert tier["healthy"] and tier["write_timeouts"] == 0, tier["last_error"]
+        assert [engine.index.holders(k) for k in burst] == [0b11] * 32
+
+
+def test_a_network_tier_whose_close_outlasted_write_timeout_keeps_fewer_files_open_when_it_rejoins(
+        overlay_tier, tier_dirs, monkeypatch):
+    """A close over SLOW_CLOSE_S halves Tier.tmp_files, but one that outlasted write_timeout (bounded.py gave up
+    on the seal: GivenUp) changed nothing: the tier failed, and rejoined with as many files as it opened when it
+    failed, to fail again at its next put of many pages, at every rejoin (MooseFS: grown to 12 while the closes were
+    quick, then another node's puts slowed every close; here 0.2 s per temporary file open past 4, write_timeout
+    1 s: 1.6 s with 12 open). Nor were the descriptors of the seals refused meanwhile ever closed."""
+    pages = PageSet()
+    clock = FakeClock()
+    tmp = os.path.join(overlay_tier, "kvstream", "tmp") + os.sep
+    with make_engine([tier_dirs[0], overlay_tier], replicate="all", write_timeout=1.0, tier_retry=5,
+                     clock=clock, catchup="off") as engine:
+        tier = engine.tiers[1]
+        start = 0
+        while tier.tmp_files < 12:  # (quick closes at the limit: it grows)
+            assert pages.put(engine, pages.keys(32, start=start)) == [True] * 32
+            start += 32
+        assert engine.stats()["tiers"][1]["healthy"]
+        monkeypatch.setattr(tiers_module, "close_fd", _slow_closes_past(tmp, 0.2))
+        assert pages.put(engine, pages.keys(32, start=start)) == [True] * 32
+        timeouts = engine.stats()["tiers"][1]["write_timeouts"]
+        assert timeouts, "the close never outlasted write_timeout (premise)"
+        # (the seals refused at once while the slow close was out: their descriptors, files open for writing, stayed
+        # open for good, and MooseFS's client counts them at every close)
+        wait_until(lambda: not _open_tmp_files(tmp), what="temporary files whose seal was refused stay open")
+        wait_until(lambda: tier.calls._since is None, what="the slow close never ended")
+        clock.advance(6)
+        burst = pages.keys(32, start=start + 32)
+        assert pages.put(engine, burst) == [True] * 32  # (its probe finds it back)
+        monkeypatch.undo()
+        stats = engine.stats()["tiers"][1]
+        assert stats["healthy"] and stats["write_timeouts"] == timeouts, stats["last_error"]
+        assert [engine.index.holders(k) for k in burst] == [0b11] * 32
