@@ -449,6 +449,11 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     def unreadable(kind: str, exc: OSError, size: int = 0) -> ScannedPage:
         return bad(kind, f"unreadable: {os.strerror(exc.errno or errno.EIO)}", size, Reason.UNREADABLE)
 
+    def gone() -> ScannedPage:  # (ESTALE: on a network tier another node replaced or deleted it since it was
+        # opened or listed, as ENOENT on a local one; `kvstream check` on a node while another replaced its
+        # pages reported 'unreadable: Stale file handle' and exited 1)
+        return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
+
     def newer(exc: NewerFormat) -> ScannedPage:
         return bad("newer_format", f"{exc}: a page of a later kvstream (nodes of two versions share the tier "
                                    "during an upgrade); never served by this one, never removed", reason=Reason.NEWER)
@@ -461,7 +466,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     try:
         fd, header, st = open_with_header(path, trust)
     except FileNotFoundError:
-        return bad("stray", "vanished during the scan", reason=Reason.VANISHED)
+        return gone()
     except UntrustedFile as exc:
         return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
     except NotRegularFile as exc:
@@ -471,7 +476,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     except HeaderError as exc:
         return bad("damaged", str(exc), st=getattr(exc, "stat", None))
     except OSError as exc:
-        return unreadable("damaged", exc)
+        return gone() if exc.errno == errno.ESTALE else unreadable("damaged", exc)
     try:  # (the header's file, whatever is under the name by now: open_with_header)
         size = st.st_size
         if header.digest != digest or header.key != key:
@@ -482,7 +487,7 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
             try:
                 why = verify_payload(fd, header)
             except OSError as exc:
-                return unreadable("corrupt", exc, size)
+                return gone() if exc.errno == errno.ESTALE else unreadable("corrupt", exc, size)
             if why:
                 return bad("corrupt", why, size, st=st)
         return ScannedPage(path, header, None, size, st.st_mtime_ns)

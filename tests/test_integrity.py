@@ -231,6 +231,26 @@ def test_a_problem_says_its_reason_as_an_enum_and_its_detail_for_people(tmp_path
     assert fixed.fixed and not os.path.exists(layout.page_path("ab"))
 
 
+@pytest.mark.parametrize("where", ["open", "payload"])
+def test_a_page_another_node_replaced_while_it_was_read_is_no_problem(tier_dirs, monkeypatch, where):
+    """On a network tier (GlusterFS) a page another node renamed a new version over, or deleted, since it was
+    listed or opened answers ESTALE, not ENOENT: `kvstream check` on node A while node B replaced A's pages
+    reported 'unreadable: Stale file handle' and exited 1 (test_reliability_dfs.py's check-while-both-put test,
+    1 run in 10). It vanished during the scan, as a page deleted on a local tier does."""
+    from kvstream_hicache import integrity
+
+    pages = PageSet()
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, pages.keys(1)) == [True]
+        config = engine.config
+
+    def stale(*_args):
+        raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+
+    monkeypatch.setattr(integrity, "open_with_header" if where == "open" else "verify_payload", stale)
+    assert check_tiers(config) == []
+
+
 def test_check_reports_a_later_formats_pages_and_its_fix_never_removes_them(tier_dirs, capsys):
     """`kvstream check` names a page of a later format (a version above this one's, or header flags this
     one does not know) 'newer_format', another kvstream version's page, not damage; `--fix` leaves it
