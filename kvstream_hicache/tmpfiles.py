@@ -19,6 +19,7 @@ import mmap
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -42,6 +43,10 @@ TMP_SUFFIX = ".tmp"
 REMOVING_PREFIX = ".kvstream-removing."  # an entry trust.remove judges, for microseconds (removing_name)
 PROBE_PREFIX = "probe."
 TMP_STALE_S = 3600.0  # a temp file of another host (or a probe) older than this is a leftover, s
+# A file of this host last changed this long before the process that has its pid now began was an earlier
+# process's of that pid (pids wrap: 32768 in a container); the margin is the honest skew of a network tier's
+# clock (its server's stamps the file) and of a clock step, as trust.CLOCK_SKEW_NS, s
+PID_REUSE_S = 300.0
 _PROBE_BYTES = b"kvsprobe"  # what a probe writes and expects to read back
 
 _live_tokens: set[str] = set()  # tokens of this process's open engines (their temp files are live)
@@ -94,7 +99,7 @@ def removal_live(name: str, ctime: float, tmp_dir: str, now: Callable[[], float 
     parts = name[len(REMOVING_PREFIX):].split(".")
     pid = _pid(parts[1]) if len(parts) == 3 and parts[0] == HOST else None
     if pid is not None:
-        return _pid_alive(pid)
+        return _writer_alive(pid, ctime)
     clock = tier_now(tmp_dir) if now is None else now()
     return clock is None or clock - ctime <= TMP_STALE_S
 
@@ -145,7 +150,8 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
     """Write a 4 KiB block to a new file ``<tmp_dir>/probe.<pid>.<tag>.<seq>.<random>`` with O_DIRECT,
     read it back, remove the file. With ``dir_fd`` the file is made in that directory (``tmp_dir`` is
     then ignored). Returns the uid the file came out owned by (a file system may map owners: NFS root
-    squash, FUSE).
+    squash, FUSE). A write refused for want of room (ENOSPC, EDQUOT) passes: the tier is full, not failed
+    (its pages are evicted to make room), and the file was made with O_DIRECT.
 
     :raises ProbeFailed: the step that failed and its errno (EINVAL from 'create' or 'write': the
         file system refuses O_DIRECT).
@@ -161,7 +167,14 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
         step = "write"
         try:
             owner = os.fstat(fd).st_uid
-            os.pwrite(fd, block, 0)
+            try:
+                os.pwrite(fd, block, 0)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                # a full file system (a fleet's shared tier full of its servers' pages): made room on by
+                # eviction, as a put's ENOSPC is (full is not failed); the file was made O_DIRECT
+                return owner
             block[:len(_PROBE_BYTES)] = bytes(len(_PROBE_BYTES))
             step = "read"
             os.preadv(fd, [block], 0)
@@ -189,6 +202,35 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` began, on this host's wall clock (its start in the boot clock's ticks); None when
+    it cannot be told (gone, no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (the name may hold ')')
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _writer_alive(pid: int, changed: float | None) -> bool:
+    """Whether the process of this host that wrote a file named by ``pid`` (last changed at ``changed``) may
+    still write it: ``pid`` is alive, and began before the file was last changed (beyond PID_REUSE_S: else
+    the pid is a later process's, and the writer was killed, its file left for good while that one lives)."""
+    if not _pid_alive(pid):
+        return False
+    began = _started(pid) if changed is not None else None
+    return began is None or changed >= began - PID_REUSE_S
+
+
+def _mtime(entry: os.DirEntry) -> float | None:
+    """The entry's mtime (its own ``lstat``), None when it cannot be told."""
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return None
 
 
 def stale_tmp(tmp_dir: str, live: frozenset[str] | set[str] | None = None, now: float | None = None) -> list[str]:
@@ -224,7 +266,8 @@ class Leftovers:
         if owner is None and not entry.name.startswith(PROBE_PREFIX):
             return True  # a name no engine writes
         if owner is not None and owner.host == HOST:
-            return (owner.token not in self.live) if owner.pid == self.me else not _pid_alive(owner.pid)
+            return (owner.token not in self.live) if owner.pid == self.me else not _writer_alive(
+                owner.pid, _mtime(entry))
         # another host's writer cannot be asked whether it lives, and a probe of another process or host
         # lives for milliseconds and may be in use right now: only an old one goes
         if not self._clock_read:

@@ -5,6 +5,7 @@ import errno
 import fcntl
 import os
 import struct
+import subprocess
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ from kvstream_hicache.layout import (
     HEADER_SIZE, MAX_BLOCKS, Namespace, TierLayout, block_size_for, block_span, file_size, is_valid_key, round_up,
     validate_key,
 )
-from kvstream_hicache.tmpfiles import HOST, parse_tmp_name, stale_tmp, tmp_name
+from kvstream_hicache.tmpfiles import HOST, parse_tmp_name, removal_live, removing_name, stale_tmp, tmp_name
 
 from helpers import FLAGS_OFF, VERSION_OFF, PageSet, make_engine, page_files, set_header_field
 
@@ -437,3 +438,25 @@ def test_a_header_block_size_never_sizes_one_read_of_the_check(tier_root, monkey
     monkeypatch.setattr(os, "pread", lambda fd, n, offset: sizes.append(n) or real(fd, n, offset))
     page = scan_file(layout, digest, key, payload=True)
     assert page.problem is None and max(sizes) <= integrity.VERIFY_PIECE < block
+
+
+def test_a_dead_writers_tmp_file_is_a_leftover_though_a_later_process_has_its_pid(tier_root):
+    """A fleet restarting on kill -9 wraps pids (pid_max 32768 in a container): a killed writer's
+    temporary file, named by its pid, was kept while any later process had that pid (at every start of
+    every engine on the tier). The file was last written before that process began: its writer is gone."""
+    tmp = os.path.join(tier_root, "tmp")
+    os.makedirs(tmp)
+    with subprocess.Popen(["sleep", "600"]) as later:  # has the pid now
+        try:
+            dead = os.path.join(tmp, tmp_name(DIGEST, later.pid, "dead", 0))  # written an hour before it began
+            live = os.path.join(tmp, tmp_name(DIGEST, later.pid, "live", 1))  # written since it began
+            for path in (dead, live):
+                open(path, "w").close()
+            old = time.time() - 3600
+            os.utime(dead, (old, old))
+            assert stale_tmp(tmp, set()) == [dead]
+            assert not removal_live(removing_name(later.pid), old, tmp)  # a removal's private name: the same
+            assert removal_live(removing_name(later.pid), time.time(), tmp)
+        finally:
+            later.kill()
+            later.wait()

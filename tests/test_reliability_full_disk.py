@@ -45,6 +45,26 @@ def _fill(path: str, leave: int) -> str:
     return filler
 
 
+def _fill_all(path: str) -> None:
+    """Take every block left with a file kvstream does not own, a MiB then a block at a time until ENOSPC (one
+    fallocate of what statvfs says is free can fail: the file's extent tree takes blocks too, in free space that
+    evictions left fragmented)."""
+    fd = os.open(os.path.join(path, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        end = 0
+        for step in (MIB, 4096):
+            while True:
+                try:
+                    os.posix_fallocate(fd, end, step)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+                end += step
+    finally:
+        os.close(fd)
+
+
 def _take_inodes(path: str, leave: int) -> None:
     """Take all but ``leave`` of the file system's free inodes with empty files kvstream does not own."""
     filler = os.path.join(path, "inodes")
@@ -400,3 +420,27 @@ def test_a_promoted_copy_a_tier_refused_leaves_memory_and_is_written_from_a_hold
         plan.clear()
         wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), WAIT_S,
                    "the copies never reached tier 0 once it took writes again")
+
+
+def test_a_server_restarts_on_a_tier_its_own_earlier_pages_filled(tier_root, loop_fs):
+    """A fleet's shared tier fills with the servers' pages (no capacity, or capacities that add up past
+    the file system): a server killed and started again found no room for its start-up probe's 4 KiB
+    and was refused (TierError "test write failed (No space left on device)"), in a crash loop while the
+    tier stayed full, though the pages filling it were its own to evict. Full is not failed: it starts,
+    serves the pages, and a put evicts the oldest to make room."""
+    fs = loop_fs(FS_BYTES, "full")
+    other = os.path.join(tier_root, "disk")
+    os.makedirs(other)
+    pages = PageSet(MIB)
+    keys = pages.keys(80)  # ~80 MiB through a 64 MiB file system: it ends full
+    with make_engine([fs.mnt, other]) as engine:
+        for b in range(0, len(keys), 10):
+            assert pages.put(engine, keys[b:b + 10]) == [True] * 10
+    _fill_all(fs.mnt)  # what the last writes left (another file, another process's page)
+    assert page_files(fs.mnt)
+    with make_engine([fs.mnt, other], catchup="off") as engine:  # (no copy of what tier 0 lacks takes the room)
+        assert engine.stats()["tiers"][0]["healthy"]
+        new = pages.keys(4, 1000)
+        assert pages.put(engine, new) == [True] * 4
+        assert pages.checked_get(engine, new, policy=SingleTier(0)) == [True] * 4
+        assert engine.stats()["tiers"][0]["evictions"] > 0
