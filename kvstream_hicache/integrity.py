@@ -463,36 +463,48 @@ def _scan_one(layout: TierLayout, digest: str, shard: str, name: str, path: str,
     key = key_of_page_file(name)
     if key is None or key[:2] != shard:
         return bad("stray", "not a page file name")
-    try:
-        fd, header, st = open_with_header(path, trust)
-    except FileNotFoundError:
-        return gone()
-    except UntrustedFile as exc:
-        return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
-    except NotRegularFile as exc:
-        return bad("stray", f"{exc.strerror}, not a page file", ident=NOT_A_FILE)
-    except NewerFormat as exc:
-        return newer(exc)
-    except HeaderError as exc:
-        return bad("damaged", str(exc), st=getattr(exc, "stat", None))
-    except OSError as exc:
-        return gone() if exc.errno == errno.ESTALE else unreadable("damaged", exc)
-    try:  # (the header's file, whatever is under the name by now: open_with_header)
-        size = st.st_size
-        if header.digest != digest or header.key != key:
-            return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size, st=st)
-        if size < file_size(header.length):
-            return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size, st=st)
-        if payload:
-            try:
-                why = verify_payload(fd, header)
-            except OSError as exc:
-                return gone() if exc.errno == errno.ESTALE else unreadable("corrupt", exc, size)
-            if why:
-                return bad("corrupt", why, size, st=st)
-        return ScannedPage(path, header, None, size, st.st_mtime_ns)
-    finally:
-        close_fd(fd)
+    for last in (False, True):  # ESTALE, read once more: on a network tier another node renamed a new version
+        # over the name since it was looked up or opened, and the name's file now may be a valid page, which
+        # the scan indexes (taken for a vanished page, it was never read again: with discover=0 a miss for good)
+        try:
+            fd, header, st = open_with_header(path, trust)
+        except FileNotFoundError:
+            return gone()
+        except UntrustedFile as exc:
+            return bad("untrusted", f"{exc.strerror}: never read, never removed", reason=Reason.UNTRUSTED)
+        except NotRegularFile as exc:
+            return bad("stray", f"{exc.strerror}, not a page file", ident=NOT_A_FILE)
+        except NewerFormat as exc:
+            return newer(exc)
+        except HeaderError as exc:
+            return bad("damaged", str(exc), st=getattr(exc, "stat", None))
+        except OSError as exc:
+            if exc.errno != errno.ESTALE:
+                return unreadable("damaged", exc)
+            if last:
+                return gone()
+            continue
+        try:  # (the header's file, whatever is under the name by now: open_with_header)
+            size = st.st_size
+            if header.digest != digest or header.key != key:
+                return bad("misplaced", f"header names key {header.key} of namespace {header.digest}", size, st=st)
+            if size < file_size(header.length):
+                return bad("truncated", f"{size} bytes, expected {file_size(header.length)}", size, st=st)
+            if payload:
+                try:
+                    why = verify_payload(fd, header)
+                except OSError as exc:
+                    if exc.errno != errno.ESTALE:
+                        return unreadable("corrupt", exc, size)
+                    if last:
+                        return gone()
+                    continue
+                if why:
+                    return bad("corrupt", why, size, st=st)
+            return ScannedPage(path, header, None, size, st.st_mtime_ns)
+        finally:
+            close_fd(fd)
+    raise AssertionError("unreachable")  # (the loop's last pass returns)
 
 
 def _left_by_removal(layout: TierLayout, digest: str, shard: str, path: str, trust: Trust, bad, newer

@@ -98,9 +98,10 @@ def removal_live(name: str, ctime: float, tmp_dir: str, now: Callable[[], float 
     follows no link does: integrity). Else its process died between the two renames."""
     parts = name[len(REMOVING_PREFIX):].split(".")
     pid = _pid(parts[1]) if len(parts) == 3 and parts[0] == HOST else None
+    read = (lambda: tier_now(tmp_dir)) if now is None else now
     if pid is not None:
-        return _writer_alive(pid, ctime)
-    clock = tier_now(tmp_dir) if now is None else now()
+        return _writer_alive(pid, lambda: ctime, read)
+    clock = read()
     return clock is None or clock - ctime <= TMP_STALE_S
 
 
@@ -204,25 +205,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _started(pid: int) -> float | None:
-    """When process ``pid`` began, on this host's wall clock (its start in the boot clock's ticks); None when
-    it cannot be told (gone, no /proc)."""
+def _running(pid: int) -> float | None:
+    """How long process ``pid`` has run, s (its start in the boot clock's ticks, /proc/<pid>/stat: no wall
+    clock, which may step); None when it cannot be told (gone, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (the name may hold ')')
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
 
 
-def _writer_alive(pid: int, changed: float | None) -> bool:
-    """Whether the process of this host that wrote a file named by ``pid`` (last changed at ``changed``) may
-    still write it: ``pid`` is alive, and began before the file was last changed (beyond PID_REUSE_S: else
-    the pid is a later process's, and the writer was killed, its file left for good while that one lives)."""
+def _writer_alive(pid: int, changed: Callable[[], float | None], clock: Callable[[], float | None]) -> bool:
+    """Whether the process of this host that wrote a file named by ``pid`` may still write it: ``pid`` is
+    alive, and the file (last changed at ``changed()``, on the tier's clock) is no older on the tier's
+    ``clock()`` than that process has run (beyond PID_REUSE_S: else the pid is a later process's, and the
+    writer was killed, its file left for good while that one lives). The age is told on the clock that
+    stamped the file, as another host's is (tier_now: an NFS server's clock may run hours behind this host's,
+    and a writer begun a minute ago had its file taken for an earlier process's). Read only for a live pid
+    (one lstat and /proc read each, not one per dead writer's file of a tmp/ of millions)."""
     if not _pid_alive(pid):
         return False
-    began = _started(pid) if changed is not None else None
-    return began is None or changed >= began - PID_REUSE_S
+    mtime = changed()
+    running = _running(pid) if mtime is not None else None
+    now = clock() if running is not None else None
+    return now is None or now - mtime <= running + PID_REUSE_S
 
 
 def _mtime(entry: os.DirEntry) -> float | None:
@@ -267,12 +274,17 @@ class Leftovers:
             return True  # a name no engine writes
         if owner is not None and owner.host == HOST:
             return (owner.token not in self.live) if owner.pid == self.me else not _writer_alive(
-                owner.pid, _mtime(entry))
+                owner.pid, lambda: _mtime(entry), self._clock)
         # another host's writer cannot be asked whether it lives, and a probe of another process or host
         # lives for milliseconds and may be in use right now: only an old one goes
+        now = self._clock()
+        return now is not None and _older(entry, now)
+
+    def _clock(self) -> float | None:
+        """The tier's clock, read at the first entry judged by its age (tier_now)."""
         if not self._clock_read:
             self.now, self._clock_read = tier_now(self.tmp_dir, self.dir_fd), True
-        return self.now is not None and _older(entry, self.now)
+        return self.now
 
 
 def tier_now(tmp_dir: str, dir_fd: int | None = None) -> float | None:

@@ -460,3 +460,23 @@ def test_a_dead_writers_tmp_file_is_a_leftover_though_a_later_process_has_its_pi
         finally:
             later.kill()
             later.wait()
+
+
+def test_a_live_writers_tmp_file_on_a_tier_whose_clock_runs_behind_is_no_leftover(tier_root):
+    """This host's temporary file on a network tier is stamped by the file server's clock (NFS), which may
+    run an hour behind this host's (tier_now): a writer begun a moment ago writes a file whose mtime is an
+    hour before the process began on this host's clock. Its age is told on the tier's clock, as another
+    host's file's is: it was written since the writer began, which lives (it was removed under it)."""
+    tmp = os.path.join(tier_root, "tmp")
+    os.makedirs(tmp)
+    with subprocess.Popen(["sleep", "600"]) as writer:
+        try:
+            live = os.path.join(tmp, tmp_name(DIGEST, writer.pid, "live", 0))
+            open(live, "w").close()
+            behind = time.time() - 3600  # the server's clock now, an hour behind this host's
+            os.utime(live, (behind, behind))  # written just now, on the server's clock
+            assert stale_tmp(tmp, set(), now=behind) == []
+            assert removal_live(removing_name(writer.pid), behind, tmp, lambda: behind)
+        finally:
+            writer.kill()
+            writer.wait()

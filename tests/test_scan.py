@@ -718,3 +718,22 @@ def test_pages_of_before_the_restart_that_catch_up_learns_on_a_tier_back_before_
             f"tier 1 holds 11 pages of this process's last run; (counted, taken for another process's): "
             f"{learned} once catch-up looked, {ended} once the resumed scan ended; after 12 puts, {files} "
             f"page files on a tier of 12")
+
+
+def test_a_page_another_node_replaced_while_the_scan_read_it_is_indexed(tier_dirs, monkeypatch):
+    """On a network tier a page another node renamed a new version over, since this node looked up (or
+    opened) the file it replaced, answers ESTALE: the old file is gone on the server, and under the name is
+    a valid page. The scan reads it again, as a page it judged is (judge_and_fix): before, taken for a page
+    that vanished, it was never read again, and with ``discover=0`` it was a miss for good on this node."""
+    pages, keys = _stored(tier_dirs[:1], 3)
+    real, replaced = integrity.open_with_header, []
+
+    def stale(path, trust):
+        if keys[1] in path and not replaced:  # (the first read of it: renamed over since it was looked up)
+            replaced.append(path)
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real(path, trust)
+
+    monkeypatch.setattr(integrity, "open_with_header", stale)
+    with make_engine(tier_dirs[:1], discover=False) as engine:
+        assert replaced and pages.checked_get(engine, keys) == [True] * 3
