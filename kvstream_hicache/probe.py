@@ -283,7 +283,11 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
     try:
         base_fd, tmp_fd = open_base(path, dir_mode, source)  # made where missing, following no link
         try:
-            return probe_direct("", "config", dir_fd=tmp_fd)
+            return probe_direct("", "config", dir_fd=tmp_fd, full=lambda err: log.warning(
+                "kvstream: tier %s (from %s) is full (its test write: %s): it serves, and the engine evicts its own "
+                "least recent pages there to make room; if it holds none (another program's files, another "
+                "user's, a quota), every write to it fails until room is made: free space there or raise the quota",
+                path, source, os.strerror(err)))
         finally:
             close_fd(base_fd)
             close_fd(tmp_fd)

@@ -147,12 +147,13 @@ class ProbeFailed(OSError):
 NEW_FILE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
+def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
+                 full: Callable[[int], None] = lambda err: None) -> int:
     """Write a 4 KiB block to a new file ``<tmp_dir>/probe.<pid>.<tag>.<seq>.<random>`` with O_DIRECT,
     read it back, remove the file. With ``dir_fd`` the file is made in that directory (``tmp_dir`` is
     then ignored). Returns the uid the file came out owned by (a file system may map owners: NFS root
     squash, FUSE). A write refused for want of room (ENOSPC, EDQUOT) passes: the tier is full, not failed
-    (its pages are evicted to make room), and the file was made with O_DIRECT.
+    (its pages are evicted to make room), and the file was made with O_DIRECT: ``full(errno)`` is told.
 
     :raises ProbeFailed: the step that failed and its errno (EINVAL from 'create' or 'write': the
         file system refuses O_DIRECT).
@@ -175,6 +176,7 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None) -> int:
                     raise
                 # a full file system (a fleet's shared tier full of its servers' pages): made room on by
                 # eviction, as a put's ENOSPC is (full is not failed); the file was made O_DIRECT
+                full(exc.errno)
                 return owner
             block[:len(_PROBE_BYTES)] = bytes(len(_PROBE_BYTES))
             step = "read"

@@ -422,7 +422,7 @@ def test_a_promoted_copy_a_tier_refused_leaves_memory_and_is_written_from_a_hold
                    "the copies never reached tier 0 once it took writes again")
 
 
-def test_a_server_restarts_on_a_tier_its_own_earlier_pages_filled(tier_root, loop_fs):
+def test_a_server_restarts_on_a_tier_its_own_earlier_pages_filled(tier_root, loop_fs, caplog):
     """A fleet's shared tier fills with the servers' pages (no capacity, or capacities that add up past
     the file system): a server killed and started again found no room for its start-up probe's 4 KiB
     and was refused (TierError "test write failed (No space left on device)"), in a crash loop while the
@@ -438,8 +438,12 @@ def test_a_server_restarts_on_a_tier_its_own_earlier_pages_filled(tier_root, loo
             assert pages.put(engine, keys[b:b + 10]) == [True] * 10
     _fill_all(fs.mnt)  # what the last writes left (another file, another process's page)
     assert page_files(fs.mnt)
+    caplog.set_level("WARNING", logger="kvstream")
     with make_engine([fs.mnt, other], catchup="off") as engine:  # (no copy of what tier 0 lacks takes the room)
         assert engine.stats()["tiers"][0]["healthy"]
+        # said once, with what to do if the room is not the engine's to make (a quota, another program's files)
+        full = [r.getMessage() for r in caplog.records if "is full (its test write" in r.getMessage()]
+        assert len(full) == 1 and "No space left on device" in full[0] and "free space" in full[0], caplog.text
         new = pages.keys(4, 1000)
         assert pages.put(engine, new) == [True] * 4
         assert pages.checked_get(engine, new, policy=SingleTier(0)) == [True] * 4
