@@ -401,6 +401,33 @@ class Engine:
                         tier.owe_delete(key)
         return held
 
+    def evict(self, keys: Sequence[str]) -> int:
+        """Evict ``keys`` as the capacity eviction does (LMCache's L2 eviction, through the adapter's delete):
+        they leave the index, and each tier's file goes only while it is this process's copy (the writer's
+        eviction, Jobs.evicted_under_writer). Another process's copy on a shared tier (THEIRS, or a file written
+        under the name since) stays, found again by a lookup: a delete removed it, the page another node had
+        just stored and still counted (test_lmcache_l2_eviction_on_one_node_never_deletes_the_chunks_another_
+        node_stored_on_the_shared_tier). A failed tier's copy goes before it serves again (Tier.owe_delete).
+        Returns how many keys were held."""
+        self._check_open()
+        held = 0
+        with self._writes.exclusive():
+            victims: list[list[str]] = [[] for _ in self.tiers]
+            for key in keys:
+                holders = self.index.holders(key)
+                held += bool(holders)
+                for tier in self.tiers:
+                    theirs = holders >> tier.k & 1 and self.index.is_theirs(key, tier.k)
+                    if not (holders >> tier.k & 1 and self.index.remove(key, tier.k)) or theirs:
+                        continue
+                    if tier.healthy:
+                        victims[tier.k].append(key)
+                    else:  # (its copy, if still this process's, goes before it serves again)
+                        tier.owe_delete(key)
+            for k, gone in enumerate(victims):
+                self._writes.jobs.evicted_under_writer(k, gone)
+        return held
+
     def register_memory(self, address: int, nbytes: int) -> bool:
         """Say where pages will be read into (a host pool, a destination buffer), memory that stays
         mapped while the engine is open. With ``register_memory`` on (the default) the read ring pins

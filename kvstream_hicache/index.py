@@ -531,6 +531,12 @@ class Index:
             self._found[tier][slot] = 1
             return slot
 
+    def is_theirs(self, key: str, tier: int) -> bool:
+        """Whether ``tier``'s indexed copy of ``key`` is another process's (THEIRS: not counted, never a victim)."""
+        with self._lock:
+            slot = self._table.find(key)
+            return slot >= 0 and bool(self._tiers[slot] >> tier & 1) and self._on[tier][slot] == THEIRS
+
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:

@@ -380,3 +380,37 @@ def test_a_task_that_cannot_fit_writes_nothing(lmc, adapter_factory):
     assert lookup(adapter, keys) == [False] * 3
     assert adapter.engine.stats()["tiers"][0]["pages"] == 0
     assert adapter.get_usage().total_bytes_used == 0
+
+
+@pytest.mark.leaves_problems("node A's index never listed the pages node B put on the shared tier")
+def test_lmcache_l2_eviction_on_one_node_never_deletes_the_chunks_another_node_stored_on_the_shared_tier(
+        lmc, tier_root):
+    """Two servers (two nodes) share tier 1, each with a private tier 0, and serve the same prefix: node A
+    stores chunks K (on the shared tier alone), node B stores the same K. B's LMCache L2 eviction (LRU,
+    watermark 0.8) then deletes K through the adapter's delete(), which removes K's file on every tier:
+    A's page, within A's capacity, written before B began to count it. A's next load of K misses
+    (found by the lmnodes trial: two processes, B's eviction, A's prefetch 2 hits of 4). The engine's
+    own capacity eviction never takes another process's page written since it began (guarantees.md,
+    "Capacity is per process"); LMCache's eviction through delete() should not either."""
+    shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
+    os.makedirs(shared)
+    os.makedirs(b0)
+    ks = [key(lmc, i) for i in range(4)]
+    node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K", "capacity": 32 * 4096})
+    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "capacity": 4 * 4096})
+    try:
+        state = lmc.EvictionState(0, node_b, lmc.EvictionConfig(eviction_policy="LRU", trigger_watermark=0.8,
+                                                                eviction_ratio=0.3))
+        controller = lmc.EvictionController([state])  # not started: its passes are called here
+        assert store(node_a, ks[:2], [obj(lmc) for _ in ks[:2]])  # both nodes up: A's pages are new to B
+        assert store(node_b, ks[:2], [obj(lmc) for _ in ks[:2]])  # the same prefix, on node B
+        assert store(node_b, ks[2:], [obj(lmc) for _ in ks[2:]])  # B's usage at its watermark
+        for _ in range(3):
+            controller._check_and_evict(state)
+        assert node_b.get_usage().total_bytes_used < 4 * 4096  # B evicted (its copies on b0)
+        assert lookup(node_a, ks[:2]) == [True, True]
+        assert load(node_a, ks[:2], [obj(lmc) for _ in ks[:2]]) == [True, True]
+        node_a.submit_unlock(ks[:2])
+    finally:
+        node_b.close()
+        node_a.close()

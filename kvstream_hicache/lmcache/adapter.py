@@ -251,11 +251,12 @@ def _lmcache_classes() -> dict[str, type]:
 
         # -- delete and usage -------------------------------------------------------------------
         def delete(self, keys: list) -> None:
-            """Remove the keys from every tier; ``on_l2_keys_deleted`` fires for those that were held.
-            Never raises (a key that fails stays, and is counted in ``errors``)."""
+            """Evict the keys (LMCache 0.5.6 calls this from its L2 eviction only): this process's copies
+            go, another process's copy on a shared tier stays (Engine.evict); ``on_l2_keys_deleted`` fires
+            for those that were held. Never raises (a key that fails stays, and is counted in ``errors``)."""
             ekeys = [self._engine_key(key, "delete key mapping") for key in keys]
             try:
-                self.engine.delete([e for e in ekeys if e is not None])
+                self.engine.evict([e for e in ekeys if e is not None])
             except Exception:
                 self.core.report_error("delete")
             self._account([])
