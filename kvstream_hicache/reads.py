@@ -48,7 +48,7 @@ from .memory import CallerGate, CallerMemory
 from .priority import ReadPriority
 from .segments import Segment, copy_payload
 from .staging import BufferPool
-from .stats import Stats
+from .stats import Every, Stats
 from .tiers import Tier
 
 log = logging.getLogger("kvstream")
@@ -83,7 +83,7 @@ class ReadPath:
         self.slower = SlowerTiers()  # which rule a routed call's slower tiers read by
         self.recover, self.after_get, self.priority, self.closed = recover, after_get, priority, False
         self.tiers, self.index, self.stats, self.pool = tiers, index, stats, pool
-        self.read_timeout = read_timeout
+        self.read_timeout, self.said, self.said_wait = read_timeout, Every(log), Every(log)  # (a slow tier: every get)
         self.lock = ranked_lock("read")
         self.memory = CallerMemory(ring, register_memory)
         self.gate = CallerGate()  # a get holds it while it may touch caller memory (close() gives up: shut)
@@ -188,8 +188,8 @@ class ReadPath:
             left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 call.timed_out = True
-                log.warning("kvstream: read batch timed out after %.1f s with %d reads in flight; "
-                            "their pages are reported missing", self.read_timeout, call.in_flight)
+                self.said.warning("kvstream: a read batch timed out after %g s (read_timeout) with %d reads in "
+                                  "flight; their pages are reported missing", self.read_timeout, call.in_flight)
                 break
             wait = self.io.overdue_wait(now)
             if wait is not None:
@@ -382,8 +382,8 @@ class ReadPath:
     def _wait_direct_under_reads(self, call: GetCall, timed_out: bool) -> None:
         """Reads into caller memory must land before the call returns: wait for them. (After a
         timeout that is news; otherwise another tier delivered their blocks first, which is routine.)"""
-        log.log(logging.WARNING if timed_out else logging.DEBUG,
-                "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
+        (self.said_wait.warning if timed_out else log.debug)(  # (a slow tier: after every get's timeout)
+            "kvstream: waiting for %d reads into caller memory before returning", call.direct_in_flight)
         while call.direct_in_flight and self.io.ring.in_flight:  # (a completion lost to an error has landed)
             self.waiting_direct = True  # (a hung tier holds them: close() may give up on this get)
             try:

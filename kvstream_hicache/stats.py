@@ -35,6 +35,28 @@ TOTAL_COUNTERS = (
     "ring_failures", "routed_calls", "held_calls",
 )
 HISTORY = 256  # read batches kept in stats()["history"]
+SAY_EVERY_S = 30.0  # a warning an event repeats for as long as a tier stays slow (a get's timeout) is said this often
+
+
+class Every:
+    """A warning said at most once per ``interval`` s, with how many like it were held back since: a tier slow
+    for hours times out every get, and one line a get flooded the server's log (the count is in the stats).
+    Not thread-safe: its caller's lock (the read path's) orders the calls."""
+
+    def __init__(self, log, interval: float = SAY_EVERY_S, clock: Callable[[], float] = time.monotonic):
+        self.log, self.interval, self.clock = log, interval, clock
+        self.last: float | None = None
+        self.held = 0
+
+    def warning(self, msg: str, *args) -> None:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.interval:
+            self.held += 1
+            return
+        if self.held:
+            msg += f" ({self.held} more like this in the last {now - self.last:.0f} s)"
+        self.last, self.held = now, 0
+        self.log.warning(msg, *args)
 
 
 class BusyClock:

@@ -3,7 +3,7 @@
 Health lifecycle::
 
     healthy --(EIO, EROFS, EACCES, EPERM, ENOTCONN, ... or its directory vanished)--> failed
-    failed  --(a probe writes, reads and removes a 4 KiB file)--> healthy
+    failed  --(a probe writes, reads and removes a 4 KiB file, or finds no room for it: full is not failed)--> healthy
              when: the back-off expired (it doubles after each failed probe, from Config.tier_retry
              up to 300 s); or the tier failed because its directory vanished and a look (one stat,
              at most every LOOK_S) finds it back; or a read needs it (``usable(now=True)``: it is the
@@ -528,6 +528,12 @@ class Tier:
             tmp_fd = make_dir(TMP_DIR, base_fd, self.dir_mode)  # (nobody else can add to a checked kvstream/)
             try:
                 probe_direct("", self.token, dir_fd=tmp_fd)
+            except ProbeFailed as exc:
+                # A file system full of this engine's pages (it evicts on ENOSPC) may have no inode for the probe's
+                # file either (probe_direct passes a write refused for room): full, not failed. Kept out, it stayed
+                # out for good (only a healthy tier's puts evict); let in, its puts evict as before.
+                if exc.errno not in SPACE_ERRNOS or exc.step != "create":
+                    raise
             finally:
                 close_fd(tmp_fd)
             self._base = base_identity(base)

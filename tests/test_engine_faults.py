@@ -20,7 +20,7 @@ from kvstream_hicache.layout import HEADER_SIZE
 from kvstream_hicache.router import SingleTier
 
 from helpers import (ARRAY_CHUNK, FakeClock, Pages, flip_byte, gone_or_restored, key, make_array_engine as make_engine,
-                     segments_of, tier_stats_once, wait_until)
+                     messages, segments_of, tier_stats_once, wait_until)
 
 SENTINEL = 0xAB
 
@@ -74,6 +74,25 @@ def test_read_timeout_returns_misses_and_keeps_buffers_safe(tier_dirs):
         assert engine._reads.drain(30) == 0
         assert all((a == SENTINEL).all() for page in pages.dst for a in page)
         assert engine.get(keys, pages.dst_segments) == [True] * 4 and pages.equal(3)
+
+
+def test_a_tier_that_times_out_every_get_logs_one_line_not_one_a_get(tier_dirs, caplog):
+    """A slow tier (a blkio throttle of 1 MB/s, read_timeout 1 s) times out every get for as long as it is slow:
+    hours of SGLang prefetches. Each is counted (read_timeouts); the log says it once per 30 s, naming the
+    setting, with how many more there were. Before, every get added a warning (12 gets, 12 lines: flap trial)."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 2, plan=plan, read_timeout=0.05)
+    with engine:
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ).on(tier_dirs[1], Fault.hold(), opcode=OP_READ)
+        for _ in range(4):
+            assert engine.get(keys, pages.dst_segments) == [False] * 2
+        assert engine.stats()["read_timeouts"] == 4
+        said = messages(caplog, "timed out")
+        assert len(said) == 1 and "read_timeout" in said[0], said
+        plan.clear()
+        plan.release()
+        assert engine._reads.drain(30) == 0
+        assert engine.get(keys, pages.dst_segments) == [True] * 2 and pages.equal(1)
 
 
 # -- damaged pages -------------------------------------------------------------------------------

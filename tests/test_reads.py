@@ -28,7 +28,7 @@ from kvstream_hicache.memory import HugePageMap
 from kvstream_hicache.router import CompletionDriven
 
 from helpers import (PageSet, Pages, flip_byte, io_uring_fds, key, make_array_engine as make_engine, make_ring,
-                     messages, open_fds, segments_of, sq_tail)
+                     messages, open_fds, segments_of, sq_tail, wait_until)
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -373,6 +373,28 @@ def test_page_held_by_one_tier_of_two_is_read_in_place(tier_dirs, io_engine):
         assert engine.get(keys, pages.dst_segments) == [True] * 4
         assert all(pages.equal(i) for i in range(4))
         assert engine.last_batch["direct_bytes"] == 4 * MIB
+
+
+def test_a_single_holder_stalled_get_after_get_says_so_once_per_30_s(tier_dirs, caplog):
+    """A slow tier, the only holder of the pages a get reads into caller memory (SGLang's registered host pool):
+    every get times out and then waits for those reads, for as long as the tier is slow. Each is counted; the two
+    warnings are said once per 30 s, not once a get (before: two lines a get, the whole time: flap trial)."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:1], 2, "uring", plan=plan, read_timeout=0.05)
+    with engine, caplog.at_level(logging.WARNING, logger="kvstream"):
+        for n in range(1, 4):
+            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ)
+            t = threading.Thread(target=engine.get, args=(keys, pages.dst_segments))
+            t.start()
+            wait_until(lambda: engine._reads.waiting_direct, 20, "the get never timed out into its wait")
+            plan.clear()
+            plan.release()
+            t.join(30)
+            assert not t.is_alive()
+        assert engine.stats()["read_timeouts"] == 3
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([m for m in said if "timed out" in m]) == 1, said
+        assert len([m for m in said if "waiting for" in m]) == 1, said
 
 
 def test_a_stalled_single_holder_is_waited_for_past_read_timeout(tier_dirs, io_engine):

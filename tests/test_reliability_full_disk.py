@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import shutil
+import subprocess
 import threading
 import time
 
@@ -448,3 +449,39 @@ def test_a_server_restarts_on_a_tier_its_own_earlier_pages_filled(tier_root, loo
         assert pages.put(engine, new) == [True] * 4
         assert pages.checked_get(engine, new, policy=SingleTier(0)) == [True] * 4
         assert engine.stats()["tiers"][0]["evictions"] > 0
+
+
+@pytest.mark.parametrize("out_of", ["blocks", "inodes"])
+def test_a_full_tier_that_flapped_rejoins_and_evicts(tier_root, loop_fs, out_of):
+    """Tier 1's file system is full of this engine's pages (it evicts on ENOSPC) when it is unmounted and
+    mounted again (`umount -l`, `mount`: an operator, a flaky mount). Its probe cannot write its 4 KiB file
+    there (ENOSPC at the write: no block; at the creation: no inode), yet the tier is full, not broken: it
+    rejoins, and a put evicts there as before. Before (flap trial), the probe's ENOSPC kept it failed for good
+    (the back-off doubling to 300 s), and nothing could make room, since only a healthy tier's writes evict;
+    16f6ca6 let the write's ENOSPC pass, the creation's (out of inodes) still kept the tier out."""
+    fs = loop_fs(32 * MIB, "flap")
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    t1 = os.path.join(fs.mnt, "kv")
+    os.makedirs(t1)
+    pages = PageSet(MIB)
+    with make_engine([t0, t1], replicate="all", tier_retry=0.2) as engine:
+        for b in range(5):  # ~50 MiB through a 32 MiB file system: full of this engine's pages
+            assert pages.put(engine, pages.keys(10, 10 * b)) == [True] * 10
+        assert engine.stats()["tiers"][1]["evictions"] > 0
+        if out_of == "blocks":
+            _fill(fs.mnt, leave=0)  # (the few KiB the last eviction left: not even a probe's 4 KiB free)
+        else:
+            _take_inodes(fs.mnt, leave=0)  # (another program's empty files: not even the probe's inode free)
+        subprocess.run(["umount", "-l", fs.mnt], check=True)
+        assert pages.put(engine, pages.keys(2, 100)) == [True] * 2  # tier 1 gone: it fails
+        assert not engine.stats()["tiers"][1]["healthy"]
+        fs.mount()
+        wait_until(lambda: pages.put(engine, pages.keys(1, 200 + int(time.monotonic() * 1000))) == [True]
+                   and engine.stats()["tiers"][1]["healthy"], 20,
+                   f"the full tier never rejoined: {engine.stats()['tiers'][1]}")
+        keys = pages.keys(3, 300)
+        assert pages.put(engine, keys) == [True] * 3
+        assert all(engine.index.holders(k) & 0b10 for k in keys), "tier 1 made no room for new pages"
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 3
+        assert engine.check() == []
