@@ -422,8 +422,10 @@ class Engine:
                         continue
                     if tier.healthy:
                         victims[tier.k].append(key)
-                    else:  # (its copy, if still this process's, goes before it serves again)
-                        tier.owe_delete(key)
+                    else:  # its copy, if still this process's, goes before it serves again (as evicted: another
+                        # process's page under the name since stays, as on a healthy tier)
+                        tier.owe_delete(key, (functools.partial(self.index.mine_file, key, tier.k),
+                                              functools.partial(self.index.mine, key, tier.k)))
             for k, gone in enumerate(victims):
                 self._writes.jobs.evicted_under_writer(k, gone)
         return held
@@ -491,6 +493,12 @@ class Engine:
         :raises EngineClosedError: in a forked child (:meth:`pin`)."""
         self._refuse_in_fork()
         return self.index.contains(key)
+
+    def holds_own(self, key: str) -> bool:
+        """Whether the index lists a copy of ``key`` that is this process's (not another process's, found on a
+        shared tier: THEIRS, which an eviction here only forgets). :raises EngineClosedError: as :meth:`held`."""
+        self._refuse_in_fork()
+        return self.index.holds_own(key)
 
     def on_gone(self, callback: Callable[[str], None] | None) -> None:
         """Call ``callback(key)`` whenever a key leaves the index on every tier (evicted, deleted,

@@ -537,6 +537,12 @@ class Index:
             slot = self._table.find(key)
             return slot >= 0 and bool(self._tiers[slot] >> tier & 1) and self._on[tier][slot] == THEIRS
 
+    def holds_own(self, key: str) -> bool:
+        """Whether some tier's indexed copy of ``key`` is this process's (counted: not THEIRS)."""
+        with self._lock:
+            slot = self._table.find(key)
+            return slot >= 0 and any(self._on[tier][slot] != THEIRS for tier in tiers_in(self._tiers[slot]))
+
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
         with self._lock:

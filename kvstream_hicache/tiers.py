@@ -164,8 +164,10 @@ class Tier:
         self._clear_ns = 0  # when (trust.wall_ns) the last clear() came: an owed clear removes only the
         # pages written before it (on a shared tier other nodes put pages while this one was away)
         self._deletes_forgotten = 0  # deletes missed past MAX_OWED_DELETES (since it last served)
-        self._deletes: dict[str, int] = {}  # key -> when (time_ns) a delete() it missed while failed came:
-        # the copy written before that is removed before it serves
+        # key -> (when (time_ns) a delete() it missed while failed came: the copy written before that is removed
+        # before it serves; or, for an eviction it missed (Engine.evict), the judges of evict_page: only this
+        # process's copy goes)
+        self._deletes: dict[str, tuple[int, tuple[Callable, Callable] | None]] = {}
         self._dirs: set[str] = set()  # page directories known to exist
         self._leftovers: set[str] = set()  # temporary files of this engine whose removal failed with the tier
         # (a FUSE client killed mid-put): removed when it answers again, before it rejoins (_probe)
@@ -718,13 +720,19 @@ class Tier:
         else:
             self._remove_pages(owed=False)
 
-    def owe_delete(self, key: str) -> None:
+    def owe_delete(self, key: str, evicted: tuple[Callable, Callable] | None = None) -> None:
         """A delete() of ``key`` this tier, failed, may not have done: its file, left, would be found again
         by a lookup once the tier is back and served. Done before it serves again (:meth:`_probe`), as a
-        clear() it missed. (Kept in memory only: a restart forgets it; the page a delete leaves is valid.)"""
+        clear() it missed. (Kept in memory only: a restart forgets it; the page a delete leaves is valid.)
+        ``evicted``: an eviction (Engine.evict), with :meth:`evict_page`'s judges: the file goes only while
+        it is this process's copy (as a delete, another process's page written under the name before the
+        eviction went, the page of another node LMCache's eviction here must leave)."""
         with self._lock:
-            self._deletes.pop(key, None)  # (to the newest end: the oldest go first, below)
-            self._deletes[key] = wall_ns()  # (after every header this process stamped: trust.wall_ns)
+            owed = self._deletes.pop(key, None)  # (to the newest end: the oldest go first, below)
+            if evicted is not None and owed is not None and owed[1] is None:  # a delete owed already stays: it
+                self._deletes[key] = owed  # removes more (this process writes nothing to a failed tier)
+            else:  # (the time after every header this process stamped: trust.wall_ns)
+                self._deletes[key] = (wall_ns(), evicted)
             if len(self._deletes) <= MAX_OWED_DELETES:
                 return
             # Bounded: an outage of days with LMCache deleting as it evicts grew one entry per key, and one
@@ -744,14 +752,18 @@ class Tier:
         False: a look or a removal failed for a tier error: it stays out."""
         with self._lock:
             owed, errors = dict(self._deletes), self._errors
-        for key, when in owed.items():
+        for key, entry in owed.items():
             if self.closed:  # (a settle thread of a closed engine: see _remove_pages)
                 return False
-            self._remove_if_older(self.layout.page_path(key), when)
+            when, evicted = entry
+            if evicted is None:
+                self._remove_if_older(self.layout.page_path(key), when)
+            else:
+                self.evict_page(key, *evicted)
             if self._errors != errors:
                 return False
             with self._lock:
-                if self._deletes.get(key) == when:  # (not deleted again meanwhile)
+                if self._deletes.get(key) is entry:  # (not deleted again meanwhile)
                     del self._deletes[key]
         return True
 

@@ -1210,6 +1210,39 @@ def test_an_owed_delete_never_removes_a_page_another_process_put_after_the_delet
             assert engine_a.prefix_len(k) == 1  # and A finds B's page too (discovery indexes it)
 
 
+@pytest.mark.leaves_problems("A's index never listed the page B put on the shared tier")
+@pytest.mark.parametrize("failed", [True, False])
+def test_an_eviction_a_failed_tier_owes_never_removes_another_process_s_page_under_the_name(tier_dirs, failed):
+    """Engine.evict (LMCache's L2 eviction, through the adapter's delete) removes a tier's file "only while it
+    is this process's copy": another process's page written under the name since stays. Process A puts K on
+    both tiers; process B, sharing tier 1, deletes K and puts it again (its own page, acknowledged); A's view
+    of tier 1 then fails and A evicts K: the failed tier owes the removal. When it rejoins, B's page must
+    stay, as A's eviction leaves it on a healthy tier (Tier.evict_page; ``failed`` False: that case, where a
+    delete, the adapter's before Engine.evict, removed it). Before, the eviction was owed as a delete, which
+    removed any file written before it (Tier._remove_if_older): B's page, a miss in B, which lists it (found
+    by the review of Engine.evict)."""
+    local, shared = tier_dirs[0], tier_dirs[1]
+    pages = PageSet(64 << 10, salt="owed-evict")
+    k = pages.keys(1)
+    other = pages.keys(1, start=1)
+    own = pages.keys(1, start=2)  # A's alone: its copy goes when the tier rejoins
+    clock = FakeClock()
+    with make_engine([local, shared], clock=clock, replicate="all") as engine_a:
+        assert pages.put(engine_a, k) == [True]
+        assert engine_a.index.holders(k[0]) == 0b11
+        with make_engine([shared], discover=False) as engine_b:
+            assert pages.put(engine_a, own) == [True] and engine_a.index.holders(own[0]) == 0b11
+            engine_b.delete(k)  # (A's file, found by B's start-up scan or not)
+            assert pages.put(engine_b, k) == [True]  # B's own page under the name, acknowledged
+            assert not failed or engine_a.tiers[1].fail(errno.EIO, "the shared tier's client lost its server (test)")
+            assert engine_a.evict(k + own) == 2  # the shared tier, failed: owes the evictions
+            clock.advance(1000)  # A's tier is due: the next call probes it, it rejoins
+            _until_back(engine_a, 1, lambda: engine_a.prefix_len(other))
+            assert pages.checked_get(engine_b, k) == [True], (
+                "the eviction A's failed tier owed removed the page B put under the name")
+            assert not os.path.exists(engine_a.tiers[1].layout.page_path(own[0])), "A's own copy stayed"
+
+
 def _plant_socket(path: str) -> None:
     os.mknod(path, stat.S_IFSOCK | 0o600)  # (what bind() leaves: a socket inode; open() answers ENXIO)
 

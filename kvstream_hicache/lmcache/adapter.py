@@ -360,7 +360,10 @@ def _lmcache_classes() -> dict[str, type]:
                     # while not yet in _held, and would stay counted for good. The index drops a key
                     # before it queues the key's gone event, so a drop after this check leaves its event
                     # queued, and the drain below (or the next one) removes the key again.
-                    if ekey not in self._held and self._engine_holds(ekey):
+                    # A key whose only copies are another process's (found on a shared tier: nothing
+                    # written) is not counted: delete() evicts, which leaves them (Engine.evict), and counted
+                    # they made LMCache's eviction delete this server's own chunks instead.
+                    if ekey not in self._held and self._engine_holds(ekey, own=True):
                         self._held[ekey] = (key, size)
                         new.append((key, size))
                 while self._gone:
@@ -372,11 +375,12 @@ def _lmcache_classes() -> dict[str, type]:
             if gone:
                 self._notify_safely(self._notify_keys_deleted, [k for k, _ in gone], [n for _, n in gone])
 
-        def _engine_holds(self, ekey: str) -> bool | None:
-            """engine.held, None where it fails: a forked child's engine refuses every call, and get_usage,
-            pop_completed_store_tasks and delete (which account through here) never raise into LMCache."""
+        def _engine_holds(self, ekey: str, own: bool = False) -> bool | None:
+            """engine.held (with ``own``, engine.holds_own), None where it fails: a forked child's engine refuses
+            every call, and get_usage, pop_completed_store_tasks and delete (which account through here) never
+            raise into LMCache."""
             try:
-                return self.engine.held(ekey)
+                return self.engine.holds_own(ekey) if own else self.engine.held(ekey)
             except Exception:
                 self.core.report_error("usage accounting")
                 return None
