@@ -34,7 +34,7 @@ from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
 from .puts import CANCELLED, Job, PutCall, WritePage
 from .staging import BufferPool
-from .stats import Stats
+from .stats import Every, Stats
 from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
 from .writequeue import WriteQueue
 
@@ -55,6 +55,7 @@ class Jobs:
         self.active: list[list[Job]] = [[] for _ in tiers]  # jobs started and not over, per tier
         self.fds = Shortage()  # temporary files open, and the EMFILE back-off (files.py)
         self.calling: int | None = None  # the tier whose create or commit the writer is in (a hung one: named)
+        self.full_said = [Every(log) for _ in tiers]  # a tier refusing writes for room: a line in 30 s, not a page's
 
     def _release_under_writer(self, page: WritePage) -> None:
         """No job of the page in flight: its header goes back."""
@@ -329,3 +330,9 @@ class Jobs:
             self.stats.add(k, "write_timeouts")  # (bounded.py): hung, as when its writes make no progress
         if not self.tiers[k].fail(err, what) and err not in SPACE_ERRNOS:
             log.warning("kvstream: tier %d: %s failed: %s", k, what, os.strerror(err))
+        elif err in SPACE_ERRNOS:  # full, not failed: without a word every put missed the tier, counted only
+            self.full_said[k].warning(
+                "kvstream: tier %d (%s) refuses writes for room (%s: %s) and evicting this engine's pages there did "
+                "not make it (another program's or node's files, a quota, a reserve): the pages go to the other "
+                "tiers only; free space there, raise the quota or set a capacity below what the file system gives "
+                "(KVSTREAM_CAPACITY)", k, self.tiers[k].root, what, os.strerror(err))

@@ -206,6 +206,22 @@ def test_enospc_on_a_tier_never_marks_it_failed(tier_dirs):
 
 
 
+def test_a_tier_that_refuses_every_write_for_room_while_serving_says_so_once(tier_dirs, caplog):
+    """A shared tier another node's files filled while the server ran (two SGLang servers on one GlusterFS
+    volume, the brick at its reserve): every page written there failed for room, 112 of 119 pages of a
+    prompt, counted in tier_errors_total, and not one line in the log said why (only the start-up probe
+    said a tier was full). Now one warning per tier per interval names it, the error and what to do."""
+    plan = TierFaultPlan().on(tier_dirs[0], Fault.error(errno.ENOSPC), opcode=None)
+    pages = PageSet()
+    caplog.set_level("WARNING", logger="kvstream")
+    with make_engine(tier_dirs[:2], fault_plan=plan) as engine:
+        assert pages.put(engine, pages.keys(4)) == [True] * 4
+        assert pages.put(engine, pages.keys(4, 4)) == [True] * 4
+        assert engine.stats()["tiers"][0]["healthy"] and engine.stats()["under_replicated"] == 8
+    full = [r.getMessage() for r in caplog.records if "refuses writes for room" in r.getMessage()]
+    assert len(full) == 1, caplog.text  # (8 pages refused: one line, not one a page)
+    assert tier_dirs[0] in full[0] and "No space left on device" in full[0] and "free space" in full[0], full
+
 def test_replicas_a_full_file_system_refused_are_written_once_it_has_room(tier_root, loop_fs):
     """Tier 1 is a file system another program filled (nothing of this engine to evict there): puts
     land on tier 0 only, and their replicas stay owed (replication_pending), those of puts made while it
