@@ -501,3 +501,32 @@ def test_a_full_tier_that_flapped_rejoins_and_evicts(tier_root, loop_fs, out_of)
         assert all(engine.index.holders(k) & 0b10 for k in keys), "tier 1 made no room for new pages"
         assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 3
         assert engine.check() == []
+
+
+def test_a_tier_that_rejoins_with_no_room_for_its_probe_says_so(tier_root, loop_fs, caplog):
+    """Tier 1 fails (unmounted) and comes back with no inode for this user (another program's files, an inode
+    quota of 0) and none of this engine's pages to evict. Its probe's file cannot be made (ENOSPC at 'create'):
+    it rejoins (full is not failed), and every put to it then fails for room, counted but never logged (a write
+    refused for room is no tier error). Start-up warns of a tier refusing its probe for room and refuses one that
+    cannot create a file at all; a rejoin must at least say it (before: only 'recovered', every write failing
+    without a word): the writes refused for room say so, once in 30 s (Jobs._failed_under_writer)."""
+    fs = loop_fs(32 * MIB, "quota")
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    t1 = os.path.join(fs.mnt, "kv")
+    os.makedirs(t1)
+    pages = PageSet(MIB)
+    with make_engine([t0, t1], replicate="all", tier_retry=0.2) as engine:
+        _take_inodes(fs.mnt, leave=0)  # (none of this engine's pages there: nothing to evict)
+        subprocess.run(["umount", "-l", fs.mnt], check=True)
+        assert pages.put(engine, pages.keys(2, 0)) == [True] * 2  # tier 1 gone: it fails
+        assert not engine.stats()["tiers"][1]["healthy"]
+        fs.mount()
+        wait_until(lambda: pages.put(engine, pages.keys(1, 200 + int(time.monotonic() * 1000))) == [True]
+                   and engine.stats()["tiers"][1]["healthy"], 20,
+                   f"the tier never rejoined: {engine.stats()['tiers'][1]}")
+        assert pages.put(engine, pages.keys(3, 300)) == [True] * 3
+        assert engine.stats()["tiers"][1]["write_failures"] > 0  # (it takes nothing)
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("kvstream") and r.levelno >= 30
+                and "tier 1" in r.getMessage() and "for room" in r.getMessage()]
+        assert said, "a rejoined tier that refuses every write for room said nothing"
