@@ -467,6 +467,25 @@ def test_a_server_restarts_on_a_tier_its_own_earlier_pages_filled(tier_root, loo
         assert engine.stats()["tiers"][0]["evictions"] > 0
 
 
+def _beside_a_small_fs(tier_root: str, loop_fs, name: str) -> tuple:
+    """A 32 MiB ext4 loop device and two tier directories: a plain one, then one on that file system."""
+    fs = loop_fs(32 * MIB, name)
+    t0, t1 = os.path.join(tier_root, "t0"), os.path.join(fs.mnt, "kv")
+    os.makedirs(t0)
+    os.makedirs(t1)
+    return fs, t0, t1
+
+
+def _flap(engine, fs, pages: PageSet) -> None:
+    """Tier 1's file system unmounted (`umount -l`: a put fails the tier) and mounted again; back once it rejoins."""
+    subprocess.run(["umount", "-l", fs.mnt], check=True)
+    assert pages.put(engine, pages.keys(2, 100)) == [True] * 2  # tier 1 gone: it fails
+    assert not engine.stats()["tiers"][1]["healthy"]
+    fs.mount()
+    wait_until(lambda: pages.put(engine, pages.keys(1, 200 + int(time.monotonic() * 1000))) == [True]
+               and engine.stats()["tiers"][1]["healthy"], 20, f"tier 1 never rejoined: {engine.stats()['tiers'][1]}")
+
+
 @pytest.mark.parametrize("out_of", ["blocks", "inodes"])
 def test_a_full_tier_that_flapped_rejoins_and_evicts(tier_root, loop_fs, out_of):
     """Tier 1's file system is full of this engine's pages (it evicts on ENOSPC) when it is unmounted and
@@ -475,11 +494,7 @@ def test_a_full_tier_that_flapped_rejoins_and_evicts(tier_root, loop_fs, out_of)
     rejoins, and a put evicts there as before. Before (flap trial), the probe's ENOSPC kept it failed for good
     (the back-off doubling to 300 s), and nothing could make room, since only a healthy tier's writes evict;
     16f6ca6 let the write's ENOSPC pass, the creation's (out of inodes) still kept the tier out."""
-    fs = loop_fs(32 * MIB, "flap")
-    t0 = os.path.join(tier_root, "t0")
-    os.makedirs(t0)
-    t1 = os.path.join(fs.mnt, "kv")
-    os.makedirs(t1)
+    fs, t0, t1 = _beside_a_small_fs(tier_root, loop_fs, "flap")
     pages = PageSet(MIB)
     with make_engine([t0, t1], replicate="all", tier_retry=0.2) as engine:
         for b in range(5):  # ~50 MiB through a 32 MiB file system: full of this engine's pages
@@ -489,13 +504,7 @@ def test_a_full_tier_that_flapped_rejoins_and_evicts(tier_root, loop_fs, out_of)
             _fill(fs.mnt, leave=0)  # (the few KiB the last eviction left: not even a probe's 4 KiB free)
         else:
             _take_inodes(fs.mnt, leave=0)  # (another program's empty files: not even the probe's inode free)
-        subprocess.run(["umount", "-l", fs.mnt], check=True)
-        assert pages.put(engine, pages.keys(2, 100)) == [True] * 2  # tier 1 gone: it fails
-        assert not engine.stats()["tiers"][1]["healthy"]
-        fs.mount()
-        wait_until(lambda: pages.put(engine, pages.keys(1, 200 + int(time.monotonic() * 1000))) == [True]
-                   and engine.stats()["tiers"][1]["healthy"], 20,
-                   f"the full tier never rejoined: {engine.stats()['tiers'][1]}")
+        _flap(engine, fs, pages)
         keys = pages.keys(3, 300)
         assert pages.put(engine, keys) == [True] * 3
         assert all(engine.index.holders(k) & 0b10 for k in keys), "tier 1 made no room for new pages"
@@ -510,21 +519,11 @@ def test_a_tier_that_rejoins_with_no_room_for_its_probe_says_so(tier_root, loop_
     refused for room is no tier error). Start-up warns of a tier refusing its probe for room and refuses one that
     cannot create a file at all; a rejoin must at least say it (before: only 'recovered', every write failing
     without a word): the writes refused for room say so, once in 30 s (Jobs._failed_under_writer)."""
-    fs = loop_fs(32 * MIB, "quota")
-    t0 = os.path.join(tier_root, "t0")
-    os.makedirs(t0)
-    t1 = os.path.join(fs.mnt, "kv")
-    os.makedirs(t1)
+    fs, t0, t1 = _beside_a_small_fs(tier_root, loop_fs, "quota")
     pages = PageSet(MIB)
     with make_engine([t0, t1], replicate="all", tier_retry=0.2) as engine:
         _take_inodes(fs.mnt, leave=0)  # (none of this engine's pages there: nothing to evict)
-        subprocess.run(["umount", "-l", fs.mnt], check=True)
-        assert pages.put(engine, pages.keys(2, 0)) == [True] * 2  # tier 1 gone: it fails
-        assert not engine.stats()["tiers"][1]["healthy"]
-        fs.mount()
-        wait_until(lambda: pages.put(engine, pages.keys(1, 200 + int(time.monotonic() * 1000))) == [True]
-                   and engine.stats()["tiers"][1]["healthy"], 20,
-                   f"the tier never rejoined: {engine.stats()['tiers'][1]}")
+        _flap(engine, fs, pages)
         assert pages.put(engine, pages.keys(3, 300)) == [True] * 3
         assert engine.stats()["tiers"][1]["write_failures"] > 0  # (it takes nothing)
         said = [r.getMessage() for r in caplog.records if r.name.startswith("kvstream") and r.levelno >= 30
