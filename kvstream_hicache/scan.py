@@ -61,6 +61,7 @@ from .integrity import (
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
+from .tmpfiles import started
 from .trust import DIR_FLAGS, LOOK_FLAGS
 
 log = logging.getLogger("kvstream")
@@ -396,7 +397,7 @@ class BackgroundScan:
             if self._stop.is_set() or not force and now - self._written < PROGRESS_S:
                 return
             self._written = now
-            doc = dict(self.progress(), pid=os.getpid(), started=_started(os.getpid()), namespace=self.digest,
+            doc = dict(self.progress(), pid=os.getpid(), started=started(os.getpid()), namespace=self.digest,
                        tier_dirs=[p.tier.root for p in self.parts])
             try:
                 where = os.path.dirname(self.progress_path)
@@ -466,7 +467,7 @@ def _live_scan(name: str, dir_fd: int) -> dict | None:
             doc = json.loads(f.read(PROGRESS_MAX))
         pid = int(doc["pid"])
         os.kill(pid, 0)
-        if doc.get("started", _started(pid)) != _started(pid):
+        if doc.get("started", started(pid)) != started(pid):
             raise ProcessLookupError  # (its pid, reused)
     except PermissionError:  # alive, another user's process (a shared runtime directory)
         pass
@@ -477,16 +478,6 @@ def _live_scan(name: str, dir_fd: int) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):  # a file being replaced, or not a progress file
         return None
     return doc
-
-
-def _started(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat): a pid tells a process
-    apart only with it, pids being reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class _Pace:

@@ -207,15 +207,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _running(pid: int) -> float | None:
-    """How long process ``pid`` has run, s (its start in the boot clock's ticks, /proc/<pid>/stat: no wall
-    clock, which may step); None when it cannot be told (gone, no /proc)."""
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/<pid>/stat): a pid tells a process apart
+    only with it, pids being reused; None when it cannot be told (gone, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (the name may hold ')')
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+            return int(f.read().rsplit(b")", 1)[1].split()[19])  # field 22, starttime (the name may hold ')')
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _running(pid: int) -> float | None:
+    """How long process ``pid`` has run, s (from its start in the boot clock's ticks: no wall clock, which
+    may step); None when it cannot be told."""
+    ticks = started(pid)
+    return None if ticks is None else time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _writer_alive(pid: int, changed: Callable[[], float | None], clock: Callable[[], float | None]) -> bool:

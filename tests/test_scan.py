@@ -23,6 +23,7 @@ from kvstream_hicache.index import Index
 from kvstream_hicache.integrity import scan_file
 from kvstream_hicache.writes import WritePath
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
+from kvstream_hicache import tmpfiles
 from kvstream_hicache.tmpfiles import tmp_name
 
 from kvstream_hicache.tiers import LOOK_S
@@ -622,7 +623,7 @@ def test_kvstream_info_lists_no_scan_of_a_process_that_is_gone(tmp_path, monkeyp
     os.makedirs(where, mode=0o700)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    me, started = os.getpid(), scan_module._started(os.getpid())
+    me, started = os.getpid(), tmpfiles.started(os.getpid())
     docs = {"gone": {"pid": gone.pid, "started": 1}, "reused": {"pid": me, "started": started + 1},
             "live": {"pid": me, "started": started}, "earlier": {"pid": me}}
     for name, doc in docs.items():
@@ -651,7 +652,7 @@ def test_kvstream_info_reads_no_scan_file_in_a_directory_another_user_made(tier_
         json.dump({"pid": 1 << 30}, f)  # (a file of this user's named as a progress file, of no live process)
     monkeypatch.setenv("XDG_RUNTIME_DIR", shared)
     where = scan_module.progress_dir()
-    me, started = os.getpid(), scan_module._started(os.getpid())
+    me, started = os.getpid(), tmpfiles.started(os.getpid())
 
     def plant() -> None:
         if planted == "link":
