@@ -502,7 +502,9 @@ class Engine:
 
     def on_gone(self, callback: Callable[[str], None] | None) -> None:
         """Call ``callback(key)`` whenever a key leaves the index on every tier (evicted, deleted,
-        damaged, vanished). It runs under the index lock: it must not block nor call the engine."""
+        damaged, vanished), or its last copy of this process's does while another process's stay (THEIRS:
+        :meth:`holds_own` is False from then). It runs under the index lock: it must not block nor call the
+        engine."""
         self.index.on_gone = callback
 
     def clear(self) -> None:

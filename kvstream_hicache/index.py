@@ -105,7 +105,8 @@ class Index:
     """
 
     def __init__(self, capacities: Sequence[int | None]):
-        # Called, under the index lock, with a key no tier holds any more (evicted, removed, deleted);
+        # Called, under the index lock, with a key no tier holds any more (evicted, removed, deleted), or
+        # whose last copy of this process's left while another process's stay (holds_own: False);
         # it must not block nor call the index (the LMCache adapter queues the key for its accounting).
         self.on_gone: Callable[[str], None] | None = None
         self.capacities = list(capacities)
@@ -698,6 +699,7 @@ class Index:
         bit = 1 << tier
         if not self._tiers[slot] & bit:
             return False
+        own = self._on[tier][slot] != THEIRS
         self._tiers[slot] &= ~bit
         self._found[tier][slot] = 0
         self.used[tier] -= self._counted_under_index(slot, tier)
@@ -712,6 +714,11 @@ class Index:
                 self.on_gone(self._key_of_under_index(slot))
             if not self._pins[slot]:
                 self._free_slot_under_index(slot)  # else unpin frees it: a reader still holds its snapshot
+        elif own and self.on_gone is not None and \
+                all(self._on[t][slot] == THEIRS for t in tiers_in(self._tiers[slot])):
+            # its last copy of this process's: another process's copies left (LMCache's usage counts only a
+            # key with a copy of its own; one still counted when tier 0 evicted it kept its room counted)
+            self.on_gone(self._key_of_under_index(slot))
         return True
 
     def _free_slot_under_index(self, slot: int) -> None:

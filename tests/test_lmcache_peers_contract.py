@@ -8,9 +8,11 @@ real tiers; the MemoryObjs are LMCache's own classes, built as LMCache's suites 
 """
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import select
+import time
 import weakref
 
 import pytest
@@ -438,6 +440,43 @@ def test_lmcache_usage_never_counts_a_chunk_stored_where_only_another_node_s_cop
         for _ in range(3):
             controller._check_and_evict(state)
         assert lookup(node_b, ms) == [True, True], "B's LMCache eviction deleted B's own chunks for A's"
+    finally:
+        node_b.close()
+        node_a.close()
+
+
+@pytest.mark.leaves_problems("node B's index never listed the page node A put on the shared tier")
+def test_lmcache_usage_drops_a_chunk_whose_own_copy_was_evicted_while_another_node_s_copy_is_held(lmc, tier_root):
+    """Node B (a private tier 0 of two chunks, the shared tier 1) stores chunk K while its view of the shared tier
+    is failed: K is written to tier 0 alone and counted in B's usage. Node A stores the same K on the shared tier;
+    once B's tier rejoins, its catch-up finds A's copy there (another process's: THEIRS, nothing written). B's
+    tier 0 then evicts K for two new chunks M: B holds K only as A's copy, which delete() leaves (Engine.evict),
+    yet K stayed in B's usage (the index fires on_gone only when no copy is left), and LMCache's eviction, picking
+    K, frees nothing of B's, and picks B's own chunks for the room K takes (as a chunk stored where only another
+    node's copy is held did: holds_own)."""
+    shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
+    os.makedirs(shared)
+    os.makedirs(b0)
+    k, ms = [key(lmc, 0)], [key(lmc, i) for i in range(10, 12)]
+    node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K"})
+    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "capacity": f"{2 * 4096}{os.pathsep}",
+                          "replicate": "all", "tier_retry": 0.1})
+    try:
+        engine = node_b.engine
+        ek = node_b._engine_key(k[0], "test")
+        assert engine.tiers[1].fail(errno.EIO, "the shared tier's client lost its server (test)")
+        assert store(node_b, k, [obj(lmc)])
+        assert engine.index.holders(ek) == 0b01
+        assert store(node_a, k, [obj(lmc)])  # A's copy of the same chunk on the shared tier
+        deadline = time.monotonic() + WAIT_S
+        while not engine.index.is_theirs(ek, 1):  # B's tier rejoins; its catch-up learns A's copy
+            assert time.monotonic() < deadline, engine.stats()["tiers"][1]
+            engine.prefix_len([ek])  # (a call: the failed tier is probed once due)
+            time.sleep(0.05)
+        assert node_b.get_usage().total_bytes_used == 4096
+        assert store(node_b, ms, [obj(lmc, fill=2.0) for _ in ms])  # tier 0 evicts K
+        assert engine.index.holders(ek) == 0b10 and not engine.holds_own(ek)
+        assert node_b.get_usage().total_bytes_used == 2 * 4096, "B counts a chunk it holds only as A's copy"
     finally:
         node_b.close()
         node_a.close()

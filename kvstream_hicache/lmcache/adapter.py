@@ -368,7 +368,8 @@ def _lmcache_classes() -> dict[str, type]:
                         new.append((key, size))
                 while self._gone:
                     ekey = self._gone.popleft()
-                    if ekey in self._held and self._engine_holds(ekey) is False:
+                    if ekey in self._held and self._engine_holds(ekey, own=True) is False:  # (another
+                        # process's copies left alone: delete() would only forget them, Engine.evict)
                         gone.append(self._held.pop(ekey))
             if new:
                 self._notify_safely(self._notify_keys_stored, [k for k, _ in new], [n for _, n in new])
