@@ -427,7 +427,8 @@ def test_lmcache_usage_never_counts_a_chunk_stored_where_only_another_node_s_cop
     os.makedirs(b0)
     ks, ms = [key(lmc, i) for i in range(2)], [key(lmc, i) for i in range(10, 12)]
     node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K", "capacity": 32 * 4096})
-    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "capacity": 4 * 4096})
+    # (catch-up off: it would copy A's chunks to B's tier 0 in the background, a copy of B's own, counted)
+    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "capacity": 4 * 4096, "catchup": "off"})
     try:
         state = lmc.EvictionState(0, node_b, lmc.EvictionConfig(eviction_policy="LRU", trigger_watermark=0.8,
                                                                 eviction_ratio=0.3))
