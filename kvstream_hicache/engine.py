@@ -417,15 +417,13 @@ class Engine:
                 holders = self.index.holders(key)
                 held += bool(holders)
                 for tier in self.tiers:
-                    theirs = holders >> tier.k & 1 and self.index.is_theirs(key, tier.k)
-                    if not (holders >> tier.k & 1 and self.index.remove(key, tier.k)) or theirs:
+                    if not (holders >> tier.k & 1 and self.index.remove_mine(key, tier.k)):  # (another's: file stays)
                         continue
                     if tier.healthy:
                         victims[tier.k].append(key)
                     else:  # its copy, if still this process's, goes before it serves again (as evicted: another
                         # process's page under the name since stays, as on a healthy tier)
-                        tier.owe_delete(key, (functools.partial(self.index.mine_file, key, tier.k),
-                                              functools.partial(self.index.mine, key, tier.k)))
+                        tier.owe_delete(key, self.index.judges(key, tier.k))
             for k, gone in enumerate(victims):
                 self._writes.jobs.evicted_under_writer(k, gone)
         return held

@@ -49,6 +49,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -367,6 +368,11 @@ class Index:
         (_found_mine_under_index). (Lock-free: started_ns is fixed, the filter only gains bits.)"""
         return not self._theirs(key, tier, (writer_ns, mtime_ns))
 
+    def judges(self, key: str, tier: int) -> tuple[Callable[..., bool], Callable[..., bool]]:
+        """Tier.evict_page's judges of whether the file under ``key``'s name on ``tier`` is this process's copy
+        (mine_file, mine), bound to the key: one may run after its caller moved on (Tier.owe_delete)."""
+        return partial(self.mine_file, key, tier), partial(self.mine, key, tier)
+
     def _found_mine_under_index(self, key: str, tier: int, stamp: tuple[int, int]) -> None:
         """A copy found on disk was counted as this process's (not THEIRS), its write stamp and its file's
         mtime ``stamp`` as found: one claiming a time at or after this index began (beyond the skew,
@@ -549,6 +555,16 @@ class Index:
         with self._lock:
             slot = self._table.find(key)
             return slot >= 0 and self._drop_under_index(slot, tier)
+
+    def remove_mine(self, key: str, tier: int) -> bool:
+        """Forget ``tier``'s copy of ``key``, whoever's; True when there was one and it was this process's (not
+        THEIRS): its file is this process's to remove (Engine.evict). Whose, told in the same lock hold."""
+        with self._lock:
+            slot = self._table.find(key)
+            if slot < 0:
+                return False
+            mine = self._on[tier][slot] != THEIRS  # (_NONE where the tier holds none: dropped nothing, False)
+            return self._drop_under_index(slot, tier) and mine
 
     def file_removed(self, key: str, tier: int) -> None:
         """``key``'s file on ``tier`` was removed after its copy left the index (delete, eviction,

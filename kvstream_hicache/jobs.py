@@ -27,7 +27,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import TypeVar
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
@@ -316,7 +315,7 @@ class Jobs:
         here: it is found again, as another's, when read)."""
         for key in victims:  # (the judges bound to their key: one may run after this loop moved on, on a
             # tier that answered late)
-            if self.tiers[k].evict_page(key, partial(self.index.mine_file, key, k), partial(self.index.mine, key, k)):
+            if self.tiers[k].evict_page(key, *self.index.judges(key, k)):
                 log.info("kvstream: tier %d: the file of evicted page %s stays: another process's page (or not a "
                          "file kvstream removes)", k, key)
             self.index.file_removed(key, k)

@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, is_digest
@@ -121,10 +121,8 @@ class OwedClears:
         return read_record(tier.root, self.name, tier.trust, self._group_tiers)
 
     def _group_tiers(self, gid: int) -> set[str]:
-        """The paths (as listed, real) of this engine's tiers whose pages group ``gid`` is trusted with (shared
-        mode): the tiers a record of this user's that group may write may name (its members may remove those
-        pages anyway)."""
-        return {p for t in self.tiers if t.trust is not None and t.trust.gid == gid for p in (t.root, t.real) if p}
+        """trusted_paths of this engine's tiers (the group shared mode trusts: Trust.gid, None in private mode)."""
+        return trusted_paths(gid, ((t.trust and t.trust.gid, (t.root, t.real)) for t in self.tiers))
 
     def _write(self, tier: Tier, owed: dict[str, int]) -> None:
         """The record on ``tier`` names ``owed`` (none: it goes)."""
@@ -163,6 +161,13 @@ def where(root: str) -> str:
     """A tier directory as a record names it: its real path (a link to it, or the link's target, named
     in the tier list of another start is the same tier)."""
     return os.path.realpath(root)
+
+
+def trusted_paths(gid: int, tiers: Iterable[tuple[int | None, Iterable[str]]]) -> set[str]:
+    """The paths of ``tiers`` (each: the group shared mode trusts with its pages, or None, and its paths: as listed,
+    real) whose pages group ``gid`` is trusted with: the tiers a record of this user's that group may write may
+    name (its members may remove those pages anyway)."""
+    return {p for group, paths in tiers if group == gid for p in paths if p}
 
 
 def read_record(root: str, name: str, trust: Trust,
@@ -241,7 +246,7 @@ def recorded(dirs: Sequence[str], hung: Collection[int] = ()) -> list[tuple[int,
     where_k = {d: k for k, d in enumerate(dirs)} | {where(d): k for k, d in enumerate(dirs) if k not in hung}
 
     def group_tiers(gid: int) -> set[str]:  # (as the engine's shared mode trusts a tier's group: trust._trust)
-        return {p for k, d in enumerate(dirs) if k not in hung and _group_of(d) == gid for p in (d, where(d))}
+        return trusted_paths(gid, ((_group_of(d), (d, where(d))) for k, d in enumerate(dirs) if k not in hung))
 
     out = set()
     for holder, root in enumerate(dirs):
