@@ -505,6 +505,12 @@ class Engine:
         engine."""
         self.index.on_gone = callback
 
+    def on_own(self, callback: Callable[[str], None] | None) -> None:
+        """Call ``callback(key)`` whenever a key held only as another process's copies (THEIRS) gains a copy of
+        this process's (:meth:`holds_own` is True from then: catch-up, promotion). Under the index lock, as
+        :meth:`on_gone`."""
+        self.index.on_own = callback
+
     def clear(self) -> None:
         """Remove every page of this namespace from every tier. A failed tier is probed now (it may be
         back); one still failed removes its pages when it rejoins, before it serves again (tiers.py):

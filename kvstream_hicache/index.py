@@ -110,6 +110,9 @@ class Index:
         # whose last copy of this process's left while another process's stay (holds_own: False);
         # it must not block nor call the index (the LMCache adapter queues the key for its accounting).
         self.on_gone: Callable[[str], None] | None = None
+        # Called, under the index lock, with a key held only as another process's copies (THEIRS) that gains a
+        # copy of this process's (catch-up, promotion, a put): LMCache's usage counts it from then, as on_gone.
+        self.on_own: Callable[[str], None] | None = None
         self.capacities = list(capacities)
         self.n_tiers = len(self.capacities)
         if self.n_tiers > MAX_TIERS:
@@ -684,6 +687,8 @@ class Index:
     def _hold_under_index(self, slot: int, tier: int, where: int, first: bool = False) -> None:
         """``tier`` holds the page of ``slot``: counted once (not on THEIRS), on list ``where`` (at its
         end, or with ``first`` at its head: the next to go)."""
+        gains_own = where != THEIRS and self.on_own is not None and bool(self._tiers[slot]) and \
+            all(self._on[t][slot] == THEIRS for t in tiers_in(self._tiers[slot]))
         if self._tiers[slot] >> tier & 1:
             self.used[tier] -= self._counted_under_index(slot, tier)  # re-commit of the same copy: count once
             self._unlink_under_index(tier, slot)
@@ -695,6 +700,8 @@ class Index:
         self.used[tier] += self._counted_under_index(slot, tier)
         if where == THEIRS:
             self._forget_theirs_under_index(tier, slot)
+        elif gains_own:  # (the first copy of a new key needs none: its put's pop counts it)
+            self.on_own(self._key_of_under_index(slot))
 
     def _forget_theirs_under_index(self, tier: int, keep: int) -> None:
         """Forget the oldest of another process's copies on ``tier`` (not ``keep``, just indexed) while they

@@ -297,6 +297,7 @@ class Tier:
                 ok, again = False, True  # probed: done before it serves, by the settle the next turn starts
             if ok:
                 self.healthy = True
+                self.last_error = ""  # (why it is failed: kept, an error long healed read as current in stats())
                 self._backoff = self.retry_s
                 self._deletes_forgotten = 0
                 log.warning("kvstream: tier %d (%s) recovered; it rejoins reads and writes", self.k, self.root)

@@ -399,6 +399,23 @@ def test_on_gone_is_called_for_every_key_clear_removes():
     assert sorted(gone) == keys and len(index) == 0
 
 
+def test_on_own_is_called_when_a_key_held_only_as_another_process_s_copy_gains_its_own():
+    """LMCache's usage counts a key stored where only another process's copy was held once this process's own
+    copy is written (a catch-up copy to tier 0); a key's first copy, and a copy added beside an own one, fire none."""
+    index = Index([None, None])
+    own = []
+    index.on_own = own.append
+    theirs, mine = f"{1:064x}", f"{2:064x}"
+    now = time.time_ns()
+    index.commit(theirs, 1, 90, 4096, CRCS, 100, reserved=False, mark=index.mark(theirs), stamp=(now, now))
+    assert index.is_theirs(theirs, 1) and not own
+    index.commit(mine, 1, 90, 4096, CRCS, 100, reserved=False)
+    index.commit(mine, 0, 90, 4096, CRCS, 100, reserved=False)
+    assert not own
+    index.commit(theirs, 0, 90, 4096, CRCS, 100, reserved=False, oldest=True)
+    assert own == [theirs] and index.holds_own(theirs)
+
+
 def test_crc_runs_freed_by_pages_of_one_size_are_reused_by_pages_of_another():
     """Pages of 1 block, all evicted, then of 2, ... 8 (LMCache's short last chunks): the CRC column
     stays within twice what the live pages hold (before: a run per block count ever seen)."""

@@ -481,3 +481,35 @@ def test_lmcache_usage_drops_a_chunk_whose_own_copy_was_evicted_while_another_no
     finally:
         node_b.close()
         node_a.close()
+
+
+@pytest.mark.leaves_problems("node B's index never listed the page node A put on the shared tier")
+def test_lmcache_usage_counts_a_chunk_stored_where_only_another_node_s_copy_was_held_once_its_own_copy_is_written(
+        lmc, tier_root):
+    """Node A stores chunk K on the shared tier; node B (a private tier 0, the shared tier 1) stores the same K
+    while its tier 0 is failed: B holds K only as A's copy (THEIRS, nothing written), not counted. Once tier 0
+    rejoins, B's catch-up writes its own copy of K there, which delete() evicts: K must count in B's usage from
+    then, else LMCache's usage under-counts and its eviction never frees K's room (the store's pop had passed)."""
+    shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
+    os.makedirs(shared)
+    os.makedirs(b0)
+    k = [key(lmc, 0)]
+    node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K"})
+    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "tier_retry": 0.1})
+    try:
+        engine = node_b.engine
+        ek = node_b._engine_key(k[0], "test")
+        assert store(node_a, k, [obj(lmc)])
+        assert engine.tiers[0].fail(errno.EIO, "B's private tier lost its device (test)")
+        assert store(node_b, k, [obj(lmc)])  # held already: A's copy, nothing written
+        assert engine.index.holders(ek) == 0b10 and not engine.holds_own(ek)
+        assert node_b.get_usage().total_bytes_used == 0
+        deadline = time.monotonic() + WAIT_S
+        while not engine.holds_own(ek):  # tier 0 rejoins; its catch-up writes B's own copy of K
+            assert time.monotonic() < deadline, engine.stats()["tiers"][0]
+            engine.prefix_len([ek])  # (a call: the failed tier is probed once due)
+            time.sleep(0.05)
+        assert node_b.get_usage().total_bytes_used == 4096, "B never counts its own copy of K"
+    finally:
+        node_b.close()
+        node_a.close()

@@ -125,6 +125,21 @@ def test_the_counters_the_docs_list_are_at_0_from_the_attach():
         assert REGISTRY.get_sample_value("kvstream:adapter_errors_total", dict(labels, op=op)) == 0, op
 
 
+def test_read_timeouts_are_exported_as_a_counter():
+    """stats()'s read_timeouts (a get that read_timeout ended with reads in flight: its pages missed) had no
+    family at /metrics, where write_timeouts has one: a tier that stalls reads showed only as misses."""
+    from prometheus_client import REGISTRY
+
+    from kvstream_hicache.sglang.metrics import Exporter
+
+    labels = {"tp_rank": "read-timeouts-test", "dp_rank": "0", "pp_rank": "0"}
+    exporter = Exporter(labels, ["/t0"])
+    assert REGISTRY.get_sample_value("kvstream:read_timeouts_total", labels) == 0
+    exporter.sync({"tiers": [{}], "read_timeouts": 2})
+    exporter.sync({"tiers": [{}], "read_timeouts": 3})
+    assert REGISTRY.get_sample_value("kvstream:read_timeouts_total", labels) == 3
+
+
 def test_the_sglang_endpoints_the_docs_name_exist_in_sglang():
     """docs/sglang.md and guarantees.md named /clear_hicache_storage_backend and
     /detach_hicache_storage_backend, which sglang 0.5.23 answers with 404 (POST /hicache/storage-backend/clear,

@@ -69,6 +69,16 @@ def test_a_failed_tier_is_probed_when_its_back_off_expires_and_rejoins(tier, clo
     assert tier.usable() and len(rejoined) == 1  # healthy: no probe, no second rejoin
 
 
+def test_a_tier_that_rejoins_shows_no_error_as_current(tier, clock, rejoined):
+    """stats()'s last_error is why the tier is failed: kept after it rejoined, an operator saw an error long
+    healed as the state of a healthy tier (its failures count and the log keep the past ones)."""
+    tier.fail(errno.EIO, "read")
+    assert tier.last_error == f"read: {os.strerror(errno.EIO)}"
+    clock.advance(RETRY_S * 1.01)
+    assert tier.usable() and len(rejoined) == 1
+    assert tier.last_error == "" and tier.failures == 1
+
+
 def test_the_back_off_doubles_after_each_failed_probe_and_resets_on_recovery(tier, clock, rejoined):
     tier.fail(errno.EIO, "read")
     _break_probe(tier)

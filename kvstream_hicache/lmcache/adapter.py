@@ -174,6 +174,11 @@ def _lmcache_classes() -> dict[str, type]:
             self._held_lock = ranked_lock("lmcache.held")
             self._gone: deque[str] = deque()  # engine keys the index dropped (its lock held: no work there)
             self.engine.on_gone(self._gone.append)
+            # Keys stored while held only as another process's copies (not counted), until this process writes
+            # its own (catch-up: the index queues them to _own, counted then) or they leave the index.
+            self._theirs: dict[str, tuple[Any, int]] = {}
+            self._own: deque[str] = deque()
+            self.engine.on_own(self._own.append)
             self._max_capacity_bytes = self.engine.usage()[1]
             config = getattr(self.engine, "config", None)
             log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s; %s",
@@ -301,6 +306,7 @@ def _lmcache_classes() -> dict[str, type]:
                 self._close_engine()
             elif getattr(self, "_gone", None) is not None:
                 self.engine.on_gone(None)
+                self.engine.on_own(None)
             for efd in self._efds:
                 efd.close()
 
@@ -363,14 +369,29 @@ def _lmcache_classes() -> dict[str, type]:
                     # A key whose only copies are another process's (found on a shared tier: nothing
                     # written) is not counted: delete() evicts, which leaves them (Engine.evict), and counted
                     # they made LMCache's eviction delete this server's own chunks instead.
-                    if ekey not in self._held and self._engine_holds(ekey, own=True):
+                    # Its own copy written later counts then (_own below: before, it never counted).
+                    if ekey is None or ekey in self._held:
+                        continue
+                    own = self._engine_holds(ekey, own=True)
+                    if own:
                         self._held[ekey] = (key, size)
                         new.append((key, size))
+                    elif own is False and self._engine_holds(ekey):
+                        self._theirs[ekey] = (key, size)
+                while self._own:
+                    ekey = self._own.popleft()
+                    if ekey in self._theirs and self._engine_holds(ekey, own=True):
+                        self._held[ekey] = self._theirs.pop(ekey)
+                        new.append(self._held[ekey])
                 while self._gone:
                     ekey = self._gone.popleft()
+                    if ekey in self._theirs and self._engine_holds(ekey) is False:
+                        del self._theirs[ekey]
                     if ekey in self._held and self._engine_holds(ekey, own=True) is False:  # (another
                         # process's copies left alone: delete() would only forget them, Engine.evict)
                         gone.append(self._held.pop(ekey))
+                        if self._engine_holds(ekey):  # (counted again if its own copy is written again)
+                            self._theirs[ekey] = gone[-1]
             if new:
                 self._notify_safely(self._notify_keys_stored, [k for k, _ in new], [n for _, n in new])
             if gone:

@@ -29,6 +29,7 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_healthy``                   gauge      1 while the tier is in service, 0 while failed
 ``kvstream:pages_total{result}``            counter    pages requested by reads: found / missing
 ``kvstream:under_replicated_pages_total``   counter    pages stored on fewer tiers than configured
+``kvstream:read_timeouts_total``            counter    gets read_timeout ended with reads in flight (their pages missed)
 ``kvstream:read_calls_total{rule}``         counter    read calls that chose how to use a slower tier: open / held
 ``kvstream:retrieval_seconds``              histogram  time of one read batch
 ``kvstream:retrieval_bound_seconds_total``  counter    sum of the batches' aggregate-bandwidth bound D/sum(b_k)
@@ -129,6 +130,9 @@ def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank")) -> 
                                ranks + ["result"])
         fam["under_replicated"] = Counter(PREFIX + "under_replicated_pages",
                                           "Pages stored on fewer tiers than configured.", ranks)
+        fam["read_timeouts"] = Counter(PREFIX + "read_timeouts",
+                                       "Gets that read_timeout ended with reads still in flight (their pages "
+                                       "reported missing): a tier that stalls reads.", ranks)
         fam["read_calls"] = Counter(PREFIX + "read_calls",
                                     "Read calls more than one tier could serve that chose a rule: open (every tier at "
                                     "its window) or held (slower tiers at one item: they share the reader's CPUs).",
@@ -175,6 +179,7 @@ class Exporter:
         for result in ("found", "missing"):
             self.fam["pages"].labels(**self.labels, result=result)
         self.fam["under_replicated"].labels(**self.labels)
+        self.fam["read_timeouts"].labels(**self.labels)
         self.fam["retrieval_bound"].labels(**self.labels)
         for op in DATA_OPS:
             self.fam["adapter_errors"].labels(**self.labels, op=op)
@@ -200,9 +205,10 @@ class Exporter:
                 delta = stats.get(src, 0) - last.get(src, 0)
                 if delta > 0:
                     self.fam["pages"].labels(**self.labels, result=result).inc(delta)
-            delta = stats.get("under_replicated", 0) - last.get("under_replicated", 0)
-            if delta > 0:
-                self.fam["under_replicated"].labels(**self.labels).inc(delta)
+            for src in ("under_replicated", "read_timeouts"):
+                delta = stats.get(src, 0) - last.get(src, 0)
+                if delta > 0:
+                    self.fam[src].labels(**self.labels).inc(delta)
             for rule, count in (("held", lambda t: t.get("held_calls", 0)),  # (flow.SlowerTiers)
                                 ("open", lambda t: t.get("routed_calls", 0) - t.get("held_calls", 0))):
                 delta = count(stats) - count(last)
