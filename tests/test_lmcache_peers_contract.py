@@ -513,3 +513,34 @@ def test_lmcache_usage_counts_a_chunk_stored_where_only_another_node_s_copy_was_
     finally:
         node_b.close()
         node_a.close()
+
+
+@pytest.mark.leaves_problems("node B's index never listed the page node A put on the shared tier")
+def test_lmcache_usage_counts_once_a_chunk_stored_again_before_its_own_copy_s_event_is_drained(lmc, tier_root):
+    """As above, B holds chunk K only as A's copy when it stores K (not counted), and its catch-up then writes
+    B's own copy; LMCache stores K again before any usage call drained that copy's event (on_own): the pop
+    counts K as stored with a copy of B's own, and the drain counted it again (it stayed among those held only
+    as another's), K's 4 KiB twice in B's usage."""
+    shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
+    os.makedirs(shared)
+    os.makedirs(b0)
+    k = [key(lmc, 0)]
+    node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K"})
+    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "tier_retry": 0.1})
+    try:
+        engine = node_b.engine
+        ek = node_b._engine_key(k[0], "test")
+        assert store(node_a, k, [obj(lmc)])
+        assert engine.tiers[0].fail(errno.EIO, "B's private tier lost its device (test)")
+        assert store(node_b, k, [obj(lmc)])  # held already: A's copy, nothing written
+        assert engine.index.holders(ek) == 0b10 and not engine.holds_own(ek)
+        deadline = time.monotonic() + WAIT_S
+        while not engine.holds_own(ek):  # tier 0 rejoins; its catch-up writes B's own copy of K
+            assert time.monotonic() < deadline, engine.stats()["tiers"][0]
+            engine.prefix_len([ek])  # (a call: the failed tier is probed once due)
+            time.sleep(0.05)
+        assert store(node_b, k, [obj(lmc)])  # the pop drains the own copy's event with this store
+        assert node_b.get_usage().total_bytes_used == 4096, "B counts K twice"
+    finally:
+        node_b.close()
+        node_a.close()

@@ -376,6 +376,9 @@ def _lmcache_classes() -> dict[str, type]:
                     if own:
                         self._held[ekey] = (key, size)
                         new.append((key, size))
+                        # (stored earlier while held only as another's: its own copy's on_own, still queued,
+                        # must not count it again)
+                        self._theirs.pop(ekey, None)
                     elif own is False and self._engine_holds(ekey):
                         self._theirs[ekey] = (key, size)
                 while self._own:
