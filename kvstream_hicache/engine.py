@@ -464,27 +464,34 @@ class Engine:
         """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
         the index holds on any tier, against the largest tier's capacity (every tier takes every page,
         so the largest bounds what is held; an unlimited tier counts its file system's size)."""
-        caps = []
-        for tier in self.tiers:
-            if tier.capacity is not None:
-                caps.append(tier.capacity)
-                continue
-            if tier.trust is None:  # did not answer at start-up, not started yet: it bounds nothing, unasked (a
-                continue  # statvfs there would wait write_timeout again: LMCache's adapter asks as it starts)
-            try:
-                # (bounded where the tier may hang, bounded.py: on its read thread, by read_timeout too, as
-                # a lookup: LMCache's get_usage must not wait for ever with write_timeout=0)
-                st = tier.reads.run(os.statvfs, tier.root, within=self.config.read_timeout or None)
-                caps.append(st.f_blocks * st.f_frsize)
-            except OSError:  # a tier that cannot say (gone, ESTALE, hung): it bounds nothing
-                pass
-        return self.index.held_bytes, max(caps, default=0)
+        caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier) for tier in self.tiers]
+        return self.index.held_bytes, max((c for c in caps if c is not None), default=0)
 
     def capacity_limit(self) -> int | None:
-        """The largest tier's configured capacity, or None when some tier is unlimited: no page set
-        larger than this can be held whole."""
-        caps = [tier.capacity for tier in self.tiers]
+        """The largest tier's capacity (an unlimited tier's: its file system's size), or None when an
+        unlimited tier cannot tell its size: no page set larger than this can be held whole. (With the
+        unlimited tiers left out, a store task larger than every file system was written: each of its pages
+        evicted the tiers' valid pages for the next, and it failed all the same.)"""
+        caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier, cached=True)
+                for tier in self.tiers]
         return None if None in caps else max(caps)
+
+    def _fs_bytes(self, tier: Tier, cached: bool = False) -> int | None:
+        """The size of ``tier``'s file system (with ``cached``, as its last look saw it, if it looked), or None
+        where it cannot say (gone, ESTALE, hung) or did not answer at start-up (not started yet: unasked, a
+        statvfs there would wait write_timeout again: LMCache's adapter asks as it starts)."""
+        if cached and tier.fs_bytes is not None:
+            return tier.fs_bytes
+        if tier.trust is None:
+            return None
+        try:
+            # (bounded where the tier may hang, bounded.py: on its read thread, by read_timeout too, as
+            # a lookup: LMCache's get_usage and store submissions must not wait for ever with write_timeout=0)
+            st = tier.reads.run(os.statvfs, tier.root, within=self.config.read_timeout or None)
+        except OSError:
+            return None
+        tier.fs_bytes = st.f_blocks * st.f_frsize
+        return tier.fs_bytes
 
     def held(self, key: str) -> bool:
         """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not).

@@ -71,6 +71,21 @@ class Jobs:
         if not tier.healthy or page.gone():
             self.queue.job_over_under_writer(page, k)
             return None
+        if self._never_fits_under_writer(page, k):  # written, it filled the file system and the pages beside
+            # it, which had room, evicted the tier's valid pages at their ENOSPC, all for a write that fails
+            if page.copied is not None:
+                page.refused = True  # (a catch-up copy: replication drops it, Replicator._finished)
+            else:
+                self.stats.add(k, "write_failures")
+                self.stats.add(k, "errors")
+                # (the warning for a full tier blamed other files, a quota or a reserve, and evicted nothing)
+                self.full_said[k].warning(
+                    "kvstream: tier %d (%s): page %s of %d bytes (file) is larger than the tier's whole file system "
+                    "(%d bytes) and goes to the other tiers only; give the tier a larger file system or store smaller "
+                    "pages (LMCache's --chunk-size, SGLang's page size)", k, self.tiers[k].root, page.key,
+                    page.file_bytes, self.tiers[k].fs_bytes)
+            self.queue.job_over_under_writer(page, k)
+            return None
         try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
             self.calling = k
             fd, tmp = self._with_room_under_writer(page, k, self.tiers[k].create_tmp)
@@ -302,6 +317,15 @@ class Jobs:
         room = self.tiers[job.tier].room(job.fd)  # (what the job already holds is reused)
         return room is None or room.free + self.index.used[job.tier] >= job.page.file_bytes  # (None: cannot
         # tell: try eviction)
+
+    def _never_fits_under_writer(self, page: WritePage, k: int) -> bool:
+        """Whether ``page``'s file is larger than tier ``k``'s whole file system. Asked of the file system
+        (statvfs) only where the size it gave last does not settle it: the first page, or one larger than that
+        (it may have grown since); the size seen last answers the rest, no call per page."""
+        tier = self.tiers[k]
+        if tier.fs_bytes is None or page.file_bytes > tier.fs_bytes:
+            tier.room()  # (None: cannot tell; it does not keep the page out)
+        return tier.fs_bytes is not None and page.file_bytes > tier.fs_bytes
 
     def short_write_errno_under_writer(self, job: Job) -> int:
         """A write that stopped early: the ring reports the bytes done, not the error that

@@ -21,7 +21,7 @@ from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.lmcache import core as l2core
 from kvstream_hicache.lmcache import keys as l2keys
-from helpers import wait_for_fault
+from helpers import loop_fs, wait_for_fault  # noqa: F401 (loop_fs: a fixture)
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -382,6 +382,39 @@ def test_a_task_that_cannot_fit_writes_nothing(lmc, adapter_factory):
     assert lookup(adapter, keys) == [False] * 3
     assert adapter.engine.stats()["tiers"][0]["pages"] == 0
     assert adapter.get_usage().total_bytes_used == 0
+
+
+def test_tasks_that_cannot_fit_say_so_once_not_once_each(lmc, adapter_factory, caplog):
+    """A deployment whose chunks (or batches of them) outgrow the tiers fails every such store task: its log
+    said so once per task (an LMCache soak, 32 MiB chunks on 32 and 64 MiB tiers: 104 lines in two minutes),
+    a flood; once in a while, with the count held back and the fix, is what an operator can act on."""
+    adapter = adapter_factory(capacity=10240)
+    for i in range(5):
+        keys = [key(lmc, 10 * i + j) for j in range(3)]
+        assert not store(adapter, keys, [obj(lmc) for _ in keys])
+    said = [r for r in caplog.records if "exceeds every tier's capacity" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert "capacity" in said[0].getMessage() and "--chunk-size" in said[0].getMessage()
+
+
+def test_a_task_larger_than_every_tier_s_file_system_writes_nothing_and_evicts_nothing(lmc, loop_fs):
+    """Tiers with no capacity set are bounded by their file systems: a task that could never fit on any of
+    them fails whole, as one over a configured capacity does. Before, it was written: each of its pages
+    evicted the tier's valid chunks to make room for the next, and the task failed all the same (an
+    LMCache soak: three 32 MiB chunks in a task, on ext4 tiers of 32 and 64 MiB)."""
+    fs = loop_fs(24 << 20, "task")
+    adapter = lmc.Adapter({"tiers": [fs.mnt]})
+    try:
+        old = [key(lmc, i) for i in range(4)]
+        assert store(adapter, old, [obj(lmc, 1 << 18) for _ in old])  # 4 x 1 MiB
+        big = [key(lmc, 100 + i) for i in range(3)]
+        assert not store(adapter, big, [obj(lmc, 3 << 20) for _ in big])  # 3 x 12 MiB: more than the fs
+        t0 = adapter.engine.stats()["tiers"][0]
+        assert t0["evictions"] == 0 and t0["bytes_written"] == 4 << 20, t0
+        assert lookup(adapter, old) == [True] * 4 and lookup(adapter, big) == [False] * 3
+        assert adapter.get_usage().total_bytes_used == 4 << 20
+    finally:
+        adapter.close()
 
 
 @pytest.mark.leaves_problems("node A's index never listed the pages node B put on the shared tier")

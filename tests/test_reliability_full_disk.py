@@ -529,3 +529,23 @@ def test_a_tier_that_rejoins_with_no_room_for_its_probe_says_so(tier_root, loop_
         said = [r.getMessage() for r in caplog.records if r.name.startswith("kvstream") and r.levelno >= 30
                 and "tier 1" in r.getMessage() and "for room" in r.getMessage()]
         assert said, "a rejoined tier that refuses every write for room said nothing"
+
+
+def test_a_page_larger_than_the_file_system_evicts_nothing_put_beside_it(tier_root, loop_fs, caplog):
+    """A page the tier's file system could never hold is not written there at all: written, it filled the
+    file system to its last block before its ENOSPC, and the pages put with it, which had room, hit ENOSPC
+    in turn and evicted the tier's valid pages for it (an LMCache soak: 32 MiB chunks on a 32 MiB tier 0)."""
+    fs = loop_fs(32 * MIB, "huge")
+    other = os.path.join(tier_root, "disk")
+    os.makedirs(other)
+    small, huge = PageSet(MIB, salt="s"), PageSet(40 * MIB, salt="h")
+    with make_engine([fs.mnt, other]) as engine:
+        assert small.put(engine, small.keys(8)) == [True] * 8
+        items = [(k, huge.data(k), True) for k in huge.keys(1)] + [(k, small.data(k), True) for k in small.keys(8, 8)]
+        assert put_items(engine, items) == [True] * 9
+        t0 = engine.stats()["tiers"][0]
+        assert t0["evictions"] == 0, f"pages evicted for a page that can never fit: {t0}"
+        assert all(engine.index.holders(k) & 1 for k in small.keys(16)) and tmp_files(fs.mnt) == []
+        assert small.checked_get(engine, small.keys(16), policy=SingleTier(0)) == [True] * 16
+    # the warning names the cause (it blamed another program's files, a quota or a reserve) and the fix
+    assert "larger than the tier's whole file system" in caplog.text and "another program" not in caplog.text

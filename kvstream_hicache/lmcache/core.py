@@ -38,6 +38,7 @@ from ..io import forks
 from ..locks import ranked_lock
 from ..memory import CallerGate
 from ..segments import Segment, copy_payload, nbytes
+from ..stats import Every
 from ..errors import ConfigError
 from .keys import ADAPTER_PARAMS, namespace_fields
 
@@ -140,6 +141,7 @@ class L2Core:
         # The stores' memory (LMCache's L1), which the engine's writer reads while it holds this gate:
         # close() shuts it when it gives up on stores a hung tier holds the writer for (put_deferred's gate)
         self._gate = CallerGate("source")
+        self._too_large_said = Every(log)  # (under _lock) a task too large for the tiers: one line in a while
         self.let_go_at: float | None = None  # when close() began, if it let go of stores still open
         self._forks = forks()  # a forked child sees another count (_forked)
         self.counters = {k: 0 for k in ("store_tasks", "stored_pages", "store_failed_pages", "lookups",
@@ -193,16 +195,20 @@ class L2Core:
         self._finish(True, [task], queued=True)
 
     def _too_large(self, task: _Task, idx: list[int]) -> bool:
-        """Whether the task's pages not yet held exceed the largest tier's capacity (never when some
-        tier is unlimited): they could never all be stored, so none is."""
+        """Whether the task's pages not yet held exceed the largest tier's capacity (an unlimited tier's: its
+        file system's size; never when such a tier cannot tell it): they could never all be stored, so none is."""
         limit = self.engine.capacity_limit()
         if limit is None or sum(nbytes(task.pages[i]) for i in idx) <= limit:
             return False
         new = sum(nbytes(task.pages[i]) for i in idx if not self.engine.held(task.keys[i]))
         if new <= limit:
             return False
-        log.warning("kvstream lmcache: a store task of %d bytes exceeds every tier's capacity (%d bytes at "
-                    "most); failed, nothing written", new, limit)
+        with self._lock:  # (said once in a while: a deployment whose chunks outgrow the tiers fails every such
+            # task, and a line each flooded the log)
+            self._too_large_said.warning(
+                "kvstream lmcache: a store task of %d bytes exceeds every tier's capacity (%d bytes at most: the "
+                "largest tier's capacity, or its file system's size); failed, nothing written: raise the tiers' "
+                "capacity or their file systems, or store smaller chunks (LMCache's --chunk-size)", new, limit)
         return True
 
     def pop_stores(self, pages: bool = False) -> dict[int, tuple]:
