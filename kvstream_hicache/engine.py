@@ -462,8 +462,10 @@ class Engine:
 
     def usage(self) -> tuple[int, int]:
         """(bytes held, capacity) in payload bytes, as LMCache's usage counts them: the distinct pages
-        the index holds on any tier, against the largest tier's capacity (every tier takes every page,
-        so the largest bounds what is held; an unlimited tier counts its file system's size)."""
+        the index holds on any tier, against the largest tier's capacity (every tier takes every page; an
+        unlimited tier counts its file system's size). Held may pass it for a while: tiers evict by their own
+        capacity, and a page a small tier keeps that the largest evicted counts too (an LMCache soak: 1.26-1.33x
+        at times); LMCache's eviction then deletes its least recent chunks until held is back under it."""
         caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier) for tier in self.tiers]
         return self.index.held_bytes, max((c for c in caps if c is not None), default=0)
 
