@@ -486,14 +486,10 @@ class Engine:
             return tier.fs_bytes
         if tier.trust is None:
             return None
-        try:
-            # (bounded where the tier may hang, bounded.py: on its read thread, by read_timeout too, as
-            # a lookup: LMCache's get_usage and store submissions must not wait for ever with write_timeout=0)
-            st = tier.reads.run(os.statvfs, tier.root, within=self.config.read_timeout or None)
-        except OSError:
-            return None
-        tier.fs_bytes = st.f_blocks * st.f_frsize
-        return tier.fs_bytes
+        # (on the tier's read thread, by read_timeout too, as a lookup: LMCache's get_usage and store
+        # submissions must not wait for ever where the tier may hang with write_timeout=0, bounded.py)
+        room = tier.room(read=True, within=self.config.read_timeout or None)
+        return None if room is None else tier.fs_bytes
 
     def held(self, key: str) -> bool:
         """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not).

@@ -662,7 +662,7 @@ class Tier:
 
     def _room(self, fd: int | None) -> Room:
         st = os.statvfs(self.root)
-        self.fs_bytes = st.f_blocks * st.f_frsize
+        self.fs_bytes = st.f_blocks * st.f_frsize or None  # (0: a file system that does not say its size)
         held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
         return Room(st.f_bavail * st.f_frsize + held, st.f_blocks * st.f_frsize, st.f_favail if st.f_files else None)
 

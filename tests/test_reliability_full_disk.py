@@ -549,3 +549,25 @@ def test_a_page_larger_than_the_file_system_evicts_nothing_put_beside_it(tier_ro
         assert small.checked_get(engine, small.keys(16), policy=SingleTier(0)) == [True] * 16
     # the warning names the cause (it blamed another program's files, a quota or a reserve) and the fix
     assert "larger than the tier's whole file system" in caplog.text and "another program" not in caplog.text
+
+
+def test_a_tier_whose_file_system_does_not_say_its_size_takes_every_page(tier_root, monkeypatch):
+    """A file system that reports no size (statvfs's f_blocks 0: some FUSE and cloud-storage mounts) bounds
+    nothing: its tier takes every page. Taken for a file system of 0 bytes, every page was larger than it and
+    refused there, the tier written never (the check that keeps pages larger than the file system out). The
+    size is os.statvfs's, made 0 for that tier: such a mount cannot be made here."""
+    statvfs, fuse = os.statvfs, os.path.realpath(os.path.join(tier_root, "fuse"))
+    os.makedirs(fuse)
+
+    def sizeless(path, *args):
+        st = statvfs(path, *args)
+        if not os.path.realpath(path).startswith(fuse):
+            return st
+        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
+
+    monkeypatch.setattr(os, "statvfs", sizeless)
+    pages = PageSet(MIB)
+    with make_engine([fuse]) as engine:
+        assert pages.put(engine, pages.keys(4)) == [True] * 4
+        assert engine.stats()["tiers"][0]["write_failures"] == 0
+        assert pages.checked_get(engine, pages.keys(4)) == [True] * 4
