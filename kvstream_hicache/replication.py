@@ -203,6 +203,8 @@ class Replicator:
                 continue
             info = self.index.get(key)
             faster = _above_fastest(healthy, info.tiers) if info is not None else 0
+            # (a tier whose capacity is below the page never holds it: owed, it was tried for good, its copy held)
+            faster = sum(1 << k for k in tiers_in(faster) if self.index.ever_fits(k, info.length)) if faster else 0
             if not faster:
                 continue
             source, size = None, file_size(info.length)

@@ -54,6 +54,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 
+from .config import Capacity
 from .index import RETRY, Index
 from .integrity import (
     Reason, ScannedPage, each_shard_entry, each_tmp_problem, judge_and_fix, restored, scan_entry, shards,
@@ -117,7 +118,7 @@ class BackgroundScan:
     """
 
     def __init__(self, tiers: Sequence[Tier], index: Index, digest: str, rate: float, cpu: float,
-                 trim: Callable[[int], None], level: int = logging.INFO,
+                 trim: Callable[[int], int], level: int = logging.INFO,
                  done: Callable[[], None] = lambda: None):
         self.index = index
         self.level = level
@@ -326,7 +327,11 @@ class BackgroundScan:
         if not self._failed(part, at):  # (a stop or a clear returned above)
             part.listed = True  # (before the settle and the trim: every file listed is indexed now)
         self.index.settle(tier.k, added, self.epoch)
-        self.trim(tier.k)
+        trimmed = self.trim(tier.k)
+        if trimmed:  # (an operator lowered the capacity: the pages that go are said once, with the setting)
+            log.warning("kvstream: tier %d (%s) held more than its capacity of %s (setting capacity, "
+                        "KVSTREAM_CAPACITY; lowered since the last run): evicted its %d least recent pages",
+                        tier.k, tier.root, Capacity(tier.capacity), trimmed)
         part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
         if part.damaged or part.tmp:
             log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "

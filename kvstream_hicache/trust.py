@@ -338,12 +338,26 @@ def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag:
         for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
             raise dir_error(path, st, why, trust, source)
         close_fd(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))
-        for path, st, why in dir_findings(layout, trust, base=False):
-            raise dir_error(path, st, why, trust, source)
+        findings = dir_findings(layout, trust, base=False)
+        if findings:
+            raise _refusal(findings, layout, trust, source)
         return trust
     finally:
         close_fd(base_fd)
         close_fd(tmp_fd)
+
+
+def _refusal(findings: list[tuple[str, os.stat_result, str]], layout: TierLayout, trust: Trust,
+             source: str) -> ConfigError:
+    """The start-up's refusal of the first of ``findings``; where several shards fail alike (a tree that
+    file_mode=shared added shards to, started private again), the fix names their namespace directory: run
+    once, it is the whole fix (one shard's was: each restart refused the next)."""
+    path, st, why = findings[0]
+    fixes = {dir_fix(layout.pages, s, trust) for p, s, _ in findings}
+    if len(findings) < 2 or len(fixes) > 1 or any(os.path.dirname(p) != layout.pages for p, _, _ in findings):
+        return dir_error(path, st, why, trust, source)
+    return ConfigError(f"tier directory {path} (from {source}) {why} ({describe(st)}), and {len(findings) - 1} "
+                       f"more shard directories of its namespace: {fixes.pop()}")
 
 
 def dir_findings(layout: TierLayout, trust: Trust, base: bool = True,

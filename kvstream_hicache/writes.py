@@ -175,20 +175,23 @@ class WritePath:
         for page, k in dropped:
             self.queue.job_over_under_writer(page, k)
 
-    def trim(self, k: int) -> None:
+    def trim(self, k: int) -> int:
         """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
         writer does when it makes room, TRIM_BYTES at a time behind the writes in progress (the
         start-up scan found the tier over its capacity: one lowered since the last run). The excess is
         measured again at each step: a write may have made room in between (a stale excess would evict
         pages that fit). The scan calls this on its own thread, which must hold no reference to the
         engine: were the engine dropped meanwhile, its finalizer (close, which waits for the scan)
-        would run there and wait for itself."""
+        would run there and wait for itself. Returns the pages evicted (the scan says so, once)."""
+        evicted = 0
         while not self.queue.closing:
             with self.exclusive():
                 victims = self.index.evict_excess(k, TRIM_BYTES)
                 self.jobs.evicted_under_writer(k, victims)
+            evicted += len(victims)
             if not victims:
-                return
+                break
+        return evicted
 
     def close(self) -> None:
         """Write what is queued, stop the writer, close the ring (in a background thread while a hung

@@ -669,3 +669,19 @@ def test_a_copy_a_tier_evicts_during_the_start_up_scan_is_not_owed_back(tier_dir
         wait_until(lambda: engine.stats()["tiers"][0]["replication_pending"] <= 30, timeout=10,
                    what=f"tier 0 owed its evicted copies back: {engine.stats()['tiers'][0]['replication_pending']}")
         assert [engine.index.evicted_from(k, 0) for k in late] == [True, True]
+
+
+def test_a_page_read_from_a_slower_tier_is_not_promoted_to_a_tier_whose_capacity_never_holds_it(tier_dirs):
+    """An operator gives tier 0 a capacity below one page (the Engine API and LMCache's adapter know no page
+    size to refuse it with; or a page larger than the rest): the puts skip it, and a get reads the pages from
+    tier 1 alone. Promoting them to tier 0 can never succeed: they are not owed there, and no copy of them is
+    held in memory. Before, each was owed for good, tried again every second, failing, with its copy held
+    (promote_bytes taken: no page read since was promoted with its copy to any tier) (reviewer reconfig)."""
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine(tier_dirs[:2], capacity=f"{PAGE_BYTES // 2}{os.pathsep}") as engine:
+        assert pages.put(engine, keys) == [True] * 4
+        assert [engine.index.holders(k) for k in keys] == [0b10] * 4
+        assert pages.checked_get(engine, keys) == [True] * 4
+        tier0 = engine.stats()["tiers"][0]
+        assert (tier0["replication_pending"], len(engine._replicas._copies)) == (0, 0), tier0

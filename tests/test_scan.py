@@ -173,6 +173,23 @@ def test_capacity_eviction_before_and_after_the_scan(tier_dirs):
         assert engine.check() == []
 
 
+def test_a_capacity_lowered_since_the_last_run_is_said_once_with_the_setting(tier_dirs, caplog):
+    """An operator restarts with a capacity below what a tier holds: the scan's trim evicts the excess
+    and says so in one line per tier naming the setting, its value and the pages evicted; a tier within
+    its capacity says nothing. Before, the trim evicted 5 of 8 pages without a word (reviewer reconfig)."""
+    pages, keys = PageSet(), PageSet().keys(8)
+    with make_engine(tier_dirs[:2], replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * 8
+    caplog.set_level("INFO", logger="kvstream")
+    with make_engine(tier_dirs[:2], capacity=os.pathsep.join([str(3 * PAGE_BYTES), ""])) as engine:
+        assert engine.wait_scan(WAIT_S)
+        assert len(page_files(tier_dirs[0])) == 3 and len(page_files(tier_dirs[1])) == 8
+        assert pages.checked_get(engine, keys) == [True] * 8  # (tier 1 holds every page still)
+    said = messages(caplog, "capacity")
+    assert len(said) == 1 and "tier 0" in said[0] and "KVSTREAM_CAPACITY" in said[0], said
+    assert "evicted its 5 least recent pages" in said[0] and "144 KiB" in said[0], said
+
+
 def test_the_trim_never_evicts_what_writes_made_room_for(tier_dirs, monkeypatch):
     """The scan ends over capacity, and writes evict the excess before its trim runs (the LMCache peer
     suite's FIFO test caught this under load): the trim measures the excess again, and evicts no page

@@ -451,3 +451,31 @@ def test_a_scheduler_process_that_exits_with_backups_queued_logs_no_failure(tier
     assert "STORED 64" in done.stdout and "EXIT" in done.stdout, (done.stdout, done.stderr[-3000:])
     assert "EngineClosedError" not in done.stderr, done.stderr[-3000:]
     assert "pages failed" not in done.stderr, done.stderr[-3000:]
+
+
+def test_mla_pages_of_dcp_shards_are_kept_apart(tier_dirs):
+    """Under decode context parallelism (sglang's DCP, MLA only) each DCP rank's host page holds its own
+    shard of a logical page: ranks 0 and 1 store different bytes under the same page keys, and an operator
+    who turns DCP on (or changes its size) changes what a page holds. The namespace takes the DCP rank and
+    size (sglang's own file backend keys pages by them); before, every DCP shard shared MLA's one namespace
+    and rank 1 was served rank 0's shard (reviewer reconfig)."""
+    from dataclasses import replace
+
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    extra = tiers_config(tier_dirs[:2])
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    tokens = cpu_sglang.random_tokens(2 * PAGE, seed=61)
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    idx = cpu_sglang.fill_random(pools, len(tokens), seed=61)
+    plain = cpu_sglang.storage_config(pools, extra_config=extra, tp_size=2)
+    shard = {r: replace(plain, tp_rank=r, dcp_rank=r, dcp_size=2, logical_page_size=2 * PAGE) for r in (0, 1)}
+    writer = KVStreamHiCacheStorage(shard[0], pools.host)
+    assert writer.batch_set_v1(keys, idx) == [True, True] and writer.batch_exists(keys) == 2
+    writer.close()
+    for cfg in (shard[1], plain):  # another DCP shard; the same rank with DCP off
+        reader = KVStreamHiCacheStorage(cfg, pools.host)
+        try:
+            assert reader.namespace != writer.namespace and reader.batch_exists(keys) == 0, cfg
+        finally:
+            reader.close()

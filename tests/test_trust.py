@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -331,3 +332,25 @@ def test_link_new_names_a_file_only_where_nothing_has_the_name(tmp_path, monkeyp
     finally:
         os.close(fd)
     assert (tmp_path / "free").read_bytes() == b"new" and (tmp_path / "src").exists() == links
+
+
+def test_private_mode_after_shared_mode_names_a_fix_for_every_shard_it_refuses(tier_dirs):
+    """An operator runs a private tree in file_mode=shared for a while (its new shards come out 2770), then
+    switches back to private: the start is refused, and the fix it names, run once, is the whole fix. Before,
+    it named the first refused shard alone (chmod -R g-w <that shard>): each restart refused the next one, up
+    to 256 restarts (reviewer reconfig)."""
+    pages = PageSet()
+    with make_engine(tier_dirs[:1]) as engine:  # private: the tree and its first shards 0700
+        assert pages.put(engine, pages.keys(2)) == [True] * 2
+    with make_engine(tier_dirs[:1], file_mode="shared") as engine:
+        assert pages.put(engine, pages.keys(8, start=100)) == [True] * 8
+    for attempt in range(2):
+        try:
+            make_engine(tier_dirs[:1]).close()
+            break
+        except ConfigError as exc:
+            fix = re.search(r"chmod -R g-w (\S+)", str(exc))
+            assert fix is not None and attempt == 0, f"refused again after the named fix was run: {exc}"
+            assert subprocess.run(["chmod", "-R", "g-w", fix.group(1)]).returncode == 0
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.checked_get(engine, pages.keys(2) + pages.keys(8, start=100)) == [True] * 10

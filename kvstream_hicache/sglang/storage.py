@@ -612,6 +612,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             fields["heads"] = [getattr(host, "head_num", None), getattr(host, "head_dim", None),
                                getattr(host, "v_head_dim", None)]
             fields["tp"] = [cfg.tp_rank, cfg.tp_size]
+        if getattr(cfg, "dcp_size", 1) > 1:  # (DCP, MLA only: each DCP rank's page is its own shard of a logical
+            # page, as sglang's file backend keys it; without DCP the key is left out: digests stay as they were)
+            fields["dcp"] = [cfg.dcp_rank, cfg.dcp_size, cfg.logical_page_size]
         kv_dtype = _kv_cache_dtype(host)
         if kv_dtype is not None:  # (only where the pool's dtype cannot say: other namespaces keep their digest)
             fields["kv_cache_dtype"] = kv_dtype
