@@ -38,7 +38,7 @@ capacity eviction works from the pages known (those written, read or scanned so 
 ``progress()`` (``Engine.stats()["scan"]``, ``Engine.scan``) says so. For ``kvstream info`` (another
 process) the progress is also written, at most once a second, to this user's file
 ``<runtime dir>/kvstream-<uid>/scan-<pid>-<digest>.json`` on this host (removed at close; one whose
-process is gone, killed, is removed by the next ``kvstream info``: :func:`running_scans`).
+process is gone, killed, is removed by the next ``kvstream info`` or the next engine's start: :func:`running_scans`).
 """
 from __future__ import annotations
 
@@ -140,6 +140,9 @@ class BackgroundScan:
         self.progress_path = os.path.join(progress_dir(), f"scan-{os.getpid()}-{digest}.json")
 
     def start(self) -> None:
+        # The files of engines whose process is gone: an SGLang scheduler is killed at shutdown, its engine
+        # never closed (close_at_exit off), so each start left its file for good unless `kvstream info` ran
+        running_scans()
         for thread in self._threads:
             thread.start()
         if not self._threads:

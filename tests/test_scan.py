@@ -650,6 +650,27 @@ def test_kvstream_info_lists_no_scan_of_a_process_that_is_gone(tmp_path, monkeyp
     assert sorted(os.listdir(where)) == ["scan-earlier.json", "scan-live.json"]
 
 
+def test_an_engine_start_removes_the_progress_files_of_scans_whose_process_is_gone(tier_dirs, tmp_path, monkeypatch):
+    """An SGLang server's engine is never closed (its scheduler is killed at shutdown: close_at_exit off), so
+    each start of each rank left its scan's progress file in ``kvstream-<uid>`` for good, unless someone ran
+    ``kvstream info``: a server restarted daily for a year left 365 files per rank (found by a trial of SGLang
+    server options: every stop of a real server left one). A new engine's scan removes those of processes
+    that are gone, as ``kvstream info`` does; a live process's stays."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    where = scan_module.progress_dir()
+    os.makedirs(where, mode=0o700)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = [os.path.join(where, f"scan-{gone.pid}-{i:032x}.json") for i in range(3)]
+    live = os.path.join(where, "scan-live.json")
+    for path, pid, started in [(p, gone.pid, 1) for p in stale] + [(live, os.getpid(), tmpfiles.started(os.getpid()))]:
+        with open(path, "w") as f:
+            json.dump({"pid": pid, "started": started}, f)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert engine.wait_scan(WAIT_S)
+        assert [p for p in stale if os.path.exists(p)] == [] and os.path.exists(live)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")
 @pytest.mark.parametrize("planted", ["directory", "link"])
 def test_kvstream_info_reads_no_scan_file_in_a_directory_another_user_made(tier_root, monkeypatch, planted):

@@ -113,6 +113,9 @@ def test_l3_hit_after_flush_gives_the_same_tokens(servers, expected):
 
 def test_layer_first_host_layout(servers, expected):
     srv, ids = servers["layer_first"], prompt(7)
+    # (its pieces, 64 tokens x 2 heads x 64 x 2 B, are 4096-aligned: written from the pool, not staged)
+    line = next(ln for ln in srv.log().splitlines() if "kvstream: 2 tiers [" in ln)
+    assert "layout layer_first" in line and "; zero-copy (" in line, line
     assert outputs(srv.store(ids)) == expected(7)
     warm, moved = srv.from_l3(ids)
     assert srv.storage_tokens(warm) == PAGES * PAGE, warm["meta"]

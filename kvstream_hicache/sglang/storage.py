@@ -102,6 +102,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._segments_per_page = 0
         self._reorder_kv = False
         self._page_bytes = 0
+        self._aligned = False  # every piece of a host page 4096-aligned (_describe_pages)
         self._warned: dict[tuple[str, str], list] = {}
         self.counters = {"errors": 0, "legacy_calls": 0, "refused_calls": 0, "invalid_keys": 0,
                          "bad_arguments": 0, "bad_host_indices": 0, "metrics_errors": 0}
@@ -588,6 +589,12 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         self._segments_per_page = len(sizes)
         self._page_bytes = sum(sizes)
         self._reorder_kv = not self.is_mla and host.layout == "layer_first"
+        # From the pieces themselves, not sglang's is_stride_page_aligned (False for any layer_first pool, whose
+        # pieces of 64-token pages are aligned: the start-up line said "staged" for pages moved in place). A
+        # piece's address is affine in the page (base + page x stride + offset): pages 0 and 1 decide for all.
+        pages = 2 if (getattr(host, "size", None) or 0) >= 2 * host.page_size else 1
+        ptrs, sizes = host.get_page_buffer_meta(torch.arange(pages * host.page_size, dtype=torch.int64))
+        self._aligned = all(a % ALIGN == 0 and n % ALIGN == 0 for a, n in zip(ptrs, sizes))
 
     def _namespace_fields(self, host) -> dict:
         cfg = self.storage_config
@@ -661,12 +668,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
 
     @property
     def zero_copy(self) -> bool:
-        """True when the host pool's pages are 4096-aligned in address and size: O_DIRECT from host memory."""
-        host = self.mem_pool_host
-        try:
-            return bool(host.is_stride_page_aligned(ALIGN))
-        except Exception:  # pools without the helper (sglang's contract does not require it)
-            return False
+        """True when every piece of the host pool's pages is 4096-aligned in address and size: written with
+        O_DIRECT from host memory (puts.py: a page whose pieces all are), read into it in place."""
+        return self._aligned
 
     def startup_line(self) -> str:
         """The one-line effective configuration logged at start-up (rank 0)."""
