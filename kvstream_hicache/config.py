@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import re
@@ -261,6 +262,14 @@ def parse_flag(value: Any, what: str) -> bool:
 
 def _split(value: Any, what: str) -> list[str]:
     if isinstance(value, str):
+        if value.strip().startswith("[") and value.strip().endswith("]"):  # (the extra config's list, in a string)
+            try:
+                listed = os.pathsep.join(map(str, json.loads(value)))
+            except (ValueError, TypeError):
+                listed = f"a{os.pathsep}b"
+            raise ConfigError(f"{what}: {value!r} is a JSON list in a string; a string takes the entries "
+                              f"separated by {os.pathsep!r}, as PATH does: {listed} (the extra config also takes "
+                              "a JSON list itself)")
         return value.split(os.pathsep)
     if isinstance(value, (list, tuple)):
         return [str(v) if v is not None else "" for v in value]

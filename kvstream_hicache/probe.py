@@ -126,12 +126,14 @@ class Probed(NamedTuple):
     # unknown yet for a tier that did not answer: resolved when it does, tiers.py)
 
 
-def probe_tiers(config: Config) -> Probed:
+def probe_tiers(config: Config, announce: bool = True) -> Probed:
     """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
     tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. One O_DIRECT probe per
     tier: the owner its file comes out with is handed to the tier's start-up (trust.establish). A tier
     that may hang is probed on its own calls thread, waited for at most write_timeout; one that does not
     answer in time is left out of the checks (its look's real path is None: the engine starts it failed).
+
+    ``announce`` False: the warnings are returned, not logged (a check before the engine that logs them).
 
     :raises TierError: naming the tier, the setting and the fix.
     """
@@ -167,7 +169,7 @@ def probe_tiers(config: Config) -> Probed:
     except BaseException:
         let_go(looks)  # (no Tier takes them: their threads end)
         raise
-    for w in warnings:
+    for w in warnings if announce else ():
         log.warning("kvstream: %s", w)
     return Probed(warnings, owners, looks, capacities)
 

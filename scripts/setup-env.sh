@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVSTREAM_VENV:-.venv}
 PY=${PYTHON:-python3}
+TORCH_INDEX=${KVSTREAM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 
 bash scripts/system-deps.sh
 
@@ -32,7 +33,12 @@ stamp="$VENV/.kvstream-deps-$( (sha1sum scripts/setup-env.sh "$CONSTRAINTS"; ech
 if [ ! -e "$stamp" ]; then
   echo "[setup] installing Python packages into $VENV (torch CPU, sglang 0.5.23, test tools)"
   "$PIP" install -q --upgrade pip setuptools wheel
-  "$PIP" install -q -c "$CONSTRAINTS" torch==2.13.0
+  # torch 2.13.0+cpu (the constraint) is on PyTorch's CPU index, not on PyPI: pip's own indexes first (a
+  # mirror or wheel directory that has it), then that index (KVSTREAM_TORCH_INDEX)
+  "$PIP" install -q -c "$CONSTRAINTS" torch==2.13.0 2>/dev/null || {
+    echo "[setup] torch 2.13.0+cpu is not on pip's indexes here: from PyTorch's CPU index $TORCH_INDEX"
+    "$PIP" install -q -c "$CONSTRAINTS" --extra-index-url "$TORCH_INDEX" torch==2.13.0
+  }
   "$PIP" install -q --no-deps sglang==0.5.23
   "$PIP" install -q -c "$CONSTRAINTS" numpy orjson psutil pybase64 requests packaging pillow starlette \
     msgspec pydantic pyzmq tqdm IPython aiohttp transformers==5.19.0 dill apache-tvm-ffi==0.1.11 \

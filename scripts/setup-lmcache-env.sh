@@ -17,6 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVSTREAM_LMCACHE_VENV:-.venv-lmcache}
 PY=${PYTHON:-python3}
+TORCH_INDEX=${KVSTREAM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 CONSTRAINTS=scripts/constraints-lmcache.txt
 
 bash scripts/system-deps.sh
@@ -27,7 +28,11 @@ stamp="$VENV/.kvstream-lmcache-deps-$(sha1sum scripts/setup-lmcache-env.sh "$CON
 if [ ! -e "$stamp" ]; then
   echo "[setup-lmcache] installing lmcache 0.5.6 + CPU torch into $VENV"
   "${PIP[@]}" install -q -c "$CONSTRAINTS" --upgrade pip "setuptools>=77" wheel
-  "${PIP[@]}" install -q -c "$CONSTRAINTS" torch==2.13.0
+  # (torch 2.13.0+cpu: pip's own indexes first, then PyTorch's CPU index, as setup-env.sh)
+  "${PIP[@]}" install -q -c "$CONSTRAINTS" torch==2.13.0 2>/dev/null || {
+    echo "[setup-lmcache] torch 2.13.0+cpu is not on pip's indexes here: from PyTorch's CPU index $TORCH_INDEX"
+    "${PIP[@]}" install -q -c "$CONSTRAINTS" --extra-index-url "$TORCH_INDEX" torch==2.13.0
+  }
   "${PIP[@]}" install -q -c "$CONSTRAINTS" --no-deps lmcache==0.5.6
   # What lmcache 0.5.6 imports on CPU for: the storage managers, L2 adapters, `lmcache server`.
   "${PIP[@]}" install -q -c "$CONSTRAINTS" numba numpy pyyaml requests cachetools sortedcontainers \

@@ -150,6 +150,10 @@ def _bindfs(tier_root: str, name: str, watchdog_s: float | None):
     ``watchdog_s``, a watchdog resumes the daemon after that long (the unmount would hang with it stopped)."""
     if shutil.which("bindfs") is None:
         pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
+    try:  # (a user outside root and the fuse group: bindfs says "failed to open /dev/fuse" and never mounts)
+        os.close(os.open("/dev/fuse", os.O_RDWR))
+    except OSError as exc:
+        pytest.skip(f"/dev/fuse cannot be opened by this user ({exc.strerror}): FUSE tiers need root")
     src, mnt = os.path.join(tier_root, f"src{name}"), os.path.join(tier_root, f"fuse{name}")
     os.mkdir(src, 0o700)
     os.mkdir(mnt)

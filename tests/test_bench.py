@@ -148,6 +148,24 @@ def test_preflight_says_what_is_missing_and_how_to_fix_it(monkeypatch, tmp_path)
         testbed.up(testbed.PROFILES["testbed2-1:20"], image_dir=str(tmp_path), fio_bs=None, log=lambda m: None)
 
 
+def test_preflight_as_a_user_finds_the_tools_in_sbin_and_names_the_command_sudo_runs(monkeypatch, tmp_path):
+    """A user's PATH (Debian) has no /usr/sbin: `kvstream testbed up` said "losetup not found. Fix: apt-get
+    install util-linux" beside "not root", with util-linux installed (the fix that mattered, sudo, finds it);
+    and its "Fix: sudo kvstream testbed up" names a command sudo does not find where kvstream is a venv's
+    (the README's `.venv/bin/kvstream`: sudo's secure_path has no venv)."""
+    if not any(os.path.exists(os.path.join(d, "losetup")) for d in ("/usr/sbin", "/sbin")):
+        pytest.skip("no losetup in /usr/sbin or /sbin here")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    venv_kvstream = tmp_path / ".venv" / "bin" / "kvstream"
+    venv_kvstream.parent.mkdir(parents=True)
+    venv_kvstream.write_text("#!/bin/sh\n")
+    monkeypatch.setattr("sys.argv", [str(venv_kvstream), "testbed", "up"])
+    text = "\n".join(testbed.preflight(str(tmp_path), need_fio=False))
+    assert "losetup not found" not in text, text
+    assert f"sudo {venv_kvstream} testbed up" in text, text
+
+
 def test_down_of_a_testbed_that_is_not_up_is_a_no_op(monkeypatch, tmp_path):
     monkeypatch.setattr(testbed, "STATE_DIR", str(tmp_path / "state"))
     monkeypatch.setattr(testbed, "BLKIO_ROOT", str(tmp_path / "blkio"))

@@ -185,6 +185,7 @@ def test_serve_cpu_stopped_by_a_second_signal_still_stops_its_server_and_removes
         _end_serve_cpu(child, server)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting another user's link needs root (CI runs as root)")
 def test_serve_cpu_s_default_log_follows_no_link_another_user_planted(tmp_path):
     """`kvstream serve-cpu` without --log, its TMPDIR a shared sticky directory (/tmp): another user who plants a
     link at the log's name (before: kvstream-serve-cpu-<pid>.log, a pid anyone can guess) to a file only the
@@ -229,3 +230,19 @@ os.lchown(link, 65534, 65534)
         assert os.stat(logs[0]).st_mode & 0o077 == 0  # (the server's log is the user's alone, as mkstemp makes it)
     finally:
         _end_serve_cpu(child, server)
+
+
+def test_kvstream_info_finds_the_scan_of_a_serve_cpu_server(tmp_path, monkeypatch):
+    """docs/sglang.md: `kvstream info` shows the start-up scan's progress, and serve-cpu's tiers are for
+    `kvstream info --tiers`. serve-cpu gave its server the run's scratch as TMPDIR (sglang's IPC sockets), and
+    kvstream's progress directory follows TMPDIR where XDG_RUNTIME_DIR is unset (`su -`, a container): the
+    server's scan went into the scratch and `kvstream info` in the user's shell listed no scan."""
+    from kvstream_hicache.tools import serve_cpu
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    env = serve_cpu.run_env([str(tmp_path / "t0"), str(tmp_path / "t1")], str(tmp_path / "scratch"))
+    assert env["TMPDIR"] == str(tmp_path / "scratch")  # (kept: sglang's sockets go there)
+    code = "from kvstream_hicache.scan import progress_dir; print(progress_dir())"
+    server = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    shell = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert server.stdout == shell.stdout, (server.stdout, shell.stdout)

@@ -8,6 +8,7 @@ injected EINVAL shows the check on any file system).
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import subprocess
@@ -52,6 +53,23 @@ def test_a_tier_list_separated_by_commas_says_which_separator(tier_root):
     paths = [os.path.join(tier_root, n) for n in ("a", "b")]
     err = _start({"tiers": ",".join(paths)})
     _has_all(str(err), "does not exist", f"separated by '{os.pathsep}', not ','")
+
+
+@pytest.mark.parametrize("key", ["tiers", "capacity"])
+def test_a_json_list_in_a_variable_says_how_a_variable_lists(tier_root, key):
+    """docs/sglang.md: `tiers` is "a JSON list, or one string separated by ':'"; a user who wrote the list in
+    KVSTREAM_TIERS (as the extra config takes it) had it taken as one relative directory named '["/a", "/b"]'
+    under the server's working directory, and was told to `mkdir -p` it."""
+    paths = [os.path.join(tier_root, n) for n in ("a", "b")]
+    for p in paths:
+        os.mkdir(p)
+    env = {"KVSTREAM_TIERS": os.pathsep.join(paths)}
+    written = json.dumps(paths if key == "tiers" else ["1G", "2G"])
+    env[f"KVSTREAM_{key.upper()}"] = written
+    with pytest.raises(ConfigError) as info:
+        Config.from_sources(None, environ=env)
+    want = os.pathsep.join(paths) if key == "tiers" else f"1G{os.pathsep}2G"
+    _has_all(str(info.value), f"KVSTREAM_{key.upper()}", repr(written), "JSON list", want)
 
 
 @pytest.mark.parametrize("written", ["1G,2G", "1G 50%", "1G;2G"])
@@ -413,6 +431,7 @@ def test_tier_paths_expand_variables_and_errors_show_them_as_written(tier_root, 
     _has_all(str(err), missing, "written '$KVSTREAM_TEST_ROOT/missing'", f"mkdir -p {missing}")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root (CI runs as root)")
 def test_an_unreadable_namespace_directory_is_a_tier_error(tier_root):
     """A namespace directory this user cannot open (chmod 000, another user's) used to stop the start-up
     with a bare "PermissionError: ... '<digest>'"."""

@@ -573,6 +573,8 @@ def test_a_clear_owed_survives_a_tree_made_shared_with_chmod_g_rwx(tier_dirs, gr
     their pages anyway): the clear is done, no stale page served (before, the record was ignored for its mode,
     and the pages of before the clear were served). A record another group may write names no tier of theirs
     (a member's edit naming a private tier): ignored, as before."""
+    if group == "another" and os.geteuid() != 0:
+        pytest.skip("giving a file a group of which this user is no member needs root (CI runs as root)")
     dirs = tier_dirs[:2]
     pages = PageSet()
     keys = pages.keys(3)

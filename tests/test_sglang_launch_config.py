@@ -107,6 +107,39 @@ def test_sglangs_launcher_refuses_a_bad_extra_config_before_any_scheduler_starts
     assert "is not valid JSON" in got, got
 
 
+def test_sglangs_launcher_refuses_a_tier_the_backend_would_refuse_before_any_scheduler_starts(tier):
+    """A newcomer's first mistake, a tier directory that does not exist (or a file, or not writable), passed the
+    launcher's check: the server loaded its model, the scheduler raised at the backend's attach (~35 s on a CPU
+    server, a 35-line traceback), and sglang SIGKILLed the launcher. docs/sglang.md, section 5: the launcher
+    checks every kvstream setting before it starts a scheduler."""
+    afile = os.path.join(tier, "afile")
+    open(afile, "w").close()
+    for tiers, expected in (([tier, os.path.join(tier, "nope")], ["does not exist", "mkdir -p"]),
+                            ([afile], ["is not a directory"])):
+        argv = ["--model-path", "dummy", "--enable-hierarchical-cache", "--page-size", "64",
+                "--hicache-storage-backend", "kvstream", "--hicache-storage-backend-extra-config",
+                json.dumps({"tiers": tiers})]
+        proc = run_python(LAUNCHER.replace("json.loads(sys.argv[1])", repr(argv)))
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        got = json.loads(lines[-1][len("RESULT "):])
+        assert got.startswith("TierError: tier "), got
+        assert "extra config 'tiers'" in got and all(e in got for e in expected), got
+    if os.geteuid() != 0:  # (root writes anywhere)
+        os.chmod(afile, 0o600)
+        ro = os.path.join(tier, "ro")
+        os.mkdir(ro, 0o555)
+        with pytest.raises(ConfigError, match="is not writable"):
+            check_extra_config_probed(ro)
+    check_extra_config_probed(tier)  # (a tier the backend takes passes)
+
+
+def check_extra_config_probed(tier: str) -> None:
+    from kvstream_hicache.sglang.plugin import check_extra_config
+
+    check_extra_config("kvstream", json.dumps({"tiers": [tier]}), environ={}, probe=True)
+
+
 def test_the_counters_the_docs_list_are_at_0_from_the_attach():
     """A counter that appears only at its first event is absent from /metrics (a real server showed no
     under_replicated_pages_total, adapter_errors_total or pages_total{result="missing"}), and Prometheus'

@@ -35,7 +35,7 @@ import pytest
 
 from kvstream_hicache._uring import Ring
 from kvstream_hicache.tools import serve_cpu
-from helpers import flip_byte, page_files, tmp_files
+from helpers import flip_byte, page_files, tmp_files, wait_until
 from sglang_servers import KV, PAGE, PAGES, Server, prompt, server_dirs, sv
 
 pytestmark = pytest.mark.timeout(900)  # the first test also waits for the first wave
@@ -148,6 +148,11 @@ def test_one_tier_reads_land_in_the_registered_host_pool(env, servers, expected)
 
 def test_log_and_metrics_show_kvstream(servers):
     kv = servers["kv"]
+    # a request of its own (alone, `-k`, the write counter stayed 0: only the tests before it had written); the
+    # counters are exported at most once a second
+    kv.store(prompt(9))
+    wait_until(lambda: sum(v for (name, _l), v in kv.metrics().items() if name == KV + "tier_write_bytes_total") > 0,
+               30, "kvstream:tier_write_bytes_total never counted the store")
     log = kv.log()
     assert "[kvstream cpu-shims]" in log and "CPU shims installed" in log  # what the shims replace, said
     start = [ln for ln in log.splitlines() if "kvstream: 2 tiers [" in ln]

@@ -85,14 +85,17 @@ def _check_server_args(server_args, *_args, **_kwargs) -> None:
             or getattr(server_args, "disaggregation_decode_enable_offload_kvcache", False)):
         return  # no scheduler builds a storage backend: its extra config is never read (sglang started it)
     check_extra_config(getattr(server_args, "hicache_storage_backend", None),
-                       getattr(server_args, "hicache_storage_backend_extra_config", None))
+                       getattr(server_args, "hicache_storage_backend_extra_config", None), probe=True)
 
 
-def check_extra_config(backend: str | None, text: str | None, environ: Mapping[str, str] | None = None) -> None:
+def check_extra_config(backend: str | None, text: str | None, environ: Mapping[str, str] | None = None,
+                       probe: bool = False) -> None:
     """Refuse a kvstream extra config the schedulers would refuse, as they would read it: the flag's JSON
     (or ``@file``) as sglang parses it, then every kvstream setting as the backend reads it (extra config
     over ``KVSTREAM_*`` over defaults). Other backends' configs, and a ``dynamic`` one that does not name
-    kvstream's module, are sglang's to judge.
+    kvstream's module, are sglang's to judge. ``probe``: the tier directories too, as the backend probes
+    them at its attach (exists, a writable directory, O_DIRECT; one that does not answer within
+    write_timeout is left to the backend, which starts it failed): the launcher, on the schedulers' host.
 
     :raises kvstream_hicache.errors.ConfigError: naming the flag or the setting, the value as written, the fix.
     """
@@ -118,7 +121,11 @@ def check_extra_config(backend: str | None, text: str | None, environ: Mapping[s
                           f"write e.g. {EXAMPLE}")
     from .storage import SGLANG_KEYS  # (sglang's own keys: its loader's, its controller's)
 
-    Config.from_sources(extra, os.environ if environ is None else environ, ignore=SGLANG_KEYS)
+    config = Config.from_sources(extra, os.environ if environ is None else environ, ignore=SGLANG_KEYS)
+    if probe:  # (a missing tier was refused only at the attach, after the model loaded, in a scheduler's traceback)
+        from ..probe import let_go, probe_tiers
+
+        let_go(probe_tiers(config, announce=False).looks)  # (the schedulers' engines log its warnings)
 
 
 def _load_extra_config(text: str | None):

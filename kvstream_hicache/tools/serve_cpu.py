@@ -165,6 +165,16 @@ def launch_command(model: str, *, port: int, backend: str | None = "kvstream", l
     return cmd + list(extra)
 
 
+def run_env(dirs: Sequence[str], scratch: str) -> dict[str, str]:
+    """The environment of serve-cpu's server: its tiers' run directories, its TMPDIR the run's ``scratch``.
+    kvstream's scan progress (``kvstream info``) goes under XDG_RUNTIME_DIR, else the temporary directory:
+    with TMPDIR the scratch alone, the server's went where no `kvstream info` of the user looks (in the
+    scratch), so XDG_RUNTIME_DIR is kept where this process's (the user's) would be."""
+    return server_env(KVSTREAM_TIERS=os.pathsep.join(dirs),  # sglang's file and nixl: tier 0's directory
+                      SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=dirs[0], SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR=dirs[0],
+                      TMPDIR=scratch, XDG_RUNTIME_DIR=os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+
+
 def server_env(env: Mapping[str, str] | None = None, *, device: str = "cpu", **extra: str) -> dict[str, str]:
     """The server's environment: on PYTHONPATH the directory this kvstream_hicache was imported from (the
     server runs the same tree as its caller); for the CPU also the shims, the CPU engine, two OpenMP threads.
@@ -359,9 +369,7 @@ def _run(args) -> int:
     tiers.cleanup.insert(0, lambda: shutil.rmtree(scratch, ignore_errors=True))
     try:
         dirs = tiers.run_dirs(args.backend)
-        env = server_env(KVSTREAM_TIERS=os.pathsep.join(dirs),  # sglang's file and nixl: tier 0's directory
-                         SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=dirs[0],
-                         SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR=dirs[0], TMPDIR=scratch)
+        env = run_env(dirs, scratch)
         cmd = launch_command(model, port=args.port, host=args.host, backend=args.backend, layout=args.layout,
                              extra=shlex.split(args.server_args))
         log = args.log or _new_log()

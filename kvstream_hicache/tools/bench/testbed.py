@@ -39,6 +39,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from contextlib import suppress
 from dataclasses import asdict, dataclass, field
@@ -227,9 +228,10 @@ def preflight(image_dir: str = IMAGE_DIR, *, need_fio: bool = True) -> list[str]
     """Everything that stops :func:`up` here, each as one line with its fix. Empty list: ready."""
     problems = []
     if os.geteuid() != 0:
-        problems.append("not root: loop devices, mount and cgroups need root. Fix: sudo kvstream testbed up ...")
+        problems.append("not root: loop devices, mount and cgroups need root. "
+                        f"Fix: sudo {_self_command()} testbed up ...")
     for tool, pkg in (("losetup", "util-linux"), ("mkfs.ext4", "e2fsprogs"), ("mount", "mount")):
-        if shutil.which(tool) is None:
+        if shutil.which(tool, path=_tool_path()) is None:
             problems.append(f"{tool} not found. Fix: apt-get install {pkg}")
     if need_fio and not _fio.available():
         problems.append("fio not found (it puts the physical bound on record). Fix: apt-get install fio, or --no-fio")
@@ -575,8 +577,27 @@ def _unique(items: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+# A user's PATH (Debian, `su` without `-`) has no sbin: losetup and mkfs.ext4 are there, installed
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def _tool_path() -> str:
+    """PATH with the sbin directories it lacks appended: where the testbed's tools are looked for and run."""
+    dirs = [d for d in os.environ.get("PATH", os.defpath).split(os.pathsep) if d]
+    return os.pathsep.join(dirs + [d for d in SBIN if d not in dirs])
+
+
+def _self_command() -> str:
+    """How sudo runs this command: the full path of a `kvstream` outside sudo's secure_path (a venv's,
+    as the README runs it), else its name."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if os.path.basename(argv0) == "kvstream" and os.path.isfile(argv0):
+        return os.path.abspath(argv0)
+    return "kvstream"
+
+
 def _run(cmd: list[str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PATH=_tool_path()))
     if proc.returncode != 0:
         raise TestbedError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
