@@ -29,7 +29,6 @@ that tier is cleared once more at the next start. That costs cached pages, never
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -42,13 +41,11 @@ from .layout import ROOT_DIR, TMP_DIR, is_digest
 from .locks import ranked_lock
 from .tiers import Tier
 from .tmpfiles import NEW_FILE
-from .trust import LOOK_FLAGS, Trust, list_below, make_dir, open_below, scandir_below, tier_group
+from .trust import LOOK_FLAGS, Trust, list_below, make_dir, open_below, tier_group
 
 log = logging.getLogger("kvstream")
 
 SUFFIX = ".clears-owed"
-MARK = ".cleared"  # <digest>.cleared on a local tier: the time of the last clear() of the namespace it took, or
-# that an engine listing it knew of (a record of this format, naming "*": see OwedClears.recall)
 EVERY_PAGE = 1 << 62  # the time of a clear a record names with no time (stop 43's): every page was written before
 MAX_BYTES = 1 << 16  # a record longer than this is not ours
 
@@ -64,8 +61,6 @@ class OwedClears:
         self._others: dict[str, int] = {}  # tiers recalled that no tier of this engine is: kept in the record
         # (a tier left out of one start's list owes its clear still when it is listed again)
         self._kept_in_memory = False  # logged once per stretch without a holder
-        self.mark_name = digest + MARK
-        self._marks: dict[int, int] = {}  # the time each local tier's mark names (0: none), as read or written
 
     def recall(self) -> None:
         """At start-up: each tier a record names owes a clear (a record of each holder is read: one
@@ -81,26 +76,6 @@ class OwedClears:
             mine[root].owe_clear(owed[root])
         self._others = {root: when for root, when in owed.items() if root not in mine}
         self._recorded = owed
-        self._recall_left_out()
-
-    def _recall_left_out(self) -> None:
-        """A tier left out of the tier list while the namespace was cleared never heard of that clear (no
-        record can name a tier its engine does not know): each local tier's mark says the last clear it took,
-        and one whose mark is older than another's owes the latest, as a tier that missed it while failed
-        (before, its stale pages were served and copied back to the other tiers). A tier holding no page
-        directory of the namespace owes nothing: its mark is written by the next note()."""
-        holders = self._holders()
-        for tier in holders:
-            self._marks[tier.k] = read_record(tier.root, self.mark_name, tier.trust, lambda gid: ()).get("*", 0)
-        latest = max(self._marks.values(), default=0)
-        by = next((t for t in holders if self._marks[t.k] == latest), None)
-        for tier in holders:
-            if self._marks[tier.k] < latest and _holds_shards(tier):
-                tier.owe_clear(latest, f"it was not in the tier list (KVSTREAM_TIERS, extra config 'tiers') when a "
-                                       f"clear() of this namespace was asked, as tier {by.k} ({by.root}) records: "
-                                       "its pages of before the clear are removed before it serves")
-        with self._lock:  # (the tiers new to the namespace, once those that owe it are out: no longer holders)
-            self._mark_under_owed()
 
     def recall_for(self, tier: Tier) -> None:
         """A tier that did not answer at start-up answers (its real path known now, Tier.real): a record
@@ -116,7 +91,6 @@ class OwedClears:
         when that did not change. Never raises: a record not written is logged, and written at the next
         call (a clear(), a rejoin, close())."""
         with self._lock:
-            self._mark_under_owed()
             owed = {t.real: t.clear_ns for t in self.tiers if t.clear_owed} | self._others
             if owed == self._recorded:
                 return
@@ -140,19 +114,6 @@ class OwedClears:
             if written:  # (else the next call tries again)
                 self._recorded = owed
 
-    def _mark_under_owed(self) -> None:
-        """Each local tier that took the latest clear() known (or holds no page of before it) says so in its
-        mark (_recall_left_out), written when that changes; one not written is tried again at the next call."""
-        latest = max([t.clear_ns for t in self.tiers] + list(self._marks.values()))
-        for tier in self._holders():
-            if latest and self._marks.get(tier.k, 0) < latest:
-                try:
-                    self._write(tier, {"*": latest}, self.mark_name)
-                    self._marks[tier.k] = latest
-                except OSError as exc:
-                    log.warning("kvstream: could not record the last clear() on tier %d (%s): %s", tier.k,
-                                tier.root, os.strerror(exc.errno or errno.EIO))
-
     def _holders(self) -> list[Tier]:
         return [t for t in self.tiers if t.local and t.healthy and not t.clear_owed]
 
@@ -163,14 +124,13 @@ class OwedClears:
         """trusted_paths of this engine's tiers (the group shared mode trusts: Trust.gid, None in private mode)."""
         return trusted_paths(gid, ((t.trust and t.trust.gid, (t.root, t.real)) for t in self.tiers))
 
-    def _write(self, tier: Tier, owed: dict[str, int], name: str | None = None) -> None:
-        """The record on ``tier`` (``name``: another of this format, the mark) names ``owed`` (none: it goes)."""
-        name = name or self.name
+    def _write(self, tier: Tier, owed: dict[str, int]) -> None:
+        """The record on ``tier`` names ``owed`` (none: it goes)."""
         base = open_below(tier.root, tier.layout.base)
         try:
             if not owed:
                 try:
-                    os.unlink(name, dir_fd=base)  # (kvstream/ is this user's: trust.establish)
+                    os.unlink(self.name, dir_fd=base)  # (kvstream/ is this user's: trust.establish)
                 except FileNotFoundError:
                     pass
                 return
@@ -183,7 +143,7 @@ class OwedClears:
                     os.fsync(fd)
                 finally:
                     close_fd(fd)
-                os.rename(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=base)
+                os.rename(tmp, self.name, src_dir_fd=tmp_dir, dst_dir_fd=base)
             except OSError:
                 try:
                     os.unlink(tmp, dir_fd=tmp_dir)  # (ours: a fresh name no one else writes)
@@ -195,18 +155,6 @@ class OwedClears:
             os.fsync(base)
         finally:
             close_fd(base)
-
-
-def _holds_shards(tier: Tier) -> bool:
-    """Whether ``tier``'s namespace directory holds any entry (a shard: pages may be there); True where that
-    cannot be told."""
-    try:
-        with contextlib.closing(scandir_below(tier.root, tier.layout.pages)) as entries:
-            return next(entries, None) is not None
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
 
 
 def where(root: str) -> str:

@@ -326,15 +326,14 @@ class Tier:
             self._out(vanished, self.retry_s)
         return True
 
-    def owe_clear(self, when_ns: int,
-                  why: str = "it owes a clear() asked before this start (a restart while it was failed)") -> None:
+    def owe_clear(self, when_ns: int) -> None:
         """A clear() this tier missed before the process started, at ``when_ns`` (owed.py recalls it): it
         is out now, and at its first probe, due at once, removes the pages written before then before it
         rejoins (as for a clear it misses while failed)."""
         with self._lock:
             self._clears += 1
             self._clear_ns = max(self._clear_ns, when_ns)
-            self.last_error = why
+            self.last_error = "it owes a clear() asked before this start (a restart while it was failed)"
             self._out(False, 0.0)
 
     @property

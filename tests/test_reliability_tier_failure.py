@@ -507,38 +507,6 @@ def _cleared_while_tier_1_is_away(dirs, pages: PageSet, keys: list[str]) -> str:
     return record
 
 
-def test_a_clear_asked_while_a_tier_was_left_out_of_the_list_is_done_when_it_is_listed_again(tier_dirs, caplog):
-    """An operator restarts with tier 0 left out of KVSTREAM_TIERS, clears the namespace (a weight update:
-    every page is stale KV) and stores again, then lists tier 0 again. Tier 0's pages of before the clear
-    are never served (nor copied to tier 1 by catch-up): the tier starts out, removes them, rejoins, and
-    the start says why in one line naming the setting; pages stored since the clear are served. A new
-    tier listed later with no page of the namespace owes nothing. Before, no engine knew tier 0 owed the
-    clear: its stale pages were served at once and copied back to tier 1 (reviewer reconfig)."""
-    dirs = tier_dirs[:2]
-    pages, fresh = PageSet(), PageSet(salt="after the clear")
-    keys = pages.keys(4)
-    with make_engine(dirs, replicate="all") as engine:
-        assert pages.put(engine, keys) == [True] * 4
-    with make_engine(dirs[1:]) as engine:  # tier 0 left out of the list
-        engine.clear()
-        assert fresh.put(engine, keys[:1]) == [True]
-    assert len(page_files(dirs[0])) == 4  # (its stale pages, still on disk)
-    caplog.set_level(logging.WARNING, logger="kvstream")
-    listed = [tier_dirs[2]] + dirs  # (and a new tier first: nothing of before the clear there, it owes nothing)
-    with make_engine(listed, tier_retry=RETRY_S) as engine:
-        assert engine.tiers[0].healthy and not engine.tiers[1].healthy and engine.index.pages_on(1) == 0
-        assert not any(engine.contains(k) for k in keys[1:]), "pages cleared are found again"
-        assert fresh.checked_get(engine, keys[:1]) == [True]
-        _until_back(engine, 1, lambda: None)
-        assert pages.checked_get(engine, keys[1:]) == [False] * 3, "pages cleared are served again"
-        assert not [f for f in page_files(dirs[0]) for k in keys[1:] if k in f]  # (keys[0]: catch-up's new copy)
-        assert engine.wait_scan(60) and engine.check() == []
-    said = messages(caplog, "KVSTREAM_TIERS")
-    assert len(said) == 1 and "tier 1" in said[0] and "clear()" in said[0], said
-    with make_engine(listed) as engine:  # (each tier took the clear now: none owes it again)
-        assert all(t.healthy for t in engine.tiers) and fresh.checked_get(engine, keys[:1]) == [True]
-
-
 def test_a_clear_owed_when_the_process_ends_is_done_at_the_next_start(tier_dirs):
     """clear() (after a weight update: the pages are stale KV) while tier 1's directory is away, then the
     process ends before it is back. The next engine of the namespace reads the record the clear left on
