@@ -469,12 +469,12 @@ class Engine:
         caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier) for tier in self.tiers]
         return self.index.held_bytes, max((c for c in caps if c is not None), default=0)
 
-    def capacity_limit(self) -> int | None:
-        """The largest tier's capacity (an unlimited tier's: its file system's size), or None when an
-        unlimited tier cannot tell its size: no page set larger than this can be held whole. (With the
-        unlimited tiers left out, a store task larger than every file system was written: each of its pages
-        evicted the tiers' valid pages for the next, and it failed all the same.)"""
-        caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier, cached=True)
+    def capacity_limit(self, fresh: bool = False) -> int | None:
+        """The largest tier's capacity (an unlimited tier's: its file system's size, as last seen; ``fresh``:
+        asked again), or None when an unlimited tier cannot tell its size: no page set larger than this can be
+        held whole. (With the unlimited tiers left out, a store task larger than every file system was written:
+        each of its pages evicted the tiers' valid pages for the next, and it failed all the same.)"""
+        caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier, cached=not fresh)
                 for tier in self.tiers]
         return None if None in caps else max(caps)
 
@@ -483,13 +483,13 @@ class Engine:
         where it cannot say (gone, ESTALE, hung) or did not answer at start-up (not started yet: unasked, a
         statvfs there would wait write_timeout again: LMCache's adapter asks as it starts)."""
         if cached and tier.fs_bytes is not None:
-            return tier.fs_bytes
+            return tier.fs_bytes or None  # (0: it does not say its size)
         if tier.trust is None:
             return None
         # (on the tier's read thread, by read_timeout too, as a lookup: LMCache's get_usage and store
         # submissions must not wait for ever where the tier may hang with write_timeout=0, bounded.py)
         room = tier.room(read=True, within=self.config.read_timeout or None)
-        return None if room is None else tier.fs_bytes
+        return None if room is None else tier.fs_bytes or None
 
     def held(self, key: str) -> bool:
         """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not).

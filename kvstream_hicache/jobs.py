@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from .files import OUT_OF_DESCRIPTORS, Shortage
 from .index import Index
-from .puts import CANCELLED, Job, PutCall, WritePage
+from .puts import CANCELLED, NEVER_FITS, Job, PutCall, WritePage
 from .staging import BufferPool
 from .stats import Every, Stats
 from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
@@ -74,7 +74,9 @@ class Jobs:
         if self._never_fits_under_writer(page, k):  # written, it filled the file system and the pages beside
             # it, which had room, evicted the tier's valid pages at their ENOSPC, all for a write that fails
             if page.copied is not None:
-                page.refused = True  # (a catch-up copy: replication drops it, Replicator._finished)
+                # (a catch-up copy: replication drops it, Replicator._finished; taken for a refusal for room,
+                # the tier's catch-up waited for room for this very page, which never comes, for good)
+                page.refused = NEVER_FITS
             else:
                 self.stats.add(k, "write_failures")
                 self.stats.add(k, "errors")
@@ -323,9 +325,9 @@ class Jobs:
         (statvfs) only where the size it gave last does not settle it: the first page, or one larger than that
         (it may have grown since); the size seen last answers the rest, no call per page."""
         tier = self.tiers[k]
-        if tier.fs_bytes is None or page.file_bytes > tier.fs_bytes:
+        if tier.fs_bytes is None or 0 < tier.fs_bytes < page.file_bytes:  # (0: it does not say: not asked again)
             tier.room()  # (None: cannot tell; it does not keep the page out)
-        return tier.fs_bytes is not None and page.file_bytes > tier.fs_bytes
+        return bool(tier.fs_bytes) and page.file_bytes > tier.fs_bytes
 
     def short_write_errno_under_writer(self, job: Job) -> int:
         """A write that stopped early: the ring reports the bytes done, not the error that

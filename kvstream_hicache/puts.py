@@ -137,10 +137,11 @@ class WritePage:
         self.calls: list[tuple[PutCall, int]] = []  # (put, position of the key in it): first the put whose
         # memory it is written from, then the puts that joined it
         self.evict = True  # may evict the tier's least recent pages to make room (a catch-up copy may not)
-        self.copied: Callable[[bool, float, bool], None] | None = None  # a catch-up copy (replication.py):
+        self.copied: Callable[[bool, float, bool | str], None] | None = None  # a catch-up copy (replication.py):
         # its callback, told whether it committed, how long its job took from its start, and whether a full
-        # tier refused it (``refused``: Jobs._refused_or_failed_under_writer)
-        self.refused = False
+        # tier refused it (``refused``: Jobs._refused_or_failed_under_writer), or NEVER_FITS: its file is larger
+        # than the tier's whole file system (Jobs._never_fits_under_writer)
+        self.refused: bool | str = False
         self.started = 0.0  # when its (last) job started, monotonic s
         self.gate = None  # the CallerGate of the put that brought the page (its memory), if it has one
         self.withdrawn = False  # the put that brought it was interrupted (PutCall.withdraw): its memory taken back;
@@ -238,6 +239,7 @@ class WritePage:
             ctypes.memset(address + n - pad, 0, pad)
 
 
+NEVER_FITS = "never fits"  # WritePage.refused of a catch-up copy larger than the tier's file system
 CANCELLED = -1  # Job.err of a job cancelled: by clear(), a page its caller let go of (WritePage.gone), an unwanted copy
 
 

@@ -60,6 +60,7 @@ from .integrity import HeaderError, block_crcs, unpack_header
 from .layout import HEADER_SIZE, file_size
 from .locks import ranked_lock
 from .priority import ReadPriority
+from .puts import NEVER_FITS
 from .scan import index_found
 from .segments import Payload, Segment
 from .staging import BufferPool
@@ -406,15 +407,17 @@ class Replicator:
         return True
 
     def _finished(self, k: int, key: str, source: "_Source", promoted: bool, ok: bool, took: float,
-                  epoch: int, refused: bool = False) -> None:
+                  epoch: int, refused: bool | str = False) -> None:
         """The writer's callback (its thread): account, pace the tier, free the source if no tier needs
-        it. ``took``: the job's time from its start on the tier (not its wait behind puts and reads)."""
+        it. ``took``: the job's time from its start on the tier (not its wait behind puts and reads).
+        ``refused`` NEVER_FITS: larger than the tier's whole file system, the page alone is dropped there."""
+        never, refused = refused == NEVER_FITS, refused is True
         now = self.clock()
         with self._lock:
             self._busy[k] = None
             free = not promoted
             if epoch == self._epoch:
-                if ok:
+                if ok or never:
                     self._owed[k].pop(key, None)
                 elif key in self._owed[k]:  # (no room when its job started, an error, the writer gave up:
                     self._owed[k].move_to_end(key)  # still owed; the next look decides again)
@@ -437,6 +440,8 @@ class Replicator:
             self._work.notify()
         if free:
             self.pool.put(source.buf)
+        if never:
+            self.stats.add(k, "replication_dropped")
         if ok:
             self.stats.add(k, "replication_done")
             self.stats.add(k, "replication_bytes", source.info.length)
@@ -603,15 +608,17 @@ def _fs_short(tier: Tier, length: int) -> bool:
     or for two more files (a copy takes an inode, maybe its shard directory one more; a file system that
     counts none answers f_files 0): a catch-up copy never takes its last free space (a put would then evict
     the tier's pages to make room for it). False where it cannot be told: a refusal then marks the tier
-    full (Replicator._finished)."""
+    full (Replicator._finished); nor where the file system does not say its size (f_blocks 0: some FUSE and
+    cloud-storage mounts, whose f_bavail is 0 too: every copy owed there was dropped as never fitting)."""
     room = tier.room()
-    return room is not None and (room.free < 2 * file_size(length) or room.inodes is not None and room.inodes < 2)
+    return room is not None and room.size > 0 and (room.free < 2 * file_size(length)
+                                                   or room.inodes is not None and room.inodes < 2)
 
 
 def _larger_than(tier: Tier, nbytes: int) -> bool:
     """Is ``nbytes`` more than the tier's whole file system (a copy that can never go there)?"""
     room = tier.room()
-    return room is not None and nbytes > room.size
+    return room is not None and room.size > 0 and nbytes > room.size  # (0: it does not say, Tier._room)
 
 
 class _Source:

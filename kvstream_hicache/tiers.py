@@ -171,7 +171,9 @@ class Tier:
         self._dirs: set[str] = set()  # page directories known to exist
         self._leftovers: set[str] = set()  # temporary files of this engine whose removal failed with the tier
         # (a FUSE client killed mid-put): removed when it answers again, before it rejoins (_probe)
-        self.fs_bytes: int | None = None  # the size of its file system, as the last room() saw it (None: not yet)
+        # the size of its file system, as the last room() saw it (None: not yet; 0: one that does not say its
+        # size, which bounds nothing: kept, so that it is not asked again for every page)
+        self.fs_bytes: int | None = None
         self.source = source
         self._share = share
         self._placed = placed
@@ -662,7 +664,7 @@ class Tier:
 
     def _room(self, fd: int | None) -> Room:
         st = os.statvfs(self.root)
-        self.fs_bytes = st.f_blocks * st.f_frsize or None  # (0: a file system that does not say its size)
+        self.fs_bytes = st.f_blocks * st.f_frsize  # (0: a file system that does not say its size)
         held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
         return Room(st.f_bavail * st.f_frsize + held, st.f_blocks * st.f_frsize, st.f_favail if st.f_files else None)
 

@@ -133,7 +133,7 @@ class WritePath:
         ``address`` (4096-aligned, padded), to ``tier`` after the tier's foreground FIFO, held back by
         reads as any write; ``evict``: it may evict LRU pages to make room. ``done(committed, seconds,
         refused)`` runs on the writer thread (seconds: from the job's start on the tier to its end; refused: a
-        full tier refused it). Not a put: no
+        full tier refused it; NEVER_FITS: larger than its whole file system). Not a put: no
         put counter moves, and the budget does not count it."""
         page = WritePage(key, [(address, round_up(info.length))], info.length, info.block, 1 << tier)
         page.crcs, page.created, page.evict, page.copied = info.crcs, created, evict, done

@@ -577,3 +577,31 @@ def test_lmcache_usage_counts_once_a_chunk_stored_again_before_its_own_copy_s_ev
     finally:
         node_b.close()
         node_a.close()
+
+
+def test_a_task_that_fits_a_file_system_grown_since_it_was_last_asked_is_stored(lmc, tier_root, monkeypatch):
+    """A tier's file system grown while the engine runs (an online resize, a tmpfs remounted larger): a store task
+    larger than the size seen before but within the size now is stored. Refused on the size the last statvfs
+    saw (Engine.capacity_limit's cached size), nothing asked it again: every such task failed, for good. The
+    size is os.statvfs's, changed for that tier: a resize cannot be made here."""
+    statvfs, root = os.statvfs, os.path.realpath(os.path.join(tier_root, "grows"))
+    os.makedirs(root)
+    size = [24 << 20]
+
+    def resized(path, *args):
+        st = statvfs(path, *args)
+        if not os.path.realpath(path).startswith(root):
+            return st
+        blocks = size[0] // st.f_frsize
+        return os.statvfs_result([st.f_bsize, st.f_frsize, blocks, blocks, blocks, st.f_files, st.f_ffree,
+                                  st.f_favail, st.f_flag, st.f_namemax])
+
+    monkeypatch.setattr(os, "statvfs", resized)
+    adapter = lmc.Adapter({"tiers": [root]})
+    try:
+        size[0] = 256 << 20  # grown online
+        big = [key(lmc, 200 + i) for i in range(3)]
+        assert store(adapter, big, [obj(lmc, 3 << 20) for _ in big]), "3 x 12 MiB refused on a 256 MiB file system"
+        assert lookup(adapter, big) == [True] * 3
+    finally:
+        adapter.close()

@@ -571,3 +571,98 @@ def test_a_tier_whose_file_system_does_not_say_its_size_takes_every_page(tier_ro
         assert pages.put(engine, pages.keys(4)) == [True] * 4
         assert engine.stats()["tiers"][0]["write_failures"] == 0
         assert pages.checked_get(engine, pages.keys(4)) == [True] * 4
+
+
+def test_catch_up_copies_to_a_tier_whose_file_system_does_not_say_its_size(tier_root, monkeypatch):
+    """A file system that reports no size (statvfs all 0: some FUSE and cloud-storage mounts) bounds nothing for
+    catch-up either: the replicas owed to its tier are written there. Taken for 0 bytes (Room.size, f_bavail 0),
+    every one was dropped as larger than the file system (replication_dropped), the tier never caught up."""
+    statvfs, fuse = os.statvfs, os.path.realpath(os.path.join(tier_root, "fuse2"))
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(fuse)
+    os.makedirs(t0)
+
+    def sizeless(path, *args):
+        st = statvfs(path, *args)
+        if not os.path.realpath(path).startswith(fuse):
+            return st
+        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
+
+    monkeypatch.setattr(os, "statvfs", sizeless)
+    pages = PageSet(MIB)
+    keys = pages.keys(4)
+    with make_engine([t0]) as engine:
+        assert pages.put(engine, keys) == [True] * 4
+    with make_engine([t0, fuse], replicate="all") as engine:
+        engine.wait_scan(WAIT_S)
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys) or
+                   engine.stats()["tiers"][1]["replication_dropped"], WAIT_S, "catch-up never ended")
+        stats = engine.stats()["tiers"][1]
+        assert stats["replication_dropped"] == 0, stats
+        assert all(engine.index.holders(k) == 0b11 for k in keys)
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 4
+
+
+def test_a_tier_whose_file_system_does_not_say_its_size_is_not_asked_per_page(tier_root, monkeypatch):
+    """The check that keeps pages larger than the file system out asks statvfs once, not once per page: on a file
+    system that does not say its size (f_blocks 0: a FUSE or cloud-storage mount, where a statvfs may be a round
+    trip), the size it never learnt sent a statvfs from the writer before every page's file was made."""
+    statvfs, fuse = os.statvfs, os.path.realpath(os.path.join(tier_root, "fuse3"))
+    os.makedirs(fuse)
+    asked = []
+
+    def sizeless(path, *args):
+        st = statvfs(path, *args)
+        if not os.path.realpath(path).startswith(fuse):
+            return st
+        asked.append(path)
+        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
+
+    monkeypatch.setattr(os, "statvfs", sizeless)
+    pages = PageSet(MIB)
+    with make_engine([fuse]) as engine:
+        before = len(asked)
+        assert pages.put(engine, pages.keys(16)) == [True] * 16
+        assert len(asked) - before <= 1, f"{len(asked) - before} statvfs calls for 16 pages"
+
+
+
+def test_a_promoted_page_larger_than_the_faster_tier_s_file_system_holds_up_none_of_its_catch_up(tier_root,
+                                                                                                 monkeypatch):
+    """A page read from tier 1 is promoted to tier 0, whose whole file system is smaller than it: the writer
+    refuses it there (never fits). That copy alone is dropped; what tier 0 lacks besides is copied there as
+    before. Taken for a refusal for room (a quota, out of inodes), tier 0 was marked full until it had room for
+    that very page, which it never has: its catch-up stopped for good (replicas it missed never came)."""
+    statvfs, small = os.statvfs, os.path.realpath(os.path.join(tier_root, "small"))
+    t1 = os.path.join(tier_root, "t1")
+    os.makedirs(small)
+    os.makedirs(t1)
+
+    def four_mib(path, *args):
+        st = statvfs(path, *args)
+        if not os.path.realpath(path).startswith(small):
+            return st
+        blocks = (4 * MIB) // st.f_frsize
+        return os.statvfs_result([st.f_bsize, st.f_frsize, blocks, blocks, blocks, st.f_files, st.f_ffree,
+                                  st.f_favail, st.f_flag, st.f_namemax])
+
+    monkeypatch.setattr(os, "statvfs", four_mib)
+    little, big = PageSet(64 * 1024, salt="l"), PageSet(8 * MIB, salt="b")
+    plan = TierFaultPlan()
+    with make_engine([small, t1], replicate="all", memory="256M", fault_plan=plan) as engine:
+        (huge,) = big.keys(1)
+        assert big.put(engine, [huge]) == [True]  # (on tier 1 only: larger than tier 0's file system)
+        wait_until(lambda: engine.stats()["tiers"][0]["replication_pending"] == 0, WAIT_S, "catch-up never ended")
+        assert engine.index.holders(huge) == 0b10
+        assert big.checked_get(engine, [huge]) == [True]  # promoted to tier 0, which refuses it
+        wait_until(lambda: engine._replicas._busy[0] is None and not engine._replicas._owed[0], WAIT_S,
+                   "the promoted copy never ended")
+        plan.on(small, Fault.error(errno.ENOSPC), opcode=None)  # (a moment's quota: tier 0 misses these)
+        keys = little.keys(4)
+        assert little.put(engine, keys) == [True] * 4
+        assert all(engine.index.holders(k) == 0b10 for k in keys)
+        plan.clear()
+        wait_until(lambda: all(engine.index.holders(k) == 0b11 for k in keys), 20,
+                   f"tier 0 never caught up: {engine.stats()['tiers'][0]}, catch-up full for "
+                   f"{engine._replicas._full[0]} bytes")
+        assert engine.index.holders(huge) == 0b10 and tmp_files(small) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -776,3 +777,28 @@ def test_a_page_another_node_replaced_while_the_scan_read_it_is_indexed(tier_dir
     monkeypatch.setattr(integrity, "open_with_header", stale)
     with make_engine(tier_dirs[:1], discover=False) as engine:
         assert replaced and pages.checked_get(engine, keys) == [True] * 3
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a pid namespace needs root and unshare")
+def test_an_engine_started_in_another_pid_namespace_leaves_a_live_engine_s_progress_file(tier_dirs, tmp_path,
+                                                                                          monkeypatch):
+    """Containers that share a temporary directory (a pod's emptyDir, a host's /tmp mounted in), as one user, do
+    not share their pids: an engine started in one judged the live engines of the other by pids it cannot see,
+    and removed their progress files at its start (`kvstream info` there then showed no scan). Temporary files
+    of tiers are told apart by pid namespace already (tmpfiles.HOST); a progress file of another pid namespace
+    is neither listed nor removed."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    code = ("import sys; from kvstream_hicache import Config, Engine, Namespace; "
+            "e = Engine(Config.from_sources({'tiers': sys.argv[1:]}, environ={}), Namespace({'model': 'other'})); "
+            "e.wait_scan(60); e.close()")
+    env = dict(os.environ, PYTHONPATH=str(Path(scan_module.__file__).parent.parent))
+    with make_engine(tier_dirs[:1]) as engine:
+        assert engine.wait_scan(WAIT_S)
+        live = engine._scan.progress_path
+        wait_until(lambda: os.path.exists(live), WAIT_S, "the scan's progress file was never written")
+        proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code,
+                               tier_dirs[1]], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert os.path.exists(live), "an engine in another pid namespace removed a live engine's progress file"
+        assert [d["pid"] for d in scan_module.running_scans()] == [os.getpid()]

@@ -203,6 +203,11 @@ class L2Core:
         new = sum(nbytes(task.pages[i]) for i in idx if not self.engine.held(task.keys[i]))
         if new <= limit:
             return False
+        # (the file systems' sizes asked again before a refusal: one grown since the last look, an online resize,
+        # held the size of before, and every such task failed for good)
+        limit = self.engine.capacity_limit(fresh=True)
+        if limit is None or new <= limit:
+            return False
         with self._lock:  # (said once in a while: a deployment whose chunks outgrow the tiers fails every such
             # task, and a line each flooded the log)
             self._too_large_said.warning(
