@@ -551,21 +551,31 @@ def test_a_page_larger_than_the_file_system_evicts_nothing_put_beside_it(tier_ro
     assert "larger than the tier's whole file system" in caplog.text and "another program" not in caplog.text
 
 
+def _sizeless(monkeypatch, tier: str, asked: list | None = None) -> str:
+    """Make ``tier`` (created) a file system that does not say its size, as os.statvfs reports it (f_blocks and
+    every count 0: some FUSE and cloud-storage mounts; such a mount cannot be made here); each call on it is
+    listed in ``asked``. Returns its real path."""
+    statvfs, real = os.statvfs, os.path.realpath(tier)
+    os.makedirs(real)
+
+    def sizeless(path, *args):
+        st = statvfs(path, *args)
+        if not os.path.realpath(path).startswith(real):
+            return st
+        if asked is not None:
+            asked.append(path)
+        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
+
+    monkeypatch.setattr(os, "statvfs", sizeless)
+    return real
+
+
 def test_a_tier_whose_file_system_does_not_say_its_size_takes_every_page(tier_root, monkeypatch):
     """A file system that reports no size (statvfs's f_blocks 0: some FUSE and cloud-storage mounts) bounds
     nothing: its tier takes every page. Taken for a file system of 0 bytes, every page was larger than it and
     refused there, the tier written never (the check that keeps pages larger than the file system out). The
     size is os.statvfs's, made 0 for that tier: such a mount cannot be made here."""
-    statvfs, fuse = os.statvfs, os.path.realpath(os.path.join(tier_root, "fuse"))
-    os.makedirs(fuse)
-
-    def sizeless(path, *args):
-        st = statvfs(path, *args)
-        if not os.path.realpath(path).startswith(fuse):
-            return st
-        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
-
-    monkeypatch.setattr(os, "statvfs", sizeless)
+    fuse = _sizeless(monkeypatch, os.path.join(tier_root, "fuse"))
     pages = PageSet(MIB)
     with make_engine([fuse]) as engine:
         assert pages.put(engine, pages.keys(4)) == [True] * 4
@@ -577,18 +587,8 @@ def test_catch_up_copies_to_a_tier_whose_file_system_does_not_say_its_size(tier_
     """A file system that reports no size (statvfs all 0: some FUSE and cloud-storage mounts) bounds nothing for
     catch-up either: the replicas owed to its tier are written there. Taken for 0 bytes (Room.size, f_bavail 0),
     every one was dropped as larger than the file system (replication_dropped), the tier never caught up."""
-    statvfs, fuse = os.statvfs, os.path.realpath(os.path.join(tier_root, "fuse2"))
-    t0 = os.path.join(tier_root, "t0")
-    os.makedirs(fuse)
+    fuse, t0 = _sizeless(monkeypatch, os.path.join(tier_root, "fuse2")), os.path.join(tier_root, "t0")
     os.makedirs(t0)
-
-    def sizeless(path, *args):
-        st = statvfs(path, *args)
-        if not os.path.realpath(path).startswith(fuse):
-            return st
-        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
-
-    monkeypatch.setattr(os, "statvfs", sizeless)
     pages = PageSet(MIB)
     keys = pages.keys(4)
     with make_engine([t0]) as engine:
@@ -607,24 +607,13 @@ def test_a_tier_whose_file_system_does_not_say_its_size_is_not_asked_per_page(ti
     """The check that keeps pages larger than the file system out asks statvfs once, not once per page: on a file
     system that does not say its size (f_blocks 0: a FUSE or cloud-storage mount, where a statvfs may be a round
     trip), the size it never learnt sent a statvfs from the writer before every page's file was made."""
-    statvfs, fuse = os.statvfs, os.path.realpath(os.path.join(tier_root, "fuse3"))
-    os.makedirs(fuse)
-    asked = []
-
-    def sizeless(path, *args):
-        st = statvfs(path, *args)
-        if not os.path.realpath(path).startswith(fuse):
-            return st
-        asked.append(path)
-        return os.statvfs_result([st.f_bsize, st.f_frsize, 0, 0, 0, 0, 0, 0, st.f_flag, st.f_namemax])
-
-    monkeypatch.setattr(os, "statvfs", sizeless)
+    asked: list[str] = []
+    fuse = _sizeless(monkeypatch, os.path.join(tier_root, "fuse3"), asked)
     pages = PageSet(MIB)
     with make_engine([fuse]) as engine:
         before = len(asked)
         assert pages.put(engine, pages.keys(16)) == [True] * 16
         assert len(asked) - before <= 1, f"{len(asked) - before} statvfs calls for 16 pages"
-
 
 
 def test_a_promoted_page_larger_than_the_faster_tier_s_file_system_holds_up_none_of_its_catch_up(tier_root,
