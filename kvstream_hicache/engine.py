@@ -470,26 +470,28 @@ class Engine:
         return self.index.held_bytes, max((c for c in caps if c is not None), default=0)
 
     def capacity_limit(self, fresh: bool = False) -> int | None:
-        """The largest tier's capacity (an unlimited tier's: its file system's size, as last seen; ``fresh``:
-        asked again), or None when an unlimited tier cannot tell its size: no page set larger than this can be
-        held whole. (With the unlimited tiers left out, a store task larger than every file system was written:
-        each of its pages evicted the tiers' valid pages for the next, and it failed all the same.)"""
-        caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier, cached=not fresh)
+        """The largest tier's capacity (an unlimited tier's: what a write can ever get on its file system, as last
+        seen; ``fresh``: asked again), or None when an unlimited tier cannot tell its size: no page set larger than
+        this can be held whole. (With the unlimited tiers left out, a store task larger than every file system was
+        written: each of its pages evicted the tiers' valid pages for the next, and it failed all the same; one
+        between the size and what a write can get, on GlusterFS with its storage.reserve, alike.)"""
+        caps = [tier.capacity if tier.capacity is not None else self._fs_bytes(tier, cached=not fresh, usable=True)
                 for tier in self.tiers]
         return None if None in caps else max(caps)
 
-    def _fs_bytes(self, tier: Tier, cached: bool = False) -> int | None:
-        """The size of ``tier``'s file system (with ``cached``, as its last look saw it, if it looked), or None
-        where it cannot say (gone, ESTALE, hung) or did not answer at start-up (not started yet: unasked, a
+    def _fs_bytes(self, tier: Tier, cached: bool = False, usable: bool = False) -> int | None:
+        """The size of ``tier``'s file system (``usable``: less the blocks it reserves, Tier.fs_usable; with
+        ``cached``, as its last look saw it, if it looked), or None where it cannot say (gone, ESTALE, hung; a
+        file system that does not say its size) or did not answer at start-up (not started yet: unasked, a
         statvfs there would wait write_timeout again: LMCache's adapter asks as it starts)."""
-        if cached and tier.fs_bytes is not None:
-            return tier.fs_bytes or None  # (0: it does not say its size)
-        if tier.trust is None:
-            return None
-        # (on the tier's read thread, by read_timeout too, as a lookup: LMCache's get_usage and store
-        # submissions must not wait for ever where the tier may hang with write_timeout=0, bounded.py)
-        room = tier.room(read=True, within=self.config.read_timeout or None)
-        return None if room is None else tier.fs_bytes or None
+        if not (cached and tier.fs_bytes is not None):
+            if tier.trust is None:
+                return None
+            # (on the tier's read thread, by read_timeout too, as a lookup: LMCache's get_usage and store
+            # submissions must not wait for ever where the tier may hang with write_timeout=0, bounded.py)
+            if tier.room(read=True, within=self.config.read_timeout or None) is None:
+                return None
+        return (tier.fs_usable if usable else tier.fs_bytes) or None  # (0: it does not say its size)
 
     def held(self, key: str) -> bool:
         """Whether the index lists a copy of ``key`` on any tier (no disk access, healthy or not).
@@ -519,8 +521,9 @@ class Engine:
     def clear(self) -> None:
         """Remove every page of this namespace from every tier. A failed tier is probed now (it may be
         back); one still failed removes its pages when it rejoins, before it serves again (tiers.py):
-        a page cleared (stale KV after a weight update) is never served again, nor found. A Ctrl-C
-        during it is raised once it is whole (bounded.shielded)."""
+        a page cleared (stale KV after a weight update) is never served again, nor found, unless another
+        process sharing a tier, not cleared itself, copies its own copy back there (its catch-up): clear each.
+        A Ctrl-C during it is raised once it is whole (bounded.shielded)."""
         self._check_open()
         for tier in self.tiers:  # (before the locks: a probe of a hung tier holds no get or put up)
             tier.usable(now=True)

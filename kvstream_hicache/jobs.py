@@ -83,9 +83,10 @@ class Jobs:
                 # (the warning for a full tier blamed other files, a quota or a reserve, and evicted nothing)
                 self.full_said[k].warning(
                     "kvstream: tier %d (%s): page %s of %d bytes (file) is larger than the tier's whole file system "
-                    "(%d bytes) and goes to the other tiers only; give the tier a larger file system or store smaller "
-                    "pages (LMCache's --chunk-size, SGLang's page size)", k, self.tiers[k].root, page.key,
-                    page.file_bytes, self.tiers[k].fs_bytes)
+                    "can hold (%d bytes: its size less what it reserves, e.g. GlusterFS's storage.reserve) and goes to "
+                    "the other tiers only; give the tier a larger file system or store smaller pages (LMCache's "
+                    "--chunk-size, SGLang's page size)", k, self.tiers[k].root, page.key, page.file_bytes,
+                    self.tiers[k].fs_usable)
             self.queue.job_over_under_writer(page, k)
             return None
         try:  # the file first: a page evicted to make room for a write that cannot start is lost for nothing
@@ -325,9 +326,10 @@ class Jobs:
         (statvfs) only where the size it gave last does not settle it: the first page, or one larger than that
         (it may have grown since); the size seen last answers the rest, no call per page."""
         tier = self.tiers[k]
-        if tier.fs_bytes is None or 0 < tier.fs_bytes < page.file_bytes:  # (0: it does not say: not asked again)
+        if tier.fs_bytes is None or 0 < (tier.fs_usable or 0) < page.file_bytes:  # (0: it does not say: not
+            # asked again)
             tier.room()  # (None: cannot tell; it does not keep the page out)
-        return bool(tier.fs_bytes) and page.file_bytes > tier.fs_bytes
+        return bool(tier.fs_usable) and page.file_bytes > tier.fs_usable  # (its reserve kept back)
 
     def short_write_errno_under_writer(self, job: Job) -> int:
         """A write that stopped early: the ring reports the bytes done, not the error that

@@ -315,6 +315,11 @@ def _unreachable(path: str, source: str, exc: OSError) -> TierError:
     if exc.errno in (errno.EACCES, errno.EPERM):
         return TierError(f"tier {path} (from {source}) cannot be reached ({os.strerror(exc.errno)}): fix the "
                          "permissions of its parent directories, or choose another directory")
+    if exc.errno not in (errno.ENOENT, errno.ENOTDIR):  # (ENOTCONN, ESTALE, EIO: a mount that fails, e.g. a
+        # network file system's client killed; its lstat fails too, and 'does not exist: mkdir -p' hid the cause)
+        return TierError(f"tier {path} (from {source}) cannot be reached ({os.strerror(exc.errno)}): its file system "
+                         "or mount fails (a network file system's client gone, its server unreachable): mount it "
+                         "again (umount -l, then mount), or correct the tier list")
     if os.path.islink(path):
         return TierError(f"tier {path} (from {source}) is a symbolic link to {os.readlink(path)}, which does not "
                          "exist: create the target or point the tier list at a directory")

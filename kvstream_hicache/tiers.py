@@ -172,8 +172,10 @@ class Tier:
         self._leftovers: set[str] = set()  # temporary files of this engine whose removal failed with the tier
         # (a FUSE client killed mid-put): removed when it answers again, before it rejoins (_probe)
         # the size of its file system, as the last room() saw it (None: not yet; 0: one that does not say its
-        # size, which bounds nothing: kept, so that it is not asked again for every page)
+        # size, which bounds nothing: kept, so that it is not asked again for every page), and what a write can
+        # ever get there (that size less the blocks the file system keeps back: _room)
         self.fs_bytes: int | None = None
+        self.fs_usable: int | None = None
         self.source = source
         self._share = share
         self._placed = placed
@@ -664,7 +666,12 @@ class Tier:
 
     def _room(self, fd: int | None) -> Room:
         st = os.statvfs(self.root)
-        self.fs_bytes = st.f_blocks * st.f_frsize  # (0: a file system that does not say its size)
+        # what a write can ever get there: the size less the blocks the file system keeps back (ext4's reserve,
+        # GlusterFS's storage.reserve: f_bfree - f_bavail); a page between the two evicted every valid page of
+        # the tier at its ENOSPC and failed all the same (a GlusterFS volume on a 96 MiB brick)
+        self.fs_usable = (st.f_blocks - max(st.f_bfree - st.f_bavail, 0)) * st.f_frsize
+        self.fs_bytes = st.f_blocks * st.f_frsize  # (0: a file system that does not say its size; set last: who
+        # sees it set sees fs_usable too)
         held = os.fstat(fd).st_blocks * 512 if fd is not None else 0
         return Room(st.f_bavail * st.f_frsize + held, st.f_blocks * st.f_frsize, st.f_favail if st.f_files else None)
 

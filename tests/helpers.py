@@ -10,6 +10,7 @@ Run as a script it is a child process (see ``main``): ``python helpers.py writer
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -560,6 +561,31 @@ def loop_fs(tier_root):
     finally:
         for fs in reversed(made):
             fs.destroy()
+
+
+@pytest.fixture
+def small_volume(glusterfs, loop_fs, tier_root):
+    """A second GlusterFS volume of the session's glusterd (the ``glusterfs`` fixture), on a brick of 96 MiB (the
+    session's is 2 GiB: pages as large as the volume), mounted once: its path. Stopped and deleted at teardown."""
+    brick = os.path.join(loop_fs(96 << 20, "gbrick").mnt, "b")
+    os.makedirs(brick)
+    glusterfs.cli("volume", "create", "kvsmall", f"{glusterfs.host}:{brick}", "force")
+    mnt = os.path.join(tier_root, "small")
+    os.makedirs(mnt)
+    try:
+        glusterfs.cli("volume", "start", "kvsmall", "force")
+        subprocess.run(["mount", "-t", "glusterfs", "-o", f"log-file={glusterfs.root}/client-kvsmall.log",
+                        f"{glusterfs.host}:/kvsmall", mnt], check=True, capture_output=True, timeout=60)
+        yield mnt
+    finally:
+        if os.path.ismount(mnt) and subprocess.run(["umount", mnt], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", mnt], capture_output=True)
+        glusterfs.cli("volume", "stop", "kvsmall", "force")  # (its brick process ends: loop_fs unmounts the brick)
+        glusterfs.cli("volume", "delete", "kvsmall")
+        # what the brick leaves outside the session's root, as GlusterFS.stop removes its own volume's
+        shutil.rmtree("/var/run/gluster/vols/kvsmall", ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink("/var/log/glusterfs/bricks/" + brick.strip("/").replace("/", "-") + ".log")
 
 
 # ------------------------------------------------------------------------------ child processes

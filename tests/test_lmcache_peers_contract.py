@@ -21,7 +21,7 @@ from kvstream_hicache.faults import Fault, TierFaultPlan
 from kvstream_hicache.io import OP_READ, OP_WRITE
 from kvstream_hicache.lmcache import core as l2core
 from kvstream_hicache.lmcache import keys as l2keys
-from helpers import loop_fs, wait_for_fault  # noqa: F401 (loop_fs: a fixture)
+from helpers import loop_fs, small_volume, wait_for_fault  # noqa: F401 (loop_fs, small_volume: fixtures)
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -416,6 +416,29 @@ def test_a_task_larger_than_every_tier_s_file_system_writes_nothing_and_evicts_n
     finally:
         adapter.close()
 
+
+
+def test_a_task_larger_than_what_a_glusterfs_volume_can_hold_writes_nothing_and_evicts_nothing(lmc, small_volume):
+    """As above on a GlusterFS volume, whose size (statvfs f_blocks) is more than a write can ever get there (its
+    brick's reserve, GlusterFS's storage.reserve: f_bfree - f_bavail): a task between the two was written, its
+    last chunk's ENOSPC evicted the chunks stored before and one of its own (a 96 MiB brick: 5 evicted, 2 of its 3
+    chunks held, the task said stored)."""
+    st = os.statvfs(small_volume)
+    size = (st.f_blocks * st.f_frsize - (st.f_bfree - st.f_bavail) * st.f_frsize // 2) // 3 // 65536 * 65536
+    assert st.f_bfree * st.f_frsize < 3 * size < st.f_blocks * st.f_frsize, st  # (the brick holds no such task)
+    adapter = lmc.Adapter({"tiers": [small_volume]})
+    try:
+        old = [key(lmc, i) for i in range(4)]
+        assert store(adapter, old, [obj(lmc, 1 << 18) for _ in old])  # 4 x 1 MiB
+        big = [key(lmc, 100 + i) for i in range(3)]
+        stored = store(adapter, big, [obj(lmc, size // 4) for _ in big])
+        t0 = adapter.engine.stats()["tiers"][0]
+        assert t0["evictions"] == 0 and t0["bytes_written"] == 4 << 20, t0
+        assert not stored
+        assert lookup(adapter, old) == [True] * 4 and lookup(adapter, big) == [False] * 3
+        assert adapter.get_usage().total_bytes_used == 4 << 20
+    finally:
+        adapter.close()
 
 @pytest.mark.leaves_problems("node A's index never listed the pages node B put on the shared tier")
 def test_lmcache_l2_eviction_on_one_node_never_deletes_the_chunks_another_node_stored_on_the_shared_tier(
