@@ -262,10 +262,16 @@ def _inside(path: str, owner: str, source: str, itself: bool) -> TierError:
 
 
 def resolve_capacity(capacity: Capacity, path: str) -> int | None:
-    """Bytes allowed on the tier at ``path`` (a share is taken of the file system's size)."""
+    """Bytes allowed on the tier at ``path`` (a share is taken of the file system's size).
+
+    :raises TierError: a share of a file system that does not say its size."""
     if capacity.share is None:
         return capacity.nbytes
     st = os.statvfs(path)
+    if not st.f_blocks:  # (0 bytes taken for its size: refused as "0 bytes, less than one page, give at least 1")
+        raise TierError(f"tier {path}: capacity {capacity} is a share of its file system, which does not say its "
+                        "size (statvfs: 0 blocks, as some FUSE and cloud-storage mounts): give the capacity in "
+                        "bytes (e.g. '100G'), or leave it empty for unlimited")
     return int(st.f_blocks * st.f_frsize * capacity.share)
 
 

@@ -92,6 +92,9 @@ class TierScan:
         # whose scan stopped when it failed (nor one that did not answer at start-up) until its scan resumed
         # and ended: the shards not listed hold pages of before the restart, this process's to count
         self.listed = False
+        # payload bytes of the pages it indexed that count against the tier's capacity (not another process's):
+        # over the capacity alone, the capacity is below what the last run held (the trim's warning)
+        self.found_bytes = 0
 
 
 def index_found(index: Index, k: int, page: ScannedPage, epoch: int, mark: int, versions: bool = True,
@@ -331,10 +334,15 @@ class BackgroundScan:
             part.listed = True  # (before the settle and the trim: every file listed is indexed now)
         self.index.settle(tier.k, added, self.epoch)
         trimmed = self.trim(tier.k)
-        if trimmed:  # (an operator lowered the capacity: the pages that go are said once, with the setting)
+        if trimmed and tier.capacity is not None and part.found_bytes > tier.capacity:  # (an operator lowered
+            # the capacity: the pages that go are said once, with the setting)
             log.warning("kvstream: tier %d (%s) held more than its capacity of %s (setting capacity, "
                         "KVSTREAM_CAPACITY; lowered since the last run): evicted its %d least recent pages",
                         tier.k, tier.root, Capacity(tier.capacity), trimmed)
+        elif trimmed:  # (within it, the last run's pages and the puts served before the scan listed them are
+            # not: the usual LRU eviction, late; named the setting, a busy server's every restart blamed it)
+            log.log(self.level, "kvstream: tier %d: the background scan evicted its %d least recent pages (pages "
+                    "written since the start, before the scan listed the tier's, took their room)", tier.k, trimmed)
         part.seconds, part.cpu_seconds = time.monotonic() - w0, time.thread_time() - c0
         if part.damaged or part.tmp:
             log.warning("kvstream: background scan of tier %d removed %d damaged page files and %d temporary "
@@ -395,6 +403,8 @@ class BackgroundScan:
                 if slot >= 0:
                     added.append(slot)
                     part.indexed += 1
+                    if not self.index.is_theirs(page.header.key, tier.k):
+                        part.found_bytes += page.header.length
                 return page
         return page
 

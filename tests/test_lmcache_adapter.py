@@ -193,6 +193,32 @@ def test_a_chunk_another_server_stored_is_prefetched(lmc, server_factory, tier_r
     assert server.prefetch(keys, layout) == (len(keys), payloads)
 
 
+
+def test_a_chunk_another_server_stored_counts_in_the_usage_once_its_prefetch_writes_this_server_s_copy(
+        lmc, server_factory, tier_root):
+    """Another server stores chunks on the shared tier 1; this server (a private tier 0) prefetches them: the read
+    promotes each to tier 0, a copy of this server's that LMCache's eviction (delete()) evicts. LMCache's usage must
+    count it (LMCache loaded it: its ObjectKey is known), else it said 0 while tier 0 held the chunks, which its
+    eviction could never free."""
+    from kvstream_hicache.engine import Engine
+    from kvstream_hicache.config import Config
+
+    b0, shared = make_tiers(tier_root, 2)
+    server = server_factory([b0, shared])
+    layout, keys = layout_of(lmc, 16, 128), chunk_keys(lmc, 3)
+    payloads = random_payloads(len(keys), 8192, seed=51)
+    bufs = [np.frombuffer(p, dtype=np.uint8).copy() for p in payloads]
+    ekeys = [l2keys.engine_key(k) for k in keys]
+    with Engine(Config.from_sources({"tiers": [shared]}, {}), Namespace(l2keys.namespace_fields())) as theirs:
+        assert all(theirs.put(ekeys, [[(b.ctypes.data, b.nbytes)] for b in bufs]))
+    assert server.prefetch(keys, layout) == (len(keys), payloads)
+    deadline = time.monotonic() + WAIT_S
+    while not all(server.engine.holds_own(e) for e in ekeys):  # (promoted to tier 0 behind the reads)
+        assert time.monotonic() < deadline, server.engine.stats()["tiers"][0]
+        time.sleep(0.05)
+    assert server.adapter.get_usage().total_bytes_used == sum(map(len, payloads))
+
+
 def test_after_a_restart_the_chunks_stored_before_are_prefetched_at_once(lmc, server_factory, tier_root):
     """A restarted server serves before its start-up scan has read a file: LMCache's lookup finds the
     chunks stored before the restart on disk."""

@@ -628,3 +628,37 @@ def test_a_task_that_fits_a_file_system_grown_since_it_was_last_asked_is_stored(
         assert lookup(adapter, big) == [True] * 3
     finally:
         adapter.close()
+
+
+def test_lmcache_usage_counts_a_chunk_loaded_from_another_node_s_copy_once_its_own_copy_is_written(lmc, tier_root):
+    """Node A stores chunk K on the shared tier; node B (a private tier 0, the shared tier 1) stores K too (held
+    already: A's copy, nothing written, not counted) and LMCache's L2 eviction deletes it (delete(): A's copy
+    stays, B forgets it). LMCache then loads K again (its lookup finds A's copy): B's engine writes a copy of its
+    own to tier 0 (promotion, catch-up), which delete() evicts, yet it was never counted (on_own counted only
+    chunks popped from a store while held as another's): B's usage said 0 while its tier 0 held K's 4 KiB, which
+    LMCache's eviction could never free (docs/lmcache.md: the keys stored through this adapter that the tiers
+    still hold)."""
+    shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
+    os.makedirs(shared)
+    os.makedirs(b0)
+    k = [key(lmc, 0)]
+    node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K"})
+    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K"})
+    try:
+        engine = node_b.engine
+        ek = node_b._engine_key(k[0], "test")
+        assert store(node_a, k, [obj(lmc)])
+        assert store(node_b, k, [obj(lmc)])  # held already: A's copy, nothing written, not counted
+        assert node_b.get_usage().total_bytes_used == 0
+        node_b.delete(k)  # as B's eviction deletes it: A's copy stays on the shared tier
+        assert not engine.held(ek)
+        assert lookup(node_b, k) == [True]  # A's copy, found again
+        assert load(node_b, k, [obj(lmc)]) == [True]
+        deadline = time.monotonic() + WAIT_S
+        while not engine.holds_own(ek):  # B's own copy on tier 0 (the read's promotion)
+            assert time.monotonic() < deadline, engine.stats()["tiers"][0]
+            time.sleep(0.05)
+        assert node_b.get_usage().total_bytes_used == 4096, "B never counts its own copy of a chunk it loaded"
+    finally:
+        node_b.close()
+        node_a.close()

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from kvstream_hicache.errors import KVStreamError
 from kvstream_hicache.faults import Fault
 from kvstream_hicache.io import OP_READ
 from kvstream_hicache.layout import HEADER_SIZE, file_size
@@ -655,3 +656,15 @@ def test_a_promoted_page_larger_than_the_faster_tier_s_file_system_holds_up_none
                    f"tier 0 never caught up: {engine.stats()['tiers'][0]}, catch-up full for "
                    f"{engine._replicas._full[0]} bytes")
         assert engine.index.holders(huge) == 0b10 and tmp_files(small) == []
+
+
+
+def test_a_share_capacity_on_a_file_system_that_does_not_say_its_size_is_refused_naming_why(tier_root, monkeypatch):
+    """capacity '50%' on a file system that does not say its size (f_blocks 0) is a share of nothing: refused at
+    start-up, naming why and the fix. Taken for a share of 0 bytes, the refusal said the tier's capacity "is 0
+    bytes, less than one page ... give at least 1 bytes", a fix that is none (the size 0 means unknown
+    elsewhere: Tier.fs_bytes)."""
+    fuse = _sizeless(monkeypatch, os.path.join(tier_root, "fuse4"))
+    with pytest.raises(KVStreamError) as refused:
+        make_engine([fuse], capacity="50%")
+    assert "does not say its size" in str(refused.value) and "0 bytes" not in str(refused.value), refused.value

@@ -802,3 +802,22 @@ def test_an_engine_started_in_another_pid_namespace_leaves_a_live_engine_s_progr
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert os.path.exists(live), "an engine in another pid namespace removed a live engine's progress file"
         assert [d["pid"] for d in scan_module.running_scans()] == [os.getpid()]
+
+
+def test_a_restart_at_the_same_capacity_whose_puts_came_before_the_scan_says_no_capacity_was_lowered(tier_dirs,
+                                                                                                      caplog):
+    """A tier full to its capacity, restarted with the same capacity: the puts served before the scan indexed the
+    tier's pages evicted none of them (unknown yet), so the scan ends over the capacity and its trim evicts the
+    excess, as it should. Its warning said the capacity was "lowered since the last run", naming the setting for
+    the operator to fix, on every restart of a busy server whose capacity never changed."""
+    pages = PageSet()
+    old, new = pages.keys(3), pages.keys(2, start=100)
+    with make_engine(tier_dirs[:1], capacity=str(3 * PAGE_BYTES)) as engine:
+        assert pages.put(engine, old) == [True] * 3
+    caplog.set_level("INFO", logger="kvstream")
+    with make_engine(tier_dirs[:1], capacity=str(3 * PAGE_BYTES), scan_rate=HELD) as engine:
+        assert pages.put(engine, new) == [True] * 2  # (before the scan indexed the 3 pages there)
+        _release(engine)
+        assert engine.index.used[0] <= 3 * PAGE_BYTES
+    said = messages(caplog, "lowered")
+    assert said == [], said

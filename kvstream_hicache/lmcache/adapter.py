@@ -179,6 +179,9 @@ def _lmcache_classes() -> dict[str, type]:
             self._theirs: dict[str, tuple[Any, int]] = {}
             self._own: deque[str] = deque()
             self.engine.on_own(self._own.append)
+            # (ObjectKey, engine key, size) of the chunks loads read: accounted as stored (_account): a chunk
+            # read from another process's copy gains one of this process's (promotion, catch-up), delete()'s
+            self._loaded: deque[tuple[Any, str | None, int]] = deque()
             self._max_capacity_bytes = self.engine.usage()[1]
             config = getattr(self.engine, "config", None)
             log.info("kvstream lmcache: L2 adapter up; %s; pooled loads %s; %s; namespace %s; %s",
@@ -239,6 +242,7 @@ def _lmcache_classes() -> dict[str, type]:
 
             def accessed(found: list[bool]) -> None:  # when the load completes, before its eventfd
                 hit = [k for k, f in zip(keys, found) if f]
+                self._loaded.extend((k, e, nbytes(p)) for k, e, p, f in zip(keys, ekeys, pages, found) if f and p)
                 if hit:
                     self._notify_safely(self._notify_keys_accessed, hit)
 
@@ -355,12 +359,16 @@ def _lmcache_classes() -> dict[str, type]:
 
         def _account(self, stored: list[tuple[Any, str | None, int]]) -> None:
             """Bring LMCache's accounting and listeners in line with the engine: ``stored`` (ObjectKey,
-            engine key, size) were just stored, and every key the engine dropped since (delete,
-            eviction, damage) is gone. A key counts once however often it is stored."""
+            engine key, size) were just stored (and the chunks loads read since, as stored), and every key the
+            engine dropped since (delete, eviction, damage) is gone. A key counts once however often it is
+            stored."""
             new: list[tuple[Any, int]] = []
             gone: list[tuple[Any, int]] = []
             with self._held_lock:
-                for key, ekey, size in stored:
+                loaded = []  # (a chunk loaded counts as one stored: its copy of this process's, if any)
+                while self._loaded:
+                    loaded.append(self._loaded.popleft())
+                for key, ekey, size in (*stored, *loaded):
                     # Counted only if the engine still holds it: a key evicted or deleted between its
                     # commit and LMCache's pop had its gone event drained (by any get_usage/delete)
                     # while not yet in _held, and would stay counted for good. The index drops a key
