@@ -551,7 +551,11 @@ class Index:
         """Whether some tier's indexed copy of ``key`` is this process's (counted: not THEIRS)."""
         with self._lock:
             slot = self._table.find(key)
-            return slot >= 0 and any(self._on[tier][slot] != THEIRS for tier in tiers_in(self._tiers[slot]))
+            return slot >= 0 and self._own_under_index(slot)
+
+    def _own_under_index(self, slot: int) -> bool:
+        """Whether some tier's copy of ``slot`` is this process's (not THEIRS)."""
+        return any(self._on[tier][slot] != THEIRS for tier in tiers_in(self._tiers[slot]))
 
     def remove(self, key: str, tier: int) -> bool:
         """Forget ``tier``'s copy of ``key``; True when there was one."""
@@ -688,7 +692,7 @@ class Index:
         """``tier`` holds the page of ``slot``: counted once (not on THEIRS), on list ``where`` (at its
         end, or with ``first`` at its head: the next to go)."""
         gains_own = where != THEIRS and self.on_own is not None and bool(self._tiers[slot]) and \
-            all(self._on[t][slot] == THEIRS for t in tiers_in(self._tiers[slot]))
+            not self._own_under_index(slot)
         if self._tiers[slot] >> tier & 1:
             self.used[tier] -= self._counted_under_index(slot, tier)  # re-commit of the same copy: count once
             self._unlink_under_index(tier, slot)
@@ -737,8 +741,7 @@ class Index:
                 self.on_gone(self._key_of_under_index(slot))
             if not self._pins[slot]:
                 self._free_slot_under_index(slot)  # else unpin frees it: a reader still holds its snapshot
-        elif own and self.on_gone is not None and \
-                all(self._on[t][slot] == THEIRS for t in tiers_in(self._tiers[slot])):
+        elif own and self.on_gone is not None and not self._own_under_index(slot):
             # its last copy of this process's: another process's copies left (LMCache's usage counts only a
             # key with a copy of its own; one still counted when tier 0 evicted it kept its room counted)
             self.on_gone(self._key_of_under_index(slot))

@@ -322,7 +322,8 @@ class Jobs:
         # tell: try eviction)
 
     def _never_fits_under_writer(self, page: WritePage, k: int) -> bool:
-        """Whether ``page``'s file is larger than tier ``k``'s whole file system. Asked of the file system
+        """Whether ``page``'s file is larger than what a write can ever get on tier ``k``'s file system (its size
+        less what it reserves: Tier.fs_usable). Asked of the file system
         (statvfs) only where the size it gave last does not settle it: the first page, or one larger than that
         (it may have grown since); the size seen last answers the rest, no call per page."""
         tier = self.tiers[k]

@@ -62,7 +62,7 @@ from .integrity import (
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
-from .tmpfiles import started
+from .tmpfiles import pid_namespace, started
 from .trust import DIR_FLAGS, LOOK_FLAGS
 
 log = logging.getLogger("kvstream")
@@ -415,7 +415,7 @@ class BackgroundScan:
             if self._stop.is_set() or not force and now - self._written < PROGRESS_S:
                 return
             self._written = now
-            doc = dict(self.progress(), pid=os.getpid(), started=started(os.getpid()), pidns=_pid_namespace(),
+            doc = dict(self.progress(), pid=os.getpid(), started=started(os.getpid()), pidns=pid_namespace(),
                        namespace=self.digest, tier_dirs=[p.tier.root for p in self.parts])
             try:
                 where = os.path.dirname(self.progress_path)
@@ -473,14 +473,6 @@ def running_scans() -> list[dict]:
     return out
 
 
-def _pid_namespace() -> int | None:
-    """This process's pid namespace (the inode of /proc/self/ns/pid, as tmpfiles.HOST), or None without /proc."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
 def _live_scan(name: str, dir_fd: int) -> dict | None:
     """The progress file ``name`` in this user's progress directory (open on ``dir_fd``) of a live process;
     None where it is not one (a link, a FIFO, another owner's file: never followed nor waited for), and
@@ -491,7 +483,7 @@ def _live_scan(name: str, dir_fd: int) -> dict | None:
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > PROGRESS_MAX:
                 return None
             doc = json.loads(f.read(PROGRESS_MAX))
-        if "pidns" in doc and doc["pidns"] not in (None, _pid_namespace()):
+        if "pidns" in doc and doc["pidns"] not in (None, pid_namespace()):
             # another pid namespace's engine (containers sharing a temporary directory): its pid says nothing
             # here, and a live engine's file was removed at every start of an engine here
             return None

@@ -27,15 +27,22 @@ from .fds import close_fd
 from .layout import ALIGN
 
 
+def pid_namespace() -> int | None:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), or None without /proc: a pid says
+    something of a process only inside its own namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def _host() -> str:
     """This host as the names of what it writes say it: the hostname, and the pid namespace (two
     containers with the host's network share a hostname, not their pids: a pid alive in one says
     nothing of the other, whose temporary files would be judged by it)."""
     name = socket.gethostname().replace(".", "_") or "host"
-    try:
-        return f"{name}-{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:  # (no /proc: the hostname alone)
-        return name
+    ns = pid_namespace()
+    return name if ns is None else f"{name}-{ns}"  # (no /proc: the hostname alone)
 
 
 HOST = _host()

@@ -8,6 +8,7 @@ real tiers; the MemoryObjs are LMCache's own classes, built as LMCache's suites 
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
@@ -539,13 +540,11 @@ def test_lmcache_usage_drops_a_chunk_whose_own_copy_was_evicted_while_another_no
         node_a.close()
 
 
-@pytest.mark.leaves_problems("node B's index never listed the page node A put on the shared tier")
-def test_lmcache_usage_counts_a_chunk_stored_where_only_another_node_s_copy_was_held_once_its_own_copy_is_written(
-        lmc, tier_root):
+@contextlib.contextmanager
+def _b_holds_only_a_s_copy(lmc, tier_root):
     """Node A stores chunk K on the shared tier; node B (a private tier 0, the shared tier 1) stores the same K
-    while its tier 0 is failed: B holds K only as A's copy (THEIRS, nothing written), not counted. Once tier 0
-    rejoins, B's catch-up writes its own copy of K there, which delete() evicts: K must count in B's usage from
-    then, else LMCache's usage under-counts and its eviction never frees K's room (the store's pop had passed)."""
+    while its tier 0 is failed: B holds K only as A's copy (THEIRS, nothing written). Yields (node B, K's
+    ObjectKeys, its engine key); both nodes closed after."""
     shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
     os.makedirs(shared)
     os.makedirs(b0)
@@ -559,16 +558,32 @@ def test_lmcache_usage_counts_a_chunk_stored_where_only_another_node_s_copy_was_
         assert engine.tiers[0].fail(errno.EIO, "B's private tier lost its device (test)")
         assert store(node_b, k, [obj(lmc)])  # held already: A's copy, nothing written
         assert engine.index.holders(ek) == 0b10 and not engine.holds_own(ek)
-        assert node_b.get_usage().total_bytes_used == 0
-        deadline = time.monotonic() + WAIT_S
-        while not engine.holds_own(ek):  # tier 0 rejoins; its catch-up writes B's own copy of K
-            assert time.monotonic() < deadline, engine.stats()["tiers"][0]
-            engine.prefix_len([ek])  # (a call: the failed tier is probed once due)
-            time.sleep(0.05)
-        assert node_b.get_usage().total_bytes_used == 4096, "B never counts its own copy of K"
+        yield node_b, k, ek
     finally:
         node_b.close()
         node_a.close()
+
+
+def _until_own_copy(engine, ek: str) -> None:
+    """Tier 0 rejoins and its catch-up writes this node's own copy of ``ek``."""
+    deadline = time.monotonic() + WAIT_S
+    while not engine.holds_own(ek):  # tier 0 rejoins; its catch-up writes B's own copy of K
+        assert time.monotonic() < deadline, engine.stats()["tiers"][0]
+        engine.prefix_len([ek])  # (a call: the failed tier is probed once due)
+        time.sleep(0.05)
+
+
+@pytest.mark.leaves_problems("node B's index never listed the page node A put on the shared tier")
+def test_lmcache_usage_counts_a_chunk_stored_where_only_another_node_s_copy_was_held_once_its_own_copy_is_written(
+        lmc, tier_root):
+    """Node A stores chunk K on the shared tier; node B (a private tier 0, the shared tier 1) stores the same K
+    while its tier 0 is failed: B holds K only as A's copy (THEIRS, nothing written), not counted. Once tier 0
+    rejoins, B's catch-up writes its own copy of K there, which delete() evicts: K must count in B's usage from
+    then, else LMCache's usage under-counts and its eviction never frees K's room (the store's pop had passed)."""
+    with _b_holds_only_a_s_copy(lmc, tier_root) as (node_b, k, ek):
+        assert node_b.get_usage().total_bytes_used == 0
+        _until_own_copy(node_b.engine, ek)
+        assert node_b.get_usage().total_bytes_used == 4096, "B never counts its own copy of K"
 
 
 @pytest.mark.leaves_problems("node B's index never listed the page node A put on the shared tier")
@@ -577,29 +592,10 @@ def test_lmcache_usage_counts_once_a_chunk_stored_again_before_its_own_copy_s_ev
     B's own copy; LMCache stores K again before any usage call drained that copy's event (on_own): the pop
     counts K as stored with a copy of B's own, and the drain counted it again (it stayed among those held only
     as another's), K's 4 KiB twice in B's usage."""
-    shared, b0 = os.path.join(tier_root, "shared"), os.path.join(tier_root, "b0")
-    os.makedirs(shared)
-    os.makedirs(b0)
-    k = [key(lmc, 0)]
-    node_a = lmc.Adapter({"tiers": [shared], "chunk": "4K"})
-    node_b = lmc.Adapter({"tiers": [b0, shared], "chunk": "4K", "tier_retry": 0.1})
-    try:
-        engine = node_b.engine
-        ek = node_b._engine_key(k[0], "test")
-        assert store(node_a, k, [obj(lmc)])
-        assert engine.tiers[0].fail(errno.EIO, "B's private tier lost its device (test)")
-        assert store(node_b, k, [obj(lmc)])  # held already: A's copy, nothing written
-        assert engine.index.holders(ek) == 0b10 and not engine.holds_own(ek)
-        deadline = time.monotonic() + WAIT_S
-        while not engine.holds_own(ek):  # tier 0 rejoins; its catch-up writes B's own copy of K
-            assert time.monotonic() < deadline, engine.stats()["tiers"][0]
-            engine.prefix_len([ek])  # (a call: the failed tier is probed once due)
-            time.sleep(0.05)
+    with _b_holds_only_a_s_copy(lmc, tier_root) as (node_b, k, ek):
+        _until_own_copy(node_b.engine, ek)
         assert store(node_b, k, [obj(lmc)])  # the pop drains the own copy's event with this store
         assert node_b.get_usage().total_bytes_used == 4096, "B counts K twice"
-    finally:
-        node_b.close()
-        node_a.close()
 
 
 def test_a_task_that_fits_a_file_system_grown_since_it_was_last_asked_is_stored(lmc, tier_root, monkeypatch):
