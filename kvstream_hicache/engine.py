@@ -359,6 +359,14 @@ class Engine:
         self._discover(keys, mask)
         return self._reads.get(keys, pages, policy or self.policy, mask)
 
+    def touch_prefix(self, keys: Sequence[str]) -> None:
+        """After a ``get`` or ``put``: the pages before its keys (SGLang's ``prefix_keys``, in chain order) end
+        more recent than them, the first the most recent, so that a prefix's head outlives every page after it
+        (each call leaves its own pages so: PutCall.lru_order). O(len(keys)) a call, 1-2 us a page held: a
+        request whose pages L3 reads 128 a call pays it per call (docs/benchmarks.md, "A prefix's head")."""
+        self._check_open()
+        self.index.touch_many(keys[::-1])
+
     def pin(self, keys: Sequence[str]) -> list:
         """Keep ``keys`` from being evicted until :meth:`unpin` (LMCache's lookup-and-lock): one
         handle per key, None for a key the index lacks. (In a forked child it raises EngineClosedError,

@@ -6,6 +6,8 @@ Lifecycle of a page on a tier (as SGLang's LRU file evictor)::
         commit(key, tier, ...)  |  abort(tier, nbytes)
     add_scanned(key, tier, ...)                     (found by the background scan: oldest end)
     touch(key)                                      (a hit or a repeated put: most recent)
+    touch_many(keys)                                (a get's or put's keys, the head last: a prefix's
+                                                     tail is evicted before its head)
     pin(keys) ... unpin(infos)                      (a read in progress: never a victim)
     remove(key, tier)                               (damaged, vanished, or tier reconciled)
 
@@ -396,14 +398,25 @@ class Index:
         """Make ``key`` the most recent on every tier holding it (another process's copy stays theirs);
         False if not held."""
         with self._lock:
-            slot = self._table.find(key)
-            if slot < 0:
-                return False
-            for tier in tiers_in(self._tiers[slot]):
-                where = THEIRS if self._on[tier][slot] == THEIRS else HOT
-                self._unlink_under_index(tier, slot)
-                self._append_under_index(tier, where, slot)
-            return True
+            return self._touch_under_index(key)
+
+    def touch_many(self, keys: Sequence[str], chunk: int = SETTLE_CHUNK) -> None:
+        """:meth:`touch` each of ``keys`` held, in order (the last ends the most recent), ``chunk`` keys a
+        lock hold."""
+        for start in range(0, len(keys), chunk):
+            with self._lock:
+                for key in keys[start:start + chunk]:
+                    self._touch_under_index(key)
+
+    def _touch_under_index(self, key: str) -> bool:
+        slot = self._table.find(key)
+        if slot < 0:
+            return False
+        for tier in tiers_in(self._tiers[slot]):
+            where = THEIRS if self._on[tier][slot] == THEIRS else HOT
+            self._unlink_under_index(tier, slot)
+            self._append_under_index(tier, where, slot)
+        return True
 
     # -- writes ---------------------------------------------------------------------------------
     def reserve(self, tier: int, nbytes: int, evict: bool = True) -> list[str] | None:

@@ -89,14 +89,18 @@ class PutCall:
 
         shielded(run)  # (another interrupt meanwhile: the first one goes on, after this)
 
-    def lru_order(self) -> list[str]:
-        """The keys the put leaves most recent, in batch order (docs/design.md): its new pages that
-        committed and the ones held already, together (touching each kind apart made a held page
-        less recent than a new one after it in the batch)."""
-        new = [(page.calls[0][1], page.key) for page in self.pages if page.committed]  # (calls[0]: this put)
-        joined = [(i, page.key) for page in self.joined if page.committed  # (another put's write it waited for)
-                  for owner, i in page.calls if owner is self]
-        return [key for _, key in sorted(new + joined + self.held)]
+    def lru_order(self, held: bool = False) -> list[str]:
+        """The keys the put leaves most recent, in the order to touch them (Index.touch_many): reverse
+        batch order, the batch's first page last (docs/design.md): a prefix's tail is evicted before its
+        head, as SGLang's radix tree evicts leaves first (a page serves only while every page before it is
+        held: batch_exists counts the leading run; evicted head first, a prefix's whole tail was dead
+        weight). Its new pages that committed and the ones held already, together (touching each kind
+        apart made a held page less recent than a new one after it in the batch); with ``held``, the
+        held ones alone (touched when the put is accepted, so that its writes do not evict them)."""
+        new = [] if held else [(page.calls[0][1], page.key) for page in self.pages if page.committed]  # (calls[0]:
+        joined = [] if held else [(i, page.key) for page in self.joined if page.committed  # this put; joined:
+                                  for owner, i in page.calls if owner is self]  # another put's write it waited for)
+        return [key for _, key in sorted(new + joined + self.held, reverse=True)]
 
     def signal(self) -> None:
         """The put is over: ``put`` returns, or the deferred put's callback runs (its error is logged:

@@ -126,9 +126,7 @@ class ReadPath:
             finally:
                 if self.io.failed:  # (the call raises; the next one reads on a new ring)
                     self._replace_ring_under_reads()
-        for p, ok in enumerate(found):
-            if ok:
-                self.index.touch(keys[p])
+        self.index.touch_many([keys[p] for p in range(len(keys) - 1, -1, -1) if found[p]])  # (PutCall.lru_order)
         with self.gate:  # (promotion copies from caller memory: not once close() gave up on this get)
             if not self.gate.shut:
                 self.after_get(keys, pages, found)

@@ -252,8 +252,8 @@ class WriteQueue:
                 continue
             holders = self._holders(key, length)
             if key in held and holders & mask:
-                self.index.touch(key)  # now (this put's writes must not evict it), and at the end in
-                call.held.append((i, key))  # batch order with the new pages (_end_call_under_writer)
+                call.held.append((i, key))  # touched below (this put's writes must not evict it), and at the end
+                # with the new pages (_end_call_under_writer)
                 self.stats.total("pages_existing")
                 call.results[i] = True
                 continue
@@ -261,6 +261,7 @@ class WriteQueue:
             page.calls.append((call, i))
             page.gate = call.gate
             call.pages.append(page)
+        self.index.touch_many(call.lru_order(held=True))
         self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
         for page in call.pages:
             if not page.targets:  # no tier can take it (capacity, every tier failed): False
@@ -436,7 +437,6 @@ class WriteQueue:
 
     def _end_call_under_writer(self, call: PutCall) -> None:
         call.sync_dirs(self.tiers, self.stats)
-        for key in call.lru_order():  # LRU order = batch order, not completion order
-            self.index.touch(key)
+        self.index.touch_many(call.lru_order())  # (not completion order)
         call.signal()
 

@@ -112,10 +112,10 @@ def test_get_touches_lru(tier_dirs):
     keys = [key(i) for i in range(4)]
     page_file = 4096 + sum(pages.shapes[0])
     with make_engine(tier_dirs[:1], capacity=3 * page_file) as engine:
-        engine.put(keys[:3], pages.src_segments[:3])
-        engine.get(keys[:1], pages.dst_segments[:1])  # key 0 becomes the most recent
+        engine.put(keys[:3], pages.src_segments[:3])  # least recent first: 2, 1, 0 (PutCall.lru_order)
+        engine.get(keys[2:3], pages.dst_segments[2:3])  # key 2 becomes the most recent
         engine.put(keys[3:], pages.src_segments[3:])
-        assert not engine.contains(keys[1]) and engine.contains(keys[0])
+        assert not engine.contains(keys[1]) and engine.contains(keys[2])
 
 
 def test_missing_invalid_and_mismatched_pages_are_misses(tier_dirs, io_engine):

@@ -510,3 +510,4 @@ def test_a_copy_found_once_the_scan_listed_every_tier_is_another_process_s_whate
     assert found("mine", True) == 100
     index.wrote("mine-look", 0, behind)
     assert found("mine-look", True, "look") == 100
+

@@ -174,13 +174,13 @@ def test_pinned_pages_are_not_evicted(tier_dirs):
     core = l2core.L2Core(eng)
     try:
         keys, _ = stored(eng, 3)
-        assert core.pop_lookup(core.submit_lookup(keys[:1])) == [True]  # pin the oldest
+        assert core.pop_lookup(core.submit_lookup(keys[2:])) == [True]  # pin the least recent (the batch's tail)
         more = [f"{i:064x}" for i in range(100, 102)]
         src = Pages(2, seed=2)  # (held across the put: the segments are its memory)
         assert all(eng.put(more, src.segments))
-        assert eng.contains(keys[0])  # pinned: survived although least recent
+        assert eng.contains(keys[2])  # pinned: survived although least recent
         assert not eng.contains(keys[1])
-        core.unlock(keys[:1])
+        core.unlock(keys[2:])
     finally:
         core.close()
         eng.close()

@@ -227,10 +227,10 @@ def test_a_page_being_removed_is_not_rediscovered_from_its_file(tier_dirs, monke
     pages = PageSet(8192)
     a, b, c = pages.keys(3)
     with make_engine(tier_dirs[:1], capacity="16K") as engine:  # two pages
-        assert pages.put(engine, [a, b] if how == "evicted" else [a]) == [True] * (2 if how == "evicted" else 1)
+        assert pages.put(engine, [b, a] if how == "evicted" else [a]) == [True] * (2 if how == "evicted" else 1)
         seen = _contains_between_drop_and_unlink(engine, monkeypatch, 0)
         if how == "evicted":
-            assert pages.put(engine, [c]) == [True]  # a, the least recent, goes
+            assert pages.put(engine, [c]) == [True]  # a, the least recent (the batch's tail), goes
         else:
             assert engine.delete([a]) == 1
         monkeypatch.undo()

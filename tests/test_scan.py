@@ -167,7 +167,8 @@ def test_capacity_eviction_before_and_after_the_scan(tier_dirs):
         assert len(page_files(tier_dirs[0])) == 12  # over capacity on disk until the scan is done
         _release(engine)
         assert engine.index.used[0] == cap and len(page_files(tier_dirs[0])) == 8
-        assert engine.index.keys(0) == old[4:7] + old[7:] + new[:4]  # old by write time, then by use
+        assert engine.index.keys(0) == old[4:7] + old[7:] + new[3::-1]  # old by write time, then by use (a put's
+        # pages in reverse batch order: PutCall.lru_order)
         assert pages.put(engine, new[4:]) == [True] * 2  # evicts the two oldest writes
         assert [engine.contains(k) for k in old] == [False] * 6 + [True] * 2
         assert pages.checked_get(engine, old[6:] + new) == [True] * 8
@@ -210,7 +211,7 @@ def test_the_trim_never_evicts_what_writes_made_room_for(tier_dirs, monkeypatch)
     with make_engine(tier_dirs[:1], capacity=str(3 * PAGE_BYTES), scan_rate=HELD) as engine:
         engines.append(engine)
         _release(engine)
-        assert engine.index.keys(0) == old[4:] + new and engine.index.used[0] == 3 * PAGE_BYTES
+        assert engine.index.keys(0) == old[4:] + new[::-1] and engine.index.used[0] == 3 * PAGE_BYTES
         assert pages.checked_get(engine, old[4:] + new) == [True] * 3
         assert len(page_files(tier_dirs[0])) == 3 and engine.check() == []
 

@@ -479,3 +479,33 @@ def test_mla_pages_of_dcp_shards_are_kept_apart(tier_dirs):
             assert reader.namespace != writer.namespace and reader.batch_exists(keys) == 0, cfg
         finally:
             reader.close()
+
+
+def test_a_prefixs_head_outlives_its_tails_as_sglangs_scheduler_writes_and_reads_them(plugin_loaded, tier_dirs,
+                                                                                          drivers):
+    """As a server with HiCache runs: a prefix's head (a shared system prompt, H) reaches L3 once, with the
+    first request's pages after it (A); later requests write only their own pages after it (B), and read L3
+    only beyond what host memory holds, their prefix passed as ``prefix_keys`` (on for kvstream:
+    plugin._pass_prefix_keys). At a capacity of 8 pages, the next 4 new pages (C) must evict a tail, not the
+    head: evicted head first (batch order, no use of prefix_keys), every page of A and B stayed on the tier,
+    useless (batch_exists counts the leading run: 0 tokens)."""
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    page = pools.flat_page_nbytes()
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:1], capacity=str(8 * page)))
+
+    def write(n: int, seed: int, prefix: list[str] | None = None) -> tuple[list[int], list[str]]:
+        tokens = cpu_sglang.random_tokens(n * PAGE, seed=seed)
+        keys = cpu_sglang.page_keys(tokens, PAGE, prefix[-1] if prefix else None)
+        assert drv.backup(tokens, cpu_sglang.fill_random(pools, len(tokens), seed=seed), keys,
+                          prefix_keys=prefix) == len(tokens)
+        return tokens, keys
+
+    first, keys = write(4, 1)  # H and A: the first request's pages, one batch
+    head, h_keys = first[:2 * PAGE], keys[:2]
+    write(2, 3)  # another request's pages (X)
+    b_tail, _ = write(2, 4, h_keys)  # B: H held, its own pages after it
+    write(4, 5)  # C: 4 new pages at a capacity of 8 evict 4
+    assert drv.query(head + b_tail) == len(head + b_tail), "the prefix's head was evicted before its tails"
+    got = drv.prefetch(b_tail, prefix_keys=h_keys)  # (H in host memory: the tail alone read from L3)
+    assert got.tokens == len(b_tail)
+    assert drv.query(head) == len(head)

@@ -211,3 +211,26 @@ def test_the_launcher_check_leaves_a_config_no_scheduler_reads(tier):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert json.loads(lines[-1][len("RESULT "):]) == "accepted"
+
+
+def test_the_launcher_turns_on_prefix_keys_for_kvstream_unless_the_config_sets_them(tier):
+    """kvstream keeps a prefix's head more recent than its tails only where sglang names each call's prefix
+    (``hicache_storage_pass_prefix_keys``, off in sglang): the launcher's hook turns it on in the extra config
+    the schedulers read, leaves a value the user wrote, and a config in a file, as written."""
+    path = os.path.join(tier, "kv.json")
+    with open(path, "w") as fh:
+        json.dump({"tiers": [tier]}, fh)
+    code = LAUNCHER.replace("args.check_server_args()", "from kvstream_hicache.sglang.plugin import "
+                            "_check_server_args\n    _check_server_args(args)").replace(
+        'json.dumps("accepted")', 'json.dumps(args.hicache_storage_backend_extra_config)')
+    on, off = {"hicache_storage_pass_prefix_keys": True}, {"hicache_storage_pass_prefix_keys": False}
+    for given, expected in ((json.dumps({"tiers": [tier]}), {"tiers": [tier], **on}),
+                            (json.dumps({"tiers": [tier], **off}), {"tiers": [tier], **off}),
+                            ("@" + path, "@" + path)):
+        argv = ["--model-path", "dummy", "--enable-hierarchical-cache", "--page-size", "64",
+                "--hicache-storage-backend", "kvstream", "--hicache-storage-backend-extra-config", given]
+        proc = run_python(code.replace("json.loads(sys.argv[1])", repr(argv)))
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        got = json.loads(lines[-1][len("RESULT "):])
+        assert (got if given.startswith("@") else json.loads(got)) == expected

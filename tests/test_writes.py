@@ -411,8 +411,9 @@ def test_a_version_of_another_length_does_not_turn_a_put_into_a_no_op(tier_dirs)
         assert mine.checked_get(engine, keys) == [True]
 
 
-def test_lru_order_is_batch_order_for_a_page_a_put_joined(tier_dirs):
-    """put([b, x]) while another put writes x: x (joined) is placed in this put's batch order, after b."""
+def test_lru_order_of_a_put_places_a_page_it_joined_in_its_batch(tier_dirs):
+    """put([b, x]) while another put writes x: x (joined) is placed in this put's batch order, the batch's
+    head b the most recent (PutCall.lru_order)."""
     plan = TierFaultPlan()
     pages = PageSet(8192)
     x, b = pages.keys(2)
@@ -427,23 +428,38 @@ def test_lru_order_is_batch_order_for_a_page_a_put_joined(tier_dirs):
         first.join(WAIT_S)
         second.join(WAIT_S)
         assert out1 == [[True]] and out2 == [[True, True]]
-        assert engine.index.keys(0) == [b, x], "LRU order of put([b, x]) is not batch order"
+        assert engine.index.keys(0) == [x, b], "LRU order of put([b, x]) is not reverse batch order"
 
 
-def test_lru_order_is_batch_order_when_a_put_mixes_new_and_held_pages(tier_dirs):
-    """Within one put LRU order is batch order, held pages of the batch included: put([b, a]) with b
-    new and a held leaves a the most recent, so the next eviction takes b before a (before: a held
-    page was touched when the put was accepted, the new ones when it ended, so b passed a and a went
-    first). Found by a review."""
+def test_lru_order_of_a_put_that_mixes_new_and_held_pages_is_its_batch_s(tier_dirs):
+    """Within one put LRU order is reverse batch order, held pages of the batch included: put([b, a]) with b
+    new and a held leaves b, its head, the most recent and a just before it, so the next evictions take a
+    before b (before: a held page was touched when the put was accepted, the new ones when it ended, so a
+    new page passed a held one whatever the batch said). Found by a review."""
     pages = PageSet(8192)
     with make_engine(tier_dirs[:1], capacity="24K") as engine:  # three pages
         x, y, a, b, c, d = pages.keys(6)
         assert pages.put(engine, [a]) == [True]
-        assert pages.put(engine, [x, y]) == [True, True]  # LRU, oldest first: a, x, y
-        assert pages.put(engine, [b, a]) == [True, True]  # b new (evicts x, not a), a held
-        assert engine.index.keys(0) == [y, b, a]
-        assert pages.put(engine, [c, d]) == [True, True]  # the two least recent go: y and b
-        assert engine.index.keys(0) == [a, c, d]
+        assert pages.put(engine, [x, y]) == [True, True]  # LRU, least recent first: a, y, x
+        assert pages.put(engine, [b, a]) == [True, True]  # b new (evicts y, not a: touched first), a held
+        assert engine.index.keys(0) == [x, a, b]
+        assert pages.put(engine, [c, d]) == [True, True]  # the two least recent go: x and a
+        assert engine.index.keys(0) == [b, d, c]
+
+
+def test_a_prefix_is_evicted_from_its_tail_after_a_put_and_after_a_get(tier_dirs):
+    """A page serves only while every page before it is held (SGLang's batch_exists and LMCache's lookup count
+    the leading run), so a capacity evicts a call's pages from its tail, as SGLang's radix tree evicts leaves
+    first. In batch order, the head went first: one page over the capacity left a prefix of 0 pages."""
+    pages = PageSet(8192)
+    with make_engine(tier_dirs[:1], capacity="32K") as engine:  # four pages
+        p, n = pages.keys(4), pages.keys(2, start=4)
+        assert pages.put(engine, p) == [True] * 4
+        assert pages.put(engine, n[:1]) == [True]
+        assert engine.prefix_len(p) == 3, "the put's head was evicted before its tail"
+        assert pages.checked_get(engine, p[:3] + n[:1]) == [True] * 4  # the get's head ends the most recent
+        assert pages.put(engine, n[1:]) == [True]
+        assert engine.prefix_len(p) == 3 and not engine.contains(n[0]), "the get's head was evicted first"
 
 
 def test_clear_drops_queued_and_in_flight_writes(tier_dirs):

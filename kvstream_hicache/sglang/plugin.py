@@ -46,6 +46,7 @@ EXAMPLE = '\'{"tiers": ["/mnt/nvme0/kv", "/mnt/nvme1/kv"]}\''
 _UNREAD = object()  # an extra config only sglang can read (a format it refuses, a parser not installed here)
 _CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 _PATCH_MARK = "_kvstream_zero_copy"
+PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,21 @@ def _check_server_args(server_args, *_args, **_kwargs) -> None:
         return  # no scheduler builds a storage backend: its extra config is never read (sglang started it)
     check_extra_config(getattr(server_args, "hicache_storage_backend", None),
                        getattr(server_args, "hicache_storage_backend_extra_config", None), probe=True)
+    _pass_prefix_keys(server_args)
+
+
+def _pass_prefix_keys(server_args) -> None:
+    """Turn on sglang's ``hicache_storage_pass_prefix_keys`` (off by default) where the user's extra config
+    does not set it: each get and set then names the prefix before its pages, which kvstream keeps more
+    recent than them (KVStreamHiCacheStorage._touch_prefix). A config in a file (``@path``) is left as written."""
+    text = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    if getattr(server_args, "hicache_storage_backend", None) != NAME or (text or "").startswith("@"):
+        return
+    extra = json.loads(text) if text else {}  # (check_extra_config parsed it)
+    if isinstance(extra, dict) and PASS_PREFIX_KEYS not in extra:
+        server_args.hicache_storage_backend_extra_config = json.dumps({**extra, PASS_PREFIX_KEYS: True})
+        logger.info("kvstream: %s on (a prefix's head outlives its tail in L3; set it false in %s to opt out)",
+                    PASS_PREFIX_KEYS, EXTRA_FLAG)
 
 
 def check_extra_config(backend: str | None, text: str | None, environ: Mapping[str, str] | None = None,

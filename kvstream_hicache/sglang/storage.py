@@ -180,13 +180,15 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read ``keys`` into the host pool at ``host_indices`` (``page_size`` slots per key). One bool per key;
         sglang uses the leading run of True."""
-        return self._guard("batch_get_v1", [False] * _count_of(keys), self._batch_get_v1, keys, host_indices)
+        return self._guard("batch_get_v1", [False] * _count_of(keys), self._batch_get_v1, keys, host_indices,
+                           extra_info)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Write the host pool's pages at ``host_indices`` under ``keys``; returns once every byte is out of
         host memory. One bool per key (True = at least one tier holds a verified copy)."""
-        return self._guard("batch_set_v1", [False] * _count_of(keys), self._batch_set_v1, keys, host_indices)
+        return self._guard("batch_set_v1", [False] * _count_of(keys), self._batch_set_v1, keys, host_indices,
+                           extra_info)
 
     # ------------------------------------------------------------------------------------------ legacy
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | bool | None:
@@ -321,17 +323,26 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _batch_exists(self, keys: Sequence[str]) -> int:
         return self.engine.prefix_len(keys)
 
-    def _batch_get_v1(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         pages = self._pool_pages(keys, host_indices)
-        if pages is None:
-            return [False] * len(keys)
-        return self._get_pages(keys, pages)
+        found = [False] * len(keys) if pages is None else self._get_pages(keys, pages)
+        self._touch_prefix(extra_info)
+        return found
 
-    def _batch_set_v1(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         pages = self._pool_pages(keys, host_indices)
-        if pages is None:
-            return [False] * len(keys)
-        return self._put_pages(keys, pages)
+        stored = [False] * len(keys) if pages is None else self._put_pages(keys, pages)
+        self._touch_prefix(extra_info)
+        return stored
+
+    def _touch_prefix(self, extra_info: HiCacheStorageExtraInfo | None) -> None:
+        """The call's prefix (sglang passes it with ``hicache_storage_pass_prefix_keys``, which the launcher
+        turns on for kvstream: plugin.py) is in use: its pages outlive the call's (Engine.touch_prefix). Without
+        it, a prefix's head, in L3 only written once while hits read the tail beyond what host memory holds, was
+        the first page evicted, and every page after it dead weight (batch_exists counts the leading run)."""
+        prefix = getattr(extra_info, "prefix_keys", None)
+        if prefix:
+            self.engine.touch_prefix(prefix)
 
     def _legacy_get(self, keys: list[str], targets: Any) -> list:
         self._note_legacy()

@@ -437,12 +437,17 @@ class ControllerDriver:
         return all(t.is_alive() for t in (cc.prefetch_thread, cc.prefetch_io_aux_thread, cc.prefetch_sync_thread,
                                           cc.backup_thread))
 
-    def backup(self, tokens: Sequence[int], host_indices, keys: Sequence[str] | None = None) -> int:
-        """Write the pages at ``host_indices`` (holding ``tokens``) through the backup thread; returns tokens stored."""
+    def backup(self, tokens: Sequence[int], host_indices, keys: Sequence[str] | None = None,
+               prefix_keys: Sequence[str] | None = None) -> int:
+        """Write the pages at ``host_indices`` (holding ``tokens``) through the backup thread; returns tokens stored.
+        ``prefix_keys``: the keys of the pages before them, as the scheduler passes them with
+        ``hicache_storage_pass_prefix_keys`` (``keys`` then chain from the last of them)."""
         from queue import Empty
 
-        keys = list(keys) if keys is not None else page_keys(tokens, self.pools.page_size)
-        op_id = self.controller.write_storage(host_indices, list(tokens), hash_value=keys)
+        if keys is None:
+            keys = page_keys(tokens, self.pools.page_size, prefix_keys[-1] if prefix_keys else None)
+        op_id = self.controller.write_storage(host_indices, list(tokens), hash_value=list(keys),
+                                              prefix_keys=list(prefix_keys) if prefix_keys else None)
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -457,8 +462,11 @@ class ControllerDriver:
         result = self.prefetch(tokens, read=False)
         return result.hit_tokens
 
-    def prefetch(self, tokens: Sequence[int], *, read: bool = True) -> PrefetchResult:
-        """Query, then (``read``) allocate host slots for the hit and read it through the IO thread."""
+    def prefetch(self, tokens: Sequence[int], *, read: bool = True,
+                 prefix_keys: Sequence[str] | None = None) -> PrefetchResult:
+        """Query, then (``read``) allocate host slots for the hit and read it through the IO thread.
+        ``prefix_keys``: the keys of the pages before ``tokens`` (in host memory, as the scheduler passes
+        them with ``hicache_storage_pass_prefix_keys``): ``tokens``' keys chain from the last of them."""
         from queue import Empty
 
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
@@ -466,7 +474,8 @@ class ControllerDriver:
         cc = self.controller
         self._rid += 1
         rid = f"kvstream-driver-{id(self)}-{self._rid}"
-        op = cc.prefetch(CacheRequestHandle(rid, 0), list(tokens))
+        prefix = list(prefix_keys) if prefix_keys else None
+        op = cc.prefetch(CacheRequestHandle(rid, 0), list(tokens), prefix[-1] if prefix else None, prefix)
         deadline = time.monotonic() + self.timeout
         while True:
             try:
