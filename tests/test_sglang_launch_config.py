@@ -216,13 +216,17 @@ def test_the_launcher_check_leaves_a_config_no_scheduler_reads(tier):
 def test_the_launcher_turns_on_prefix_keys_for_kvstream_unless_the_config_sets_them(tier):
     """kvstream keeps a prefix's head more recent than its tails only where sglang names each call's prefix
     (``hicache_storage_pass_prefix_keys``, off in sglang): the launcher's hook turns it on in the extra config
-    the schedulers read, leaves a value the user wrote, and a config in a file, as written."""
+    the schedulers read, leaves a value the user wrote, and a config in a file, as written. As the launcher
+    runs it: on arguments already resolved (read-only: assigning the field raised AttributeError and the
+    server did not start; found by a trial), published after (what the schedulers read)."""
     path = os.path.join(tier, "kv.json")
     with open(path, "w") as fh:
         json.dump({"tiers": [tier]}, fh)
-    code = LAUNCHER.replace("args.check_server_args()", "from kvstream_hicache.sglang.plugin import "
-                            "_check_server_args\n    _check_server_args(args)").replace(
-        'json.dumps("accepted")', 'json.dumps(args.hicache_storage_backend_extra_config)')
+    code = LAUNCHER.replace("args.check_server_args()", (  # (sglang's own checks need a real model: the hook alone)
+        "args.resolve_once()\n    from kvstream_hicache.sglang.plugin import _check_server_args\n"
+        "    _check_server_args(args)\n    from sglang.srt.runtime_context import get_memory, publish\n"
+        "    publish(args, role='tokenizer')")).replace(
+        'json.dumps("accepted")', 'json.dumps(get_memory().hicache_storage_backend_extra_config)')
     on, off = {"hicache_storage_pass_prefix_keys": True}, {"hicache_storage_pass_prefix_keys": False}
     for given, expected in ((json.dumps({"tiers": [tier]}), {"tiers": [tier], **on}),
                             (json.dumps({"tiers": [tier], **off}), {"tiers": [tier], **off}),

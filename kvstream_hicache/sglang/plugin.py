@@ -93,15 +93,25 @@ def _check_server_args(server_args, *_args, **_kwargs) -> None:
 def _pass_prefix_keys(server_args) -> None:
     """Turn on sglang's ``hicache_storage_pass_prefix_keys`` (off by default) where the user's extra config
     does not set it: each get and set then names the prefix before its pages, which kvstream keeps more
-    recent than them (KVStreamHiCacheStorage._touch_prefix). A config in a file (``@path``) is left as written."""
+    recent than them (KVStreamHiCacheStorage._touch_prefix). A config in a file (``@path``) is left as written.
+    The launcher has resolved its arguments by now (read-only): the new config is declared as sglang's
+    resolution records a decision, projected into what the schedulers read when the launcher publishes."""
     text = getattr(server_args, "hicache_storage_backend_extra_config", None)
     if getattr(server_args, "hicache_storage_backend", None) != NAME or (text or "").startswith("@"):
         return
     extra = json.loads(text) if text else {}  # (check_extra_config parsed it)
-    if isinstance(extra, dict) and PASS_PREFIX_KEYS not in extra:
-        server_args.hicache_storage_backend_extra_config = json.dumps({**extra, PASS_PREFIX_KEYS: True})
-        logger.info("kvstream: %s on (a prefix's head outlives its tail in L3; set it false in %s to opt out)",
-                    PASS_PREFIX_KEYS, EXTRA_FLAG)
+    if not isinstance(extra, dict) or PASS_PREFIX_KEYS in extra:
+        return
+    try:
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(server_args, "kvstream", hicache_storage_backend_extra_config=json.dumps(
+            {**extra, PASS_PREFIX_KEYS: True}))
+    except Exception as exc:  # (published already: a scheduler's own check; or sglang changed): sglang's default
+        logger.debug("kvstream: %s left as configured (%s)", PASS_PREFIX_KEYS, exc)
+        return
+    logger.info("kvstream: %s on (a prefix's head outlives its tail in L3; set it false in %s to opt out)",
+                PASS_PREFIX_KEYS, EXTRA_FLAG)
 
 
 def check_extra_config(backend: str | None, text: str | None, environ: Mapping[str, str] | None = None,
