@@ -148,7 +148,7 @@ def test_the_counters_the_docs_list_are_at_0_from_the_attach():
 
     from kvstream_hicache.sglang.metrics import Exporter
 
-    labels = {"tp_rank": "launch-config-test", "dp_rank": "0", "pp_rank": "0"}
+    labels = {"tp_rank": "launch-config-test", "dp_rank": "0", "pp_rank": "0", "attn_cp_rank": "0"}
     Exporter(labels, ["/t0", "/t1"])
     assert REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="found")) == 0
     assert REGISTRY.get_sample_value("kvstream:pages_total", dict(labels, result="missing")) == 0
@@ -165,7 +165,7 @@ def test_read_timeouts_are_exported_as_a_counter():
 
     from kvstream_hicache.sglang.metrics import Exporter
 
-    labels = {"tp_rank": "read-timeouts-test", "dp_rank": "0", "pp_rank": "0"}
+    labels = {"tp_rank": "read-timeouts-test", "dp_rank": "0", "pp_rank": "0", "attn_cp_rank": "0"}
     exporter = Exporter(labels, ["/t0"])
     assert REGISTRY.get_sample_value("kvstream:read_timeouts_total", labels) == 0
     exporter.sync({"tiers": [{}], "read_timeouts": 2})

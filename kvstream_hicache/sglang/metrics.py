@@ -20,6 +20,8 @@ Families (``tier`` is the tier's position, 0 = fastest; ``kvstream:tier_info`` m
 ``kvstream:tier_failures_total``            counter    times the tier was taken out of service (failed)
 ``kvstream:tier_write_timeouts_total``      counter    tier writes (or writer's calls) left write_timeout unanswered
 ``kvstream:tier_evictions_total``           counter    pages evicted from the tier (capacity)
+``kvstream:tier_skipped_writes_total``      counter    new pages the tier's capacity could not take (not written there)
+``kvstream:tier_write_failures_total``      counter    page writes that failed on the tier (other tiers only)
 ``kvstream:tier_replica_skips_total``       counter    new pages whose replica the tier skipped (replicate=budget)
 ``kvstream:tier_replica_skip_bytes_total``  counter    bytes of those replicas
 ``kvstream:tier_replication_done_total``    counter    replicas background replication wrote to the tier (catch-up)
@@ -61,6 +63,8 @@ TIER_COUNTERS = {
     "failures": "tier_failures",
     "write_timeouts": "tier_write_timeouts",
     "evictions": "tier_evictions",
+    "skipped_writes": "tier_skipped_writes",
+    "write_failures": "tier_write_failures",
     "replica_skipped_pages": "tier_replica_skips",
     "replica_skipped_bytes": "tier_replica_skip_bytes",
     "replication_done": "tier_replication_done",
@@ -83,6 +87,11 @@ TIER_DOCS = {
                            "sync) on a tier that may hang, went write_timeout without an answer (the tier then "
                            "failed; other calls that time out show in tier_failures).",
     "tier_evictions": "Pages evicted from the tier to stay within its capacity.",
+    "tier_skipped_writes": "New pages the tier's capacity could not take (no eviction could make room: a backup "
+                           "larger than the capacity, pages pinned by reads): not written there; stored nowhere "
+                           "when every tier skipped them.",
+    "tier_write_failures": "Page writes the tier failed (an I/O error, no room, no file descriptor left): the "
+                           "page went to the other tiers only.",
     "tier_replica_skips": "New pages whose replica this tier skipped: its writes would have drained after the "
                           "home copy's and the slack (replicate=budget); not a failure.",
     "tier_replica_skip_bytes": "Bytes of the replicas this tier skipped (replicate=budget).",
@@ -101,7 +110,7 @@ _families: dict | None = None
 _families_lock = ranked_lock("metrics")
 
 
-def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank")) -> dict:
+def families(rank_labels: Sequence[str] = ("tp_rank", "dp_rank", "pp_rank", "attn_cp_rank")) -> dict:
     """The process-wide metric families (created on first use)."""
     global _families
     with _families_lock:

@@ -575,10 +575,21 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         with self._lock:
             self._trailing = None
         try:
+            self._probe_failed_tiers()
             self._maybe_sync(True)
         except Exception as exc:  # a timer thread: report, count, never raise
             self._count("metrics_errors")
             self._warn("metrics", type(exc).__name__, f"kvstream: exporting metrics failed ({exc})")
+
+    def _probe_failed_tiers(self) -> None:
+        """A failed tier's probe when it is due (tier_retry's back-off, or a vanished directory's look). Only
+        gets and puts probed: on an idle server (--sleep-on-idle, no request) a tier remounted stayed failed,
+        its gauge at 0 and its owed replicas pending, until the next request. This timer runs each interval
+        while a tier is failed (_maybe_sync), outside the sync lock: a probe may list the tier as it rejoins."""
+        engine = self.engine
+        for tier in getattr(engine, "tiers", ()) if engine is not None else ():
+            if not tier.healthy:
+                tier.usable()
 
     def _get_stats(self):
         from sglang.srt.observability.metrics_collector import StorageMetrics
@@ -669,7 +680,11 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         from .metrics import Exporter
 
         cfg = self.storage_config
-        labels = {"tp_rank": str(cfg.tp_rank), "dp_rank": str(cfg.dp_rank), "pp_rank": str(cfg.pp_rank)}
+        # attn_cp_rank too: under attention DP sglang passes the attention-TP rank as tp_rank, the same on
+        # every context-parallel rank of a DP group (runtime_context.derive_attention_ranks), whose engines
+        # are apart (namespace); with the three ranks alone their gauges overwrote each other's (mostrecent)
+        labels = {"tp_rank": str(cfg.tp_rank), "dp_rank": str(cfg.dp_rank), "pp_rank": str(cfg.pp_rank),
+                  "attn_cp_rank": str(cfg.attn_cp_rank)}
         return Exporter(labels, [t.path for t in self.config.tiers])
 
     @property
