@@ -51,7 +51,7 @@ from .faults import FaultyRing
 from .index import Index
 from .integrity import Problem, Reason, ScannedPage, check_tier
 from .io import RING_ENTRIES, ThreadRing, forks, memlock_hint, open_ring
-from .layout import Namespace, is_valid_key, key_of_page_file
+from .layout import Namespace, is_digest, is_valid_key, key_of_page_file
 from .locks import ranked_lock
 from .memory import CallerGate
 from .owed import OwedClears
@@ -658,6 +658,23 @@ class Engine:
     def wait_scan(self, timeout: float | None = None) -> bool:
         """Wait until the start-up scan has read every tier; True when it has (False: ``timeout``)."""
         return self._scan.wait(timeout)
+
+    def namespace_dirs(self, digest: str) -> list[tuple[int, str]]:
+        """(tier, path) of each tier holding the directory of the namespace ``digest`` (an adapter's namespace
+        as an earlier version named it: its pages are never served here, and no capacity counts them). Each
+        look is bounded as the tier's calls (a failed tier, or one that does not answer, holds none)."""
+        self._check_open()
+        found = []
+        for tier in self.tiers if is_digest(digest) else ():
+            if not tier.healthy:  # (one that did not answer at start: not waited for again)
+                continue
+            path = os.path.join(tier.layout.base, digest)
+            try:
+                tier.calls.run(os.lstat, path)
+            except OSError:  # (none there; or the tier does not answer)
+                continue
+            found.append((tier.k, path))
+        return found
 
     @property
     def last_batch(self) -> dict:

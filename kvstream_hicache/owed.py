@@ -17,7 +17,8 @@ each ``"@<ns>:<path>"``, the time of the last clear it missed (ns since the epoc
 43 wrote the paths alone, and reads a list of strings only: it honours this record (its tiers lose every
 page; the time entries name no tier of its own, and it keeps them) and this version reads its record (a
 path with no time: every page goes). Stop 43's commits before cdf2983 wrote paths as listed, a link in
-them kept: a tier is matched by the path it is listed by as well as by its real path.
+them kept: a tier is matched by the path it is listed by as well as by its real path. b2e98e7 and 6af416a
+wrote a JSON object, ``{"clears_owed": {path: time}}``: read too (it was ignored, the stale pages served).
 Written to a new temporary name in ``tmp/`` (start-up cleaning removes one a crash leaves), fsynced
 and renamed over the record; read following no link, only a regular file of this user's (its uid on the tier) that no
 one else may write (its group only for the tiers it is trusted with: in shared mode the tier's group is trusted with
@@ -48,6 +49,7 @@ log = logging.getLogger("kvstream")
 SUFFIX = ".clears-owed"
 EVERY_PAGE = 1 << 62  # the time of a clear a record names with no time (stop 43's): every page was written before
 MAX_BYTES = 1 << 16  # a record longer than this is not ours
+EARLIER_KEY = "clears_owed"  # the one key of the JSON object b2e98e7 and 6af416a wrote as the record (_parse)
 
 
 class OwedClears:
@@ -227,6 +229,11 @@ def _text(owed: dict[str, int]) -> list[str]:
 def _parse(text: object) -> dict[str, int]:
     """A record's JSON as {path: time of the clear}; a path with no time given (or a time not well formed)
     owes every page. :raises ValueError: it is not a record."""
+    if isinstance(text, dict) and list(text) == [EARLIER_KEY] and isinstance(text[EARLIER_KEY], dict):
+        # (b2e98e7 and 6af416a wrote {"clears_owed": {path: time}}: a node upgraded from one logged its record
+        # "not kvstream's" and served the stale pages of the clear a tier owed)
+        return {r: when if type(when) is int and when >= 0 else EVERY_PAGE
+                for r, when in text[EARLIER_KEY].items() if isinstance(r, str)}
     if not (isinstance(text, list) and all(isinstance(r, str) for r in text)):
         raise ValueError("not a list of tier directories")
     owed = {r: EVERY_PAGE for r in text if not r.startswith("@")}

@@ -16,7 +16,8 @@ tier, walks that tier's shard directories and:
 - counts, and leaves, the pages of a later format (integrity.NewerFormat: a newer kvstream's, on a
   tier shared across an upgrade): not indexed, never removed;
 - at the end, sorts the pages it found by write time (``Index.settle``: the write order of before the
-  restart; reads leave nothing on disk) and trims a tier over its capacity (one lowered since the last run).
+  restart; reads leave nothing on disk) and trims a tier over its capacity (one lowered since the last run, or
+  a tier other processes filled too).
 
 When every tier is scanned, ``done()`` runs (the engine's: background replication then owes each
 tier the pages it lacks, replication.py; only then is it known what a tier lacks).
@@ -62,7 +63,7 @@ from .integrity import (
 from .layout import key_of_page_file
 from .locks import ranked_lock
 from .tiers import Tier
-from .tmpfiles import pid_namespace, started
+from .tmpfiles import local_writer_alive, pid_namespace, started
 from .trust import DIR_FLAGS, LOOK_FLAGS
 
 log = logging.getLogger("kvstream")
@@ -335,10 +336,13 @@ class BackgroundScan:
         self.index.settle(tier.k, added, self.epoch)
         trimmed = self.trim(tier.k)
         if trimmed and tier.capacity is not None and part.found_bytes > tier.capacity:  # (an operator lowered
-            # the capacity: the pages that go are said once, with the setting)
+            # the capacity, or other processes filled a tier they share: the pages that go are said once, with the
+            # setting; the scan cannot tell the two apart, and a shared tier's other writer was never told)
             log.warning("kvstream: tier %d (%s) held more than its capacity of %s (setting capacity, "
-                        "KVSTREAM_CAPACITY; lowered since the last run): evicted its %d least recent pages",
-                        tier.k, tier.root, Capacity(tier.capacity), trimmed)
+                        "KVSTREAM_CAPACITY): evicted its %d least recent pages. Either the capacity was lowered since "
+                        "the last run, or other processes put pages on this tier too (a restart counts every page "
+                        "it finds, docs/guarantees.md \"Capacity is per process\": give each the tier's room "
+                        "divided by their number)", tier.k, tier.root, Capacity(tier.capacity), trimmed)
         elif trimmed:  # (within it, the last run's pages and the puts served before the scan listed them are
             # not: the usual LRU eviction, late; named the setting, a busy server's every restart blamed it)
             log.log(self.level, "kvstream: tier %d: the background scan evicted its %d least recent pages (pages "
@@ -489,7 +493,11 @@ def _live_scan(name: str, dir_fd: int) -> dict | None:
             return None
         pid = int(doc["pid"])
         os.kill(pid, 0)
-        if doc.get("started", started(pid)) != started(pid):
+        if "started" not in doc:  # an earlier version's (before 8ea3036, no start time): a process begun well
+            # after the file was last written has its pid now (a killed engine's; it was listed for good)
+            if not local_writer_alive(pid, st.st_mtime):
+                raise ProcessLookupError
+        elif doc["started"] != started(pid):
             raise ProcessLookupError  # (its pid, reused)
     except PermissionError:  # alive, another user's process (a shared runtime directory)
         pass

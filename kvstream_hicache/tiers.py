@@ -790,7 +790,8 @@ class Tier:
         (:meth:`_older_than`), which spares the header read of a page written well before; a page it
         finds recent is never moved (another node may rename a new version over it meanwhile). Returns
         whether it stays: written after; not kvstream's (another owner's, one this user cannot read: as a
-        delete leaves it); no valid page (for the scan or a read to judge). A stray that is no regular file
+        delete leaves it); no valid page (for the scan or a read to judge). A later format's page (NewerFormat)
+        is judged by its file's times alone, on the tier's clock. A stray that is no regular file
         goes; a look that fails: :meth:`_look_failed`."""
         if old is not None:
             try:
@@ -812,6 +813,16 @@ class Tier:
             pass
         except NotRegularFile:  # a socket, a FIFO, ...: a stray under the page's name goes
             return self._remove(path, not_a_file) is not None
+        except NewerFormat:  # a later format's page: its write time is in a header this version cannot read, so
+            # its file's tells (docs/design.md "On-disk format"): one modified well before goes, as the delete
+            # or clear removes it on a healthy tier (an owed delete left it: the newer node served a deleted key)
+            if old is None and (old := self._older_than(when)) is not None:  # (a clear's judged it recent above)
+                try:
+                    st = self.calls.run(os.lstat, path)
+                except OSError as exc:
+                    return self._look_failed(exc, path)
+                if old(st):
+                    return self._remove(path, same_file(identity(st))) is not None
         except HeaderError:
             pass
         except OSError as exc:

@@ -247,6 +247,12 @@ def _writer_alive(pid: int, changed: Callable[[], float | None], clock: Callable
     return now is None or now - mtime <= running + PID_REUSE_S
 
 
+def local_writer_alive(pid: int, mtime: float) -> bool:
+    """:func:`_writer_alive` for a file on this host's own clock (a scan's progress file of a version that
+    kept no start time in it: its pid may be a later process's)."""
+    return _writer_alive(pid, lambda: mtime, time.time)
+
+
 def _mtime(entry: os.DirEntry) -> float | None:
     """The entry's mtime (its own ``lstat``), None when it cannot be told."""
     try:

@@ -30,8 +30,8 @@ from kvstream_hicache.tiers import LOOK_S
 from kvstream_hicache.tmpfiles import TMP_SUFFIX
 
 from helpers import (  # noqa: F401
-    NS, FakeClock, PageSet, as_user, flip_byte, loop_fs, make_engine, messages, page_files, tier_stats_once,
-    wait_until,
+    NS, VERSION_OFF, FakeClock, PageSet, as_user, flip_byte, loop_fs, make_engine, messages, page_files,
+    set_header_field, tier_stats_once, wait_until,
 )
 
 RETRY_S = 5.0  # tier_retry of these tests: first back-off, s
@@ -819,6 +819,28 @@ def test_a_record_of_clears_owed_of_stop_43_clears_every_page(tier_dirs):
         assert not os.path.exists(record)
 
 
+def test_a_record_of_clears_owed_as_b2e98e7_wrote_it_is_honoured(tier_dirs, caplog):
+    """b2e98e7 and 6af416a wrote the record as a JSON object, ``{"clears_owed": {real path: time}}`` (a094a1f
+    went back to stop 43's list). A node upgraded from one of them, whose tier 1 owed a clear (a weight
+    update's, while it was away), logged the record as "not kvstream's" and ignored it: tier 1's stale pages
+    were served (trial upgrade, with b2e98e7's own engine). It is read as the list is: none is served."""
+    dirs = tier_dirs[:2]
+    pages = PageSet()
+    keys = pages.keys(3)
+    record = _cleared_while_tier_1_is_away(dirs, pages, keys)
+    os.rename(dirs[1] + ".away", dirs[1])
+    with open(record) as f:
+        when = {r[1:].partition(":")[2]: int(r[1:].partition(":")[0]) for r in json.load(f) if r.startswith("@")}
+    with open(record, "w") as f:
+        json.dump({"clears_owed": when}, f, sort_keys=True)  # (b2e98e7's owed.py: json.dumps({KEY: owed}))
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    with make_engine(dirs, tier_retry=RETRY_S) as engine:
+        assert not engine.tiers[1].healthy
+        _until_back(engine, 1, lambda: pages.checked_get(engine, keys[:1]))
+        assert pages.checked_get(engine, keys) == [False] * 3 and page_files(dirs[1]) == []
+    assert messages(caplog, "not kvstream's") == []
+
+
 @pytest.mark.parametrize("owing", ["network", "local"])
 def test_a_clear_owed_is_recorded_on_a_local_tier_only(tier_dirs, fuse_tier, caplog, owing):
     """A local tier and a network one (FUSE: bindfs). The network tier away at a clear(): the local tier
@@ -1210,6 +1232,35 @@ def test_an_owed_delete_never_removes_a_page_another_process_put_after_the_delet
             assert pages.checked_get(engine_b, k) == [True], (
                 "a page another process put after the delete was removed by the delete A's tier owed")
             assert engine_a.prefix_len(k) == 1  # and A finds B's page too (discovery indexes it)
+
+
+@pytest.mark.parametrize("written", ["before", pytest.param("after", marks=pytest.mark.leaves_problems(
+    "the newer node's page put after the delete stays: check() reports it newer_format"))])
+def test_an_owed_delete_removes_a_later_formats_page_written_well_before_it(tier_dirs, written):
+    """docs/design.md "On-disk format": a delete() of a key removes a later format's page (a newer kvstream's,
+    on a tier shared during a rolling upgrade) as it removes this version's, and one a failed tier owes only one
+    modified well before the delete (its write time is in a header this version cannot read). The shared tier's
+    copy of K is replaced by a newer node's (format version 2), written an hour before A's delete, which A's
+    failed tier owes: once it rejoins, that page must go, or the newer node serves the deleted key. Before, the
+    owed delete read its header, could not, and left it. One written after the delete stays (trial upgrade)."""
+    local, shared = tier_dirs[0], tier_dirs[1]
+    pages = PageSet(64 << 10, salt="owed-newer")
+    k, other = pages.keys(1), pages.keys(1, start=1)
+    clock = FakeClock()
+    with make_engine([local, shared], clock=clock, replicate="all") as engine:
+        assert pages.put(engine, k) == [True] and engine.index.holders(k[0]) == 0b11
+        path = engine.tiers[1].layout.page_path(k[0])
+        os.rename(shared, shared + ".away")  # (the shared tier away: the delete finds it gone, and owes it)
+        assert engine.delete(k) == 1 and not engine.tiers[1].healthy
+        away = shared + ".away" + path[len(shared):]
+        set_header_field(away, VERSION_OFF, 2)  # (the newer node's page, under the name)
+        stamp = time.time() + (-3600 if written == "before" else 60)  # (an hour before the delete, or after it)
+        os.utime(away, (stamp, stamp))
+        os.rename(shared + ".away", shared)
+        clock.advance(1000)  # the shared tier is due: the next call probes it, it rejoins
+        _until_back(engine, 1, lambda: engine.prefix_len(other))
+        assert os.path.exists(path) == (written == "after"), (
+            f"a later format's page written {written} the delete: exists={os.path.exists(path)}")
 
 
 @pytest.mark.leaves_problems("A's index never listed the page B put on the shared tier")

@@ -311,6 +311,40 @@ def test_fp8_formats_keep_their_pages_apart(tier_dirs, monkeypatch):
         again.close()
 
 
+def test_an_fp8_server_upgraded_from_before_its_kv_cache_dtype_was_in_the_namespace_is_told(tier_dirs, monkeypatch,
+                                                                                                caplog):
+    """An fp8 server upgraded from a kvstream of before 6b6a304, whose namespace had no --kv-cache-dtype (trial
+    upgrade: 8c414b8's pages, then this tree's server on the same tier): its pages are another namespace's now,
+    rightly never served (e4m3 and e5m2 alike there), and no capacity counts their room. The start said
+    nothing: every page a miss, the old directory on the tier for good. It says which directory and the fix."""
+    import torch
+    from sglang.srt import runtime_context
+
+    from kvstream_hicache.sglang import storage
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    extra = tiers_config(tier_dirs[:1])
+    pools = _fp8_pools(torch.float8_e4m3fn)
+    tokens = cpu_sglang.random_tokens(2 * PAGE, seed=5)
+    keys = cpu_sglang.page_keys(tokens, PAGE)
+    src = cpu_sglang.fill_random(pools, len(tokens), seed=5)
+    monkeypatch.setattr(runtime_context._CONTEXT, "_server_args", type("Args", (), {"kv_cache_dtype": "fp8_e4m3"}))
+    with monkeypatch.context() as before:  # (the earlier version's namespace: no kv_cache_dtype field)
+        before.setattr(storage, "_kv_cache_dtype", lambda host: None)
+        earlier = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=extra), pools.host)
+        assert earlier.batch_set_v1(keys, src) == [True, True]
+        earlier.close()
+    caplog.set_level("INFO", logger="kvstream")
+    upgraded = KVStreamHiCacheStorage(cpu_sglang.storage_config(pools, extra_config=extra), pools.host)
+    try:
+        assert upgraded.namespace.digest != earlier.namespace.digest and upgraded.batch_exists(keys) == 0
+    finally:
+        upgraded.close()
+    old_dir = os.path.join(tier_dirs[0], "kvstream", earlier.namespace.digest)
+    said = [r.getMessage() for r in caplog.records if old_dir in r.getMessage()]
+    assert len(said) == 1 and "--kv-cache-dtype" in said[0] and "remove" in said[0], said
+
+
 def test_a_draft_model_pool_registered_after_the_attach_is_refused(plugin_loaded, tier_dirs, drivers):
     """A separate draft model's KV pool (EAGLE3, HiCache draft 'sidecar' mode) reaches the backend after
     the attach, while the scheduler still starts (register_sidecar_pool -> register_host_pool_entry):

@@ -138,6 +138,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             self.engine = engine
             self._reads_in_place = self._register_pool(mem_pool_host)
         self._log_startup()
+        self._say_earlier_namespace()
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """Record every host pool of the group; any pool but the KV anchor means a hybrid model (see
@@ -722,6 +723,20 @@ class KVStreamHiCacheStorage(HiCacheStorage):
                 f"namespace {self.namespace.digest[:12]}; {scan.get('pages', 0)} pages indexed so far, "
                 f"start-up scan {'done' if scan.get('done') else 'in the background'}{writer}"
                 + (f"; {engine.trust_summary()}" if hasattr(engine, "trust_summary") else ""))
+
+    def _say_earlier_namespace(self) -> None:
+        """An fp8 server upgraded from a kvstream of before 6b6a304, whose namespace had no --kv-cache-dtype:
+        its pages there are another namespace's now (fp8_e4m3 and fp8_e5m2 alike: never served), and no
+        capacity counts their room. Each tier holding that directory is said once, with the fix (the start
+        said nothing: every page a miss, the directory left for good)."""
+        fields = dict(self.namespace.fields)
+        if fields.pop("kv_cache_dtype", None) is None:
+            return
+        for k, path in self.engine.namespace_dirs(Namespace(fields).digest):
+            log.warning("kvstream: tier %d holds %s, this server's namespace as kvstream versions before 6b6a304 "
+                        "named it (without --kv-cache-dtype: fp8_e4m3 and fp8_e5m2 pages alike); its pages are "
+                        "never served now, and no capacity counts their room: remove that directory once no "
+                        "server of an earlier version uses it", k, path)
 
     def _log_startup(self) -> None:
         line = self.startup_line()
