@@ -3,8 +3,10 @@ tiers out (writequeue.py keeps the queues and counts what was skipped).
 
 Two rules, in this order, over a batch's new pages in key order:
 
-- capacity: a tier with a limit targets only the newest pages of the batch that fit, as LRU would
-  keep them (writing the older ones would only evict them again within the batch);
+- capacity: a tier with a limit targets only the first pages of the batch that fit, the most recent once
+  it is written (reverse batch order, PutCall.lru_order: a prefix's head, which the pages after it need:
+  SGLang's batch_exists counts the leading run), as LRU would keep them (writing the others would only
+  evict them again within the batch);
 - replicate=budget: the home tier (a page's first target) takes it; another tier k takes it only if
   ``(P_k + s) / w_k <= max(P_home / w_home, slack)`` (P: bytes accepted for the tier and not yet
   written, the page included for home; w: its measured write bandwidth, 0 while unmeasured; s: the
@@ -19,13 +21,16 @@ from .index import tiers_in
 
 def fit_capacity(sizes: Sequence[int], targets: list[int], capacities: Sequence[int | None]) -> list[int]:
     """Drop from ``targets`` (per page, a tier bitmask; changed in place) each capacity-limited tier
-    the page does not fit on, newest pages first. Returns how many pages each tier dropped."""
+    the page does not fit on, the batch's first pages placed first: once one does not fit, none after it
+    (a prefix's tail without its head serves nothing). Returns how many pages each tier dropped. (Before,
+    the last pages were kept: a backup larger than the capacity stored a tail that batch_exists never
+    reached, found by trial metrics.)"""
     skipped = [0] * len(capacities)
     for k, cap in enumerate(capacities):
         if cap is None:
             continue
         room = cap
-        for i in reversed(range(len(sizes))):
+        for i in range(len(sizes)):
             if targets[i] >> k & 1:
                 if sizes[i] <= room:
                     room -= sizes[i]

@@ -4,18 +4,21 @@ from __future__ import annotations
 from kvstream_hicache.admission import admit, fit_capacity
 
 
-def test_a_capacity_keeps_the_newest_pages_that_fit():
+def test_a_capacity_keeps_the_first_pages_of_a_batch_that_fit():
+    """A batch is a prefix (SGLang's batch_set, an LMCache task): its head is what the pages after it need,
+    and the most recent once written (reverse batch order)."""
     targets = [0b11] * 5
     skipped = fit_capacity([10] * 5, targets, [25, None])
-    assert targets == [0b10, 0b10, 0b10, 0b11, 0b11]  # tier 0 holds 25: the last two pages
+    assert targets == [0b11, 0b11, 0b10, 0b10, 0b10]  # tier 0 holds 25: the first two pages
     assert skipped == [3, 0]
 
 
-def test_once_a_page_does_not_fit_no_older_one_is_placed():
-    """LRU order: a smaller, older page placed behind one that did not fit would outlive it."""
+def test_once_a_page_does_not_fit_no_later_one_is_placed():
+    """LRU order: a smaller, less recent page placed behind one that did not fit would outlive it (and
+    serve nothing: a prefix's leading run stops at the page that is missing)."""
     targets = [0b1, 0b1, 0b1]
     assert fit_capacity([1, 50, 10], targets, [30]) == [2]
-    assert targets == [0, 0, 0b1]
+    assert targets == [0b1, 0, 0]
 
 
 def test_pages_of_a_tier_without_a_limit_all_go_there():

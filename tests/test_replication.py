@@ -338,20 +338,20 @@ def test_a_copy_a_tier_evicted_is_not_owed_back_once_the_full_tier_has_room(tier
     cap = f"{2 * pages.size}{os.pathsep}"  # tier 0: two pages; tier 1: unlimited
     a, b = pages.keys(4), pages.keys(2, 100)
     with make_engine(tier_dirs[:2], capacity=cap, replicate="all") as engine:
-        assert pages.put(engine, a) == [True] * 4
-        assert [engine.index.holders(k) for k in a] == [0b10, 0b10, 0b11, 0b11]
+        assert pages.put(engine, a) == [True] * 4  # (tier 0 takes the batch's first two: admission.fit_capacity)
+        assert [engine.index.holders(k) for k in a] == [0b11, 0b11, 0b10, 0b10]
     with make_engine(tier_dirs[:2], capacity=cap, replicate="all") as engine:
-        assert pages.put(engine, b) == [True] * 2  # evicts tier 0's copies of a[2:] (this run)
+        assert pages.put(engine, b) == [True] * 2  # evicts tier 0's copies of a[:2] (this run)
         assert engine.stats()["tiers"][0]["evictions"] == 2
-        engine._replicas.promote_bytes = 0  # (no promoted copy: a[3] read is owed to the full tier's sweep)
-        assert pages.checked_get(engine, a[3:]) == [True]  # read again: owed again
-        assert engine.delete(a[:2] + b) == 4  # tier 0 has room again
-        wait_until(lambda: engine.index.holders(a[3]) == 0b11, what="a page read again never reached tier 0")
-        assert engine.index.holders(a[2]) == 0b10  # evicted, not read since: not written back
+        engine._replicas.promote_bytes = 0  # (no promoted copy: a[1] read is owed to the full tier's sweep)
+        assert pages.checked_get(engine, a[1:2]) == [True]  # read again: owed again
+        assert engine.delete(a[2:] + b) == 4  # tier 0 has room again
+        wait_until(lambda: engine.index.holders(a[1]) == 0b11, what="a page read again never reached tier 0")
+        assert engine.index.holders(a[0]) == 0b10  # evicted, not read since: not written back
         assert engine.stats()["tiers"][0]["replication_pending"] == 0, engine.stats()["tiers"][0]
         engine._replicas.promote_bytes = 16 << 20
-        assert pages.checked_get(engine, a[2:3]) == [True]  # read again: promoted, as before
-        wait_until(lambda: engine.index.holders(a[2]) == 0b11, what="a page read from tier 1 alone never promoted")
+        assert pages.checked_get(engine, a[:1]) == [True]  # read again: promoted, as before
+        wait_until(lambda: engine.index.holders(a[0]) == 0b11, what="a page read from tier 1 alone never promoted")
 
 
 @pytest.mark.parametrize("share", ["0", "1.5", "-1", "x"])
@@ -654,7 +654,7 @@ def test_a_copy_a_tier_evicts_during_the_start_up_scan_is_not_owed_back(tier_dir
     b = [k for k in cands if "80" <= k[:2] < "f0"][:2]
     assert len(late) == 2 and len(fill) == 30 and len(b) == 2
     with make_engine(tier_dirs[:2], capacity=cap, replicate="all") as engine:
-        assert pages.put(engine, fill + late) == [True] * 32
+        assert pages.put(engine, late + fill) == [True] * 32  # (tier 0 takes the batch's first two)
         assert [engine.index.holders(k) for k in late] == [0b11, 0b11]
     with make_engine(tier_dirs[:2], capacity=cap, replicate="all", scan_rate=5) as engine:
         wait_until(lambda: engine.stats()["scan"]["tiers"][0]["done"], what="tier 0's scan never ended")

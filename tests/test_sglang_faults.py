@@ -274,12 +274,11 @@ def test_pages_a_capacity_could_not_take_show_in_the_metrics(plugin_loaded, tier
     drv.storage.close()
 
 
-@pytest.mark.xfail(strict=True, reason="admission.fit_capacity keeps a batch's newest pages: the tail of the prefix")
 def test_a_backup_larger_than_the_capacity_keeps_the_prefix_sglang_looks_up(plugin_loaded, tier_dirs):
     """SGLang's batch_set pages are one prefix chain and batch_exists counts the leading run. A backup of 6
-    pages on tiers of 4 pages' capacity stores pages 2-5 (admission.fit_capacity drops the oldest pages of
-    the batch first), so batch_exists answers 0 and the 4 pages stored are never served (a real server with
-    capacity 3M: a 37-page prompt, flushed and sent again, had no L3 hit). Known, not fixed here."""
+    pages on tiers of 4 pages' capacity stored pages 2-5 (admission.fit_capacity dropped the batch's first
+    pages), so batch_exists answered 0 and the 4 pages stored were never served (a real server with
+    capacity 3M: a 37-page prompt, flushed and sent again, had no L3 hit; found by trial metrics)."""
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
     page = pools.flat_page_nbytes()
     cfg = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:2], capacity=str(4 * page)))
