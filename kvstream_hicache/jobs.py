@@ -238,14 +238,18 @@ class Jobs:
             except OSError as exc:  # (a tier that did not answer in time: bounded.py)
                 job.err = exc.errno or errno.EIO
         if job.err == 0:
+            sealing = True
             try:
                 fd, job.fd, self.calling = job.fd, None, k  # seal closes it, whatever happens
                 # (the data sealed: a rename refused for room is tried again. Its own file counted open)
                 sealed = tier.seal(fd, len(self.active[k]))
+                sealing = False
                 page_dir = self._with_room_under_writer(page, k, lambda: tier.place(job.tmp, page.key,
                                                                                     replace=page.copied is None))
             except OSError as exc:
                 tier.discard(None, job.tmp)
+                if sealing and exc.errno in SPACE_ERRNOS and self._rewrite_under_writer(job):
+                    return
                 self.index.abort(k, page.length)
                 if not (page.copied is not None and exc.errno == errno.EEXIST):
                     # (a catch-up copy that another writer's file beat to the name, since it looked: not
@@ -282,6 +286,25 @@ class Jobs:
         if job.err != CANCELLED:
             self._refused_or_failed_under_writer(page, k, job.err, f"write {page.key}")
         self._close_under_writer(job)
+
+    def _rewrite_under_writer(self, job: Job) -> bool:
+        """The job's page was refused for room at its seal (the close, or fdatasync), its writes taken: a full
+        GlusterFS volume reports them so (its write-behind). Evict and write it again to a new temporary file, as
+        a write refused for room is (up to SPACE_RETRIES times). Before, nothing was evicted there, and every later
+        page of the node was refused the same way, for good (trial lmgluster: the shared tier took no new chunk
+        once full). False: it fails for the tier (a catch-up copy never evicts; nothing to evict; no new file)."""
+        page, k = job.page, job.tier
+        if not page.evict or job.tries >= SPACE_RETRIES or not self._room_possible_under_writer(job) or \
+                not self._evict_under_writer(k, page.length):
+            return False
+        try:
+            job.fd, job.tmp = self.tiers[k].create_tmp()
+        except OSError:
+            return False
+        job.tries += 1
+        job.err = 0
+        job.next = 0  # write it all again
+        return True
 
     def _refused_or_failed_under_writer(self, page: WritePage, k: int, err: int, what: str) -> None:
         """``what`` failed with ``err`` for ``page`` on tier ``k``. A full tier (ENOSPC, EDQUOT) that refused a

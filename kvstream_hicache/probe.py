@@ -288,20 +288,30 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
     if fstype in PSEUDO_FS:
         raise TierError(f"tier {path} (from {source}) is on a {fstype} file system, a kernel interface that "
                         "cannot store files: put the tier on a disk file system such as ext4 or xfs")
+
+    def full(err: int) -> None:
+        log.warning("kvstream: tier %s (from %s) is full (its test write: %s): it serves, and the engine evicts its "
+                    "own least recent pages there to make room; if it holds none (another program's files, another "
+                    "user's, a quota), every write to it fails until room is made: free space there or raise the "
+                    "quota", path, source, os.strerror(err))
+
     try:
         base_fd, tmp_fd = open_base(path, dir_mode, source)  # made where missing, following no link
         try:
-            return probe_direct("", "config", dir_fd=tmp_fd, full=lambda err: log.warning(
-                "kvstream: tier %s (from %s) is full (its test write: %s): it serves, and the engine evicts its own "
-                "least recent pages there to make room; if it holds none (another program's files, another "
-                "user's, a quota), every write to it fails until room is made: free space there or raise the quota",
-                path, source, os.strerror(err)))
+            return probe_direct("", "config", dir_fd=tmp_fd, full=full)
         finally:
             close_fd(base_fd)
             close_fd(tmp_fd)
     except ProbeFailed as exc:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None
+        if exc.step == "create" and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # Full, not failed, as when a tier rejoins (Tier._probe): no inode left, or a file system that refuses
+            # every new file once full (GlusterFS's storage.reserve). Refused, a node restarting on a shared tier
+            # full of the nodes' pages was told it 'is not writable (No space left on device)', in a crash loop.
+            # The owner files come out with is not learnt (no file): this user's alone is trusted.
+            full(exc.errno)
+            return os.geteuid()
         if exc.step != "create":
             raise TierError(f"tier {path} (from {source}): test {exc.step} failed ({exc.strerror}): "
                             "check free space, permissions and the mount") from None

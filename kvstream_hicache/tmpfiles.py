@@ -55,6 +55,7 @@ TMP_STALE_S = 3600.0  # a temp file of another host (or a probe) older than this
 # clock (its server's stamps the file) and of a clock step, as trust.CLOCK_SKEW_NS, s
 PID_REUSE_S = 300.0
 _PROBE_BYTES = b"kvsprobe"  # what a probe writes and expects to read back
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a probe refused for room: full, not failed (tiers.SPACE_ERRNOS)
 
 _live_tokens: set[str] = set()  # tokens of this process's open engines (their temp files are live)
 _probe_seq = itertools.count()  # probes running at once in one process (engines starting together) never share a file
@@ -160,7 +161,10 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
     read it back, remove the file. With ``dir_fd`` the file is made in that directory (``tmp_dir`` is
     then ignored). Returns the uid the file came out owned by (a file system may map owners: NFS root
     squash, FUSE). A write refused for want of room (ENOSPC, EDQUOT) passes: the tier is full, not failed
-    (its pages are evicted to make room), and the file was made with O_DIRECT: ``full(errno)`` is told.
+    (its pages are evicted to make room), and the file was made with O_DIRECT: ``full(errno)`` is told. So does
+    a refusal for room that comes at the read back or the close: a network file system may report the write's
+    refusal at the next call on the file (a full GlusterFS volume: ``test read failed (No space left on
+    device)`` refused a node's restart on its shared tier, full of the nodes' pages).
 
     :raises ProbeFailed: the step that failed and its errno (EINVAL from 'create' or 'write': the
         file system refuses O_DIRECT).
@@ -179,7 +183,7 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
             try:
                 os.pwrite(fd, block, 0)
             except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                if exc.errno not in _FULL:
                     raise
                 # a full file system (a fleet's shared tier full of its servers' pages): made room on by
                 # eviction, as a put's ENOSPC is (full is not failed); the file was made O_DIRECT
@@ -189,6 +193,9 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
             step = "read"
             os.preadv(fd, [block], 0)
         except OSError as exc:
+            if step == "read" and exc.errno in _FULL:  # (the write's refusal, reported late: see above)
+                full(exc.errno)
+                return owner
             raise ProbeFailed(exc.errno or errno.EIO, step) from None
         finally:
             err = close_fd(fd)
@@ -196,6 +203,9 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
                 os.unlink(path, dir_fd=dir_fd)
             except FileNotFoundError:
                 pass
+        if err in _FULL:  # (the write's refusal for room, reported at the close)
+            full(err)
+            return owner
         if err:  # the server refused the write at close (EIO, ENOTCONN): the tier cannot store
             raise ProbeFailed(err, "close")
         if block[:len(_PROBE_BYTES)] != _PROBE_BYTES:

@@ -552,7 +552,7 @@ def test_a_put_after_another_node_removed_the_page_writes_it_again(dfs, how):
         node("open", b, {"capacity": f"{os.pathsep}{PAGE_BYTES}"} if how == "evict" else {})
         for attempt in range(5):  # (certain once A's stale entry is seen; a step slowed past ~1 s misses it)
             k, other = pages.keys(2, start=2 * attempt)
-            assert pages.put(engine, [k, other]) == [True, True]  # tier 0 keeps `other`: k on tier 1 alone
+            assert pages.put(engine, [other, k]) == [True, True]  # tier 0 keeps `other` (the first): k on tier 1 alone
             assert engine.index.holders(k) == 0b10
             if how == "evict":  # B evicts k only as a page it found at its start: one A wrote since B began is
                 node("close")  # A's, never B's victim (guarantees.md "Capacity is per process")
@@ -910,6 +910,46 @@ def test_a_page_no_write_can_fit_on_a_glusterfs_volume_evicts_nothing(small_volu
     assert len(said) == 1 and "storage.reserve" in said[0], said
 
 
+def test_a_node_restarts_on_a_full_glusterfs_volume(small_volume, tier_root, caplog):
+    """Both nodes' pages fill the shared GlusterFS tier (its steady state: no capacity set, the volume's size). A
+    full volume refuses a new file (storage.reserve), or takes the probe's write and reports its refusal at the
+    read back: a node's LMCache server killed and started again was refused at every start ('is not writable (No
+    space left on device): fix its permissions or mount', or 'test read failed'), a crash loop (trial lmgluster).
+    Full is not failed: the engine starts with the tier healthy and says it is full."""
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    pages = PageSet(MIB)
+    with make_engine([t0, small_volume]) as engine:  # (the node ran there before: its directories are made)
+        assert pages.put(engine, pages.keys(2)) == [True] * 2
+    with open(os.path.join(small_volume, "filler"), "wb") as f:  # (another node's pages: room it cannot make)
+        block = b"\xa5" * MIB
+        with pytest.raises(OSError) as full:
+            while True:
+                f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+        assert full.value.errno == errno.ENOSPC
+
+    def refuses_new_files() -> bool:
+        try:
+            os.close(os.open(os.path.join(small_volume, "x"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            return exc.errno == errno.ENOSPC
+        os.unlink(os.path.join(small_volume, "x"))
+        return False
+
+    wait_until(refuses_new_files, WAIT_S, "the full volume still takes new files")  # (its reserve checked every
+    # few seconds)
+    caplog.set_level("WARNING", logger="kvstream")
+    with make_engine([t0, small_volume]) as engine:
+        assert [t["healthy"] for t in engine.stats()["tiers"]] == [True, True]
+        assert pages.checked_get(engine, pages.keys(2), policy=SingleTier(1)) == [True] * 2
+        assert pages.put(engine, pages.keys(2, 10)) == [True] * 2  # (tier 0 takes them)
+    said = messages(caplog, "is full (its test write", small_volume)
+    assert len(said) == 1 and "No space left on device" in said[0], caplog.text
+    assert tmp_files(small_volume) == []
+
+
 def test_sglang_s_launcher_names_a_dead_mount_never_a_missing_directory(dfs):
     """SGLang's launcher probes the tiers (plugin.check_extra_config, probe=True). A GlusterFS client killed,
     its mount answers ENOTCONN: the probe said the tier 'does not exist: create it (mkdir -p ...)', which fails
@@ -951,3 +991,26 @@ def test_a_page_one_node_cleared_is_not_brought_back_to_the_shared_tier_by_anoth
         time.sleep(2)  # (B's catch-up, if it copies them back)
         hits, _ = pages.get(node_a, keys)
         assert not any(hits), f"node A served {sum(hits)} of the {len(keys)} pages it cleared"
+
+
+def test_a_full_glusterfs_volume_keeps_taking_a_node_s_new_pages(small_volume, tier_root):
+    """The shared tier at its steady state: full of the node's pages (no capacity set: the volume's size). A full
+    GlusterFS volume takes a page's writes and refuses them at the close (its write-behind): the engine evicted
+    nothing there and failed the page, so every later page was refused the same way, for good (trial lmgluster:
+    from the volume's first ENOSPC on, 0 of each 8 new pages reached it, and node B missed every chunk node A
+    stored). As on ext4, each new page lands, the node's least recent pages evicted for it."""
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    pages = PageSet(256 << 10)
+    landed = []
+    with make_engine([t0, small_volume], replicate="all", capacity=[str(8 * MIB), ""]) as engine:
+        for b in range(0, 640, 8):  # 160 MiB through a 96 MiB brick
+            keys = pages.keys(8, b)
+            assert pages.put(engine, keys) == [True] * 8
+            landed.append(sum(bool(engine.index.holders(k) & 0b10) for k in keys))
+        t1 = engine.stats()["tiers"][1]
+        assert t1["evictions"] > 0, t1  # (it filled)
+        assert landed == [8] * len(landed) and t1["write_failures"] == 0, (landed, t1)
+        last = pages.keys(8, 632)
+        assert pages.checked_get(engine, last, policy=SingleTier(1)) == [True] * 8
+    assert tmp_files(small_volume) == []

@@ -513,12 +513,63 @@ def test_a_full_tier_that_flapped_rejoins_and_evicts(tier_root, loop_fs, out_of)
         assert engine.check() == []
 
 
+def test_a_server_restarts_on_a_tier_with_no_inode_left_for_its_probe(tier_root, loop_fs, caplog):
+    """A server restarts on a tier full of pages, with no inode left for its start-up probe's file (out of
+    inodes; a full GlusterFS volume refuses every new file the same way, storage.reserve: trial lmgluster, both
+    LMCache servers in a crash loop on their shared tier). It was refused, 'is not writable (No space left on
+    device): fix its permissions or mount'; full is not failed, as when a tier rejoins: it starts, says the tier is
+    full, serves its pages, and a put evicts the oldest to make room."""
+    fs, t0, t1 = _beside_a_small_fs(tier_root, loop_fs, "noinode")
+    pages = PageSet(MIB)
+    keys = pages.keys(10)
+    with make_engine([t0, t1], replicate="all") as engine:
+        assert pages.put(engine, keys) == [True] * 10
+    _take_inodes(fs.mnt, leave=0)
+    caplog.set_level("WARNING", logger="kvstream")
+    with make_engine([t0, t1], replicate="all", catchup="off") as engine:
+        assert engine.stats()["tiers"][1]["healthy"]
+        said = [r.getMessage() for r in caplog.records if "is full (its test write" in r.getMessage()]
+        assert len(said) == 1 and t1 in said[0] and "No space left on device" in said[0], caplog.text
+        assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 10
+        new = pages.keys(2, 100)
+        assert pages.put(engine, new) == [True] * 2
+        assert all(engine.index.holders(k) & 0b10 for k in new), "tier 1 made no room for new pages"
+        assert engine.stats()["tiers"][1]["evictions"] > 0
+
+
+def test_a_server_restarts_on_a_tier_that_reports_its_probe_s_refusal_for_room_at_the_read(tier_root, monkeypatch,
+                                                                                          caplog):
+    """A full GlusterFS volume takes the probe's 4 KiB O_DIRECT write and reports its refusal at the next call on
+    the file, the read back (trial lmgluster: 'test read failed (No space left on device)', an LMCache server
+    refused at every restart while the nodes' pages filled the shared tier). A refusal for room is full, not
+    failed, whichever call reports it: the read's (here, only the probe's file answers so) or the close's."""
+    t0, t1 = os.path.join(tier_root, "t0"), os.path.join(tier_root, "t1")
+    os.makedirs(t0)
+    os.makedirs(t1)
+    real = os.preadv
+
+    def preadv(fd, buffers, offset, *args):
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        if where.startswith(t1) and "/probe." in where:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    caplog.set_level("WARNING", logger="kvstream")
+    with make_engine([t0, t1]) as engine:
+        monkeypatch.setattr(os, "preadv", real)
+        assert [t["healthy"] for t in engine.stats()["tiers"]] == [True, True]
+        said = [r.getMessage() for r in caplog.records if "is full (its test write" in r.getMessage()]
+        assert len(said) == 1 and t1 in said[0] and "No space left on device" in said[0], caplog.text
+    assert tmp_files(t1) == []
+
+
 def test_a_tier_that_rejoins_with_no_room_for_its_probe_says_so(tier_root, loop_fs, caplog):
     """Tier 1 fails (unmounted) and comes back with no inode for this user (another program's files, an inode
     quota of 0) and none of this engine's pages to evict. Its probe's file cannot be made (ENOSPC at 'create'):
     it rejoins (full is not failed), and every put to it then fails for room, counted but never logged (a write
-    refused for room is no tier error). Start-up warns of a tier refusing its probe for room and refuses one that
-    cannot create a file at all; a rejoin must at least say it (before: only 'recovered', every write failing
+    refused for room is no tier error). Start-up warns of a tier refusing its probe for room (its write or its
+    file's creation); a rejoin must at least say it (before: only 'recovered', every write failing
     without a word): the writes refused for room say so, once in 30 s (Jobs._failed_under_writer)."""
     fs, t0, t1 = _beside_a_small_fs(tier_root, loop_fs, "quota")
     pages = PageSet(MIB)
