@@ -19,12 +19,15 @@ from collections.abc import Sequence
 from .index import tiers_in
 
 
-def fit_capacity(sizes: Sequence[int], targets: list[int], capacities: Sequence[int | None]) -> list[int]:
+def fit_capacity(sizes: Sequence[int], targets: list[int], capacities: Sequence[int | None],
+                 held: Sequence[bool] = ()) -> list[int]:
     """Drop from ``targets`` (per page, a tier bitmask; changed in place) each capacity-limited tier
     the page does not fit on, the batch's first pages placed first: once one does not fit, none after it
     (a prefix's tail without its head serves nothing). Returns how many pages each tier dropped. (Before,
     the last pages were kept: a backup larger than the capacity stored a tail that batch_exists never
-    reached, found by trial metrics.)"""
+    reached, found by trial metrics.) ``held[i]``: page ``i`` is held already on the tiers of ``targets[i]``
+    (the put's pages it need not write): it takes its room there, never dropped nor counted (left out, a
+    batch whose head was held took the whole capacity for its new pages, whose writes evicted that head)."""
     skipped = [0] * len(capacities)
     for k, cap in enumerate(capacities):
         if cap is None:
@@ -34,6 +37,8 @@ def fit_capacity(sizes: Sequence[int], targets: list[int], capacities: Sequence[
             if targets[i] >> k & 1:
                 if sizes[i] <= room:
                     room -= sizes[i]
+                elif i < len(held) and held[i]:
+                    room = 0
                 else:
                     targets[i] &= ~(1 << k)
                     room = 0

@@ -248,13 +248,16 @@ class Jobs:
                                                                                     replace=page.copied is None))
             except OSError as exc:
                 tier.discard(None, job.tmp)
-                if sealing and exc.errno in SPACE_ERRNOS and self._rewrite_under_writer(job):
-                    return
+                err = exc.errno or errno.EIO
+                if sealing and err in SPACE_ERRNOS:
+                    err = self._rewrite_under_writer(job, err)
+                    if not err:
+                        return
                 self.index.abort(k, page.length)
-                if not (page.copied is not None and exc.errno == errno.EEXIST):
+                if not (page.copied is not None and err == errno.EEXIST):
                     # (a catch-up copy that another writer's file beat to the name, since it looked: not
                     # wanted, as above)
-                    self._refused_or_failed_under_writer(page, k, exc.errno or errno.EIO, f"commit {page.key}")
+                    self._refused_or_failed_under_writer(page, k, err, f"commit {page.key}")
                 self._close_under_writer(job)
                 return
             finally:  # (whatever the commit raised: a tier named later must be the one the writer is in)
@@ -287,24 +290,26 @@ class Jobs:
             self._refused_or_failed_under_writer(page, k, job.err, f"write {page.key}")
         self._close_under_writer(job)
 
-    def _rewrite_under_writer(self, job: Job) -> bool:
-        """The job's page was refused for room at its seal (the close, or fdatasync), its writes taken: a full
-        GlusterFS volume reports them so (its write-behind). Evict and write it again to a new temporary file, as
-        a write refused for room is (up to SPACE_RETRIES times). Before, nothing was evicted there, and every later
-        page of the node was refused the same way, for good (trial lmgluster: the shared tier took no new chunk
-        once full). False: it fails for the tier (a catch-up copy never evicts; nothing to evict; no new file)."""
+    def _rewrite_under_writer(self, job: Job, err: int) -> int:
+        """The job's page was refused for room (``err``) at its seal (the close, or fdatasync), its writes taken: a
+        full GlusterFS volume reports them so (its write-behind). Evict and write it again to a new temporary file,
+        as a write refused for room is (up to SPACE_RETRIES times). Before, nothing was evicted there, and every
+        later page of the node was refused the same way, for good (trial lmgluster: the shared tier took no new
+        chunk once full). Returns 0 (written again), or the errno the page fails with on the tier: ``err`` (a
+        catch-up copy never evicts; nothing to evict; no descriptor free), or the new file's creation's (a tier
+        that did not answer in time fails as hung: taken for the seal's refusal for room, it stayed in service)."""
         page, k = job.page, job.tier
         if not page.evict or job.tries >= SPACE_RETRIES or not self._room_possible_under_writer(job) or \
                 not self._evict_under_writer(k, page.length):
-            return False
+            return err
         try:
-            job.fd, job.tmp = self.tiers[k].create_tmp()
-        except OSError:
-            return False
+            job.fd, job.tmp = self._with_room_under_writer(page, k, self.tiers[k].create_tmp)
+        except OSError as exc:
+            return err if exc.errno in OUT_OF_DESCRIPTORS else exc.errno or errno.EIO
         job.tries += 1
         job.err = 0
         job.next = 0  # write it all again
-        return True
+        return 0
 
     def _refused_or_failed_under_writer(self, page: WritePage, k: int, err: int, what: str) -> None:
         """``what`` failed with ``err`` for ``page`` on tier ``k``. A full tier (ENOSPC, EDQUOT) that refused a

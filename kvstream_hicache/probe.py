@@ -16,6 +16,7 @@ import errno
 import logging
 import os
 import re
+import stat
 from typing import NamedTuple
 
 from .bounded import BoundedCalls
@@ -299,19 +300,20 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
         base_fd, tmp_fd = open_base(path, dir_mode, source)  # made where missing, following no link
         try:
             return probe_direct("", "config", dir_fd=tmp_fd, full=full)
+        except ProbeFailed as exc:
+            if exc.step != "create" or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # Full, not failed, as when a tier rejoins (Tier._probe): no inode left, or a file system that refuses
+            # every new file once full (GlusterFS's storage.reserve). Refused, a node restarting on a shared tier
+            # full of the nodes' pages was told it 'is not writable (No space left on device)', in a crash loop.
+            full(exc.errno)
+            return _owner_without_probe(path, base_fd, fstype)
         finally:
             close_fd(base_fd)
             close_fd(tmp_fd)
     except ProbeFailed as exc:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None
-        if exc.step == "create" and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            # Full, not failed, as when a tier rejoins (Tier._probe): no inode left, or a file system that refuses
-            # every new file once full (GlusterFS's storage.reserve). Refused, a node restarting on a shared tier
-            # full of the nodes' pages was told it 'is not writable (No space left on device)', in a crash loop.
-            # The owner files come out with is not learnt (no file): this user's alone is trusted.
-            full(exc.errno)
-            return os.geteuid()
         if exc.step != "create":
             raise TierError(f"tier {path} (from {source}): test {exc.step} failed ({exc.strerror}): "
                             "check free space, permissions and the mount") from None
@@ -320,6 +322,25 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
         if exc.errno == errno.EINVAL:
             raise _no_direct(path, source) from None
         raise _not_writable(path, source, exc.errno) from None
+
+
+# file systems that may give this engine's files another owner (NFS root squash, FUSE mounts that map owners)
+MAPPING_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph")
+
+
+def _owner_without_probe(path: str, base_fd: int, fstype: str | None) -> int:
+    """The owner this engine's files come out with on tier ``path`` when the probe could make no file there (full):
+    on a file system that may map owners (``fstype``), that of its ``kvstream/`` (``base_fd``) where the tier's root
+    has that owner and no group or other user may write it (none but that owner, or root, made ``kvstream/``
+    there); else this user's. (This user's alone, the engine's own ``kvstream/`` on NFS with root squash or a FUSE
+    mount that maps owners was another user's: refused at every restart,
+    test_a_server_restarts_on_an_owner_mapping_tier_with_no_inode_left_for_its_probe.)"""
+    if fstype is not None and not fstype.startswith("fuse") and fstype not in MAPPING_FS:
+        return os.geteuid()
+    root, base = os.stat(path), os.fstat(base_fd)
+    if base.st_uid == root.st_uid and not root.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return base.st_uid
+    return os.geteuid()
 
 
 def _unreachable(path: str, source: str, exc: OSError) -> TierError:

@@ -264,8 +264,8 @@ class Tier:
         if self.healthy:
             return True, False
         with self._lock:  # (decides who probes; the probe's I/O runs outside it)
-            if self.healthy or self._probing:  # (another thread probes now: its answer comes soon)
-                return self.healthy, False
+            if self.healthy or self._probing or self.closed:  # (another thread probes now: its answer comes
+                return self.healthy, False  # soon; or its engine closed: a tier of it never rejoins)
             t = self.clock()
             due = scheduled = t >= self._next_probe
             if not due and now and t >= self._next_forced:
@@ -286,6 +286,8 @@ class Tier:
                     ok, why = self.calls.run(self._probe)
                 except OSError as exc:
                     ok, why = False, f"probe: {exc.strerror}"
+                if ok and self.closed:  # (its engine closed during the probe: the metrics timer's, on an idle
+                    ok, why = False, "its engine is closed"  # server, is no call close() waits for)
                 if ok:  # before writes may go there: a page committed meanwhile stays indexed
                     why = self.on_rejoin(self)  # ('' or why not: listing its pages failed half-way)
                     ok = not why

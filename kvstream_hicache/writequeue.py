@@ -224,6 +224,7 @@ class WriteQueue:
     def _enqueue_under_queues(self, call: PutCall, keys: Sequence[str], pages: Sequence[Sequence[Segment]],
                         mask: int, held: set[str]) -> None:
         first: dict[str, int] = {}
+        held_at: list[tuple[int, int, int]] = []  # (batch index, length, tiers) of each page held or being written
         for i, key in enumerate(keys):
             if not is_valid_key(key):
                 self.stats.total("invalid_keys")
@@ -247,11 +248,14 @@ class WriteQueue:
                 writing.calls.append((call, i))  # is an heir only once the page is in call.joined, its memory
                 call.joined.append(writing)  # known then; withdraw undoes a join cut short whole)
                 call.left += 1
+                held_at.append((i, length, sum((1 << k for k in writing.committed), writing.targets) & mask))  # (its
+                # room there too: left out, the new pages after it took the whole capacity and evicted it)
                 for k in writing.committed:  # fsync=full: the tiers done already
                     call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
                 continue
             holders = self._holders(key, length)
             if key in held and holders & mask:
+                held_at.append((i, length, holders & mask))  # (its room on the tiers holding it: fit_capacity)
                 call.held.append((i, key))  # touched below (this put's writes must not evict it), and at the end
                 # with the new pages (_end_call_under_writer)
                 self.stats.total("pages_existing")
@@ -262,7 +266,7 @@ class WriteQueue:
             page.gate = call.gate
             call.pages.append(page)
         self.index.touch_many(call.lru_order(held=True))
-        self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask)
+        self._admit_under_queues(call.pages, ((1 << len(self.tiers)) - 1) & ~mask, held_at)
         for page in call.pages:
             if not page.targets:  # no tier can take it (capacity, every tier failed): False
                 self.stats.total("pages_failed")
@@ -326,14 +330,22 @@ class WriteQueue:
             self.index.remove(key, k)
         return False
 
-    def _admit_under_queues(self, new: list[WritePage], failed_tiers: int) -> None:
+    def _admit_under_queues(self, new: list[WritePage], failed_tiers: int,
+                            held_at: Sequence[tuple[int, int, int]] = ()) -> None:
         """Each new page's target tiers (admission.py), each admitted after the bytes of the ones before it
-        (counted in self.queued as the pages are queued: _enqueue_under_queues)."""
-        targets = [page.targets for page in new]
+        (counted in self.queued as the pages are queued: _enqueue_under_queues). ``held_at``: the put's pages
+        held already or being written by another put, (batch index, length, their tiers): they keep their room
+        on a capacity-limited tier."""
+        batch = sorted([(page.calls[0][1], page.length, page.targets, page) for page in new] +
+                       [(i, length, tiers, None) for i, length, tiers in held_at], key=lambda e: e[0])
+        targets = [e[2] for e in batch]
         queued = list(self.queued)  # (a Ctrl-C in here leaves self.queued as it was)
-        for k, n in enumerate(fit_capacity([page.length for page in new], targets, self.index.capacities)):
+        for k, n in enumerate(fit_capacity([e[1] for e in batch], targets, self.index.capacities,
+                                           [e[3] is None for e in batch])):
             if n:
                 self.stats.add(k, "skipped_writes", n)
+        targets = [t for t, e in zip(targets, batch) if e[3] is not None]
+        new = [e[3] for e in batch if e[3] is not None]
         bandwidth = [self.bandwidth(k) for k in range(len(self.tiers))]
         replicate, slack = self.settings.replicate, self.settings.replicate_slack
         for page, wanted in zip(new, targets):

@@ -909,3 +909,23 @@ def load_serve_swebench():
     sys.modules["serve_swebench"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def owner_mapping_tier(src: str, mnt: str, uid: int):
+    """``<mnt>/tier``, a tier directory on a FUSE mount of ``src`` that maps every owner to ``uid`` (bindfs
+    --force-user), as NFS root squash and some FUSE mounts do: a file the engine creates there comes out
+    owned by ``uid``. Skips without bindfs; unmounts after."""
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
+    os.mkdir(src, 0o700)
+    os.mkdir(mnt)
+    subprocess.run(["bindfs", f"--force-user={uid}", f"--force-group={uid}", src, mnt], check=True)
+    try:
+        tier = os.path.join(mnt, "tier")
+        os.mkdir(tier, 0o700)
+        yield tier
+    finally:
+        subprocess.run(["fusermount", "-u", mnt], capture_output=True)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", mnt], capture_output=True)

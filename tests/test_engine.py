@@ -108,6 +108,21 @@ def test_page_evicted_from_fast_tier_is_read_from_slow(tier_dirs, io_engine):
         assert engine.check() == []
 
 
+
+
+def test_a_put_whose_head_is_held_keeps_the_head_on_a_capacity_limited_tier(tier_dirs):
+    """A prefix put again with its first pages held already on tier 0 (capacity: 4 pages) and new pages after
+    them: fit_capacity counted the whole capacity as room for the new pages, so writing them evicted the held
+    head, leaving tier 0 a tail that serves nothing (a prefix's leading run stops at its first missing page)."""
+    pages = Pages(6)
+    keys = [key(i) for i in range(6)]
+    page_file = sum(pages.shapes[0])  # capacity counts payload bytes (index.py)
+    with make_engine(tier_dirs[:2], capacity=[4 * page_file, ""]) as engine:
+        assert engine.put(keys[:2], pages.src_segments[:2]) == [True] * 2
+        assert engine.put(keys, pages.src_segments) == [True] * 6
+        assert [engine.index.holders(k) & 1 for k in keys] == [1, 1, 1, 1, 0, 0], engine.stats()["tiers"][0]
+
+
 def test_get_touches_lru(tier_dirs):
     pages = Pages(4)
     keys = [key(i) for i in range(4)]

@@ -24,7 +24,7 @@ from kvstream_hicache.layout import HEADER_SIZE, file_size
 from kvstream_hicache.router import SingleTier
 
 from helpers import FakeClock, PageSet, TierFaultPlan, content, loop_fs, make_engine, page_files, put_items, \
-    tier_stats_once, tmp_files, wait_for_fault, wait_until  # noqa: F401
+    owner_mapping_tier, tier_stats_once, tmp_files, wait_for_fault, wait_until  # noqa: F401
 
 MIB = 1 << 20
 FS_BYTES = 64 * MIB
@@ -719,3 +719,101 @@ def test_a_share_capacity_on_a_file_system_that_does_not_say_its_size_is_refused
     with pytest.raises(KVStreamError) as refused:
         make_engine([fuse], capacity="50%")
     assert "does not say its size" in str(refused.value) and "0 bytes" not in str(refused.value), refused.value
+
+
+def test_a_server_restarts_on_an_owner_mapping_tier_with_no_inode_left_for_its_probe(tier_root, loop_fs, caplog):
+    """As above, on a file system that maps owners (bindfs --force-user; NFS root squash): the engine's own files
+    there come out owned by the mapped uid, which the start-up probe learns from its file. With no inode left the
+    probe's file cannot be made, and probe_tier answered this user's uid: the engine's own kvstream/ directory
+    then belonged to 'a user this engine does not trust' and the server was refused at every restart (the crash
+    loop the no-inode case was to end). The owner is learnt from the tier's own directory instead: the tier's root
+    (the operator's) owner, when it made kvstream/ there."""
+    mapped_uid = 54323
+    fs = loop_fs(32 * MIB, "mapnoino")
+    t0, src, mnt = os.path.join(tier_root, "t0"), os.path.join(fs.mnt, "src"), os.path.join(tier_root, "mapped")
+    os.makedirs(t0)
+    with owner_mapping_tier(src, mnt, mapped_uid) as t1:
+        pages = PageSet(MIB)
+        keys = pages.keys(4)
+        with make_engine([t0, t1], replicate="all") as engine:
+            assert pages.put(engine, keys) == [True] * 4
+        assert os.stat(os.path.join(t1, "kvstream")).st_uid == mapped_uid
+        _take_inodes(fs.mnt, leave=0)
+        caplog.set_level("WARNING", logger="kvstream")
+        with make_engine([t0, t1], replicate="all", catchup="off") as engine:
+            assert engine.stats()["tiers"][1]["healthy"]
+            assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 4
+
+
+def test_a_full_tier_of_another_user_s_is_still_refused_when_its_probe_makes_no_file(tier_root, loop_fs):
+    """A tier whose root and kvstream/ are another user's (a local file system: no owner is mapped), with no inode
+    left for the probe's file: this user's alone is trusted, and the other user's kvstream/ is refused."""
+    fs, t0, t1 = _beside_a_small_fs(tier_root, loop_fs, "theirs")
+    other = 54321
+    os.makedirs(os.path.join(t1, "kvstream", "tmp"), 0o700)
+    for path in (t1, os.path.join(t1, "kvstream"), os.path.join(t1, "kvstream", "tmp")):
+        os.chmod(path, 0o700)
+        os.chown(path, other, other)
+    _take_inodes(fs.mnt, leave=0)
+    with pytest.raises(KVStreamError, match="belongs to a user this engine does not trust"):
+        make_engine([t0, t1]).close()
+
+
+def _seal_refused(tier, times: int, err: int = errno.ENOSPC):
+    """Tier's next ``times`` seals close the file and raise ``err`` (GlusterFS's write-behind: a write refused
+    for room reported at the close)."""
+    real, left = tier._seal, [times]
+
+    def seal(fd, ran):
+        if left[0] <= 0:
+            return real(fd, ran)
+        left[0] -= 1
+        ran.append(True)
+        os.close(fd)
+        raise OSError(err, f"close: {os.strerror(err)}")
+
+    tier._seal = seal
+    return left
+
+
+def test_a_page_refused_for_room_at_its_seal_is_written_again_after_an_eviction(tier_root):
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    pages = PageSet(MIB)
+    old, new = pages.keys(4), pages.keys(1, 100)
+    with make_engine([t0]) as engine:
+        assert pages.put(engine, old) == [True] * 4
+        left = _seal_refused(engine.tiers[0], 1)
+        assert pages.put(engine, new) == [True]
+        assert left[0] == 0 and engine.index.holders(new[0]) == 1
+        t = engine.stats()["tiers"][0]
+        assert t["healthy"] and t["evictions"] == 1 and t["write_failures"] == 0, t
+        assert pages.checked_get(engine, new) == [True]
+        assert engine.check() == []
+    assert tmp_files(t0) == []
+
+
+def test_a_tier_that_hangs_at_the_rewrite_of_a_page_refused_at_its_seal_fails_as_hung(tier_root):
+    """The new temporary file of a page refused for room at its seal did not come within write_timeout (a hung
+    tier, bounded.py: ETIMEDOUT): the tier fails as hung, as at any other creation, and the error is not taken for
+    the seal's refusal for room (full, not failed: the hung tier stayed in service)."""
+    t0 = os.path.join(tier_root, "t0")
+    os.makedirs(t0)
+    pages = PageSet(MIB)
+    with make_engine([t0]) as engine:
+        assert pages.put(engine, pages.keys(4)) == [True] * 4
+        tier = engine.tiers[0]
+        _seal_refused(tier, 1)
+        real, calls = tier.create_tmp, []
+
+        def create_tmp():
+            calls.append(1)
+            if len(calls) == 2:  # (the rewrite's)
+                raise OSError(errno.ETIMEDOUT, "did not answer in time")
+            return real()
+
+        tier.create_tmp = create_tmp
+        assert pages.put(engine, pages.keys(1, 100)) == [False]
+        t = engine.stats()["tiers"][0]
+        assert len(calls) == 2 and not t["healthy"] and t["write_timeouts"] == 1, t
+        tier.create_tmp = real

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -31,7 +30,7 @@ from kvstream_hicache.layout import HEADER_SIZE, TierLayout
 from kvstream_hicache.tmpfiles import HOST, REMOVING_PREFIX, tmp_name
 from kvstream_hicache.trust import user_name
 
-from helpers import NS, PageSet, as_user, content, kvstream_cli, make_engine, wait_until
+from helpers import NS, PageSet, as_user, content, kvstream_cli, make_engine, owner_mapping_tier, wait_until
 
 INTRUDER = 54321  # uids and a group no account has: the second user and the shared tier's group
 MEMBER = 54322
@@ -364,20 +363,8 @@ def test_every_probe_name_is_new(tier_dirs):
 def mapped_tier(tier_root):
     """A tier on a FUSE file system that maps every owner to MAPPED (bindfs --force-user), as NFS root
     squash and some FUSE mounts do: a file the engine creates there comes out owned by MAPPED."""
-    if shutil.which("bindfs") is None:
-        pytest.skip("bindfs is not installed (scripts/system-deps.sh installs it)")
-    src, mnt = os.path.join(tier_root, "src"), os.path.join(tier_root, "mapped")
-    os.mkdir(src, 0o700)
-    os.mkdir(mnt)
-    subprocess.run(["bindfs", f"--force-user={MAPPED}", f"--force-group={MAPPED}", src, mnt], check=True)
-    try:
-        tier = os.path.join(mnt, "tier")
-        os.mkdir(tier, 0o700)
+    with owner_mapping_tier(os.path.join(tier_root, "src"), os.path.join(tier_root, "mapped"), MAPPED) as tier:
         yield tier
-    finally:
-        subprocess.run(["fusermount", "-u", mnt], capture_output=True)
-        if os.path.ismount(mnt):
-            subprocess.run(["umount", "-l", mnt], capture_output=True)
 
 
 def test_an_owner_mapping_file_system_is_trusted_for_the_owner_its_files_get(mapped_tier, caplog):

@@ -350,6 +350,84 @@ def test_a_failed_tier_is_probed_and_rejoins_on_an_idle_server(plugin_loaded, ti
     drv.storage.close()
 
 
+def test_the_metrics_timers_probe_lets_no_tier_of_a_closed_backend_rejoin(plugin_loaded, tier_dirs, drivers,
+                                                                           monkeypatch, caplog):
+    """The metrics timer probes a failed tier by itself (an idle server), on its own thread, which sglang's
+    detach does not stop (it stops its storage threads, then closes the backend): a probe that was on its
+    way when the backend closed let the tier of the closed engine rejoin, and the engine's rejoin ran after
+    close() (Engine._reconcile: its record of owed clears rewritten, a thread listing the tier's pages),
+    logged "recovered; it rejoins reads and writes" after the detach. Held here inside the probe until the
+    engine is closed (the window is as long as the probe: write_timeout on a network tier). Review rev2."""
+    from kvstream_hicache.sglang import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "METRICS_INTERVAL_S", 0.2)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    engine = drv.storage.engine
+    tier = engine.tiers[1]
+    probing = threading.Event()
+    probe, rejoin, rejoined_after_close = tier._probe, tier.on_rejoin, []
+
+    def held_probe():  # (the timer's probe, begun while the backend was attached, ends once it is closed)
+        if threading.current_thread().name == "kvstream-metrics" and not probing.is_set():
+            probing.set()
+            wait_until(lambda: engine._closed, timeout=30)
+        return probe()
+
+    def noted_rejoin(t):
+        if engine._closed:
+            rejoined_after_close.append(t.k)
+        return rejoin(t)
+
+    monkeypatch.setattr(tier, "_probe", held_probe)
+    monkeypatch.setattr(tier, "on_rejoin", noted_rejoin)
+    assert tier.fail(errno.EIO, "test: an I/O error")
+    drv.storage.flush_metrics()  # (a sync that sees the tier failed arms the timer)
+    assert probing.wait(30), "the metrics timer never probed the failed tier"
+    caplog.set_level(logging.WARNING, logger="kvstream")
+    drv.close()  # sglang's detach
+    for thread in threading.enumerate():
+        if thread.name == "kvstream-metrics":
+            thread.join(30)
+    assert rejoined_after_close == [], "the closed engine's tier rejoined after the detach"
+    assert not tier.healthy
+    assert not [r for r in caplog.records if "recovered" in r.getMessage()], caplog.text
+
+
+def test_a_probe_that_raises_in_the_metrics_timer_does_not_end_its_syncs(plugin_loaded, tier_dirs, drivers,
+                                                                         monkeypatch):
+    """The metrics timer's probe and its sync shared one ``try``: an exception of the probe (a rejoin that cannot
+    start its thread: RuntimeError "can't start new thread" in a process at its thread limit) skipped the sync,
+    which is what arms the next turn: on an idle server the failed tier was never probed again, its gauge never
+    moved, for good (one "exporting metrics failed" line). Review rev2."""
+    from prometheus_client import REGISTRY
+
+    from kvstream_hicache.sglang import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "METRICS_INTERVAL_S", 0.2)
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    drv = drivers(pools, "kvstream", extra_config=tiers_config(tier_dirs[:2]), enable_metrics=True)
+    labels = dict(drv.storage._exporter.labels, tier="1")
+    tier = drv.storage.engine.tiers[1]
+    rejoin, raised = tier.on_rejoin, []
+
+    def rejoin_once_refused(t):
+        if not raised:
+            raised.append(t.k)
+            raise RuntimeError("can't start new thread")
+        return rejoin(t)
+
+    monkeypatch.setattr(tier, "on_rejoin", rejoin_once_refused)
+    assert tier.fail(errno.EIO, "test: an I/O error")
+    drv.storage.flush_metrics()
+    wait_until(lambda: raised, timeout=30, what="the metrics timer never probed the failed tier")
+    deadline = time.monotonic() + 10.0
+    while REGISTRY.get_sample_value("kvstream:tier_healthy", labels) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert REGISTRY.get_sample_value("kvstream:tier_healthy", labels) == 1, "no probe after the one that raised"
+    assert drv.storage.counters["metrics_errors"] == 1
+
+
 def test_a_trailing_metrics_sync_racing_close_counts_no_page_twice(plugin_loaded, tier_dirs, drivers, monkeypatch):
     """While a tier is failed the adapter syncs its metrics by itself each interval (a timer thread). One
     such sync that found the engine attached, then read the stats after close() detached it

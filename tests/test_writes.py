@@ -1103,3 +1103,23 @@ def test_a_writer_step_sends_the_writes_of_every_tier_in_one_submit(tier_dirs):
         assert pages.put(engine, pages.keys(1)) == [True]
         assert engine.held(pages.keys(1)[0]) and engine.index.get(pages.keys(1)[0]).tiers == 0b11
         assert sorted(r.submits - b for r, b in zip(rings, before)) == [0, 1]
+
+
+def test_a_put_whose_head_is_being_written_keeps_the_head_on_a_capacity_limited_tier(tier_dirs):
+    """A prefix put while another put still writes its first pages (joined, not new): the capacity taken by those
+    pages counts, as a held head's does (admission.fit_capacity), so tier 0 keeps the prefix's head."""
+    plan = TierFaultPlan()
+    src = Pages(6, seed=5)
+    keys = [key(i, "joined") for i in range(6)]
+    page = sum(n for _, n in src.src_segments[0])
+    results: list = []
+    with make_engine(tier_dirs[:2], fault_plan=plan, capacity=[4 * page, ""]) as engine, releasing(plan):
+        plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
+        engine.put_deferred(keys[:2], src.src_segments[:2], results.append)
+        wait_for_fault(plan)
+        engine.put_deferred(keys, src.src_segments, results.append)
+        plan.clear()
+        plan.release()
+        wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
+        assert results == [[True] * 2, [True] * 6]
+        assert [engine.index.holders(k) & 1 for k in keys] == [1, 1, 1, 1, 0, 0], engine.stats()["tiers"][0]

@@ -575,12 +575,14 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _trailing_sync(self) -> None:
         with self._lock:
             self._trailing = None
-        try:
-            self._probe_failed_tiers()
-            self._maybe_sync(True)
-        except Exception as exc:  # a timer thread: report, count, never raise
-            self._count("metrics_errors")
-            self._warn("metrics", type(exc).__name__, f"kvstream: exporting metrics failed ({exc})")
+        # (each on its own: the sync arms the next turn, so a probe that raised must not skip it: the failed
+        # tier of an idle server was probed no more, its gauge frozen)
+        for step in (self._probe_failed_tiers, lambda: self._maybe_sync(True)):
+            try:
+                step()
+            except Exception as exc:  # a timer thread: report, count, never raise
+                self._count("metrics_errors")
+                self._warn("metrics", type(exc).__name__, f"kvstream: exporting metrics failed ({exc})")
 
     def _probe_failed_tiers(self) -> None:
         """A failed tier's probe when it is due (tier_retry's back-off, or a vanished directory's look). Only
@@ -589,7 +591,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         while a tier is failed (_maybe_sync), outside the sync lock: a probe may list the tier as it rejoins."""
         engine = self.engine
         for tier in getattr(engine, "tiers", ()) if engine is not None else ():
-            if not tier.healthy:
+            if not tier.healthy and not self._closed:  # (close() may come meanwhile: Tier.usable checks too)
                 tier.usable()
 
     def _get_stats(self):
