@@ -248,10 +248,12 @@ class WriteQueue:
                 writing.calls.append((call, i))  # is an heir only once the page is in call.joined, its memory
                 call.joined.append(writing)  # known then; withdraw undoes a join cut short whole)
                 call.left += 1
-                held_at.append((i, length, sum((1 << k for k in writing.committed), writing.targets) & mask))  # (its
-                # room there too: left out, the new pages after it took the whole capacity and evicted it)
+                tiers = writing.targets
                 for k in writing.committed:  # fsync=full: the tiers done already
                     call.dirs.setdefault(k, set()).add(self.tiers[k].layout.page_dir(key))
+                    tiers |= 1 << k
+                held_at.append((i, length, tiers & mask))  # (its room there too: left out, the new pages after
+                # it took the whole capacity and evicted it)
                 continue
             holders = self._holders(key, length)
             if key in held and holders & mask:

@@ -1105,21 +1105,28 @@ def test_a_writer_step_sends_the_writes_of_every_tier_in_one_submit(tier_dirs):
         assert sorted(r.submits - b for r, b in zip(rings, before)) == [0, 1]
 
 
-def test_a_put_whose_head_is_being_written_keeps_the_head_on_a_capacity_limited_tier(tier_dirs):
+@pytest.mark.parametrize("capped", [0, 1])
+def test_a_put_whose_head_is_being_written_keeps_the_head_on_a_capacity_limited_tier(tier_dirs, capped):
     """A prefix put while another put still writes its first pages (joined, not new): the capacity taken by those
-    pages counts, as a held head's does (admission.fit_capacity), so tier 0 keeps the prefix's head."""
+    pages counts, as a held head's does (admission.fit_capacity), so the capacity-limited tier keeps the prefix's
+    head. ``capped`` 1: the head committed on that tier already while tier 0's writes are held (its tiers were
+    summed, the committed ones twice: the mask lost that tier, and the new pages after the head evicted it)."""
     plan = TierFaultPlan()
     src = Pages(6, seed=5)
     keys = [key(i, "joined") for i in range(6)]
     page = sum(n for _, n in src.src_segments[0])
     results: list = []
-    with make_engine(tier_dirs[:2], fault_plan=plan, capacity=[4 * page, ""]) as engine, releasing(plan):
+    capacity = [4 * page, ""] if capped == 0 else ["", 4 * page]
+    with make_engine(tier_dirs[:2], fault_plan=plan, capacity=capacity) as engine, releasing(plan):
         plan.on(tier_dirs[0], Fault.hold(), opcode=OP_WRITE)
         engine.put_deferred(keys[:2], src.src_segments[:2], results.append)
         wait_for_fault(plan)
+        if capped == 1:
+            wait_until(lambda: all(engine.index.holders(k) & 2 for k in keys[:2]), WAIT_S, "tier 1 never committed")
         engine.put_deferred(keys, src.src_segments, results.append)
         plan.clear()
         plan.release()
         wait_until(lambda: len(results) == 2, WAIT_S, "a deferred put never completed")
         assert results == [[True] * 2, [True] * 6]
-        assert [engine.index.holders(k) & 1 for k in keys] == [1, 1, 1, 1, 0, 0], engine.stats()["tiers"][0]
+        assert [engine.index.holders(k) >> capped & 1 for k in keys] == [1, 1, 1, 1, 0, 0], \
+            engine.stats()["tiers"][capped]
