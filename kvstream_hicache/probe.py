@@ -16,7 +16,6 @@ import errno
 import logging
 import os
 import re
-import stat
 from typing import NamedTuple
 
 from .bounded import BoundedCalls
@@ -307,7 +306,7 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
             # every new file once full (GlusterFS's storage.reserve). Refused, a node restarting on a shared tier
             # full of the nodes' pages was told it 'is not writable (No space left on device)', in a crash loop.
             full(exc.errno)
-            return _owner_without_probe(path, base_fd, fstype)
+            return _owner_without_probe(path, source, base_fd, fstype)
         finally:
             close_fd(base_fd)
             close_fd(tmp_fd)
@@ -328,19 +327,20 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
 MAPPING_FS = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph")
 
 
-def _owner_without_probe(path: str, base_fd: int, fstype: str | None) -> int:
+def _owner_without_probe(path: str, source: str, base_fd: int, fstype: str | None) -> int:
     """The owner this engine's files come out with on tier ``path`` when the probe could make no file there (full):
-    on a file system that may map owners (``fstype``), that of its ``kvstream/`` (``base_fd``) where the tier's root
-    has that owner and no group or other user may write it (none but that owner, or root, made ``kvstream/``
-    there); else this user's. (This user's alone, the engine's own ``kvstream/`` on NFS with root squash or a FUSE
-    mount that maps owners was another user's: refused at every restart,
-    test_a_server_restarts_on_an_owner_mapping_tier_with_no_inode_left_for_its_probe.)"""
-    if fstype is not None and not fstype.startswith("fuse") and fstype not in MAPPING_FS:
+    this user's where its ``kvstream/`` (``base_fd``) is this user's, or the file system maps no owner (another
+    user's ``kvstream/`` is then refused by the trust checks). On a file system that may map owners, a
+    ``kvstream/`` of another uid may be this engine's own, mapped, or another user's: the file the probe could
+    not make alone tells, and trusting that uid on a guess would let this engine evict another user's pages.
+    :raises TierError: that case, naming the fix (before: refused as 'a user this engine does not trust')."""
+    owner = os.fstat(base_fd).st_uid
+    if owner == os.geteuid() or fstype is not None and not fstype.startswith("fuse") and fstype not in MAPPING_FS:
         return os.geteuid()
-    root, base = os.stat(path), os.fstat(base_fd)
-    if base.st_uid == root.st_uid and not root.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return base.st_uid
-    return os.geteuid()
+    raise TierError(f"tier {path} (from {source}) is full (no room for the start-up probe's test file) on a "
+                    f"{fstype or 'network'} file system that may give this engine's files another owner, and its "
+                    f"kvstream/ directory is uid {owner}'s: whether that is this engine's own files, mapped, cannot "
+                    "be learnt without a file; free space (or an inode) there, then start again")
 
 
 def _unreachable(path: str, source: str, exc: OSError) -> TierError:

@@ -721,13 +721,13 @@ def test_a_share_capacity_on_a_file_system_that_does_not_say_its_size_is_refused
     assert "does not say its size" in str(refused.value) and "0 bytes" not in str(refused.value), refused.value
 
 
-def test_a_server_restarts_on_an_owner_mapping_tier_with_no_inode_left_for_its_probe(tier_root, loop_fs, caplog):
+def test_an_owner_mapping_tier_with_no_inode_left_for_its_probe_is_refused_naming_the_fix(tier_root, loop_fs):
     """As above, on a file system that maps owners (bindfs --force-user; NFS root squash): the engine's own files
     there come out owned by the mapped uid, which the start-up probe learns from its file. With no inode left the
-    probe's file cannot be made, and probe_tier answered this user's uid: the engine's own kvstream/ directory
-    then belonged to 'a user this engine does not trust' and the server was refused at every restart (the crash
-    loop the no-inode case was to end). The owner is learnt from the tier's own directory instead: the tier's root
-    (the operator's) owner, when it made kvstream/ there."""
+    probe's file cannot be made, and the owner cannot be learnt: a kvstream/ of another uid may be this engine's
+    own, mapped, or another user's, and trusting it on a guess would let this engine evict another user's pages
+    (review rev3 learnt it from the tier's root: a root another user owns would have made that user this
+    engine). Refused at start, naming the cause and the fix (before: 'a user this engine does not trust')."""
     mapped_uid = 54323
     fs = loop_fs(32 * MIB, "mapnoino")
     t0, src, mnt = os.path.join(tier_root, "t0"), os.path.join(fs.mnt, "src"), os.path.join(tier_root, "mapped")
@@ -739,10 +739,8 @@ def test_a_server_restarts_on_an_owner_mapping_tier_with_no_inode_left_for_its_p
             assert pages.put(engine, keys) == [True] * 4
         assert os.stat(os.path.join(t1, "kvstream")).st_uid == mapped_uid
         _take_inodes(fs.mnt, leave=0)
-        caplog.set_level("WARNING", logger="kvstream")
-        with make_engine([t0, t1], replicate="all", catchup="off") as engine:
-            assert engine.stats()["tiers"][1]["healthy"]
-            assert pages.checked_get(engine, keys, policy=SingleTier(1)) == [True] * 4
+        with pytest.raises(KVStreamError, match=r"is full .* uid 54323's: .* free space \(or an inode\) there"):
+            make_engine([t0, t1], replicate="all", catchup="off").close()
 
 
 def test_a_full_tier_of_another_user_s_is_still_refused_when_its_probe_makes_no_file(tier_root, loop_fs):
