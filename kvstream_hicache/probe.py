@@ -23,7 +23,7 @@ from .config import Capacity, Config, TierConfig, env_name, real_path_on, settin
 from .errors import TierError
 from .fds import close_fd
 from .layout import ROOT_DIR
-from .tmpfiles import ProbeFailed, probe_direct
+from .tmpfiles import SPACE_ERRNOS, ProbeFailed, probe_direct
 from .trust import open_base
 
 log = logging.getLogger("kvstream")
@@ -300,7 +300,7 @@ def probe_tier(path: str, dir_mode: int, source: str) -> int:
         try:
             return probe_direct("", "config", dir_fd=tmp_fd, full=full)
         except ProbeFailed as exc:
-            if exc.step != "create" or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if exc.step != "create" or exc.errno not in SPACE_ERRNOS:
                 raise
             # Full, not failed, as when a tier rejoins (Tier._probe): no inode left, or a file system that refuses
             # every new file once full (GlusterFS's storage.reserve). Refused, a node restarting on a shared tier

@@ -58,7 +58,7 @@ from .layout import HEADER_SIZE, TMP_DIR, TierLayout, key_of_page_file
 from .locks import ranked_lock
 from .probe import Look, local_fs, probe_tier, resolve_capacity
 from .tmpfiles import (
-    NEW_FILE, REMOVING_PREFIX, ProbeFailed, is_engine_tmp, probe_direct, tmp_name,
+    NEW_FILE, REMOVING_PREFIX, SPACE_ERRNOS, ProbeFailed, is_engine_tmp, probe_direct, tmp_name,
 )
 from .trust import (
     CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below,
@@ -72,7 +72,6 @@ TIER_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errn
                          errno.ESTALE, errno.ENOTCONN, errno.ECONNABORTED, errno.ESHUTDOWN, errno.EBADF,
                          errno.ETIMEDOUT})
 # (ECONNABORTED: a FUSE mount whose client process died; ETIMEDOUT: a hung tier, writes.py)
-SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # handled by eviction, not by failing the tier
 SPACE_RETRIES = 8  # rewrites (or renames) of one (page, tier) after ENOSPC, each after an LRU eviction: the
 # jobs of a batch compete for the room each eviction makes; jobs.py's _room_possible_under_writer stops hopeless ones
 MAX_OWED_DELETES = 1 << 14  # delete()s a failed tier remembers to do before it serves again (owe_delete)

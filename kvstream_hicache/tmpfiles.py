@@ -55,7 +55,7 @@ TMP_STALE_S = 3600.0  # a temp file of another host (or a probe) older than this
 # clock (its server's stamps the file) and of a clock step, as trust.CLOCK_SKEW_NS, s
 PID_REUSE_S = 300.0
 _PROBE_BYTES = b"kvsprobe"  # what a probe writes and expects to read back
-_FULL = (errno.ENOSPC, errno.EDQUOT)  # a probe refused for room: full, not failed (tiers.SPACE_ERRNOS)
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})  # refused for room: handled by eviction, not by failing the tier
 
 _live_tokens: set[str] = set()  # tokens of this process's open engines (their temp files are live)
 _probe_seq = itertools.count()  # probes running at once in one process (engines starting together) never share a file
@@ -183,7 +183,7 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
             try:
                 os.pwrite(fd, block, 0)
             except OSError as exc:
-                if exc.errno not in _FULL:
+                if exc.errno not in SPACE_ERRNOS:
                     raise
                 # a full file system (a fleet's shared tier full of its servers' pages): made room on by
                 # eviction, as a put's ENOSPC is (full is not failed); the file was made O_DIRECT
@@ -193,7 +193,7 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
             step = "read"
             os.preadv(fd, [block], 0)
         except OSError as exc:
-            if step == "read" and exc.errno in _FULL:  # (the write's refusal, reported late: see above)
+            if step == "read" and exc.errno in SPACE_ERRNOS:  # (the write's refusal, reported late: see above)
                 full(exc.errno)
                 return owner
             raise ProbeFailed(exc.errno or errno.EIO, step) from None
@@ -203,7 +203,7 @@ def probe_direct(tmp_dir: str, tag: str, dir_fd: int | None = None,
                 os.unlink(path, dir_fd=dir_fd)
             except FileNotFoundError:
                 pass
-        if err in _FULL:  # (the write's refusal for room, reported at the close)
+        if err in SPACE_ERRNOS:  # (the write's refusal for room, reported at the close)
             full(err)
             return owner
         if err:  # the server refused the write at close (EIO, ENOTCONN): the tier cannot store

@@ -589,8 +589,7 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         gets and puts probed: on an idle server (--sleep-on-idle, no request) a tier remounted stayed failed,
         its gauge at 0 and its owed replicas pending, until the next request. This timer runs each interval
         while a tier is failed (_maybe_sync), outside the sync lock: a probe may list the tier as it rejoins."""
-        engine = self.engine
-        for tier in getattr(engine, "tiers", ()) if engine is not None else ():
+        for tier in getattr(self.engine, "tiers", ()):  # (None once closed: no tier)
             if not tier.healthy and not self._closed:  # (close() may come meanwhile: Tier.usable checks too)
                 tier.usable()
 
