@@ -30,8 +30,8 @@ windows in whole blocks even for pages smaller than a block (the rule before 202
 change: a 2 MiB window of 256 KiB pages held 2 of them); any other name only labels the row (docs/benchmarks.md's ``oldreq`` rows came
 from a copy of the tree, first on PYTHONPATH). Prints per mode MB/s and process CPU s/GB (medians and range over the rounds), the
 per-round ratio to the first mode (and to the first ``1tier`` mode, when there is one and it is not the
-first), with two or more ``1tier`` modes the per-round ratio to the faster of them in that round, the
-machine's CPU s/GB and busy CPUs (/proc/stat: kernel workers included, e.g. a loop device's, which
+first), with two or more ``1tier`` modes the per-round ratio to the faster of them in that round, a kvstream
+contender's bytes read over bytes served (blocks read twice: tail steals, retries), the machine's CPU s/GB and busy CPUs (/proc/stat: kernel workers included, e.g. a loop device's, which
 copy every byte of a RAM tier), and the main thread's user/system time inside ``Engine.get``.
 Environment: ``FRESH=1`` writes ROUNDS + 1 sets of pages and reads each once (pages never read before,
 as a prefix written long ago; otherwise every round reads the same pages), ``STAGES=1`` adds thread CPU per read-path stage, ``CPROF=1`` dumps a cProfile, ``READY=path``
@@ -266,6 +266,11 @@ def machine_busy():
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return (sum(v[:8]) - v[3] - v[4]) / HZ  # user nice system idle iowait irq softirq steal
+def tier_bytes(m):
+    """The engine's bytes read and served so far, over its tiers (None: not a kvstream contender)."""
+    e = getattr(cons[m], "engine", None)
+    return None if e is None else [sum(t[k] for t in e.stats()["tiers"]) for k in ("bytes_read", "bytes_served")]
+RS0 = {m: tier_bytes(m) for m in modes}
 for r in range(rounds):
     for m in round_order(modes, r):  # shuffled, as kvstream bench does
         c, NOW[0] = cons[m], m
@@ -286,7 +291,8 @@ for m in modes:
     mbs = [x[0] for x in res[m]]; cpu = [x[1] for x in res[m]]
     print(f"{m:10s} page {g.page_bytes>>10} KiB: MB/s med {statistics.median(mbs):6.0f} [{min(mbs):.0f}-{max(mbs):.0f}]"
           f"  CPU s/GB med {statistics.median(cpu):.3f} [{min(cpu):.3f}-{max(cpu):.3f}]  {per_round(m, modes[0])}"
-          + (f"  {per_round(m, one)}" if one else "") + f"  direct {res[m][-1][2]} reqs {res[m][-1][3]}")
+          + (f"  {per_round(m, one)}" if one else "") + f"  direct {res[m][-1][2]} reqs {res[m][-1][3]}"
+          + (f"  read/served {(rs[0] - RS0[m][0]) / (rs[1] - RS0[m][1]):.3f}" if (rs := tier_bytes(m)) else ""))
 ones = [m for m in modes if "1tier" in m]
 for m in modes if len(ones) > 1 else ():  # each mode against the best one-tier mode of the same round
     ratio = [res[m][r][0] / max(res[o][r][0] for o in ones) for r in range(rounds)]
