@@ -46,16 +46,6 @@ STALL_MIN_S = 0.25  # ... and never sooner than this, s: a throttled device (cgr
 INITIAL_WINDOW = 4 << 20  # before the first measurement (the fixed depth of earlier versions), bytes
 
 
-def outpaces(rate: float, owner_rate: float) -> bool:
-    """Whether an idle tier reading at ``rate`` (bytes/s, 0: not measured yet) may re-read items in flight
-    on a tier reading at ``owner_rate`` (the router's tail steal): when it is measured at least as fast. A
-    tier not measured yet outpaces nothing: two unmeasured tiers re-read each other's items at random, and
-    with every batch's steals left as orphans (whose reaping drops the throughput span: ``disturbed``)
-    neither got measured; small batches, which both tiers' windows hold whole, were read 1.5-1.9x over.
-    An owner that stalls is taken over once overdue (the read path's rule), measured or not."""
-    return rate > 0 and rate >= owner_rate
-
-
 class TierFlow:
     """Request size, window and health of one tier's reads (see the module docstring).
 

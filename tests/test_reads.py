@@ -309,39 +309,6 @@ def test_a_held_call_opens_its_slower_tier_once_the_fastest_fails_or_stalls(tier
         assert max(in_flight[1]) > 1, in_flight
 
 
-def test_tiers_not_measured_yet_re_read_none_of_each_others_items(tier_dirs, io_engine):
-    """Small gets on two tiers of a fresh engine, whose rates are not measured yet: no block is read twice
-    (before: each idle tier re-read the other's items in flight, as rate 0 >= rate 0 let it, and the orphans
-    those steals left reset the throughput spans, so neither tier ever got measured: 256 KiB pages read 8
-    at a time took 1.9x the bytes they served)."""
-    engine, pages, keys = stored(tier_dirs[:2], 64, io_engine, chunk="1M", size=256 * KIB)
-    with engine:
-        for i in range(0, 64, 8):
-            assert engine.get(keys[i:i + 8], pages.dst_segments[i:i + 8]) == [True] * 8
-            assert all(pages.equal(j) for j in range(i, i + 8))
-        engine._reads.drain(30)
-        stats = engine.stats()
-        read = sum(t["bytes_read"] for t in stats["tiers"])
-        served = sum(t["bytes_served"] for t in stats["tiers"])
-        assert (stats["duplicate_reads"], stats["orphan_reads"], read) == (0, 0, served), stats["tiers"]
-
-
-def test_an_idle_tier_re_reads_only_what_a_tier_it_outpaces_or_an_overdue_one_has_in_flight(tier_dirs):
-    """The read path's steal rule (flow.outpaces): a tier measured at least as fast as the owner, or an
-    owner that is overdue, measured or not; nothing between tiers not measured yet."""
-    engine = make_engine(tier_dirs[:2])
-    with engine:
-        reads = engine._reads
-        may = reads._may_steal_under_reads
-        for rates, want in (((0, 0), False), ((1e9, 0), True), ((0, 1e9), False), ((1e9, 2e9), False),
-                            ((2e9, 2e9), True), ((2e9, 1e9), True)):
-            reads.io.flows[0].rate, reads.io.flows[1].rate = rates
-            assert may(0, 1) is want, rates
-        reads.io.flows[0].rate = reads.io.flows[1].rate = 0
-        reads.io.overdue = lambda k: k == 1  # (tier 1 has reads in flight and no completion for long)
-        assert may(0, 1) and not may(1, 0)
-
-
 @pytest.mark.parametrize("rule", [OPEN, HELD])
 def test_a_stalled_slower_tier_takes_no_more_reads_than_its_window_held_or_open(tier_dirs, io_engine, rule):
     """The slower tier hangs (its reads never complete): calls after calls leave their reads there as

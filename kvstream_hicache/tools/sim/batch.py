@@ -13,7 +13,6 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from ...flow import outpaces
 from ...router import Claim, Policy, all_tiers
 
 __all__ = ["Speed", "SimResult", "simulate"]
@@ -77,7 +76,7 @@ def simulate(
     then ``done`` is False and ``finish`` is inf.
 
     An idle tier takes over items in flight on another tier (the route's ``refill``) only when it is
-    at least as fast at the time (the engine's ``may_steal`` rule, reads.py: flow.outpaces).
+    at least as fast at the time (the engine's ``may_steal`` rule, reads.py).
     """
     n_tiers = len(speeds)
     if holders is None:
@@ -117,13 +116,13 @@ def simulate(
     t = 0.0
     rates = [max(0.0, f(t)) for f in rate_of]
     # The engine's rule (reads.py, _may_steal_under_reads): a tier with nothing unread re-reads items
-    # in flight on another only when it is at least as fast (flow.outpaces), or the other is overdue. The current
+    # in flight on another only when it is at least as fast, or the other is overdue. The current
     # rates stand for the engine's measured ones; a stalled tier shows as rate 0 at once here, so the
     # rate test covers "overdue" too (the engine needs a timer only because its measure lags). The
     # engine sets the rule where it sizes depths itself (a policy without a depth, kvsim's default);
     # here it holds for a fixed depth too: the refills below come at once, not after a reap, and
     # without it an idle tier would start a healthy batch with duplicates.
-    route.may_steal = lambda tier, owner: outpaces(rates[tier], rates[owner])
+    route.may_steal = lambda tier, owner: rates[tier] >= rates[owner]
     issue(route.start(), t)
     events = 0
     while not route.done and events < max_events:
