@@ -44,6 +44,18 @@ STALL_FACTOR = 8.0  # no completion for this many usual latencies: the tier is o
 STALL_MIN_S = 0.25  # ... and never sooner than this, s: a throttled device (cgroup blkio) holds its completions
                     # for a throttle slice (100 ms) at a time, and a busy host adds scheduling noise
 INITIAL_WINDOW = 4 << 20  # before the first measurement (the fixed depth of earlier versions), bytes
+STEAL_FASTER = 2.0  # an idle tier re-reads items in flight on a tier it is measured this many times as fast as,
+STEAL_QUIET = 2.0  # ... or on one that has completed nothing for this many of the idle tier's request latencies
+
+
+def outpaces(rate: float, owner_rate: float) -> bool:
+    """Whether a tier measured at ``rate`` (bytes/s; 0: not measured yet) re-reads items in flight on one
+    measured at ``owner_rate`` (the router's tail steal) for their speed alone. A re-read pays only if it
+    lands first, and the owner's reads are under way: a rate measured over a few spans (a burst let through
+    by a throttle, a queue) does not tell a tier about as fast, which would read the bytes twice for nothing
+    (small gets on two such tiers read 1.5-1.9x their bytes); an unmeasured tier outpaces nothing and is
+    outpaced by nothing. A slow owner not measured yet is taken over when it falls quiet (``quiet_for``)."""
+    return owner_rate > 0 and rate >= STEAL_FASTER * owner_rate
 
 
 class TierFlow:
@@ -89,7 +101,11 @@ class TierFlow:
 
     def overdue_at(self) -> float:
         """When the tier turns overdue if nothing completes meanwhile."""
-        return self._last_done + self.stall_after
+        return self.quiet_at(self.stall_after)
+
+    def quiet_at(self, seconds: float) -> float:
+        """When the tier will have completed nothing for ``seconds`` (its reads in flight waiting)."""
+        return self._last_done + seconds
 
     def disturbed(self, busy: float) -> None:
         """Something else used the device during the current throughput span (for a write flow:

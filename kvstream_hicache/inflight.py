@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from .flow import TierFlow
+from .flow import STEAL_QUIET, TierFlow
 from .stats import BusyClock
 
 log = logging.getLogger("kvstream")
@@ -137,13 +137,25 @@ class InFlight:
                 self.orphaned[req.tier] += req.nbytes
 
     def overdue_wait(self, now: float) -> float | None:
-        """Seconds until a tier with requests in flight turns overdue (None: none will: they have
-        none, or are overdue already)."""
+        """Seconds until a tier with requests in flight turns overdue, or quiet for long enough that an idle
+        tier may re-read its items (``quiet_for``) (None: none will: they have none, or are so already)."""
+        idle = [f.latency for k, f in enumerate(self.flows) if not self.bytes[k] and f.latency]
         dues = [due for k, f in enumerate(self.flows) if self.bytes[k] and (due := f.overdue_at()) > now]
+        if idle:  # (only an idle tier steals without a completion of its own to wake it)
+            dues += [due for k, f in enumerate(self.flows)
+                     if self.bytes[k] and (due := f.quiet_at(STEAL_QUIET * min(idle))) > now]
         return min(dues) - now + 1e-3 if dues else None
 
     def overdue(self, k: int) -> bool:
         return self.flows[k].overdue(time.monotonic(), self.bytes[k])
+
+    def quiet_for(self, owner: int, tier: int) -> bool:
+        """Whether ``owner`` has reads in flight and has completed nothing for STEAL_QUIET of ``tier``'s
+        request latencies: reads there wait on something slower than ``tier`` (a slow device not measured
+        yet, a throttle's stall), so that ``tier`` re-reading them lands first."""
+        latency = self.flows[tier].latency
+        return bool(self.bytes[owner] and latency and
+                    time.monotonic() > self.flows[owner].quiet_at(STEAL_QUIET * latency))
 
     def abandon(self) -> list:
         """Give up every request (after the ring was closed or drained, or an error lost their

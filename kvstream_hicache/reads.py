@@ -36,7 +36,7 @@ from . import damage
 from .delivery import Delivery
 from .errors import EngineClosedError
 from .files import ReadFile, ReadFiles
-from .flow import HELD, MAX_REQUEST, MIN_REQUESTS, SlowerTiers
+from .flow import HELD, MAX_REQUEST, MIN_REQUESTS, SlowerTiers, outpaces
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
@@ -371,10 +371,11 @@ class ReadPath:
             route.set_depth(k, depth, claim)
 
     def _may_steal_under_reads(self, tier: int, owner: int) -> bool:
-        """An idle tier re-reads items in flight on ``owner`` only when it is at least as fast, or
-        ``owner`` is overdue (stalled): otherwise the owner delivers them sooner than a re-read."""
+        """An idle tier re-reads items in flight on ``owner`` only when it outpaces it (flow.outpaces),
+        ``owner`` has fallen quiet (InFlight.quiet_for) or is overdue (stalled): otherwise the owner delivers
+        them sooner than a re-read."""
         flows = self.io.flows
-        return flows[tier].rate >= flows[owner].rate or self.io.overdue(owner)
+        return outpaces(flows[tier].rate, flows[owner].rate) or self.io.quiet_for(owner, tier) or self.io.overdue(owner)
 
     # -- end of a call -----------------------------------------------------------------------------
     def _wait_direct_under_reads(self, call: GetCall, timed_out: bool) -> None:

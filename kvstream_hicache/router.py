@@ -44,8 +44,8 @@ Completion-driven meet-in-the-middle (``CompletionDriven``, name ``"kvstream"``)
   tiers at once. Near the meeting point this re-reads at most ``2m`` items (the paper's overlap);
   when a tier stalls it lets the healthy tier finish the whole batch. Stealing is triggered only by
   a completion or a ``refill()`` (never in ``start()``), so a healthy batch does not start with
-  duplicates; the read path's ``may_steal`` filter keeps a slower tier from re-reading a faster
-  one's items unless that one is overdue.
+  duplicates; the read path's ``may_steal`` filter lets a tier re-read another's items only where the
+  re-read lands first (a tier measured twice as fast, or an owner fallen quiet or overdue: flow.outpaces).
 
 Static policies (``StaticSplit``, ``SingleTier``) assign every item to one tier up front and never
 steal; an item the assigned tier does not hold, or fails, falls back to another holder.

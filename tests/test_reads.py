@@ -16,6 +16,7 @@ import mmap
 import os
 import resource
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -308,6 +309,65 @@ def test_a_held_call_opens_its_slower_tier_once_the_fastest_fails_or_stalls(tier
         assert engine.tiers[0].healthy == (fault == "hold")
         assert max(in_flight[1]) > 1, in_flight
 
+
+def _tier_bytes(engine, counter: str) -> list[int]:
+    return [t[counter] for t in engine.stats()["tiers"]]
+
+
+def test_tiers_not_measured_yet_re_read_few_of_each_others_items(tier_dirs, io_engine):
+    """Small gets on two tiers of a fresh engine, whose rates are not measured yet (flow.outpaces): neither
+    re-reads the other's items in flight while that one completes its reads (before: rate 0 >= rate 0 let
+    both, each re-read the other's whole share, and the orphans those steals left reset the throughput
+    spans so neither ever got measured: 256 KiB pages read 8 at a time took 1.9x the bytes they served).
+    (Not none at all: a tier that falls quiet, a scheduling hiccup on a loaded machine, may be taken over.)"""
+    engine, pages, keys = stored(tier_dirs[:2], 64, io_engine, chunk="1M", size=256 * KIB)
+    with engine:
+        for i in range(0, 64, 8):
+            assert engine.get(keys[i:i + 8], pages.dst_segments[i:i + 8]) == [True] * 8
+            assert all(pages.equal(j) for j in range(i, i + 8))
+        engine._reads.drain(30)
+        read, served = sum(_tier_bytes(engine, "bytes_read")), sum(_tier_bytes(engine, "bytes_served"))
+        assert read <= 1.3 * served, (read / served, engine.stats()["duplicate_reads"])
+
+
+def test_a_slow_tier_not_measured_yet_is_taken_over_once_it_falls_quiet(tier_dirs, io_engine):
+    """Tier 1's reads take 200 ms each (under the 250 ms that make a tier overdue), tier 0's a fraction of a
+    millisecond, neither measured yet: once tier 1 has completed nothing for two of tier 0's request latencies,
+    tier 0 re-reads what tier 1 has in flight, and serves the whole batch (a rule that left unmeasured tiers
+    to each other read tier 1's half at its pace)."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 8, io_engine, plan=plan, chunk="1M", size=256 * KIB)
+    with engine:
+        plan.on(tier_dirs[1], Fault.delay(0.2), opcode=OP_READ)
+        try:
+            assert engine.get(keys, pages.dst_segments) == [True] * 8
+        finally:
+            plan.clear()
+        assert all(pages.equal(i) for i in range(8))
+        assert _tier_bytes(engine, "bytes_served") == [8 * 256 * KIB, 0], engine.last_batch["tiers"]
+        assert [f.rate for f in engine._reads.io.flows] == [0, 0]  # (neither measured)
+
+
+def test_an_idle_tier_re_reads_what_a_tier_it_outpaces_a_quiet_or_an_overdue_one_has_in_flight(tier_dirs):
+    """The read path's steal rule: a tier measured at least STEAL_FASTER times as fast as the owner
+    (flow.outpaces), an owner quiet for STEAL_QUIET of the stealer's latencies or overdue, measured or not;
+    nothing between tiers not measured yet that both complete their reads."""
+    engine = make_engine(tier_dirs[:2])
+    with engine:
+        reads = engine._reads
+        flows, may = reads.io.flows, reads._may_steal_under_reads
+        reads.io.bytes = [1 << 20, 1 << 20]  # (reads in flight on both)
+        for f in flows:
+            f.submitted(time.monotonic(), 0)  # (the stall clock starts now: neither quiet)
+        for rates, want in (((0, 0), False), ((1e9, 0), False), ((0, 1e9), False), ((1.5e9, 1e9), False),
+                            ((2e9, 1e9), True), ((1e9, 2e9), False)):
+            flows[0].rate, flows[1].rate = rates
+            assert may(0, 1) is want, rates
+        flows[0].rate = flows[1].rate = 0
+        flows[0].latency = 1e-3  # (tier 0's requests take 1 ms; tier 1 has been quiet for longer)
+        flows[1].submitted(time.monotonic() - 0.01, 0)
+        assert may(0, 1) and not may(1, 0)
+        reads.io.bytes = [0, 0]
 
 @pytest.mark.parametrize("rule", [OPEN, HELD])
 def test_a_stalled_slower_tier_takes_no_more_reads_than_its_window_held_or_open(tier_dirs, io_engine, rule):

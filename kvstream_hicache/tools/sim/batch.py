@@ -76,7 +76,7 @@ def simulate(
     then ``done`` is False and ``finish`` is inf.
 
     An idle tier takes over items in flight on another tier (the route's ``refill``) only when it is
-    at least as fast at the time (the engine's ``may_steal`` rule, reads.py).
+    at least as fast at the time (the engine's ``may_steal`` rule, reads.py, with exact rates).
     """
     n_tiers = len(speeds)
     if holders is None:
@@ -115,10 +115,11 @@ def simulate(
 
     t = 0.0
     rates = [max(0.0, f(t)) for f in rate_of]
-    # The engine's rule (reads.py, _may_steal_under_reads): a tier with nothing unread re-reads items
-    # in flight on another only when it is at least as fast, or the other is overdue. The current
-    # rates stand for the engine's measured ones; a stalled tier shows as rate 0 at once here, so the
-    # rate test covers "overdue" too (the engine needs a timer only because its measure lags). The
+    # The engine's rule (reads.py, _may_steal_under_reads) with exact rates: a tier with nothing unread
+    # re-reads items in flight on another only when it is at least as fast, or the other is overdue. A
+    # stalled tier shows as rate 0 at once here, so the rate test covers "overdue" too (the engine needs a
+    # timer only because its measure lags; its measured rates must show twice the speed, or the owner fall
+    # quiet: flow.outpaces). The
     # engine sets the rule where it sizes depths itself (a policy without a depth, kvsim's default);
     # here it holds for a fixed depth too: the refills below come at once, not after a reap, and
     # without it an idle tier would start a healthy batch with duplicates.
