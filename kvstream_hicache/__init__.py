@@ -9,7 +9,10 @@ below load their modules on first use.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING
+
+from .errors import PrintableArgs
 
 __version__ = "0.1.0"
 
@@ -31,6 +34,9 @@ _EXPORTS = {
     "parse_policy": "router",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
+
+# a path found in a tier is another user's words: never a raw newline or escape in the log (errors.printable)
+logging.getLogger("kvstream").addFilter(PrintableArgs())
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Capacity, Config, TierConfig

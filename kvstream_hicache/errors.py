@@ -6,6 +6,8 @@ construction / configuration time, with a message that names the setting or path
 """
 from __future__ import annotations
 
+import logging
+
 
 class KVStreamError(Exception):
     """Base class of every error raised by kvstream_hicache."""
@@ -25,3 +27,23 @@ class InvalidKeyError(KVStreamError, ValueError):
 
 class EngineClosedError(KVStreamError, RuntimeError):
     """The engine was used after close()."""
+
+
+def printable(value: object) -> object:
+    """``value`` with every character a terminal would act on (a newline, an escape, a bell: not
+    ``str.isprintable``) written as its escape (``\\n``, ``\\x1b``); anything not a string as is. Names
+    listed in a tier are anyone's choice who may write there (a member of a shared tier's group): printed raw,
+    one forged a line of the server's log or of ``kvstream check``'s output, or drove the operator's terminal."""
+    if isinstance(value, str) and not value.isprintable():
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in value)
+    return value
+
+
+class PrintableArgs(logging.Filter):
+    """The 'kvstream' logger's filter: every string argument of a record :func:`printable` (the messages
+    themselves are kvstream's own; what they name, a path found in a tier, is not)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(printable(a) for a in record.args)
+        return True

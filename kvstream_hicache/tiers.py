@@ -62,7 +62,8 @@ from .tmpfiles import (
 )
 from .trust import (
     CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below,
-    make_dir, not_a_file, open_below, remove, root_problem, same_file, sealed_identity, unlink_unless, wall_ns,
+    make_dir, not_a_file, open_below, owner_problem, remove, root_problem, same_file, sealed_identity, unlink_unless,
+    wall_ns,
 )
 
 log = logging.getLogger("kvstream")
@@ -521,6 +522,9 @@ class Tier:
         why = root_problem(st, self.shared)
         if why is not None:
             return f"{layout.root} {why} ({describe(st)})"
+        why = owner_problem(layout.root, trust)
+        if why is not None:
+            return why
         try:
             base_fd = open_below(layout.root, layout.base)
         except OSError as exc:

@@ -14,7 +14,8 @@ user's link, is ownership, checked the way OpenSSH's StrictModes checks ``~/.ssh
   that fails is a ConfigError at start-up naming it, its owner and mode and the fix
   (:func:`establish`; and again before a failed tier rejoins, tiers.py). The tier root may be writable
   by every user, or (private mode) by its group, only with the sticky bit (as ``/tmp``): then nobody
-  can move the engine's own ``kvstream/`` there (:func:`root_problem`).
+  can move the engine's own ``kvstream/`` there (:func:`root_problem`); it and every directory above it
+  must be this user's, root's or a trusted owner's (:func:`owner_problem`: an owner may move anything).
 * **Files**: opened with O_NOFOLLOW (a link is ELOOP, never followed) and served or indexed only when
   ``fstat`` shows a regular file of a trusted owner (:meth:`Trust.owns`); removed only through the
   directory descriptor they were found in, after ``fstat`` there shows an engine-owned, non-directory,
@@ -43,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from .errors import ConfigError, TierError
+from .errors import ConfigError, TierError, printable
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, TierLayout
 from .locks import ranked_lock
@@ -202,7 +203,8 @@ def describe(st: os.stat_result) -> str:
 
 def dir_error(path: str, st: os.stat_result, why: str, trust: Trust, source: str) -> ConfigError:
     """A directory the engine would use fails :meth:`Trust.dir_problem`: say so with the exact fix."""
-    return ConfigError(f"tier directory {path} (from {source}) {why} ({describe(st)}): {dir_fix(path, st, trust)}")
+    text = f"tier directory {path} (from {source}) {why} ({describe(st)}): {dir_fix(path, st, trust)}"
+    return ConfigError(printable(text))  # (a shard's name is anyone's who may write the namespace directory)
 
 
 def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
@@ -237,6 +239,36 @@ def root_problem(st: os.stat_result, shared: bool) -> str | None:
     if st.st_mode & stat.S_IWGRP and not shared and not _own_group(st.st_gid):
         return (f"is writable by its group {group_name(st.st_gid)} without the sticky bit, and file_mode=private "
                 "trusts no group")
+    return None
+
+
+def owner_problem(root: str, trust: Trust) -> str | None:
+    """Why tier ``root`` (as configured, and where its links lead) may be taken from under the engine by
+    another user, or None: it, or a directory above it, belongs to a user ``trust`` does not trust (nor root).
+    A directory's owner may rename anything in it, whatever its mode (the sticky bit binds everyone but the
+    owner): move ``kvstream/`` (or the tier root) away and put a link in its place between a write's look at
+    it (Tier._gone: one lstat) and its open of ``tmp/<name>`` by path, so that the page is written through the
+    link (before: a tier root owned by another user was used; their loop of such swaps made a put's temporary
+    file in a directory of the victim's). As OpenSSH's StrictModes checks every directory up to ``~/.ssh``."""
+    paths, path = [], os.path.abspath(root)
+    while True:  # the configured path's directories (links followed), then the real path's
+        paths.append(path)
+        if os.path.dirname(path) == path:
+            break
+        path = os.path.dirname(path)
+    real = os.path.realpath(root)
+    while real not in paths:
+        paths.append(real)
+        real = os.path.dirname(real)
+    for path in paths:  # (lstat: a link on the configured path is its owner's to point elsewhere at any time)
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) and st.st_uid in trust.uids | {0}:
+            st = os.stat(path)
+        if st.st_uid != 0 and st.st_uid not in trust.uids:
+            return (f"{path} belongs to a user this engine does not trust ({describe(st)}): "
+                    "a directory's owner may move kvstream's directory out of it and put a link in its place, "
+                    f"sticky bit or not; use a directory of your own in a directory only root or you own "
+                    f"(mkdir -m 700 <dir>/$USER), or have root take it over (as root: chown root {path})")
     return None
 
 
@@ -313,13 +345,27 @@ def _trust(root: str, base_fd: int, tmp_fd: int, shared: bool, tag: str, owner: 
     uids = frozenset({os.geteuid(), probe_direct("", tag, dir_fd=tmp_fd) if owner is None else owner})
     if not shared:
         return Trust(uids)
-    return Trust(uids, tier_group(os.stat(root), lambda: os.fstat(base_fd)))
+    return Trust(uids, tier_group(os.stat(root), lambda: os.fstat(base_fd), uids))
 
 
-def tier_group(root_st: os.stat_result, base_st: Callable[[], os.stat_result]) -> int:
+def tier_group(root_st: os.stat_result, base_st: Callable[[], os.stat_result],
+               uids: frozenset[int] | None = None) -> int | None:
     """The group shared mode trusts on a tier whose root has stat ``root_st``: the root's, or in a root every
-    user may write (sticky), that of the engine's own ``kvstream/`` (``base_st()``)."""
-    return (base_st() if root_st.st_mode & stat.S_IWOTH else root_st).st_gid
+    user may write (sticky), that of the engine's own ``kvstream/`` (``base_st()``): one owned by a trusted uid
+    (``uids``, default this user), or of a group this user is a member of. Anyone may make ``kvstream/`` first
+    in such a root, of their own group: None then (no group trusted, so that directory fails its checks as
+    another user's; before, root's engine trusted the other user's group and served their pages)."""
+    if not root_st.st_mode & stat.S_IWOTH:
+        return root_st.st_gid
+    st = base_st()
+    if st.st_uid in (frozenset({os.geteuid()}) if uids is None else uids) or _member(st.st_gid):
+        return st.st_gid
+    return None
+
+
+def _member(gid: int) -> bool:
+    """Whether this process's user is a member of group ``gid``."""
+    return gid == os.getegid() or gid in os.getgroups()
 
 
 def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag: str,
@@ -335,6 +381,9 @@ def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag:
     base_fd, tmp_fd = open_base(layout.root, dir_mode, source)
     try:
         trust = _trust(layout.root, base_fd, tmp_fd, shared, tag, owner)
+        why = owner_problem(layout.root, trust)
+        if why is not None:
+            raise ConfigError(f"tier directory {layout.root} (from {source}): {why}")
         for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
             raise dir_error(path, st, why, trust, source)
         close_fd(_tier_dir(layout.root, layout.pages, base_fd, dir_mode, source))

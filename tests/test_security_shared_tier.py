@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -28,6 +29,7 @@ from kvstream_hicache.integrity import pack_header, unpack_header
 from kvstream_hicache.io import AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
 from kvstream_hicache.tmpfiles import HOST, REMOVING_PREFIX, tmp_name
+from kvstream_hicache.tools import cli
 from kvstream_hicache.trust import user_name
 
 from helpers import NS, PageSet, as_user, content, kvstream_cli, make_engine, owner_mapping_tier, wait_until
@@ -116,6 +118,69 @@ def test_a_tree_another_user_made_first_is_refused_and_their_page_never_served(s
     assert Path(scratch, rel).read_bytes() == planted  # never removed: not ours
 
 
+def _plant_private_tree(tier: str, files: dict[str, bytes]) -> None:
+    """As the other user: ``kvstream/`` and the tree below it of their own uid and group, 0700 (files 0600)."""
+    os.umask(0o077)
+    plant_tree(tier, files)
+    for top, dirs, names in os.walk(os.path.join(tier, "kvstream")):
+        for name in dirs:
+            os.chmod(os.path.join(top, name), 0o700)
+    os.chmod(os.path.join(tier, "kvstream"), 0o700)
+
+
+def test_a_tree_another_user_made_first_is_refused_in_shared_mode_too(scratch, tier_root):
+    """file_mode=shared in a world-writable sticky root trusts the group of ``kvstream/`` there: the other user
+    who made it first (0700, their own uid and group) chose that group. Root's engine opened it, trusted the
+    other user's group ("tier 0 trusts root (uid 0) and group <theirs>"), and served their planted page as its
+    own (found by an attacker's trial). The start is refused as in private mode, naming the owner and the fix;
+    the engine's own ``kvstream/`` of another group of its own is used."""
+    key = PageSet().keys(1)[0]
+    planted = page_file(os.path.join(tier_root, "forge"), key, content("forged", PageSet().size))
+    rel = os.path.relpath(TierLayout(scratch, NS.digest).page_path(key), scratch)
+    as_user(INTRUDER, _plant_private_tree, scratch, {rel: planted})
+    base = os.path.join(scratch, "kvstream")
+    err, served = start([scratch], lambda engine: PageSet().get(engine, [key])[0], file_mode="shared")
+    assert served is None, "the other user's page was served"
+    for part in (f"tier directory {base} ", f"uid {INTRUDER}", f"rm -r {base}", "chown -R"):
+        assert part in str(err), (part, err)
+    assert Path(scratch, rel).read_bytes() == planted  # never removed: not ours
+    shutil.rmtree(base)
+    os.mkdir(base)
+    os.chown(base, -1, GROUP)  # the engine's own, of a group the operator chose: its group is trusted
+    os.chmod(base, 0o2770)
+    pages = PageSet()
+    with make_engine([scratch], file_mode="shared") as engine:
+        assert engine.tiers[0].trust.gid == GROUP
+        assert pages.put(engine, pages.keys(2)) == [True, True]
+        assert pages.checked_get(engine, pages.keys(2)) == [True, True]
+
+
+def test_a_name_with_control_characters_forges_no_log_line_and_no_terminal_output(tier_dirs, caplog, capsys):
+    """Anyone who can make a file in a shard (a member of a shared tier) chooses its name: a newline and a
+    terminal escape in it printed raw let them forge a line of the server's log ("WARNING kvstream: ...", from
+    the scan's line for a file it keeps) and of ``kvstream check``'s output, and recolour or retitle the
+    operator's terminal (found by an attacker's trial). Such characters are written escaped ("\\n",
+    "\\x1b"), in the log and in check's lines."""
+    pages = PageSet()
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.put(engine, pages.keys(1)) == [True]
+        shard = engine.tiers[0].layout.page_dir(pages.keys(1)[0])
+    forged = os.path.join(shard, "x\x1b[31mred\x1b[0m\nWARNING kvstream: forged\x07")
+    Path(forged).write_bytes(b"")
+    os.chown(forged, INTRUDER, INTRUDER)  # (another user's: kept and logged by the scan, never removed)
+    caplog.set_level("INFO", logger="kvstream")
+    with make_engine(tier_dirs[:1]) as engine:
+        assert pages.checked_get(engine, pages.keys(1)) == [True]
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("kvstream")]
+        code = cli.main(["check", "--tiers", tier_dirs[0]])
+        os.unlink(forged)  # (the suite checks that every engine's tiers end clean)
+    assert any("forged" in m for m in said), said  # (the file is named)
+    assert not [m for m in said if "\n" in m or "\x1b" in m or "\x07" in m], said
+    out = capsys.readouterr().out
+    assert code == 1 and "forged" in out and "\x1b" not in out and "\x07" not in out, out
+    assert not [line for line in out.splitlines() if line.startswith("WARNING")], out
+
+
 def test_a_world_writable_tier_root_needs_the_sticky_bit(tier_root):
     root = os.path.join(tier_root, "open")
     os.mkdir(root)
@@ -128,6 +193,62 @@ def test_a_world_writable_tier_root_needs_the_sticky_bit(tier_root):
     with make_engine([root]) as engine:
         assert pages.put(engine, pages.keys(2)) == [True, True]
         assert pages.checked_get(engine, pages.keys(2)) == [True, True]
+
+
+def test_a_tier_root_another_user_owns_is_refused(tier_root, monkeypatch):
+    """The owner of a sticky 1777 tier root may rename anything in it (the sticky bit binds everyone but the
+    directory's owner). Between a write's look at ``kvstream/`` (one lstat, Tier._gone) and its open of
+    ``tmp/<name>`` by path, that user moved the engine's ``kvstream/`` away and put a link in its place: the
+    temporary file holding the page was made in the link's target, a directory of the victim's (found by an
+    attacker's trial: a loop of such swaps against a put loop left one there within seconds). Here the swap
+    runs at the moment the race is won. The start is refused, naming the owner and the fix; nothing is
+    written anywhere through the link."""
+    os.chmod(tier_root, 0o755)
+    root = os.path.join(tier_root, "theirs")
+    os.mkdir(root)
+    os.chown(root, INTRUDER, INTRUDER)
+    os.chmod(root, 0o1777)
+    mine = os.path.join(tier_root, "mine")  # a directory of the victim's, with a tmp/ as kvstream/ has
+    os.makedirs(os.path.join(mine, "tmp"), 0o700)
+    base = os.path.join(root, "kvstream")
+
+    def swap() -> None:
+        os.rename(base, base + ".moved")
+        os.symlink(mine, base)
+
+    def put(engine) -> None:
+        tier, pages = engine.tiers[0], PageSet()
+        look = tier._gone
+
+        def raced(*args, **kwargs):
+            gone = look(*args, **kwargs)
+            if not gone and not os.path.islink(base):
+                as_user(INTRUDER, swap)  # the owner wins the race, right after the look
+            return gone
+
+        monkeypatch.setattr(tier, "_gone", raced)
+        pages.put(engine, pages.keys(1))
+
+    err, _ = start([root], put)
+    written = os.listdir(os.path.join(mine, "tmp"))
+    if os.path.islink(base):  # (the tree as it was, for the fixture's removal)
+        os.unlink(base)
+        os.rename(base + ".moved", base)
+    assert written == [], f"the page was written through the other user's link: {written}"
+    for part in (f"tier directory {root} ", f"{root} belongs to", f"uid {INTRUDER}", "chown", "mkdir -m 700"):
+        assert part in str(err), (part, err)
+    ours = os.path.join(tier_root, "ours")  # a root of root's, reached through the other user's link: theirs to
+    os.mkdir(ours)  # point elsewhere at any moment
+    os.chmod(ours, 0o1777)
+    links = os.path.join(tier_root, "links")
+    os.mkdir(links)
+    os.chmod(links, 0o1777)
+    pointer = os.path.join(links, "tier")
+    as_user(INTRUDER, os.symlink, ours, pointer)
+    err, _ = start([pointer])
+    assert f"{pointer} belongs to a user this engine does not trust" in str(err), err
+    with make_engine([ours]):  # (root's own: used)
+        pass
 
 
 def _plant_probe_links(tmp: str, target: str, pid: int, seqs: range) -> None:

@@ -58,6 +58,24 @@ def test_a_vanished_tier_never_rejoins_through_a_kvstream_dir_another_user_made(
     assert tier.usable() and os.lstat(tier.layout.tmp).st_uid == os.geteuid()
 
 
+@root_only
+def test_a_failed_tier_never_rejoins_through_a_root_another_user_came_to_own(tier_root):
+    """A tier root that became another user's while its tier was failed (chown'ed, or a scratch area handed over):
+    its owner may move ``kvstream/`` away and put a link in its place between a write's look and its open
+    (test_security_shared_tier.py::test_a_tier_root_another_user_owns_is_refused): the probe runs start-up's
+    checks, which refuse it, so the tier stays failed, naming the owner; root's again, it rejoins."""
+    clock = FakeClock()
+    tier = _tier(tier_root, clock)
+    assert tier.fail(errno.EIO, "read")
+    os.chown(tier_root, INTRUDER, INTRUDER)
+    clock.advance(tier._backoff * 1.01)
+    assert not tier.usable(), "rejoined in a tier root another user owns"
+    assert f"{tier_root} belongs to a user this engine does not trust" in tier.last_error, tier.last_error
+    os.chown(tier_root, 0, 0)
+    clock.advance(tier._backoff * 1.01)
+    assert tier.usable()
+
+
 def test_a_failed_tier_never_rejoins_through_a_link_where_its_namespace_was(tier_root):
     clock = FakeClock()
     tier = _tier(tier_root, clock)

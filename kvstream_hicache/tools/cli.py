@@ -19,6 +19,8 @@ import shutil
 import sys
 from typing import Sequence
 
+from ..errors import printable
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
@@ -229,7 +231,8 @@ def _problem_line(p) -> str:
     d = _problem_dict(p)
     if set(d) == {"problem"}:
         return d["problem"]
-    return "  ".join(f"{k}={getattr(v, 'value', v)}" for k, v in d.items() if k != "ident")  # (ident: for code)
+    # (ident: for code; a path is anyone's choice who may write the tier: escaped, errors.printable)
+    return "  ".join(f"{k}={printable(getattr(v, 'value', v))}" for k, v in d.items() if k != "ident")
 
 
 def _info(args) -> int:
