@@ -189,6 +189,9 @@ class Engine:
     :param clock: monotonic clock for tier back-off (tests inject one).
     :param announce: log the one-line start-up summary at INFO (else at DEBUG): an adapter that logs
         its own line with the same facts (the SGLang backend, once per server) turns it off.
+    :param warn: log the configuration's warnings (two tiers on one file system, a ``KVSTREAM_*`` typo) at
+        WARNING, else at DEBUG: the SGLang backend on a server's ranks other than rank 0, which read the same
+        configuration (rank 0 says it once for the server).
     :param page_bytes: the payload size of the pages the caller will store, when it knows it (the
         SGLang adapter does): a tier whose capacity cannot hold one such page is refused at start-up.
     :raises ConfigError: a tier directory is unusable, a capacity holds no page, or no I/O ring opens
@@ -197,7 +200,7 @@ class Engine:
 
     def __init__(self, config: Config, namespace: Namespace, *, policy: Policy | None = None,
                  ring_factory: Callable = open_ring, fault_plan=None, clock: Callable[[], float] = time.monotonic,
-                 announce: bool = True, page_bytes: int | None = None):
+                 announce: bool = True, warn: bool = True, page_bytes: int | None = None):
         self._closed = True
         self._closed_why = CLOSED
         self._pid = os.getpid()
@@ -208,7 +211,7 @@ class Engine:
         self.namespace = namespace
         # (a tier that may hang is probed on its own thread, bounded by write_timeout: one that does not answer
         # starts failed, probed until it answers, and the engine serves from the others: probe.py, tiers.py)
-        self.warnings, owners, looks, capacities = probe_tiers(config)
+        self.warnings, owners, looks, capacities = probe_tiers(config, level=logging.WARNING if warn else logging.DEBUG)
         self.policy = policy if policy is not None else parse_policy(config.policy_spec)  # Config checked it
         self.discover = config.discover
         self.tiers: list[Tier] = []

@@ -126,7 +126,7 @@ class Probed(NamedTuple):
     # unknown yet for a tier that did not answer: resolved when it does, tiers.py)
 
 
-def probe_tiers(config: Config, announce: bool = True) -> Probed:
+def probe_tiers(config: Config, announce: bool = True, level: int = logging.WARNING) -> Probed:
     """Check every tier: exists, is a directory on a storage file system, no tier overlaps another's
     tree, is writable, supports O_DIRECT. Creates ``<tier>/kvstream/tmp``. One O_DIRECT probe per
     tier: the owner its file comes out with is handed to the tier's start-up (trust.establish). A tier
@@ -134,6 +134,8 @@ def probe_tiers(config: Config, announce: bool = True) -> Probed:
     answer in time is left out of the checks (its look's real path is None: the engine starts it failed).
 
     ``announce`` False: the warnings are returned, not logged (a check before the engine that logs them).
+    ``level``: what they are logged at (DEBUG for the ranks of a server other than its rank 0, which say the
+    same facts of the same configuration: one warning a server, not one a rank).
 
     :raises TierError: naming the tier, the setting and the fix.
     """
@@ -170,7 +172,7 @@ def probe_tiers(config: Config, announce: bool = True) -> Probed:
         let_go(looks)  # (no Tier takes them: their threads end)
         raise
     for w in warnings if announce else ():
-        log.warning("kvstream: %s", w)
+        log.log(level, "kvstream: %s", w)
     return Probed(warnings, owners, looks, capacities)
 
 

@@ -48,6 +48,7 @@ import errno
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -70,6 +71,8 @@ log = logging.getLogger("kvstream")
 
 PROGRESS_S = 1.0  # the progress file (kvstream info) is rewritten at most this often, s
 PROGRESS_MAX = 1 << 20  # a progress file longer than this is none (kvstream info reads it whole)
+PROGRESS_TMP_S = 60.0  # a progress file's temporary one older than this is no write in flight (_publish renames it)
+_PROGRESS_TMP = re.compile(r"scan-\d+-[0-9a-f]+\.json\.\d+\.tmp")  # its name (_publish)
 NAP_S = 0.25  # longest sleep between two looks at the limits (set_limits, stop)
 RETRIES = 3  # reads of one file while removals of keys like its own race the scan
 KEPT_LOGGED = 10  # entries a tier's scan must leave (another user's files, strays) logged one by one; the rest counted
@@ -470,11 +473,28 @@ def running_scans() -> list[dict]:
                 doc = _live_scan(name, fd)
                 if doc is not None:
                     out.append(doc)
+            elif _PROGRESS_TMP.fullmatch(name):
+                _drop_killed_writers_tmp(name, fd)
     except OSError:
         pass
     finally:
         os.close(fd)
     return out
+
+
+def _drop_killed_writers_tmp(name: str, dir_fd: int) -> None:
+    """Remove ``name``, a progress file's temporary one (:meth:`BackgroundScan._publish`), where its writer was
+    killed between its write and its rename (nothing else ever removes it): its pid is gone or another
+    process's now, and it is older than any write in flight (a writer renames it at once; the age also spares
+    one of another pid namespace, whose pid says nothing here)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or time.time() - st.st_mtime < PROGRESS_TMP_S
+                or local_writer_alive(int(name.split("-", 2)[1]), st.st_mtime)):
+            return
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:  # gone meanwhile (another info, another start), or not ours to judge
+        pass
 
 
 def _live_scan(name: str, dir_fd: int) -> dict | None:

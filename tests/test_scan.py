@@ -674,6 +674,27 @@ def test_kvstream_info_lists_no_scan_of_a_process_that_is_gone(tmp_path, monkeyp
     assert sorted(os.listdir(where)) == ["scan-earlier.json", "scan-live.json"]
 
 
+def test_the_temporary_progress_file_of_a_process_killed_while_it_wrote_it_is_removed(tmp_path, monkeypatch):
+    """A scan writes its progress file through a temporary one (``scan-<pid>-<digest>.json.<thread>.tmp``) and a
+    rename, once a second. A process killed between the two (SGLang kills its schedulers; a rank that fails takes
+    the server down) left that temporary file for good: `kvstream info` and every engine's start removed a gone
+    process's ``.json`` only (one such file, of 0 bytes, was found in ``/tmp/kvstream-0`` on this machine by a
+    TP trial). One of a process that is gone, and older than any write in flight, goes now; a fresh one stays."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    where = scan_module.progress_dir()
+    os.makedirs(where, mode=0o700)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    old, fresh = (os.path.join(where, f"scan-{gone.pid}-{i:032x}.json.{140377382188736 + i}.tmp") for i in range(2))
+    for path in (old, fresh):
+        with open(path, "w"):
+            pass
+    then = time.time() - 3600
+    os.utime(old, (then, then))
+    assert scan_module.running_scans() == []
+    assert sorted(os.listdir(where)) == [os.path.basename(fresh)]
+
+
 def test_a_progress_file_of_an_earlier_version_whose_pid_another_process_has_now_is_removed(tmp_path, monkeypatch):
     """A version before 8ea3036 kept no start time in its scan's progress file. One killed (its file left) and
     upgraded: its pid is another process's now, a process begun long after the file was last written (pids

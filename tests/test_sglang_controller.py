@@ -543,3 +543,51 @@ def test_a_prefixs_head_outlives_its_tails_as_sglangs_scheduler_writes_and_reads
     got = drv.prefetch(b_tail, prefix_keys=h_keys)  # (H in host memory: the tail alone read from L3)
     assert got.tokens == len(b_tail)
     assert drv.query(head) == len(head)
+
+
+@pytest.mark.xfail(strict=True, reason="known limit: a process's eviction sees only its own uses of a page (its LRU); "
+                   "another process of the namespace reading it, or writing tails after it (prefix_keys), does not "
+                   "keep it: index.py THEIRS, Engine.touch_prefix")
+@pytest.mark.leaves_problems("each process's index lacks the pages the other wrote since its start (index_missing, "
+                             "by design: found by discovery)")
+def test_a_prefixs_head_another_process_of_the_namespace_keeps_using_is_not_evicted_by_its_writer(tier_dirs):
+    """Two writers of one namespace on one tier: the DP ranks of an attention-DP server (DeepSeek's MLA: every
+    DP group's attention-TP rank 0 writes), or two servers of one model sharing their tiers. A writes a shared
+    prefix's head H with its first request; B's requests read H from L3 and write their own pages after it,
+    with H as prefix_keys. A's other traffic then fills A's capacity: A evicts H by its own LRU, where H has
+    aged (B's reads and touches reach B's index only, where H is another process's copy), and every page B
+    wrote after H stays stored and serves nothing (batch_exists counts the leading run): 0 tokens for B's
+    prefixes, which B used every round (and B's batch_exists said 2 for H just before, from its index: a read
+    then misses). docs/sglang.md section 4 says eviction keeps a prefix's head."""
+    import dataclasses
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mla", "page_first", page_size=PAGE)
+    page = pools.flat_page_nbytes()
+    cfg = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:1], capacity=str(8 * page)))
+    a, b = (KVStreamHiCacheStorage(dataclasses.replace(cfg, dp_rank=r), pools.host) for r in (0, 1))
+    try:
+        def keys(seed: int, prior: str | None = None) -> list[str]:
+            return cpu_sglang.page_keys(cpu_sglang.random_tokens(2 * PAGE, seed=seed), PAGE, prior)
+
+        def store(backend, k: list[str], seed: int, prefix: list[str] | None = None) -> None:
+            idx = cpu_sglang.fill_random(pools, len(k) * PAGE, seed=seed)
+            assert backend.batch_set_v1(k, idx, HiCacheStorageExtraInfo(prefix_keys=prefix)) == [True] * len(k)
+            pools.free(idx)
+
+        head = keys(1)
+        store(a, head + keys(2, head[-1]), 1)  # A's request: H and its tail
+        dst = pools.alloc(2 * PAGE)
+        for r in range(4):
+            store(a, keys(100 + r), 100 + r)  # A's other requests
+            b.batch_exists(head)  # B's request: H from L3 ...
+            assert b.batch_get_v1(head, dst) == [True, True], f"round {r}: A evicted the head B reads every round"
+            tail = keys(200 + r, head[-1])  # ... and its own pages after it
+            store(b, tail, 200 + r, head)
+        assert b.batch_exists(head + tail) == 4
+    finally:
+        a.close()
+        b.close()

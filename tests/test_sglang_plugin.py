@@ -191,3 +191,50 @@ def test_startup_line_of_a_layer_first_pool_says_how_its_pages_move(tier_dirs, p
         backend.close()
     assert mode in line, line
     assert (in_place > 0) == mode.startswith("zero-copy"), (in_place, line)
+
+
+def test_a_tp_servers_configuration_warnings_are_logged_once_by_rank_0(tier_dirs, caplog, monkeypatch):
+    """A TP server's ranks read one configuration: a KVSTREAM_* typo and two tiers on one file system are the
+    same facts on every rank. docs/sglang.md says each is one warning; a real `launch_server --tp 2` logged
+    "tiers ... are on the same file system" once per rank (TP0 and TP1: 8 lines at TP 8), and so the typo's.
+    Rank 0 warns, as it logs the start-up line; the other ranks say it at DEBUG."""
+    import logging
+
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    monkeypatch.setenv("KVSTREAM_CAPACTIY", "1G")
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    with caplog.at_level(logging.DEBUG, logger="kvstream"):
+        for rank in (0, 1):
+            cfg = cpu_sglang.storage_config(pools, tp_rank=rank, tp_size=2, extra_config=tiers_config(tier_dirs[:2]))
+            KVStreamHiCacheStorage(cfg, pools.host).close()
+    for what in ("KVSTREAM_CAPACTIY", "are on the same file system"):
+        said = [r for r in caplog.records if what in r.getMessage()]
+        assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG], (what, [r.getMessage() for r in said])
+
+
+def test_the_replicas_of_a_dp_server_are_told_apart_in_metrics_and_start_up(tier_dirs, caplog):
+    """`launch_server --dp 2` (no attention DP): sglang hands every replica's backend dp_rank 0 in its storage
+    config (attention ranks only); the replica is get_parallel().dp_rank, which sglang's own scheduler
+    metrics label. Found on a real `--dp 2` server on this CPU: both replicas exported kvstream's series under
+    one label set, so the gauges (multiprocess "mostrecent": tier_healthy, tier_read_share, ...) of one
+    replica hid the other's (a tier failed on DP1 read healthy while DP0 wrote last), and both logged the
+    start-up line (and the configuration's warnings) at INFO."""
+    import logging
+
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
+
+    pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE)
+    labels = []
+    with caplog.at_level(logging.INFO, logger="kvstream"):
+        for replica in (0, 1):
+            cfg = cpu_sglang.storage_config(pools, extra_config=tiers_config(tier_dirs[:1]), enable_metrics=True)
+            with get_parallel().override(dp_rank=replica, tp_rank=0, tp_size=1):
+                backend = KVStreamHiCacheStorage(cfg, pools.host)
+            labels.append(backend._exporter.labels)
+            backend.close()
+    assert [lbl["dp_rank"] for lbl in labels] == ["0", "1"], labels
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "namespace" in r.getMessage()]
+    assert len(lines) == 1, lines

@@ -669,8 +669,9 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         from ..engine import Engine
 
         # The engine would announce itself at INFO on every rank; sglang gets one line instead, from
-        # rank 0 (startup_line), which carries the same facts plus the host-pool side.
-        engine = Engine(self.config, namespace, announce=False, page_bytes=self._page_bytes)
+        # rank 0 (startup_line), which carries the same facts plus the host-pool side. The configuration's
+        # warnings likewise: every rank reads the same configuration, so rank 0 alone warns (each rank did).
+        engine = Engine(self.config, namespace, announce=False, warn=self.is_rank0, page_bytes=self._page_bytes)
         # Not closed by the exit hook: a scheduler process that returns (sglang's graceful shutdown) never
         # stops its storage threads, which go on backing up and prefetching until the interpreter stops
         # them; closed under them, each call failed, logged by kvstream and sglang (hundreds of lines per
@@ -685,14 +686,29 @@ class KVStreamHiCacheStorage(HiCacheStorage):
         # attn_cp_rank too: under attention DP sglang passes the attention-TP rank as tp_rank, the same on
         # every context-parallel rank of a DP group (runtime_context.derive_attention_ranks), whose engines
         # are apart (namespace); with the three ranks alone their gauges overwrote each other's (mostrecent)
-        labels = {"tp_rank": str(cfg.tp_rank), "dp_rank": str(cfg.dp_rank), "pp_rank": str(cfg.pp_rank),
+        labels = {"tp_rank": str(cfg.tp_rank), "dp_rank": str(self.dp_rank), "pp_rank": str(cfg.pp_rank),
                   "attn_cp_rank": str(cfg.attn_cp_rank)}
         return Exporter(labels, [t.path for t in self.config.tiers])
 
     @property
+    def dp_rank(self) -> int:
+        """This scheduler's data-parallel rank: the storage config's (attention DP), else the replica the DP
+        controller spawned it as (``--dp N`` without attention DP: sglang passes dp_rank 0 to every replica's
+        backend; its scheduler metrics label the replica). Without it the replicas' series shared one label
+        set, one replica's gauges hiding the other's, and each replica logged the start-up line."""
+        if self.storage_config.dp_rank:
+            return int(self.storage_config.dp_rank)
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            return int(get_parallel().dp_rank or 0)
+        except Exception:  # (not written in this process: no DP controller, an embedding, a test)
+            return 0
+
+    @property
     def is_rank0(self) -> bool:
         cfg = self.storage_config
-        return (cfg.tp_rank, cfg.pp_rank, cfg.attn_cp_rank, cfg.dp_rank) == (0, 0, 0, 0)
+        return (cfg.tp_rank, cfg.pp_rank, cfg.attn_cp_rank, self.dp_rank) == (0, 0, 0, 0)
 
     @property
     def zero_copy(self) -> bool:
