@@ -139,11 +139,13 @@ class InFlight:
     def overdue_wait(self, now: float) -> float | None:
         """Seconds until a tier with requests in flight turns overdue, or quiet for long enough that an idle
         tier may re-read its items (``quiet_for``) (None: none will: they have none, or are so already)."""
-        idle = [f.latency for k, f in enumerate(self.flows) if not self.bytes[k] and f.latency]
+        # Only a tier with nothing of a call in flight steals without a completion of its own to wake it; one
+        # with orphans alone is idle too (an orphan may never complete). Each at its own latency: the lowest is
+        # past soon, and its tier may hold none of the items in flight.
+        idle = {f.latency for k, f in enumerate(self.flows) if self.bytes[k] == self.orphaned[k] and f.latency}
         dues = [due for k, f in enumerate(self.flows) if self.bytes[k] and (due := f.overdue_at()) > now]
-        if idle:  # (only an idle tier steals without a completion of its own to wake it)
-            dues += [due for k, f in enumerate(self.flows)
-                     if self.bytes[k] and (due := f.quiet_at(STEAL_QUIET * min(idle))) > now]
+        dues += [due for k, f in enumerate(self.flows) if self.bytes[k] > self.orphaned[k]
+                 for latency in idle if (due := f.quiet_at(STEAL_QUIET * latency)) > now]
         return min(dues) - now + 1e-3 if dues else None
 
     def overdue(self, k: int) -> bool:

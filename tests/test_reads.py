@@ -369,6 +369,56 @@ def test_an_idle_tier_re_reads_what_a_tier_it_outpaces_a_quiet_or_an_overdue_one
         assert may(0, 1) and not may(1, 0)
         reads.io.bytes = [0, 0]
 
+def test_an_idle_tier_is_woken_to_take_over_a_quiet_one_whatever_the_latency_of_a_tier_that_cannot(tier_dirs,
+                                                                                                    io_engine):
+    """Three tiers: tier 0 (a fast one, its latency measured) cannot read this call (failed here; it could as
+    well lack the pages), tier 1 answers in 5 ms and tier 2 in 200 ms, neither measured. Tier 1's wait must
+    wake once tier 2 has been quiet for two of tier 1's latencies, not only for two of tier 0's (long past
+    by then): else tier 1 sat idle until tier 2 delivered its half at its pace."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs, 10, io_engine, plan=plan, chunk="1M", size=256 * KIB)
+    with engine:
+        usable = engine._usable_mask
+        engine._usable_mask = lambda: usable() & 0b001  # (tier 0 alone: its latency measured)
+        assert engine.get(keys[8:], pages.dst_segments[8:]) == [True] * 2
+        engine._usable_mask = lambda: usable() & 0b110  # (then tier 0 fails)
+        plan.on(tier_dirs[1], Fault.delay(0.005), opcode=OP_READ)
+        plan.on(tier_dirs[2], Fault.delay(0.2), opcode=OP_READ)
+        try:
+            assert engine.get(keys[:8], pages.dst_segments[:8]) == [True] * 8
+        finally:
+            plan.clear()
+        assert all(pages.equal(i) for i in range(10))
+        flows = engine._reads.io.flows
+        assert _tier_bytes(engine, "bytes_served")[1:] == [8 * 256 * KIB, 0], engine.last_batch["tiers"]
+        assert flows[0].latency < flows[1].latency and not flows[1].rate
+        engine._usable_mask = usable
+
+
+def test_an_idle_tier_with_an_orphan_in_flight_is_woken_to_take_over_a_quiet_one(tier_dirs, io_engine):
+    """Tier 0 is left with one read of an earlier call that never completes (an orphan: tier 1 delivered its
+    block), and reads this call's share at once; tier 1 answers in 200 ms (under the 250 ms that make it
+    overdue), neither measured. Tier 0 has nothing of this call in flight, and no completion of this call
+    comes to wake it: its wait must wake once tier 1 has been quiet for two of its latencies (before, it
+    counted as busy for the orphan and sat idle until tier 1 delivered its half at its pace)."""
+    plan = TierFaultPlan()
+    engine, pages, keys = stored(tier_dirs[:2], 16, io_engine, plan=plan, chunk="1M", size=256 * KIB)
+    with engine:
+        try:
+            plan.on(tier_dirs[0], Fault.hold(), opcode=OP_READ, times=1)
+            assert engine.get(keys[:8], pages.dst_segments[:8]) == [True] * 8
+            assert engine._reads.io.orphaned == [256 * KIB, 0]
+            served = _tier_bytes(engine, "bytes_served")
+            plan.on(tier_dirs[1], Fault.delay(0.2), opcode=OP_READ)
+            assert engine.get(keys[8:], pages.dst_segments[8:]) == [True] * 8
+            assert all(pages.equal(i) for i in range(16))
+            assert [b - a for a, b in zip(served, _tier_bytes(engine, "bytes_served"))] == [8 * 256 * KIB, 0], \
+                engine.last_batch["tiers"]
+        finally:
+            plan.clear()
+            plan.release()
+
+
 @pytest.mark.parametrize("rule", [OPEN, HELD])
 def test_a_stalled_slower_tier_takes_no_more_reads_than_its_window_held_or_open(tier_dirs, io_engine, rule):
     """The slower tier hangs (its reads never complete): calls after calls leave their reads there as
