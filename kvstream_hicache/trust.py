@@ -212,14 +212,10 @@ def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return (f"kvstream follows no link and keeps only directories there: replace it with a directory "
                 f"(rm {path} && mkdir -m 700 {path}) or choose another tier directory")
-    if not trust.owns(st):
-        try:
-            me = pwd.getpwuid(os.geteuid()).pw_name
-        except KeyError:
-            me = str(os.geteuid())
+    if not trust.owns(st):  # (not `chown -R`: it would make every file in it this engine's, any page planted there
+        # with them, served as its own after the next fixes advised; a cache loses nothing kvstream cannot write again)
         return (f"another user's directory could hand this engine pages it never stored, or take its own: remove "
-                f"it (as its owner or root: rm -r {path}) or make it yours (as root: chown -R {me} {path}), "
-                "or choose another tier directory")
+                f"it (as its owner or root: rm -r {path}), or choose another tier directory")
     if st.st_mode & stat.S_IWOTH:
         return f"chmod -R o-w {path} (or choose another tier directory)"
     if trust.gid is None:
@@ -326,7 +322,7 @@ def _tier_dir(root: str, path: str, parent_fd: int, dir_mode: int, source: str) 
                 st = "its owner and mode unknown"
             raise TierError(f"tier {root} (from {source}): its directory {path} cannot be opened "
                             f"({os.strerror(exc.errno)}; {st}): run the engine as the user that owns it, give this "
-                            f"user access (as its owner or root: chmod -R u+rwX {path}, or chown -R), or with tiers "
+                            f"user access (as its owner or root: chmod -R u+rwX {path}), or with tiers "
                             "shared by a group, file_mode=shared (KVSTREAM_FILE_MODE=shared) for every writer"
                             ) from None
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
