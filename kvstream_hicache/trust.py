@@ -240,32 +240,50 @@ def root_problem(st: os.stat_result, shared: bool) -> str | None:
 
 def owner_problem(root: str, trust: Trust) -> str | None:
     """Why tier ``root`` (as configured, and where its links lead) may be taken from under the engine by
-    another user, or None: it, or a directory above it, belongs to a user ``trust`` does not trust (nor root).
+    another user, or None: it, a directory above it, or a link (or a directory) it is reached through belongs to
+    a user ``trust`` does not trust (nor root: :func:`_resolved`).
     A directory's owner may rename anything in it, whatever its mode (the sticky bit binds everyone but the
     owner): move ``kvstream/`` (or the tier root) away and put a link in its place between a write's look at
     it (Tier._gone: one lstat) and its open of ``tmp/<name>`` by path, so that the page is written through the
     link (before: a tier root owned by another user was used; their loop of such swaps made a put's temporary
     file in a directory of the victim's). As OpenSSH's StrictModes checks every directory up to ``~/.ssh``."""
-    paths, path = [], os.path.abspath(root)
-    while True:  # the configured path's directories (links followed), then the real path's
-        paths.append(path)
-        if os.path.dirname(path) == path:
-            break
-        path = os.path.dirname(path)
-    real = os.path.realpath(root)
-    while real not in paths:
-        paths.append(real)
-        real = os.path.dirname(real)
-    for path in paths:  # (lstat: a link on the configured path is its owner's to point elsewhere at any time)
-        st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode) and st.st_uid in trust.uids | {0}:
-            st = os.stat(path)
+    for path, st in _resolved(os.path.abspath(root)):  # (a link's owner may point it elsewhere at any time)
         if st.st_uid != 0 and st.st_uid not in trust.uids:
             return (f"{path} belongs to a user this engine does not trust ({describe(st)}): "
                     "a directory's owner may move kvstream's directory out of it and put a link in its place, "
                     f"sticky bit or not; use a directory of your own in a directory only root or you own "
                     f"(mkdir -m 700 <dir>/$USER), or have root take it over (as root: chown root {path})")
     return None
+
+
+def _resolved(path: str) -> Iterator[tuple[str, os.stat_result]]:
+    """(path, lstat) of every directory and link the kernel goes through resolving absolute ``path``, in
+    order: each directory from ``/`` down, and each link met with the directories its target leads through.
+    A link behind another (root's link to another user's, or to a link in another user's directory) is on
+    neither the configured path nor the real one, and is as much its owner's to point elsewhere.
+    :raises OSError: ELOOP past 40 links, or a directory on the way that cannot be looked at."""
+    yield "/", os.lstat("/")
+    here, todo, links = "/", path.split("/")[::-1], 0
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":  # (of the directory reached, as the kernel takes it: not of the path as written)
+            here = os.path.dirname(here)
+            continue
+        step = os.path.join(here, name)
+        st = os.lstat(step)
+        yield step, st
+        if not stat.S_ISLNK(st.st_mode):
+            here = step
+            continue
+        links += 1
+        if links > 40:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+        target = os.readlink(step)
+        todo.extend(target.split("/")[::-1])
+        if target.startswith("/"):
+            here = "/"
 
 
 def _own_group(gid: int) -> bool:

@@ -275,6 +275,36 @@ def test_a_tier_root_another_user_owns_is_refused(tier_root, monkeypatch):
         pass
 
 
+def test_a_tier_reached_through_another_user_s_link_behind_a_link_of_root_s_is_refused(tier_root):
+    """The tier's path goes through a link of root's whose target is reached through another user's: a link of
+    theirs (in a sticky 1777 directory), or a directory of theirs holding the next link. Neither is on the
+    configured path nor on the real one, yet its owner may point it elsewhere at any moment (a write's open of
+    ``kvstream/tmp/<name>`` by path then goes where they chose, as with a link of theirs on the configured path:
+    test_a_tier_root_another_user_owns_is_refused). Every link and directory the path is resolved through
+    must be trusted (from a review: the check looked at the configured and the real path's directories only)."""
+    os.chmod(tier_root, 0o755)
+    ours = os.path.join(tier_root, "ours")  # root's, sticky 1777: a tier root the engine may use
+    os.mkdir(ours)
+    os.chmod(ours, 0o1777)
+    links = os.path.join(tier_root, "links")  # root's, 1777: anyone may put a link there
+    os.mkdir(links)
+    os.chmod(links, 0o1777)
+    as_user(INTRUDER, os.symlink, ours, os.path.join(links, "tier"))
+    theirs = os.path.join(tier_root, "theirs")  # the other user's directory, holding a link of root's
+    os.mkdir(theirs)
+    os.symlink(ours, os.path.join(theirs, "tier"))
+    os.chown(theirs, INTRUDER, INTRUDER)
+    hops = ((os.path.join(links, "tier"), os.path.join(links, "tier")), (os.path.join(theirs, "tier"), theirs))
+    for hop, owner in hops:
+        entry = os.path.join(tier_root, "entry")  # root's own link, on the configured path
+        os.symlink(hop, entry)
+        err, _ = start([entry])
+        os.unlink(entry)
+        assert f"{owner} belongs to a user this engine does not trust" in str(err), (hop, err)
+    with make_engine([ours]):  # (root's own, reached directly: used)
+        pass
+
+
 def _plant_probe_links(tmp: str, target: str, pid: int, seqs: range) -> None:
     for seq in seqs:
         os.symlink(target, os.path.join(tmp, f"probe.{pid}.config.{seq}"))
