@@ -45,7 +45,7 @@ from .segments import Payload, Segment
 from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live, tier_now
 from .trust import (
     LOOK_FLAGS, NODE_ERRNOS, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file,
-    not_trusted, open_below, pin, put_back, remove, same_file,
+    not_trusted, open_below, owner_problem, pin, put_back, remove, same_file,
 )
 
 if TYPE_CHECKING:
@@ -685,6 +685,11 @@ def _check_tier_tree(root: str, shared: bool, digest: str | None, fix: bool, pay
     (those found before an OSError stay reported). :raises OSError: a directory cannot be listed."""
     base = TierLayout(root, "")
     trust = learn(root, shared)
+    why = owner_problem(root, trust)
+    if why is not None:  # (as start-up refuses it; before, 'no problems found'. Nothing fixed through a path
+        # another user may point elsewhere meanwhile: the rest is reported only)
+        problems.append(Problem("untrusted", root, root, f"a tier an engine refuses: {why}", Reason.UNTRUSTED))
+        fix = False
     problems += dir_problems(base, trust, base=True, pages=False)
     problems += tmp_problems(root, base.tmp, live_tokens, fix, trust)
     try:

@@ -207,8 +207,9 @@ def dir_error(path: str, st: os.stat_result, why: str, trust: Trust, source: str
     return ConfigError(printable(text))  # (a shard's name is anyone's who may write the namespace directory)
 
 
-def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
-    """The commands that make directory ``path`` (its ``lstat``) pass :meth:`Trust.dir_problem`."""
+def dir_fix(path: str, st: os.stat_result, trust: Trust, shards: bool = False) -> str:
+    """The commands that make directory ``path`` (its ``lstat``) pass :meth:`Trust.dir_problem`; ``shards``: those
+    that make its subdirectories pass (each failing alike, their ``lstat`` ``st``: :func:`_refusal`)."""
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         return (f"kvstream follows no link and keeps only directories there: replace it with a directory "
                 f"(rm {path} && mkdir -m 700 {path}) or choose another tier directory")
@@ -220,8 +221,19 @@ def dir_fix(path: str, st: os.stat_result, trust: Trust) -> str:
         return f"chmod -R o-w {path} (or choose another tier directory)"
     if trust.gid is None:
         return f"chmod -R g-w {path} (or set file_mode=shared to trust its group, or choose another tier directory)"
-    return (f"chgrp -R {group_name(trust.gid)} {path} (the tier directory's group), or chmod -R g-w {path}, "
+    # (chgrp of the directories alone, not -R: shared mode trusts a file by its group, and `chgrp -R` gave it to every
+    # page another group's member had planted there, served then; a planted file keeps its group and stays untrusted)
+    dirs = f"{path}/*/" if shards else path
+    return (f"chgrp {_group_arg(trust.gid)} {dirs} (the tier directory's group), or chmod -R g-w {path}, "
             "or choose another tier directory")
+
+
+def _group_arg(gid: int) -> str:
+    """``gid`` as chgrp takes it: its name, or the number where it has none ('gid N' is no group)."""
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def root_problem(st: os.stat_result, shared: bool) -> str | None:
@@ -247,12 +259,28 @@ def owner_problem(root: str, trust: Trust) -> str | None:
     it (Tier._gone: one lstat) and its open of ``tmp/<name>`` by path, so that the page is written through the
     link (before: a tier root owned by another user was used; their loop of such swaps made a put's temporary
     file in a directory of the victim's). As OpenSSH's StrictModes checks every directory up to ``~/.ssh``."""
-    for path, st in _resolved(os.path.abspath(root)):  # (a link's owner may point it elsewhere at any time)
-        if st.st_uid != 0 and st.st_uid not in trust.uids:
+    with contextlib.closing(_resolved(os.path.abspath(root))) as walk:  # (its descriptor closed on a return)
+        return _owner_problem(walk, trust)
+
+
+def _owner_problem(walk: Iterator[tuple[str, os.stat_result]], trust: Trust) -> str | None:
+    """:func:`owner_problem` of the (path, lstat) of ``walk`` (:func:`_resolved`)."""
+    for path, st in walk:  # (a link's owner may point it elsewhere at any time)
+        if st.st_uid != 0 and st.st_uid not in trust.uids:  # (chown -h: a plain chown of a link changed its
+            # target's owner, whatever the link's owner pointed it at then, and left the link theirs: refused again)
             return (f"{path} belongs to a user this engine does not trust ({describe(st)}): "
                     "a directory's owner may move kvstream's directory out of it and put a link in its place, "
                     f"sticky bit or not; use a directory of your own in a directory only root or you own "
-                    f"(mkdir -m 700 <dir>/$USER), or have root take it over (as root: chown root {path})")
+                    f"(mkdir -m 700 <dir>/$USER), or have root take it over (as root: chown -h root {path})")
+        writable = not stat.S_ISLNK(st.st_mode) and not st.st_mode & stat.S_ISVTX and (
+            st.st_mode & stat.S_IWOTH or st.st_mode & stat.S_IWGRP and st.st_gid != trust.gid
+            and not _own_group(st.st_gid))
+        if writable:  # (as its owner: anyone who may write a directory without the sticky bit may rename in it;
+            # before, a directory of another user's chowned to root as advised stayed theirs to swap, mode 0777)
+            return (f"{path} may be written by users this engine does not trust, without the sticky bit "
+                    f"({describe(st)}): they may move kvstream's directory out of it and put a link in its place; "
+                    f"use a directory of your own in a directory only root or you own (mkdir -m 700 <dir>/$USER), "
+                    f"or have root close it (as root: chmod go-w {path})")
     return None
 
 
@@ -261,29 +289,43 @@ def _resolved(path: str) -> Iterator[tuple[str, os.stat_result]]:
     order: each directory from ``/`` down, and each link met with the directories its target leads through.
     A link behind another (root's link to another user's, or to a link in another user's directory) is on
     neither the configured path nor the real one, and is as much its owner's to point elsewhere.
+    Walked through descriptors, one name at a time, as the kernel walks it: the path reached through links may be
+    longer than PATH_MAX where the kernel still resolves it (an lstat of it as one string was ENAMETOOLONG, and the
+    start a traceback); the paths yielded are for the messages.
     :raises OSError: ELOOP past 40 links, or a directory on the way that cannot be looked at."""
-    yield "/", os.lstat("/")
-    here, todo, links = "/", path.split("/")[::-1], 0
-    while todo:
-        name = todo.pop()
-        if name in ("", "."):
-            continue
-        if name == "..":  # (of the directory reached, as the kernel takes it: not of the path as written)
-            here = os.path.dirname(here)
-            continue
-        step = os.path.join(here, name)
-        st = os.lstat(step)
-        yield step, st
-        if not stat.S_ISLNK(st.st_mode):
-            here = step
-            continue
-        links += 1
-        if links > 40:
-            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
-        target = os.readlink(step)
-        todo.extend(target.split("/")[::-1])
-        if target.startswith("/"):
-            here = "/"
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags)
+    try:
+        yield "/", os.fstat(fd)
+        here, todo, links = "/", path.split("/")[::-1], 0
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":  # (of the directory reached, as the kernel takes it: not of the path as written)
+                up = os.open("..", flags, dir_fd=fd)
+                close_fd(fd)
+                fd, here = up, os.path.dirname(here)
+                continue
+            step = os.path.join(here, name)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            yield step, st
+            if not stat.S_ISLNK(st.st_mode):
+                below = os.open(name, flags, dir_fd=fd)
+                close_fd(fd)
+                fd, here = below, step
+                continue
+            links += 1
+            if links > 40:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+            target = os.readlink(name, dir_fd=fd)
+            todo.extend(target.split("/")[::-1])
+            if target.startswith("/"):
+                top = os.open("/", flags)
+                close_fd(fd)
+                fd, here = top, "/"
+    finally:
+        close_fd(fd)
 
 
 def _own_group(gid: int) -> bool:
@@ -395,7 +437,12 @@ def establish(layout: TierLayout, dir_mode: int, shared: bool, source: str, tag:
     base_fd, tmp_fd = open_base(layout.root, dir_mode, source)
     try:
         trust = _trust(layout.root, base_fd, tmp_fd, shared, tag, owner)
-        why = owner_problem(layout.root, trust)
+        try:
+            why = owner_problem(layout.root, trust)
+        except OSError as exc:  # (ELOOP past 40 links, EACCES: what the walk met, as the setting's error)
+            raise ConfigError(printable(f"tier directory {layout.root} (from {source}): the owners of the directories "
+                                        f"and links it is reached through cannot be checked ({exc}): point the tier "
+                                        "list at a directory of your own reached through fewer links")) from None
         if why is not None:
             raise ConfigError(f"tier directory {layout.root} (from {source}): {why}")
         for path, st, why in dir_findings(layout, trust, pages=False):  # a parent before its children
@@ -416,7 +463,7 @@ def _refusal(findings: list[tuple[str, os.stat_result, str]], layout: TierLayout
     file_mode=shared added shards to, started private again), the fix names their namespace directory: run
     once, it is the whole fix (one shard's was: each restart refused the next)."""
     path, st, why = findings[0]
-    fixes = {dir_fix(layout.pages, s, trust) for p, s, _ in findings}
+    fixes = {dir_fix(layout.pages, s, trust, shards=True) for p, s, _ in findings}
     if len(findings) < 2 or len(fixes) > 1 or any(os.path.dirname(p) != layout.pages for p, _, _ in findings):
         return dir_error(path, st, why, trust, source)
     return ConfigError(f"tier directory {path} (from {source}) {why} ({describe(st)}), and {len(findings) - 1} "

@@ -9,6 +9,7 @@ the engine trusts owners, not permissions).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -883,3 +884,99 @@ def test_a_member_s_page_larger_than_memory_is_never_read_whole_into_memory(tier
         assert tier0()["replication_dropped"] == 1 and not os.path.exists(TierLayout(tier_dirs[0], NS.digest)
                                                                             .page_path(key))
     os.unlink(layout.page_path(key))
+
+
+@pytest.mark.leaves_problems("the other group's planted page: untrusted, never removed")
+def test_the_chgrp_a_refusal_names_never_makes_another_groups_pages_trusted(tier_root):
+    """Shared mode trusts a file by its group. A shard directory of the engine's own that another group may write
+    is refused with a fix; the fix advised `chgrp -R <the tier's group> <dir>`: run as written, it gave every file
+    in it the trusted group, the page a member of the other group planted there with them, which was then served
+    (as `chown -R` did: test_the_fix_a_refused_tree_names_never_makes_the_other_users_pages_this_engines). Its
+    group named as 'gid N' where no name exists was no command either. From a review of stop 56."""
+    other = GROUP + 4  # a group the engine does not trust, the intruder a member of it
+    os.chmod(tier_root, 0o755)
+    tier = os.path.join(tier_root, "shared")
+    os.mkdir(tier)
+    os.chown(tier, 0, GROUP)
+    os.chmod(tier, 0o2775)  # (setgid: the tree the engine makes is of the tier's group, as on a group's scratch)
+    pages = PageSet()
+    key = pages.keys(1)[0]
+    planted = page_file(os.path.join(tier_root, "forge"), key, content("forged", pages.size))
+    with make_engine([tier], file_mode="shared") as engine:
+        shard = os.path.dirname(engine.tiers[0].layout.page_path(key))
+        os.makedirs(shard, exist_ok=True)
+    for up in (os.path.dirname(os.path.dirname(shard)), os.path.dirname(shard)):  # (kvstream/, the namespace:
+        os.chmod(up, os.stat(up).st_mode | 0o001)  # the intruder may pass, not write)
+    os.chown(shard, 0, other)
+    os.chmod(shard, 0o2775)
+    as_user(INTRUDER, Path(shard, os.path.basename(TierLayout(tier, NS.digest).page_path(key))).write_bytes, planted,
+            groups=(other,))
+    err, served = start([tier], lambda engine: pages.get(engine, [key])[0], file_mode="shared")
+    advised = re.search(r"(chgrp .+?) \(the tier directory's group\)", str(err))
+    assert advised, err
+    done = subprocess.run(advised[1], shell=True, capture_output=True, text=True)
+    assert done.returncode == 0, (advised[1], done.stderr)
+    err, served = start([tier], lambda engine: pages.get(engine, [key])[0], file_mode="shared")
+    assert err is None, err
+    assert served == [False], f"the other group's page was served after the fix the error gave ({advised[1]})"
+
+
+def _try_rename(src: str, dst: str) -> None:
+    with contextlib.suppress(PermissionError):
+        os.rename(src, dst)
+
+
+def test_the_fix_a_tier_under_another_user_s_directory_names_leaves_it_theirs_to_swap_nowhere(tier_root):
+    """The owner check's error names the fix an operator runs as written (as root). It advised `chown root <path>`:
+    for a link of theirs that changed the owner of the link's target (chown follows a link) and left the link
+    theirs, refused again at every start; for a directory of theirs they had made 0777, it made the directory root's
+    and still theirs to write: the tier was used, and they could move it away and put a link in its place (what
+    test_a_tier_root_another_user_owns_is_refused guards against). From a review of stop 56."""
+    os.chmod(tier_root, 0o755)
+    ours = os.path.join(tier_root, "ours")  # root's, sticky 1777: a tier root the engine may use
+    os.mkdir(ours)
+    os.chmod(ours, 0o1777)
+    links = os.path.join(tier_root, "links")  # root's, 1777: anyone may put a link there
+    os.mkdir(links)
+    os.chmod(links, 0o1777)
+    pointer = os.path.join(links, "tier")
+    as_user(INTRUDER, os.symlink, ours, pointer)
+    theirs = os.path.join(tier_root, "theirs")  # the other user's, 0777, holding a tier root of root's
+    os.mkdir(theirs)
+    inner = os.path.join(theirs, "tier")
+    os.mkdir(inner, 0o700)
+    os.chown(theirs, INTRUDER, INTRUDER)
+    as_user(INTRUDER, os.chmod, theirs, 0o777)
+    for tier in (pointer, inner):
+        err, _ = start([tier])
+        fixes = []
+        while err is not None and len(fixes) < 4:  # the operator runs what each refusal advises as root
+            advised = re.search(r"\(as root: ([^)]+)\)", str(err))
+            assert advised, err
+            fixes.append(advised[1])
+            done = subprocess.run(advised[1], shell=True, capture_output=True, text=True)
+            assert done.returncode == 0, (advised[1], done.stderr)
+            err, _ = start([tier])
+        assert err is None, (fixes, err)
+        moved = os.path.join(os.path.dirname(tier), "moved")
+        as_user(INTRUDER, _try_rename, tier, moved)  # what a swap does first
+        assert not os.path.lexists(moved), f"{tier} is still the other user's to move away after {fixes}"
+
+
+def test_check_reports_a_tier_an_engine_refuses_for_another_user_s_directory_above_it(tier_root, capsys):
+    """`kvstream check` reports what an engine would refuse at start-up (dir_problems). A tier root in a directory of
+    another user's (trust.owner_problem, this stop) was refused by every engine, and check said 'no problems
+    found' (exit 0), its --fix walking a tree that user may swap for a link. From a review of stop 56."""
+    os.chmod(tier_root, 0o755)
+    theirs = os.path.join(tier_root, "theirs")
+    os.mkdir(theirs)
+    tier = os.path.join(theirs, "tier")
+    os.mkdir(tier, 0o700)
+    os.chown(theirs, INTRUDER, INTRUDER)
+    err, _ = start([tier])
+    assert f"{theirs} belongs to a user this engine does not trust" in str(err), err
+    capsys.readouterr()
+    code, out = cli.main(["check", "--tiers", tier]), capsys.readouterr().out
+    assert code == 1 and f"{theirs} belongs to a user this engine does not trust" in out, (code, out)
+    problems = check_tiers(Config.from_sources({"tiers": [tier]}, environ={}), fix=True)
+    assert [(p.kind, p.path, p.fixed) for p in problems] == [("untrusted", tier, False)], problems

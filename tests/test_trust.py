@@ -372,3 +372,28 @@ def test_private_mode_after_shared_mode_names_a_fix_for_every_shard_it_refuses(t
             assert subprocess.run(["chmod", "-R", "g-w", fix.group(1)]).returncode == 0
     with make_engine(tier_dirs[:1]) as engine:
         assert pages.checked_get(engine, pages.keys(2) + pages.keys(8, start=100)) == [True] * 10
+
+
+def test_a_tier_the_kernel_reaches_through_links_past_path_max_starts(tier_root):
+    """The owner check walks the tier's path as the kernel resolves it (trust._resolved). It looked at each step
+    as one path string: reached through two links, each target 3000 characters (the kernel's limit is per link,
+    not per path walked), that string passed PATH_MAX and the start was an OSError traceback (ENAMETOOLONG) on a
+    tier the kernel opens. From a review of stop 56."""
+    seg = os.path.join(*["y" * 250] * 12)  # (one link target's worth: made one chdir at a time, each under PATH_MAX)
+    here = os.open(tier_root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ["y" * 250] * 24 + ["tier"]:
+            os.mkdir(name, 0o700, dir_fd=here)
+            below = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            here = below
+    finally:
+        os.close(here)
+    os.symlink(seg, os.path.join(tier_root, seg, "deeper"))  # (relative: its own directory's seg below it)
+    entry = os.path.join(tier_root, "entry")
+    os.symlink(os.path.join(tier_root, seg, "deeper", "tier"), entry)
+    assert os.path.isdir(entry)  # the kernel resolves it
+    with make_engine([entry]) as engine:
+        pages = PageSet()
+        assert pages.put(engine, pages.keys(1)) == [True]
+        assert pages.checked_get(engine, pages.keys(1)) == [True]
