@@ -276,6 +276,18 @@ def test_a_tier_root_another_user_owns_is_refused(tier_root, monkeypatch):
         pass
 
 
+def _sticky_dirs(tier_root: str) -> tuple[str, str]:
+    """Two directories of root's, sticky 1777, in ``tier_root`` (made 0755): ``ours``, a tier root the engine
+    may use, and ``links``, where anyone may put a link."""
+    os.chmod(tier_root, 0o755)
+    made = []
+    for name in ("ours", "links"):
+        made.append(os.path.join(tier_root, name))
+        os.mkdir(made[-1])
+        os.chmod(made[-1], 0o1777)
+    return made[0], made[1]
+
+
 def test_a_tier_reached_through_another_user_s_link_behind_a_link_of_root_s_is_refused(tier_root):
     """The tier's path goes through a link of root's whose target is reached through another user's: a link of
     theirs (in a sticky 1777 directory), or a directory of theirs holding the next link. Neither is on the
@@ -283,13 +295,7 @@ def test_a_tier_reached_through_another_user_s_link_behind_a_link_of_root_s_is_r
     ``kvstream/tmp/<name>`` by path then goes where they chose, as with a link of theirs on the configured path:
     test_a_tier_root_another_user_owns_is_refused). Every link and directory the path is resolved through
     must be trusted (from a review: the check looked at the configured and the real path's directories only)."""
-    os.chmod(tier_root, 0o755)
-    ours = os.path.join(tier_root, "ours")  # root's, sticky 1777: a tier root the engine may use
-    os.mkdir(ours)
-    os.chmod(ours, 0o1777)
-    links = os.path.join(tier_root, "links")  # root's, 1777: anyone may put a link there
-    os.mkdir(links)
-    os.chmod(links, 0o1777)
+    ours, links = _sticky_dirs(tier_root)
     as_user(INTRUDER, os.symlink, ours, os.path.join(links, "tier"))
     theirs = os.path.join(tier_root, "theirs")  # the other user's directory, holding a link of root's
     os.mkdir(theirs)
@@ -932,13 +938,7 @@ def test_the_fix_a_tier_under_another_user_s_directory_names_leaves_it_theirs_to
     theirs, refused again at every start; for a directory of theirs they had made 0777, it made the directory root's
     and still theirs to write: the tier was used, and they could move it away and put a link in its place (what
     test_a_tier_root_another_user_owns_is_refused guards against). From a review of stop 56."""
-    os.chmod(tier_root, 0o755)
-    ours = os.path.join(tier_root, "ours")  # root's, sticky 1777: a tier root the engine may use
-    os.mkdir(ours)
-    os.chmod(ours, 0o1777)
-    links = os.path.join(tier_root, "links")  # root's, 1777: anyone may put a link there
-    os.mkdir(links)
-    os.chmod(links, 0o1777)
+    ours, links = _sticky_dirs(tier_root)
     pointer = os.path.join(links, "tier")
     as_user(INTRUDER, os.symlink, ours, pointer)
     theirs = os.path.join(tier_root, "theirs")  # the other user's, 0777, holding a tier root of root's
