@@ -980,3 +980,18 @@ def test_check_reports_a_tier_an_engine_refuses_for_another_user_s_directory_abo
     assert code == 1 and f"{theirs} belongs to a user this engine does not trust" in out, (code, out)
     problems = check_tiers(Config.from_sources({"tiers": [tier]}, environ={}), fix=True)
     assert [(p.kind, p.path, p.fixed) for p in problems] == [("untrusted", tier, False)], problems
+
+
+def test_info_reports_a_tier_an_engine_refuses_for_another_user_s_directory_above_it(tier_root, capsys):
+    """``kvstream info`` looks at a tier as start-up judges its owners (trust.owner_problem): a tier root in
+    another user's directory is reported as refused, not "ok" (from a review of stop 56)."""
+    os.chmod(tier_root, 0o755)
+    theirs = os.path.join(tier_root, "theirs")
+    tier = os.path.join(theirs, "tier")
+    os.makedirs(tier, 0o700)
+    os.chown(theirs, INTRUDER, INTRUDER)
+    with pytest.raises(ConfigError):
+        make_engine([tier])
+    assert cli.main(["info", "--tiers", tier]) == 1
+    out = capsys.readouterr().out
+    assert "an engine refuses it" in out and f"uid {INTRUDER}" in out, out

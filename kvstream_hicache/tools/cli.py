@@ -244,7 +244,7 @@ def _info(args) -> int:
     looks, hung = _answering(cfg)
     let_go(looks)  # (what follows walks the tiers that answered, in place: an operator's command)
     owed = recorded(_tier_dirs(cfg), hung)
-    tiers = [_tier_status(d) if k not in hung else
+    tiers = [_tier_status(d, cfg.file_mode == "shared") if k not in hung else
              {"dir": d, "ok": False, "problem": f"did not answer in {cfg.write_timeout:g} s (write_timeout): a hung "
                                                "file system (a FUSE or NFS server away); not looked at"}
              for k, d in enumerate(_tier_dirs(cfg))]
@@ -372,7 +372,9 @@ def _tier_dirs(cfg) -> list[str]:
     return [t.path for t in cfg.tiers]
 
 
-def _tier_status(path: str) -> dict:
+def _tier_status(path: str, shared: bool = False) -> dict:
+    from ..trust import learn, owner_problem
+
     out: dict = {"dir": path, "ok": False}
     if not os.path.isdir(path):  # (a file there is no directory to create: said as what it is)
         out["problem"] = (f"{'not a directory' if os.path.exists(path) else 'missing'} (create it, or fix "
@@ -382,6 +384,10 @@ def _tier_status(path: str) -> dict:
         out["problem"] = "not readable and writable by this user (fix its permissions or owner)"
         return out
     try:
+        why = owner_problem(path, learn(path, shared))  # (as start-up refuses it: before, info said ok)
+        if why is not None:
+            out["problem"] = printable(f"an engine refuses it: {why}")
+            return out
         _tier_usage(path, out)
     except OSError as exc:  # its kvstream/ tree unreadable (EACCES): a problem of this tier, not a traceback
         from ..integrity import blocking_dir
