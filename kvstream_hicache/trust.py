@@ -277,10 +277,13 @@ def _owner_problem(walk: Iterator[tuple[str, os.stat_result]], trust: Trust) -> 
             and not _own_group(st.st_gid))
         if writable:  # (as its owner: anyone who may write a directory without the sticky bit may rename in it;
             # before, a directory of another user's chowned to root as advised stayed theirs to swap, mode 0777)
+            trust_group = "" if st.st_mode & stat.S_IWOTH else (  # (a project directory of a group, as on HPC)
+                f", or trust its group: file_mode=shared (KVSTREAM_FILE_MODE=shared) and the tier directory of "
+                f"that group (chgrp {_group_arg(st.st_gid)} <tier directory>)")
             return (f"{path} may be written by users this engine does not trust, without the sticky bit "
                     f"({describe(st)}): they may move kvstream's directory out of it and put a link in its place; "
                     f"use a directory of your own in a directory only root or you own (mkdir -m 700 <dir>/$USER), "
-                    f"or have root close it (as root: chmod go-w {path})")
+                    f"or have root close it (as root: chmod go-w {path}){trust_group}")
     return None
 
 

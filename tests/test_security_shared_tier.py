@@ -995,3 +995,34 @@ def test_info_reports_a_tier_an_engine_refuses_for_another_user_s_directory_abov
     assert cli.main(["info", "--tiers", tier]) == 1
     out = capsys.readouterr().out
     assert "an engine refuses it" in out and f"uid {INTRUDER}" in out, out
+
+
+def test_a_tier_in_a_project_directory_of_a_group_is_refused_privately_and_used_shared(tier_root):
+    """A project directory its group may write, without the sticky bit (a parallel file system's project
+    space: root, its group, 2770), holding the user's tier: any member may rename in it, so a private
+    engine refuses the tier naming the way to trust that group; file_mode=shared with the tier directory of
+    that group uses it."""
+    os.chmod(tier_root, 0o755)
+    project = os.path.join(tier_root, "project")
+    tier = os.path.join(project, "alice")
+    os.makedirs(tier, 0o700)
+    os.chown(project, 0, GROUP)
+    os.chmod(project, 0o2770)
+    with pytest.raises(ConfigError) as err:
+        make_engine([tier])
+    for part in (f"{project} may be written by users", "file_mode=shared", f"chgrp {GROUP} <tier directory>"):
+        assert part in str(err.value), (part, err.value)
+    fix = f"chgrp {GROUP} {tier} && chmod 2770 {tier}"  # (what the error says, the tier made setgid)
+    for _ in range(4):  # then what each refusal of the shared engine advises, as written (the first start made
+        # kvstream/ and its tmp/ of the group it had then)
+        done = subprocess.run(fix, shell=True, capture_output=True, text=True)
+        assert done.returncode == 0, (fix, done.stderr)
+        err, _ = start([tier], file_mode="shared")
+        if err is None:
+            break
+        fix = re.findall(r"\b(chgrp [^ ),;]+ [^ ),;]+)", str(err))[0]
+    assert err is None, err
+    pages = PageSet()
+    with make_engine([tier], file_mode="shared") as engine:
+        assert pages.put(engine, pages.keys(1)) == [True]
+        assert pages.checked_get(engine, pages.keys(1)) == [True]
