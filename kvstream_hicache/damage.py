@@ -78,13 +78,18 @@ def block_failed(tier: Tier, index: Index, stats: Stats, digest: str, key: str, 
 
 
 def remove_copy(tier: Tier, index: Index, stats: Stats, key: str, why: str, remove: bool = True,
-                judged: Callable[[os.stat_result], bool] = not_a_file) -> None:
+                judged: Callable[[os.stat_result], bool] = not_a_file, theirs: bool = False) -> None:
     """A damaged copy (or a stray under a page's name): out of the index and off the tier (a
     directory, a link or another user's file stays: kvstream never removes one; ``check`` reports it).
     Only the entry ``judged`` matches goes (trust.remove: another writer may have renamed a valid page
     over the name since it was judged); the default, for a caller that holds no descriptor of it, is an
-    entry that is not a regular file, as no page is."""
+    entry that is not a regular file, as no page is. ``theirs``: another user's file under the name (the
+    engine's copy replaced): nothing damaged, nothing to remove, not counted as quarantined."""
     index.remove(key, tier.k)
+    if theirs:  # (before: "is damaged ... left in place", and quarantined counted for a file never judged)
+        index.file_removed(key, tier.k)
+        log.warning("kvstream: page %s on tier %d is %s now; not served, left in place", key, tier.k, why)
+        return
     kept = tier.unlink_page(key, judged) if remove else "a directory"
     index.file_removed(key, tier.k)
     log.warning("kvstream: page %s on tier %d is damaged (%s); %s, served from a replica if one is valid",

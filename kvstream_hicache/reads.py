@@ -40,7 +40,7 @@ from .flow import HELD, MAX_REQUEST, MIN_REQUESTS, SlowerTiers, outpaces
 from .getcall import GetCall, Req, record_get
 from .index import Index
 from .inflight import InFlight
-from .integrity import NotRegularFile
+from .integrity import NotRegularFile, UntrustedFile
 from .io import MAX_VECTOR, OP_READ
 from .layout import HEADER_SIZE, round_up
 from .locks import ranked_lock
@@ -276,7 +276,8 @@ class ReadPath:
                     f.failed = False
                 except NotRegularFile as exc:  # a FIFO, directory, ... under the page's name: a stray
                     damage.remove_copy(self.tiers[tier], self.index, self.stats, page.key,
-                                       f"{exc.strerror} under its name", remove=exc.errno != errno.EISDIR)
+                                       f"{exc.strerror} under its name", remove=exc.errno != errno.EISDIR,
+                                       theirs=isinstance(exc, UntrustedFile))
                 except OSError as exc:
                     self.delivery.failed_read_under_reads(tier, page.key, exc.errno or errno.EIO, call, "open")
         return f if f.fd is not None else None

@@ -29,6 +29,7 @@ from kvstream_hicache import Config, ConfigError, check_tiers, integrity, tmpfil
 from kvstream_hicache.integrity import pack_header, unpack_header
 from kvstream_hicache.io import AlignedBuffer
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout
+from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tmpfiles import HOST, REMOVING_PREFIX, tmp_name
 from kvstream_hicache.tools import cli
 from kvstream_hicache.trust import user_name
@@ -1026,3 +1027,23 @@ def test_a_tier_in_a_project_directory_of_a_group_is_refused_privately_and_used_
     with make_engine([tier], file_mode="shared") as engine:
         assert pages.put(engine, pages.keys(1)) == [True]
         assert pages.checked_get(engine, pages.keys(1)) == [True]
+
+
+def test_another_users_file_under_a_page_name_is_not_called_damage(tier_dirs, caplog):
+    """The engine's copy replaced by another user's file (a member of a shared tier may rename one over it): a
+    read leaves it alone and serves the replica, and says what it is: not "is damaged", not counted
+    `quarantined` (nothing was judged nor removed; found by an attacker's trial)."""
+    pages = PageSet()
+    keys = pages.keys(2)
+    with make_engine(tier_dirs[:2]) as engine:
+        assert pages.put(engine, keys) == [True, True]
+        path = engine.tiers[0].layout.page_path(keys[1])
+        os.chown(path, INTRUDER, INTRUDER)
+        caplog.set_level("INFO", logger="kvstream")
+        assert pages.checked_get(engine, keys, SingleTier(0)) == [True, True]  # (keys[1] from tier 1)
+        said = [r.getMessage() for r in caplog.records if keys[1] in r.getMessage()]
+        assert said and not any("damaged" in m for m in said), said
+        assert any(f"uid {INTRUDER}" in m and "left in place" in m for m in said), said
+        assert engine.stats()["tiers"][0]["quarantined"] == 0
+        assert os.path.exists(path)
+        os.unlink(path)
