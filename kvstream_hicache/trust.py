@@ -250,6 +250,10 @@ def root_problem(st: os.stat_result, shared: bool) -> str | None:
     return None
 
 
+_OWN_DIR = "use a directory of your own in a directory only root or you own (mkdir -m 700 <dir>/$USER)"  # (the first
+# fix owner_problem names, whoever else may move the tier: a directory no one else may touch)
+
+
 def owner_problem(root: str, trust: Trust) -> str | None:
     """Why tier ``root`` (as configured, and where its links lead) may be taken from under the engine by
     another user, or None: it, a directory above it, or a link (or a directory) it is reached through belongs to
@@ -270,8 +274,7 @@ def _owner_problem(walk: Iterator[tuple[str, os.stat_result]], trust: Trust) -> 
             # target's owner, whatever the link's owner pointed it at then, and left the link theirs: refused again)
             return (f"{path} belongs to a user this engine does not trust ({describe(st)}): "
                     "a directory's owner may move kvstream's directory out of it and put a link in its place, "
-                    f"sticky bit or not; use a directory of your own in a directory only root or you own "
-                    f"(mkdir -m 700 <dir>/$USER), or have root take it over (as root: chown -h root {path})")
+                    f"sticky bit or not; {_OWN_DIR}, or have root take it over (as root: chown -h root {path})")
         writable = not stat.S_ISLNK(st.st_mode) and not st.st_mode & stat.S_ISVTX and (
             st.st_mode & stat.S_IWOTH or st.st_mode & stat.S_IWGRP and st.st_gid != trust.gid
             and not _own_group(st.st_gid))
@@ -282,8 +285,7 @@ def _owner_problem(walk: Iterator[tuple[str, os.stat_result]], trust: Trust) -> 
                 f"that group (chgrp {_group_arg(st.st_gid)} <tier directory>)")
             return (f"{path} may be written by users this engine does not trust, without the sticky bit "
                     f"({describe(st)}): they may move kvstream's directory out of it and put a link in its place; "
-                    f"use a directory of your own in a directory only root or you own (mkdir -m 700 <dir>/$USER), "
-                    f"or have root close it (as root: chmod go-w {path}){trust_group}")
+                    f"{_OWN_DIR}, or have root close it (as root: chmod go-w {path}){trust_group}")
     return None
 
 

@@ -119,10 +119,9 @@ def simulate(
     # re-reads items in flight on another only when it is at least as fast, or the other is overdue. A
     # stalled tier shows as rate 0 at once here, so the rate test covers "overdue" too (the engine needs a
     # timer only because its measure lags; its measured rates must show twice the speed, or the owner fall
-    # quiet: flow.outpaces). The
-    # engine sets the rule where it sizes depths itself (a policy without a depth, kvsim's default);
-    # here it holds for a fixed depth too: the refills below come at once, not after a reap, and
-    # without it an idle tier would start a healthy batch with duplicates.
+    # quiet: flow.outpaces). The engine sets the rule where it sizes depths itself (a policy without a
+    # depth, kvsim's default); here it holds for a fixed depth too: the refills below come at once, not
+    # after a reap, and without it an idle tier would start a healthy batch with duplicates.
     route.may_steal = lambda tier, owner: rates[tier] >= rates[owner]
     issue(route.start(), t)
     events = 0
