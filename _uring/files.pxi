@@ -51,3 +51,38 @@ def open_owned(bytes path, int flags, uids, long gid=-1) -> int:
         c_close(fd)  # (read-only and unread: nothing its close could report matters)
         return -1
     return fd
+
+
+cdef extern from "<time.h>" nogil:
+    cdef struct timespec:
+        long tv_sec
+        long tv_nsec
+
+cdef extern from "<sys/stat.h>" nogil:
+    int c_utimensat "utimensat"(int dirfd, const char *path, const timespec *times, int flags)
+    enum: UTIME_OMIT
+
+cdef extern from "<fcntl.h>" nogil:
+    enum: AT_SYMLINK_NOFOLLOW
+
+
+def touch_atime(int dir_fd, bytes name, long long atime_ns) -> None:
+    """Set the access time of entry ``name`` of directory ``dir_fd`` to ``atime_ns`` (ns since the epoch),
+    its modification time unchanged, following no link: a process's sign that it uses another's page
+    (Tier.mark_used). Python's os.utime sets both times or neither, and setting the mtime to what a
+    stat read races a writer that renames a new page over the name (it would get the old page's mtime).
+    A time rather than UTIME_NOW: the kernel's "now" is its coarse clock (4 ms ticks), earlier than a
+    use the page's writer noted with time.time_ns() in the same tick. Only the file's owner may (EPERM
+    otherwise, whatever its mode). :raises OSError: with the call's errno."""
+    cdef timespec times[2]
+    cdef const char *p = name
+    cdef int rc
+    times[0].tv_sec = atime_ns // 1000000000
+    times[0].tv_nsec = atime_ns % 1000000000
+    times[1].tv_sec = 0
+    times[1].tv_nsec = UTIME_OMIT
+    with nogil:
+        rc = c_utimensat(dir_fd, p, times, AT_SYMLINK_NOFOLLOW)
+    if rc != 0:
+        e = errno
+        raise OSError(e, strerror(e).decode(), name.decode(errors="replace"))

@@ -98,3 +98,4 @@ class KeyTable:
 
 def unhex(key: object) -> bytes | None: ...  # a 64-lowercase-hex str as its 32 bytes, else None
 def open_owned(path: bytes, flags: int, uids: AbstractSet[int], gid: int = -1) -> int: ...  # fd, or -1: use integrity.open_regular
+def touch_atime(dir_fd: int, name: bytes, atime_ns: int) -> None: ...  # mtime kept, no link followed; raises OSError

@@ -73,6 +73,8 @@ log = logging.getLogger("kvstream")
 CLOSE_DRAIN_S = 5.0  # close() waits this long for orphan reads before closing the ring, s
 CLOSE_HANG_S = 10.0  # with write_timeout=0, close() gives up on a tier whose writes make no progress for this
 # long, s (the default write_timeout): else a hung tier held close(), and the process's exit, for ever
+MARK_EVERY_S = 1.0  # touch_prefix(mark=True) marks another process's page used at most this often, s
+MARKS_KEPT = 1 << 16  # (key, tier) marks remembered for that, at most
 EXIT_HANG_S = 2 * CLOSE_HANG_S  # the exit hook and LMCache's close leave a writer without progress this long, s
 CLOSED = "kvstream engine is closed"
 
@@ -238,6 +240,7 @@ class Engine:
             if look.real is not None:  # (one that did not answer: its calls thread is held; when it rejoins)
                 self._bound_theirs(tier)
         self._stats = Stats(len(self.tiers))
+        self._marked: dict[tuple[str, int], float] = {}  # (key, tier) -> when marked used (_mark_used)
         rings = []
         choice = config.io_engine
 
@@ -362,13 +365,32 @@ class Engine:
         self._discover(keys, mask)
         return self._reads.get(keys, pages, policy or self.policy, mask)
 
-    def touch_prefix(self, keys: Sequence[str]) -> None:
+    def touch_prefix(self, keys: Sequence[str], mark: bool = False) -> None:
         """After a ``get`` or ``put``: the pages before its keys (SGLang's ``prefix_keys``, in chain order) end
         more recent than them, the first the most recent, so that a prefix's head outlives every page after it
         (each call leaves its own pages so: PutCall.lru_order). O(len(keys)) a call, 1-2 us a page held: a
-        request whose pages L3 reads 128 a call pays it per call (docs/benchmarks.md, "A prefix's head")."""
+        request whose pages L3 reads 128 a call pays it per call (docs/benchmarks.md, "A prefix's head").
+        ``mark``: the pages another process of the namespace wrote (THEIRS) are marked used on their tiers
+        too, each at most once every MARK_EVERY_S (a metadata write a page and tier: the adapters mark on their
+        write path), so that their writer's eviction spares them (Index.spare)."""
         self._check_open()
         self.index.touch_many(keys[::-1])
+        if mark:
+            self._mark_used(keys)
+
+    def _mark_used(self, keys: Sequence[str]) -> None:
+        """Tier.mark_used each of ``keys``' copies that is another process's, unless marked in the last
+        MARK_EVERY_S (``_marked``: a plain dict, each step atomic, shared by the host's threads)."""
+        now = time.monotonic()
+        for key, k in self.index.theirs_in(keys):
+            last = self._marked.get((key, k))
+            if last is not None and now - last < MARK_EVERY_S or not self.tiers[k].healthy:
+                continue
+            if len(self._marked) >= MARKS_KEPT:
+                self._marked.clear()  # (forgetting marks made costs at most one more mark a page)
+            self._marked[(key, k)] = now
+            if self.tiers[k].mark_used(key):
+                self._stats.add(k, "used_marks")
 
     def pin(self, keys: Sequence[str]) -> list:
         """Keep ``keys`` from being evicted until :meth:`unpin` (LMCache's lookup-and-lock): one

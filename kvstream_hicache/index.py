@@ -152,6 +152,7 @@ class Index:
         self._block = array("I")
         self._nbytes = array("q")
         self._created = array("q")  # write time (ns): orders the old pages
+        self._used = array("q")  # when this process last used (wrote, read, touched, found) the page: wall ns
         self._tiers = array("I")
         self._pins = array("i")
         self._crc_at = array("q")
@@ -456,6 +457,42 @@ class Index:
                 return []
             return self._evict_under_index(tier, self._victims_under_index(tier, min(excess, limit), partial=True))
 
+    def next_victims(self, tier: int, nbytes: int, most: int) -> list[tuple[str, int]]:
+        """The first ``most`` pages that :meth:`reserve` of ``nbytes`` would evict from ``tier`` now ([]: they fit),
+        each with the time (wall clock, ns) this process last used it: a file used later (its access time,
+        another process's mark: Tier.mark_used) was used by another process of the namespace since (spare)."""
+        with self._lock:
+            excess = self._excess(tier, nbytes)
+            if excess is None or excess <= 0:
+                return []
+            victims = (self._victims_under_index(tier, excess, partial=True) or [])[:most]
+            return [(self._key_of_under_index(slot), self._used[slot])
+                    for slot in victims]
+
+    def spare(self, key: str, tier: int) -> bool:
+        """Another process of the namespace used ``tier``'s copy of ``key`` since this one last did (next_victims):
+        it becomes the most recent, as a use here would make it. A process evicts by its own uses (its LRU);
+        without this, the writer of a prefix's head evicted it while another process read it and wrote its
+        tails after it (DP ranks, servers of one model sharing a tier), and those tails then served nothing.
+        False: not this process's copy there (any more)."""
+        with self._lock:
+            slot = self._table.find(key)
+            if slot < 0 or self._on[tier][slot] in (THEIRS, _NONE):
+                return False
+            self._unlink_under_index(tier, slot)
+            self._append_under_index(tier, HOT, slot)
+            return True
+
+    def theirs_in(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """The (key, tier) of ``keys``' copies that are another process's (THEIRS), for Tier.mark_used."""
+        out = []
+        with self._lock:
+            for key in keys:
+                slot = self._table.find(key)
+                if slot >= 0:
+                    out += [(key, tier) for tier in tiers_in(self._tiers[slot]) if self._on[tier][slot] == THEIRS]
+        return out
+
     def abort(self, tier: int, nbytes: int) -> None:
         with self._lock:
             self.reserved[tier] -= nbytes
@@ -670,6 +707,7 @@ class Index:
             slot = self._free.pop()
             self._hash[slot], self._length[slot], self._block[slot] = hash(key), length, block
             self._nbytes[slot], self._created[slot], self._crc_at[slot] = nbytes, created_ns, at
+            self._used[slot] = 0
             self._ncrc[slot] = n
             self._key[slot * _KEY_BYTES:(slot + 1) * _KEY_BYTES] = raw or bytes(_KEY_BYTES)
             for evicted in self._evicted:  # (a new page: no tier evicted it)
@@ -681,6 +719,7 @@ class Index:
             self._block.append(block)
             self._nbytes.append(nbytes)
             self._created.append(created_ns)
+            self._used.append(0)
             self._crc_at.append(at)
             self._ncrc.append(n)
             self._tiers.append(0)
@@ -837,6 +876,7 @@ class Index:
         ends[where] = slot
         self._on[tier][slot] = where
         self._len[tier][where] += 1
+        self._used[slot] = time.time_ns()  # (Tier.mark_used stamps access times by this clock)
         if where == THEIRS:
             self._theirs_bytes[tier] += self._nbytes[slot]
 

@@ -38,6 +38,7 @@ from .tiers import SPACE_ERRNOS, SPACE_RETRIES, Tier
 from .writequeue import WriteQueue
 
 T = TypeVar("T")
+SPARE_LOOKS = 8  # victims' files a write looks at for another process's use (_spare_used_under_writer), at most
 log = logging.getLogger("kvstream")
 
 
@@ -106,6 +107,8 @@ class Jobs:
             tier.discard(fd, tmp)
             self.queue.job_over_under_writer(page, k)
             return None
+        if page.evict:
+            self._spare_used_under_writer(k, page.length)
         victims = self.index.reserve(k, page.length, evict=page.evict)
         if victims is None:
             tier.discard(fd, tmp)
@@ -340,6 +343,23 @@ class Jobs:
         victims = self.index.evict(k, nbytes)
         self.evicted_under_writer(k, victims)
         return bool(victims)
+
+    def _spare_used_under_writer(self, k: int, nbytes: int) -> None:
+        """Before a write evicts from tier ``k`` by this process's own uses (its LRU): a victim whose file another
+        process of the namespace marked used since this one last used it (Tier.mark_used: its access time) becomes
+        this process's most recent instead (Index.spare), and the write evicts the next. A stat a victim, at most
+        SPARE_LOOKS a write (a file marked again and again by another user cannot hold eviction up)."""
+        looked = 0
+        while looked < SPARE_LOOKS:
+            victims = self.index.next_victims(k, nbytes, SPARE_LOOKS - looked)
+            spared = 0
+            for key, used_ns in victims:
+                marked = self.tiers[k].marked_at(key)
+                spared += marked is not None and marked > used_ns and self.index.spare(key, k)
+            looked += len(victims)
+            self.stats.add(k, "evictions_spared", spared)
+            if not spared:
+                return
 
     def _room_possible_under_writer(self, job: Job) -> bool:
         """Could evicting every page of this namespace on the tier make room for the job? If not

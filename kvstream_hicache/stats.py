@@ -23,6 +23,7 @@ from .locks import ranked_lock
 TIER_COUNTERS = (
     "bytes_read", "blocks_read", "requests", "bytes_served", "bytes_in_place", "pages_read", "bytes_written",
     "pages_written", "read_busy_s", "write_busy_s", "errors", "replica_retries", "corrupted", "evictions",
+    "evictions_spared", "used_marks",
     "quarantined", "other_versions", "write_failures", "skipped_writes", "replica_skipped_pages",
     "replica_skipped_bytes", "write_held_s", "replication_done", "replication_bytes", "replication_dropped",
     "replication_promoted", "replication_read_bytes",

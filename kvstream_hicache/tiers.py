@@ -61,9 +61,9 @@ from .tmpfiles import (
     NEW_FILE, REMOVING_PREFIX, SPACE_ERRNOS, ProbeFailed, is_engine_tmp, probe_direct, tmp_name,
 )
 from .trust import (
-    CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity, link_new, list_below,
-    make_dir, not_a_file, open_below, owner_problem, remove, root_problem, same_file, sealed_identity, unlink_unless,
-    wall_ns,
+    CLOCK_SKEW_NS, check_dir, describe, dir_error, dir_findings, establish, honest_until, identity,
+    link_new, list_below, make_dir, mark_below, marked_below, not_a_file, open_below, owner_problem, remove, root_problem, same_file,
+    sealed_identity, unlink_unless, wall_ns,
 )
 
 log = logging.getLogger("kvstream")
@@ -863,6 +863,24 @@ class Tier:
             return self.calls.run(unlink_unless, self.root, path, self.trust, stays) is not None
         except OSError as exc:
             return self._look_failed(exc, path)
+
+    def marked_at(self, key: str) -> int | None:
+        """When another process of the namespace last marked ``key``'s page file used (:meth:`mark_used`; wall
+        clock, ns): this one's eviction spares it if that came after its own last use (Index.spare). None
+        where it cannot tell (no mark, gone, the tier failed to answer: the eviction goes on as before)."""
+        try:
+            return self.calls.run(marked_below, self.root, self.layout.page_path(key))
+        except OSError:
+            return None
+
+    def mark_used(self, key: str) -> bool:
+        """Mark ``key``'s page file used now (its access time: trust.mark_below), for its writer, another
+        process of the namespace (:meth:`marked_at`). False: not marked (gone, another user's file, the tier
+        failed to answer): a hint, never a failure."""
+        try:
+            return self.calls.run(mark_below, self.root, self.layout.page_path(key))
+        except OSError:
+            return False
 
     def _look_failed(self, exc: OSError, path: str) -> bool:
         """A removal's look at ``path`` failed (:meth:`_remove_if_older`, :meth:`evict_page`): whether something

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+from ._uring import touch_atime
 from .errors import ConfigError, TierError, printable
 from .fds import close_fd
 from .layout import ROOT_DIR, TMP_DIR, TierLayout
@@ -637,6 +638,48 @@ def unlink_unless(root: str, path: str, trust: Trust,
     finally:
         close_fd(fd)
         close_fd(dir_fd)
+
+
+USE_MARK_US = 999  # a use mark's access time ends its millisecond at this microsecond (marked_below)
+
+
+def marked_below(root: str, path: str) -> int | None:
+    """When a process last marked the regular file ``path`` of tier ``root`` used (:func:`mark_below`: its
+    access time, ns), reached following no link; None where its access time is no mark: an ordinary read's
+    (relatime: the first read after a write; the scan's, a check's, a catch-up copy's, none a use of the page
+    as a prefix) carries the microsecond USE_MARK_US in 1 of 1000, a file system that keeps whole seconds
+    never; or the file is gone, not a regular file, reached through a link.
+    :raises OSError: as :func:`open_below`."""
+    dir_fd, name, _why = _parent_below(root, path)
+    if dir_fd is None:
+        return None
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        close_fd(dir_fd)
+    marked = stat.S_ISREG(st.st_mode) and st.st_atime_ns // 1000 % 1000 == USE_MARK_US
+    return st.st_atime_ns if marked else None
+
+
+def mark_below(root: str, path: str) -> bool:
+    """Mark ``path`` of tier ``root`` used now: its access time set to this millisecond's microsecond USE_MARK_US
+    (at most 1 ms ahead; its mtime kept: _uring.touch_atime), reached following no link. False: gone, reached
+    through a link, or not this user's file (EPERM: only the owner may). :raises OSError: any other error."""
+    dir_fd, name, _why = _parent_below(root, path)
+    if dir_fd is None:
+        return False
+    now = time.time_ns()
+    try:
+        touch_atime(dir_fd, os.fsencode(name), now - now % 1_000_000 + USE_MARK_US * 1000)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.EPERM, errno.EACCES):
+            return False
+        raise
+    finally:
+        close_fd(dir_fd)
+    return True
 
 
 def _parent_below(root: str, path: str) -> tuple[int | None, str, str | None]:

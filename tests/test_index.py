@@ -71,6 +71,29 @@ def test_reservations_count_against_capacity():
     assert index.reserved == [0]
 
 
+def test_a_victim_another_process_used_since_is_spared_and_the_next_one_goes():
+    """next_victims names what reserve would evict, with when this process last used each; spare makes one the
+    most recent (another process marked its file used since: jobs.py), so reserve evicts the next instead. Another
+    process's copy (THEIRS) is never spared, being never a victim."""
+    index = Index([300])
+    for key in "abc":
+        add(index, key, 0)
+    assert index.next_victims(0, 0, 8) == []  # (it fits: nothing would go)
+    before = time.time_ns()
+    (key, used), = index.next_victims(0, 100, 8)
+    assert key == "a" and used <= before  # (a's write is its last use here)
+    assert [k for k, _ in index.next_victims(0, 200, 8)] == ["a", "b"]
+    assert [k for k, _ in index.next_victims(0, 200, 1)] == ["a"]
+    assert index.spare("a", 0)
+    assert [k for k, _ in index.next_victims(0, 300, 8)] == ["b", "c", "a"]
+    assert index.next_victims(0, 300, 8)[-1][1] >= before  # (spared: used now)
+    assert add(index, "d", 0) == ["b"] and index.holders("a") == 1
+    assert not index.spare("b", 0) and not index.spare("zz", 0)  # (gone, never held: nothing to spare)
+    index.commit("t", 0, 90, 4096, CRCS, 100, reserved=False, mark=index.mark("t"), stamp=(time.time_ns(), 0))
+    assert index.is_theirs("t", 0) and not index.spare("t", 0)
+    assert index.theirs_in(["a", "t", "zz"]) == [("t", 0)]
+
+
 def test_evict_for_enospc_ignores_capacity():
     index = Index([None])
     for key in "abcd":

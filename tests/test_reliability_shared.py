@@ -306,6 +306,78 @@ def test_a_writers_eviction_never_takes_the_pages_another_process_wrote_since_it
         assert a.check() == []  # (B's index lacks A's pages: they are A's, never read by B)
 
 
+@pytest.mark.leaves_problems("A's index lacks the page B wrote after the prefix (index_missing: another process's "
+                             "page, never read by A)")
+def test_a_writer_spares_the_pages_another_process_marks_used_and_still_keeps_its_capacity(tier_dirs):
+    """A writes 4 pages, its capacity; B reads them (another process's copies) and marks the first two used, as
+    a write after them as a prefix does (touch_prefix(mark=True)). A's next puts evict its own least recent
+    pages but the two marked ones, which go only once they age again in A's LRU; a mark moves the file's
+    access time alone (its mtime, a writer's stamp, stays). Before, A evicted the marked pages first."""
+    pages = PageSet()
+    keys, more = pages.keys(4), pages.keys(4, start=100)
+    cap = 4 * PAGE_BYTES
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as a, make_engine(tier_dirs[:1], capacity=str(cap)) as b:
+        for k in keys:  # one put each: keys[0] is A's least recent
+            assert pages.put(a, [k]) == [True]
+        assert pages.checked_get(b, keys) == [True] * 4 and b.index.theirs(0) == 4
+        path = a.tiers[0].layout.page_path(keys[0])
+        mtime = os.stat(path).st_mtime_ns
+        b.touch_prefix(keys[:2], mark=True)
+        b.touch_prefix(keys[:2], mark=True)  # (marked already, within MARK_EVERY_S: no second metadata write)
+        assert b.stats()["tiers"][0]["used_marks"] == 2 and os.stat(path).st_mtime_ns == mtime
+        assert pages.put(a, more[:2]) == [True, True]
+        assert [a.contains(k) for k in keys] == [True, True, False, False]  # the unmarked ones went
+        assert a.stats()["tiers"][0]["evictions_spared"] == 2 and a.index.used[0] == cap
+        assert pages.put(a, more[2:]) == [True, True]  # spared once: they aged again, unmarked since
+        assert [a.contains(k) for k in keys] == [False] * 4 and a.index.used[0] == cap
+        assert len(page_files(tier_dirs[0])) == 4
+
+
+def test_a_use_mark_follows_no_link_and_an_ordinary_read_is_no_mark(tier_dirs, tier_root):
+    """mark_used sets a page file's access time alone, to a time marked_at tells from an ordinary read's
+    (relatime: the scan's, a check's read would else spare every page once); at a link under a page's name it
+    marks the link, never the file it points to."""
+    pages = PageSet()
+    key, linked = pages.keys(2)
+    with make_engine(tier_dirs[:1]) as a:
+        assert pages.put(a, [key, linked]) == [True, True]
+        tier = a.tiers[0]
+        assert pages.checked_get(a, [key]) == [True] and tier.marked_at(key) is None
+        assert tier.mark_used(key) and tier.marked_at(key) is not None
+        outside = os.path.join(tier_root, "outside")
+        with open(outside, "w"):
+            pass
+        os.utime(outside, ns=(10**18, 10**18))
+        path = tier.layout.page_path(linked)
+        os.unlink(path)
+        os.symlink(outside, path)
+        tier.mark_used(linked)
+        assert tier.marked_at(linked) is None and os.stat(outside).st_atime_ns == 10**18
+        os.unlink(path)
+        assert not tier.mark_used(linked) and tier.marked_at(linked) is None  # (gone: nothing to mark)
+        a.delete([linked])
+
+
+@pytest.mark.leaves_problems("B's index lists the page A evicted and lacks A's new one (another process's eviction "
+                             "and page: index_stale, index_missing)")
+def test_a_writer_whose_every_victim_is_marked_still_makes_its_room(tier_dirs):
+    """Another process (or user) that marks every page used cannot hold eviction up: a write looks at
+    SPARE_LOOKS victims at most, then evicts as before, and the tier stays within its capacity."""
+    from kvstream_hicache.jobs import SPARE_LOOKS
+
+    pages = PageSet()
+    n = SPARE_LOOKS + 4
+    keys = pages.keys(n)
+    cap = n * PAGE_BYTES
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as a, make_engine(tier_dirs[:1]) as b:
+        assert pages.put(a, keys) == [True] * n
+        assert pages.checked_get(b, keys) == [True] * n
+        b.touch_prefix(keys, mark=True)
+        assert pages.put(a, pages.keys(1, start=1000)) == [True]
+        assert a.stats()["tiers"][0]["evictions_spared"] == SPARE_LOOKS
+        assert a.index.used[0] == cap and len(page_files(tier_dirs[0])) == n
+
+
 @pytest.mark.leaves_problems("the reader's index lists the page the writer evicted (index_stale: another "
                              "process's eviction, harmless, docs/guarantees.md)")
 def test_a_reader_never_removes_a_page_the_writer_holds(tier_dirs):

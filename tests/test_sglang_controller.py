@@ -545,20 +545,17 @@ def test_a_prefixs_head_outlives_its_tails_as_sglangs_scheduler_writes_and_reads
     assert drv.query(head) == len(head)
 
 
-@pytest.mark.xfail(strict=True, reason="known limit: a process's eviction sees only its own uses of a page (its LRU); "
-                   "another process of the namespace reading it, or writing tails after it (prefix_keys), does not "
-                   "keep it: index.py THEIRS, Engine.touch_prefix")
 @pytest.mark.leaves_problems("each process's index lacks the pages the other wrote since its start (index_missing, "
                              "by design: found by discovery)")
 def test_a_prefixs_head_another_process_of_the_namespace_keeps_using_is_not_evicted_by_its_writer(tier_dirs):
     """Two writers of one namespace on one tier: the DP ranks of an attention-DP server (DeepSeek's MLA: every
     DP group's attention-TP rank 0 writes), or two servers of one model sharing their tiers. A writes a shared
     prefix's head H with its first request; B's requests read H from L3 and write their own pages after it,
-    with H as prefix_keys. A's other traffic then fills A's capacity: A evicts H by its own LRU, where H has
-    aged (B's reads and touches reach B's index only, where H is another process's copy), and every page B
-    wrote after H stays stored and serves nothing (batch_exists counts the leading run): 0 tokens for B's
-    prefixes, which B used every round (and B's batch_exists said 2 for H just before, from its index: a read
-    then misses). docs/sglang.md section 4 says eviction keeps a prefix's head."""
+    with H as prefix_keys. A's other traffic then fills A's capacity. Before, A evicted H by its own LRU, where
+    H had aged (B's reads and touches reach B's index only, where H is another process's copy), and every page
+    B wrote after H stayed stored and served nothing (batch_exists counts the leading run): 0 tokens for B's
+    prefixes, which B used every round. Now B's writes after H mark H used (its access time: Tier.mark_used)
+    and A's eviction spares a page used since A last did (Index.spare). docs/sglang.md section 4."""
     import dataclasses
 
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo

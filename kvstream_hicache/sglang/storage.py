@@ -327,23 +327,25 @@ class KVStreamHiCacheStorage(HiCacheStorage):
     def _batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         pages = self._pool_pages(keys, host_indices)
         found = [False] * len(keys) if pages is None else self._get_pages(keys, pages)
-        self._touch_prefix(extra_info)
+        self._touch_prefix(extra_info, mark=False)  # (SGLang's prefetch thread: no metadata write there)
         return found
 
     def _batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         pages = self._pool_pages(keys, host_indices)
         stored = [False] * len(keys) if pages is None else self._put_pages(keys, pages)
-        self._touch_prefix(extra_info)
+        self._touch_prefix(extra_info, mark=True)
         return stored
 
-    def _touch_prefix(self, extra_info: HiCacheStorageExtraInfo | None) -> None:
+    def _touch_prefix(self, extra_info: HiCacheStorageExtraInfo | None, mark: bool) -> None:
         """The call's prefix (sglang passes it with ``hicache_storage_pass_prefix_keys``, which the launcher
         turns on for kvstream: plugin.py) is in use: its pages outlive the call's (Engine.touch_prefix). Without
         it, a prefix's head, in L3 only written once while hits read the tail beyond what host memory holds, was
-        the first page evicted, and every page after it dead weight (batch_exists counts the leading run)."""
+        the first page evicted, and every page after it dead weight (batch_exists counts the leading run).
+        ``mark``: a write after the prefix marks its pages another process wrote as used, so that their
+        writer keeps them too (Engine.touch_prefix; DP ranks, servers of one model sharing a tier)."""
         prefix = getattr(extra_info, "prefix_keys", None)
         if prefix:
-            self.engine.touch_prefix(prefix)
+            self.engine.touch_prefix(prefix, mark=mark)
 
     def _legacy_get(self, keys: list[str], targets: Any) -> list:
         self._note_legacy()
