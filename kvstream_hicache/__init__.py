@@ -12,7 +12,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING
 
-from .errors import PrintableArgs
+from .errors import LOGGERS, PrintableArgs
 
 __version__ = "0.1.0"
 
@@ -36,7 +36,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 # a path found in a tier is another user's words: never a raw newline or escape in the log (errors.printable)
-logging.getLogger("kvstream").addFilter(PrintableArgs())
+for _name in LOGGERS:
+    logging.getLogger(_name).addFilter(PrintableArgs())
+del _name
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Capacity, Config, TierConfig

@@ -40,10 +40,15 @@ def printable(value: object) -> object:
 
 
 class PrintableArgs(logging.Filter):
-    """The 'kvstream' logger's filter: every string argument of a record :func:`printable` (the messages
-    themselves are kvstream's own; what they name, a path found in a tier, is not)."""
+    """The filter of kvstream's loggers (LOGGERS): every string or exception argument of a record
+    :func:`printable` (the messages themselves are kvstream's own; what they name, a path found in a tier, is
+    not; an exception's message may name one as it is). A logger's filter sees only the records made on that
+    logger, not its children's: each logger has it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple) and record.args:
-            record.args = tuple(printable(a) for a in record.args)
+            record.args = tuple(printable(str(a) if isinstance(a, BaseException) else a) for a in record.args)
         return True
+
+
+LOGGERS = ("kvstream", "kvstream.sglang")  # every logger kvstream logs on (PrintableArgs)

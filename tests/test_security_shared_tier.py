@@ -10,6 +10,7 @@ the engine trusts owners, not permissions).
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import logging
@@ -205,6 +206,21 @@ def test_a_name_with_control_characters_forges_no_log_line_and_no_terminal_outpu
     out = capsys.readouterr().out
     assert code == 1 and "forged" in out and "\x1b" not in out and "\x07" not in out, out
     assert not [line for line in out.splitlines() if line.startswith("WARNING")], out
+
+
+@pytest.mark.parametrize("name", ["kvstream", "kvstream.sglang"])
+def test_an_error_naming_a_tier_file_forges_no_log_line_on_any_kvstream_logger(name, caplog):
+    """A tier file's name reaches the log inside an exception too (kvstream's own errors name the path in their
+    message, which ``str`` of the exception prints as it is), and
+    from the SGLang adapter's logger ('kvstream.sglang', where the adapter says a call failed and became a miss,
+    and the plugin's): before, only string arguments of records made on the 'kvstream' logger itself were
+    escaped (a logger's filter does not see its children's records), so such a name printed a forged line."""
+    forged = "x\x1b[31m\nWARNING kvstream: forged\x07"
+    caplog.set_level("INFO", logger=name)
+    logging.getLogger(name).warning("kvstream: could not read it (%s)", OSError(errno.EIO, f"cannot read {forged}"))
+    said = [r.getMessage() for r in caplog.records if r.name == name]
+    assert len(said) == 1 and "forged" in said[0], said
+    assert "\n" not in said[0] and "\x1b" not in said[0] and "\x07" not in said[0], said
 
 
 def test_a_world_writable_tier_root_needs_the_sticky_bit(tier_root):

@@ -48,7 +48,7 @@ _CONTROLLER_MODULE = "sglang.srt.managers.cache_controller"
 _PATCH_MARK = "_kvstream_zero_copy"
 PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvstream.sglang")  # (errors.LOGGERS: its arguments escaped)
 
 
 _registered = False

@@ -319,7 +319,8 @@ class KVStreamHiCacheStorage(HiCacheStorage):
             suppressed, slot[0], slot[1] = slot[1], now, 0
         if suppressed:
             message += f" ({suppressed} more like this in the last {WARN_INTERVAL_S:.0f} s)"
-        log.warning(message, exc_info=exc_info if log.isEnabledFor(logging.DEBUG) else None)
+        log.warning("%s", message, exc_info=exc_info if log.isEnabledFor(logging.DEBUG) else None)  # (an
+        # argument: escaped, errors.PrintableArgs; the message names the exception, which may name a tier's file)
 
     def _batch_exists(self, keys: Sequence[str]) -> int:
         return self.engine.prefix_len(keys)
