@@ -376,11 +376,14 @@ class Engine:
         self._check_open()
         self.index.touch_many(keys[::-1])
         if mark:
-            self._mark_used(keys)
+            self.mark_used(keys)
 
-    def _mark_used(self, keys: Sequence[str]) -> None:
-        """Tier.mark_used each of ``keys``' copies that is another process's, unless marked in the last
-        MARK_EVERY_S (``_marked``: a plain dict, each step atomic, shared by the host's threads)."""
+    def mark_used(self, keys: Sequence[str]) -> None:
+        """Mark each of ``keys``' copies that another process of the namespace wrote (THEIRS) used on its tier
+        (Tier.mark_used), unless marked in the last MARK_EVERY_S, so that their writer's eviction spares them
+        (Index.spare). A hint: nothing fails. (``_marked``: a plain dict, each step atomic, shared by the
+        host's threads.)"""
+        self._check_open()
         now = time.monotonic()
         for key, k in self.index.theirs_in(keys):
             last = self._marked.get((key, k))

@@ -81,6 +81,41 @@ def test_split_params_separates_adapter_options_from_engine_settings():
 
 
 # --------------------------------------------------------------------------------- lookup / lock
+@pytest.mark.leaves_problems("B's index lacks A's chunks it never loaded (index_missing: another process's pages)")
+def test_chunks_another_instance_loads_are_spared_by_their_writers_eviction(tier_dirs):
+    """Two vLLM instances of one model share a tier: A stores 4 chunks (its capacity), B's LMCache loads 2 of
+    them (another process's copies there). A's next stores evict its own least recent chunks but the 2 that B
+    loaded since, which B's load worker marked used once idle (Engine.mark_used); before, A evicted them first
+    by its own uses alone, and B's next lookups missed chunks it read every request."""
+    from kvstream_hicache.engine import Engine
+
+    def start(capacity: str | None) -> Engine:
+        settings = {"tiers": tier_dirs[:1], "chunk": "4K", **({"capacity": capacity} if capacity else {})}
+        return Engine(Config.from_sources(settings, {}), Namespace(l2keys.namespace_fields({"test": "core"})))
+
+    keys = [f"{i:064x}" for i in range(1, 9)]
+    src = Pages(8, seed=3)
+    with start(None) as probe:  # (one chunk's bytes on the tier, header included)
+        assert probe.put(keys[:1], src.segments[:1]) == [True]
+        chunk = probe.index.used[0]
+        probe.delete(keys[:1])
+    a, b = start(str(4 * chunk)), start(None)
+    core = l2core.L2Core(b)
+    try:
+        for i in range(4):  # one put each: keys[0] is A's least recent
+            assert a.put(keys[i:i + 1], src.segments[i:i + 1]) == [True]
+        dst = Pages(2)
+        assert core.wait_load(core.submit_load(keys[:2], dst.segments), WAIT_S) == [True, True]
+        wait_until(lambda: b.stats()["tiers"][0]["used_marks"] == 2, WAIT_S, "B never marked the chunks it loaded")
+        assert a.put(keys[4:6], src.segments[4:6]) == [True, True]
+        assert [a.contains(k) for k in keys[:4]] == [True, True, False, False]
+        assert a.stats()["tiers"][0]["evictions_spared"] == 2
+    finally:
+        core.close()
+        a.close()
+        b.close()
+
+
 def test_lookup_pins_and_unlock_releases(engine):
     keys, _ = stored(engine, 3)
     core = l2core.L2Core(engine)

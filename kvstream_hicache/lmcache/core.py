@@ -45,6 +45,7 @@ from .keys import ADAPTER_PARAMS, namespace_fields
 log = logging.getLogger("kvstream")
 
 DEFAULT_MAX_POOL_PAGES = 4096
+MARK_LOADED_S = 1.0  # the load worker marks the chunks it loaded when idle, or at least this often, s
 SMALL_CAPACITY = 1 << 20  # bytes: a tier capacity below this is said at start-up (_check_capacities)
 
 
@@ -523,6 +524,8 @@ class L2Core:
             return batch
 
     def _load_loop(self) -> None:
+        loaded: dict[str, None] = {}  # chunks loaded since they were last marked used (_mark_loaded)
+        marked = time.monotonic()
         while (batch := self._next_loads()) is not None:
             try:
                 self._run_loads(batch)
@@ -531,6 +534,20 @@ class L2Core:
                 for task in batch:
                     task.result = [False] * len(task.keys)
             self._finish(False, batch)
+            loaded.update((key, None) for task in batch for key, ok in zip(task.keys, task.result) if ok)
+            if not self._loads or time.monotonic() - marked > MARK_LOADED_S:  # (no load waits behind them)
+                self._mark_loaded(list(loaded))
+                loaded.clear()
+                marked = time.monotonic()
+
+    def _mark_loaded(self, keys: list[str]) -> None:
+        """After their tasks are answered: the chunks loaded that another instance of the model wrote on a
+        shared tier are marked used, so that its eviction spares them while this one reads them
+        (Engine.mark_used, at most once a second a chunk; before, the writer evicted them by its own uses)."""
+        try:
+            self.engine.mark_used(keys)
+        except Exception:  # (a closed engine, a tier's error: a hint lost, never LMCache's problem)
+            log.debug("kvstream lmcache: marking loaded chunks used failed", exc_info=True)
 
     def _run_loads(self, batch: list[_Task]) -> None:
         # One engine batch of unique keys; a key asked for twice (two tasks for the same chunk) is
