@@ -370,8 +370,8 @@ class Engine:
         more recent than them, the first the most recent, so that a prefix's head outlives every page after it
         (each call leaves its own pages so: PutCall.lru_order). O(len(keys)) a call, 1-2 us a page held: a
         request whose pages L3 reads 128 a call pays it per call (docs/benchmarks.md, "A prefix's head").
-        ``mark``: the pages another process of the namespace wrote (THEIRS) are marked used on their tiers
-        too, each at most once every MARK_EVERY_S (a metadata write a page and tier: the adapters mark on their
+        ``mark``: the pages another process of the namespace may use too (THEIRS, found on disk: Index.others_in)
+        are marked used on their tiers too, each at most once every MARK_EVERY_S (a metadata write a page and tier: the adapters mark on their
         write path), so that their writer's eviction spares them (Index.spare)."""
         self._check_open()
         self.index.touch_many(keys[::-1])
@@ -379,20 +379,22 @@ class Engine:
             self.mark_used(keys)
 
     def mark_used(self, keys: Sequence[str]) -> None:
-        """Mark each of ``keys``' copies that another process of the namespace wrote (THEIRS) used on its tier
+        """Mark each of ``keys``' copies that may be another process's (Index.others_in) used on its tier
         (Tier.mark_used), unless marked in the last MARK_EVERY_S, so that their writer's eviction spares them
         (Index.spare). A hint: nothing fails. (``_marked``: a plain dict, each step atomic, shared by the
         host's threads.)"""
         self._check_open()
         now = time.monotonic()
-        for key, k in self.index.theirs_in(keys):
+        for key, k in self.index.others_in(keys):
             last = self._marked.get((key, k))
             if last is not None and now - last < MARK_EVERY_S or not self.tiers[k].healthy:
                 continue
             if len(self._marked) >= MARKS_KEPT:
                 self._marked.clear()  # (forgetting marks made costs at most one more mark a page)
             self._marked[(key, k)] = now
-            if self.tiers[k].mark_used(key):
+            at = self.tiers[k].mark_used(key)
+            if at is not None:
+                self.index.marked(key, at)
                 self._stats.add(k, "used_marks")
 
     def pin(self, keys: Sequence[str]) -> list:

@@ -142,6 +142,9 @@ class Index:
         # in this run, was owed back by the sweep (a restart under constant eviction: every page tier 0 evicted
         # before tier 1's scan reached it). None once the scan is over (a page evicted from its last copy is gone).
         self._gone_evicted: OrderedDict[str, int] | None = OrderedDict()
+        # Per tier: this process has indexed a copy another process of the namespace wrote since it began
+        # (THEIRS): it shares the tier with a live writer (others_in). Kept across clear().
+        self.peer_seen = [False] * self.n_tiers
         self._reset()
 
     def _reset(self) -> None:
@@ -457,12 +460,13 @@ class Index:
                 return []
             return self._evict_under_index(tier, self._victims_under_index(tier, min(excess, limit), partial=True))
 
-    def next_victims(self, tier: int, nbytes: int, most: int) -> list[tuple[str, int]]:
+    def next_victims(self, tier: int, nbytes: int, most: int, full: bool = False) -> list[tuple[str, int]]:
         """The first ``most`` pages that :meth:`reserve` of ``nbytes`` would evict from ``tier`` now ([]: they fit),
-        each with the time (wall clock, ns) this process last used it: a file used later (its access time,
-        another process's mark: Tier.mark_used) was used by another process of the namespace since (spare)."""
+        or with ``full`` :meth:`evict` (the file system is full: whatever the capacity), each with the time (wall
+        clock, ns) this process last used it: a file used later (its access time, another process's mark:
+        Tier.mark_used) was used by another process of the namespace since (spare)."""
         with self._lock:
-            excess = self._excess(tier, nbytes)
+            excess = nbytes if full else self._excess(tier, nbytes)
             if excess is None or excess <= 0:
                 return []
             victims = (self._victims_under_index(tier, excess, partial=True) or [])[:most]
@@ -483,15 +487,29 @@ class Index:
             self._append_under_index(tier, HOT, slot)
             return True
 
-    def theirs_in(self, keys: Sequence[str]) -> list[tuple[str, int]]:
-        """The (key, tier) of ``keys``' copies that are another process's (THEIRS), for Tier.mark_used."""
+    def others_in(self, keys: Sequence[str]) -> list[tuple[str, int]]:
+        """The (key, tier) of ``keys``' copies that may be another live process's, for Tier.mark_used: THEIRS, or,
+        on a tier where this process has seen another's copy (peer_seen), found on disk (the scan, discovery),
+        not written here: a page of an earlier run that every process started since found, and counts as its
+        own (review: marking THEIRS alone, the DP ranks or servers started on a tier holding pages never marked
+        those, and each evicted the heads the others used). A process alone on its tier (a server restarted
+        over its pages) marks nothing: a metadata write a page and second for no one."""
         out = []
         with self._lock:
             for key in keys:
                 slot = self._table.find(key)
                 if slot >= 0:
-                    out += [(key, tier) for tier in tiers_in(self._tiers[slot]) if self._on[tier][slot] == THEIRS]
+                    out += [(key, tier) for tier in tiers_in(self._tiers[slot]) if self._on[tier][slot] == THEIRS
+                            or self._found[tier][slot] and self.peer_seen[tier]]
         return out
+
+    def marked(self, key: str, at_ns: int) -> None:
+        """This process marked ``key``'s file used at ``at_ns`` (Tier.mark_used: up to 1 ms ahead): a use of its
+        own, so that its own eviction never takes its own mark for another process's (next_victims)."""
+        with self._lock:
+            slot = self._table.find(key)
+            if slot >= 0 and self._used[slot] < at_ns:
+                self._used[slot] = at_ns
 
     def abort(self, tier: int, nbytes: int) -> None:
         with self._lock:
@@ -879,6 +897,7 @@ class Index:
         self._used[slot] = time.time_ns()  # (Tier.mark_used stamps access times by this clock)
         if where == THEIRS:
             self._theirs_bytes[tier] += self._nbytes[slot]
+            self.peer_seen[tier] = True
 
     def _unlink_under_index(self, tier: int, slot: int) -> None:
         where = self._on[tier][slot]

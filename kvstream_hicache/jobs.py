@@ -339,19 +339,22 @@ class Jobs:
         self.queue.job_over_under_writer(job.page, job.tier)
 
     def _evict_under_writer(self, k: int, nbytes: int) -> bool:
-        """Evict LRU pages of tier ``k`` to make room for ``nbytes``; False: nothing left to evict."""
+        """Evict LRU pages of tier ``k`` to make room for ``nbytes``; False: nothing left to evict. (The file
+        system said ENOSPC: a tier with no capacity set evicts only so. Its victims are spared as reserve's are.)"""
+        self._spare_used_under_writer(k, nbytes, full=True)
         victims = self.index.evict(k, nbytes)
         self.evicted_under_writer(k, victims)
         return bool(victims)
 
-    def _spare_used_under_writer(self, k: int, nbytes: int) -> None:
+    def _spare_used_under_writer(self, k: int, nbytes: int, full: bool = False) -> None:
         """Before a write evicts from tier ``k`` by this process's own uses (its LRU): a victim whose file another
         process of the namespace marked used since this one last used it (Tier.mark_used: its access time) becomes
         this process's most recent instead (Index.spare), and the write evicts the next. A stat a victim, at most
-        SPARE_LOOKS a write (a file marked again and again by another user cannot hold eviction up)."""
+        SPARE_LOOKS a write (a file marked again and again by another user cannot hold eviction up). ``full``:
+        the victims of an eviction for ENOSPC (Index.evict), whatever the capacity."""
         looked = 0
         while looked < SPARE_LOOKS:
-            victims = self.index.next_victims(k, nbytes, SPARE_LOOKS - looked)
+            victims = self.index.next_victims(k, nbytes, SPARE_LOOKS - looked, full)
             spared = 0
             for key, used_ns in victims:
                 marked = self.tiers[k].marked_at(key)

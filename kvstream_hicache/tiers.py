@@ -868,19 +868,31 @@ class Tier:
         """When another process of the namespace last marked ``key``'s page file used (:meth:`mark_used`; wall
         clock, ns): this one's eviction spares it if that came after its own last use (Index.spare). None
         where it cannot tell (no mark, gone, the tier failed to answer: the eviction goes on as before)."""
+        path = self.layout.page_path(key)
         try:
-            return self.calls.run(marked_below, self.root, self.layout.page_path(key))
-        except OSError:
+            return self.calls.run(marked_below, self.root, path)
+        except OSError as exc:
+            self._hint_failed(exc, f"look at {path}'s use mark")
             return None
 
-    def mark_used(self, key: str) -> bool:
+    def mark_used(self, key: str) -> int | None:
         """Mark ``key``'s page file used now (its access time: trust.mark_below), for its writer, another
-        process of the namespace (:meth:`marked_at`). False: not marked (gone, another user's file, the tier
-        failed to answer): a hint, never a failure."""
+        process of the namespace (:meth:`marked_at`): the time marked. None: not marked (gone, another user's
+        file, the tier failed to answer): a hint, never a failure of its own."""
+        path = self.layout.page_path(key)
         try:
-            return self.calls.run(mark_below, self.root, self.layout.page_path(key))
-        except OSError:
-            return False
+            return self.calls.run(mark_below, self.root, path)
+        except OSError as exc:
+            self._hint_failed(exc, f"mark {path} used")
+            return None
+
+    def _hint_failed(self, exc: OSError, what: str) -> None:
+        """A use mark's call (or its look) failed with ``exc``: a hint lost, but a call that outlasted
+        write_timeout (or met one out longer: ETIMEDOUT, bounded.py) fails the tier as any bounded call does,
+        so the next caller skips it (review of 05fc333: the mark's caller, SGLang's backup thread, waited
+        write_timeout and the hung tier stayed healthy, for the next look to wait again)."""
+        if exc.errno == errno.ETIMEDOUT:
+            self.fail(errno.ETIMEDOUT, what)
 
     def _look_failed(self, exc: OSError, path: str) -> bool:
         """A removal's look at ``path`` failed (:meth:`_remove_if_older`, :meth:`evict_page`): whether something

@@ -663,23 +663,25 @@ def marked_below(root: str, path: str) -> int | None:
     return st.st_atime_ns if marked else None
 
 
-def mark_below(root: str, path: str) -> bool:
+def mark_below(root: str, path: str) -> int | None:
     """Mark ``path`` of tier ``root`` used now: its access time set to this millisecond's microsecond USE_MARK_US
-    (at most 1 ms ahead; its mtime kept: _uring.touch_atime), reached following no link. False: gone, reached
-    through a link, or not this user's file (EPERM: only the owner may). :raises OSError: any other error."""
+    (at most 1 ms ahead; its mtime kept: _uring.touch_atime), reached following no link; the time set. None:
+    gone, reached through a link, or not this user's file (EPERM: only the owner may).
+    :raises OSError: any other error."""
     dir_fd, name, _why = _parent_below(root, path)
     if dir_fd is None:
-        return False
+        return None
     now = time.time_ns()
+    at = now - now % 1_000_000 + USE_MARK_US * 1000
     try:
-        touch_atime(dir_fd, os.fsencode(name), now - now % 1_000_000 + USE_MARK_US * 1000)
+        touch_atime(dir_fd, os.fsencode(name), at)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.EPERM, errno.EACCES):
-            return False
+            return None
         raise
     finally:
         close_fd(dir_fd)
-    return True
+    return at
 
 
 def _parent_below(root: str, path: str) -> tuple[int | None, str, str | None]:

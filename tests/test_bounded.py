@@ -900,3 +900,34 @@ def test_a_network_tier_whose_close_outlasted_write_timeout_keeps_fewer_files_op
         stats = engine.stats()["tiers"][1]
         assert stats["healthy"] and stats["write_timeouts"] == timeouts, stats["last_error"]
         assert [engine.index.holders(k) for k in burst] == [0b11] * 32
+
+
+@pytest.mark.leaves_problems("the hung tier is failed when the engines close (unchecked there)")
+def test_a_use_mark_on_a_hung_tier_fails_it_and_holds_the_caller_one_write_timeout(fuse_tier):
+    """guarantees.md ("The calls around the writes, on a tier that may hang"): the caller waits at most
+    write_timeout, then the tier fails and the caller goes on without it. touch_prefix(mark=True) (SGLang's
+    batch_set, on its backup thread) marks another process's copies on the tier's calls thread: on a hung
+    tier the first mark waited write_timeout and the tier stayed healthy (the mark's ETIMEDOUT was taken for
+    "not marked"), so the next get on it waited write_timeout again before failing it. Review of 05fc333."""
+    network, daemon = fuse_tier
+    pages = PageSet()
+    keys = pages.keys(4)
+    with make_engine([network], write_timeout=1, tier_retry=600) as a, \
+            make_engine([network], write_timeout=1, tier_retry=600) as b:
+        assert not b.tiers[0].local
+        assert pages.put(a, keys) == [True] * 4
+        assert pages.checked_get(b, keys) == [True] * 4 and b.index.theirs(0) == 4
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2)  # (past FUSE's 1 s attribute cache: every look reaches the stopped daemon)
+            took = []
+            for k in keys:
+                t0 = time.monotonic()
+                marking = threading.Thread(target=b.touch_prefix, args=([k],), kwargs={"mark": True}, daemon=True)
+                marking.start()
+                marking.join(20)
+                took.append(round(time.monotonic() - t0, 2))
+                assert not marking.is_alive(), "touch_prefix waited for the hung tier beyond write_timeout"
+            assert not b.tiers[0].healthy, f"the mark's timeout left the hung tier healthy (calls took {took} s)"
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)

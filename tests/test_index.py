@@ -91,7 +91,7 @@ def test_a_victim_another_process_used_since_is_spared_and_the_next_one_goes():
     assert not index.spare("b", 0) and not index.spare("zz", 0)  # (gone, never held: nothing to spare)
     index.commit("t", 0, 90, 4096, CRCS, 100, reserved=False, mark=index.mark("t"), stamp=(time.time_ns(), 0))
     assert index.is_theirs("t", 0) and not index.spare("t", 0)
-    assert index.theirs_in(["a", "t", "zz"]) == [("t", 0)]
+    assert index.others_in(["a", "t", "zz"]) == [("t", 0)]
 
 
 def test_evict_for_enospc_ignores_capacity():

@@ -16,7 +16,7 @@ from kvstream_hicache import check_tiers
 from kvstream_hicache import index as index_module
 from kvstream_hicache import tiers as tiers_module
 from kvstream_hicache.integrity import unpack_header
-from kvstream_hicache.layout import HEADER_SIZE
+from kvstream_hicache.layout import HEADER_SIZE, file_size
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.trust import CLOCK_SKEW_NS
 
@@ -342,7 +342,10 @@ def test_a_use_mark_follows_no_link_and_an_ordinary_read_is_no_mark(tier_dirs, t
     with make_engine(tier_dirs[:1]) as a:
         assert pages.put(a, [key, linked]) == [True, True]
         tier = a.tiers[0]
-        assert pages.checked_get(a, [key]) == [True] and tier.marked_at(key) is None
+        assert pages.checked_get(a, [key]) == [True]
+        st = os.stat(tier.layout.page_path(key))  # an ordinary access time (a read's, relatime), not ending its
+        os.utime(tier.layout.page_path(key), ns=(st.st_mtime_ns // 10**6 * 10**6 + 10**9 + 123_000, st.st_mtime_ns))
+        assert tier.marked_at(key) is None  # millisecond at microsecond 999 (a read's does, 1 in 1000: set here)
         assert tier.mark_used(key) and tier.marked_at(key) is not None
         outside = os.path.join(tier_root, "outside")
         with open(outside, "w"):
@@ -376,6 +379,58 @@ def test_a_writer_whose_every_victim_is_marked_still_makes_its_room(tier_dirs):
         assert pages.put(a, pages.keys(1, start=1000)) == [True]
         assert a.stats()["tiers"][0]["evictions_spared"] == SPARE_LOOKS
         assert a.index.used[0] == cap and len(page_files(tier_dirs[0])) == n
+
+
+@pytest.mark.leaves_problems("each index lacks the pages the other wrote, A's lists the head B evicted (another "
+                             "process's pages and eviction: index_missing, index_stale)")
+def test_pages_both_processes_found_at_start_are_marked_and_spared_but_never_by_a_process_s_own_mark(tier_dirs):
+    """The pages of an earlier run (a server restarted, DP ranks started together on a tier that holds pages):
+    A and B both find them at start and count them (their own copies, not THEIRS). B writes after the head
+    as a prefix: it marks the head (it may be another live process's page: found, not written by B, on a tier
+    where B has met a page another process wrote since it began), and A's eviction spares it; B's own eviction is not held up by B's own marks (its mark is its use). Review of
+    05fc333: only THEIRS copies were marked, so A evicted the head B used, as docs/guarantees.md says it no
+    longer does ("unless that process marked it used")."""
+    pages = PageSet()
+    head, more, peer = pages.keys(4), pages.keys(8, start=100), pages.keys(1, start=300)
+    cap = 8 * PAGE_BYTES
+    with make_engine(tier_dirs[:1]) as earlier:
+        assert pages.put(earlier, head) == [True] * 4
+    with make_engine(tier_dirs[:1]) as alone:  # a server restarted over its pages, alone on its tier: it marks
+        alone.touch_prefix(head, mark=True)  # nothing (a metadata write a page and second, for no one)
+        assert alone.stats()["tiers"][0]["used_marks"] == 0
+    with make_engine(tier_dirs[:1], capacity=str(cap)) as a, make_engine(tier_dirs[:1], capacity=str(cap)) as b:
+        assert a.index.theirs(0) == b.index.theirs(0) == 0 and a.index.used[0] == b.index.used[0] == 4 * PAGE_BYTES
+        assert pages.checked_get(b, head) == [True] * 4
+        assert pages.put(a, more[:3] + peer) == [True] * 4  # (A's capacity: the head is its least recent)
+        assert pages.checked_get(b, peer) == [True] and b.index.theirs(0) == 1  # (B meets a page of A's: a peer)
+        b.touch_prefix(head, mark=True)
+        assert pages.put(a, more[4:6]) == [True] * 2  # 2 pages go, not the head B marked
+        assert [a.contains(k) for k in head] == [True] * 4 and a.stats()["tiers"][0]["evictions_spared"] == 4
+        assert b.stats()["tiers"][0]["used_marks"] == 4
+        assert pages.put(b, more[6:]) == [True] * 2  # (B holds 6 pages: the head, touched, the least recent)
+        assert pages.put(b, pages.keys(4, start=200)) == [True] * 4  # B over its capacity: 2 of the head go
+        assert b.stats()["tiers"][0]["evictions_spared"] == 0 and sum(b.contains(k) for k in head) == 2
+
+
+@pytest.mark.leaves_problems("B's index lacks the pages A wrote after the head (another process's pages, never "
+                             "read by B: index_missing)")
+def test_a_writer_on_a_full_file_system_spares_the_pages_another_process_marks_used(loop_fs):
+    """A tier with no capacity set (the default) evicts when its file system says ENOSPC (Jobs._evict_under_writer),
+    not at reserve: that eviction spares a page another process marked used since A's last use as reserve's does.
+    Review of 05fc333: only reserve's looked at the marks, so with the default capacity A evicted B's head first."""
+    fs = loop_fs(64 << 20, "spare")
+    pages = PageSet(1 << 20)
+    fit = os.statvfs(fs.mnt).f_bavail * os.statvfs(fs.mnt).f_frsize // file_size(1 << 20)
+    head, rest = pages.keys(4), pages.keys(fit + 4, start=100)
+    with make_engine([fs.mnt]) as a, make_engine([fs.mnt]) as b:
+        assert pages.put(a, head) == [True] * 4
+        assert pages.checked_get(b, head) == [True] * 4 and b.index.theirs(0) == 4
+        b.touch_prefix(head, mark=True)
+        for k in rest:
+            assert pages.put(a, [k]) == [True]
+        row = a.stats()["tiers"][0]
+        assert row["evictions"] > 4 and row["evictions_spared"] == 4, row
+        assert [a.contains(k) for k in head] == [True] * 4
 
 
 @pytest.mark.leaves_problems("the reader's index lists the page the writer evicted (index_stale: another "
