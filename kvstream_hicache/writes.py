@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 
-from .index import Index
+from .index import EVICT_FILES, EVICT_PAUSE_S, Index
 from .inflight import InFlight
 from .io import OP_WRITE
 from .jobs import Jobs
@@ -177,7 +177,7 @@ class WritePath:
 
     def trim(self, k: int) -> int:
         """Evict tier ``k``'s least recent pages beyond its capacity and remove their files, as the
-        writer does when it makes room, TRIM_BYTES at a time behind the writes in progress (the
+        writer does when it makes room, TRIM_BYTES (EVICT_FILES files) at a time behind the writes in progress (the
         start-up scan found the tier over its capacity: one lowered since the last run). The excess is
         measured again at each step: a write may have made room in between (a stale excess would evict
         pages that fit). The scan calls this on its own thread, which must hold no reference to the
@@ -186,11 +186,13 @@ class WritePath:
         evicted = 0
         while not self.queue.closing:
             with self.exclusive():
-                victims = self.index.evict_excess(k, TRIM_BYTES)
+                victims = self.index.evict_excess(k, TRIM_BYTES, EVICT_FILES)
                 self.jobs.evicted_under_writer(k, victims)
             evicted += len(victims)
             if not victims:
                 break
+            if self._has_work_under_queues():  # writes wait: their turn (a look, without the queue's lock)
+                time.sleep(EVICT_PAUSE_S)
         return evicted
 
     def close(self) -> None:
