@@ -618,6 +618,7 @@ class Engine:
         self._replicas.close()
         self._writes.close()
         for tier in self.tiers:
+            tier.drop_mark()
             tier.calls.close()
             tier.reads.close()
         tmpfiles.release(self._token)

@@ -333,10 +333,13 @@ class Jobs:
 
     def leave_under_writer(self, job: Job) -> None:
         """The job is over for its page (committed, failed or abandoned)."""
-        self.active[job.tier].remove(job)
+        k = job.tier
+        self.active[k].remove(job)
         job.page.users -= 1
         self._release_under_writer(job.page)
-        self.queue.job_over_under_writer(job.page, job.tier)
+        self.queue.job_over_under_writer(job.page, k)
+        if not self.active[k] and not self.queue.fifo[k] and not self.queue.copies[k]:  # (a look: a page queued
+            self.tiers[k].release_mark()  # meanwhile makes it again) the tier is idle: its mark goes (Tier._track)
 
     def _evict_under_writer(self, k: int, nbytes: int) -> bool:
         """Evict LRU pages of tier ``k`` to make room for ``nbytes``; False: nothing left to evict. (The file

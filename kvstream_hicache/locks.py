@@ -38,6 +38,8 @@ ORDER = (
     "scan",  # BackgroundScan: tiers left to scan, its progress file (scan.py; takes nothing under it)
     "source",  # CallerGate of a deferred put's caller (L2Core): the writer's reads of its memory (nothing under it)
     "owed",  # OwedClears: the record of the clear()s failed tiers owe (owed.py; local file I/O, nothing under it)
+    "mark",  # Tier: its temporary files in flight and the mark held while there are any (local file I/O, nothing
+    # under it: tmpfiles.hold_mark)
     "staging",  # BufferPool: free and held staging buffers
     "stats",  # Stats: counters
     "ring",  # ThreadRing: completions of the thread-pool I/O engine

@@ -5,20 +5,33 @@ Names in the tmp directory::
     <digest>.<host>.<pid>.<token>.<seq>.tmp    a page being written by the engine <token> of process <pid>
     probe.<pid>.<tag>.<seq>.<random>           an O_DIRECT probe (a tier checked at start-up, or re-probed
                                                after it failed): lives for milliseconds
+    live.<host>.<pid>.<token>                  the mark of the engine <token>, on a local tier: its lock
+                                               (flock) held while it has temporary files there
 
 A temporary file is *live* while its writer may still write it: another host's, or this host's whose
 process is alive and, for this process, whose engine is open (its token registered here). Engine
 start-up, ``Engine.check`` and ``check_tiers`` all decide with :func:`stale_tmp`, so none of them can
 take another engine's write in progress.
+
+The mark tells a writer's death where its pid cannot: a container's restart runs in a new pid namespace (the
+same hostname, a host of another name here), so the temporary files of the server the OOM killer took were
+another host's, kept for TMP_STALE_S (an hour), and a node rebooted after a power cut may hand the dead
+writer's pid to a live process (judged by times then, PID_REUSE_S). A lock on a local file system is the
+kernel's, whatever the namespace: a file whose writer's mark is there and nobody holds it is a leftover. The
+mark is held only while the engine has temporary files on the tier (Tier._track): an idle engine holds nothing
+open there, so the tier's file system can still be unmounted under it. A writer without a mark (another
+version, a network tier: a lock there may outlive its node or be lost while it lives) is judged as before.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import mmap
 import os
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -49,6 +62,8 @@ HOST = _host()
 TMP_SUFFIX = ".tmp"
 REMOVING_PREFIX = ".kvstream-removing."  # an entry trust.remove judges, for microseconds (removing_name)
 PROBE_PREFIX = "probe."
+MARK_PREFIX = "live."  # an engine's mark (hold_mark)
+MARKS_KEPT = 4096  # the marks one judge remembers (Leftovers._gone): a tmp/ filled with names of a million owners
 TMP_STALE_S = 3600.0  # a temp file of another host (or a probe) older than this is a leftover, s
 # A file of this host last changed this long before the process that has its pid now began was an earlier
 # process's of that pid (pids wrap: 32768 in a container); the margin is the honest skew of a network tier's
@@ -131,9 +146,79 @@ def _pid(text: str) -> int | None:
 
 
 def is_engine_tmp(name: str) -> bool:
-    """A name the engine gives what it writes in the tmp directory (a temporary page or a probe): only
+    """A name the engine gives what it writes in the tmp directory (a temporary page, a probe or a mark): only
     such a file may be removed from there as a leftover (trust.remove)."""
-    return parse_tmp_name(name) is not None or name.startswith(PROBE_PREFIX)
+    return parse_tmp_name(name) is not None or name.startswith(PROBE_PREFIX) or parse_mark(name) is not None
+
+
+def mark_name(host: str, pid: int, token: str) -> str:
+    return f"{MARK_PREFIX}{host}.{pid}.{token}"
+
+
+def parse_mark(name: str) -> tuple[str, int, str] | None:
+    """(host, pid, token) of an engine's mark's name, else None."""
+    parts = name[len(MARK_PREFIX):].split(".") if name.startswith(MARK_PREFIX) else []
+    pid = _pid(parts[1]) if len(parts) == 3 else None
+    return None if pid is None else (parts[0], pid, parts[2])
+
+
+def hold_mark(tmp_dir: str, token: str, mode: int = 0o600) -> tuple[int, str] | None:
+    """The mark of the engine ``token`` in ``tmp_dir`` (a local tier's), locked before it has its name (made
+    unnamed, O_TMPFILE, then linked): a judge that finds it unlocked knows its engine died. (descriptor, path),
+    held until :func:`drop_mark`. None where it cannot be made (no O_TMPFILE, the name taken): the engine's
+    files are then judged by their names alone, as before marks."""
+    name = mark_name(HOST, os.getpid(), token)
+    fd = dir_fd = None
+    try:
+        dir_fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+        os.fchmod(fd, mode)  # (the umask may have cleared the group bits of a shared tier's)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # linkat(AT_SYMLINK_FOLLOW) of the descriptor's /proc link (a dir_fd makes os.link call linkat): no
+        # capability needed, as AT_EMPTY_PATH would
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+    except OSError:
+        if fd is not None:
+            close_fd(fd)
+        return None
+    finally:
+        if dir_fd is not None:
+            close_fd(dir_fd)
+    return fd, os.path.join(tmp_dir, name)
+
+
+def drop_mark(mark: tuple[int, str]) -> None:
+    """Remove the mark, then let its lock go (in that order: a judge that gets the lock finds it unlinked), only
+    while its name is this mark's file (the engine's writes ended: its temporary files left are leftovers)."""
+    fd, path = mark
+    try:
+        st, here = os.fstat(fd), os.lstat(path)
+        if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+            os.unlink(path)
+    except OSError:  # (gone already: the tier's tmp/ removed, the tier failed)
+        pass
+    close_fd(fd)
+
+
+def _mark_free(tmp_dir: str, dir_fd: int | None, name: str) -> bool:
+    """The mark ``name`` is there, a regular file of this user's, and nobody holds its lock though it is still
+    linked (its engine died: a live one unlinks it before it lets go): False when held, missing, unlinked
+    meanwhile, or not one to judge by."""
+    path = name if dir_fd is not None else os.path.join(tmp_dir, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (let go at the close below)
+        return os.fstat(fd).st_nlink > 0
+    except OSError:  # EWOULDBLOCK: its engine holds it
+        return False
+    finally:
+        close_fd(fd)
 
 
 def probe_name(tag: str) -> str:
@@ -298,11 +383,28 @@ class Leftovers:
         self.live = _live_tokens if live is None else live
         self.me = os.getpid()
         self.now, self._clock_read = now, now is not None
+        self._marks: dict[tuple[str, int, str], bool] = {}  # owner -> its mark was there, unlocked (_gone)
+
+    def _gone(self, host: str, pid: int, token: str) -> bool:
+        """The engine's mark is there and nobody holds it (remembered: a mark judged first and removed still
+        tells of the files of its engine walked after it)."""
+        owner = (host, pid, token)
+        gone = self._marks.get(owner)
+        if gone is None:
+            if len(self._marks) >= MARKS_KEPT:
+                self._marks.clear()
+            gone = self._marks[owner] = _mark_free(self.tmp_dir, self.dir_fd, mark_name(host, pid, token))
+        return gone
 
     def __call__(self, entry: os.DirEntry) -> bool:
+        mark = parse_mark(entry.name)
+        if mark is not None:
+            return self._gone(*mark)
         owner = parse_tmp_name(entry.name)
         if owner is None and not entry.name.startswith(PROBE_PREFIX):
             return True  # a name no engine writes
+        if owner is not None and self._gone(owner.host, owner.pid, owner.token):
+            return True  # its engine's mark is let go: whatever its pid says (another namespace's, reused)
         if owner is not None and owner.host == HOST:
             return (owner.token not in self.live) if owner.pid == self.me else not _writer_alive(
                 owner.pid, lambda: _mtime(entry), self._clock)

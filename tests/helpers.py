@@ -33,6 +33,7 @@ from kvstream_hicache import Config, Engine, Namespace
 from kvstream_hicache.faults import Fault, FaultPlan, TierFaultPlan  # noqa: F401  (re-exported for the tests)
 from kvstream_hicache.io import OP_READ, RING_ENTRIES, AlignedBuffer, Ring, ThreadRing, crc32c
 from kvstream_hicache.layout import HEADER_SIZE, TierLayout, round_up
+from kvstream_hicache.tmpfiles import MARK_PREFIX
 from pagebytes import CHUNK, NS_FIELDS, PAGE_BYTES, content, key, twin_content  # noqa: F401  (re-exported)
 
 NS = Namespace(NS_FIELDS)
@@ -443,9 +444,11 @@ def set_header_field(path: str, offset: int, value: int, width: int = 2) -> None
 
 
 def tmp_files(tier_dir: str) -> list[str]:
+    """The temporary files in ``tmp/`` of ``tier_dir``, less the marks of engines writing there
+    (tmpfiles.hold_mark)."""
     tmp = os.path.join(tier_dir, "kvstream", "tmp")
     try:
-        return sorted(os.listdir(tmp))
+        return sorted(n for n in os.listdir(tmp) if not n.startswith(MARK_PREFIX))
     except FileNotFoundError:
         return []
 
@@ -598,12 +601,13 @@ def kvstream_cli(*args: str, env: dict | None = None, timeout: float = 120) -> s
                           timeout=timeout)
 
 
-def spawn(role: str, *args: str, **kw) -> subprocess.Popen:
-    """Start ``python helpers.py ROLE ARGS...`` (a fresh interpreter of this venv)."""
+def spawn(role: str, *args: str, wrap: Sequence[str] = (), **kw) -> subprocess.Popen:
+    """Start ``python helpers.py ROLE ARGS...`` (a fresh interpreter of this venv); ``wrap``: a command it runs
+    under (``unshare --pid ...``: a container's own pid namespace)."""
     env = dict(os.environ)
     # the tree under test first (else the child imports the installed kvstream, which may be another tree)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "helpers.py"), role, *args],
+    return subprocess.Popen([*wrap, sys.executable, os.path.join(HERE, "helpers.py"), role, *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

@@ -23,7 +23,9 @@ from kvstream_hicache.layout import (
     HEADER_SIZE, MAX_BLOCKS, Namespace, TierLayout, block_size_for, block_span, file_size, is_valid_key, round_up,
     validate_key,
 )
-from kvstream_hicache.tmpfiles import HOST, parse_tmp_name, removal_live, removing_name, stale_tmp, tmp_name
+from kvstream_hicache.tmpfiles import (
+    HOST, drop_mark, hold_mark, mark_name, parse_tmp_name, removal_live, removing_name, stale_tmp, tmp_name,
+)
 
 from helpers import FLAGS_OFF, VERSION_OFF, PageSet, make_engine, page_files, set_header_field
 
@@ -445,6 +447,33 @@ def test_a_header_block_size_never_sizes_one_read_of_the_check(tier_root, monkey
     monkeypatch.setattr(os, "pread", lambda fd, n, offset: sizes.append(n) or real(fd, n, offset))
     page = scan_file(layout, digest, key, payload=True)
     assert page.problem is None and max(sizes) <= integrity.VERIFY_PIECE < block
+
+
+def test_a_writer_whose_mark_is_let_go_is_gone_though_its_pid_is_alive_and_its_file_young(tier_root):
+    """A node rebooted after a power cut hands its pids out again: the server that now has the pid of the
+    writer cut off began after the file's last write by less than PID_REUSE_S (a quick reboot), so the
+    file was taken for that live process's and kept. The writer's mark (tmpfiles.hold_mark), still there
+    and unlocked, says it is gone: the file and the mark are leftovers; a held mark keeps its files."""
+    tmp = os.path.join(tier_root, "tmp")
+    os.makedirs(tmp)
+    with subprocess.Popen(["sleep", "600"]) as later:  # has the pid now
+        try:
+            cut = os.path.join(tmp, tmp_name(DIGEST, later.pid, "cut0", 0))
+            dead_mark = os.path.join(tmp, mark_name(HOST, later.pid, "cut0"))
+            for path in (cut, dead_mark):  # (the mark as its writer's death left it: linked, nobody holds it)
+                open(path, "w").close()
+            held = hold_mark(tmp, "held")
+            assert held is not None
+            mine = os.path.join(tmp, tmp_name(DIGEST, later.pid, "held", 1))  # (a live pid: kept by its mark)
+            open(mine, "w").close()
+            try:
+                assert sorted(stale_tmp(tmp, {"held"})) == sorted([cut, dead_mark])
+            finally:
+                drop_mark(held)
+            assert not os.path.exists(held[1])
+        finally:
+            later.kill()
+            later.wait()
 
 
 def test_a_dead_writers_tmp_file_is_a_leftover_though_a_later_process_has_its_pid(tier_root):

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from kvstream_hicache import check_tiers
+from kvstream_hicache.tmpfiles import parse_tmp_name
 
 from helpers import PageSet, make_engine, spawn, tmp_files
 
@@ -33,12 +36,15 @@ def _acked(path: str) -> list[str]:
         return []
 
 
-def _run_and_kill(tiers: list[str], ack: str, start: int, *, acks: int = 0, hold_after: int = -1) -> None:
+def _run_and_kill(tiers: list[str], ack: str, start: int, *, acks: int = 0, hold_after: int = -1,
+                  wrap: tuple[str, ...] = ()) -> subprocess.Popen | None:
     """Start a writer, wait until ``acks`` new keys are acknowledged (or, with ``hold_after``, until
-    its writes are held in flight), then SIGKILL it and reap it."""
+    its writes are held in flight), then SIGKILL it and reap it. ``wrap``: the command the writer runs under
+    (a pid namespace of its own); with ``hold_after`` and ``wrap``, the writer is left running and returned."""
     before = len(_acked(ack))
     child = spawn("writer", os.pathsep.join(tiers), ack, str(start), str(BATCH), "1000", str(SIZE),
-                  str(hold_after))
+                  str(hold_after), wrap=wrap)
+    keep = bool(wrap) and hold_after >= 0
     deadline = time.monotonic() + WAIT_S
     try:
         while True:
@@ -52,9 +58,18 @@ def _run_and_kill(tiers: list[str], ack: str, start: int, *, acks: int = 0, hold
             if time.monotonic() > deadline:
                 pytest.fail("writer made no progress")
             time.sleep(0.005)  # polling the child's progress, not a timing assertion
+    except BaseException:
+        keep = False
+        raise
     finally:
-        child.kill()  # SIGKILL
-        child.communicate()
+        if not keep:
+            _kill(child)
+    return child if keep else None
+
+
+def _kill(child: subprocess.Popen) -> None:
+    child.kill()  # SIGKILL (of unshare --kill-child: its writer gets SIGKILL too)
+    child.communicate()
     assert child.returncode == -signal.SIGKILL
 
 
@@ -101,3 +116,35 @@ def test_sigkill_with_writes_in_flight(tier_dirs, tier_root):
     held = PageSet(SIZE, salt="crash").keys(BATCH, 2 * BATCH)
     with make_engine(tiers) as engine:
         assert engine.prefix_len(held) == 0
+
+
+def _own_pid_namespace() -> tuple[str, ...]:
+    """The command that runs a writer in a pid namespace of its own, as a container does (a restart, after
+    the OOM killer took the server, gets a new one: same hostname, other pids); skipped where it cannot."""
+    wrap = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1): a pid namespace of the writer's own")
+    if subprocess.run([*wrap, "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare --pid refused here (a container without CAP_SYS_ADMIN)")
+    return wrap
+
+
+def test_sigkill_of_a_writer_in_a_pid_namespace_of_its_own_leaves_nothing_after_the_next_start(tier_dirs, tier_root):
+    """A server in a container, killed with a batch's writes in flight; its restart runs in a new pid
+    namespace (here: this process's): its temporary files are named by a host (hostname, pid namespace) that
+    is not the restarted engine's. Alive, they are left (its mark held: a live writer's); once it is killed,
+    the next start removes and counts them, and check finds nothing (before: kept for an hour as another
+    host's, check silent meanwhile: tmpfiles.Leftovers had only the name to judge by)."""
+    tiers, ack = tier_dirs[:2], os.path.join(tier_root, "acks")
+    wrap = _own_pid_namespace()
+    child = _run_and_kill(tiers, ack, start=0, hold_after=2, wrap=wrap)
+    try:
+        held = [f for d in tiers for f in tmp_files(d)]
+        assert len(held) == 2 * BATCH, held
+        assert parse_tmp_name(os.path.basename(held[0])).pid < 100  # (named by the pid inside its namespace)
+        with make_engine(tiers) as engine:  # while the writer lives: its files are a live writer's
+            assert engine.scan["tmp_removed"] == 0 and engine.check() == []
+        assert sorted(f for d in tiers for f in tmp_files(d)) == sorted(held)
+    finally:
+        _kill(child)
+    _verify_restart(tiers, ack, leftovers=2 * BATCH)
