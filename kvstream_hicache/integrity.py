@@ -42,7 +42,7 @@ from .layout import (
     is_valid_key, key_of_page_file, n_blocks,
 )
 from .segments import Payload, Segment
-from .tmpfiles import MARK_PREFIX, REMOVING_PREFIX, Leftovers, is_engine_tmp, removal_live, tier_now
+from .tmpfiles import REMOVING_PREFIX, Leftovers, is_engine_tmp, parse_mark, removal_live, tier_now
 from .trust import (
     LOOK_FLAGS, NODE_ERRNOS, Trust, describe, dir_findings, dir_fix, holds, identity, learn, list_below, not_a_file,
     not_trusted, open_below, owner_problem, pin, put_back, remove, same_file,
@@ -765,8 +765,9 @@ def each_tmp_problem(root: str, tmp_dir: str, live_tokens: frozenset[str] | set[
                     why = ("a symbolic link in kvstream's temporary directory: never followed" if link
                            else "a directory in kvstream's temporary directory")
                     yield fix_problem(Problem("stray", root, path, why, Reason.INVALID), fix, trust)
-                elif entry.name.startswith(MARK_PREFIX):  # an engine's mark: no file of a write, nothing to
-                    if fix and judge(entry):  # report (a server stopped with SIGTERM leaves one); removed quietly
+                elif parse_mark(entry.name) is not None:  # an engine's mark (any other live.* is junk, reported
+                    # below): no file of a write, nothing to report (a server stopped with SIGTERM leaves one)
+                    if fix and judge(entry):  # removed quietly
                         fix_problem(Problem("orphan_tmp", root, path, "mark", Reason.LEFTOVER), fix, trust)
                 elif judge(entry):
                     yield fix_problem(Problem("orphan_tmp", root, path, "temporary leftover", Reason.LEFTOVER),

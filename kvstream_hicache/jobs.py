@@ -338,6 +338,11 @@ class Jobs:
         job.page.users -= 1
         self._release_under_writer(job.page)
         self.queue.job_over_under_writer(job.page, k)
+        self.idle_under_writer(k)
+
+    def idle_under_writer(self, k: int) -> None:
+        """Tier ``k``'s page left its FIFO without a job (refused: room, an error), or its last job ended: an
+        idle tier's mark goes (review: a page refused after its temporary file was made left it held for good)."""
         if not self.active[k] and not self.queue.fifo[k] and not self.queue.copies[k]:  # (a look: a page queued
             self.tiers[k].release_mark()  # meanwhile makes it again) the tier is idle: its mark goes (Tier._track)
 

@@ -201,6 +201,7 @@ class Tier:
         self._mark_lock = ranked_lock("mark")
         self._in_tmp: set[str] = set()
         self._mark: tuple[int, str] | None = None
+        self._mark_idle = False  # the writer has no job here: the mark goes with the last file (release_mark)
         self._base: tuple | None = None
         self.mount_point = ""
         started = look.real is not None
@@ -721,18 +722,25 @@ class Tier:
             if not self._in_tmp and self._mark is None:
                 self._mark = hold_mark(self.layout.tmp, self.token, self.file_mode)
             self._in_tmp.add(tmp_path)
+            self._mark_idle = False
 
     def _untrack(self, tmp_path: str) -> None:
         """``tmp_path`` renamed into place or removed (or left for good). The mark stays until the writer has no
         job for the tier (:meth:`release_mark`): dropped at each file's rename, a mark cost a link and an unlink
         a page (single-page puts 5% more CPU on tmpfs)."""
-        if self.local:
-            with self._mark_lock:
-                self._in_tmp.discard(tmp_path)
+        if not self.local:
+            return
+        with self._mark_lock:
+            self._in_tmp.discard(tmp_path)
+            if self._in_tmp or not self._mark_idle or self._mark is None:
+                return
+            mark, self._mark = self._mark, None  # (a file removed after the writer went idle: a discard posted
+        drop_mark(mark)  # to the calls thread, an abandoned write's; else the mark stayed held, idle, for good)
 
     def release_mark(self) -> None:
         """The writer has no job for this tier: its mark goes unless a temporary file is still in flight."""
         with self._mark_lock:
+            self._mark_idle = bool(self._in_tmp)  # (the last of them drops it: _untrack)
             if self._in_tmp or self._mark is None:
                 return
             mark, self._mark = self._mark, None

@@ -410,7 +410,7 @@ class WritePath:
                 fifo.popleft()
             if started is not None:
                 return started
-            # the page could not go to this tier (failed tier, capacity, error): next one
+            jobs.idle_under_writer(k)  # the page could not go to this tier (failed tier, capacity, error): next one
 
     # -- a hung tier ------------------------------------------------------------------------------
     def _check_hung_under_writer(self, now: float) -> None:

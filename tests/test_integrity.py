@@ -516,3 +516,19 @@ def test_a_live_writers_tmp_file_on_a_tier_whose_clock_runs_behind_is_no_leftove
         finally:
             writer.kill()
             writer.wait()
+
+
+def test_a_file_named_as_a_mark_but_no_mark_of_this_user_s_engines_is_reported(tier_root):
+    """tmp/ holds a file whose name starts as a mark's but is none (no engine's name: junk; or another
+    user's file named as this user's engine's mark): check reports it as it reports any other file there that
+    no engine of this user wrote (before: an entry named live.* was judged as a mark alone and never listed,
+    so anyone who may write tmp/ hid files there from check)."""
+    root = os.path.join(tier_root, "t")
+    tmp_dir = TierLayout(root, DIGEST).tmp
+    os.makedirs(tmp_dir)
+    junk = os.path.join(tmp_dir, "live.junk")
+    plain = os.path.join(tmp_dir, "junk")
+    for path in (junk, plain):
+        open(path, "w").close()
+    config = Config.from_sources({"tiers": [root]}, environ={})
+    assert sorted(p.path for p in check_tiers(config) if p.kind == "orphan_tmp") == sorted([junk, plain])

@@ -116,6 +116,46 @@ def test_chunks_another_instance_loads_are_spared_by_their_writers_eviction(tier
         b.close()
 
 
+def test_a_load_queued_while_the_worker_marks_loaded_chunks_goes_before_the_other_marks(tier_dirs):
+    """B's load worker marks the chunks it loaded that A wrote (one metadata write each: a network tier's round
+    trip) once no load waits. A load queued during those marks goes after the chunk being marked, not after
+    them all: before, it waited for every mark (here the second one is held until the end: the load never ran)."""
+    from kvstream_hicache.engine import Engine
+
+    def start() -> Engine:
+        settings = {"tiers": tier_dirs[:1], "chunk": "4K"}
+        return Engine(Config.from_sources(settings, {}), Namespace(l2keys.namespace_fields({"test": "core"})))
+
+    keys = [f"{i:064x}" for i in range(1, 4)]
+    src, dst = Pages(3, seed=4), Pages(3)  # (dst: held while the loads write it)
+    a, b = start(), start()
+    core = l2core.L2Core(b)
+    marking, queued, release = threading.Event(), threading.Event(), threading.Event()
+    real = b.tiers[0].mark_used
+
+    def mark_used(key: str):
+        if not marking.is_set():
+            marking.set()
+            queued.wait(WAIT_S)  # (the first mark: until the test queued a load)
+        else:
+            release.wait(WAIT_S)  # (every later one: held till the end)
+        return real(key)
+
+    b.tiers[0].mark_used = mark_used
+    try:
+        assert a.put(keys, src.segments) == [True] * 3
+        assert core.wait_load(core.submit_load(keys[:2], dst.segments[:2]), WAIT_S) == [True, True]
+        assert marking.wait(WAIT_S), "B never marked the chunks it loaded"
+        later = core.submit_load(keys[2:], dst.segments[2:])
+        queued.set()
+        assert core.wait_load(later, WAIT_S) == [True], "the load waited for the marks of the chunks before it"
+    finally:
+        release.set()
+        core.close()
+        a.close()
+        b.close()
+
+
 def test_lookup_pins_and_unlock_releases(engine):
     keys, _ = stored(engine, 3)
     core = l2core.L2Core(engine)

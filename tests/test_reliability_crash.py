@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from kvstream_hicache import check_tiers
-from kvstream_hicache.tmpfiles import parse_tmp_name
+from kvstream_hicache.tmpfiles import MARK_PREFIX, parse_tmp_name
 
-from helpers import PageSet, make_engine, spawn, tmp_files
+from helpers import PageSet, Pages, key, make_array_engine, make_engine, spawn, tmp_files
 
 SIZE = 256 << 10  # payload per page, bytes: a put spends its time writing
 BATCH = 8
@@ -148,3 +148,30 @@ def test_sigkill_of_a_writer_in_a_pid_namespace_of_its_own_leaves_nothing_after_
     finally:
         _kill(child)
     _verify_restart(tiers, ack, leftovers=2 * BATCH)
+
+
+def _marks_left(tier_dir: str) -> list[str]:
+    """The engine marks in ``tier_dir``'s tmp/ once its writer has settled (polled: no timing asserted)."""
+    tmp = os.path.join(tier_dir, "kvstream", "tmp")
+    for _ in range(200):
+        marks = sorted(n for n in os.listdir(tmp) if n.startswith(MARK_PREFIX))
+        if not marks:
+            break
+        time.sleep(0.01)  # polling the writer's idle state, not a timing assertion
+    return marks
+
+
+def test_a_put_refused_for_room_leaves_no_mark_held(tier_dirs):
+    """A page whose temporary file was made, then refused (no room: the tier's one page pinned), and no job
+    left on the tier: the writer is idle, its mark goes (else it stayed held, an open file on the tier, for
+    good: an unmount failed with EBUSY). Its file is discarded on the tier's calls thread, after the writer
+    looked: the last file's removal drops the mark (Tier._untrack)."""
+    pages = Pages(2)
+    keys = [key(i) for i in range(2)]
+    with make_array_engine(tier_dirs[:1], capacity=sum(pages.shapes[0])) as engine:
+        assert engine.put(keys[:1], pages.src_segments[:1]) == [True]
+        assert _marks_left(tier_dirs[0]) == []
+        handles = engine.pin(keys[:1])
+        assert engine.put(keys[1:], pages.src_segments[1:]) == [False]
+        engine.unpin(handles)
+        assert _marks_left(tier_dirs[0]) == [], engine.stats()["tiers"][0]

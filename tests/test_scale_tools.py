@@ -98,3 +98,29 @@ def test_info_holds_no_object_per_page_and_counts_as_before(tier_dirs):
     assert f"; {MANY} pages in 1 namespace(s)" in text and f"; {MANY + 5} pages in 1 namespace(s)" in text, text
     assert "under-replicated: 5 page(s) lack a tier (tier0 lacks 5)" in text, text
     assert cost < PER_PAGE_B, f"kvstream info holds {cost:.0f} B per page of the tier"
+
+
+def test_info_counts_a_page_named_in_two_directories_of_a_namespace_once(tier_dirs):
+    """A page file's name in two directories of a namespace (a copy beside the shards, or misplaced into another
+    shard: an operator's copy) was one page to ``kvstream info`` when it held every name; counted a shard
+    directory at a time it became two, and a page the other tier holds in its shard alone was under-replicated
+    on both (review of d619d5c: the counts must not change)."""
+    from kvstream_hicache.tools import cli
+
+    _raw_pages(tier_dirs[0], 0, 3)
+    _raw_pages(tier_dirs[1], 0, 3)
+    layout = TierLayout(tier_dirs[0], NS.digest)
+    first = layout.page_path(f"{0:064x}"[::-1])
+    beside = os.path.join(layout.pages, os.path.basename(first))
+    misplaced = os.path.join(layout.page_dir(f"{1:064x}"[::-1]), os.path.basename(first))
+    for path in (beside, misplaced):
+        os.link(first, path)
+    os.unlink(TierLayout(tier_dirs[1], NS.digest).page_path(f"{0:064x}"[::-1]))
+    os.link(TierLayout(tier_dirs[1], NS.digest).page_path(f"{1:064x}"[::-1]),
+            os.path.join(TierLayout(tier_dirs[1], NS.digest).pages, os.path.basename(first)))  # (tier 1: beside)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["info", "--tiers", *tier_dirs[:2]])
+    text = out.getvalue()
+    assert text.count("; 3 pages in 1 namespace(s)") == 2, text
+    assert "under-replicated" not in text or "0 page(s)" in text, text

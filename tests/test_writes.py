@@ -23,6 +23,7 @@ from kvstream_hicache.layout import TierLayout, file_size
 from kvstream_hicache.priority import STALL_S, ReadPriority
 from kvstream_hicache.router import SingleTier
 from kvstream_hicache.tiers import Tier
+from kvstream_hicache.tmpfiles import MARK_PREFIX
 
 from helpers import (
     FakeClock, PageSet, Pages, TierFaultPlan, io_uring_fds, key, make_engine, open_fds, page_files, segments_of, sq_tail,
@@ -1130,3 +1131,25 @@ def test_a_put_whose_head_is_being_written_keeps_the_head_on_a_capacity_limited_
         assert results == [[True] * 2, [True] * 6]
         assert [engine.index.holders(k) >> capped & 1 for k in keys] == [1, 1, 1, 1, 0, 0], \
             engine.stats()["tiers"][capped]
+
+
+def test_a_hung_tier_s_abandoned_writes_leave_no_mark_held_once_their_files_go(tier_dirs):
+    """Tier 1 hangs (its writes held) and fails at write_timeout: its jobs are abandoned (the writer has no job
+    there) while their temporary files stay until the held writes end. When those files go, so does the
+    engine's mark (Tier._untrack): before, the writer's look found them still there and kept the mark, and
+    nothing looked again: a failed tier held a file open for good (its unmount: EBUSY)."""
+    plan = TierFaultPlan()
+    pages = PageSet(1 << 20)
+    keys = pages.keys(2)
+    mark_dir = os.path.join(tier_dirs[1], "kvstream", "tmp")
+    with make_engine(tier_dirs[:2], fault_plan=plan, replicate="all", write_timeout=0.5, tier_retry=600) as engine, \
+            releasing(plan):
+        plan.on(tier_dirs[1], Fault.hold(), opcode=OP_WRITE)
+        assert pages.put(engine, keys) == [True] * 2
+        assert not engine.stats()["tiers"][1]["healthy"]
+        assert any(n.startswith(MARK_PREFIX) for n in os.listdir(mark_dir))  # (its files are there: held)
+        plan.clear()
+        plan.release()
+        wait_until(lambda: not tmp_files(tier_dirs[1]), WAIT_S, "an abandoned write's temporary file stayed")
+        wait_until(lambda: not any(n.startswith(MARK_PREFIX) for n in os.listdir(mark_dir)), WAIT_S,
+                   "the mark stayed held on the failed tier")

@@ -536,18 +536,24 @@ class L2Core:
             self._finish(False, batch)
             loaded.update((key, None) for task in batch for key, ok in zip(task.keys, task.result) if ok)
             if not self._loads or time.monotonic() - marked > MARK_LOADED_S:  # (no load waits behind them)
-                self._mark_loaded(list(loaded))
-                loaded.clear()
+                self._mark_loaded(loaded, every=bool(self._loads))
                 marked = time.monotonic()
 
-    def _mark_loaded(self, keys: list[str]) -> None:
+    def _mark_loaded(self, loaded: dict[str, None], every: bool) -> None:
         """After their tasks are answered: the chunks loaded that another instance of the model wrote on a
         shared tier are marked used, so that its eviction spares them while this one reads them
-        (Engine.mark_used, at most once a second a chunk; before, the writer evicted them by its own uses)."""
-        try:
-            self.engine.mark_used(keys)
-        except Exception:  # (a closed engine, a tier's error: a hint lost, never LMCache's problem)
-            log.debug("kvstream lmcache: marking loaded chunks used failed", exc_info=True)
+        (Engine.mark_used, at most once a second a chunk; before, the writer evicted them by its own uses).
+        A chunk at a time, taken from ``loaded``: a load queued meanwhile goes first, the rest are marked
+        after it (review: a load waited for every mark of the chunks loaded before, a metadata write each on
+        a network tier), unless ``every`` (loads waited a second of marks: all go now)."""
+        while loaded and (every or not self._loads) and not self._closing:  # (closing: a hint no one needs)
+            key = next(iter(loaded))
+            del loaded[key]
+            try:
+                self.engine.mark_used([key])
+            except Exception:  # (a closed engine, a tier's error: a hint lost, never LMCache's problem)
+                log.debug("kvstream lmcache: marking loaded chunks used failed", exc_info=True)
+                loaded.clear()
 
     def _run_loads(self, batch: list[_Task]) -> None:
         # One engine batch of unique keys; a key asked for twice (two tasks for the same chunk) is

@@ -358,8 +358,40 @@ def _group_names(path: str, digest: str, group: str) -> set[str]:
 
 def _page_count(path: str) -> int:
     """Page files under one tier directory, counted a shard directory at a time (a set of every page's name
-    was ~250 B a page: 428 MB of `kvstream info` at 1M pages). :raises OSError: as :func:`_digests_of`."""
-    return sum(len(_group_names(path, d, g)) for d, g in _groups(path, _digests_of(path)))
+    was ~250 B a page: 428 MB of `kvstream info` at 1M pages); a name in several directories of a namespace
+    (beside the shards, misplaced) is one page, as when every name was held. :raises OSError: as
+    :func:`_digests_of`."""
+    total = 0
+    for digest in _digests_of(path):
+        groups = {g for _, g in _groups(path, [digest])}
+        strays: dict[str, set[str]] = {}
+        total += sum(len(_homed(_group_names(path, digest, g), g, strays)) for g in groups)
+        total += sum(len(names - _home_names(path, digest, home)) for home, names in strays.items())
+    return total
+
+
+def _home(name: str) -> str:
+    """The shard directory a page file's name belongs in (layout.page_path: its key's first 2 characters)."""
+    from ..layout import PAGE_SUFFIX
+
+    return name[:-len(PAGE_SUFFIX)][:2]
+
+
+def _homed(names: set[str], group: str, strays: dict[str, set[str]]) -> set[str]:
+    """The ``names`` found in ``group`` that belong there; the others (few: misplaced, beside the shards) go
+    to ``strays`` by the shard they belong in, compared with it once every group was listed (review: counted
+    a group at a time, a name in two directories was two pages, and under-replicated on the tiers that held
+    it in one alone)."""
+    for name in names:
+        if _home(name) != group:
+            strays.setdefault(_home(name), set()).add(name)
+    return {name for name in names if _home(name) == group}
+
+
+def _home_names(path: str, digest: str, home: str) -> set[str]:
+    """The names that belong in shard ``home`` found there (listed again: only for a shard with strays; none
+    where it is missing)."""
+    return _homed(_group_names(path, digest, home), home, {})
 
 
 def _under_replicated(dirs: Sequence[str], owed: Sequence[tuple[int, str, int]] = (), hung: set[int] = frozenset()
@@ -376,14 +408,27 @@ def _under_replicated(dirs: Sequence[str], owed: Sequence[tuple[int, str, int]] 
     if len(known) < 2:  # (one tier holds every page it holds: no walk, half of `kvstream info`'s time)
         return {"pages": 0, "lacking_per_tier": [0] * len(dirs)}
     groups = set().union(*(_groups(dirs[k], digests[k]) for k in known))
-    lacking, pages = [0] * len(dirs), 0
+    counts: dict[tuple[str, str], tuple[list[int], int]] = {}  # (digest, shard) -> (lacking per tier, pages)
+    strays: dict[tuple[int, str], dict[str, set[str]]] = {}  # (tier, digest) -> shard -> names misplaced
     for digest, group in sorted(groups):
-        held = {k: _group_names(dirs[k], digest, group) if digest in digests[k] else set() for k in known}
-        every = set().union(*held.values())
-        for k, names in held.items():
-            lacking[k] += len(every - names)
-        pages += len(every - set.intersection(*held.values()))
-    return {"pages": pages, "lacking_per_tier": lacking}
+        held = {k: _homed(_group_names(dirs[k], digest, group), group, strays.setdefault((k, digest), {}))
+                if digest in digests[k] else set() for k in known}
+        counts[(digest, group)] = _compared(held, len(dirs))
+    for digest, home in {(d, h) for (_, d), homes in strays.items() for h in homes}:
+        held = {k: (_home_names(dirs[k], digest, home) if digest in digests[k] else set()) |
+                strays.get((k, digest), {}).get(home, set()) for k in known}
+        counts[(digest, home)] = _compared(held, len(dirs))
+    lacking = [sum(c[0][k] for c in counts.values()) for k in range(len(dirs))]
+    return {"pages": sum(c[1] for c in counts.values()), "lacking_per_tier": lacking}
+
+
+def _compared(held: dict[int, set[str]], n: int) -> tuple[list[int], int]:
+    """(names each tier lacks of those ``held`` by some, names some tier lacks) of one shard."""
+    every = set().union(*held.values())
+    lacking = [0] * n
+    for k, names in held.items():
+        lacking[k] = len(every - names)
+    return lacking, len(every - set.intersection(*held.values()))
 
 
 def _readable_digests(path: str) -> list[str] | None:
