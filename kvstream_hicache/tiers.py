@@ -200,7 +200,7 @@ class Tier:
         # (tmpfiles.hold_mark: a start in another pid namespace tells its death by it)
         self._mark_lock = ranked_lock("mark")
         self._in_tmp: set[str] = set()
-        self._mark: tuple[int, str] | None = None
+        self._mark: tuple[int, str, int] | None = None
         self._mark_idle = False  # the writer has no job here: the mark goes with the last file (release_mark)
         self._base: tuple | None = None
         self.mount_point = ""

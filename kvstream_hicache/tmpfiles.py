@@ -162,11 +162,12 @@ def parse_mark(name: str) -> tuple[str, int, str] | None:
     return None if pid is None else (parts[0], pid, parts[2])
 
 
-def hold_mark(tmp_dir: str, token: str, mode: int = 0o600) -> tuple[int, str] | None:
+def hold_mark(tmp_dir: str, token: str, mode: int = 0o600) -> tuple[int, str, int] | None:
     """The mark of the engine ``token`` in ``tmp_dir`` (a local tier's), locked before it has its name (made
-    unnamed, O_TMPFILE, then linked): a judge that finds it unlocked knows its engine died. (descriptor, path),
-    held until :func:`drop_mark`. None where it cannot be made (no O_TMPFILE, the name taken): the engine's
-    files are then judged by their names alone, as before marks."""
+    unnamed, O_TMPFILE, then linked): a judge that finds it unlocked knows its engine died. (descriptor, path,
+    a descriptor of ``tmp_dir``), held until :func:`drop_mark`. None where it cannot be made (no O_TMPFILE): the
+    engine's files are then judged by their names alone, as before marks. A file under its name already is a
+    mark of this engine's that a drop could not remove (its name holds this pid and token): replaced."""
     name = mark_name(HOST, os.getpid(), token)
     fd = dir_fd = None
     try:
@@ -176,28 +177,35 @@ def hold_mark(tmp_dir: str, token: str, mode: int = 0o600) -> tuple[int, str] | 
         fcntl.flock(fd, fcntl.LOCK_EX)
         # linkat(AT_SYMLINK_FOLLOW) of the descriptor's /proc link (a dir_fd makes os.link call linkat): no
         # capability needed, as AT_EMPTY_PATH would
-        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+        try:
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+        except FileExistsError:  # (linked and unlocked, it said this live engine was gone: review of the CI run)
+            os.unlink(name, dir_fd=dir_fd)
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
     except OSError:
-        if fd is not None:
-            close_fd(fd)
+        for held in (fd, dir_fd):
+            if held is not None:
+                close_fd(held)
         return None
-    finally:
-        if dir_fd is not None:
-            close_fd(dir_fd)
-    return fd, os.path.join(tmp_dir, name)
+    return fd, os.path.join(tmp_dir, name), dir_fd
 
 
-def drop_mark(mark: tuple[int, str]) -> None:
+def drop_mark(mark: tuple[int, str, int]) -> None:
     """Remove the mark, then let its lock go (in that order: a judge that gets the lock finds it unlinked), only
-    while its name is this mark's file (the engine's writes ended: its temporary files left are leftovers)."""
-    fd, path = mark
+    while its name is this mark's file (the engine's writes ended: its temporary files left are leftovers).
+    Through the directory's descriptor: a tier whose directory was renamed away meanwhile (and back later) kept
+    the mark linked, unlocked, and a judge took this live engine's files there for a dead one's (a model test's
+    invariant in a fresh-clone CI run: `check()` listed a live engine's file as a leftover)."""
+    fd, path, dir_fd = mark
+    name = os.path.basename(path)
     try:
-        st, here = os.fstat(fd), os.lstat(path)
+        st, here = os.fstat(fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
-            os.unlink(path)
+            os.unlink(name, dir_fd=dir_fd)
     except OSError:  # (gone already: the tier's tmp/ removed, the tier failed)
         pass
     close_fd(fd)
+    close_fd(dir_fd)
 
 
 def _mark_free(tmp_dir: str, dir_fd: int | None, name: str) -> bool:

@@ -476,6 +476,31 @@ def test_a_writer_whose_mark_is_let_go_is_gone_though_its_pid_is_alive_and_its_f
             later.wait()
 
 
+def test_a_mark_dropped_while_its_tier_is_away_leaves_nothing_that_says_a_live_engine_died(tier_root):
+    """A tier's directory renamed away while its engine writes (a model test's tier vanishing; an operator's
+    mv), and back: the engine's mark was dropped by its path meanwhile, which found nothing, so the mark stayed
+    linked and unlocked and came back with the directory, and the live engine's temporary files there were
+    taken for a dead one's (a fresh-clone CI run: `check()` listed one as a leftover). Dropped through the
+    directory's descriptor now, and a mark under the engine's own name is replaced when it holds one again."""
+    root = os.path.join(tier_root, "tier")
+    tmp = os.path.join(root, "tmp")
+    os.makedirs(tmp)
+    mine = os.path.join(tmp, tmp_name(DIGEST, os.getpid(), "live", 0))
+    open(mine, "w").close()
+    held = hold_mark(tmp, "live")
+    assert held is not None
+    os.rename(root, root + ".away")
+    drop_mark(held)
+    os.rename(root + ".away", root)
+    assert os.listdir(tmp) == [os.path.basename(mine)]
+    assert stale_tmp(tmp, {"live"}) == []  # (the engine lives: its file is no leftover)
+    open(held[1], "w").close()  # a mark of this engine's a drop could not remove: replaced, held again
+    again = hold_mark(tmp, "live")
+    assert again is not None and stale_tmp(tmp, {"live"}) == []
+    drop_mark(again)
+    assert os.listdir(tmp) == [os.path.basename(mine)]
+
+
 def test_a_dead_writers_tmp_file_is_a_leftover_though_a_later_process_has_its_pid(tier_root):
     """A fleet restarting on kill -9 wraps pids (pid_max 32768 in a container): a killed writer's
     temporary file, named by its pid, was kept while any later process had that pid (at every start of

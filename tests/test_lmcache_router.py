@@ -4,7 +4,8 @@ SGLang path and the LMCache path make the engine's router issue the same claim s
 Completion order is injected by :class:`ScriptedRing`: every op really runs on the engine's ring, but
 completions are handed out one at a time in the order of a virtual clock in which tier ``k`` serves its
 reads first-in first-out at ``speeds[k]`` bytes per virtual second. The order is then a function of the
-claims alone, so two runs that claim alike complete alike (and vice versa).
+claims alone, so two runs that claim alike complete alike (and vice versa), as long as no tier turns overdue
+in real time (REAL_TIME_STALL_S).
 
 The LMCache half runs here (in .venv-lmcache, through LMCache's real MP StorageManager); the SGLang half
 runs this same file as a script in the SGLang venv (.venv: the real sglang 0.5.23 and its host KV pool),
@@ -36,6 +37,10 @@ PAGE_TOKENS = 16
 PAGE_BYTES = 16384
 CHUNK = "4K"
 FIXED_POLICY = "kvstream:m=2,depth=4"
+# No tier turns overdue in real time on either half (flow.STALL_MIN_S): an overdue tier lets the others re-read its
+# items (route.refill), and on a loaded machine (a fresh-clone CI beside other work) a pause of 0.25 s between two
+# of the scripted completions made one half steal where the other did not.
+REAL_TIME_STALL_S = 1e9
 CASES = {  # name: per-tier speeds (bytes per virtual second)
     "2tiers": [3.0, 1.0],
     "3tiers": [4.0, 2.0, 1.0],
@@ -148,6 +153,9 @@ def sglang_half(tiers: list[str], speeds: list[float]) -> dict:
 
     cpu_sglang.install_stubs()
     import kvstream_hicache.engine as engine_mod
+    import kvstream_hicache.flow as flow
+
+    flow.STALL_MIN_S = REAL_TIME_STALL_S  # (as the LMCache half: no tier turns overdue in real time)
     from kvstream_hicache.sglang.storage import KVStreamHiCacheStorage
 
     pools = cpu_sglang.make_pools("mha", "page_first", page_size=PAGE_TOKENS, layers=2, heads=2, head_dim=64,
@@ -201,6 +209,9 @@ def test_sglang_and_lmcache_paths_claim_alike(case, lmc, server_factory, tier_ro
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
 
     # LMCache half, here: the real MP StorageManager with our adapter as its L2.
+    from kvstream_hicache import flow
+
+    monkeypatch.setattr(flow, "STALL_MIN_S", REAL_TIME_STALL_S)
     recorder: list = []
     monkeypatch.setattr(l2core, "_open_engine", lambda config, namespace: scripted_engine(
         config, namespace, tiers_l, speeds, recorder))
