@@ -371,8 +371,8 @@ class Engine:
         (each call leaves its own pages so: PutCall.lru_order). O(len(keys)) a call, 1-2 us a page held: a
         request whose pages L3 reads 128 a call pays it per call (docs/benchmarks.md, "A prefix's head").
         ``mark``: the pages another process of the namespace may use too (THEIRS, found on disk: Index.others_in)
-        are marked used on their tiers too, each at most once every MARK_EVERY_S (a metadata write a page and tier: the adapters mark on their
-        write path), so that their writer's eviction spares them (Index.spare)."""
+        are marked used on their tiers too, each at most once every MARK_EVERY_S (a metadata write a page and
+        tier: the adapters mark on their write path), so that their writer's eviction spares them (Index.spare)."""
         self._check_open()
         self.index.touch_many(keys[::-1])
         if mark:
