@@ -481,7 +481,8 @@ class Index:
             excess = nbytes if full else self._excess(tier, nbytes)
             if excess is None or excess <= 0:
                 return []
-            victims = (self._victims_under_index(tier, excess, partial=True) or [])[:most]
+            victims = self._victims_under_index(tier, excess, partial=True, files=most) or []  # (most only: a tier far
+            # over its capacity, the scan's excess, has thousands of victims, each write would list them all)
             return [(self._key_of_under_index(slot), self._used[slot])
                     for slot in victims]
 
