@@ -188,7 +188,7 @@ def test_write_errors_count_the_missing_replica(tier_dirs, io_engine):
         assert stats["tiers"][1]["write_failures"] >= 1
         assert engine.get(keys, pages.dst_segments) == [True] * 3 and pages.equal(2)
         assert engine.check() == []
-        assert os.listdir(engine.tiers[1].layout.tmp) == []  # failed temp files removed
+        assert tmp_files(tier_dirs[1]) == []  # failed temp files removed (helpers.tmp_files: the mark aside)
 
 
 def test_tier_directory_removed_then_recreated(tier_dirs, io_engine):
