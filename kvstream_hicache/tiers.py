@@ -926,22 +926,21 @@ class Tier:
         """When another process of the namespace last marked ``key``'s page file used (:meth:`mark_used`; wall
         clock, ns): this one's eviction spares it if that came after its own last use (Index.spare). None
         where it cannot tell (no mark, gone, the tier failed to answer: the eviction goes on as before)."""
-        path = self.layout.page_path(key)
-        try:
-            return self.calls.run(marked_below, self.root, path)
-        except OSError as exc:
-            self._hint_failed(exc, f"look at {path}'s use mark")
-            return None
+        return self._hint(key, "look at {}'s use mark", marked_below)
 
     def mark_used(self, key: str) -> int | None:
         """Mark ``key``'s page file used now (its access time: trust.mark_below), for its writer, another
         process of the namespace (:meth:`marked_at`): the time marked. None: not marked (gone, another user's
         file, the tier failed to answer): a hint, never a failure of its own."""
+        return self._hint(key, "mark {} used", lambda path: mark_below(self.root, path))
+
+    def _hint(self, key: str, what: str, call: Callable[[str], int | None]) -> int | None:
+        """``call(path)`` of ``key``'s page file as a bounded call; a failure is None (_hint_failed: ``what``)."""
         path = self.layout.page_path(key)
         try:
-            return self.calls.run(mark_below, self.root, path)
+            return self.calls.run(call, path)
         except OSError as exc:
-            self._hint_failed(exc, f"mark {path} used")
+            self._hint_failed(exc, what.format(path))
             return None
 
     def _hint_failed(self, exc: OSError, what: str) -> None:

@@ -643,7 +643,7 @@ def unlink_unless(root: str, path: str, trust: Trust,
 USE_MARK_US = 999  # a use mark's access time ends its millisecond at this microsecond (marked_below)
 
 
-def marked_below(root: str, path: str) -> int | None:
+def marked_below(path: str) -> int | None:
     """When a process last marked the regular file ``path`` of tier ``root`` used (:func:`mark_below`: its
     access time, ns); None where its access time is no mark: an ordinary read's (relatime: the first read after a
     write; the scan's, a check's, a catch-up copy's, none a use of the page as a prefix) carries the microsecond
@@ -651,7 +651,7 @@ def marked_below(root: str, path: str) -> int | None:
     file, or its directory is a link. A look on every eviction: two ``lstat`` calls, the directory's and the
     file's, where :func:`open_below`'s walk of descriptors cost 14 us an eviction (10% more CPU a page put at full
     eviction churn); a link put at the directory's name between the two reads another file's time, which only
-    orders an eviction (nothing is opened, read or removed through it). ``root``: the caller's tier."""
+    orders an eviction (nothing is opened, read or removed through it)."""
     try:
         if not stat.S_ISDIR(os.lstat(os.path.dirname(path)).st_mode):
             return None
